@@ -13,6 +13,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator
 from typing import Union
 
+import numpy as np
 import torch
 
 BytesLike = Union[bytes, bytearray, memoryview, torch.Tensor]
@@ -28,6 +29,44 @@ def check_key(key: object) -> str:
     if not raw or len(raw) > MAX_KEY_BYTES or "\x00" in key:
         raise ValueError(f"key must be 1..{MAX_KEY_BYTES} UTF-8 bytes without NUL, got {key!r:.80}")
     return key
+
+
+def as_byte_view(value: object, field: str = "value") -> memoryview:
+    """A flat, C-contiguous, 1-byte-format view of ``value`` without copying where possible.
+
+    Tensors are viewed as their raw bytes (a CUDA tensor is first copied to host: callers that
+    care about the device path use the tensor directly). Raises ValueError for anything that is
+    not bytes-like.
+    """
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous().reshape(-1)
+        if t.dtype != torch.uint8:
+            t = t.view(torch.uint8)
+        return memoryview(t.numpy()).cast("B")
+    if isinstance(value, (bytes, bytearray, memoryview, np.ndarray)):
+        mv = memoryview(value)
+        if not mv.c_contiguous:
+            raise ValueError(f"{field} must be C-contiguous bytes-like, got a strided view")
+        return mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
+    raise ValueError(
+        f"{field} must be bytes, bytearray, memoryview or torch.Tensor, got {type(value).__name__}"
+    )
+
+
+class TierStats:
+    """Counters every tier reports (plain ints, so ``as_dict`` is JSON-able)."""
+
+    FIELDS = ("puts", "gets", "hits", "misses", "bytes_in", "bytes_out")
+
+    def __init__(self) -> None:
+        for f in self.FIELDS:
+            setattr(self, f, 0)
+
+    def as_dict(self) -> dict:
+        return {f: int(getattr(self, f)) for f in self.FIELDS}
 
 
 class Tier(ABC):
@@ -75,6 +114,12 @@ class Tier(ABC):
 
     def delete_many(self, keys: Iterable[str]) -> list[bool]:
         return [self.delete(k) for k in keys]
+
+    def stats(self) -> dict:
+        """JSON-able counters: puts, gets, hits, misses, bytes_in, bytes_out, used_bytes,
+        capacity_bytes, records, plus tier-specific ones."""
+        return {"used_bytes": self.used_bytes, "capacity_bytes": self.capacity_bytes,
+                "records": len(self)}
 
     def sync(self) -> None:
         """Make everything put so far durable (no-op for volatile tiers)."""

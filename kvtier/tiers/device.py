@@ -1,0 +1,280 @@
+"""L1: a preallocated paged pool of fixed-size block slots on the model's device.
+
+```
+ pool: [num_slots, *slot_shape]   one tensor, allocated once
+        slot 0 | slot 1 | ... | slot n-1
+ key -> slot            (live)
+ free  : deque of slots ready to hand out
+ fenced: [(slot, fence)] slots whose contents are still being copied out; a slot moves to
+         ``free`` only once its fence reports completion (CUDA event, Future, threading.Event)
+```
+
+Ownership: ``put`` copies into the slot (casting tensors to the pool dtype); ``get`` returns an
+owned ``bytes``; ``get_tensor`` returns a view that aliases the pool and is valid until the key is
+deleted or overwritten. No allocation happens per block in steady state.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future
+from math import prod
+
+import numpy as np
+import torch
+
+from .base import BytesLike, Tier, TierStats, as_byte_view, check_key
+from .errors import TierClosedError
+
+_TENSOR = -1  # _length marker: the slot holds a tensor put, not a bytes put
+
+
+def _fence_done(fence: object) -> bool:
+    if isinstance(fence, Future):
+        return fence.done()
+    if isinstance(fence, threading.Event):
+        return fence.is_set()
+    if hasattr(torch, "cuda") and isinstance(fence, torch.cuda.Event):
+        return fence.query()
+    raise AssertionError(f"unchecked fence type {type(fence).__name__}")
+
+
+def _check_fence(fence: object, field: str) -> None:
+    ok = isinstance(fence, (Future, threading.Event)) or isinstance(fence, torch.cuda.Event)
+    if not ok:
+        raise ValueError(
+            f"{field} must be a torch.cuda.Event, concurrent.futures.Future or threading.Event, "
+            f"got {type(fence).__name__}"
+        )
+
+
+class DeviceTier(Tier):
+    """Fixed-slot block pool on ``device``.
+
+    Args:
+        slot_shape: shape of one slot, e.g. ``(2, kv_heads, block_tokens, head_dim)``.
+        num_slots: number of slots (>= 1).
+        dtype: pool dtype; tensor puts are cast to it.
+        device: where the pool lives ("cpu", "cuda", "cuda:1", ...).
+    """
+
+    name = "device"
+
+    def __init__(self, slot_shape: tuple[int, ...], num_slots: int, dtype: torch.dtype = torch.float16,
+                 device: str | torch.device = "cpu") -> None:
+        slot_shape = tuple(slot_shape)
+        if not slot_shape or any((not isinstance(d, int)) or d < 1 for d in slot_shape):
+            raise ValueError(f"slot_shape must be a non-empty tuple of positive ints, got {slot_shape!r}")
+        if not isinstance(num_slots, int) or num_slots < 1:
+            raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+        self.slot_shape = slot_shape
+        self.num_slots = num_slots
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.pool = torch.zeros((num_slots, *slot_shape), dtype=dtype, device=self.device)
+        elem = self.pool.element_size()
+        self.slot_bytes = prod(slot_shape) * elem
+        # [num_slots, slot_bytes] byte view of the pool; numpy view on CPU for cheap byte copies
+        self._bytes = self.pool.view(num_slots, -1).view(torch.uint8)
+        self._np = self._bytes.numpy() if self.device.type == "cpu" else None
+        self._slot: dict[str, int] = {}
+        self._length: dict[str, int] = {}  # byte length of a bytes put, _TENSOR for tensor puts
+        self._fence: dict[int, list] = {}  # fences on live slots (mark_pending)
+        self._free: deque[int] = deque(range(num_slots))
+        self._fenced: list[tuple[int, list]] = []  # released slots waiting for all their fences
+        self._lock = threading.RLock()
+        self._stats = TierStats()
+        self._closed = False
+
+    # -- capacity ---------------------------------------------------------------------------
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of slots holding live keys (slot granularity)."""
+        return len(self._slot) * self.slot_bytes
+
+    @property
+    def free_slots(self) -> int:
+        """Slots that a put could take now (fenced slots whose copy completed included)."""
+        with self._lock:
+            self._reclaim()
+            return len(self._free)
+
+    @property
+    def pending_slots(self) -> int:
+        """Slots released but still waiting for a copy out of them to complete."""
+        with self._lock:
+            self._reclaim()
+            return len(self._fenced)
+
+    def _reclaim(self) -> None:
+        if self._fenced:
+            still = []
+            for slot, fences in self._fenced:
+                if all(_fence_done(f) for f in fences):
+                    self._free.append(slot)
+                else:
+                    still.append((slot, fences))
+            self._fenced = still
+
+    def _release(self, slot: int) -> None:
+        fences = [f for f in self._fence.pop(slot, ()) if not _fence_done(f)]
+        if fences:
+            self._fenced.append((slot, fences))
+        else:
+            self._free.append(slot)
+
+    def _take(self) -> int | None:
+        if not self._free:
+            self._reclaim()
+        return self._free.popleft() if self._free else None
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierClosedError("DeviceTier is closed")
+
+    # -- put/get ----------------------------------------------------------------------------
+    def put(self, key: str, value: BytesLike) -> bool:
+        """Copy ``value`` into a slot. Tensors must have ``slot_shape``; bytes at most ``slot_bytes``.
+
+        Returns False (changing nothing) when no slot is free.
+        """
+        check_key(key)
+        is_tensor = isinstance(value, torch.Tensor)
+        if is_tensor:
+            if tuple(value.shape) != self.slot_shape:
+                raise ValueError(f"value tensor must have shape {self.slot_shape}, got {tuple(value.shape)}")
+            if not (value.is_floating_point() or value.dtype == self.dtype):
+                raise ValueError(f"value tensor must be floating point or {self.dtype}, got {value.dtype}")
+            nbytes = self.slot_bytes
+        else:
+            mv = as_byte_view(value)
+            nbytes = mv.nbytes
+            if nbytes > self.slot_bytes:
+                raise ValueError(f"value is {nbytes} bytes, over the slot limit of {self.slot_bytes} bytes")
+        with self._lock:
+            self._check_open()
+            old = self._slot.get(key)
+            # overwrite in place unless someone is still copying out of the old slot
+            if old is not None and not any(not _fence_done(f) for f in self._fence.get(old, ())):
+                self._fence.pop(old, None)
+                slot = old
+            else:
+                slot = self._take()
+                if slot is None:
+                    return False
+            if is_tensor:
+                self.pool[slot].copy_(value)
+                self._length[key] = _TENSOR
+            else:
+                if nbytes:
+                    if self._np is not None:
+                        self._np[slot, :nbytes] = np.frombuffer(mv, dtype=np.uint8)
+                    else:
+                        src = torch.from_numpy(np.frombuffer(mv, dtype=np.uint8).copy())
+                        self._bytes[slot, :nbytes].copy_(src)
+                self._length[key] = nbytes
+            if old is not None and old != slot:
+                self._release(old)
+            self._slot[key] = slot
+            self._stats.puts += 1
+            self._stats.bytes_in += nbytes
+            return True
+
+    def get(self, key: str) -> bytes | None:
+        """Owned bytes: exactly what a bytes put stored, or the slot's raw bytes for a tensor put."""
+        check_key(key)
+        with self._lock:
+            self._check_open()
+            self._stats.gets += 1
+            slot = self._slot.get(key)
+            if slot is None:
+                self._stats.misses += 1
+                return None
+            n = self._length[key]
+            n = self.slot_bytes if n == _TENSOR else n
+            if self._np is not None:
+                out = self._np[slot, :n].tobytes()
+            else:
+                out = self._bytes[slot, :n].cpu().numpy().tobytes()
+            self._stats.hits += 1
+            self._stats.bytes_out += n
+            return out
+
+    def get_tensor(self, key: str) -> torch.Tensor | None:
+        """The slot as a ``slot_shape`` tensor aliasing the pool (valid until delete/overwrite)."""
+        check_key(key)
+        with self._lock:
+            self._check_open()
+            slot = self._slot.get(key)
+            self._stats.gets += 1
+            if slot is None:
+                self._stats.misses += 1
+                return None
+            self._stats.hits += 1
+            self._stats.bytes_out += self.slot_bytes
+            return self.pool[slot]
+
+    def slot_of(self, key: str) -> int | None:
+        check_key(key)
+        return self._slot.get(key)
+
+    def contains(self, key: str) -> bool:
+        check_key(key)
+        return key in self._slot
+
+    def mark_pending(self, key: str, event: object) -> None:
+        """Record that the slot of ``key`` is being copied out until ``event`` completes.
+
+        The slot is not handed out again (after delete or overwrite) before that.
+        """
+        check_key(key)
+        _check_fence(event, "event")
+        with self._lock:
+            slot = self._slot.get(key)
+            if slot is None:
+                raise ValueError(f"key {key!r} is not in this DeviceTier")
+            self._fence.setdefault(slot, []).append(event)
+
+    def delete(self, key: str, fence: object = None) -> bool:
+        """Free the slot of ``key``; with ``fence``, not before ``fence`` completes."""
+        check_key(key)
+        if fence is not None:
+            _check_fence(fence, "fence")
+        with self._lock:
+            self._check_open()
+            slot = self._slot.pop(key, None)
+            if slot is None:
+                return False
+            del self._length[key]
+            if fence is not None:
+                self._fence.setdefault(slot, []).append(fence)
+            self._release(slot)
+            return True
+
+    def keys(self) -> Iterator[str]:
+        return iter(list(self._slot))
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def stats(self) -> dict:
+        with self._lock:
+            self._reclaim()
+            d = self._stats.as_dict()
+            d.update(used_bytes=self.used_bytes, capacity_bytes=self.capacity_bytes,
+                     records=len(self._slot), slot_bytes=self.slot_bytes,
+                     free_slots=len(self._free), pending_slots=len(self._fenced))
+            return d
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._slot.clear()
+            self._length.clear()
