@@ -18,7 +18,7 @@ Order = Literal["compress-then-tier", "tier-then-compress"]
 Policy = Literal["lru", "sink-window", "h2o", "snapkv"]
 Attention = Literal["dense", "sparse"]
 Axis = Literal["channel", "token"]
-Durability = Literal["none", "flush", "fsync"]
+Durability = Literal["never", "close", "batch"]
 DType = Literal["float16", "bfloat16", "float32"]
 
 #: Codec names known to ``kvtier.compress.get_codec`` (kept here so a config is checked before
@@ -128,8 +128,9 @@ class KVTierConfig:
     prefetch_blocks: int = 64
     """Bound on decoded blocks held in the prefetch buffer."""
 
-    durability: Durability = "none"
-    """L3 durability: ``none`` (OS page cache), ``flush`` (msync on sync), ``fsync`` (every batch)."""
+    durability: Durability = "never"
+    """L3 durability: ``never`` (left to the OS; block keys are process-local, so a cache needs no
+    more), ``close`` (fdatasync on sync/close), ``batch`` (fdatasync after every spilled batch)."""
 
     lz4_min_saving: float = 0.05
     """lz4 on the way to L3 is kept only when it saves at least this fraction of the record."""
@@ -151,7 +152,10 @@ class KVTierConfig:
         _positive_int("max_sequences", self.max_sequences)
         _positive_int("host_bytes", self.host_bytes)
         _positive_int("disk_bytes", self.disk_bytes)
-        _positive_int("disk_segment_bytes", self.disk_segment_bytes)
+        _positive_int("disk_segment_bytes", self.disk_segment_bytes, minimum=4096)
+        if self.disk_bytes < self.disk_segment_bytes:
+            raise ValueError(f"disk_bytes must be >= disk_segment_bytes ({self.disk_segment_bytes}); "
+                             f"got {self.disk_bytes}")
         if self.disk_path is not None and (not isinstance(self.disk_path, (str, Path)) or str(self.disk_path) == ""):
             raise ValueError(f"disk_path must be a non-empty path or None; got {self.disk_path!r}")
         if isinstance(self.disk_path, Path):

@@ -1,0 +1,10 @@
+"""The store: block tables, eviction, async swap, prefetch and stats over the tiers.
+
+See ``api.md`` for the contract with the integrations. Orchestration only: codecs live in
+``kvtier.compress``, byte stores in ``kvtier.tiers``.
+"""
+from .keys import block_key
+from .policy import POLICIES, EvictionPolicy, make_policy
+from .store import KVStore
+
+__all__ = ["KVStore", "block_key", "EvictionPolicy", "POLICIES", "make_policy"]

@@ -1,0 +1,882 @@
+"""KVStore: block tables over L1 (device pool), L2 (DRAM ring) and L3 (SSD segments).
+
+```
+ append ──► open block, written in place in its L1 slot
+              │ sealed (next block opens) -> key digest (per-channel min/max) kept in L1
+              ▼
+ end_step ──► watermarks: victims chosen by the policy
+              │ clean (valid copy below): slot freed at once
+              │ dirty: queued ──► swap-out worker: encode (host codec) + put to L2, then free slot
+              ▼                          │ L2 ring wraps: spill (transcode if the disk codec
+ gather / gather_blocks                  ▼ differs, lz4 if it pays) ──► L3
+   hit: index the pool
+   miss: prefetched? else L2 / L3 -> unpack -> decode on the device -> slot (or scratch)
+```
+
+Locks: ``_tier_lock`` serialises tier I/O (L2/L3) and is always taken *before* ``_lock``, which
+guards block tables, entries and L1 slot allocation. The decode path never holds ``_lock`` while
+waiting for anything. Only caller threads allocate L1 slots; the worker only frees them, after
+the copy below is complete, so a slot read by ``gather*`` is never overwritten underneath it.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from kvtier.config import KVTierConfig
+
+from .blockrecord import pack_block, unpack_block
+from .keys import block_key
+from .policy import make_policy
+from .stats import Latency, ratio
+from .swap import SwapOutWorker
+from .table import BlockEntry, BlockTable
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+class KVStore:
+    """Tiered KV storage for one model: all layers, many sequences.
+
+    Args:
+        cfg: the configuration.
+        num_layers, kv_heads, head_dim: model shape.
+        dtype: KV dtype of the model (``cfg.dtype`` overrides it when set).
+        device: where L1 lives and where gathered tensors are returned.
+        fingerprint: identifies the model (kept for content-addressed keys; reported in stats).
+    """
+
+    def __init__(self, cfg: KVTierConfig, num_layers: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float16, device: torch.device | str | None = None,
+                 fingerprint: str = "") -> None:
+        from kvtier.compress import get_codec
+        from kvtier.tiers import DeviceTier, HostTier
+
+        if not isinstance(cfg, KVTierConfig):
+            raise ValueError(f"cfg must be a KVTierConfig, got {type(cfg).__name__}")
+        for name, v in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1; got {v!r}")
+        if cfg.dtype is not None:
+            dtype = _DTYPES[cfg.dtype]
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of torch.float16, torch.bfloat16, torch.float32; got {dtype}")
+        self.cfg = cfg
+        self.num_layers = num_layers
+        self.kv_heads = kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device if device is not None else "cpu")
+        self.fingerprint = fingerprint
+        self._cuda = self.device.type == "cuda"
+
+        bt = self.block_tokens = cfg.block_tokens
+        slot_shape = (2, kv_heads, bt, head_dim)
+        self.slot_bytes = math.prod(slot_shape) * torch.empty((), dtype=dtype).element_size()
+        if cfg.hot_bytes is not None:
+            per = self.slot_bytes * num_layers * cfg.max_sequences
+            self.hot_blocks = cfg.hot_bytes // per
+            if self.hot_blocks < 1:
+                raise ValueError(f"hot_bytes must hold at least one block per layer and sequence "
+                                 f"(>= {per} bytes for this model and max_sequences); got {cfg.hot_bytes}")
+        else:
+            self.hot_blocks = cfg.hot_tokens // bt
+        budget = cfg.budget_tokens if cfg.budget_tokens is not None else self.hot_blocks * bt
+        if budget > self.hot_blocks * bt:
+            raise ValueError(f"budget_tokens must be <= the L1 budget ({self.hot_blocks * bt} tokens); got {budget}")
+        self.budget_tokens = budget
+        self.sink_blocks = cfg.sink_blocks
+        self.window_blocks = cfg.window_blocks
+        if self.sink_blocks + self.window_blocks + 1 > budget // bt:
+            raise ValueError(f"budget_tokens must be >= sink_tokens + window_tokens + one open block; "
+                             f"got budget {budget} with sink_tokens={cfg.sink_tokens}, "
+                             f"window_tokens={cfg.window_tokens}, block_tokens={bt}")
+        c = self.hot_blocks
+        self._high = min(c, max(1, math.ceil(cfg.high_watermark * c)))
+        self._low = min(self._high, c - 1, max(0, math.floor(cfg.low_watermark * c)))
+        self.policy = make_policy(cfg.policy, self.sink_blocks, self.window_blocks)
+
+        # Codecs per tier, one per role: keys grouped per channel, values per token (KIVI).
+        def pair(name: str):
+            return (get_codec(name, group_size=cfg.group_size, axis=cfg.key_axis),
+                    get_codec(name, group_size=cfg.group_size, axis=cfg.value_axis))
+
+        self._codecs = {"l2": pair(cfg.host_codec), "l3": pair(cfg.disk_codec)}
+        self._transcode = (cfg.host_codec != cfg.disk_codec)
+
+        # L3 first: an unwritable disk_path fails before anything is allocated.
+        self.l3 = None
+        self._lz4 = None
+        if cfg.disk_path is not None:
+            self.l3, self._lz4 = self._open_disk(cfg)
+
+        self._scratch_n = max(1, budget // bt)
+        self.l1 = DeviceTier(slot_shape, cfg.max_sequences * num_layers * c + self._scratch_n,
+                             dtype=dtype, device=self.device)
+        self.l2 = HostTier(cfg.host_bytes, spill=self._spill if self.l3 is not None else None,
+                           pin_memory=self._cuda)
+        self._zero_block = torch.zeros(slot_shape, dtype=dtype, device=self.device)
+        self._arange_bt = torch.arange(bt, device=self.device)
+        self._digest_dtype = torch.float32
+
+        self._lock = threading.Lock()
+        self._tier_lock = threading.Lock()
+        self._tables: dict[int, list[BlockTable]] = {}
+        self._by_key: dict[str, BlockEntry] = {}
+        self._last_sel: dict[tuple[int, int], list[int]] = {}
+        self._dense_seqs: set[int] = set()
+        self._touched: dict[int, BlockTable] = {}
+        self._next_seq = 0
+        self._step = 0
+        self._last_end_step: float | None = None
+        self._side = torch.cuda.Stream(device=self.device) if self._cuda else None
+        self._worker = SwapOutWorker(self._swap_out_batch, cfg.evict_batch_blocks)
+        self._pf_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-prefetch") \
+            if cfg.prefetch else None
+        self._pf: OrderedDict[str, Future] = OrderedDict()
+        self._closed = False
+
+        # counters (plain ints; read together in stats())
+        self.c = dict(hits_l1=0, misses_l1=0, hits_l2=0, misses_l2=0, hits_l3=0, misses_l3=0,
+                      swap_in_l2_bytes=0, swap_in_l3_bytes=0, swap_out_l2_bytes=0, swap_out_l3_bytes=0,
+                      swap_in_blocks=0, swap_out_blocks=0, evicted_clean=0, evicted_dirty=0,
+                      evict_failed=0, sync_evictions=0, scratch_uses=0,
+                      pf_issued=0, pf_errors=0, pf_used=0, pf_wasted=0, pf_served=0,
+                      raw_l2=0, enc_l2=0, raw_l3=0, enc_l3=0, lz4_in=0, lz4_out=0,
+                      bytes_l2=0, bytes_l3=0, copies_l2=0, copies_l3=0)
+        self._lat_in = Latency()
+        self._lat_out = Latency()
+        self._lat_step = Latency()
+
+    # -- construction helpers -------------------------------------------------------------------
+
+    @staticmethod
+    def _open_disk(cfg: KVTierConfig):
+        from kvtier.compress.bytestage import Lz4Stage
+        from kvtier.tiers import DiskTier
+
+        path = cfg.disk_path
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"disk_path must be a writable directory; cannot create {path!r}: {e}") from e
+        if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"disk_path must be a writable directory; {path!r} is not")
+        try:
+            l3 = DiskTier(path, capacity_bytes=cfg.disk_bytes, segment_bytes=cfg.disk_segment_bytes,
+                          durability=cfg.durability)
+        except PermissionError as e:
+            raise ValueError(f"disk_path must be a writable directory; {path!r}: {e}") from e
+        # Block keys name (sequence, layer, block) of *this* process; records left by an earlier
+        # store under the same path cannot be addressed again and would only take capacity.
+        stale = list(l3.keys())
+        if stale:
+            l3.delete_many(stale)
+        return l3, Lz4Stage(cfg.lz4_min_saving)
+
+    # -- sequences --------------------------------------------------------------------------
+
+    def add_sequence(self) -> int:
+        """Register a new sequence; returns its id."""
+        self._check_open()
+        with self._lock:
+            if len(self._tables) >= self.cfg.max_sequences:
+                raise ValueError(f"max_sequences ({self.cfg.max_sequences}) live sequences already; "
+                                 f"raise max_sequences or drop a sequence first")
+            seq = self._next_seq
+            self._next_seq += 1
+            self._tables[seq] = [BlockTable(seq, layer, self.kv_heads, self.head_dim, self.device,
+                                            self._digest_dtype) for layer in range(self.num_layers)]
+            return seq
+
+    def _table(self, seq: int, layer: int) -> BlockTable:
+        try:
+            return self._tables[seq][layer]
+        except KeyError:
+            raise ValueError(f"seq must be a live sequence id {sorted(self._tables)}; got {seq!r}") from None
+        except (IndexError, TypeError):
+            raise ValueError(f"layer must be in [0, {self.num_layers}); got {layer!r}") from None
+
+    def seq_len(self, seq: int, layer: int) -> int:
+        return self._table(seq, layer).length
+
+    def sequences(self) -> list[int]:
+        return sorted(self._tables)
+
+    def drop_sequence(self, seq: int) -> None:
+        """Forget a sequence: its L1 slots, L2 and L3 records and prefetched blocks."""
+        self._check_open()
+        tables = self._tables.get(seq)
+        if tables is None:
+            raise ValueError(f"seq must be a live sequence id {sorted(self._tables)}; got {seq!r}")
+        self._worker.drain()  # no swap-out of this sequence may be in flight
+        prefix = f"{seq}/"
+        for key in [k for k in self._pf if k.startswith(prefix)]:
+            fut = self._pf.pop(key)
+            self._discard_prefetch(fut)
+        drop2, drop3 = [], []
+        with self._lock:
+            for t in tables:
+                for e in t.entries:
+                    if e.slot is not None:
+                        self.l1.delete(e.key)
+                        e.slot = None
+                    if e.l2:
+                        drop2.append(e.key)
+                    if e.l3:
+                        drop3.append(e.key)
+                    self._by_key.pop(e.key, None)
+                self._touched.pop(id(t), None)
+                self._last_sel.pop((seq, t.layer), None)
+            del self._tables[seq]
+            self._dense_seqs.discard(seq)
+        with self._tier_lock:
+            self.l2.delete_many(drop2)
+            if self.l3 is not None:
+                self.l3.delete_many(drop3)
+            with self._lock:
+                live = self._by_key.values()
+                self.c["copies_l2"] = sum(1 for e in live if e.l2)
+                self.c["copies_l3"] = sum(1 for e in live if e.l3)
+                self.c["bytes_l2"] = sum(e.l2_bytes for e in live if e.l2)
+                self.c["bytes_l3"] = sum(e.l3_bytes for e in live if e.l3)
+
+    # -- append ------------------------------------------------------------------------------
+
+    def append(self, seq: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append tokens; k, v: [kv_heads, t, head_dim] with t >= 1."""
+        t = self._table(seq, layer)
+        if k.dim() != 3 or k.shape != v.shape or k.shape[0] != self.kv_heads or k.shape[2] != self.head_dim:
+            raise ValueError(f"k and v must both be [kv_heads={self.kv_heads}, t, head_dim={self.head_dim}]; "
+                             f"got {tuple(k.shape)} and {tuple(v.shape)}")
+        n = k.shape[1]
+        if n == 0:
+            return
+        if k.device != self.device or k.dtype != self.dtype:
+            k = k.to(self.device, self.dtype)
+            v = v.to(self.device, self.dtype)
+        pool = self.l1.pool
+        bt = self.block_tokens
+        pos = t.length
+        off = 0
+        while off < n:
+            fill = pos - (len(t.entries) - 1) * bt if t.entries else bt
+            if fill == bt:
+                if t.entries:
+                    self._seal(t, t.entries[-1])
+                self._open_block(t)
+                fill = 0
+            take = min(bt - fill, n - off)
+            slot = t.entries[-1].slot
+            pool[slot, 0, :, fill:fill + take] = k[:, off:off + take]  # [kv_heads, take, head_dim]
+            pool[slot, 1, :, fill:fill + take] = v[:, off:off + take]
+            off += take
+            pos += take
+        t.length = pos
+        t.entries[-1].last_used = self._step
+        self._touched[id(t)] = t
+
+    def _seal(self, t: BlockTable, e: BlockEntry) -> None:
+        t.set_digest(e.idx, self.l1.pool[e.slot, 0].to(self._digest_dtype))
+        e.last_used = self._step
+
+    def _open_block(self, t: BlockTable) -> None:
+        idx = len(t.entries)
+        e = BlockEntry(idx, block_key(t.seq, t.layer, idx))
+        with self._lock:
+            # appended first so that the block sealed just before is an eviction candidate
+            t.entries.append(e)
+            self._by_key[e.key] = e
+        self._make_room(t, 1, exclude=frozenset())
+        with self._lock:
+            e.slot = self._alloc(e.key, self._zero_block)
+            t.resident += 1
+
+    def _alloc(self, key: str, data: torch.Tensor) -> int:
+        """Copy ``data`` [2, kv_heads, block_tokens, head_dim] into a free L1 slot (lock held)."""
+        ok = self.l1.put(key, data)
+        assert ok, "L1 pool out of slots although every table stays within its budget"
+        return self.l1.slot_of(key)
+
+    def _make_room(self, t: BlockTable, need: int, exclude) -> None:
+        """Ensure ``need`` more blocks of ``t`` fit in L1. Waits only when L1 is truly full."""
+        c = self.hot_blocks
+        while t.resident + need > c:
+            over = t.resident + need - c
+            with self._lock:
+                for b in self.policy.victims(t, over, exclude, only_clean=True):
+                    self._free_clean(t, t.entries[b])
+            if t.resident + need <= c:
+                return
+            self.c["sync_evictions"] += 1
+            if t.pending:
+                self._worker.drain()
+                continue
+            n = max(over, t.resident - t.pending - self._low)
+            with self._lock:
+                queued = self._queue_victims(t, self.policy.victims(t, n, exclude))
+            if not queued:
+                raise AssertionError(f"L1 full for {t.seq}/{t.layer} with nothing evictable")
+            before = t.resident
+            self._worker.drain()
+            if t.resident >= before:
+                raise RuntimeError(
+                    "kvtier: L1 budget full and L2 refused the blocks (host_bytes full and no L3: "
+                    "raise host_bytes or set disk_path)")
+
+    def _free_clean(self, t: BlockTable, e: BlockEntry) -> None:
+        """Drop the L1 copy of a clean block (lock held)."""
+        assert e.clean and e.slot is not None and not e.pending, f"not a clean resident block: {e}"
+        self.l1.delete(e.key)
+        e.slot = None
+        t.resident -= 1
+        self.c["evicted_clean"] += 1
+
+    def _queue_victims(self, t: BlockTable, victims: list[int]) -> list:
+        """Free clean victims now, mark dirty ones pending and return them for the worker (lock held)."""
+        items = []
+        for b in victims:
+            e = t.entries[b]
+            if e.clean:
+                self._free_clean(t, e)
+                continue
+            e.pending = True
+            e.cancel = False
+            t.pending += 1
+            if self._cuda:
+                e.fence = torch.cuda.Event()
+                e.fence.record()
+            items.append((t, e))
+        if items:
+            self._worker.submit(items)
+        return victims
+
+    # -- step boundary -----------------------------------------------------------------------
+
+    def end_step(self) -> None:
+        """Step boundary: evict to the watermarks (asynchronously) and kick off prefetch."""
+        now = time.perf_counter()
+        if self._last_end_step is not None:
+            self._lat_step.add(now - self._last_end_step)
+        self._last_end_step = now
+        self._step += 1
+        touched = list(self._touched.values())
+        self._touched.clear()
+        items = []
+        with self._lock:
+            for t in touched:
+                live = t.resident - t.pending
+                if live >= self._high:
+                    for b in self.policy.victims(t, live - self._low):
+                        e = t.entries[b]
+                        if e.clean:
+                            self._free_clean(t, e)
+                        else:
+                            e.pending = True
+                            e.cancel = False
+                            t.pending += 1
+                            if self._cuda:
+                                e.fence = torch.cuda.Event()
+                                e.fence.record()
+                            items.append((t, e))
+        self._worker.submit(items)
+        if self._pf_pool is not None:
+            # temporal locality: what each layer attended last step is wanted again
+            for (seq, layer), sel in self._last_sel.items():
+                if seq in self._tables:
+                    self._prefetch(self._tables[seq][layer], sel)
+            # dense: the next step starts again at layer 0
+            for seq in self._dense_seqs:
+                if seq in self._tables:
+                    t0 = self._tables[seq][0]
+                    self._prefetch(t0, range(len(t0.entries)))
+            self._dense_seqs.clear()
+
+    def flush(self) -> None:
+        """Wait until every queued swap-out completed (tests, checkpoints)."""
+        self._worker.drain()
+
+    # -- swap-out (worker thread) ------------------------------------------------------------
+
+    def _swap_out_batch(self, batch: list) -> None:
+        t0 = time.perf_counter()
+        done = 0
+        try:
+            if self._cuda:
+                with torch.cuda.stream(self._side):
+                    recs = [self._encode_slot(e) for _, e in batch]
+                    self._side.synchronize()
+            else:
+                recs = [self._encode_slot(e) for _, e in batch]
+            with self._tier_lock:
+                for (t, e), rec in zip(batch, recs):
+                    ok = rec is not None and self.l2.put(e.key, rec)
+                    with self._lock:
+                        if rec is not None and ok:
+                            e.l2 = True
+                            e.l2_bytes = len(rec)
+                            self.c["copies_l2"] += 1
+                            self.c["bytes_l2"] += len(rec)
+                            self.c["swap_out_l2_bytes"] += len(rec)
+                            self.c["swap_out_blocks"] += 1
+                            self.c["evicted_dirty"] += 1
+                            if not e.cancel and e.slot is not None:
+                                self.l1.delete(e.key)
+                                e.slot = None
+                                t.resident -= 1
+                        elif rec is not None:
+                            self.c["evict_failed"] += 1
+                        e.pending = False
+                        e.cancel = False
+                        t.pending -= 1
+                        done += 1
+        finally:
+            if done < len(batch):
+                with self._lock:
+                    for t, e in batch[done:]:
+                        if e.pending:
+                            e.pending = False
+                            e.cancel = False
+                            t.pending -= 1
+            if batch:
+                self._lat_out.add((time.perf_counter() - t0) / len(batch))
+
+    def _encode_slot(self, e: BlockEntry) -> bytes | None:
+        slot = e.slot
+        if slot is None or e.key not in self._by_key:
+            return None
+        if e.fence is not None:
+            self._side.wait_event(e.fence)
+        block = self.l1.pool[slot]  # [2, kv_heads, block_tokens, head_dim]
+        return self._encode(block, "l2")
+
+    def _encode(self, block: torch.Tensor, tier: str) -> bytes:
+        kc, vc = self._codecs[tier]
+        ek = kc.encode(block[0])
+        ev = vc.encode(block[1])
+        if ek.device.type != "cpu":
+            ek, ev = ek.to("cpu"), ev.to("cpu")
+        with self._lock:
+            self.c["raw_" + tier] += block.numel() * block.element_size()
+            self.c["enc_" + tier] += ek.nbytes + ev.nbytes
+        return pack_block(ek, ev)
+
+    def _decode(self, buf, tier: str, device: torch.device) -> torch.Tensor:
+        """Record -> [2, kv_heads, block_tokens, head_dim] in the store dtype on ``device``."""
+        ek, ev = unpack_block(buf)
+        kc, vc = self._codecs[tier]
+        k = kc.decode(ek, device=device)
+        v = vc.decode(ev, device=device)
+        return torch.stack((k, v)).to(self.dtype)
+
+    def _spill(self, items: list) -> None:
+        """HostTier callback, called under ``_tier_lock``: the oldest L2 records go to L3."""
+        out = []
+        for key, mv in items:
+            with self._lock:
+                e = self._by_key.get(key)
+            if e is None:
+                continue  # dropped meanwhile: nothing to keep
+            rec = bytes(mv)
+            if self._transcode:
+                rec = self._encode(self._decode(rec, "l2", torch.device("cpu")), "l3")
+            packed = self._lz4.pack(rec)
+            self.c["lz4_in"] += len(rec)
+            self.c["lz4_out"] += len(packed)
+            out.append((key, e, packed))
+        if not out:
+            return
+        oks = self.l3.put_many([(k, p) for k, _, p in out])
+        with self._lock:
+            for (key, e, packed), ok in zip(out, oks):
+                if ok:
+                    e.l3 = True
+                    e.l3_bytes = len(packed)
+                    e.l2 = False
+                    self.c["copies_l3"] += 1
+                    self.c["copies_l2"] -= 1
+                    self.c["bytes_l3"] += len(packed)
+                    self.c["bytes_l2"] -= e.l2_bytes
+                    self.c["swap_out_l3_bytes"] += len(packed)
+                    e.l2_bytes = 0
+        if not all(oks):
+            raise RuntimeError(f"L3 refused {oks.count(False)} of {len(oks)} spilled blocks (disk_bytes full)")
+
+    # -- swap-in ------------------------------------------------------------------------------
+
+    def _load(self, e: BlockEntry, device: torch.device | None = None) -> torch.Tensor:
+        """Read a non-resident block from L2 or L3 and decode it on the device."""
+        device = self.device if device is None else device
+        t0 = time.perf_counter()
+        for _ in range(8):
+            with self._lock:
+                l2, l3 = e.l2, e.l3
+            if l2:
+                with self._tier_lock:
+                    buf = self.l2.get(e.key)
+                if buf is not None:
+                    out = self._decode(buf, "l2", device)
+                    self._count(hits_l2=1, swap_in_l2_bytes=len(buf))
+                    break
+                self._count(misses_l2=1)
+            if l3:
+                with self._tier_lock:
+                    buf = self.l3.get(e.key)
+                if buf is not None:
+                    out = self._decode(self._lz4.unpack(buf), "l3", device)
+                    self._count(hits_l3=1, swap_in_l3_bytes=len(buf))
+                    break
+                self._count(misses_l3=1)
+        else:
+            raise AssertionError(f"block {e.key} has no readable copy in any tier ({e})")
+        with self._lock:
+            self.c["swap_in_blocks"] += 1
+            self._lat_in.add(time.perf_counter() - t0)
+        return out
+
+    def _count(self, **deltas: int) -> None:
+        """Counter updates from more than one thread (caller and prefetch) go through the lock."""
+        with self._lock:
+            for k, d in deltas.items():
+                self.c[k] += d
+
+    def _fetch(self, e: BlockEntry) -> torch.Tensor:
+        """A non-resident block's data: from the prefetch buffer if there, else a synchronous load."""
+        fut = self._pf.pop(e.key, None)
+        if fut is not None:
+            try:
+                data = fut.result()
+                self.c["pf_used"] += 1
+                self.c["pf_served"] += 1
+                return data
+            except Exception:  # a failed prefetch is retried synchronously, and counted
+                self.c["pf_wasted"] += 1
+                self.c["pf_errors"] += 1
+        return self._load(e)
+
+    def _install(self, t: BlockTable, e: BlockEntry, data: torch.Tensor, exclude, scratch: list) -> int:
+        """Give a swapped-in block an L1 slot: its own if the budget allows (dropping a clean
+        block outside ``exclude`` if needed), else a scratch slot listed in ``scratch``."""
+        with self._lock:
+            if e.slot is not None:
+                return e.slot
+            if t.resident >= self.hot_blocks:
+                for b in self.policy.victims(t, 1, exclude, only_clean=True):
+                    self._free_clean(t, t.entries[b])
+            if t.resident < self.hot_blocks:
+                e.slot = self._alloc(e.key, data)
+                t.resident += 1
+                return e.slot
+            key = f"scratch/{len(scratch)}"
+            assert len(scratch) < self._scratch_n, "more scratch blocks than the sparse budget"
+            slot = self._alloc(key, data)
+            scratch.append(key)
+            self.c["scratch_uses"] += 1
+            return slot
+
+    # -- prefetch ------------------------------------------------------------------------------
+
+    def _discard_prefetch(self, fut: Future) -> None:
+        """An unused prefetch: cancel it, or wait for it so no load of a dropped block is in flight."""
+        self.c["pf_wasted"] += 1
+        if not fut.cancel() and fut.exception() is not None:
+            self.c["pf_errors"] += 1
+
+    def _prefetch(self, t: BlockTable, blocks) -> None:
+        ents = t.entries
+        n = len(ents) - 1
+        for b in blocks:
+            if b >= n:
+                continue
+            e = ents[b]
+            if e.slot is not None or e.key in self._pf:
+                continue
+            while len(self._pf) >= self.cfg.prefetch_blocks:
+                _, old = self._pf.popitem(last=False)
+                self._discard_prefetch(old)
+            self._pf[e.key] = self._pf_pool.submit(self._load, e)
+            self.c["pf_issued"] += 1
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def gather(self, seq: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense read: every token in order, K and V [kv_heads, T, head_dim] on the device.
+
+        Blocks below L1 are swapped in (made resident while the budget has room, otherwise only
+        streamed into the output); the next layer's missing blocks are prefetched meanwhile.
+        """
+        t = self._table(seq, layer)
+        n = len(t.entries)
+        kvh, bt, hd = self.kv_heads, self.block_tokens, self.head_dim
+        if n == 0:
+            empty = torch.empty(kvh, 0, hd, dtype=self.dtype, device=self.device)
+            return empty, empty.clone()
+        step = self._step
+        res_i, res_s, miss = [], [], []
+        with self._lock:
+            for e in t.entries:
+                e.last_used = step
+                if e.slot is None:
+                    miss.append(e)
+                else:
+                    res_i.append(e.idx)
+                    res_s.append(e.slot)
+        self.c["hits_l1"] += len(res_i)
+        self.c["misses_l1"] += len(miss)
+        full = torch.empty(n, 2, kvh, bt, hd, dtype=self.dtype, device=self.device)
+        # residents first: a swap-in below may take a slot just freed by the worker
+        full[torch.tensor(res_i, device=self.device)] = self.l1.pool[torch.tensor(res_s, device=self.device)]
+        for e in miss:
+            data = self._fetch(e)
+            full[e.idx] = data
+            with self._lock:
+                if e.slot is None and t.resident < self.hot_blocks:
+                    e.slot = self._alloc(e.key, data)
+                    t.resident += 1
+        if self._pf_pool is not None:
+            # streaming: the next layer's missing blocks decode while this layer computes
+            if layer + 1 < self.num_layers:
+                self._prefetch(self._tables[seq][layer + 1], range(n))
+            self._dense_seqs.add(seq)
+        self._touched[id(t)] = t
+        kv = full.permute(1, 2, 0, 3, 4).reshape(2, kvh, n * bt, hd)[:, :, : t.length]  # [2, kv_heads, T, head_dim]
+        return kv[0], kv[1]
+
+    def select(self, seq: int, layer: int, query: torch.Tensor, budget_tokens: int | None = None) -> list[int]:
+        """Sealed blocks to attend: sinks + recent window + top-k by key digest (Quest bound).
+
+        Args:
+            query: [q_heads, q_len, head_dim], q_heads a multiple of kv_heads (GQA groups
+                consecutive query heads per kv head, as transformers' ``repeat_kv``).
+            budget_tokens: tokens to attend, the open block included (default: the config's).
+        Returns:
+            Sorted block indices.
+        """
+        t = self._table(seq, layer)
+        bt = self.block_tokens
+        budget = self.budget_tokens if budget_tokens is None else budget_tokens
+        if budget > self.hot_blocks * bt or budget < bt:
+            raise ValueError(f"budget_tokens must be in [{bt}, {self.hot_blocks * bt}]; got {budget}")
+        ns = t.n_sealed
+        nb = budget // bt - 1
+        if ns <= nb:
+            sel = list(range(ns))
+        else:
+            s_end = min(self.sink_blocks, nb)
+            w_start = max(s_end, ns - min(self.window_blocks, nb - s_end))
+            k = nb - s_end - (ns - w_start)
+            sel = list(range(s_end))
+            if k > 0:
+                scores = self._scores(t, query, s_end, w_start)
+                top = torch.topk(scores, k, sorted=False).indices
+                sel += sorted((top + s_end).tolist())
+            sel += range(w_start, ns)
+        self._last_sel[(seq, layer)] = sel
+        if self._pf_pool is not None and layer + 1 < self.num_layers:
+            # next-layer prediction: adjacent layers attend to similar blocks
+            self._prefetch(self._tables[seq][layer + 1], sel)
+        return sel
+
+    def _scores(self, t: BlockTable, query: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Upper bound of q.k over each block in [lo, hi): sum_d max(q_d*min_d, q_d*max_d)."""
+        qh, ql, hd = query.shape
+        if qh % self.kv_heads or hd != self.head_dim:
+            raise ValueError(f"query must be [q_heads (multiple of {self.kv_heads}), q_len, {self.head_dim}]; "
+                             f"got {tuple(query.shape)}")
+        q = query.to(self.device, self._digest_dtype).reshape(self.kv_heads, -1, hd)  # [kv_heads, G*q_len, hd]
+        kmax = t.kmax[lo:hi].permute(1, 2, 0)  # [kv_heads, hd, m]
+        kmin = t.kmin[lo:hi].permute(1, 2, 0)
+        s = torch.baddbmm(torch.bmm(q.clamp(min=0), kmax), q.clamp(max=0), kmin)  # [kv_heads, G*q_len, m]
+        return s.amax(dim=1).sum(dim=0)  # [m]
+
+    def gather_blocks(self, seq: int, layer: int, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V of ``blocks`` (sorted sealed indices) followed by the open block.
+
+        Returns:
+            K, V: [kv_heads, n, head_dim]; pos: LongTensor [n] of the token positions.
+        """
+        t = self._table(seq, layer)
+        ents = t.entries
+        ns = len(ents) - 1
+        if ns < 0:
+            raise ValueError(f"sequence {seq} layer {layer} is empty")
+        blocks = list(blocks)
+        step = self._step
+        slots = [0] * (len(blocks) + 1)
+        miss = []
+        with self._lock:
+            for i, b in enumerate(blocks):
+                if not 0 <= b < ns:
+                    raise ValueError(f"blocks must be sealed block indices in [0, {ns}); got {b}")
+                e = ents[b]
+                e.last_used = step
+                if e.slot is None:
+                    miss.append((i, e))
+                else:
+                    slots[i] = e.slot
+                    if e.pending:
+                        e.cancel = True  # it is being attended: keep the slot after its copy
+            slots[-1] = ents[-1].slot
+            ents[-1].last_used = step
+        self.c["hits_l1"] += len(blocks) - len(miss)
+        self.c["misses_l1"] += len(miss)
+        scratch: list[str] = []
+        if miss:
+            sel = frozenset(blocks)
+            for i, e in miss:
+                slots[i] = self._install(t, e, self._fetch(e), sel, scratch)
+        self._touched[id(t)] = t
+        bt, kvh, hd = self.block_tokens, self.kv_heads, self.head_dim
+        n = len(slots)
+        total = (n - 1) * bt + (t.length - ns * bt)
+        g = self.l1.pool.index_select(0, torch.tensor(slots, device=self.device))  # [n, 2, kv_heads, bt, hd]
+        if scratch:
+            with self._lock:
+                for key in scratch:
+                    self.l1.delete(key)
+        kv = g.permute(1, 2, 0, 3, 4).reshape(2, kvh, n * bt, hd)[:, :, :total]  # [2, kv_heads, n*bt, hd]
+        blocks.append(ns)
+        pos = (torch.tensor(blocks, device=self.device)[:, None] * bt + self._arange_bt).reshape(-1)[:total]
+        return kv[0], kv[1], pos
+
+    # -- attention feedback ----------------------------------------------------------------------
+
+    def observe(self, seq: int, layer: int, blocks, mass) -> None:
+        """Accumulate attention mass per gathered block (h2o); the first
+        ``snapkv_observe_steps`` observations also form the snapkv importance.
+
+        Args:
+            blocks: the block indices passed to ``gather_blocks`` (or every sealed block in dense mode).
+            mass: [len(blocks)] or [len(blocks) + 1] (the last one for the open block).
+        """
+        t = self._table(seq, layer)
+        m = mass.tolist() if isinstance(mass, torch.Tensor) else list(mass)
+        blocks = list(blocks)
+        if len(m) not in (len(blocks), len(blocks) + 1):
+            raise ValueError(f"mass must have len(blocks) or len(blocks)+1 entries; got {len(m)} for "
+                             f"{len(blocks)} blocks")
+        if len(m) == len(blocks) + 1:
+            blocks.append(len(t.entries) - 1)
+        ents = t.entries
+        t.observed += 1
+        snap = t.observed <= self.cfg.snapkv_observe_steps
+        for b, x in zip(blocks, m):
+            e = ents[b]
+            e.mass += x
+            if snap:
+                e.importance += x
+
+    def observe_queries(self, seq: int, layer: int, query: torch.Tensor) -> None:
+        """SnapKV voting: attention of ``query`` (the observation window at the end of prefill,
+        [q_heads, w, head_dim]) over every token, pooled per block, fed to :meth:`observe`."""
+        k, _ = self.gather(seq, layer)  # [kv_heads, T, hd]
+        qh, w, hd = query.shape
+        g = qh // self.kv_heads
+        q = query.to(k.device, torch.float32).reshape(self.kv_heads, g * w, hd)
+        att = torch.softmax(q @ k.float().transpose(1, 2) / math.sqrt(hd), dim=-1)  # [kv_heads, g*w, T]
+        per_tok = att.sum(dim=(0, 1))  # [T]
+        nb = len(self._table(seq, layer).entries)
+        pad = nb * self.block_tokens - per_tok.shape[0]
+        per_block = torch.nn.functional.pad(per_tok, (0, pad)).view(nb, self.block_tokens).sum(1)
+        self.observe(seq, layer, range(nb - 1), per_block)
+
+    # -- stats ----------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Plain, JSON-serialisable dict of what the store holds and what it cost."""
+        c = dict(self.c)
+        bt = self.block_tokens
+        home = {"l1": 0, "l2": 0, "l3": 0}
+        l1_tokens = 0
+        tokens = 0
+        with self._lock:
+            for tables in self._tables.values():
+                for t in tables:
+                    tokens += t.length
+                    last = len(t.entries) - 1
+                    for e in t.entries:
+                        h = e.home
+                        if h in home:
+                            home[h] += 1
+                        if e.slot is not None:
+                            l1_tokens += (t.length - last * bt) if e.idx == last else bt
+            resident = sum(t.resident for tables in self._tables.values() for t in tables)
+        l1_bytes = resident * self.slot_bytes
+        copies = {"l1": resident, "l2": c["copies_l2"], "l3": c["copies_l3"]}
+        nbytes = {"l1": l1_bytes, "l2": c["bytes_l2"], "l3": c["bytes_l3"]}
+        tok = {"l1": l1_tokens, "l2": c["copies_l2"] * bt, "l3": c["copies_l3"] * bt}
+        pf_done = c["pf_used"] + c["pf_wasted"]
+        return {
+            "tokens": tokens,
+            "sequences": len(self._tables),
+            "blocks": home,
+            "copies": copies,
+            "bytes": nbytes,
+            "bytes_per_token": {k: ratio(nbytes[k], tok[k]) for k in nbytes},
+            "tier_used_bytes": {"l1": self.l1.used_bytes, "l2": self.l2.used_bytes,
+                                "l3": self.l3.used_bytes if self.l3 is not None else 0},
+            "hits": {"l1": c["hits_l1"], "l2": c["hits_l2"], "l3": c["hits_l3"], "prefetch": c["pf_served"]},
+            "misses": {"l1": c["misses_l1"], "l2": c["misses_l2"], "l3": c["misses_l3"]},
+            "swap_in_bytes": {"l2": c["swap_in_l2_bytes"], "l3": c["swap_in_l3_bytes"]},
+            "swap_out_bytes": {"l2": c["swap_out_l2_bytes"], "l3": c["swap_out_l3_bytes"]},
+            "swap_in_blocks": c["swap_in_blocks"],
+            "swap_out_blocks": c["swap_out_blocks"],
+            "evictions": {"clean": c["evicted_clean"], "dirty": c["evicted_dirty"],
+                          "failed": c["evict_failed"], "sync": c["sync_evictions"]},
+            "scratch_uses": c["scratch_uses"],
+            "swap_in_latency": self._lat_in.summary(),
+            "swap_out_latency": self._lat_out.summary(),
+            "step_time": self._lat_step.summary(),
+            "prefetch": {
+                "issued": c["pf_issued"], "used": c["pf_used"], "wasted": c["pf_wasted"],
+                "precision": ratio(c["pf_used"], pf_done),
+                "coverage": ratio(c["pf_served"], c["misses_l1"]),
+            },
+            "compression": {
+                "host_codec": self.cfg.host_codec, "disk_codec": self.cfg.disk_codec,
+                "l2_ratio": ratio(c["raw_l2"], c["enc_l2"]),
+                "l3_ratio": ratio(c["raw_l3"], c["enc_l3"]) if self._transcode
+                else ratio(c["raw_l2"], c["enc_l2"]),
+                "lz4_ratio": ratio(c["lz4_in"], c["lz4_out"]),
+            },
+            "config": {"order": self.cfg.order, "policy": self.cfg.policy, "attention": self.cfg.attention,
+                       "block_tokens": bt, "hot_blocks": self.hot_blocks, "budget_tokens": self.budget_tokens},
+            "fingerprint": self.fingerprint,
+        }
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("KVStore is closed")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._worker.close()
+        finally:
+            if self._pf_pool is not None:
+                for fut in self._pf.values():
+                    fut.cancel()
+                self._pf_pool.shutdown(wait=True)
+            self._pf.clear()
+            if self.l3 is not None:
+                self.l3.close()
+            self.l2.close()
+            self.l1.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
