@@ -1,0 +1,48 @@
+"""Command-line entry points: `kvtier eval`, `kvtier plan`, `kvtier generate`."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description="Tiered, quantized KV cache for LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from kvtier.eval import run as eval_run
+
+    p = sub.add_parser("eval", help="accuracy against footprint of cache configurations, side by side")
+    eval_run.add_arguments(p)
+    p.set_defaults(func=eval_run.run)
+
+    try:
+        from kvtier import plan
+    except ImportError:  # the planner lands with the store
+        plan = None
+    if plan is not None:
+        p = sub.add_parser("plan", help="KV size per token/sequence and recommended tier sizes")
+        plan.add_arguments(p)
+        p.set_defaults(func=plan.run)
+
+    try:
+        from kvtier.integrations import chat
+    except ImportError:
+        chat = None
+    if chat is not None:
+        p = sub.add_parser("generate", help="chat with the embedded model through a kvtier cache")
+        chat.add_arguments(p)
+        p.set_defaults(func=chat.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        parser.exit(2, f"kvtier {args.command}: error: {e}\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The accuracy-vs-footprint harness behind `kvtier eval` (metrics, windows, sweep, report)."""

@@ -1,0 +1,152 @@
+"""Turns sweep rows into the three outputs of `kvtier eval`: a table, a JSON file and a PNG plot.
+
+JSON schema (version 1), documented in the README::
+
+    {"schema": "kvtier-eval/1", "kvtier_version": str, "created": ISO-8601 str,
+     "model": {"name": str, "layers": int, "kv_heads": int, "head_dim": int, "dtype": str},
+     "settings": {"contexts": [int], "continuation": int, "windows": int, "seed": int, "quick": bool},
+     "reference": str, "elapsed_s": float,
+     "results": [{"config": str, "kind": str, "anchor": bool, "params": {...}, "context": int,
+                  "accuracy": {"ppl", "ppl_ref", "ppl_rel_change", "kl_mean", "top1_agreement",
+                               "probe_acc", "probe_acc_ref", "probe_rel"},
+                  "footprint": {"l1_bytes_per_token", "l2_bytes_per_token", "l3_bytes_per_token",
+                                "total_bytes_per_token", "peak_l1_bytes", "compression"?: {...}},
+                  "cost": {"decode_tok_s", "tpot_p50_ms", "tpot_p99_ms", "prefill_s",
+                           "swap_bytes_per_token"?, "prefetch_precision"?, "prefetch_coverage"?},
+                  "stats": {... kvtier stats() of the last window, {} for anchors}}]}
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from kvtier.eval.metrics import pareto_front
+
+SCHEMA = "kvtier-eval/1"
+RESULT_KEYS = ("config", "kind", "anchor", "params", "context", "accuracy", "footprint", "cost", "stats")
+
+
+def validate(doc: dict) -> None:
+    """Raise ValueError when ``doc`` does not follow the schema above."""
+    if doc.get("schema") != SCHEMA:
+        raise ValueError(f"schema must be {SCHEMA!r}, got {doc.get('schema')!r}")
+    for key in ("kvtier_version", "created", "model", "settings", "reference", "results"):
+        if key not in doc:
+            raise ValueError(f"missing top-level key {key!r}")
+    if not isinstance(doc["results"], list) or not doc["results"]:
+        raise ValueError("results must be a non-empty list")
+    for i, r in enumerate(doc["results"]):
+        missing = [k for k in RESULT_KEYS if k not in r]
+        if missing:
+            raise ValueError(f"results[{i}] misses {missing}")
+        for k in ("l1_bytes_per_token", "total_bytes_per_token"):
+            if not isinstance(r["footprint"].get(k), (int, float)):
+                raise ValueError(f"results[{i}].footprint.{k} must be a number")
+        if not isinstance(r["cost"].get("decode_tok_s"), (int, float)):
+            raise ValueError(f"results[{i}].cost.decode_tok_s must be a number")
+
+
+def _clean(x):
+    """JSON has no NaN/Inf: write them as null."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    return x
+
+
+def write_json(doc: dict, path: Path) -> None:
+    validate(doc)
+    path.write_text(json.dumps(_clean(doc), indent=2, sort_keys=False))
+
+
+def _fmt(x, spec: str, scale: float = 1.0) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    return format(x * scale, spec)
+
+
+def table_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
+    head = ["context", "config", "Δppl %", "KL", "top-1", "probe", "B/tok total", "B/tok L1", "tok/s", "p99/p50"]
+    rows = []
+    for r in doc["results"]:
+        a, f, c = r["accuracy"], r["footprint"], r["cost"]
+        p50, p99 = c.get("tpot_p50_ms"), c.get("tpot_p99_ms")
+        rows.append([
+            str(r["context"]), ("* " if r["anchor"] else "  ") + r["config"],
+            _fmt(a.get("ppl_rel_change"), "+.3f", 100), _fmt(a.get("kl_mean"), ".4f"),
+            _fmt(a.get("top1_agreement"), ".3f"),
+            f"{_fmt(a.get('probe_acc'), '.2f')}/{_fmt(a.get('probe_acc_ref'), '.2f')}",
+            _fmt(f.get("total_bytes_per_token"), ",.0f"), _fmt(f.get("l1_bytes_per_token"), ",.0f"),
+            _fmt(c.get("decode_tok_s"), ".1f"),
+            _fmt(p99 / p50 if p50 and p99 else None, ".2f"),
+        ])
+    return head, rows
+
+
+def print_table(doc: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    head, rows = table_rows(doc)
+    t = Table(title=f"kvtier eval — {doc['model']['name']} (reference: {doc['reference']}; * = anchor)")
+    for h in head:
+        t.add_column(h, justify="left" if h == "config" else "right")
+    for row in rows:
+        t.add_row(*row)
+    (console or Console()).print(t)
+
+
+def markdown_table(doc: dict) -> str:
+    head, rows = table_rows(doc)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(doc: dict, path: Path) -> None:
+    """Accuracy against bytes per token (total and L1), one point per configuration, at the
+    largest context; anchors as squares; Pareto frontier drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ctx = max(r["context"] for r in doc["results"])
+    rows = [r for r in doc["results"] if r["context"] == ctx]
+    panels = [
+        ("total_bytes_per_token", "ppl_rel_change", "total KV bytes per token", "relative perplexity change (%)", 100),
+        ("l1_bytes_per_token", "probe_acc", "L1 (device) KV bytes per token", "recall probe top-1 accuracy", 1),
+    ]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=80)
+    for ax, (xk, yk, xl, yl, scale) in zip(axes, panels):
+        pts, labels, anchors = [], [], []
+        for r in rows:
+            x, y = r["footprint"].get(xk), r["accuracy"].get(yk)
+            if x is None or y is None or not math.isfinite(x) or not math.isfinite(y):
+                continue
+            pts.append((x, y * scale))
+            labels.append(r["config"])
+            anchors.append(r["anchor"])
+        for (x, y), lab, anc in zip(pts, labels, anchors):
+            ax.scatter([x], [y], marker="s" if anc else "o", s=36, color="tab:gray" if anc else "tab:blue")
+            ax.annotate(lab, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        # lower error is better for ppl; higher accuracy is better for the probe
+        sign = 1 if yk == "ppl_rel_change" else -1
+        front = pareto_front([(x, sign * y) for x, y in pts])
+        if len(front) > 1:
+            ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "--", color="tab:orange",
+                    label="Pareto frontier")
+            ax.legend(fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel(xl)
+        ax.set_ylabel(yl)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{doc['model']['name']}, context {ctx}: accuracy vs footprint (squares: transformers anchors)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
