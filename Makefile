@@ -6,7 +6,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench-smoke clean
+.PHONY: demo test bench-smoke system-deps clean
+
+# The remote-tier tests run a real redis-server on loopback (Debian package).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+system-deps:
+	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +25,7 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/kvtier eval --quick
 
-test: $(STAMP)
+test: $(STAMP) system-deps
 	$(PY) -m pytest -q -ra tests
 	$(MAKE) bench-smoke
 
