@@ -25,9 +25,10 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(VENV)/bin/kvtier eval --quick
 
+# Benchmarks first (--smoke, so they cannot rot), then the suite, whose summary closes the output.
 test: $(STAMP) system-deps
+	$(MAKE) --no-print-directory bench-smoke
 	$(PY) -m pytest -q -ra tests
-	$(MAKE) bench-smoke
 
 bench-smoke: $(STAMP)
 	@set -e; for b in bench/bench_*.py; do echo "== $$b --smoke"; $(PY) $$b --smoke; done
