@@ -116,7 +116,8 @@ class KVStore:
         if cfg.disk_path is not None:
             self.l3, self._lz4 = self._open_disk(cfg)
 
-        self._scratch_n = max(1, budget // bt)
+        # a selection fits in the budget, so at most hot_blocks - 1 sealed blocks need scratch
+        self._scratch_n = max(1, c - 1)
         self.l1 = DeviceTier(slot_shape, cfg.max_sequences * num_layers * c + self._scratch_n,
                              dtype=dtype, device=self.device)
         self.l2 = HostTier(cfg.host_bytes, spill=self._spill if self.l3 is not None else None,
@@ -707,6 +708,9 @@ class KVStore:
         if ns < 0:
             raise ValueError(f"sequence {seq} layer {layer} is empty")
         blocks = list(blocks)
+        if len(blocks) >= self.hot_blocks:
+            raise ValueError(f"blocks must number at most {self.hot_blocks - 1} (the L1 budget less the "
+                             f"open block); got {len(blocks)}")
         step = self._step
         slots = [0] * (len(blocks) + 1)
         miss = []

@@ -1,0 +1,67 @@
+import random
+
+import pytest
+import torch
+
+from kvtier.config import KVTierConfig
+from kvtier.store import KVStore
+
+
+class Ref:
+    """Plain reference of everything appended: (seq, layer) -> list of (k, v) chunks."""
+
+    def __init__(self):
+        self.chunks: dict[tuple[int, int], list] = {}
+
+    def add(self, seq, layer, k, v):
+        self.chunks.setdefault((seq, layer), []).append((k.clone(), v.clone()))
+
+    def kv(self, seq, layer):
+        ch = self.chunks[(seq, layer)]
+        return torch.cat([c[0] for c in ch], 1), torch.cat([c[1] for c in ch], 1)
+
+
+def make_store(tmp_path=None, num_layers=2, kv_heads=2, head_dim=8, dtype=torch.float16, **kw):
+    base = dict(block_tokens=4, hot_tokens=16, host_bytes=8192, codec="fp16", policy="lru",
+                max_sequences=4)
+    if tmp_path is not None:
+        base.update(disk_path=str(tmp_path / "l3"), disk_segment_bytes=1 << 16, disk_bytes=64 << 20)
+    base.update(kw)
+    return KVStore(KVTierConfig(**base), num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim,
+                   dtype=dtype)
+
+
+def check_invariants(store: KVStore) -> None:
+    """After flush(): one consistent picture of every block across the tiers."""
+    store.flush()
+    l1_keys, l2_keys, l3_keys = set(), set(), set()
+    for seq in store.sequences():
+        for t in store._tables[seq]:
+            assert t.pending == 0
+            assert t.resident == sum(e.slot is not None for e in t.entries) <= store.hot_blocks
+            assert t.entries[-1].slot is not None, "open block left L1"
+            for e in t.entries:
+                assert not e.pending and e.home != "none", f"block lost: {e}"
+                if e.slot is not None:
+                    l1_keys.add(e.key)
+                    assert store.l1.slot_of(e.key) == e.slot
+                if e.l2:
+                    l2_keys.add(e.key)
+                if e.l3:
+                    l3_keys.add(e.key)
+    assert set(store.l1.keys()) == l1_keys
+    assert set(store.l2.keys()) == l2_keys
+    if store.l3 is not None:
+        assert set(store.l3.keys()) == l3_keys
+    else:
+        assert not l3_keys
+
+
+def random_chunk(rng: random.Random, kv_heads=2, head_dim=8, dtype=torch.float16, sizes=(1, 1, 1, 1, 2, 5, 9)):
+    n = rng.choice(sizes)
+    return torch.randn(kv_heads, n, head_dim).to(dtype), torch.randn(kv_heads, n, head_dim).to(dtype)
+
+
+@pytest.fixture
+def rng():
+    return random.Random(1234)

@@ -1,0 +1,256 @@
+import json
+import random
+
+import pytest
+import torch
+
+from kvtier.config import KVTierConfig
+from kvtier.store import KVStore
+
+from .conftest import Ref, check_invariants, make_store, random_chunk
+
+
+def test_nothing_lost_fp16_tiny_tiers(tmp_path, rng):
+    """Thousands of randomly interleaved appends over several sequences and layers, with L1 and L2
+    so small that blocks keep moving to L3: every token reads back bit-exact, wherever it lives."""
+    st = make_store(tmp_path, num_layers=3, hot_tokens=8, host_bytes=4096)
+    ref = Ref()
+    seqs = [st.add_sequence() for _ in range(3)]
+    for it in range(3000):
+        s, layer = rng.choice(seqs), rng.randrange(3)
+        k, v = random_chunk(rng)
+        st.append(s, layer, k, v)
+        ref.add(s, layer, k, v)
+        if rng.random() < 0.3:
+            st.end_step()
+        if it % 150 == 0:
+            K, V = st.gather(s, layer)
+            rk, rv = ref.kv(s, layer)
+            assert torch.equal(K, rk) and torch.equal(V, rv)
+        if it % 40 == 0 and st.seq_len(s, layer) > 8:
+            ns = st.seq_len(s, layer) // 4 - (st.seq_len(s, layer) % 4 == 0)
+            blocks = sorted(rng.sample(range(ns), 1))  # hot_blocks - 1
+            K, V, pos = st.gather_blocks(s, layer, blocks)
+            rk, rv = ref.kv(s, layer)
+            assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+    check_invariants(st)
+    for (s, layer) in ref.chunks:
+        K, V = st.gather(s, layer)
+        rk, rv = ref.kv(s, layer)
+        assert torch.equal(K, rk) and torch.equal(V, rv)
+        assert st.seq_len(s, layer) == rk.shape[1]
+    stats = st.stats()
+    json.dumps(stats)
+    assert stats["blocks"]["l3"] > 100 and stats["hits"]["l3"] > 0 and stats["copies"]["l2"] > 0
+    assert stats["tokens"] == sum(ref.kv(s, layer)[0].shape[1] for (s, layer) in ref.chunks)
+    st.close()
+
+
+def test_gather_blocks_order_positions_and_open_block(rng):
+    st = make_store(None, num_layers=1, hot_tokens=64, host_bytes=1 << 20)
+    s = st.add_sequence()
+    k = torch.randn(2, 30, 8).half()
+    v = torch.randn(2, 30, 8).half()
+    st.append(s, 0, k, v)  # blocks 0..6 sealed (28 tokens), open block 7 holds 2
+    K, V, pos = st.gather_blocks(s, 0, [1, 4])
+    want = list(range(4, 8)) + list(range(16, 20)) + [28, 29]
+    assert pos.tolist() == want
+    assert torch.equal(K, k[:, want]) and torch.equal(V, v[:, want])
+    with pytest.raises(ValueError, match="blocks"):
+        st.gather_blocks(s, 0, [7])
+    with pytest.raises(ValueError, match="seq"):
+        st.append(99, 0, k, v)
+    with pytest.raises(ValueError, match="k and v"):
+        st.append(s, 0, k[:1], v[:1])
+    st.close()
+
+
+def test_block_boundary_keeps_last_full_block_open():
+    st = make_store(None, num_layers=1)
+    s = st.add_sequence()
+    k = torch.randn(2, 8, 8).half()
+    st.append(s, 0, k, k)
+    K, _, pos = st.gather_blocks(s, 0, [])
+    assert pos.tolist() == [4, 5, 6, 7] and torch.equal(K, k[:, 4:])
+    st.close()
+
+
+def test_select_sinks_window_and_topk():
+    st = make_store(None, num_layers=2, block_tokens=4, hot_tokens=24, budget_tokens=20,
+                    sink_tokens=4, window_tokens=4, attention="sparse", prefetch=False)
+    s = st.add_sequence()
+    k = torch.randn(2, 42, 8).half() * 0.01  # 10 sealed blocks + open block of 2
+    k[:, 5 * 4 + 1, 3] = 50.0  # block 5 holds a key aligned with the query
+    k[:, 7 * 4 + 2, 3] = 20.0  # block 7 too, less so
+    st.append(s, 0, k, k)
+    q = torch.zeros(6, 1, 8)  # 3 query heads per kv head
+    q[:, :, 3] = 1.0
+    # budget 20 tokens = 5 blocks: open + sink 0 + window 9 + top-2 {5, 7}
+    assert st.select(s, 0, q) == [0, 5, 7, 9]
+    assert st.select(s, 0, q, budget_tokens=16) == [0, 5, 9]
+    with pytest.raises(ValueError, match="budget_tokens"):
+        st.select(s, 0, q, budget_tokens=64)
+    st.close()
+
+
+def test_sparse_miss_swaps_in_from_any_tier(tmp_path):
+    """A block evicted long ago to L3 comes back when the query asks for it."""
+    st = make_store(tmp_path, num_layers=1, block_tokens=4, hot_tokens=12, budget_tokens=12,
+                    sink_tokens=0, window_tokens=4, host_bytes=4096, attention="sparse", policy="sink-window")
+    s = st.add_sequence()
+    k = torch.randn(2, 200, 8).half() * 0.01
+    k[:, 9, 5] = 30.0  # block 2
+    for i in range(200):
+        st.append(s, 0, k[:, i:i + 1], k[:, i:i + 1])
+        st.end_step()
+    st.flush()
+    e = st._tables[s][0].entries[2]
+    assert e.slot is None and e.l3 and not e.l2
+    q = torch.zeros(2, 1, 8)
+    q[:, :, 5] = 1.0
+    sel = st.select(s, 0, q)
+    assert 2 in sel
+    K, _, pos = st.gather_blocks(s, 0, sel)
+    assert torch.equal(K, k[:, pos])
+    assert st.stats()["hits"]["l3"] >= 1
+    check_invariants(st)
+    st.close()
+
+
+def _workload(st: KVStore, seed: int, steps: int = 400):
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    ref = Ref()
+    seqs = [st.add_sequence() for _ in range(2)]
+    for _ in range(steps):
+        s, layer = rng.choice(seqs), rng.randrange(st.num_layers)
+        k, v = random_chunk(rng, head_dim=st.head_dim, sizes=(1, 1, 3, 7))
+        st.append(s, layer, k, v)
+        ref.add(s, layer, k, v)
+        if rng.random() < 0.5:
+            st.end_step()
+    st.flush()
+    return ref
+
+
+def test_orders_identical_with_lossless_codec(tmp_path):
+    out = {}
+    for order in ("compress-then-tier", "tier-then-compress"):
+        st = make_store(tmp_path / order, order=order, codec="fp16", hot_tokens=8, host_bytes=4096)
+        ref = _workload(st, seed=7)
+        check_invariants(st)
+        out[order] = {key: st.gather(*key) for key in ref.chunks}
+        for key in ref.chunks:
+            rk, rv = ref.kv(*key)
+            assert torch.equal(out[order][key][0], rk) and torch.equal(out[order][key][1], rv)
+        stats = st.stats()
+        out[order + "/stats"] = (stats["blocks"], stats["bytes"], sorted(stats))
+        st.close()
+    a, b = out["compress-then-tier"], out["tier-then-compress"]
+    for key in a:
+        assert torch.equal(a[key][0], b[key][0]) and torch.equal(a[key][1], b[key][1])
+    assert out["compress-then-tier/stats"] == out["tier-then-compress/stats"]
+
+
+@pytest.mark.parametrize("order", ["compress-then-tier", "tier-then-compress"])
+def test_orders_expected_bytes_per_tier_with_lossy_codec(tmp_path, order):
+    from kvtier.compress import get_codec
+    from kvtier.compress.bytestage import Lz4Stage
+    from kvtier.store.blockrecord import pack_block
+
+    bt, hd = 32, 32
+    st = make_store(tmp_path, num_layers=1, block_tokens=bt, head_dim=hd, hot_tokens=2 * bt,
+                    host_bytes=64 << 10, codec="int8", order=order, policy="sink-window",
+                    sink_tokens=0, window_tokens=0, budget_tokens=bt)
+    s = st.add_sequence()
+    torch.manual_seed(0)
+    k = torch.randn(2, 40 * bt + 3, hd).half()
+    v = torch.randn(2, 40 * bt + 3, hd).half()
+    st.append(s, 0, k, v)
+    st.end_step()
+    st.flush()
+    check_invariants(st)
+
+    def rec(name, b):
+        kc = get_codec(name, group_size=32, axis="channel")
+        vc = get_codec(name, group_size=32, axis="token")
+        return pack_block(kc.encode(k[:, b * bt:(b + 1) * bt]), vc.encode(v[:, b * bt:(b + 1) * bt])), kc, vc
+
+    lz4 = Lz4Stage(st.cfg.lz4_min_saving)
+    host = "int8" if order == "compress-then-tier" else "fp16"
+    exp = {"l2": 0, "l3": 0}
+    ents = st._tables[s][0].entries
+    for e in ents[:-1]:
+        if e.l2:
+            exp["l2"] += len(rec(host, e.idx)[0])
+        if e.l3:
+            exp["l3"] += len(lz4.pack(rec("int8", e.idx)[0]))
+    stats = st.stats()
+    assert exp["l2"] > 0 and exp["l3"] > 0
+    assert stats["bytes"]["l2"] == exp["l2"] and stats["bytes"]["l3"] == exp["l3"]
+    assert stats["bytes"]["l1"] == st._tables[s][0].resident * st.slot_bytes
+    # values: each block reads back as its home tier's codec round trip
+    K, V = st.gather(s, 0)
+    for e in ents[:-1]:
+        if e.slot is not None and not e.clean:
+            continue
+        name = host if e.l2 else "int8"
+        r, kc, vc = rec(name, e.idx)
+        sl = slice(e.idx * bt, (e.idx + 1) * bt)
+        assert torch.equal(K[:, sl], kc.decode(kc.encode(k[:, sl])).half())
+        assert torch.equal(V[:, sl], vc.decode(vc.encode(v[:, sl])).half())
+    if order == "tier-then-compress":
+        assert any(e.l2 for e in ents)  # full precision in L2 ...
+        l2_block = next(e for e in ents if e.l2)
+        sl = slice(l2_block.idx * bt, (l2_block.idx + 1) * bt)
+        assert torch.equal(K[:, sl], k[:, sl])  # ... reads back exact
+    ratio = stats["compression"]["l2_ratio"]
+    assert (ratio > 1.5) if order == "compress-then-tier" else (ratio < 1.01)
+    st.close()
+
+
+def test_bad_store_config(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="disk_path"):
+        make_store(None, disk_path=str(f / "sub"))
+    with pytest.raises(ValueError, match="hot_bytes"):
+        make_store(None, hot_bytes=100)
+    st = make_store(None, max_sequences=1)
+    st.add_sequence()
+    with pytest.raises(ValueError, match="max_sequences"):
+        st.add_sequence()
+    with pytest.raises(ValueError, match="layer"):
+        st.seq_len(0, 5)
+    st.close()
+
+
+def test_no_l3_and_full_l2_is_reported(rng):
+    st = make_store(None, num_layers=1, hot_tokens=8, host_bytes=4096)
+    s = st.add_sequence()
+    with pytest.raises(RuntimeError, match="host_bytes"):
+        for _ in range(2000):
+            k, v = random_chunk(rng)
+            st.append(s, 0, k, v)
+            st.end_step()
+    st.close()
+
+
+def test_drop_sequence_frees_every_tier(tmp_path, rng):
+    st = make_store(tmp_path, num_layers=2, hot_tokens=8, host_bytes=4096)
+    a, b = st.add_sequence(), st.add_sequence()
+    ref = Ref()
+    for _ in range(600):
+        s, layer = rng.choice([a, b]), rng.randrange(2)
+        k, v = random_chunk(rng)
+        st.append(s, layer, k, v)
+        ref.add(s, layer, k, v)
+        st.end_step()
+    st.drop_sequence(a)
+    check_invariants(st)
+    assert not any(key.startswith(f"{a}/") for tier in (st.l1, st.l2, st.l3) for key in tier.keys())
+    for layer in range(2):
+        rk, rv = ref.kv(b, layer)
+        K, V = st.gather(b, layer)
+        assert torch.equal(K, rk) and torch.equal(V, rv)
+    st.close()
