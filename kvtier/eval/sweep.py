@@ -46,7 +46,7 @@ def quick_configs() -> list[CacheSpec]:
         _kv("kvtier int4 t2c sparse L1=25%", codec="int4", order="tier-then-compress", attention="sparse",
             hot_fraction=0.25, policy="h2o"),
         _kv("sink-window int4 (no recall)", codec="int4", attention="sparse", hot_fraction=0.10,
-            policy="sink-window", recall=False),
+            policy="sink-window", streaming=True),
     ]
 
 
@@ -160,7 +160,7 @@ def summarise(spec: CacheSpec, context: int, ref: list[WindowResult], got: list[
 
 
 def _stats_cost(st: dict, tokens: int) -> dict:
-    swapped = float(st.get("bytes_swapped_in", 0)) + float(st.get("bytes_swapped_out", 0))
+    swapped = sum(st.get("swap_in_bytes", {}).values()) + sum(st.get("swap_out_bytes", {}).values())
     pf = st.get("prefetch", {})
     return {
         "swap_bytes_per_token": swapped / tokens,

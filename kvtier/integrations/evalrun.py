@@ -30,8 +30,9 @@ class CacheSpec:
         kind: ``dynamic`` (the exact reference), ``offloaded`` (DynamicCache with offloading),
             ``quanto``/``hqq`` (transformers' QuantizedCache backends), or ``kvtier``.
         params: for quanto/hqq: ``nbits``, ``q_group_size``, ``residual_length``; for kvtier:
-            KVTierConfig fields. ``hot_fraction`` (kvtier only) sizes ``hot_tokens`` (and, when
-            absent, ``budget_tokens``) as a fraction of the context length.
+            KVTierConfig fields, plus two of the sweep's own: ``hot_fraction`` sizes ``hot_tokens``
+            (and, when absent, ``budget_tokens``) as a fraction of the context length, and
+            ``streaming = true`` makes sink + recent window fill the whole budget (StreamingLLM).
     """
 
     name: str
@@ -105,11 +106,18 @@ class _Run:
             from kvtier.config import KVTierConfig
 
             hot_fraction = p.pop("hot_fraction", None)
+            streaming = p.pop("streaming", False)
+            block = p.get("block_tokens", KVTierConfig.block_tokens)
             if hot_fraction is not None:
-                block = p.get("block_tokens", KVTierConfig.block_tokens)
                 hot = max(block, int(hot_fraction * context) // block * block)
                 p["hot_tokens"] = hot
                 p.setdefault("budget_tokens", hot)
+            if streaming:
+                # StreamingLLM: one sink block and a recent window fill the whole budget, so no
+                # evicted block is ever selected again (the contrast to kvtier's recall).
+                budget = p.get("budget_tokens") or p["hot_tokens"]
+                p["sink_tokens"] = block
+                p["window_tokens"] = max(0, budget - 2 * block)
             if p.get("disk_path", "auto") == "auto":
                 self._tmp = Path(tempfile.mkdtemp(prefix="l3-", dir=workdir))
                 p["disk_path"] = str(self._tmp)
@@ -139,16 +147,18 @@ class _Run:
 
 
 def footprint_from_stats(st: dict, tokens: int) -> dict:
-    """Bytes per token per tier from a kvtier ``stats()`` dict."""
-    tiers = st.get("tiers", {})
-    b = {t: float(tiers.get(t, {}).get("bytes", 0)) for t in ("l1", "l2", "l3")}
-    total = sum(b.values())
+    """Bytes per token per tier from a kvtier ``stats()`` dict.
+
+    Every copy a tier holds counts (a block swapped back into L1 keeps its valid L2/L3 copies),
+    so the total is the memory the configuration really occupies.
+    """
+    b = {t: float(st["bytes"].get(t, 0)) for t in ("l1", "l2", "l3")}
     return {
         "l1_bytes_per_token": b["l1"] / tokens,
         "l2_bytes_per_token": b["l2"] / tokens,
         "l3_bytes_per_token": b["l3"] / tokens,
-        "total_bytes_per_token": total / tokens,
-        "peak_l1_bytes": float(tiers.get("l1", {}).get("peak_bytes", b["l1"])),
+        "total_bytes_per_token": sum(b.values()) / tokens,
+        "peak_l1_bytes": float(st.get("peak_bytes", {}).get("l1", b["l1"])),
     }
 
 
