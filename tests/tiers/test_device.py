@@ -1,0 +1,122 @@
+"""DeviceTier specifics: the preallocated pool, tensor slots, fenced slot reuse."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from kvtier.tiers import DeviceTier
+
+SHAPE = (2, 3, 4, 8)  # [k/v, kv_heads, block_tokens, head_dim]
+
+
+def test_pool_is_one_preallocated_tensor_and_slots_alias_it():
+    t = DeviceTier(SHAPE, num_slots=4, dtype=torch.float16)
+    assert t.pool.shape == (4, *SHAPE) and t.pool.dtype == torch.float16
+    ptr = t.pool.data_ptr()
+    x = torch.randn(SHAPE, dtype=torch.float32)
+    assert t.put("a", x)
+    slot = t.slot_of("a")
+    view = t.get_tensor("a")
+    assert view.data_ptr() == t.pool[slot].data_ptr()  # aliases the pool, no copy
+    assert torch.equal(view, x.to(torch.float16))  # cast to the pool dtype
+    for i in range(50):  # steady state: no new allocation, same pool
+        t.delete("a")
+        t.put("a", x)
+    assert t.pool.data_ptr() == ptr and t.slot_bytes == 2 * 3 * 4 * 8 * 2
+
+
+def test_store_can_index_many_slots_in_one_op():
+    t = DeviceTier(SHAPE, num_slots=8, dtype=torch.float32)
+    xs = {f"b{i}": torch.full(SHAPE, float(i)) for i in range(5)}
+    for k, v in xs.items():
+        t.put(k, v)
+    idx = torch.tensor([t.slot_of(k) for k in xs])
+    gathered = t.pool[idx]  # [n, *SHAPE]
+    assert torch.equal(gathered, torch.stack(list(xs.values())))
+
+
+def test_tensor_shape_checked():
+    t = DeviceTier(SHAPE, num_slots=2)
+    with pytest.raises(ValueError, match="value"):
+        t.put("a", torch.zeros(2, 3, 4, 7))
+
+
+def test_bad_constructor_args():
+    with pytest.raises(ValueError, match="slot_shape"):
+        DeviceTier((), 2)
+    with pytest.raises(ValueError, match="slot_shape"):
+        DeviceTier((0, 4), 2)
+    with pytest.raises(ValueError, match="num_slots"):
+        DeviceTier((4,), 0)
+    with pytest.raises(ValueError, match="dtype"):
+        DeviceTier((4,), 2, dtype="float16")
+
+
+@pytest.mark.parametrize("make_fence,complete", [
+    (threading.Event, lambda f: f.set()),
+    (Future, lambda f: f.set_result(None)),
+])
+def test_fenced_slot_not_reused_until_copy_completes(make_fence, complete):
+    t = DeviceTier((16,), num_slots=2, dtype=torch.uint8)
+    assert t.put("a", b"a" * 16) and t.put("b", b"b" * 16)
+    slot_a = t.slot_of("a")
+    fence = make_fence()
+    assert t.delete("a", fence=fence)
+    assert t.free_slots == 0 and t.pending_slots == 1
+    assert t.put("c", b"c" * 16) is False  # the copy out of a's slot is still running
+    assert bytes(t.pool[slot_a]) == b"a" * 16  # and its bytes are untouched
+    complete(fence)
+    assert t.free_slots == 1
+    assert t.put("c", b"c" * 16) and t.slot_of("c") == slot_a
+
+
+def test_mark_pending_then_overwrite_moves_to_a_new_slot():
+    t = DeviceTier((8,), num_slots=3, dtype=torch.uint8)
+    t.put("a", b"1" * 8)
+    old = t.slot_of("a")
+    ev = threading.Event()
+    t.mark_pending("a", ev)  # a swap-out is reading the slot
+    assert t.put("a", b"2" * 8)
+    assert t.slot_of("a") != old and t.get("a") == b"2" * 8
+    assert bytes(t.pool[old]) == b"1" * 8 and t.pending_slots == 1
+    ev.set()
+    assert t.free_slots == 2
+
+
+def test_overwrite_without_pending_copy_is_in_place():
+    t = DeviceTier((8,), num_slots=1, dtype=torch.uint8)
+    t.put("a", b"1" * 8)
+    assert t.put("a", b"22")  # the only slot, rewritten in place
+    assert t.get("a") == b"22"
+
+
+def test_bad_fence_rejected():
+    t = DeviceTier((8,), num_slots=1, dtype=torch.uint8)
+    t.put("a", b"1")
+    with pytest.raises(ValueError, match="fence"):
+        t.delete("a", fence=object())
+    with pytest.raises(ValueError, match="event"):
+        t.mark_pending("a", 3)
+    with pytest.raises(ValueError, match="not in this DeviceTier"):
+        t.mark_pending("zz", threading.Event())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pool_with_event_fence():
+    t = DeviceTier(SHAPE, num_slots=2, dtype=torch.float16, device="cuda")
+    x = torch.randn(SHAPE, device="cuda")
+    t.put("a", x)
+    host = torch.empty(SHAPE, dtype=torch.float16, pin_memory=True)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        host.copy_(t.get_tensor("a"), non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(side)
+    t.delete("a", fence=ev)
+    ev.synchronize()
+    assert t.free_slots == 2
+    assert torch.equal(host.cuda(), x.half())
+    assert t.put("b", b"raw bytes") and t.get("b") == b"raw bytes"

@@ -1,0 +1,224 @@
+"""DiskTier specifics: restart recovery, tombstones, compaction, locking, permissions, full disk."""
+from __future__ import annotations
+
+import errno
+import os
+import resource
+import signal
+import stat
+import threading
+
+import pytest
+
+from kvtier.tiers import DirectoryLockedError, DiskFullError, DiskTier
+from kvtier.tiers import disk as disk_mod
+
+from ._proc import run_in_child
+
+SEG = 16 << 10
+
+
+def open_tier(path, **kw):
+    kw.setdefault("capacity_bytes", 64 * SEG)
+    kw.setdefault("segment_bytes", SEG)
+    return DiskTier(path, **kw)
+
+
+def test_reopen_recovers_everything_including_deletes(tmp_path):
+    vals = {f"b{i}": os.urandom(100 + 37 * i) for i in range(200)}
+    with open_tier(tmp_path / "d") as t:
+        assert all(t.put_many(vals.items()))
+        t.put("b0", b"newer")
+        t.delete_many(["b1", "b2"])
+        assert t.stats()["segments"] > 1
+    vals["b0"] = b"newer"
+    del vals["b1"], vals["b2"]
+    with open_tier(tmp_path / "d") as t:
+        assert sorted(t.keys()) == sorted(vals)
+        assert all(t.get(k) == v for k, v in vals.items())
+        assert t.stats()["recovered"] == len(vals)
+        t.put("after", b"restart")  # appends continue where the log ended
+    with open_tier(tmp_path / "d") as t:
+        assert t.get("after") == b"restart" and len(t) == len(vals) + 1
+
+
+def test_files_and_directory_are_owner_only(tmp_path):
+    with open_tier(tmp_path / "d") as t:
+        t.put("a", b"1")
+    assert stat.S_IMODE(os.stat(tmp_path / "d").st_mode) == 0o700
+    for name in os.listdir(tmp_path / "d"):
+        assert stat.S_IMODE(os.stat(tmp_path / "d" / name).st_mode) == 0o600, name
+
+
+def test_compaction_reclaims_dead_segments_and_survives_restart(tmp_path):
+    with open_tier(tmp_path / "d", compact_threshold=0.5) as t:
+        for i in range(60):
+            t.put(f"k{i}", bytes([i]) * 2000)
+        segs_full = t.stats()["segments"]
+        t.delete_many([f"k{i}" for i in range(60) if i % 4])  # 3 of 4 records die
+        s = t.stats()
+        assert s["compactions"] >= 1 and s["segments"] < segs_full
+        assert s["dead_bytes"] < s["used_bytes"]
+        assert all(t.get(f"k{i}") == bytes([i]) * 2000 for i in range(0, 60, 4))
+    with open_tier(tmp_path / "d") as t:  # deleted keys stay deleted after compaction + reopen
+        assert sorted(t.keys()) == sorted(f"k{i}" for i in range(0, 60, 4))
+
+
+def test_full_tier_returns_false_then_compacts_to_make_room(tmp_path):
+    with open_tier(tmp_path / "d", capacity_bytes=4 * SEG, compact_threshold=0.0) as t:
+        n = 0
+        while t.put(f"k{n}", b"v" * 3000):
+            n += 1
+        assert t.stats()["disk_bytes"] <= 4 * SEG and t.get("k0") == b"v" * 3000
+        t.delete_many([f"k{i}" for i in range(n // 2)])
+        assert t.put("again", b"w" * 3000)  # an all-dead or compactable segment makes room
+        assert all(t.get(f"k{i}") == b"v" * 3000 for i in range(n // 2, n))
+
+
+def test_oversize_record(tmp_path):
+    with open_tier(tmp_path / "d") as t:
+        with pytest.raises(ValueError, match="value"):
+            t.put("k", b"x" * SEG)
+        assert t.put("k", b"x" * (SEG - 64 - disk_mod.record_size(1, 0)))
+
+
+def test_path_that_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_bytes(b"x")
+    with pytest.raises(ValueError, match="path"):
+        DiskTier(f)
+
+
+def test_bad_constructor_args(tmp_path):
+    with pytest.raises(ValueError, match="durability"):
+        DiskTier(tmp_path / "d", durability="always")
+    with pytest.raises(ValueError, match="segment_bytes"):
+        DiskTier(tmp_path / "d", segment_bytes=100)
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        DiskTier(tmp_path / "d", capacity_bytes=1, segment_bytes=4096)
+    with pytest.raises(ValueError, match="compact_threshold"):
+        DiskTier(tmp_path / "d", compact_threshold=2)
+
+
+def test_second_writer_same_process_refused(tmp_path):
+    t = open_tier(tmp_path / "d")
+    with pytest.raises(DirectoryLockedError, match="in use"):
+        open_tier(tmp_path / "d")
+    t.close()
+    open_tier(tmp_path / "d").close()  # released on close
+
+
+def _hold_lock(path, ready_fd, release_fd):
+    t = open_tier(path)
+    os.write(ready_fd, b"1")
+    os.read(release_fd, 1)
+    t.close()
+    return True
+
+
+def test_second_writer_other_process_refused(tmp_path):
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    out = {}
+    th = threading.Thread(target=lambda: out.setdefault("r", run_in_child(_hold_lock, tmp_path / "d", w1, r2)))
+    th.start()
+    try:
+        os.read(r1, 1)  # the child holds the directory now
+        with pytest.raises(DirectoryLockedError):
+            open_tier(tmp_path / "d")
+    finally:
+        os.write(w2, b"1")
+        th.join(30)
+    assert out["r"] is True
+    open_tier(tmp_path / "d").close()
+
+
+def _open_as_nobody(path):
+    os.setgid(65534)
+    os.setuid(65534)
+    try:
+        open_tier(path)
+    except PermissionError as exc:
+        return str(exc)
+    return None
+
+
+def test_directory_without_permission(tmp_path):
+    d = tmp_path / "private"
+    d.mkdir(mode=0o700)
+    if os.geteuid() == 0:  # root ignores permissions: try as an unprivileged user instead
+        os.chmod(tmp_path, 0o755)
+        msg = run_in_child(_open_as_nobody, d)
+    else:
+        os.chmod(d, 0o500)
+        with pytest.raises(PermissionError) as ei:
+            open_tier(d)
+        msg = str(ei.value)
+        os.chmod(d, 0o700)
+    assert msg is not None and str(d) in msg
+
+
+def test_disk_full_mid_batch_keeps_earlier_records(tmp_path, monkeypatch):
+    t = open_tier(tmp_path / "d", durability="batch")
+    early = {f"e{i}": os.urandom(500) for i in range(10)}
+    t.put_many(early.items())
+    real = os.pwritev
+    calls = {"n": 0}
+
+    def failing(fd, bufs, off):
+        calls["n"] += 1
+        if calls["n"] >= 2:  # write a torn prefix, then run out of space
+            real(fd, [memoryview(bufs[0])[:10]], off)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, bufs, off)
+
+    monkeypatch.setattr(disk_mod.os, "pwritev", failing)
+    big = [(f"x{i}", os.urandom(3000)) for i in range(20)]  # needs several writes
+    with pytest.raises(DiskFullError, match="disk full"):
+        t.put_many(big)
+    monkeypatch.setattr(disk_mod.os, "pwritev", real)
+    assert all(t.get(k) == v for k, v in early.items())
+    written = {k for k, _ in big if t.contains(k)}
+    assert all(t.get(k) == v for k, v in big if k in written)
+    assert t.put("later", b"space is back")  # the torn write is overwritten, not indexed
+    t.close()
+    with open_tier(tmp_path / "d") as t:
+        assert all(t.get(k) == v for k, v in early.items()) and t.get("later") == b"space is back"
+        assert t.stats()["scan_corrupt"] == 0
+
+
+def _fill_until_full(path, limit):
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of being killed
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    # segments larger than the file-size limit: the next new segment is refused by the kernel
+    t = open_tier(path, segment_bytes=2 * limit, capacity_bytes=64 * limit, durability="never")
+    n = 0
+    try:
+        while n < 10_000:
+            assert t.put(f"k{n}", bytes([n % 256]) * 1000)
+            n += 1
+    except DiskFullError as exc:
+        t.close()
+        return n, str(exc)
+    return n, None
+
+
+def test_real_filesystem_refusal_is_a_clear_error(tmp_path):
+    with open_tier(tmp_path / "d", durability="never") as t:
+        t.put("first", b"f" * 1000)  # leaves a head segment with room for a few more records
+    n, msg = run_in_child(_fill_until_full, tmp_path / "d", 1 << 20)
+    assert msg is not None and "disk full" in msg and n > 5
+    with open_tier(tmp_path / "d") as t:
+        assert len(t) == n + 1 and t.get("first") == b"f" * 1000
+        assert all(t.get(f"k{i}") == bytes([i % 256]) * 1000 for i in range(n))
+
+
+@pytest.mark.parametrize("durability", ["batch", "close", "never"])
+def test_durability_modes(tmp_path, durability):
+    with open_tier(tmp_path / "d", durability=durability) as t:
+        t.put_many([("a", b"1"), ("b", b"2")])
+        syncs = t.stats()["syncs"]
+        assert syncs == (1 if durability == "batch" else 0)
+        t.sync()
+    with open_tier(tmp_path / "d") as t:
+        assert t.get("a") == b"1" and t.get("b") == b"2"
