@@ -141,6 +141,7 @@ class KVStore:
         self._pf_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-prefetch") \
             if cfg.prefetch else None
         self._pf: OrderedDict[str, Future] = OrderedDict()
+        self._pf_lock = threading.Lock()  # guards _pf only; never held while waiting
         self._closed = False
 
         # counters (plain ints; read together in stats())
@@ -218,8 +219,9 @@ class KVStore:
             raise ValueError(f"seq must be a live sequence id {sorted(self._tables)}; got {seq!r}")
         self._worker.drain()  # no swap-out of this sequence may be in flight
         prefix = f"{seq}/"
-        for key in [k for k in self._pf if k.startswith(prefix)]:
-            fut = self._pf.pop(key)
+        with self._pf_lock:
+            mine = [self._pf.pop(k) for k in list(self._pf) if k.startswith(prefix)]
+        for fut in mine:
             self._discard_prefetch(fut)
         drop2, drop3 = [], []
         with self._lock:
@@ -389,15 +391,17 @@ class KVStore:
         self._worker.submit(items)
         if self._pf_pool is not None:
             # temporal locality: what each layer attended last step is wanted again
-            for (seq, layer), sel in self._last_sel.items():
-                if seq in self._tables:
-                    self._prefetch(self._tables[seq][layer], sel)
+            for (seq, layer), sel in list(self._last_sel.items()):
+                tables = self._tables.get(seq)
+                if tables is not None:
+                    self._prefetch(tables[layer], sel)
             # dense: the next step starts again at layer 0
-            for seq in self._dense_seqs:
-                if seq in self._tables:
-                    t0 = self._tables[seq][0]
-                    self._prefetch(t0, range(len(t0.entries)))
+            dense = list(self._dense_seqs)
             self._dense_seqs.clear()
+            for seq in dense:
+                tables = self._tables.get(seq)
+                if tables is not None:
+                    self._prefetch(tables[0], range(len(tables[0].entries)))
 
     def flush(self) -> None:
         """Wait until every queued swap-out completed (tests, checkpoints)."""
@@ -585,24 +589,27 @@ class KVStore:
 
     def _discard_prefetch(self, fut: Future) -> None:
         """An unused prefetch: cancel it, or wait for it so no load of a dropped block is in flight."""
-        self.c["pf_wasted"] += 1
+        self._count(pf_wasted=1)
         if not fut.cancel() and fut.exception() is not None:
             self.c["pf_errors"] += 1
 
     def _prefetch(self, t: BlockTable, blocks) -> None:
         ents = t.entries
         n = len(ents) - 1
-        for b in blocks:
-            if b >= n:
-                continue
-            e = ents[b]
-            if e.slot is not None or e.key in self._pf:
-                continue
-            while len(self._pf) >= self.cfg.prefetch_blocks:
-                _, old = self._pf.popitem(last=False)
-                self._discard_prefetch(old)
-            self._pf[e.key] = self._pf_pool.submit(self._load, e)
-            self.c["pf_issued"] += 1
+        dropped = []
+        with self._pf_lock:
+            for b in blocks:
+                if b >= n:
+                    continue
+                e = ents[b]
+                if e.slot is not None or e.key in self._pf:
+                    continue
+                while len(self._pf) >= self.cfg.prefetch_blocks:
+                    dropped.append(self._pf.popitem(last=False)[1])
+                self._pf[e.key] = self._pf_pool.submit(self._load, e)
+                self.c["pf_issued"] += 1
+        for old in dropped:
+            self._discard_prefetch(old)
 
     # -- reads -------------------------------------------------------------------------------
 

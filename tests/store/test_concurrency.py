@@ -1,0 +1,133 @@
+"""Races between the caller, the swap-out worker and the prefetcher: nothing lost or duplicated,
+no deadlock (every test is bounded by a timeout)."""
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from .conftest import Ref, check_invariants, make_store, random_chunk
+
+
+def slow_swap_out(st, delay=0.002):
+    """Widen the race windows: the worker's encode takes a while."""
+    encode = st._encode
+
+    def slow(block, tier):
+        if threading.current_thread().name.startswith("kvtier-swapout"):
+            time.sleep(delay)
+        return encode(block, tier)
+
+    st._encode = slow
+
+
+@pytest.mark.timeout(60)
+def test_swap_out_racing_swap_in_of_the_same_block(tmp_path):
+    st = make_store(tmp_path, num_layers=1, block_tokens=4, hot_tokens=16, budget_tokens=16,
+                    sink_tokens=0, window_tokens=0, policy="lru", high_watermark=0.75, low_watermark=0.5,
+                    host_bytes=4096, attention="sparse")
+    slow_swap_out(st)
+    s = st.add_sequence()
+    rng = random.Random(3)
+    ref = Ref()
+    cancels = 0
+    for step in range(300):
+        k, v = random_chunk(rng, sizes=(1, 2, 3))
+        st.append(s, 0, k, v)
+        ref.add(s, 0, k, v)
+        st.end_step()  # queues victims for the (slow) worker
+        t = st._tables[s][0]
+        pending = [e.idx for e in t.entries[:-1] if e.pending]
+        ns = t.n_sealed
+        if ns == 0:
+            continue
+        # attend to blocks being swapped out right now, and to blocks already gone
+        want = sorted(set(pending[:2]) | {rng.randrange(ns)})[: st.hot_blocks - 1]
+        cancels += sum(1 for b in want if t.entries[b].pending)
+        K, V, pos = st.gather_blocks(s, 0, want)
+        rk, rv = ref.kv(s, 0)
+        assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+    assert cancels > 0, "the race was never exercised"
+    check_invariants(st)
+    rk, rv = ref.kv(s, 0)
+    K, V = st.gather(s, 0)
+    assert torch.equal(K, rk) and torch.equal(V, rv)
+    st.close()
+
+
+@pytest.mark.timeout(60)
+def test_eviction_during_prefetch(tmp_path):
+    st = make_store(tmp_path, num_layers=3, block_tokens=4, hot_tokens=16, budget_tokens=16,
+                    sink_tokens=4, window_tokens=4, policy="h2o", host_bytes=4096, attention="sparse",
+                    prefetch=True, prefetch_blocks=8)
+    slow_swap_out(st, 0.001)
+    seqs = [st.add_sequence() for _ in range(2)]
+    rng = random.Random(5)
+    ref = Ref()
+    for step in range(250):
+        for s in seqs:
+            for layer in range(3):
+                k, v = random_chunk(rng, sizes=(1,))
+                st.append(s, layer, k, v)
+                ref.add(s, layer, k, v)
+                q = torch.randn(4, 1, 8)
+                sel = st.select(s, layer, q)  # prefetches layer+1 while eviction runs
+                K, V, pos = st.gather_blocks(s, layer, sel)
+                rk, rv = ref.kv(s, layer)
+                assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+                st.observe(s, layer, sel, torch.rand(len(sel) + 1))
+        st.end_step()  # evicts and prefetches last step's selection
+    stats = st.stats()
+    assert stats["prefetch"]["issued"] > 0 and stats["swap_out_blocks"] > 0
+    check_invariants(st)
+    for (s, layer) in ref.chunks:
+        rk, rv = ref.kv(s, layer)
+        K, V = st.gather(s, layer)
+        assert torch.equal(K, rk) and torch.equal(V, rv)
+    st.close()
+
+
+@pytest.mark.timeout(90)
+def test_many_sequences_interleaved_from_threads(tmp_path):
+    st = make_store(tmp_path, num_layers=2, block_tokens=4, hot_tokens=8, host_bytes=8192, max_sequences=6,
+                    policy="sink-window", sink_tokens=0, window_tokens=0, prefetch=True)
+    errors = []
+    refs = {}
+
+    def run(seed):
+        try:
+            rng = random.Random(seed)
+            gen = torch.Generator().manual_seed(seed)
+            s = st.add_sequence()
+            ref = refs[s] = Ref()
+            for i in range(300):
+                layer = rng.randrange(2)
+                n = rng.choice((1, 1, 2, 6))
+                k = torch.randn(2, n, 8, generator=gen).half()
+                v = torch.randn(2, n, 8, generator=gen).half()
+                st.append(s, layer, k, v)
+                ref.add(s, layer, k, v)
+                if i % 3 == 0:
+                    st.end_step()
+                if i % 50 == 0:
+                    K, V = st.gather(s, layer)
+                    rk, rv = ref.kv(s, layer)
+                    assert torch.equal(K, rk) and torch.equal(V, rv)
+        except BaseException as e:  # surfaced by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=80)
+    assert not any(th.is_alive() for th in threads), "deadlock"
+    assert not errors, errors[0]
+    check_invariants(st)
+    for s, ref in refs.items():
+        for (_, layer) in ref.chunks:
+            rk, rv = ref.kv(s, layer)
+            K, V = st.gather(s, layer)
+            assert torch.equal(K, rk) and torch.equal(V, rv)
+    st.close()
