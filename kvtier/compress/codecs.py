@@ -1,0 +1,297 @@
+"""The codecs: ``fp16``/``bf16`` pass-through, ``int8``/``int4``/``int2`` group quantizers, and
+bitsandbytes' ``nf4``/``fp4``/``dyn8`` behind the same interface.
+
+Input to ``encode``: a floating tensor (fp16, bf16 or fp32) of rank 2 to 4 whose last two dims
+are ``[tokens, head_dim]``, e.g. one role of a block ``[kv_heads, block_tokens, head_dim]`` or the
+K+V stack ``[2, kv_heads, block_tokens, head_dim]``. It is never modified; ``Encoded.parts`` are
+fresh tensors on the input's device. ``decode(enc, device)`` moves the (small) parts to ``device``
+first and dequantizes there, returning a fresh tensor of the original shape and dtype.
+
+Where the integer quantizers run (one spec, :mod:`kvtier.compress.reference`):
+
+    CUDA tensor  -> fused Triton kernels (kvtier.compress.triton_kernels)
+    CPU tensor   -> compiled C kernel   (kvtier.compress.cpu), reference if no C compiler
+    other        -> torch reference
+"""
+from __future__ import annotations
+
+import zlib
+from functools import lru_cache
+
+import torch
+
+from kvtier.compress import cpu as _cpu
+from kvtier.compress import reference as _ref
+from kvtier.compress.base import Codec, Encoded
+
+NAMES = ("fp16", "bf16", "int8", "int4", "int2", "nf4", "fp4", "dyn8")
+AXES = ("token", "channel")
+GROUP_SIZES = (32, 64, 128)
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_INT_BITS = {"int8": 8, "int4": 4, "int2": 2}
+MAX_RANK = 4
+
+
+def get_codec(name: str, *, group_size: int = 64, axis: str | None = None, check_finite: bool = True) -> Codec:
+    """Build a codec by name.
+
+    Args:
+        name: one of ``fp16, bf16, int8, int4, int2, nf4, fp4, dyn8``.
+        group_size: elements per quantization group: 32, 64 or 128 (ignored by fp16/bf16).
+        axis: ``"channel"``: groups run along the token axis, one scale per channel per group of
+            tokens (KIVI keys); ``"token"``: groups run along head_dim, one scale per token per
+            group of channels (values). ``None`` means ``"token"``. Ignored by fp16/bf16.
+        check_finite: reject NaN/Inf input with ValueError (on CUDA this synchronizes).
+    """
+    if not isinstance(name, str) or name not in NAMES:
+        raise ValueError(f"codec name must be one of {NAMES}; got {name!r}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}; got {group_size!r}")
+    if axis is None:
+        axis = "token"
+    if axis not in AXES:
+        raise ValueError(f"axis must be one of {AXES} or None; got {axis!r}")
+    if not isinstance(check_finite, bool):
+        raise ValueError(f"check_finite must be True or False; got {check_finite!r}")
+    if name in ("fp16", "bf16"):
+        return PassthroughCodec(name)
+    if name in _INT_BITS:
+        return IntCodec(_INT_BITS[name], group_size, axis, check_finite)
+    return BnbCodec(name, group_size, axis, check_finite)
+
+
+def check_input(x: object, name: str = "x") -> torch.Tensor:
+    """Validate an ``encode`` input (type, dtype, rank, emptiness; not finiteness)."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor; got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{name}.dtype must be one of float16, bfloat16, float32; got {x.dtype}")
+    if not 2 <= x.dim() <= MAX_RANK:
+        raise ValueError(f"{name} must have rank 2..{MAX_RANK} ([..., tokens, head_dim]); got shape {tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"{name} must not be empty; got shape {tuple(x.shape)}")
+    return x
+
+
+def _check_finite(x: torch.Tensor, name: str = "x") -> None:
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError(f"{name} must be finite (no NaN or Inf)")
+
+
+def _target(enc: Encoded, device) -> torch.device:
+    return torch.device(device) if device is not None else enc.device
+
+
+def _check_encoded(enc: object, codec: str) -> Encoded:
+    if not isinstance(enc, Encoded):
+        raise ValueError(f"enc must be an Encoded; got {type(enc).__name__}")
+    if enc.codec != codec:
+        raise ValueError(f"enc.codec must be {codec!r} for this codec; got {enc.codec!r}")
+    if enc.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"enc.dtype must be one of float16, bfloat16, float32; got {enc.dtype}")
+    if not 2 <= len(enc.shape) <= MAX_RANK or any(int(s) <= 0 for s in enc.shape):
+        raise ValueError(f"enc.shape must have rank 2..{MAX_RANK} and positive dims; got {tuple(enc.shape)}")
+    return enc
+
+
+def _expect_part(enc: Encoded, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    t = enc.parts.get(key)
+    if t is None:
+        raise ValueError(f"enc.parts must hold {key!r} for codec {enc.codec!r}; got {list(enc.parts)}")
+    if tuple(t.shape) != tuple(shape) or t.dtype != dtype:
+        raise ValueError(f"enc.parts[{key!r}] must be {dtype} {tuple(shape)}; got {t.dtype} {tuple(t.shape)}")
+    return t
+
+
+class PassthroughCodec(Codec):
+    """``fp16``/``bf16``: the tensor itself, for exactness tests and full-precision tiers.
+
+    Exact for input of its own dtype. fp32 input is rounded once to the codec dtype and decoded
+    back to fp32. The other 16-bit dtype is refused (fp16 <-> bf16 silently loses range or
+    precision), with ValueError.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self.store_dtype = torch.float16 if name == "fp16" else torch.bfloat16
+
+    @property
+    def params(self) -> dict:
+        return {}
+
+    @property
+    def lossless(self) -> bool:
+        return True
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        check_input(x)
+        if x.dtype not in (self.store_dtype, torch.float32):
+            raise ValueError(f"x.dtype must be {self.store_dtype} or float32 for codec {self.name!r}; got {x.dtype}")
+        data = x.to(self.store_dtype).contiguous()
+        if data.data_ptr() == x.data_ptr():
+            data = data.clone()  # parts never alias the caller's tensor
+        return Encoded(self.name, {}, tuple(x.shape), x.dtype, {"data": data})
+
+    def decode(self, enc: Encoded, device=None) -> torch.Tensor:
+        _check_encoded(enc, self.name)
+        data = _expect_part(enc, "data", tuple(enc.shape), self.store_dtype)
+        return data.to(_target(enc, device)).to(enc.dtype)
+
+
+class IntCodec(Codec):
+    """``int8`` (symmetric), ``int4`` and ``int2`` (asymmetric, 2 and 4 codes per byte).
+
+    Parts: ``q`` (int8 ``[..., T, D]`` or packed uint8 ``[..., T, ceil(D*bits/8)]``), ``scale``
+    and, for int4/int2, ``zero`` (input dtype; ``[..., T, ceil(D/G)]`` for axis "token",
+    ``[..., ceil(T/G), D]`` for axis "channel"). A short last group covers the remainder.
+    """
+
+    def __init__(self, bits: int, group_size: int, axis: str, check_finite: bool = True):
+        self.bits = bits
+        self.name = f"int{bits}"
+        self.group_size = group_size
+        self.axis = axis
+        self.check_finite = check_finite
+
+    @property
+    def params(self) -> dict:
+        return {"group_size": self.group_size, "axis": self.axis}
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        check_input(x)
+        bits, g, axis = self.bits, self.group_size, self.axis
+        if x.is_cuda:
+            if self.check_finite:
+                _check_finite(x)
+            from kvtier.compress import triton_kernels
+
+            q, scale, zero = triton_kernels.quantize(x.contiguous(), bits, g, axis)
+        elif x.device.type == "cpu" and _cpu.available():
+            q, scale, zero, nonfinite = _cpu.quantize_checked(x.contiguous(), bits, g, axis)
+            if self.check_finite and nonfinite:
+                raise ValueError("x must be finite (no NaN or Inf)")
+        else:
+            if self.check_finite:
+                _check_finite(x)
+            q, scale, zero = _ref.quantize_ref(x, bits, g, axis)
+        if self.check_finite and x.dtype == torch.float32 and not x.is_cuda:
+            # fp32 ranges near the float max overflow max - min; scales are small to check.
+            _check_finite(scale, "scale of x (x's range overflows float32)")
+        parts = {"q": q, "scale": scale}
+        if zero is not None:
+            parts["zero"] = zero
+        return Encoded(self.name, self.params, tuple(x.shape), x.dtype, parts)
+
+    def _parts(self, enc: Encoded):
+        _check_encoded(enc, self.name)
+        p = enc.params
+        if p.get("group_size") != self.group_size or p.get("axis") != self.axis:
+            raise ValueError(f"enc.params must be {self.params} for this codec; got {p}")
+        shape = tuple(int(s) for s in enc.shape)
+        *lead, t, d = shape
+        qdtype = torch.int8 if self.bits == 8 else torch.uint8
+        q = _expect_part(enc, "q", (*lead, t, _ref.packed_dim(d, self.bits)), qdtype)
+        sshape = _ref.scale_shape(shape, self.group_size, self.axis)
+        scale = _expect_part(enc, "scale", sshape, enc.dtype)
+        zero = None if self.bits == 8 else _expect_part(enc, "zero", sshape, enc.dtype)
+        return shape, q, scale, zero
+
+    def decode(self, enc: Encoded, device=None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Dequantize on ``device``. ``out``: optional contiguous CPU tensor to write into."""
+        shape, q, scale, zero = self._parts(enc)
+        dev = _target(enc, device)
+        if q.device != dev:
+            q, scale = q.to(dev), scale.to(dev)
+            zero = zero.to(dev) if zero is not None else None
+        args = (q, scale, zero, self.bits, self.group_size, self.axis, shape, enc.dtype)
+        if dev.type == "cuda":
+            from kvtier.compress import triton_kernels
+
+            return triton_kernels.dequantize(*args)
+        if dev.type == "cpu" and _cpu.available():
+            return _cpu.dequantize(*args, out=out)
+        return _ref.dequantize_ref(*args)
+
+
+@lru_cache(maxsize=None)
+def _bnb():
+    import bitsandbytes.functional as F  # heavy import, only when a bnb codec is used
+
+    return F
+
+
+@lru_cache(maxsize=None)
+def _dyn8_code() -> tuple[torch.Tensor, int]:
+    code = _bnb().create_dynamic_map().float().contiguous()
+    return code, zlib.crc32(code.numpy().tobytes())
+
+
+class BnbCodec(Codec):
+    """bitsandbytes' blockwise quantizers: ``nf4``, ``fp4`` (4-bit, two per byte) and ``dyn8``
+    (8-bit dynamic map). bitsandbytes groups blocks over the flattened tensor, so with axis
+    "token" (and group_size dividing head_dim) a block is a group of channels of one token; with
+    axis "channel" the last two dims are transposed first, making blocks run along tokens.
+
+    Parts: ``q`` (uint8, flat) and ``absmax`` (fp32, one per block). dyn8's 256-entry code table
+    is bitsandbytes' fixed dynamic map, not stored; its CRC in ``params`` guards against a
+    bitsandbytes version that changed it.
+    """
+
+    def __init__(self, name: str, group_size: int, axis: str, check_finite: bool = True):
+        self.name = name
+        self.group_size = group_size
+        self.axis = axis
+        self.check_finite = check_finite
+
+    @property
+    def params(self) -> dict:
+        p = {"group_size": self.group_size, "axis": self.axis}
+        if self.name == "dyn8":
+            p["code_crc"] = _dyn8_code()[1]
+        return p
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        check_input(x)
+        if self.check_finite:
+            _check_finite(x)
+        F = _bnb()
+        y = x.transpose(-1, -2) if self.axis == "channel" else x
+        y = y.contiguous()  # [..., D, T] for channel, [..., T, D] for token
+        if self.name == "dyn8":
+            code = _dyn8_code()[0].to(x.device)
+            q, st = F.quantize_blockwise(y, code=code, blocksize=self.group_size)
+        else:
+            q, st = F.quantize_4bit(y, blocksize=self.group_size, quant_type=self.name)
+        parts = {"q": q.reshape(-1).contiguous(), "absmax": st.absmax.float().contiguous()}
+        return Encoded(self.name, self.params, tuple(x.shape), x.dtype, parts)
+
+    def decode(self, enc: Encoded, device=None) -> torch.Tensor:
+        _check_encoded(enc, self.name)
+        if enc.params != self.params:
+            raise ValueError(f"enc.params must be {self.params} for this codec; got {enc.params}")
+        shape = tuple(int(s) for s in enc.shape)
+        n = 1
+        for s in shape:
+            n *= s
+        nblocks = -(-n // self.group_size)
+        nq = n if self.name == "dyn8" else -(-n // 2)
+        q = _expect_part(enc, "q", (nq,), torch.uint8)
+        absmax = _expect_part(enc, "absmax", (nblocks,), torch.float32)
+        dev = _target(enc, device)
+        q, absmax = q.to(dev), absmax.to(dev)
+        F = _bnb()
+        yshape = (*shape[:-2], shape[-1], shape[-2]) if self.axis == "channel" else shape
+        if self.name == "dyn8":
+            code = _dyn8_code()[0].to(dev)
+            st = F.QuantState(absmax=absmax, shape=torch.Size(yshape), code=code, blocksize=self.group_size,
+                              dtype=enc.dtype)
+            y = F.dequantize_blockwise(q.reshape(yshape), st)
+        else:
+            st = F.QuantState(absmax=absmax, shape=torch.Size(yshape), blocksize=self.group_size,
+                              quant_type=self.name, dtype=enc.dtype)
+            y = F.dequantize_4bit(q.reshape(-1, 1), st)
+        y = y.reshape(yshape)
+        if self.axis == "channel":
+            y = y.transpose(-1, -2)
+        return y.contiguous().to(enc.dtype)

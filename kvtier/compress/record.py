@@ -1,0 +1,256 @@
+"""Self-describing binary record for one :class:`Encoded`: header, payload, CRC32.
+
+Parsing reads fixed-width little-endian integers and UTF-8 names only: nothing is executed (no
+pickle, no eval), every length is checked against the bytes actually present before it is used,
+and a record written by a newer format version is refused.
+
+Layout (format version 1)::
+
+    offset  size  field
+    0       4     magic b"KVTR"
+    4       2     version (u16)
+    6       2     flags (u16, 0; reserved)
+    8       4     header_len (u32): bytes from offset 0 to the payload
+    12      8     payload_len (u64)
+    20      ...   codec name        str8  (u8 length + UTF-8)
+                  dtype             u8    (dtype code, below)
+                  ndim              u8,   then ndim x u64 dims
+                  nparams           u8,   then per param: str8 key, u8 kind (0 int, 1 str),
+                                          i64 value | str8 value
+                  nparts            u8,   then per part: str8 name, u8 dtype, u8 ndim, ndim x u64 dims
+    header_len    payload_len    the parts' bytes, in order, each C-contiguous
+    end - 4       4     CRC32 (u32) of everything before it
+
+A part's byte length is ``prod(dims) * itemsize``; their sum must equal ``payload_len`` and
+``header_len + payload_len + 4`` must equal the record length.
+
+Ownership: :func:`unpack_record` returns CPU tensors that alias ``buf`` when it is writable
+(bytearray, writable memoryview or mmap) and the part is aligned for its dtype; otherwise the
+payload is copied once. Callers that reuse a writable buffer must not decode after reusing it.
+"""
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+
+import torch
+
+from kvtier.compress.base import Encoded
+
+MAGIC = b"KVTR"
+FORMAT_VERSION = 1
+
+_FIXED = struct.Struct("<4sHHIQ")  # magic, version, flags, header_len, payload_len
+_CRC = struct.Struct("<I")
+_U8 = struct.Struct("<B")
+_U64 = struct.Struct("<Q")
+_I64 = struct.Struct("<q")
+
+_DTYPES = {
+    1: torch.float16, 2: torch.bfloat16, 3: torch.float32, 4: torch.float64,
+    5: torch.uint8, 6: torch.int8, 7: torch.int16, 8: torch.int32, 9: torch.int64, 10: torch.bool,
+}
+_DTYPE_CODES = {v: k for k, v in _DTYPES.items()}
+MAX_NDIM = 8
+MAX_PARTS = 16
+MAX_PARAMS = 16
+
+
+class RecordError(ValueError):
+    """A byte string is not a valid record."""
+
+
+class CorruptRecordError(RecordError):
+    """Bad magic, CRC mismatch, or a length/field out of bounds."""
+
+
+class UnsupportedVersionError(RecordError):
+    """The record was written by a newer (or unknown) format version."""
+
+
+def _str8(s: str, what: str) -> bytes:
+    raw = s.encode("utf-8")
+    if len(raw) > 255:
+        raise ValueError(f"{what} must be at most 255 UTF-8 bytes; got {len(raw)}")
+    return _U8.pack(len(raw)) + raw
+
+
+def _dims(shape, what: str) -> bytes:
+    shape = tuple(int(d) for d in shape)
+    if len(shape) > MAX_NDIM or any(d < 0 for d in shape):
+        raise ValueError(f"{what} must have at most {MAX_NDIM} non-negative dims; got {shape}")
+    return _U8.pack(len(shape)) + b"".join(_U64.pack(d) for d in shape)
+
+
+def _dtype_code(dt: torch.dtype, what: str) -> bytes:
+    code = _DTYPE_CODES.get(dt)
+    if code is None:
+        raise ValueError(f"{what} must be one of {[str(d) for d in _DTYPES.values()]}; got {dt}")
+    return _U8.pack(code)
+
+
+def pack_record(enc: Encoded) -> bytes:
+    """Serialise ``enc`` (parts on any device; copied to CPU) into one record."""
+    if not isinstance(enc, Encoded):
+        raise ValueError(f"enc must be an Encoded; got {type(enc).__name__}")
+    if len(enc.parts) > MAX_PARTS or len(enc.params) > MAX_PARAMS:
+        raise ValueError(f"enc must have at most {MAX_PARTS} parts and {MAX_PARAMS} params")
+    head = [_str8(enc.codec, "enc.codec"), _dtype_code(enc.dtype, "enc.dtype"), _dims(enc.shape, "enc.shape"),
+            _U8.pack(len(enc.params))]
+    for k, v in enc.params.items():
+        head.append(_str8(str(k), "enc.params key"))
+        if isinstance(v, bool) or not isinstance(v, (int, str)):
+            raise ValueError(f"enc.params values must be int or str; got {k}={v!r}")
+        if isinstance(v, int):
+            head += [_U8.pack(0), _I64.pack(v)]
+        else:
+            head += [_U8.pack(1), _str8(v, f"enc.params[{k!r}]")]
+    head.append(_U8.pack(len(enc.parts)))
+    payload = []
+    for name, t in enc.parts.items():
+        head += [_str8(name, "part name"), _dtype_code(t.dtype, f"enc.parts[{name!r}].dtype"),
+                 _dims(t.shape, f"enc.parts[{name!r}]")]
+        t = t.detach().to("cpu").contiguous()
+        payload.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
+    var = b"".join(head)
+    header_len = _FIXED.size + len(var)
+    payload_len = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in payload)
+    chunks = [_FIXED.pack(MAGIC, FORMAT_VERSION, 0, header_len, payload_len), var, *payload]
+    crc = 0
+    for c in chunks:
+        crc = zlib.crc32(c, crc)
+    chunks.append(_CRC.pack(crc))
+    return b"".join(chunks)
+
+
+class _Reader:
+    """Bounds-checked cursor over the header bytes."""
+
+    def __init__(self, mv: memoryview, pos: int, end: int):
+        self.mv, self.pos, self.end = mv, pos, end
+
+    def take(self, n: int, what: str) -> memoryview:
+        if n < 0 or self.pos + n > self.end:
+            raise CorruptRecordError(f"record header truncated reading {what}")
+        out = self.mv[self.pos:self.pos + n]
+        self.pos += n
+        return out
+
+    def u8(self, what: str) -> int:
+        return self.take(1, what)[0]
+
+    def u64(self, what: str) -> int:
+        return _U64.unpack(self.take(8, what))[0]
+
+    def i64(self, what: str) -> int:
+        return _I64.unpack(self.take(8, what))[0]
+
+    def str8(self, what: str) -> str:
+        raw = self.take(self.u8(what), what)
+        try:
+            return bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CorruptRecordError(f"record {what} is not UTF-8") from e
+
+    def dtype(self, what: str) -> torch.dtype:
+        code = self.u8(what)
+        if code not in _DTYPES:
+            raise CorruptRecordError(f"record {what} has unknown dtype code {code}")
+        return _DTYPES[code]
+
+    def dims(self, what: str) -> tuple[int, ...]:
+        n = self.u8(what)
+        if n > MAX_NDIM:
+            raise CorruptRecordError(f"record {what} has {n} dims (max {MAX_NDIM})")
+        return tuple(self.u64(what) for _ in range(n))
+
+
+def _as_memoryview(buf) -> memoryview:
+    if isinstance(buf, torch.Tensor):
+        if buf.device.type != "cpu" or buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
+            raise ValueError("buf as a tensor must be a contiguous 1-D uint8 CPU tensor")
+        buf = buf.numpy()
+    try:
+        mv = memoryview(buf)
+    except TypeError as e:
+        raise ValueError(f"buf must be bytes-like; got {type(buf).__name__}") from e
+    if mv.ndim != 1 or mv.itemsize != 1:
+        mv = mv.cast("B")
+    return mv
+
+
+def unpack_record(buf) -> Encoded:
+    """Parse one record (exactly one: no trailing bytes) back into an :class:`Encoded` on CPU.
+
+    Raises:
+        UnsupportedVersionError: written by a newer format version.
+        CorruptRecordError: bad magic, CRC mismatch, truncation, or any field out of bounds.
+    """
+    mv = _as_memoryview(buf)
+    n = mv.nbytes
+    if n < _FIXED.size + _CRC.size:
+        raise CorruptRecordError(f"record is {n} bytes, shorter than the {_FIXED.size + _CRC.size}-byte minimum")
+    magic, version, _flags, header_len, payload_len = _FIXED.unpack(mv[:_FIXED.size])
+    if magic != MAGIC:
+        raise CorruptRecordError(f"record magic is {bytes(magic)!r}, expected {MAGIC!r}")
+    if version > FORMAT_VERSION:
+        raise UnsupportedVersionError(
+            f"record format version {version} is newer than this kvtier reads (<= {FORMAT_VERSION}); upgrade kvtier")
+    if version < 1:
+        raise UnsupportedVersionError(f"record format version {version} is unknown")
+    if header_len < _FIXED.size or header_len + payload_len + _CRC.size != n:
+        raise CorruptRecordError(
+            f"record lengths inconsistent: header {header_len} + payload {payload_len} + crc 4 != {n} bytes")
+    (crc,) = _CRC.unpack(mv[n - _CRC.size:])
+    if zlib.crc32(mv[:n - _CRC.size]) != crc:
+        raise CorruptRecordError("record CRC32 mismatch")
+
+    r = _Reader(mv, _FIXED.size, header_len)
+    codec = r.str8("codec")
+    dtype = r.dtype("dtype")
+    shape = r.dims("shape")
+    nparams = r.u8("nparams")
+    if nparams > MAX_PARAMS:
+        raise CorruptRecordError(f"record has {nparams} params (max {MAX_PARAMS})")
+    params: dict = {}
+    for _ in range(nparams):
+        key = r.str8("param key")
+        kind = r.u8("param kind")
+        if kind == 0:
+            params[key] = r.i64("param value")
+        elif kind == 1:
+            params[key] = r.str8("param value")
+        else:
+            raise CorruptRecordError(f"record param {key!r} has unknown kind {kind}")
+    nparts = r.u8("nparts")
+    if nparts > MAX_PARTS:
+        raise CorruptRecordError(f"record has {nparts} parts (max {MAX_PARTS})")
+    specs = []
+    total = 0
+    for _ in range(nparts):
+        name = r.str8("part name")
+        pdt = r.dtype(f"part {name!r} dtype")
+        dims = r.dims(f"part {name!r} shape")
+        size = math.prod(dims) * torch.empty((), dtype=pdt).element_size()
+        specs.append((name, pdt, dims, total, size))
+        total += size
+        if total > payload_len:
+            raise CorruptRecordError(f"record parts need more than the {payload_len}-byte payload")
+    if r.pos != header_len:
+        raise CorruptRecordError(f"record header has {header_len - r.pos} unparsed bytes")
+    if total != payload_len:
+        raise CorruptRecordError(f"record parts total {total} bytes, payload is {payload_len}")
+
+    payload = mv[header_len:header_len + payload_len]
+    if payload.readonly:
+        payload = memoryview(bytearray(payload))  # one copy; torch needs a writable buffer to alias
+    base = torch.frombuffer(payload, dtype=torch.uint8) if payload_len else torch.empty(0, dtype=torch.uint8)
+    parts = {}
+    for name, pdt, dims, off, size in specs:
+        raw = base[off:off + size]
+        itemsize = torch.empty((), dtype=pdt).element_size()
+        if raw.data_ptr() % itemsize:
+            raw = raw.clone()  # unaligned for this dtype: copy rather than alias
+        parts[name] = raw.view(pdt).reshape(dims)
+    return Encoded(codec, params, tuple(int(d) for d in shape), dtype, parts)
