@@ -33,13 +33,16 @@ class EvictionPolicy(ABC):
     def sort_key(self, e: BlockEntry):
         """Smaller leaves first."""
 
-    def victims(self, table: BlockTable, n: int, exclude=frozenset(), only_clean: bool = False) -> list[int]:
+    def victims(self, table: BlockTable, n: int, exclude=frozenset(), only_clean: bool = False,
+                force: bool = False) -> list[int]:
         """Up to ``n`` block indices to evict, in order.
 
         Args:
             n: how many are wanted.
             exclude: block indices that must stay (e.g. the current selection).
             only_clean: offer only blocks with a valid copy below L1 (they leave without a write).
+            force: L1 is truly full: protected blocks go too (least recently used first) when
+                nothing else is left. Watermark eviction never forces.
         """
         if n <= 0:
             return []
@@ -51,7 +54,7 @@ class EvictionPolicy(ABC):
             (fallback if e.idx in prot else cand).append(e)
         cand.sort(key=self.sort_key)
         out = [e.idx for e in cand[:n]]
-        if len(out) < n and fallback:
+        if force and len(out) < n and fallback:
             # Only when L1 is truly full of protected blocks: recency decides among them.
             fallback.sort(key=lambda e: (e.last_used, e.idx))
             out += [e.idx for e in fallback[: n - len(out)]]

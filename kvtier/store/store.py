@@ -123,6 +123,9 @@ class KVStore:
         self.l2 = HostTier(cfg.host_bytes, spill=self._spill if self.l3 is not None else None,
                            pin_memory=self._cuda)
         self._zero_block = torch.zeros(slot_shape, dtype=dtype, device=self.device)
+        # [2, kv_heads, num_slots, block_tokens, head_dim] view of the pool: one index_select along
+        # the slot axis yields K and V already in [kv_heads, blocks, tokens, head_dim] order
+        self._pool_kv = self.l1.pool.permute(1, 2, 0, 3, 4)
         self._arange_bt = torch.arange(bt, device=self.device)
         self._digest_dtype = torch.float32
 
@@ -313,7 +316,7 @@ class KVStore:
         while t.resident + need > c:
             over = t.resident + need - c
             with self._lock:
-                for b in self.policy.victims(t, over, exclude, only_clean=True):
+                for b in self.policy.victims(t, over, exclude, only_clean=True, force=True):
                     self._free_clean(t, t.entries[b])
             if t.resident + need <= c:
                 return
@@ -323,7 +326,7 @@ class KVStore:
                 continue
             n = max(over, t.resident - t.pending - self._low)
             with self._lock:
-                queued = self._queue_victims(t, self.policy.victims(t, n, exclude))
+                queued = self._queue_victims(t, self.policy.victims(t, n, exclude, force=True))
             if not queued:
                 raise AssertionError(f"L1 full for {t.seq}/{t.layer} with nothing evictable")
             before = t.resident
@@ -637,12 +640,14 @@ class KVStore:
                     res_s.append(e.slot)
         self.c["hits_l1"] += len(res_i)
         self.c["misses_l1"] += len(miss)
-        full = torch.empty(n, 2, kvh, bt, hd, dtype=self.dtype, device=self.device)
+        full = torch.empty(2, kvh, n, bt, hd, dtype=self.dtype, device=self.device)
         # residents first: a swap-in below may take a slot just freed by the worker
-        full[torch.tensor(res_i, device=self.device)] = self.l1.pool[torch.tensor(res_s, device=self.device)]
+        if res_i:
+            full.index_copy_(2, torch.tensor(res_i, device=self.device),
+                             self._pool_kv.index_select(2, torch.tensor(res_s, device=self.device)))
         for e in miss:
-            data = self._fetch(e)
-            full[e.idx] = data
+            data = self._fetch(e)  # [2, kv_heads, block_tokens, head_dim]
+            full[:, :, e.idx] = data
             with self._lock:
                 if e.slot is None and t.resident < self.hot_blocks:
                     e.slot = self._alloc(e.key, data)
@@ -653,7 +658,7 @@ class KVStore:
                 self._prefetch(self._tables[seq][layer + 1], range(n))
             self._dense_seqs.add(seq)
         self._touched[id(t)] = t
-        kv = full.permute(1, 2, 0, 3, 4).reshape(2, kvh, n * bt, hd)[:, :, : t.length]  # [2, kv_heads, T, head_dim]
+        kv = full.view(2, kvh, n * bt, hd)[:, :, : t.length]  # [2, kv_heads, T, head_dim]
         return kv[0], kv[1]
 
     def select(self, seq: int, layer: int, query: torch.Tensor, budget_tokens: int | None = None) -> list[int]:
@@ -746,12 +751,12 @@ class KVStore:
         bt, kvh, hd = self.block_tokens, self.kv_heads, self.head_dim
         n = len(slots)
         total = (n - 1) * bt + (t.length - ns * bt)
-        g = self.l1.pool.index_select(0, torch.tensor(slots, device=self.device))  # [n, 2, kv_heads, bt, hd]
+        g = self._pool_kv.index_select(2, torch.tensor(slots, device=self.device))  # [2, kv_heads, n, bt, hd]
         if scratch:
             with self._lock:
                 for key in scratch:
                     self.l1.delete(key)
-        kv = g.permute(1, 2, 0, 3, 4).reshape(2, kvh, n * bt, hd)[:, :, :total]  # [2, kv_heads, n*bt, hd]
+        kv = g.view(2, kvh, n * bt, hd)[:, :, :total]  # [2, kv_heads, n*bt, hd]
         blocks.append(ns)
         pos = (torch.tensor(blocks, device=self.device)[:, None] * bt + self._arange_bt).reshape(-1)[:total]
         return kv[0], kv[1], pos
