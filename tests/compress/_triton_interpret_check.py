@@ -1,0 +1,69 @@
+"""Run by test_triton_interpret.py in a subprocess with TRITON_INTERPRET=1.
+
+The interpreter must be chosen before triton is first imported (triton.language's own @jit
+helpers are decorated at import), so this cannot run inside the pytest process. Prints one JSON
+object: case id -> "ok" or a description of the first mismatch.
+"""
+import itertools
+import json
+import os
+import sys
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+
+import torch  # noqa: E402
+
+from kvtier.compress import reference as R  # noqa: E402
+from kvtier.compress import triton_kernels as TK  # noqa: E402
+
+CASES = [
+    # (shape, group_size): block tails, head_dim 64/128, groups not dividing the dim
+    ((3, 64, 64), 64),
+    ((2, 37, 128), 32),
+    ((5, 80), 32),
+    ((1, 7, 3), 128),
+    ((2, 2, 65, 64), 128),
+]
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def compare(x, bits, G, axis):
+    ref = R.quantize_ref(x, bits, G, axis)
+    got = TK.quantize(x, bits, G, axis)
+    for name, a, b in zip(("q", "scale", "zero"), ref, got):
+        if (a is None) != (b is None):
+            return f"{name}: one side is None"
+        if a is None:
+            continue
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"{name}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        if not torch.equal(a, b):
+            return f"{name}: {(a != b).sum().item()} elements differ"
+    shape = tuple(x.shape)
+    ya = R.dequantize_ref(*ref, bits, G, axis, shape, x.dtype)
+    yb = TK.dequantize(*ref, bits, G, axis, shape, x.dtype)
+    if not torch.equal(ya, yb):
+        return f"dequantized: {(ya != yb).sum().item()} elements differ"
+    return "ok"
+
+
+def main():
+    out = {}
+    for (dname, dtype), bits, axis in itertools.product(DTYPES.items(), (8, 4, 2), ("token", "channel")):
+        g = torch.Generator().manual_seed(7 * bits)
+        for shape, G in CASES:
+            x = (torch.randn(shape, generator=g) * 3).to(dtype)
+            out[f"{dname}-int{bits}-{axis}-{'x'.join(map(str, shape))}-g{G}"] = compare(x, bits, G, axis)
+    for bits, axis in itertools.product((8, 4, 2), ("token", "channel")):
+        x = torch.zeros(2, 64, 64, dtype=torch.float16)
+        x[1] = -0.5  # constant groups: scale 1, exact round trip
+        res = compare(x, bits, 32, axis)
+        if res == "ok" and not torch.equal(TK.dequantize(*TK.quantize(x, bits, 32, axis), bits, 32, axis,
+                                                         tuple(x.shape), x.dtype), x):
+            res = "constant block not reproduced exactly"
+        out[f"constant-int{bits}-{axis}"] = res
+    json.dump(out, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""The Triton kernels, run on CPU by Triton's interpreter, against the torch reference.
+
+TRITON_INTERPRET must be set before triton is first imported, so the comparisons run in a
+subprocess (``_triton_interpret_check.py``); each case is reported here as its own test.
+"""
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+DTYPES = ("float16", "bfloat16", "float32")
+SHAPES = ("3x64x64-g64", "2x37x128-g32", "5x80-g32", "1x7x3-g128", "2x2x65x64-g128")
+IDS = [f"{d}-int{b}-{a}-{s}" for d, b, a, s in itertools.product(DTYPES, (8, 4, 2), ("token", "channel"), SHAPES)]
+IDS += [f"constant-int{b}-{a}" for b, a in itertools.product((8, 4, 2), ("token", "channel"))]
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    script = Path(__file__).with_name("_triton_interpret_check.py")
+    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout)
+
+
+def test_every_case_ran(results):
+    assert sorted(results) == sorted(IDS)
+
+
+@pytest.mark.parametrize("case", IDS)
+def test_bit_identical_to_reference(results, case):
+    assert results[case] == "ok", results[case]
