@@ -35,6 +35,7 @@ import struct
 import threading
 import zlib
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 from .base import BytesLike, Tier, TierStats, as_byte_view, check_key
@@ -54,6 +55,7 @@ _FLAG_TOMB = 1
 _SEG_RE = re.compile(r"^seg-(\d{12})\.kvs$")
 _IOV_MAX = 1020
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_PARALLEL_CRC_BYTES = 64 << 10  # below this a CRC is cheaper than handing it to a thread
 
 
 def _pad8(n: int) -> int:
@@ -134,6 +136,7 @@ class DiskTier(Tier):
         self._compacting = False
         self._closed = True
         self._lock_fd = -1
+        self._pool: ThreadPoolExecutor | None = None
 
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise ValueError(f"path {self.path!r} exists and is not a directory")
@@ -174,6 +177,8 @@ class DiskTier(Tier):
             seg = _Segment(sid, p, fd, size)
             self._segs[sid] = seg
             self._scan(seg, last=sid == ids[-1])
+        if self._dirty:
+            self._sync_locked()  # torn tails erased at open are durable before anything new
         if ids:
             self._next_id = ids[-1] + 1
         if self._segs:
@@ -183,6 +188,8 @@ class DiskTier(Tier):
         self._n["recovered"] = len(self._index)
 
     def _scan(self, seg: _Segment, last: bool) -> None:
+        """Index the records of one segment. Headers are always checked; data CRCs only in the
+        last segment, the only place a torn append can be (elsewhere ``get`` checks them)."""
         mm, pos, limit = seg.mm, SEG_HEADER_BYTES, seg.size
         pending_bad: list[tuple[str | None, int]] = []  # header-valid, data-bad, not yet followed by a good record
         end = SEG_HEADER_BYTES
@@ -204,7 +211,7 @@ class DiskTier(Tier):
                 key = kraw.decode("utf-8")
             except UnicodeDecodeError:
                 key = None
-            good = key is not None and zlib.crc32(mm[k0 + klen:k0 + klen + vlen], zlib.crc32(kraw)) == dcrc
+            good = key is not None and (not last or zlib.crc32(mm[k0 + klen:k0 + klen + vlen], zlib.crc32(kraw)) == dcrc)
             end = pos + size
             if not good:
                 pending_bad.append((key, pos))
@@ -220,13 +227,11 @@ class DiskTier(Tier):
                 self._set(key, (seg.id, pos, size, vlen))
             pos += size
         seg.used = end
-        if pending_bad:
-            if last:  # torn append(s) at the end of the log: those writes never completed
-                self._n["torn"] += len(pending_bad)
-                seg.used = pending_bad[0][1]  # the next append overwrites them
-            else:
-                for bad_key, _ in pending_bad:
-                    self._mark_corrupt(bad_key, scan=True)
+        if pending_bad:  # torn append(s) at the end of the log: those writes never completed
+            self._n["torn"] += len(pending_bad)
+            seg.used = pending_bad[0][1]
+            # erase them, so they cannot shadow an older record once this segment is sealed
+            self._write(seg, seg.used, [bytes(end - seg.used)])
 
     def _mark_corrupt(self, key: str | None, scan: bool = False) -> None:
         self._n["scan_corrupt" if scan else "corrupt"] += 1
@@ -504,29 +509,35 @@ class DiskTier(Tier):
             self._compacting = False
 
     # -- reading ----------------------------------------------------------------------------
-    def _read(self, key: str) -> bytes | None:
+    def _fetch(self, key: str) -> tuple[bytes, int, int] | None:
+        """Copy a record's value out of its segment after checking its header against the index.
+
+        Returns (value, crc32 of the key, expected crc32 of key+value), or None when absent or
+        when the header/bounds are already wrong (that is counted as corrupt).
+        """
         loc = self._index.get(key)
-        self._stats.gets += 1
         if loc is None:
-            self._stats.misses += 1
             return None
         sid, off, size, vlen = loc
         seg = self._segs[sid]
         kb = key.encode("utf-8")
-        ok = off + size <= os.fstat(seg.fd).st_size  # a file truncated under us would SIGBUS
-        if ok:
-            magic, hcrc, flags, klen, vl, dcrc, _ = _REC.unpack_from(seg.mm, off)
+        if off + size <= os.fstat(seg.fd).st_size:  # a file truncated under us would SIGBUS
+            magic, _, _, klen, vl, dcrc, _ = _REC.unpack_from(seg.mm, off)
             k0 = off + REC_HEADER_BYTES
-            ok = magic == _REC_MAGIC and klen == len(kb) and vl == vlen and seg.mm[k0:k0 + klen] == kb
-        if ok:
-            value = seg.mm[k0 + klen:k0 + klen + vlen]
-            ok = zlib.crc32(value, zlib.crc32(kb)) == dcrc
-        if not ok:
-            self._mark_corrupt(key)
+            if magic == _REC_MAGIC and klen == len(kb) and vl == vlen and seg.mm[k0:k0 + klen] == kb:
+                return seg.mm[k0 + klen:k0 + klen + vlen], zlib.crc32(kb), dcrc
+        self._mark_corrupt(key)
+        return None
+
+    def _count(self, key: str, value: bytes | None, ok: bool) -> bytes | None:
+        self._stats.gets += 1
+        if value is None or not ok:
+            if value is not None:
+                self._mark_corrupt(key)
             self._stats.misses += 1
             return None
         self._stats.hits += 1
-        self._stats.bytes_out += vlen
+        self._stats.bytes_out += len(value)
         return value
 
     def get(self, key: str) -> bytes | None:
@@ -534,13 +545,19 @@ class DiskTier(Tier):
         check_key(key)
         with self._lock:
             self._check_open()
-            return self._read(key)
+            r = self._fetch(key)
+            if r is None:
+                return self._count(key, None, False)
+            value, kcrc, dcrc = r
+            return self._count(key, value, zlib.crc32(value, kcrc) == dcrc)
 
     def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
+        """Batched get: readahead for the whole batch first, and the CRC checks of large values
+        run on worker threads (zlib releases the GIL) while the next values are copied."""
         keys = [check_key(k) for k in keys]
         with self._lock:
             self._check_open()
-            for k in keys:  # start readahead for the whole batch before copying
+            for k in keys:
                 loc = self._index.get(k)
                 if loc is not None:
                     s = self._segs[loc[0]]
@@ -549,7 +566,30 @@ class DiskTier(Tier):
                         s.mm.madvise(mmap.MADV_WILLNEED, a, min(loc[1] + loc[2], s.size) - a)
                     except (OSError, ValueError):
                         break  # advice only
-            return [self._read(k) for k in keys]
+            pending = []
+            for k in keys:
+                r = self._fetch(k)
+                if r is None:
+                    pending.append((k, None, None, 0))
+                    continue
+                value, kcrc, dcrc = r
+                if len(value) >= _PARALLEL_CRC_BYTES and len(keys) > 1:
+                    crc = self._crc_pool().submit(zlib.crc32, value, kcrc)
+                else:
+                    crc = zlib.crc32(value, kcrc)
+                pending.append((k, value, crc, dcrc))
+            out = []
+            for k, value, crc, dcrc in pending:
+                if value is not None and not isinstance(crc, int):
+                    crc = crc.result()
+                out.append(self._count(k, value, value is not None and crc == dcrc))
+            return out
+
+    def _crc_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1),
+                                            thread_name_prefix="kvtier-disk-crc")
+        return self._pool
 
     def contains(self, key: str) -> bool:
         check_key(key)
@@ -615,6 +655,9 @@ class DiskTier(Tier):
                 if self._lock_fd >= 0:
                     os.close(self._lock_fd)  # releases the flock
                     self._lock_fd = -1
+                if self._pool is not None:
+                    self._pool.shutdown(wait=True)
+                    self._pool = None
 
     def __del__(self) -> None:
         if getattr(self, "_lock_fd", -1) >= 0:

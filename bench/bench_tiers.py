@@ -1,0 +1,296 @@
+"""Tier bandwidth, each figure a ratio to a reference measured in the same run.
+
+  L1 DeviceTier put/get       vs  tensor.copy_ of the same bytes on the same device
+  L2 HostTier put/get_into    vs  tensor.copy_ of the same bytes (host)
+     HostTier get (owned)     vs  bytes(...) of the same bytes (a fresh allocation each time)
+  L3 DiskTier put_many        vs  raw sequential os.write of the same bytes, same sync points
+     DiskTier get_many        vs  raw sequential read of the same bytes (f.read per record,
+                                  a batch of owned bytes held at a time, as get_many returns),
+                                  warm (page cache) and cold (pages dropped with
+                                  posix_fadvise(DONTNEED) after fdatasync, or O_DIRECT)
+     with lz4: blocks compressed before put and decompressed after get (the store's byte
+     stage), GB/s of uncompressed bytes, against the same raw references.
+
+Targets (printed as PASS/MISS, never asserted: timing depends on the machine):
+  L2 >= 0.5x copy bandwidth; L3 >= 0.7x raw file write and read when records go raw.
+
+Usage: python bench/bench_tiers.py [--smoke] [--block-kib 256] [--total-mib 256] [--dir PATH]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import lz4.block
+import torch
+
+from kvtier.tiers import DeviceTier, DiskTier, HostTier
+
+
+def timed(fn, repeat: int) -> float:
+    """Best-of-``repeat`` seconds for fn() after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def drop_cache(paths: list[str]) -> bool:
+    """Evict the files' pages from the page cache; False where the OS does not allow it."""
+    ok = hasattr(os, "posix_fadvise")
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            if ok:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return ok
+
+
+def bench_l1(blocks: list[torch.Tensor], device: str, repeat: int) -> dict:
+    n, shape = len(blocks), tuple(blocks[0].shape)
+    nbytes = n * blocks[0].numel() * blocks[0].element_size()
+    tier = DeviceTier(shape, num_slots=n, dtype=blocks[0].dtype, device=device)
+    src = [b.to(device) for b in blocks]
+    ref_dst = torch.empty((n, *shape), dtype=blocks[0].dtype, device=device)
+    out = torch.empty_like(ref_dst)
+    keys = [f"b{i}" for i in range(n)]
+
+    def ref():
+        for i in range(n):
+            ref_dst[i].copy_(src[i])
+
+    def put():
+        for k, x in zip(keys, src):
+            tier.put(k, x)
+
+    def get():
+        for i, k in enumerate(keys):
+            out[i].copy_(tier.get_tensor(k))
+
+    t_ref, t_put, t_get = timed(ref, repeat), timed(put, repeat), timed(get, repeat)
+    assert torch.equal(out, ref_dst)
+    return {"copy_GBps": gbps(nbytes, t_ref), "put_ratio": t_ref / t_put, "get_ratio": t_ref / t_get}
+
+
+def bench_l2(blocks: list[bytes], repeat: int) -> dict:
+    n, bs = len(blocks), len(blocks[0])
+    nbytes = n * bs
+    tier = HostTier(int(nbytes * 1.25) + (1 << 20), spill=None, pin_memory=False)
+    src = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in blocks]
+    ref_dst = torch.empty((n, bs), dtype=torch.uint8)
+    out = torch.empty((n, bs), dtype=torch.uint8)
+    keys = [f"b{i}" for i in range(n)]
+
+    def ref():
+        for i in range(n):
+            ref_dst[i].copy_(src[i])
+
+    def ref_owned():
+        for b in src:
+            b.numpy().tobytes()
+
+    def put_tensor():
+        for k, x in zip(keys, src):
+            assert tier.put(k, x)
+
+    def put_bytes():
+        for k, b in zip(keys, blocks):
+            assert tier.put(k, b)
+
+    def get_into():
+        for i, k in enumerate(keys):
+            tier.get_into(k, out[i])
+
+    def get_owned():
+        for k in keys:
+            tier.get(k)
+
+    t_ref, t_own = timed(ref, repeat), timed(ref_owned, repeat)
+    t_put_t, t_put_b = timed(put_tensor, repeat), timed(put_bytes, repeat)
+    t_into, t_get = timed(get_into, repeat), timed(get_owned, repeat)
+    assert out.numpy().tobytes() == b"".join(blocks)
+    return {"copy_GBps": gbps(nbytes, t_ref), "put_tensor_ratio": t_ref / t_put_t,
+            "put_bytes_ratio": t_ref / t_put_b, "get_into_ratio": t_ref / t_into,
+            "get_owned_ratio_vs_bytes_copy": t_own / t_get, "owned_copy_GBps": gbps(nbytes, t_own)}
+
+
+def raw_write(path: str, blocks: list[bytes], batch: int) -> float:
+    t0 = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    for i, b in enumerate(blocks):
+        os.write(fd, b)
+        if (i + 1) % batch == 0 or i + 1 == len(blocks):
+            os.fdatasync(fd)
+    os.close(fd)
+    return time.perf_counter() - t0
+
+
+def raw_read(path: str, bs: int, n: int, batch: int) -> float:
+    """Sequential reads, one owned bytes per record, held a batch at a time like get_many's."""
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        for i in range(0, n, batch):
+            got = [f.read(bs) for _ in range(min(batch, n - i))]
+            assert all(len(g) == bs for g in got)
+    return time.perf_counter() - t0
+
+
+def raw_read_direct(path: str, bs: int, n: int) -> float | None:
+    """O_DIRECT sequential read into an aligned (mmap) buffer; None where unsupported."""
+    if not hasattr(os, "O_DIRECT") or bs % 4096:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        return None
+    buf = mmap.mmap(-1, bs)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            os.readv(fd, [buf])
+        return time.perf_counter() - t0
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+        buf.close()
+
+
+def bench_l3(root: str, blocks: list[bytes], batch: int, compress: bool, repeat: int) -> dict:
+    n, bs = len(blocks), len(blocks[0])
+    nbytes = n * bs
+    seg = 64 << 20  # DiskTier's default segment size
+    res: dict = {}
+    rawp = os.path.join(root, "raw.bin")
+    payload = [lz4.block.compress(b, store_size=False) for b in blocks] if compress else blocks
+    stored = sum(len(p) for p in payload)
+    if compress:
+        res["lz4_ratio"] = nbytes / stored
+
+    def tier_write() -> float:
+        d = os.path.join(root, "tier")
+        shutil.rmtree(d, ignore_errors=True)
+        t0 = time.perf_counter()
+        t = DiskTier(d, capacity_bytes=4 * nbytes + 16 * seg, segment_bytes=seg, durability="batch")
+        for i in range(0, n, batch):
+            chunk = blocks[i:i + batch]
+            if compress:
+                chunk = [lz4.block.compress(b, store_size=False) for b in chunk]
+            assert all(t.put_many([(f"b{i + j}", c) for j, c in enumerate(chunk)]))
+        t.close()
+        return time.perf_counter() - t0
+
+    keys = [f"b{i}" for i in range(n)]
+
+    def tier_read(t: DiskTier) -> float:
+        t0 = time.perf_counter()
+        for i in range(0, n, batch):
+            got = t.get_many(keys[i:i + batch])
+            if compress:
+                got = [lz4.block.decompress(g, uncompressed_size=bs) for g in got]
+            assert all(g is not None and len(g) == bs for g in got)
+        return time.perf_counter() - t0
+
+    w_raw = min(raw_write(rawp, blocks, batch) for _ in range(repeat))
+    w_tier = min(tier_write() for _ in range(repeat))
+    res.update(raw_write_GBps=gbps(nbytes, w_raw), write_ratio=w_raw / w_tier)
+
+    t = DiskTier(os.path.join(root, "tier"), capacity_bytes=4 * nbytes + 16 * seg, segment_bytes=seg)
+    tier_read(t)
+    raw_read(rawp, bs, n, batch)
+    r_raw = min(raw_read(rawp, bs, n, batch) for _ in range(repeat))
+    r_tier = min(tier_read(t) for _ in range(repeat))
+    res.update(raw_read_warm_GBps=gbps(nbytes, r_raw), read_warm_ratio=r_raw / r_tier)
+    t.close()
+
+    segs = [os.path.join(root, "tier", f) for f in os.listdir(os.path.join(root, "tier")) if f.startswith("seg-")]
+    if drop_cache(segs + [rawp]):
+        r_raw_cold = raw_read(rawp, bs, n, batch)
+        drop_cache(segs + [rawp])
+        t = DiskTier(os.path.join(root, "tier"), capacity_bytes=4 * nbytes + 16 * seg, segment_bytes=seg)
+        r_tier_cold = tier_read(t)
+        t.close()
+        drop_cache([rawp])
+        r_direct = raw_read_direct(rawp, bs, n)
+        res.update(raw_read_cold_GBps=gbps(nbytes, r_raw_cold), read_cold_ratio=r_raw_cold / r_tier_cold)
+        if r_direct is not None:
+            res.update(raw_read_odirect_GBps=gbps(nbytes, r_direct), read_cold_ratio_vs_odirect=r_direct / r_tier_cold)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds (CI)")
+    ap.add_argument("--block-kib", type=int, default=256, help="record size in KiB")
+    ap.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement in MiB")
+    ap.add_argument("--batch", type=int, default=16, help="records per put_many/get_many (one sync each)")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    a = ap.parse_args(argv)
+    if a.smoke:
+        a.block_kib, a.total_mib, a.repeat = 64, 16, 1
+    if a.block_kib < 1 or a.total_mib < 1 or a.batch < 1 or a.repeat < 1:
+        raise SystemExit("--block-kib, --total-mib, --batch and --repeat must be >= 1")
+    bs = a.block_kib << 10
+    n = max(2, (a.total_mib << 20) // bs)
+    g = torch.Generator().manual_seed(0)
+    # raw records: int8-quantized-like bytes (incompressible); lz4 records: fp16 KV-like values
+    raw_blocks = [torch.randint(0, 256, (bs,), dtype=torch.uint8, generator=g).numpy().tobytes() for _ in range(n)]
+    kv_blocks = [torch.randn(bs // 2, generator=g).half().numpy().tobytes() for _ in range(n)]
+    l1_blocks = [torch.randn(bs // 2, generator=g).half() for _ in range(n)]
+
+    out: dict = {"block_bytes": bs, "blocks": n, "batch": a.batch}
+    out["L1_cpu"] = bench_l1(l1_blocks, "cpu", a.repeat)
+    if torch.cuda.is_available():
+        out["L1_cuda"] = bench_l1(l1_blocks, "cuda", a.repeat)
+    out["L2"] = bench_l2(raw_blocks, a.repeat)
+    root = tempfile.mkdtemp(prefix="kvtier-bench-", dir=a.dir)
+    try:
+        out["L3_raw"] = bench_l3(root, raw_blocks, a.batch, False, a.repeat)
+        out["L3_lz4"] = bench_l3(root, kv_blocks, a.batch, True, a.repeat)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    l2 = min(out["L2"]["put_tensor_ratio"], out["L2"]["put_bytes_ratio"], out["L2"]["get_into_ratio"])
+    l3 = out["L3_raw"]
+    out["targets"] = {
+        "L2>=0.5x_copy": "PASS" if l2 >= 0.5 else "MISS",
+        "L3_write>=0.7x_raw": "PASS" if l3["write_ratio"] >= 0.7 else "MISS",
+        "L3_read_warm>=0.7x_raw": "PASS" if l3["read_warm_ratio"] >= 0.7 else "MISS",
+    }
+    if "read_cold_ratio" in l3:
+        out["targets"]["L3_read_cold>=0.7x_raw"] = "PASS" if l3["read_cold_ratio"] >= 0.7 else "MISS"
+    if a.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"block {bs >> 10} KiB x {n} records, batch {a.batch}{'  (smoke)' if a.smoke else ''}")
+    for sect, vals in out.items():
+        if isinstance(vals, dict):
+            print(f"  {sect:8s} " + "  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
+                                             for k, v in vals.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
