@@ -703,9 +703,9 @@ class KVStore:
             raise ValueError(f"query must be [q_heads (multiple of {self.kv_heads}), q_len, {self.head_dim}]; "
                              f"got {tuple(query.shape)}")
         q = query.to(self.device, self._digest_dtype).reshape(self.kv_heads, -1, hd)  # [kv_heads, G*q_len, hd]
-        kmax = t.kmax[lo:hi].permute(1, 2, 0)  # [kv_heads, hd, m]
-        kmin = t.kmin[lo:hi].permute(1, 2, 0)
-        s = torch.baddbmm(torch.bmm(q.clamp(min=0), kmax), q.clamp(max=0), kmin)  # [kv_heads, G*q_len, m]
+        # q_d*max_d where q_d >= 0, q_d*min_d where q_d < 0: one bmm against [max | min]
+        qq = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)  # [kv_heads, G*q_len, 2*hd]
+        s = torch.bmm(qq, t.digest[lo:hi].permute(1, 2, 0))  # [kv_heads, G*q_len, m]
         return s.amax(dim=1).sum(dim=0)  # [m]
 
     def gather_blocks(self, seq: int, layer: int, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -68,10 +68,9 @@ class BlockTable:
         self.resident = 0                      # blocks holding an L1 slot (pending included)
         self.pending = 0                       # of which queued for swap-out
         self.observed = 0                      # observe() calls so far (snapkv freezes after a few)
-        cap = 16
-        # per sealed block, per kv head, per channel min/max of the keys (Quest)
-        self.kmin = torch.empty(cap, kv_heads, head_dim, dtype=digest_dtype, device=device)
-        self.kmax = torch.empty(cap, kv_heads, head_dim, dtype=digest_dtype, device=device)
+        self.head_dim = head_dim
+        # per sealed block and kv head: per-channel max of the keys, then per-channel min (Quest)
+        self.digest = torch.empty(16, kv_heads, 2 * head_dim, dtype=digest_dtype, device=device)
 
     @property
     def n_sealed(self) -> int:
@@ -83,12 +82,11 @@ class BlockTable:
 
     def set_digest(self, b: int, keys: torch.Tensor) -> None:
         """Record the digest of sealed block ``b``; keys: [kv_heads, block_tokens, head_dim]."""
-        if b >= self.kmin.shape[0]:
-            grow = max(b + 1, 2 * self.kmin.shape[0])
-            for name in ("kmin", "kmax"):
-                old = getattr(self, name)
-                new = torch.empty((grow, *old.shape[1:]), dtype=old.dtype, device=old.device)
-                new[: old.shape[0]] = old
-                setattr(self, name, new)
-        self.kmin[b] = keys.amin(dim=1)  # [kv_heads, head_dim]
-        self.kmax[b] = keys.amax(dim=1)
+        if b >= self.digest.shape[0]:
+            old = self.digest
+            self.digest = torch.empty((max(b + 1, 2 * old.shape[0]), *old.shape[1:]), dtype=old.dtype,
+                                      device=old.device)
+            self.digest[: old.shape[0]] = old
+        hd = self.head_dim
+        self.digest[b, :, :hd] = keys.amax(dim=1)  # [kv_heads, head_dim]
+        self.digest[b, :, hd:] = keys.amin(dim=1)
