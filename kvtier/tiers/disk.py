@@ -55,7 +55,7 @@ _FLAG_TOMB = 1
 _SEG_RE = re.compile(r"^seg-(\d{12})\.kvs$")
 _IOV_MAX = 1020
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-_PARALLEL_CRC_BYTES = 64 << 10  # below this a CRC is cheaper than handing it to a thread
+_PARALLEL_CRC_BYTES = 256 << 10  # below this a CRC is cheaper than handing it to a thread
 
 
 def _pad8(n: int) -> int:
@@ -73,7 +73,7 @@ def _header(flags: int, klen: int, vlen: int, data_crc: int) -> bytes:
 
 
 class _Segment:
-    __slots__ = ("id", "path", "fd", "mm", "size", "used", "live", "keys", "tombs")
+    __slots__ = ("id", "path", "fd", "mm", "size", "used", "live", "keys", "tombs", "written")
 
     def __init__(self, sid: int, path: str, fd: int, size: int) -> None:
         self.id, self.path, self.fd, self.size = sid, path, fd, size
@@ -82,6 +82,7 @@ class _Segment:
         self.live = 0  # bytes of records the index points to
         self.keys: set[str] = set()  # keys whose current record lives here
         self.tombs: set[str] = set()  # keys with a tombstone here
+        self.written: set[str] = set()  # keys with a data record here, live or dead
 
     def close(self) -> None:
         if self.mm is not None:
@@ -225,6 +226,7 @@ class DiskTier(Tier):
                 seg.tombs.add(key)
             else:
                 self._set(key, (seg.id, pos, size, vlen))
+                seg.written.add(key)
             pos += size
         seg.used = end
         if pending_bad:  # torn append(s) at the end of the log: those writes never completed
@@ -319,7 +321,8 @@ class DiskTier(Tier):
                         key=lambda s: s.live / max(1, s.used - SEG_HEADER_BYTES))
         head_free = (self._head.size - self._head.used) if self._head is not None else 0
         for s in sealed:
-            needed = s.live + sum(record_size(len(k.encode("utf-8")), 0) for k in s.tombs if k not in self._index)
+            needed = s.live + sum(record_size(len(k.encode("utf-8")), 0) for k in s.tombs
+                                  if k not in self._index)  # an upper bound: some tombstones are dropped
             if needed <= head_free and (s.live == 0 or s.live < s.used - SEG_HEADER_BYTES):
                 self._compact(s)
                 return
@@ -362,6 +365,7 @@ class DiskTier(Tier):
                         seg.tombs.add(key)
                     else:
                         self._set(key, (seg.id, off, size, vlen))
+                        seg.written.add(key)
             iov, batch = [], []
 
         try:
@@ -479,7 +483,7 @@ class DiskTier(Tier):
     def _compact(self, seg: _Segment) -> None:
         self._compacting = True
         try:
-            older = any(sid < seg.id for sid in self._segs)
+            older = [s for s in self._segs.values() if s.id < seg.id]
             recs = []
             for key in sorted(seg.keys, key=lambda k: self._index[k][1]):
                 _, off, size, vlen = self._index[key]
@@ -491,10 +495,9 @@ class DiskTier(Tier):
                     self._mark_corrupt(key)
                     continue
                 recs.append((key, kb, size, [img], vlen))
-            if older:  # a tombstone must outlive every older record it hides
-                for key in sorted(seg.tombs):
-                    if key not in self._index:
-                        recs.append((key, *self._image(key, None)))
+            for key in sorted(seg.tombs):  # a tombstone must outlive every older record it hides
+                if key not in self._index and any(key in s.written for s in older):
+                    recs.append((key, *self._image(key, None)))
             res = self._append(recs) if recs else []
             if not all(res):
                 return  # no room to move everything: keep the segment
@@ -606,6 +609,28 @@ class DiskTier(Tier):
     def corrupt_keys(self) -> frozenset[str]:
         """Keys found corrupt (at open or on read) and not written again since."""
         return frozenset(self._corrupt_keys)
+
+    def clear(self) -> int:
+        """Remove every record at once by deleting all segment files; returns how many were live.
+
+        Cheaper than ``delete_many(keys())`` (no tombstones). If the process dies half way, the
+        segments not yet deleted come back on reopen (their records were valid, just unwanted).
+        """
+        with self._lock:
+            self._check_open()
+            n = len(self._index)
+            for sid in sorted(self._segs):  # oldest first: a crash leaves a suffix of the log, never stale versions
+                seg = self._segs.pop(sid)
+                seg.close()
+                os.unlink(seg.path)
+            self._index.clear()
+            self._corrupt_keys.clear()
+            self._dirty.clear()
+            self._head = None
+            self._dir_dirty = True
+            if self.durability != "never":
+                self._sync_locked()
+            return n
 
     # -- durability -------------------------------------------------------------------------
     def _sync_locked(self) -> None:

@@ -222,3 +222,28 @@ def test_durability_modes(tmp_path, durability):
         t.sync()
     with open_tier(tmp_path / "d") as t:
         assert t.get("a") == b"1" and t.get("b") == b"2"
+
+
+def test_clear_removes_everything_and_survives_restart(tmp_path):
+    with open_tier(tmp_path / "d") as t:
+        t.put_many([(f"k{i}", b"x" * 3000) for i in range(30)])
+        assert t.clear() == 30
+        assert len(t) == 0 and t.used_bytes == 0 and t.stats()["segments"] == 0
+        t.put("new", b"y")
+    with open_tier(tmp_path / "d") as t:
+        assert list(t.keys()) == ["new"]
+
+
+def test_tombstones_dropped_once_nothing_older_needs_hiding(tmp_path):
+    with open_tier(tmp_path / "d", compact_threshold=0.9) as t:
+        for i in range(40):
+            t.put(f"k{i}", bytes([i]) * 2000)
+        assert t.stats()["segments"] == 5
+        t.delete_many([f"k{i}" for i in range(40)])  # every sealed segment dies and is compacted
+        s = t.stats()
+        assert len(t) == 0 and s["compactions"] == 5 and s["segments"] == 1
+        # the tombstones that landed in a compacted segment hid nothing older any more: dropped
+        all_tombs = sum(disk_mod.record_size(len(f"k{i}"), 0) for i in range(40))
+        assert 0 < s["dead_bytes"] < all_tombs
+    with open_tier(tmp_path / "d") as t:
+        assert len(t) == 0
