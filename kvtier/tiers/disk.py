@@ -229,7 +229,10 @@ class DiskTier(Tier):
                 seg.written.add(key)
             pos += size
         seg.used = end
-        if pending_bad:  # torn append(s) at the end of the log: those writes never completed
+        if pending_bad and not last:  # (only an undecodable key gets here outside the last segment)
+            for bad_key, _ in pending_bad:
+                self._mark_corrupt(bad_key, scan=True)
+        elif pending_bad:  # torn append(s) at the end of the log: those writes never completed
             self._n["torn"] += len(pending_bad)
             seg.used = pending_bad[0][1]
             # erase them, so they cannot shadow an older record once this segment is sealed
@@ -375,7 +378,8 @@ class DiskTier(Tier):
                     if not self._room(size):
                         results.append(False)
                         continue
-                if self._head is not seg or len(iov) + len(parts) > _IOV_MAX:
+                # a fresh batch starts at the head as it is now (_room may have compacted into it)
+                if not batch or self._head is not seg or len(iov) + len(parts) > _IOV_MAX:
                     flush()
                     seg, start = self._head, self._head.used
                 batch.append((key, seg.used, size, vlen))
@@ -485,8 +489,12 @@ class DiskTier(Tier):
         try:
             older = [s for s in self._segs.values() if s.id < seg.id]
             recs = []
+            file_size = os.fstat(seg.fd).st_size
             for key in sorted(seg.keys, key=lambda k: self._index[k][1]):
                 _, off, size, vlen = self._index[key]
+                if off + size > file_size:  # truncated under us
+                    self._mark_corrupt(key)
+                    continue
                 img = seg.mm[off:off + size]  # the record image is position independent
                 kb = key.encode("utf-8")
                 k0 = REC_HEADER_BYTES
