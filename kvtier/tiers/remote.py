@@ -58,10 +58,13 @@ MAX_VALUE_BYTES = (512 << 20) - HEADER_BYTES
 _CHUNK_KEYS = 512
 _CHUNK_BYTES = 32 << 20
 
+_WARN_EVERY_S = 10.0
 _URL_FORM = "redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or unix:///path/to.sock[?db=N]"
 
 # KEYS[1] = namespace byte counter, KEYS[2..] = record keys; ARGV[1] = capacity (0: none),
 # ARGV[2..] = framed values. Returns 1 (stored) / 0 (would exceed capacity) per key.
+# Over maxmemory (noeviction) the server refuses a script at its first write, never half-way, so
+# one call stores all of its batch or none of it and the counter stays exact.
 _PUT_LUA = """
 local used = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
 local cap = tonumber(ARGV[1])
@@ -235,6 +238,7 @@ class RemoteTier(Tier):
         self._down_since: float | None = None
         self._next_try = 0.0
         self._last_used = 0
+        self._last_warn = -1e9
         self._server_info: dict = {}
         self._server_info_at = -1e9
         self._closed = False
@@ -268,12 +272,23 @@ class RemoteTier(Tier):
             # The server answered but refused (OOM under noeviction, read-only replica, ...).
             with self._lock:
                 self._errors += 1
-            log.warning("RemoteTier %s refused a request: %s", _redact(self.url), e)
+            self._warn_limited("RemoteTier %s refused a request: %s", _redact(self.url), e)
             self._came_up()
             return fallback
-        self._latency_s.append(time.perf_counter() - t0)
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self._latency_s.append(dt)
         self._came_up()
         return out
+
+    def _warn_limited(self, msg: str, *args) -> None:
+        """A warning at most every ``_WARN_EVERY_S`` (a full server refuses every put of a decode loop)."""
+        now = time.monotonic()
+        with self._lock:
+            due = now - self._last_warn >= _WARN_EVERY_S
+            if due:
+                self._last_warn = now
+        (log.warning if due else log.debug)(msg, *args)
 
     def _went_down(self, e: Exception) -> None:
         self._r.connection_pool.disconnect()  # drop sockets to the old server process
@@ -393,7 +408,7 @@ class RemoteTier(Tier):
                 if isinstance(r, Exception):
                     with self._lock:
                         self._errors += 1
-                    log.warning("RemoteTier %s refused %d puts: %s", _redact(self.url), s.stop - s.start, r)
+                    self._warn_limited("RemoteTier %s refused %d puts: %s", _redact(self.url), s.stop - s.start, r)
                     continue
                 ok[s] = [bool(x) for x in r]
         with self._lock:
@@ -430,10 +445,10 @@ class RemoteTier(Tier):
                 else:
                     self._stats.hits += 1
                     self._stats.bytes_out += got.nbytes
-        for k, raw, got in zip(keys, raws, out):
-            if raw is not None and got is None:
-                log.warning("RemoteTier %s: value of %r failed its frame/CRC check; treated as a miss",
-                            _redact(self.url), k)
+        bad = [k for k, raw, got in zip(keys, raws, out) if raw is not None and got is None]
+        if bad:
+            log.warning("RemoteTier %s: %d value(s) failed their frame/CRC check (first: %r); treated as misses",
+                        _redact(self.url), len(bad), bad[0])
         return out
 
     def contains(self, key: str) -> bool:
@@ -505,7 +520,8 @@ class RemoteTier(Tier):
         was down), rejected (puts not stored), corrupt, outages, latency_p50_ms/latency_p99_ms per
         round trip, connected, and the server's used_memory/maxmemory/maxmemory_policy."""
         self._check_open()
-        lat = np.array(self._latency_s, dtype=np.float64) * 1e3  # before this call's own round trips
+        with self._lock:  # snapshot before this call's own round trips
+            lat = np.array(self._latency_s, dtype=np.float64) * 1e3
         info = self._info(max_age_s=0.0)
         with self._lock:
             s = self._stats.as_dict()

@@ -1,17 +1,22 @@
 """RemoteTier (L4) against a real redis-server on loopback."""
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import textwrap
 import time
 
+import hypothesis.strategies as st
 import pytest
 import redis
 import torch
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
 
 from kvtier.tiers import Tier, TierClosedError
 from kvtier.tiers.remote import HEADER_BYTES, MAGIC, RemoteTier, check_url, frame, unframe
@@ -110,14 +115,17 @@ def test_quota_full_returns_false_and_changes_nothing(redis_url):
     t.close()
 
 
-def test_server_refusal_oom_is_false_not_an_error(redis_server_factory):
+def test_server_refusal_oom_is_false_not_an_error(redis_server_factory, caplog):
+    caplog.set_level(logging.WARNING, logger=LOGGER)
     srv = redis_server_factory("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
     t = RemoteTier(srv.url)
     assert t.capacity_bytes == 2 << 20 and t.stats()["server_maxmemory_policy"] == "noeviction"
     results = [t.put(f"k{i}", os.urandom(64 << 10)) for i in range(64)]
     assert True in results and results[-1] is False  # the server filled up and said so
-    assert t.stats()["errors"] >= 1 and t.connected
+    assert t.stats()["errors"] == results.count(False) and t.connected
     assert t.get(f"k{results.index(True)}") is not None
+    refused = [r for r in caplog.records if "refused" in r.message]
+    assert len(refused) == 1 and "maxmemory" in refused[0].message  # one warning, not one per put
     t.close()
 
 
@@ -135,7 +143,8 @@ def test_corrupt_or_foreign_values_are_misses(tier, raw, caplog):
         got = tier.get_many(["flip", "short", "garbage", "empty", "moved2", "moved"])
     assert got[:5] == [None] * 5 and bytes(got[5]) == payload
     assert tier.stats()["corrupt"] == 5
-    assert sum("failed its frame/CRC check" in r.message for r in caplog.records) == 5
+    warned = [r.message for r in caplog.records if "failed their frame/CRC check" in r.message]
+    assert len(warned) == 1 and "5 value(s)" in warned[0]
 
 
 def test_frame_roundtrip_and_checks():
@@ -184,6 +193,27 @@ def test_server_killed_degrades_to_misses_and_restart_recovers(redis_server, cap
         assert t.get("a") is None and t.get("a") is None
     assert sum("unreachable" in r.message for r in caplog.records) == 1 and t.stats()["outages"] == 2
     t.close()
+
+
+def test_black_holed_server_blocks_at_most_one_timeout_per_retry_interval(caplog):
+    # a server that accepts connections and never answers (hung host, dropped packets)
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(64)
+        url = f"redis://127.0.0.1:{hole.getsockname()[1]}/0"
+        t = RemoteTier(url, socket_timeout_s=0.2, retry_interval_s=30.0)
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            t0 = time.monotonic()
+            assert t.get("a") is None
+            first = time.monotonic() - t0
+            t0 = time.monotonic()
+            for _ in range(200):
+                assert t.get("a") is None and t.put("a", b"x") is False
+            rest = time.monotonic() - t0
+        assert 0.15 < first < 2.0  # one socket timeout (generous bound for a loaded machine)
+        assert rest < first  # later calls within the retry interval never touch the network
+        assert "TimeoutError" in caplog.records[0].message and not t.connected
+        t.close()
 
 
 def test_restart_without_outage_noticed_reconnects_at_once(redis_server):
@@ -314,3 +344,76 @@ def test_bad_keys_and_values_raise_before_any_network(redis_server):
         t.put("k", "a str")
     s = t.stats()
     assert s["puts"] == 0 and s["gets"] == 0
+
+
+KEYS = st.sampled_from([f"k{i}" for i in range(10)])
+VALUES = st.tuples(st.integers(0, 1500), st.binary(min_size=1, max_size=8)).map(
+    lambda t: (t[1] * (t[0] // len(t[1]) + 1))[: t[0]])
+QUOTA = 6000
+
+
+class RemoteMachine(RuleBasedStateMachine):
+    """RemoteTier against a dict, quota decisions predicted exactly; reconnecting (a new client,
+    as another process would be) keeps everything."""
+
+    url = ""
+    namespaces = itertools.count()
+
+    def __init__(self):
+        super().__init__()
+        self.prefix = f"sm{next(self.namespaces)}:"
+        self.tier = RemoteTier(self.url, key_prefix=self.prefix, capacity_bytes=QUOTA)
+        self.model: dict[str, bytes] = {}
+
+    def _used(self, model) -> int:
+        return sum(len(v) + HEADER_BYTES for v in model.values())
+
+    def _predict_puts(self, items) -> list[bool]:
+        out = []
+        for key, value in items:
+            old = len(self.model[key]) + HEADER_BYTES if key in self.model else 0
+            fits = self._used(self.model) - old + len(value) + HEADER_BYTES <= QUOTA
+            if fits:
+                self.model[key] = value
+            out.append(fits)
+        return out
+
+    @rule(key=KEYS, value=VALUES)
+    def put(self, key, value):
+        expect = self._predict_puts([(key, value)])
+        assert [self.tier.put(key, value)] == expect
+
+    @rule(items=st.lists(st.tuples(KEYS, VALUES), max_size=6))
+    def put_many(self, items):
+        expect = self._predict_puts(items)
+        assert self.tier.put_many(items) == expect
+
+    @rule(keys=st.lists(KEYS, max_size=4, unique=True))
+    def delete_many(self, keys):
+        assert self.tier.delete_many(keys) == [k in self.model for k in keys]
+        for k in keys:
+            self.model.pop(k, None)
+
+    @rule(keys=st.lists(KEYS, max_size=5))
+    def get_many(self, keys):
+        got = self.tier.get_many(keys)
+        assert [None if g is None else bytes(g) for g in got] == [self.model.get(k) for k in keys]
+
+    @rule()
+    def reconnect(self):
+        self.tier.close()
+        self.tier = RemoteTier(self.url, key_prefix=self.prefix, capacity_bytes=QUOTA)
+
+    @invariant()
+    def matches_model(self):
+        assert sorted(self.tier.keys()) == sorted(self.model)
+        assert self.tier.used_bytes == self._used(self.model) <= QUOTA
+
+    def teardown(self):
+        self.tier.close()
+
+
+def test_state_machine_against_a_dict(redis_url):
+    RemoteMachine.url = redis_url
+    run_state_machine_as_test(RemoteMachine, settings=settings(max_examples=40, stateful_step_count=30,
+                                                               deadline=None))
