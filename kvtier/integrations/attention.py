@@ -104,13 +104,14 @@ def attend_blocks(
     b, qh, ql, d = query.shape
     kvh = keys.shape[1]
     g = qh // kvh
-    q = query.reshape(b, kvh, g * ql, d)  # [B, kv_heads, G*q_len, D] (head h uses kv head h // G)
-    scores = torch.matmul(q, keys.transpose(-1, -2)).float() * scaling  # [B, kv_heads, G*q_len, n]
+    # fp32 throughout: the budget keeps n small, and half-precision products lose logits' digits
+    q = query.reshape(b, kvh, g * ql, d).float()  # [B, kv_heads, G*q_len, D] (head h uses kv head h // G)
+    scores = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling  # [B, kv_heads, G*q_len, n]
     if mask is not None:
         bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         bias.masked_fill_(~mask, torch.finfo(torch.float32).min)  # [B, 1, q_len, n]
         scores = (scores.view(b, kvh, g, ql, -1) + bias.unsqueeze(2)).view(b, kvh, g * ql, -1)
     probs = torch.softmax(scores, dim=-1)  # [B, kv_heads, G*q_len, n]
-    out = torch.matmul(probs.to(values.dtype), values)  # [B, kv_heads, G*q_len, D]
-    out = out.view(b, qh, ql, d).transpose(1, 2).contiguous()  # [B, q_len, q_heads, D]
+    out = torch.matmul(probs, values.float())  # [B, kv_heads, G*q_len, D]
+    out = out.view(b, qh, ql, d).transpose(1, 2).to(query.dtype).contiguous()  # [B, q_len, q_heads, D]
     return out, probs.sum(dim=(1, 2))  # mass: [B, n]

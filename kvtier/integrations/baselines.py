@@ -90,17 +90,30 @@ def greedy_generate(model, input_ids: torch.Tensor, cache: Cache, max_new_tokens
 
 
 @torch.inference_mode()
-def teacher_forced_logits(model, input_ids: torch.Tensor, cache: Cache, n_prefill: int) -> torch.Tensor:
+def teacher_forced_logits(model, input_ids: torch.Tensor, cache: Cache, n_prefill: int,
+                          attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill ``input_ids[:, :n_prefill]``, then feed the rest one token at a time (decode path).
 
+    Args:
+        attention_mask: optional ``[batch, T]`` padding mask (1 = token, 0 = left padding).
     Returns:
         float32 logits ``[batch, T - n_prefill + 1, vocab]``: the last prefill position, then every
         decode step.
     """
-    out = model(input_ids=input_ids[:, :n_prefill], cache=cache, use_cache=True)
+    def mask(t):
+        return None if attention_mask is None else attention_mask[:, :t]
+
+    def positions(t0, t1):
+        if attention_mask is None:
+            return None
+        return (attention_mask[:, :t1].long().cumsum(-1) - 1).clamp(min=0)[:, t0:t1]
+
+    out = model(input_ids=input_ids[:, :n_prefill], attention_mask=mask(n_prefill),
+                position_ids=positions(0, n_prefill), cache=cache, use_cache=True)
     logits = [out.logits[:, -1].float()]
     for t in range(n_prefill, input_ids.shape[1]):
-        out = model(input_ids=input_ids[:, t:t + 1], cache=cache, use_cache=True)
+        out = model(input_ids=input_ids[:, t:t + 1], attention_mask=mask(t + 1),
+                    position_ids=positions(t, t + 1), cache=cache, use_cache=True)
         logits.append(out.logits[:, -1].float())
     return torch.stack(logits, dim=1)
 

@@ -32,6 +32,7 @@ __all__ = [
     "find_gguf",
     "load_model",
     "load_text",
+    "load_tokenizer",
     "model_fingerprint",
     "text_ids",
 ]
@@ -156,6 +157,23 @@ def load_model(
     """
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype (float32, float16, bfloat16), got {dtype!r}")
+    model_dir = _resolve(path, cache_dir)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    model.to(device)
+    model.eval()
+    return model, tokenizer
+
+
+def load_tokenizer(path: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None):
+    """Only the tokenizer of :func:`load_model` (same ``path`` and ``cache_dir`` rules)."""
+    return AutoTokenizer.from_pretrained(str(_resolve(path, cache_dir)), local_files_only=True)
+
+
+def _resolve(path, cache_dir) -> Path:
+    """The local transformers directory for ``path`` (converting and caching a GGUF once)."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     if path is None:
         gguf = find_gguf()
@@ -173,13 +191,7 @@ def load_model(
             )
     if gguf is not None and not _is_model_dir(model_dir):
         _convert_gguf(gguf, model_dir)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(model_dir), dtype=dtype, local_files_only=True, attn_implementation=attn_implementation
-    )
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    model.to(device)
-    model.eval()
-    return model, tokenizer
+    return model_dir
 
 
 @functools.lru_cache(maxsize=1)
