@@ -30,8 +30,10 @@ _SRC = r"""
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#include <immintrin.h>
 
 typedef _Float16 f16;
+#define LANES 16   /* partial min/max accumulators: elementwise, so gcc vectorizes them */
 
 /* dt: 0 = float32, 1 = float16, 2 = bfloat16 */
 
@@ -44,14 +46,34 @@ static inline uint16_t f_to_bf16(float f) {
 
 static void load_row(int dt, const void *src, int64_t off, float *restrict dst, int64_t n) {
     if (dt == 0) { const float *s = (const float *)src + off; for (int64_t i = 0; i < n; i++) dst[i] = s[i]; }
-    else if (dt == 1) { const f16 *s = (const f16 *)src + off; for (int64_t i = 0; i < n; i++) dst[i] = (float)s[i]; }
+    else if (dt == 1) {
+        const f16 *s = (const f16 *)src + off;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + i))));
+#elif defined(__F16C__)
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + i))));
+#endif
+        for (; i < n; i++) dst[i] = (float)s[i];
+    }
     else { const uint16_t *s = (const uint16_t *)src + off;
            for (int64_t i = 0; i < n; i++) { uint32_t u = (uint32_t)s[i] << 16; float f; memcpy(&f, &u, 4); dst[i] = f; } }
 }
 
 static void store_row(int dt, const float *restrict src, void *dst, int64_t off, int64_t n) {
     if (dt == 0) { float *d = (float *)dst + off; for (int64_t i = 0; i < n; i++) d[i] = src[i]; }
-    else if (dt == 1) { f16 *d = (f16 *)dst + off; for (int64_t i = 0; i < n; i++) d[i] = (f16)src[i]; }
+    else if (dt == 1) {
+        f16 *d = (f16 *)dst + off;
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16)
+            _mm256_storeu_si256((__m256i *)(d + i), _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#elif defined(__F16C__)
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+        for (; i < n; i++) d[i] = (f16)src[i];
+    }
     else { uint16_t *d = (uint16_t *)dst + off;
            for (int64_t i = 0; i < n; i++) { uint32_t u; memcpy(&u, &src[i], 4); u += 0x7FFFu + ((u >> 16) & 1u); d[i] = (uint16_t)(u >> 16); } }
 }
@@ -115,6 +137,13 @@ static inline int codes_span(const float *restrict x, float *restrict c, int64_t
 #define CHUNK_ROWS 32
 
 /* ---- token axis, D % G == 0 and whole bytes per row: chunks of rows, G a compile-time constant ---- */
+/* Codes without the NaN check (the caller checked its input already). */
+AI void codes_span_nocheck(const float *restrict x, float *restrict c, int64_t n, float s, float z, float lo, float hi) {
+    for (int64_t i = 0; i < n; i++) {
+        float v = rintf((x[i] - z) / s); v = v < lo ? lo : v; v = v > hi ? hi : v; c[i] = v == v ? v : 0.0f;
+    }
+}
+
 AI int tok_quant_chunk(int dt, int bits, const float *restrict xf, float *restrict c, int64_t ngroups, const int64_t G,
                         void *scale, void *zero, int64_t s0) {
     const int sym = bits == 8;
@@ -125,20 +154,63 @@ AI int tok_quant_chunk(int dt, int bits, const float *restrict xf, float *restri
         const float *xs = xf + k * G;
         float *cs = c + k * G;
         float s, z = 0.0f;
+#if defined(__AVX512F__)
+        /* explicit 16-lane min/max (gcc leaves these reductions scalar); x - x is NaN exactly
+           when x is NaN or Inf, which sets a bit in the bad mask */
         if (sym) {
-            float m = 0.0f;
-            for (int64_t i = 0; i < G; i++) { float v = fabsf(xs[i]); m = v > m ? v : m; }
-            s = rdt(dt, m / top);
+            __m512 va = _mm512_abs_ps(_mm512_loadu_ps(xs));
+            __mmask16 nb = _mm512_cmp_ps_mask(_mm512_sub_ps(va, va), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+            for (int64_t i = 16; i < G; i += 16) {
+                __m512 v = _mm512_abs_ps(_mm512_loadu_ps(xs + i));
+                nb |= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+                va = _mm512_max_ps(va, v);
+            }
+            bad |= nb != 0;
+            s = rdt(dt, _mm512_reduce_max_ps(va) / top);
         } else {
-            float mn = xs[0], mx = xs[0];
-            for (int64_t i = 0; i < G; i++) { float v = xs[i]; mn = v < mn ? v : mn; mx = v > mx ? v : mx; }
+            __m512 vn = _mm512_loadu_ps(xs), vx = vn;
+            __mmask16 nb = _mm512_cmp_ps_mask(_mm512_sub_ps(vn, vn), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+            for (int64_t i = 16; i < G; i += 16) {
+                __m512 v = _mm512_loadu_ps(xs + i);
+                nb |= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+                vn = _mm512_min_ps(vn, v); vx = _mm512_max_ps(vx, v);
+            }
+            bad |= nb != 0;
+            float mn = _mm512_reduce_min_ps(vn), mx = _mm512_reduce_max_ps(vx);
             s = rdt(dt, (mx - mn) / top);
             z = rdt(dt, mn);
             st1(dt, zero, s0 + k, z);
         }
+#else
+        if (sym) {
+            float ml[LANES];
+            for (int l = 0; l < LANES; l++) ml[l] = fabsf(xs[l]);
+            for (int64_t i = LANES; i < G; i += LANES)
+                for (int l = 0; l < LANES; l++) { float v = fabsf(xs[i + l]); ml[l] = v > ml[l] ? v : ml[l]; }
+            float m = ml[0];
+            for (int l = 1; l < LANES; l++) m = ml[l] > m ? ml[l] : m;
+            s = rdt(dt, m / top);
+        } else {
+            float nl[LANES], xl[LANES];
+            for (int l = 0; l < LANES; l++) { nl[l] = xs[l]; xl[l] = xs[l]; }
+            for (int64_t i = LANES; i < G; i += LANES)
+                for (int l = 0; l < LANES; l++) {
+                    float v = xs[i + l]; nl[l] = v < nl[l] ? v : nl[l]; xl[l] = v > xl[l] ? v : xl[l];
+                }
+            float mn = nl[0], mx = xl[0];
+            for (int l = 1; l < LANES; l++) { mn = nl[l] < mn ? nl[l] : mn; mx = xl[l] > mx ? xl[l] : mx; }
+            s = rdt(dt, (mx - mn) / top);
+            z = rdt(dt, mn);
+            st1(dt, zero, s0 + k, z);
+        }
+#endif
         if (s == 0.0f) s = 1.0f;
         st1(dt, scale, s0 + k, s);
+#if defined(__AVX512F__)
+        codes_span_nocheck(xs, cs, G, s, z, lo, top);
+#else
         bad |= codes_span(xs, cs, G, s, z, lo, top);
+#endif
     }
     return bad;
 }
@@ -205,25 +277,27 @@ AI int ch_quant_unit(int dt, int bits, const float *restrict xf, float *restrict
     const int sym = bits == 8;
     const float top = sym ? 127.0f : (float)((1 << bits) - 1);
     const float lo = sym ? -top : 0.0f;
-    if (sym) { for (int64_t d = 0; d < D; d++) mx[d] = fabsf(xf[d]); }
-    else { for (int64_t d = 0; d < D; d++) { mn[d] = xf[d]; mx[d] = xf[d]; } }
+    /* zv doubles as the NaN/Inf accumulator: x - x is NaN exactly when x is NaN or Inf */
+    if (sym) { for (int64_t d = 0; d < D; d++) { mx[d] = fabsf(xf[d]); zv[d] = xf[d] - xf[d]; } }
+    else { for (int64_t d = 0; d < D; d++) { mn[d] = xf[d]; mx[d] = xf[d]; zv[d] = xf[d] - xf[d]; } }
     for (int64_t t = 1; t < n; t++) {
         const float *xr = xf + t * D;
-        if (sym) { for (int64_t d = 0; d < D; d++) { float v = fabsf(xr[d]); mx[d] = v > mx[d] ? v : mx[d]; } }
-        else { for (int64_t d = 0; d < D; d++) { float v = xr[d]; mn[d] = v < mn[d] ? v : mn[d]; mx[d] = v > mx[d] ? v : mx[d]; } }
+        if (sym) { for (int64_t d = 0; d < D; d++) { float v = fabsf(xr[d]); mx[d] = v > mx[d] ? v : mx[d]; zv[d] += v - v; } }
+        else { for (int64_t d = 0; d < D; d++) { float v = xr[d]; mn[d] = v < mn[d] ? v : mn[d]; mx[d] = v > mx[d] ? v : mx[d]; zv[d] += v - v; } }
     }
+    int bad = 0;
+    for (int64_t d = 0; d < D; d++) bad |= zv[d] != 0.0f;
     for (int64_t d = 0; d < D; d++) {
         float s = sym ? rdt(dt, mx[d] / top) : rdt(dt, (mx[d] - mn[d]) / top);
         if (s == 0.0f) s = 1.0f;
         sv[d] = s; st1(dt, scale, so + d, s);
         if (!sym) { float z = rdt(dt, mn[d]); zv[d] = z; st1(dt, zero, so + d, z); } else zv[d] = 0.0f;
     }
-    int bad = 0;
     for (int64_t t = 0; t < n; t++) {
         const float *xr = xf + t * D;
         float *cr = c + t * D;
         for (int64_t d = 0; d < D; d++) {
-            float v = rintf((xr[d] - zv[d]) / sv[d]); bad |= (v != v);
+            float v = rintf((xr[d] - zv[d]) / sv[d]);
             v = v < lo ? lo : v; v = v > top ? top : v; cr[d] = v == v ? v : 0.0f;
         }
     }
@@ -357,12 +431,112 @@ static void tok_dequant_rows(const void *q, const void *scale, const void *zero,
 int kvt_quant(const void *x, int dt, int64_t B, int64_t T, int64_t D, int bits, int64_t G, int axis,
               void *q, void *scale, void *zero) {
     if (axis == 1) return ch_quant(x, dt, B, T, D, bits, G, q, scale, zero);
-    if (D % G == 0 && (D * bits) % 8 == 0) return tok_quant_fast(x, dt, B * T, D, bits, G, q, scale, zero);
+    if (D % G == 0 && G % LANES == 0 && (D * bits) % 8 == 0) return tok_quant_fast(x, dt, B * T, D, bits, G, q, scale, zero);
     return tok_quant_rows(x, dt, B * T, D, bits, G, q, scale, zero);
 }
 
+#if defined(__AVX512F__)
+/* ---- AVX-512 dequantize: codes unpacked to bytes with SSE shuffles, then 16 lanes at a time
+   widened, scaled (mul then add: no FMA, as the reference) and converted to the output dtype ---- */
+static void unpack_codes_u8(const uint8_t *restrict p, int64_t d, int bits, uint8_t *restrict c) {
+    int64_t i = 0;
+    if (bits == 8) { memcpy(c, p, d); return; }
+    const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(0x03);
+    if (bits == 4) {
+        for (; i + 32 <= d; i += 32) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(p + i / 2));
+            __m128i lo = _mm_and_si128(b, m4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m4);
+            _mm_storeu_si128((__m128i *)(c + i), _mm_unpacklo_epi8(lo, hi));
+            _mm_storeu_si128((__m128i *)(c + i + 16), _mm_unpackhi_epi8(lo, hi));
+        }
+        for (; i < d; i++) c[i] = (p[i / 2] >> (4 * (i & 1))) & 15;
+        return;
+    }
+    for (; i + 64 <= d; i += 64) {
+        __m128i b = _mm_loadu_si128((const __m128i *)(p + i / 4));
+        __m128i c0 = _mm_and_si128(b, m2), c1 = _mm_and_si128(_mm_srli_epi16(b, 2), m2);
+        __m128i c2 = _mm_and_si128(_mm_srli_epi16(b, 4), m2), c3 = _mm_and_si128(_mm_srli_epi16(b, 6), m2);
+        __m128i p01l = _mm_unpacklo_epi8(c0, c1), p23l = _mm_unpacklo_epi8(c2, c3);
+        __m128i p01h = _mm_unpackhi_epi8(c0, c1), p23h = _mm_unpackhi_epi8(c2, c3);
+        _mm_storeu_si128((__m128i *)(c + i), _mm_unpacklo_epi16(p01l, p23l));
+        _mm_storeu_si128((__m128i *)(c + i + 16), _mm_unpackhi_epi16(p01l, p23l));
+        _mm_storeu_si128((__m128i *)(c + i + 32), _mm_unpacklo_epi16(p01h, p23h));
+        _mm_storeu_si128((__m128i *)(c + i + 48), _mm_unpackhi_epi16(p01h, p23h));
+    }
+    for (; i < d; i++) c[i] = (p[i / 4] >> (2 * (i & 3))) & 3;
+}
+
+AI void emit16(int dt, int sym, const uint8_t *codes, __m512 s, __m512 z, void *out, int64_t off) {
+    __m128i raw = _mm_loadu_si128((const __m128i *)codes);
+    __m512i ci = sym ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
+    __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(ci), s);
+    if (!sym) v = _mm512_add_ps(v, z);
+    if (dt == 0) _mm512_storeu_ps((float *)out + off, v);
+    else if (dt == 1)
+        _mm256_storeu_si256((__m256i *)((f16 *)out + off), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    else {
+        __m512i u = _mm512_castps_si512(v);
+        __m512i r = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+        u = _mm512_srli_epi32(_mm512_add_epi32(u, r), 16);
+        _mm256_storeu_si256((__m256i *)((uint16_t *)out + off), _mm512_cvtepi32_epi16(u));
+    }
+}
+
+static void tok_dequant_avx(const void *q, const void *scale, const void *zero, int dt, int64_t rows, int64_t D, int bits,
+                            int64_t G, void *out) {
+    const int sym = bits == 8;
+    const int64_t ng = D / G, P = pdim(D, bits), nch = (rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    #pragma omp parallel if (rows * D > 32768)
+    {
+        uint8_t *c = malloc(CHUNK_ROWS * D + 64);
+        float *sv = malloc(sizeof(float) * CHUNK_ROWS * ng), *zv = malloc(sizeof(float) * CHUNK_ROWS * ng);
+        #pragma omp for schedule(static)
+        for (int64_t ch = 0; ch < nch; ch++) {
+            int64_t r0 = ch * CHUNK_ROWS, nr = (r0 + CHUNK_ROWS < rows ? CHUNK_ROWS : rows - r0);
+            unpack_codes_u8((const uint8_t *)q + r0 * P, nr * D, bits, c);
+            load_row(dt, scale, r0 * ng, sv, nr * ng);
+            if (!sym) load_row(dt, zero, r0 * ng, zv, nr * ng);
+            for (int64_t k = 0; k < nr * ng; k++) {
+                __m512 s = _mm512_set1_ps(sv[k]), z = sym ? _mm512_setzero_ps() : _mm512_set1_ps(zv[k]);
+                for (int64_t j = 0; j < G; j += 16) emit16(dt, sym, c + k * G + j, s, z, out, r0 * D + k * G + j);
+            }
+        }
+        free(c); free(sv); free(zv);
+    }
+}
+
+static void ch_dequant_avx(const void *q, const void *scale, const void *zero, int dt, int64_t B, int64_t T, int64_t D,
+                           int bits, int64_t G, void *out) {
+    const int sym = bits == 8;
+    const int64_t ng = (T + G - 1) / G, units = B * ng, P = pdim(D, bits);
+    #pragma omp parallel if (B * T * D > 32768)
+    {
+        uint8_t *c = malloc(G * D + 64);
+        float *sv = malloc(sizeof(float) * D), *zv = malloc(sizeof(float) * D);
+        #pragma omp for schedule(static)
+        for (int64_t u = 0; u < units; u++) {
+            int64_t b = u / ng, g = u % ng, t0 = g * G, n = (t0 + G < T ? G : T - t0);
+            int64_t row0 = b * T + t0, so = (b * ng + g) * D;
+            load_row(dt, scale, so, sv, D);
+            if (!sym) load_row(dt, zero, so, zv, D); else memset(zv, 0, sizeof(float) * D);
+            unpack_codes_u8((const uint8_t *)q + row0 * P, n * D, bits, c);
+            for (int64_t t = 0; t < n; t++)
+                for (int64_t d = 0; d < D; d += 16)
+                    emit16(dt, sym, c + t * D + d, _mm512_loadu_ps(sv + d), _mm512_loadu_ps(zv + d), out, (row0 + t) * D + d);
+        }
+        free(c); free(sv); free(zv);
+    }
+}
+#endif
+
 void kvt_dequant(const void *q, const void *scale, const void *zero, int dt, int64_t B, int64_t T, int64_t D,
                  int bits, int64_t G, int axis, void *out) {
+#if defined(__AVX512F__)
+    if (D % 16 == 0 && (D * bits) % 8 == 0) {
+        if (axis == 1) { ch_dequant_avx(q, scale, zero, dt, B, T, D, bits, G, out); return; }
+        if (D % G == 0) { tok_dequant_avx(q, scale, zero, dt, B * T, D, bits, G, out); return; }
+    }
+#endif
     if (axis == 1) ch_dequant(q, scale, zero, dt, B, T, D, bits, G, out);
     else if (D % G == 0 && (D * bits) % 8 == 0) tok_dequant_fast(q, scale, zero, dt, B * T, D, bits, G, out);
     else tok_dequant_rows(q, scale, zero, dt, B * T, D, bits, G, out);

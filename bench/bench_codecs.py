@@ -1,0 +1,334 @@
+"""Codec benchmark on real KV: SmolLM2-135M over pydoc_data.topics.
+
+Per codec (keys grouped per channel, values per token, as KIVI): quantize and dequantize speed
+as a ratio to ``tensor.copy_`` of the same fp16 bytes measured in the same run (interleaved,
+median of per-repeat ratios, so a shared machine's noise hits both sides alike); relative
+Frobenius and max error of K and V; bytes per token; lz4 and zstd ratio and speed on the
+encoded block records. Side by side on the same tensors: optimum-quanto and HQQ as transformers'
+QuantizedCache calls them (HQQ on one layer only: it is slow on CPU). bitsandbytes is measured
+through the nf4/fp4/dyn8 codecs, which are its blockwise quantizers.
+
+    python bench/bench_codecs.py            # 2048 tokens, all 30 layers
+    python bench/bench_codecs.py --smoke    # 256 tokens, 4 layers: seconds (CI)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+from kvtier.compress import get_codec, pack_record
+from kvtier.compress.bytestage import Lz4Stage
+
+TARGETS = {"quant_ratio": 0.35, "dequant_ratio": 0.6, "int8_err": 0.01, "int4_k_err": 0.05, "int4_v_err": 0.10}
+CODECS = ("fp16", "int8", "int4", "int2", "nf4", "fp4", "dyn8")
+
+
+def sync(t: torch.Tensor) -> None:
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
+def timed(fn, probe: torch.Tensor) -> float:
+    sync(probe)
+    t0 = time.perf_counter()
+    fn()
+    sync(probe)
+    return time.perf_counter() - t0
+
+
+MIN_SECONDS = 0.02  # each timing loops its op at least this long
+
+
+def loops_for(fn, probe) -> int:
+    return max(1, min(10_000, int(MIN_SECONDS / max(timed(fn, probe), 1e-7)) + 1))
+
+
+def timed_n(fn, probe, n: int) -> float:
+    def run():
+        for _ in range(n):
+            fn()
+    return timed(run, probe) / n
+
+
+def vs_copy(ops: dict, copy_fn, probe: torch.Tensor, repeats: int) -> dict:
+    """Median over repeats of t_copy / t_op, each op timed right after its own copy_ timing."""
+    copy_fn()
+    for fn in ops.values():
+        fn()  # warm-up: kernel build, allocator, caches
+    n_copy = loops_for(copy_fn, probe)
+    n_op = {k: loops_for(fn, probe) for k, fn in ops.items()}
+    ratios = {k: [] for k in ops}
+    secs = {k: [] for k in ops}
+    copy_secs = []
+    for _ in range(repeats):
+        for k, fn in ops.items():
+            tc = timed_n(copy_fn, probe, n_copy)
+            to = timed_n(fn, probe, n_op[k])
+            copy_secs.append(tc)
+            ratios[k].append(tc / to)
+            secs[k].append(to)
+    out = {k: {"ratio": statistics.median(ratios[k]), "seconds": statistics.median(secs[k])} for k in ops}
+    out["copy_seconds"] = statistics.median(copy_secs)
+    return out
+
+
+def rel_err(y: torch.Tensor, x: torch.Tensor) -> tuple[float, float]:
+    d = y.float() - x.float()
+    return (d.norm() / x.float().norm()).item(), d.abs().max().item()
+
+
+def load_kv(n_tokens: int, n_layers: int):
+    from kvtier.integrations.model import capture_kv, load_model
+
+    model, tok = load_model()
+    kv = capture_kv(model, tok, n_tokens)[:n_layers]
+    k = torch.cat([k for k, _ in kv]).half().contiguous()  # [layers * kv_heads, T, head_dim]
+    v = torch.cat([v for _, v in kv]).half().contiguous()
+    heads = kv[0][0].shape[0]
+    return k, v, heads
+
+
+def blocks_of(x: torch.Tensor, heads: int, block_tokens: int) -> list[torch.Tensor]:
+    """[layers * heads, T, D] -> list of [heads, block_tokens, D] blocks (full blocks only)."""
+    out = []
+    for l0 in range(0, x.shape[0], heads):
+        for t0 in range(0, x.shape[1] - block_tokens + 1, block_tokens):
+            out.append(x[l0:l0 + heads, t0:t0 + block_tokens].contiguous())
+    return out
+
+
+def bench_codec(name, k, v, kb, vb, group_size, repeats, n_tokens):
+    kc = get_codec(name, group_size=group_size, axis="channel")
+    vc = get_codec(name, group_size=group_size, axis="token")
+    ek, ev = kc.encode(k), vc.encode(v)
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    ck, cv = torch.empty_like(k), torch.empty_like(v)
+
+    def copy():
+        ck.copy_(k)
+        cv.copy_(v)
+
+    def quant():
+        kc.encode(k)
+        vc.encode(v)
+
+    if name.startswith("int"):
+        def dequant():
+            kc.decode(ek, out=dk)
+            vc.decode(ev, out=dv)
+    else:
+        def dequant():
+            kc.decode(ek)
+            vc.decode(ev)
+
+    def quant_blocks():
+        for a, b in zip(kb, vb):
+            kc.encode(a)
+            vc.encode(b)
+
+    ebk = [kc.encode(a) for a in kb]
+    ebv = [vc.encode(b) for b in vb]
+
+    def dequant_blocks():
+        for a, b in zip(ebk, ebv):
+            kc.decode(a)
+            vc.decode(b)
+
+    sp = vs_copy({"quant": quant, "dequant": dequant}, copy, k, repeats)
+    # blocked: same bytes as the bulk pair only when all tokens fall in full blocks
+    blk_bytes = sum(a.numel() * 2 for a in kb) * 2
+    spb = vs_copy({"quant_blocks": quant_blocks, "dequant_blocks": dequant_blocks}, copy, k, max(1, repeats // 2))
+    scale_b = blk_bytes / (k.numel() * 2 * 2)
+    nbytes = k.numel() * 2 * 2
+    layers = k.shape[0] // kb[0].shape[0]
+    yk, yv = kc.decode(ek), vc.decode(ev)
+    errk, maxk = rel_err(yk, k)
+    errv, maxv = rel_err(yv, v)
+    records = [pack_record(e) for e in ebk + ebv]
+    res = {
+        "codec": name,
+        "quant_ratio": sp["quant"]["ratio"], "dequant_ratio": sp["dequant"]["ratio"],
+        "quant_GBps": nbytes / sp["quant"]["seconds"] / 1e9, "dequant_GBps": nbytes / sp["dequant"]["seconds"] / 1e9,
+        "copy_GBps": nbytes / sp["copy_seconds"] / 1e9,
+        "quant_blocks_ratio": spb["quant_blocks"]["ratio"] * scale_b,
+        "dequant_blocks_ratio": spb["dequant_blocks"]["ratio"] * scale_b,
+        "k_rel_err": errk, "k_max_err": maxk, "v_rel_err": errv, "v_max_err": maxv,
+        "payload_bytes_per_token": (ek.nbytes + ev.nbytes) / n_tokens / layers,
+        # records of full blocks: K and V of every layer, per token those blocks cover
+        "record_bytes_per_token": sum(len(r) for r in records) / (len(kb) // layers * kb[0].shape[1]) / layers,
+        "fp16_bytes_per_token": nbytes / n_tokens / layers,
+    }
+    res.update(byte_stages(records))
+    return res
+
+
+def byte_stages(records: list[bytes]) -> dict:
+    import lz4.block
+
+    total = sum(len(r) for r in records)
+    out = {}
+    t0 = time.perf_counter()
+    comp = [lz4.block.compress(r, store_size=True) for r in records]
+    t1 = time.perf_counter()
+    for c in comp:
+        lz4.block.decompress(c)
+    t2 = time.perf_counter()
+    out["lz4_ratio"] = total / sum(len(c) for c in comp)
+    out["lz4_comp_GBps"] = total / (t1 - t0) / 1e9
+    out["lz4_decomp_GBps"] = total / (t2 - t1) / 1e9
+    stage = Lz4Stage(0.05)
+    for r in records:
+        stage.pack(r)
+    st = stage.stats()
+    out["stage_ratio"] = st["ratio"]
+    out["stage_raw_fraction"] = st["records_raw"] / max(1, st["records_raw"] + st["records_lz4"])
+    try:
+        import zstandard
+
+        zc, zd = zstandard.ZstdCompressor(level=3), zstandard.ZstdDecompressor()
+        t0 = time.perf_counter()
+        zcomp = [zc.compress(r) for r in records]
+        t1 = time.perf_counter()
+        for c in zcomp:
+            zd.decompress(c)
+        t2 = time.perf_counter()
+        out["zstd_ratio"] = total / sum(len(c) for c in zcomp)
+        out["zstd_comp_GBps"] = total / (t1 - t0) / 1e9
+        out["zstd_decomp_GBps"] = total / (t2 - t1) / 1e9
+    except ImportError:
+        pass
+    return out
+
+
+def bench_quanto(k, v, bits, group_size, repeats):
+    from optimum.quanto import MaxOptimizer, qint2, qint4, quantize_weight
+
+    qtype = qint4 if bits == 4 else qint2
+    opt = MaxOptimizer()
+
+    def q(x):  # as transformers' QuantoQuantizedLayer._quantize, axis 0 (its default)
+        scale, zp = opt(x, qtype, 0, group_size)
+        return quantize_weight(x, qtype, 0, scale, zp, group_size)
+
+    qk, qv = q(k), q(v)
+    ck, cv = torch.empty_like(k), torch.empty_like(v)
+
+    def copy():
+        ck.copy_(k)
+        cv.copy_(v)
+
+    sp = vs_copy({"quant": lambda: (q(k), q(v)), "dequant": lambda: (qk.dequantize(), qv.dequantize())},
+                 copy, k, repeats)
+    errk, maxk = rel_err(qk.dequantize(), k)
+    errv, maxv = rel_err(qv.dequantize(), v)
+    return {"codec": f"quanto-int{bits}", "quant_ratio": sp["quant"]["ratio"], "dequant_ratio": sp["dequant"]["ratio"],
+            "k_rel_err": errk, "k_max_err": maxk, "v_rel_err": errv, "v_max_err": maxv}
+
+
+def bench_hqq(k, v, bits, group_size, repeats):
+    from hqq.core.quantize import Quantizer
+
+    def q(x):  # as transformers' HQQQuantizedLayer._quantize, axis 0 (its default)
+        return Quantizer.quantize(x, axis=0, device=str(x.device), compute_dtype=x.dtype, nbits=bits,
+                                  group_size=group_size)
+
+    (qk, mk), (qv, mv) = q(k), q(v)
+    ck, cv = torch.empty_like(k), torch.empty_like(v)
+
+    def copy():
+        ck.copy_(k)
+        cv.copy_(v)
+
+    sp = vs_copy({"quant": lambda: (q(k), q(v)),
+                  "dequant": lambda: (Quantizer.dequantize(qk, mk), Quantizer.dequantize(qv, mv))},
+                 copy, k, repeats)
+    errk, maxk = rel_err(Quantizer.dequantize(qk, mk), k)
+    errv, maxv = rel_err(Quantizer.dequantize(qv, mv), v)
+    nbytes = sum(t.numel() * t.element_size() for t in (qk, qv, mk["scale"], mk["zero"], mv["scale"], mv["zero"]))
+    return {"codec": f"hqq-int{bits} (1 layer)", "quant_ratio": sp["quant"]["ratio"],
+            "dequant_ratio": sp["dequant"]["ratio"], "k_rel_err": errk, "k_max_err": maxk,
+            "v_rel_err": errv, "v_max_err": maxv, "payload_bytes_per_token": nbytes / k.shape[1]}  # one layer
+
+
+def fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="256 tokens, 4 layers, 3 repeats (CI)")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--group-size", type=int, default=32)
+    ap.add_argument("--block-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--json", help="write the results to this JSON file")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.tokens, args.layers, args.repeats = 256, 4, 3
+
+    t_start = time.perf_counter()
+    k, v, heads = load_kv(args.tokens, args.layers)
+    kb, vb = blocks_of(k, heads, args.block_tokens), blocks_of(v, heads, args.block_tokens)
+    print(f"# real KV: SmolLM2-135M, {args.tokens} tokens x {k.shape[0] // heads} layers x {heads} heads x "
+          f"{k.shape[2]} dims, fp16, K+V {2 * k.numel() * 2 / 1e6:.1f} MB; group {args.group_size}; "
+          f"threads {torch.get_num_threads()}; load {time.perf_counter() - t_start:.1f}s")
+
+    rows = [bench_codec(n, k, v, kb, vb, args.group_size, args.repeats, args.tokens) for n in CODECS]
+    side = []
+    for bits in (4, 2):
+        side.append(bench_quanto(k, v, bits, args.group_size, args.repeats))
+    k1, v1 = k[:heads].contiguous(), v[:heads].contiguous()
+    for bits in (4, 2):
+        side.append(bench_hqq(k1, v1, bits, args.group_size, max(1, min(3, args.repeats))))
+
+    print(f"# copy_ reference: {rows[0]['copy_GBps']:.2f} GB/s (median, fp16 K+V); ratios are t_copy/t_op, "
+          f"median of {args.repeats} interleaved repeats")
+    hdr = ("codec", "quant/copy", "deq/copy", "q/copy blk", "dq/copy blk", "K rel", "K max", "V rel", "V max",
+           "B/tok/layer", "rec B/tok/layer", "lz4", "lz4 GB/s", "zstd", "zstd GB/s", "raw%")
+    print(" | ".join(hdr))
+    for r in rows:
+        print(" | ".join([
+            r["codec"], fmt(r["quant_ratio"], ".2f"), fmt(r["dequant_ratio"], ".2f"),
+            fmt(r["quant_blocks_ratio"], ".2f"), fmt(r["dequant_blocks_ratio"], ".2f"),
+            fmt(r["k_rel_err"], ".4f"), fmt(r["k_max_err"], ".3f"), fmt(r["v_rel_err"], ".4f"),
+            fmt(r["v_max_err"], ".3f"), fmt(r["payload_bytes_per_token"], ".0f"),
+            fmt(r["record_bytes_per_token"], ".0f"), fmt(r["lz4_ratio"], ".3f"), fmt(r["lz4_comp_GBps"], ".2f"),
+            fmt(r.get("zstd_ratio"), ".3f"), fmt(r.get("zstd_comp_GBps"), ".2f"),
+            fmt(100 * r["stage_raw_fraction"], ".0f")]))
+    print("# side by side (same tensors; HQQ on the first layer only, its own copy_ reference)")
+    for r in side:
+        print(" | ".join([r["codec"], fmt(r["quant_ratio"], ".3f"), fmt(r["dequant_ratio"], ".3f"), "-", "-",
+                          fmt(r["k_rel_err"], ".4f"), fmt(r["k_max_err"], ".3f"), fmt(r["v_rel_err"], ".4f"),
+                          fmt(r["v_max_err"], ".3f"), fmt(r.get("payload_bytes_per_token"), ".0f")]))
+
+    by = {r["codec"]: r for r in rows}
+    checks = [
+        ("int8 quantize >= 0.35x copy_", by["int8"]["quant_ratio"], TARGETS["quant_ratio"], ">="),
+        ("int8 dequantize >= 0.6x copy_", by["int8"]["dequant_ratio"], TARGETS["dequant_ratio"], ">="),
+        ("int4 quantize >= 0.35x copy_", by["int4"]["quant_ratio"], TARGETS["quant_ratio"], ">="),
+        ("int4 dequantize >= 0.6x copy_", by["int4"]["dequant_ratio"], TARGETS["dequant_ratio"], ">="),
+        ("int8 K rel err <= 0.01", by["int8"]["k_rel_err"], TARGETS["int8_err"], "<="),
+        ("int8 V rel err <= 0.01", by["int8"]["v_rel_err"], TARGETS["int8_err"], "<="),
+        ("int4 K (per-channel) rel err <= 0.05", by["int4"]["k_rel_err"], TARGETS["int4_k_err"], "<="),
+        ("int4 V (per-token) rel err <= 0.10", by["int4"]["v_rel_err"], TARGETS["int4_v_err"], "<="),
+    ]
+    for label, got, want, op in checks:
+        ok = got >= want if op == ">=" else got <= want
+        print(f"target {label}: {got:.3f} {'MET' if ok else 'MISSED'}")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), mode=0o700, exist_ok=True)
+        with open(os.open(args.json, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            json.dump({"args": vars(args), "codecs": rows, "side_by_side": side}, f, indent=1)
+    print(f"# total {time.perf_counter() - t_start:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
