@@ -194,9 +194,12 @@ class RemoteTier(Tier):
     def __init__(self, url: str, *, key_prefix: str = "kvtier:", socket_timeout_s: float = 0.5,
                  retry_interval_s: float = 1.0, capacity_bytes: int | None = None,
                  latency_window: int = 4096) -> None:
-        import redis
-        from redis.backoff import NoBackoff
-        from redis.retry import Retry
+        try:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ImportError as e:  # an optional dependency: only L4 needs it
+            raise ImportError("RemoteTier needs the Redis client: pip install 'redis>=5'") from e
 
         self.url = check_url(url)
         if not isinstance(key_prefix, str) or "\x00" in key_prefix or len(key_prefix.encode()) > 128:
