@@ -96,6 +96,7 @@ def test_continuing_a_chain_with_parent_matches_whole():
     assert chained_block_keys(t[32:], 16, 2, FP, parent=head[-1]) == chained_block_keys(t, 16, 2, FP)[2:]
 
 
+@pytest.mark.slow  # starts Python processes that import torch
 def test_stable_across_processes():
     # never Python's hash(): another interpreter (other PYTHONHASHSEED) computes the same keys
     code = ("from kvtier.store.prefix import model_fingerprint_key as m, chained_block_hashes as c;"

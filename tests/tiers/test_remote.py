@@ -256,6 +256,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # starts Python processes that import torch
 def test_two_processes_share_one_server(redis_url):
     # two OS processes stand in for two hosts, started together; the reader waits for the writer
     procs = {role: subprocess.Popen([sys.executable, "-c", _CHILD, redis_url, role], stdout=subprocess.PIPE,
