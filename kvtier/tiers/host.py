@@ -14,6 +14,9 @@ record into a hole; holes at the tail are reclaimed at once. When the head would
 records at the tail, those records are handed to ``spill`` in batches of about
 ``spill_batch_bytes`` (oldest first) and only then is their space reused. Without ``spill``, or
 when it raises, ``put`` returns False and every live record stays: nothing is dropped silently.
+Without ``spill``, holes pinned behind a live tail record are reclaimed by moving the live
+records to the start of the arena (``defragments`` in stats), so ``put`` only fails when the
+live records plus the new one exceed the arena.
 
 Ownership: ``put`` copies; ``get`` returns an owned ``bytes``; ``get_into`` copies into the
 caller's buffer; ``spill`` receives read-only views into the arena that are valid only during
@@ -94,6 +97,7 @@ class HostTier(Tier):
         self._stats = TierStats()
         self._spills = self._spilled_records = self._spilled_bytes = self._spill_errors = 0
         self.last_spill_error: BaseException | None = None
+        self._defrags = 0
         self._closed = False
 
     # -- capacity ---------------------------------------------------------------------------
@@ -172,6 +176,26 @@ class HostTier(Tier):
         self._drop_tail_holes()
         return True
 
+    def _defragment(self) -> None:
+        """Move every live record, in log order, to the start of the arena (closing all holes).
+
+        Only used without a next tier: with one, the oldest records are spilled instead.
+        """
+        live = [e for e in self._log if e[2] is not None]
+        total = sum(e[1] for e in live)
+        scratch = np.empty(total, dtype=np.uint8)
+        pos = 0
+        for e in live:
+            scratch[pos:pos + e[1]] = self._np[e[0]:e[0] + e[1]]
+            pos += e[1]
+        self._np[:total] = scratch
+        pos = 0
+        for e in live:  # the index holds these same entry lists, so it follows the move
+            e[0] = pos
+            pos += e[1]
+        self._log = deque(live)
+        self._defrags += 1
+
     # -- put/get ----------------------------------------------------------------------------
     def put(self, key: str, value: BytesLike) -> bool:
         """Append a copy of ``value``; spills the oldest records if needed. False if it cannot fit."""
@@ -196,7 +220,12 @@ class HostTier(Tier):
                 self._drop_tail_holes()
                 if self._place(size) is not None:
                     continue
-                if self.spill is None or not self._spill_batch():
+                if self.spill is None:
+                    # no next tier: holes pinned behind a live tail record are still room
+                    if self._live + size > self._cap:
+                        return False
+                    self._defragment()
+                elif not self._spill_batch():
                     return False
             voff = off + _HDR.size + len(kb)
             self._mv[off + _HDR.size:voff] = kb
@@ -323,7 +352,7 @@ class HostTier(Tier):
             d.update(used_bytes=self._live, capacity_bytes=self._cap, records=len(self._index),
                      spills=self._spills, spilled_records=self._spilled_records,
                      spilled_bytes=self._spilled_bytes, spill_errors=self._spill_errors,
-                     ring_span_bytes=span, pinned=self.pinned)
+                     ring_span_bytes=span, defragments=self._defrags, pinned=self.pinned)
             return d
 
     def close(self) -> None:

@@ -155,3 +155,30 @@ def test_context_manager(spec, tmp_path):
     with spec.make(tmp_path) as t:
         t.put("a", b"1")
         assert bytes(t.get("a")) == b"1"
+
+
+def test_concurrent_threads_keep_every_record_whole(tier, spec):
+    import threading
+
+    size = min(spec.max_value, 100)
+    errors: list[str] = []
+
+    def worker(w: int) -> None:
+        for i in range(200):
+            k = f"w{w}-{i % 3}"  # 3 keys per thread, 12 records at most: fits every tier
+            v = bytes([w * 16 + i % 16]) * size
+            if not tier.put(k, v):
+                errors.append(f"put {k} refused")
+            got = tier.get(k)
+            if got is None or bytes(got) != v:
+                errors.append(f"{k}: read back something else")
+            if i % 7 == 0:
+                tier.delete(k)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert all(len(bytes(tier.get(k))) == size for k in tier.keys())

@@ -133,3 +133,12 @@ def test_pinned_arena_and_device_tensors():
     out = torch.empty_like(x)
     assert t.get_into("x", out) == x.numel() * 2
     assert torch.equal(out, x)
+
+
+def test_without_next_tier_holes_behind_a_live_tail_are_reclaimed():
+    t = HostTier(4096, spill=None)
+    assert t.put("pinned", b"p" * 500)  # stays at the tail for the whole test
+    for i in range(40):  # churn: every overwrite leaves a hole behind the pinned record
+        assert t.put("hot", bytes([i]) * 1500), i
+    assert t.get("pinned") == b"p" * 500 and t.get("hot") == bytes([39]) * 1500
+    assert t.stats()["defragments"] >= 1

@@ -114,6 +114,9 @@ class HostMachine(RuleBasedStateMachine):
             self.model[key] = value
         else:
             assert self.fail_spill or not self.with_spill
+            if not self.with_spill:  # refused only when the live records really fill the arena
+                need = self.tier.record_bytes(key, len(value))
+                assert self.tier.used_bytes + need > self.tier.capacity_bytes
             assert self.model == before  # whatever was not handed over is still here
 
     @rule(key=KEYS)
@@ -146,7 +149,20 @@ class HostMachine(RuleBasedStateMachine):
     def teardown(self):
         event(f"host ring wrapped: {self.wrapped}")
         event(f"host spills: {min(self.tier.stats()['spills'], 3)}+")
+        event(f"host defragments: {min(self.tier.stats()['defragments'], 1)}+")
         self.tier.close()
+
+
+class HostNoNextTierMachine(HostMachine):
+    """The ring on its own: puts fail only when live records fill it (holes get defragmented)."""
+
+    def __init__(self):
+        super().__init__()
+        self.with_spill = False
+        self.tier.spill = None
+
+    def set_next_tier(self, fail, attached):  # not a rule here: there is no next tier
+        raise AssertionError("unreachable")
 
 
 class DiskMachine(RuleBasedStateMachine):
@@ -209,5 +225,7 @@ TestDeviceMachine = DeviceMachine.TestCase
 TestDeviceMachine.settings = SETTINGS
 TestHostMachine = HostMachine.TestCase
 TestHostMachine.settings = settings(SETTINGS, max_examples=60, stateful_step_count=60)
+TestHostNoNextTierMachine = HostNoNextTierMachine.TestCase
+TestHostNoNextTierMachine.settings = settings(SETTINGS, stateful_step_count=60)
 TestDiskMachine = DiskMachine.TestCase
 TestDiskMachine.settings = SETTINGS
