@@ -120,6 +120,9 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
     if hbm_bytes is None:
         hot = live * bc / (ratio * bf + bc)
     else:
+        if hbm_bytes < concurrency * block_tokens * bf:
+            raise ValueError(f"hbm_bytes must hold one block per sequence (>= {concurrency * block_tokens * bf} "
+                             f"bytes here); got {hbm_bytes}")
         hot = min(live, hbm_bytes / bf)
     hot_tokens = max(block_tokens, int(hot / concurrency) // block_tokens * block_tokens)
     l1 = hot_tokens * concurrency * bf
