@@ -208,31 +208,36 @@ class KVTierConfig:
                     f"budget_tokens must be <= hot_tokens ({hot}): the attended blocks are resident "
                     f"in L1 while attention runs; got {self.budget_tokens}")
         budget = self.budget_tokens
-        if self.sink_tokens is None:
-            sink = bt if budget is None or budget >= 2 * bt else 0
-            object.__setattr__(self, "sink_tokens", sink)
-        else:
+        if self.sink_tokens is not None:
             _positive_int("sink_tokens", self.sink_tokens, minimum=0)
-        if self.window_tokens is None:
-            room = 2 * bt if budget is None else max(0, budget - bt - _round_up(self.sink_tokens, bt))
-            object.__setattr__(self, "window_tokens", min(2 * bt, (room // bt) * bt))
-        else:
+        if self.window_tokens is not None:
             _positive_int("window_tokens", self.window_tokens, minimum=0)
+        if budget is None:
+            # hot_bytes without budget_tokens: the store fills the defaults once it knows the budget
+            return
+        sink, window = self.sink_window(budget)
+        object.__setattr__(self, "sink_tokens", sink)
+        object.__setattr__(self, "window_tokens", window)
         fixed = _round_up(self.sink_tokens, bt) + _round_up(self.window_tokens, bt) + bt
-        if budget is not None and budget < fixed:
+        if budget < fixed:
             raise ValueError(
                 f"budget_tokens must be >= sink_tokens + window_tokens + one open block "
                 f"(= {fixed} with block_tokens={bt}); got {budget}")
 
     # -- derived sizes ------------------------------------------------------------------------
 
-    @property
-    def sink_blocks(self) -> int:
-        return _round_up(self.sink_tokens, self.block_tokens) // self.block_tokens
-
-    @property
-    def window_blocks(self) -> int:
-        return _round_up(self.window_tokens, self.block_tokens) // self.block_tokens
+    def sink_window(self, budget_tokens: int) -> tuple[int, int]:
+        """(sink_tokens, window_tokens) for a sparse budget: the configured values, or the
+        defaults (one sink block if the budget has room for it, then up to two window blocks)."""
+        bt = self.block_tokens
+        sink = self.sink_tokens
+        if sink is None:
+            sink = bt if budget_tokens >= 2 * bt else 0
+        window = self.window_tokens
+        if window is None:
+            room = max(0, budget_tokens - bt - _round_up(sink, bt))
+            window = min(2 * bt, (room // bt) * bt)
+        return sink, window
 
     # -- (de)serialisation --------------------------------------------------------------------
 

@@ -91,12 +91,13 @@ class KVStore:
         if budget > self.hot_blocks * bt:
             raise ValueError(f"budget_tokens must be <= the L1 budget ({self.hot_blocks * bt} tokens); got {budget}")
         self.budget_tokens = budget
-        self.sink_blocks = cfg.sink_blocks
-        self.window_blocks = cfg.window_blocks
+        sink, window = cfg.sink_window(budget)
+        self.sink_blocks = -(-sink // bt)
+        self.window_blocks = -(-window // bt)
         if self.sink_blocks + self.window_blocks + 1 > budget // bt:
             raise ValueError(f"budget_tokens must be >= sink_tokens + window_tokens + one open block; "
-                             f"got budget {budget} with sink_tokens={cfg.sink_tokens}, "
-                             f"window_tokens={cfg.window_tokens}, block_tokens={bt}")
+                             f"got budget {budget} with sink_tokens={sink}, window_tokens={window}, "
+                             f"block_tokens={bt} (L1 budget from hot_bytes: {self.hot_blocks} blocks)")
         c = self.hot_blocks
         self._high = min(c, max(1, math.ceil(cfg.high_watermark * c)))
         self._low = min(self._high, c - 1, max(0, math.floor(cfg.low_watermark * c)))

@@ -21,14 +21,14 @@ class Ref:
         return torch.cat([c[0] for c in ch], 1), torch.cat([c[1] for c in ch], 1)
 
 
-def make_store(tmp_path=None, num_layers=2, kv_heads=2, head_dim=8, dtype=torch.float16, **kw):
+def make_store(tmp_path=None, num_layers=2, kv_heads=2, head_dim=8, dtype=torch.float16, device="cpu", **kw):
     base = dict(block_tokens=4, hot_tokens=16, host_bytes=8192, codec="fp16", policy="lru",
                 max_sequences=4)
     if tmp_path is not None:
         base.update(disk_path=str(tmp_path / "l3"), disk_segment_bytes=1 << 16, disk_bytes=64 << 20)
     base.update(kw)
     return KVStore(KVTierConfig(**base), num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim,
-                   dtype=dtype)
+                   dtype=dtype, device=device)
 
 
 def check_invariants(store: KVStore) -> None:

@@ -254,3 +254,38 @@ def test_drop_sequence_frees_every_tier(tmp_path, rng):
         K, V = st.gather(b, layer)
         assert torch.equal(K, rk) and torch.equal(V, rv)
     st.close()
+
+
+def test_hot_bytes_sizes_the_pool():
+    slot = 2 * 2 * 4 * 8 * 2  # [2, kv_heads, block_tokens, head_dim] fp16
+    st = make_store(None, num_layers=2, hot_tokens=None, hot_bytes=3 * slot * 2 * 4, max_sequences=4)
+    assert st.hot_blocks == 3 and st.budget_tokens == 12
+    st.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nothing_lost_on_cuda(tmp_path, rng):
+    """Side-stream swap-out, device decode on swap-in, prefetch: bit-exact with fp16."""
+    st = make_store(tmp_path, num_layers=2, hot_tokens=8, host_bytes=4096, device="cuda",
+                    attention="sparse", budget_tokens=8, sink_tokens=0, window_tokens=0)
+    ref = Ref()
+    s = st.add_sequence()
+    for it in range(800):
+        layer = rng.randrange(2)
+        k, v = random_chunk(rng)
+        st.append(s, layer, k.cuda(), v.cuda())
+        ref.add(s, layer, k, v)
+        st.end_step()
+        if it % 20 == 0 and st.seq_len(s, layer) > 8:
+            sel = st.select(s, layer, torch.randn(4, 1, 8, device="cuda"))
+            K, V, pos = st.gather_blocks(s, layer, sel)
+            rk, rv = ref.kv(s, layer)
+            assert K.is_cuda and torch.equal(K.cpu(), rk[:, pos.cpu()]) and torch.equal(V.cpu(), rv[:, pos.cpu()])
+    check_invariants(st)
+    for layer in range(2):
+        K, V = st.gather(s, layer)
+        rk, rv = ref.kv(s, layer)
+        assert torch.equal(K.cpu(), rk) and torch.equal(V.cpu(), rv)
+    st.close()
