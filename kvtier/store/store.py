@@ -327,8 +327,10 @@ class KVStore:
                 continue
             n = max(over, t.resident - t.pending - self._low)
             with self._lock:
-                queued = self._queue_victims(t, self.policy.victims(t, n, exclude, force=True))
-            if not queued:
+                victims = self.policy.victims(t, n, exclude, force=True)
+                items = self._mark_victims(t, victims)
+            self._worker.submit(items)
+            if not victims:
                 raise AssertionError(f"L1 full for {t.seq}/{t.layer} with nothing evictable")
             before = t.resident
             self._worker.drain()
@@ -345,8 +347,8 @@ class KVStore:
         t.resident -= 1
         self.c["evicted_clean"] += 1
 
-    def _queue_victims(self, t: BlockTable, victims: list[int]) -> list:
-        """Free clean victims now, mark dirty ones pending and return them for the worker (lock held)."""
+    def _mark_victims(self, t: BlockTable, victims: list[int]) -> list:
+        """Free clean victims now; mark dirty ones pending and return them for the worker (lock held)."""
         items = []
         for b in victims:
             e = t.entries[b]
@@ -357,12 +359,10 @@ class KVStore:
             e.cancel = False
             t.pending += 1
             if self._cuda:
-                e.fence = torch.cuda.Event()
+                e.fence = torch.cuda.Event()  # after the last write into the slot
                 e.fence.record()
             items.append((t, e))
-        if items:
-            self._worker.submit(items)
-        return victims
+        return items
 
     # -- step boundary -----------------------------------------------------------------------
 
@@ -380,18 +380,7 @@ class KVStore:
             for t in touched:
                 live = t.resident - t.pending
                 if live >= self._high:
-                    for b in self.policy.victims(t, live - self._low):
-                        e = t.entries[b]
-                        if e.clean:
-                            self._free_clean(t, e)
-                        else:
-                            e.pending = True
-                            e.cancel = False
-                            t.pending += 1
-                            if self._cuda:
-                                e.fence = torch.cuda.Event()
-                                e.fence.record()
-                            items.append((t, e))
+                    items += self._mark_victims(t, self.policy.victims(t, live - self._low))
         self._worker.submit(items)
         if self._pf_pool is not None:
             # temporal locality: what each layer attended last step is wanted again
@@ -639,6 +628,10 @@ class KVStore:
                 else:
                     res_i.append(e.idx)
                     res_s.append(e.slot)
+                    if e.pending:
+                        # being read: the worker keeps the slot after its copy (it is then clean,
+                        # and the next end_step frees it without a write)
+                        e.cancel = True
         self.c["hits_l1"] += len(res_i)
         self.c["misses_l1"] += len(miss)
         full = torch.empty(2, kvh, n, bt, hd, dtype=self.dtype, device=self.device)
