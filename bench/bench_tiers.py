@@ -33,18 +33,23 @@ import torch
 from kvtier.tiers import DeviceTier, DiskTier, HostTier
 
 
-def timed(fn, repeat: int) -> float:
-    """Best-of-``repeat`` seconds for fn() after one warm-up call."""
-    fn()
-    best = float("inf")
-    for _ in range(repeat):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+def best_of(fns: dict, repeat: int) -> dict:
+    """Best seconds per function over ``repeat`` interleaved rounds, after one warm-up each.
+
+    Interleaving keeps a reference and what is compared with it under the same machine load.
+    """
+    for fn in fns.values():
         fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
+    best = dict.fromkeys(fns, float("inf"))
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            best[name] = min(best[name], time.perf_counter() - t0)
     return best
 
 
@@ -87,9 +92,9 @@ def bench_l1(blocks: list[torch.Tensor], device: str, repeat: int) -> dict:
         for i, k in enumerate(keys):
             out[i].copy_(tier.get_tensor(k))
 
-    t_ref, t_put, t_get = timed(ref, repeat), timed(put, repeat), timed(get, repeat)
+    t = best_of({"ref": ref, "put": put, "get": get}, repeat)
     assert torch.equal(out, ref_dst)
-    return {"copy_GBps": gbps(nbytes, t_ref), "put_ratio": t_ref / t_put, "get_ratio": t_ref / t_get}
+    return {"copy_GBps": gbps(nbytes, t["ref"]), "put_ratio": t["ref"] / t["put"], "get_ratio": t["ref"] / t["get"]}
 
 
 def bench_l2(blocks: list[bytes], repeat: int) -> dict:
@@ -125,13 +130,13 @@ def bench_l2(blocks: list[bytes], repeat: int) -> dict:
         for k in keys:
             tier.get(k)
 
-    t_ref, t_own = timed(ref, repeat), timed(ref_owned, repeat)
-    t_put_t, t_put_b = timed(put_tensor, repeat), timed(put_bytes, repeat)
-    t_into, t_get = timed(get_into, repeat), timed(get_owned, repeat)
+    t = best_of({"ref": ref, "put_tensor": put_tensor, "ref_owned": ref_owned, "put_bytes": put_bytes,
+                 "get_into": get_into, "get_owned": get_owned}, repeat)
     assert out.numpy().tobytes() == b"".join(blocks)
-    return {"copy_GBps": gbps(nbytes, t_ref), "put_tensor_ratio": t_ref / t_put_t,
-            "put_bytes_ratio": t_ref / t_put_b, "get_into_ratio": t_ref / t_into,
-            "get_owned_ratio_vs_bytes_copy": t_own / t_get, "owned_copy_GBps": gbps(nbytes, t_own)}
+    return {"copy_GBps": gbps(nbytes, t["ref"]), "put_tensor_ratio": t["ref"] / t["put_tensor"],
+            "put_bytes_ratio": t["ref"] / t["put_bytes"], "get_into_ratio": t["ref"] / t["get_into"],
+            "owned_copy_GBps": gbps(nbytes, t["ref_owned"]),
+            "get_owned_ratio_vs_bytes_copy": t["ref_owned"] / t["get_owned"]}
 
 
 def raw_write(path: str, blocks: list[bytes], batch: int) -> float:
@@ -211,25 +216,32 @@ def bench_l3(root: str, blocks: list[bytes], batch: int, compress: bool, repeat:
             assert all(g is not None and len(g) == bs for g in got)
         return time.perf_counter() - t0
 
-    w_raw = min(raw_write(rawp, blocks, batch) for _ in range(repeat))
-    w_tier = min(tier_write() for _ in range(repeat))
+    w_raw = w_tier = float("inf")
+    for _ in range(repeat):  # interleaved: both see the same disk and machine load
+        w_raw = min(w_raw, raw_write(rawp, blocks, batch))
+        w_tier = min(w_tier, tier_write())
     res.update(raw_write_GBps=gbps(nbytes, w_raw), write_ratio=w_raw / w_tier)
 
     t = DiskTier(os.path.join(root, "tier"), capacity_bytes=4 * nbytes + 16 * seg, segment_bytes=seg)
     tier_read(t)
     raw_read(rawp, bs, n, batch)
-    r_raw = min(raw_read(rawp, bs, n, batch) for _ in range(repeat))
-    r_tier = min(tier_read(t) for _ in range(repeat))
+    r_raw = r_tier = float("inf")
+    for _ in range(repeat):
+        r_raw = min(r_raw, raw_read(rawp, bs, n, batch))
+        r_tier = min(r_tier, tier_read(t))
     res.update(raw_read_warm_GBps=gbps(nbytes, r_raw), read_warm_ratio=r_raw / r_tier)
     t.close()
 
     segs = [os.path.join(root, "tier", f) for f in os.listdir(os.path.join(root, "tier")) if f.startswith("seg-")]
     if drop_cache(segs + [rawp]):
-        r_raw_cold = raw_read(rawp, bs, n, batch)
-        drop_cache(segs + [rawp])
-        t = DiskTier(os.path.join(root, "tier"), capacity_bytes=4 * nbytes + 16 * seg, segment_bytes=seg)
-        r_tier_cold = tier_read(t)
-        t.close()
+        r_raw_cold = r_tier_cold = float("inf")
+        for _ in range(repeat):
+            drop_cache(segs + [rawp])
+            r_raw_cold = min(r_raw_cold, raw_read(rawp, bs, n, batch))
+            drop_cache(segs + [rawp])
+            t = DiskTier(os.path.join(root, "tier"), capacity_bytes=4 * nbytes + 16 * seg, segment_bytes=seg)
+            r_tier_cold = min(r_tier_cold, tier_read(t))
+            t.close()
         drop_cache([rawp])
         r_direct = raw_read_direct(rawp, bs, n)
         res.update(raw_read_cold_GBps=gbps(nbytes, r_raw_cold), read_cold_ratio=r_raw_cold / r_tier_cold)
@@ -244,12 +256,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-kib", type=int, default=256, help="record size in KiB")
     ap.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement in MiB")
     ap.add_argument("--batch", type=int, default=16, help="records per put_many/get_many (one sync each)")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     a = ap.parse_args(argv)
     if a.smoke:
-        a.block_kib, a.total_mib, a.repeat = 64, 16, 1
+        a.block_kib, a.total_mib, a.repeat = 64, 16, 2
     if a.block_kib < 1 or a.total_mib < 1 or a.batch < 1 or a.repeat < 1:
         raise SystemExit("--block-kib, --total-mib, --batch and --repeat must be >= 1")
     bs = a.block_kib << 10

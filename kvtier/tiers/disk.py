@@ -33,11 +33,11 @@ import os
 import re
 import struct
 import threading
-import zlib
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
+from ._crc import crc32
 from .base import BytesLike, Tier, TierStats, as_byte_view, check_key
 from .errors import DirectoryLockedError, DiskFullError, TierClosedError
 
@@ -69,7 +69,7 @@ def record_size(key_bytes: int, value_bytes: int) -> int:
 
 def _header(flags: int, klen: int, vlen: int, data_crc: int) -> bytes:
     rest = struct.pack("<HHIII", flags, klen, vlen, data_crc, 0)
-    return struct.pack("<II", _REC_MAGIC, zlib.crc32(rest)) + rest
+    return struct.pack("<II", _REC_MAGIC, crc32(rest)) + rest
 
 
 class _Segment:
@@ -197,7 +197,7 @@ class DiskTier(Tier):
         while pos + REC_HEADER_BYTES <= limit:
             magic, hcrc, flags, klen, vlen, dcrc, _ = _REC.unpack_from(mm, pos)
             size = _pad8(REC_HEADER_BYTES + klen + vlen)
-            if magic != _REC_MAGIC or zlib.crc32(mm[pos + 8:pos + REC_HEADER_BYTES]) != hcrc \
+            if magic != _REC_MAGIC or crc32(mm[pos + 8:pos + REC_HEADER_BYTES]) != hcrc \
                     or klen == 0 or pos + size > limit:
                 nxt = mm.find(_REC_MAGIC_BYTES, pos + 8)
                 while nxt != -1 and (nxt - pos) % 8:
@@ -212,7 +212,7 @@ class DiskTier(Tier):
                 key = kraw.decode("utf-8")
             except UnicodeDecodeError:
                 key = None
-            good = key is not None and (not last or zlib.crc32(mm[k0 + klen:k0 + klen + vlen], zlib.crc32(kraw)) == dcrc)
+            good = key is not None and (not last or crc32(mm[k0 + klen:k0 + klen + vlen], crc32(kraw)) == dcrc)
             end = pos + size
             if not good:
                 pending_bad.append((key, pos))
@@ -292,7 +292,7 @@ class DiskTier(Tier):
                     raise
                 os.ftruncate(fd, self.segment_bytes)  # filesystem without fallocate
             hdr = _SEG_HDR.pack(_SEG_MAGIC, 1, sid, self.segment_bytes, 0)
-            hdr = hdr[:-4] + struct.pack("<I", zlib.crc32(hdr[:-4]))
+            hdr = hdr[:-4] + struct.pack("<I", crc32(hdr[:-4]))
             os.pwrite(fd, hdr.ljust(SEG_HEADER_BYTES, b"\0"), 0)
         except OSError as exc:
             os.close(fd)
@@ -399,11 +399,11 @@ class DiskTier(Tier):
         kb = key.encode("utf-8")
         if value is None:
             size = record_size(len(kb), 0)
-            return kb, size, [_header(_FLAG_TOMB, len(kb), 0, zlib.crc32(kb)), kb,
+            return kb, size, [_header(_FLAG_TOMB, len(kb), 0, crc32(kb)), kb,
                               b"\0" * (size - REC_HEADER_BYTES - len(kb))], -1
         n = value.nbytes
         size = record_size(len(kb), n)
-        parts = [_header(0, len(kb), n, zlib.crc32(value, zlib.crc32(kb))), kb, value]
+        parts = [_header(0, len(kb), n, crc32(value, crc32(kb))), kb, value]
         pad = size - REC_HEADER_BYTES - len(kb) - n
         if pad:
             parts.append(b"\0" * pad)
@@ -498,7 +498,7 @@ class DiskTier(Tier):
                 img = seg.mm[off:off + size]  # the record image is position independent
                 kb = key.encode("utf-8")
                 k0 = REC_HEADER_BYTES
-                if zlib.crc32(img[k0 + len(kb):k0 + len(kb) + vlen], zlib.crc32(kb)) != \
+                if crc32(img[k0 + len(kb):k0 + len(kb) + vlen], crc32(kb)) != \
                         _REC.unpack_from(img)[5]:
                     self._mark_corrupt(key)
                     continue
@@ -536,7 +536,7 @@ class DiskTier(Tier):
             magic, _, _, klen, vl, dcrc, _ = _REC.unpack_from(seg.mm, off)
             k0 = off + REC_HEADER_BYTES
             if magic == _REC_MAGIC and klen == len(kb) and vl == vlen and seg.mm[k0:k0 + klen] == kb:
-                return seg.mm[k0 + klen:k0 + klen + vlen], zlib.crc32(kb), dcrc
+                return seg.mm[k0 + klen:k0 + klen + vlen], crc32(kb), dcrc
         self._mark_corrupt(key)
         return None
 
@@ -560,11 +560,11 @@ class DiskTier(Tier):
             if r is None:
                 return self._count(key, None, False)
             value, kcrc, dcrc = r
-            return self._count(key, value, zlib.crc32(value, kcrc) == dcrc)
+            return self._count(key, value, crc32(value, kcrc) == dcrc)
 
     def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
         """Batched get: readahead for the whole batch first, and the CRC checks of large values
-        run on worker threads (zlib releases the GIL) while the next values are copied."""
+        run on worker threads (the CRC releases the GIL) while the next values are copied."""
         keys = [check_key(k) for k in keys]
         with self._lock:
             self._check_open()
@@ -585,9 +585,9 @@ class DiskTier(Tier):
                     continue
                 value, kcrc, dcrc = r
                 if len(value) >= _PARALLEL_CRC_BYTES and len(keys) > 1:
-                    crc = self._crc_pool().submit(zlib.crc32, value, kcrc)
+                    crc = self._crc_pool().submit(crc32, value, kcrc)
                 else:
-                    crc = zlib.crc32(value, kcrc)
+                    crc = crc32(value, kcrc)
                 pending.append((k, value, crc, dcrc))
             out = []
             for k, value, crc, dcrc in pending:

@@ -28,13 +28,13 @@ import logging
 import struct
 import threading
 import warnings
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 
+from ._crc import crc32
 from .base import BytesLike, Tier, TierStats, as_byte_view, check_key
 from .errors import TierClosedError
 
@@ -201,7 +201,8 @@ class HostTier(Tier):
         """Append a copy of ``value``; spills the oldest records if needed. False if it cannot fit."""
         check_key(key)
         kb = key.encode("utf-8")
-        is_tensor = isinstance(value, torch.Tensor)
+        # device tensors are copied by torch (D2H); host data goes through the byte view
+        is_tensor = isinstance(value, torch.Tensor) and value.device.type != "cpu"
         if is_tensor:
             src = value.detach().contiguous().reshape(-1)
             src = src if src.dtype == torch.uint8 else src.view(torch.uint8)
@@ -237,7 +238,7 @@ class HostTier(Tier):
                     self.arena[voff:voff + n].copy_(torch.frombuffer(mv, dtype=torch.uint8))
             elif n:
                 self._mv[voff:voff + n] = mv
-            crc = zlib.crc32(self._mv[voff:voff + n], zlib.crc32(kb)) if self.checksum else 0
+            crc = crc32(self._mv[voff:voff + n], crc32(kb)) if self.checksum else 0
             _HDR.pack_into(self._mv, off, _MAGIC, len(kb), 0, n, crc)
             ent = [off, size, key]
             self._log.append(ent)
@@ -267,7 +268,7 @@ class HostTier(Tier):
         if self.checksum:
             magic, klen, _, vlen, crc = _HDR.unpack_from(self._mv, ent[0])
             ok = magic == _MAGIC and vlen == n and \
-                zlib.crc32(self._mv[voff - klen:voff + n]) == crc
+                crc32(self._mv[voff - klen:voff + n]) == crc
             assert ok, f"HostTier record for {key!r} failed its checksum (arena overwritten)"
         self._stats.hits += 1
         self._stats.bytes_out += n
@@ -298,8 +299,10 @@ class HostTier(Tier):
                 dst = out.view(-1).view(torch.uint8) if out.dtype != torch.uint8 else out.view(-1)
                 if dst.numel() < n:
                     raise ValueError(f"out holds {dst.numel()} bytes, the value needs {n}")
-                dst[:n].copy_(self.arena[voff:voff + n])
-                return n
+                if dst.device.type != "cpu":
+                    dst[:n].copy_(self.arena[voff:voff + n])
+                    return n
+                out = dst.numpy()
             dst = memoryview(out)
             if dst.readonly or not dst.c_contiguous:
                 raise ValueError("out must be a writable, C-contiguous buffer")
