@@ -141,15 +141,19 @@ class DeviceTier(Tier):
 
     # -- put/get ----------------------------------------------------------------------------
     def put(self, key: str, value: BytesLike) -> bool:
-        """Copy ``value`` into a slot. Tensors must have ``slot_shape``; bytes at most ``slot_bytes``.
+        """Copy ``value`` into a slot: a ``slot_shape`` tensor (cast to the pool dtype), or a
+        bytes-like (uint8 tensors of another shape included) of at most ``slot_bytes``.
 
         Returns False (changing nothing) when no slot is free.
         """
         check_key(key)
         is_tensor = isinstance(value, torch.Tensor)
+        if is_tensor and value.dtype == torch.uint8 and tuple(value.shape) != self.slot_shape:
+            is_tensor = False  # a uint8 tensor of another shape is a bytes payload
         if is_tensor:
             if tuple(value.shape) != self.slot_shape:
-                raise ValueError(f"value tensor must have shape {self.slot_shape}, got {tuple(value.shape)}")
+                raise ValueError(f"value tensor must have shape {self.slot_shape} (or be uint8 bytes), "
+                                 f"got {tuple(value.shape)}")
             if not (value.is_floating_point() or value.dtype == self.dtype):
                 raise ValueError(f"value tensor must be floating point or {self.dtype}, got {value.dtype}")
             nbytes = self.slot_bytes

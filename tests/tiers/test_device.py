@@ -120,3 +120,12 @@ def test_cuda_pool_with_event_fence():
     assert t.free_slots == 2
     assert torch.equal(host.cuda(), x.half())
     assert t.put("b", b"raw bytes") and t.get("b") == b"raw bytes"
+
+
+def test_uint8_tensor_of_other_shape_is_bytes():
+    t = DeviceTier(SHAPE, num_slots=2, dtype=torch.float16)
+    payload = torch.arange(100, dtype=torch.uint8)
+    assert t.put("enc", payload)
+    assert t.get("enc") == bytes(range(100))
+    with pytest.raises(ValueError, match="value"):
+        t.put("big", torch.zeros(t.slot_bytes + 1, dtype=torch.uint8))
