@@ -407,11 +407,14 @@ class KVStore:
         done = 0
         try:
             if self._cuda:
+                # quantize on the side stream, copy the encodings into pinned host memory
+                # asynchronously, wait once for the whole batch, then frame the records
                 with torch.cuda.stream(self._side):
-                    recs = [self._encode_slot(e) for _, e in batch]
+                    encs = [self._encode_slot(e) for _, e in batch]
                     self._side.synchronize()
             else:
-                recs = [self._encode_slot(e) for _, e in batch]
+                encs = [self._encode_slot(e) for _, e in batch]
+            recs = [None if enc is None else pack_block(*enc) for enc in encs]
             with self._tier_lock:
                 for (t, e), rec in zip(batch, recs):
                     ok = rec is not None and self.l2.put(e.key, rec)
@@ -445,25 +448,31 @@ class KVStore:
             if batch:
                 self._lat_out.add((time.perf_counter() - t0) / len(batch))
 
-    def _encode_slot(self, e: BlockEntry) -> bytes | None:
+    def _encode_slot(self, e: BlockEntry):
+        """(K, V) encodings of a pending block's slot, on the host (pinned, copy in flight on CUDA)."""
         slot = e.slot
         if slot is None or e.key not in self._by_key:
             return None
         if e.fence is not None:
             self._side.wait_event(e.fence)
         block = self.l1.pool[slot]  # [2, kv_heads, block_tokens, head_dim]
-        return self._encode(block, "l2")
+        return self._encode_pair(block, "l2")
 
-    def _encode(self, block: torch.Tensor, tier: str) -> bytes:
+    def _encode_pair(self, block: torch.Tensor, tier: str):
         kc, vc = self._codecs[tier]
-        ek = kc.encode(block[0])
+        ek = kc.encode(block[0])  # [kv_heads, block_tokens, head_dim]
         ev = vc.encode(block[1])
         if ek.device.type != "cpu":
-            ek, ev = ek.to("cpu"), ev.to("cpu")
+            ek, ev = _to_pinned(ek), _to_pinned(ev)
         with self._lock:
             self.c["raw_" + tier] += block.numel() * block.element_size()
             self.c["enc_" + tier] += ek.nbytes + ev.nbytes
-        return pack_block(ek, ev)
+        return ek, ev
+
+    def _encode(self, block: torch.Tensor, tier: str) -> bytes:
+        """One block as one record (host tensors only: no pending copies)."""
+        assert block.device.type == "cpu", "records are framed from host tensors"
+        return pack_block(*self._encode_pair(block, tier))
 
     def _decode(self, buf, tier: str, device: torch.device) -> torch.Tensor:
         """Record -> [2, kv_heads, block_tokens, head_dim] in the store dtype on ``device``."""
@@ -890,3 +899,15 @@ class KVStore:
         self.close()
 
 
+
+
+def _to_pinned(enc):
+    """A copy of ``enc`` in pinned host memory, enqueued on the current stream (not yet complete)."""
+    from kvtier.compress.base import Encoded
+
+    parts = {}
+    for name, t in enc.parts.items():
+        dst = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        dst.copy_(t, non_blocking=True)
+        parts[name] = dst
+    return Encoded(enc.codec, dict(enc.params), tuple(enc.shape), enc.dtype, parts)

@@ -12,14 +12,14 @@ from .conftest import Ref, check_invariants, make_store, random_chunk
 
 def slow_swap_out(st, delay=0.002):
     """Widen the race windows: the worker's encode takes a while."""
-    encode = st._encode
+    encode = st._encode_pair
 
     def slow(block, tier):
         if threading.current_thread().name.startswith("kvtier-swapout"):
             time.sleep(delay)
         return encode(block, tier)
 
-    st._encode = slow
+    st._encode_pair = slow
 
 
 @pytest.mark.timeout(60)
