@@ -1,0 +1,102 @@
+"""Hypothesis state machine: the store against a plain dict of appended tokens, with every
+policy and order, L1/L2 tiny enough that blocks keep moving down to L3."""
+import shutil
+import tempfile
+
+import hypothesis.strategies as st
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from .conftest import check_invariants, make_store
+
+LAYERS = 2
+
+
+class StoreMachine(RuleBasedStateMachine):
+    @initialize(policy=st.sampled_from(["lru", "sink-window", "h2o", "snapkv"]),
+                order=st.sampled_from(["compress-then-tier", "tier-then-compress"]),
+                prefetch=st.booleans())
+    def setup(self, policy, order, prefetch):
+        self.dir = tempfile.mkdtemp(prefix="kvtier-sm-")
+        from pathlib import Path
+
+        self.store = make_store(Path(self.dir), num_layers=LAYERS, hot_tokens=12, budget_tokens=12,
+                                sink_tokens=4, window_tokens=0, host_bytes=4096, policy=policy, order=order,
+                                prefetch=prefetch, max_sequences=3)
+        self.ref: dict[int, list[list[torch.Tensor]]] = {}
+        self.counter = 0
+
+    def teardown(self):
+        if hasattr(self, "store"):
+            self.store.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _tokens(self, n):
+        # distinct values per token so a misplaced token cannot go unnoticed
+        base = torch.arange(self.counter, self.counter + n, dtype=torch.float32)
+        self.counter += n
+        k = (base[None, :, None] + torch.arange(8)[None, None, :] / 16 + torch.arange(2)[:, None, None] * 0.5)
+        return k.half(), (-k).half()
+
+    @precondition(lambda self: len(self.ref) < 3)
+    @rule()
+    def add(self):
+        self.ref[self.store.add_sequence()] = [[] for _ in range(LAYERS)]
+
+    @precondition(lambda self: self.ref)
+    @rule(data=st.data(), n=st.sampled_from([1, 1, 1, 3, 4, 9]))
+    def append(self, data, n):
+        s = data.draw(st.sampled_from(sorted(self.ref)))
+        layer = data.draw(st.integers(0, LAYERS - 1))
+        k, v = self._tokens(n)
+        self.store.append(s, layer, k, v)
+        self.ref[s][layer].append(k)
+
+    @rule()
+    def end_step(self):
+        self.store.end_step()
+
+    @precondition(lambda self: self.ref)
+    @rule(data=st.data())
+    def sparse_read(self, data):
+        s = data.draw(st.sampled_from(sorted(self.ref)))
+        layer = data.draw(st.integers(0, LAYERS - 1))
+        if not self.ref[s][layer]:
+            return
+        q = torch.randn(4, 1, 8)
+        sel = self.store.select(s, layer, q)
+        assert sel == sorted(set(sel)) and len(sel) <= 2
+        K, V, pos = self.store.gather_blocks(s, layer, sel)
+        ref = torch.cat(self.ref[s][layer], 1)
+        assert torch.equal(K, ref[:, pos]) and torch.equal(V, -ref[:, pos])
+        self.store.observe(s, layer, sel, torch.rand(len(sel) + 1))
+
+    @precondition(lambda self: self.ref)
+    @rule(data=st.data())
+    def dense_read(self, data):
+        s = data.draw(st.sampled_from(sorted(self.ref)))
+        layer = data.draw(st.integers(0, LAYERS - 1))
+        K, V = self.store.gather(s, layer)
+        ref = torch.cat(self.ref[s][layer], 1) if self.ref[s][layer] else K
+        assert torch.equal(K, ref) and torch.equal(V, -ref)
+
+    @precondition(lambda self: self.ref)
+    @rule(data=st.data())
+    def drop(self, data):
+        s = data.draw(st.sampled_from(sorted(self.ref)))
+        self.store.drop_sequence(s)
+        del self.ref[s]
+
+    @invariant()
+    def consistent(self):
+        if hasattr(self, "store"):
+            check_invariants(self.store)
+            for s, layers in self.ref.items():
+                for layer, chunks in enumerate(layers):
+                    assert self.store.seq_len(s, layer) == sum(c.shape[1] for c in chunks)
+
+
+StoreMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=50, deadline=None,
+                                          suppress_health_check=[HealthCheck.too_slow])
+TestStoreMachine = StoreMachine.TestCase
