@@ -8,7 +8,7 @@ encoded block records. Side by side on the same tensors: optimum-quanto and HQQ 
 QuantizedCache calls them (HQQ on one layer only: it is slow on CPU). bitsandbytes is measured
 through the nf4/fp4/dyn8 codecs, which are its blockwise quantizers.
 
-    python bench/bench_codecs.py            # 2048 tokens, all 30 layers
+    python bench/bench_codecs.py            # 1024 tokens, all 30 layers (a few minutes)
     python bench/bench_codecs.py --smoke    # 256 tokens, 4 layers: seconds (CI)
 """
 from __future__ import annotations
@@ -263,11 +263,11 @@ def fmt(x, spec=".3f"):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="256 tokens, 4 layers, 3 repeats (CI)")
-    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--block-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", help="write the results to this JSON file")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -278,12 +278,17 @@ def main(argv=None) -> int:
     kb, vb = blocks_of(k, heads, args.block_tokens), blocks_of(v, heads, args.block_tokens)
     print(f"# real KV: SmolLM2-135M, {args.tokens} tokens x {k.shape[0] // heads} layers x {heads} heads x "
           f"{k.shape[2]} dims, fp16, K+V {2 * k.numel() * 2 / 1e6:.1f} MB; group {args.group_size}; "
-          f"threads {torch.get_num_threads()}; load {time.perf_counter() - t_start:.1f}s")
+          f"threads {torch.get_num_threads()}; load {time.perf_counter() - t_start:.1f}s", flush=True)
 
-    rows = [bench_codec(n, k, v, kb, vb, args.group_size, args.repeats, args.tokens) for n in CODECS]
+    rows = []
+    for n in CODECS:
+        # bitsandbytes' CPU kernels are slow: fewer repeats keep the run in minutes
+        reps = args.repeats if n.startswith(("fp16", "int")) else min(args.repeats, 3)
+        rows.append(bench_codec(n, k, v, kb, vb, args.group_size, reps, args.tokens))
+        print(f"# measured {n}", flush=True)
     side = []
     for bits in (4, 2):
-        side.append(bench_quanto(k, v, bits, args.group_size, args.repeats))
+        side.append(bench_quanto(k, v, bits, args.group_size, min(args.repeats, 3)))
     k1, v1 = k[:heads].contiguous(), v[:heads].contiguous()
     for bits in (4, 2):
         side.append(bench_hqq(k1, v1, bits, args.group_size, max(1, min(3, args.repeats))))

@@ -136,7 +136,10 @@ class PassthroughCodec(Codec):
     def decode(self, enc: Encoded, device=None) -> torch.Tensor:
         _check_encoded(enc, self.name)
         data = _expect_part(enc, "data", tuple(enc.shape), self.store_dtype)
-        return data.to(_target(enc, device)).to(enc.dtype)
+        out = data.to(_target(enc, device)).to(enc.dtype)
+        if out.data_ptr() == data.data_ptr():
+            out = out.clone()  # the result never aliases the encoding (which may alias a record buffer)
+        return out
 
 
 class IntCodec(Codec):

@@ -34,6 +34,11 @@ _SRC = r"""
 
 typedef _Float16 f16;
 #define LANES 16   /* partial min/max accumulators: elementwise, so gcc vectorizes them */
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define KVT_AVX512 1
+#else
+#define KVT_AVX512 0
+#endif
 
 /* dt: 0 = float32, 1 = float16, 2 = bfloat16 */
 
@@ -137,6 +142,43 @@ static inline int codes_span(const float *restrict x, float *restrict c, int64_t
 #define CHUNK_ROWS 32
 
 /* ---- token axis, D % G == 0 and whole bytes per row: chunks of rows, G a compile-time constant ---- */
+#if KVT_AVX512
+/* 16 codes as bytes: clamp(rint((x - z) / s)), int8 two's complement for the symmetric case. */
+static inline __m128i codes16(const float *x, __m512 s, __m512 z, __m512 lo, __m512 hi) {
+    __m512 v = _mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(x), z), s);
+    v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
+    return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v));
+}
+
+/* Byte codes -> packed rows, 64 codes per step: OR the shifted neighbours into the low byte of
+   each 16-bit (int4) or 32-bit (int2) word, then narrow. */
+static void pack_codes_u8(const uint8_t *restrict c, int64_t d, int bits, uint8_t *restrict out) {
+    int64_t i = 0;
+    if (bits == 8) { memcpy(out, c, d); return; }
+    if (bits == 4) {
+        for (; i + 64 <= d; i += 64) {
+            __m512i w = _mm512_loadu_si512((const void *)(c + i));
+            w = _mm512_or_si512(w, _mm512_srli_epi16(w, 4));
+            _mm256_storeu_si256((__m256i *)(out + i / 2), _mm512_cvtepi16_epi8(w));
+        }
+        for (; i < d; i += 2) out[i / 2] = (uint8_t)(c[i] | (i + 1 < d ? c[i + 1] << 4 : 0));
+        return;
+    }
+    for (; i + 64 <= d; i += 64) {
+        __m512i w = _mm512_loadu_si512((const void *)(c + i));
+        w = _mm512_or_si512(_mm512_or_si512(w, _mm512_srli_epi32(w, 6)),
+                            _mm512_or_si512(_mm512_srli_epi32(w, 12), _mm512_srli_epi32(w, 18)));
+        _mm_storeu_si128((__m128i *)(out + i / 4), _mm512_cvtepi32_epi8(w));
+    }
+    for (; i < d; i += 4) {
+        int v = 0;
+        for (int64_t j = i; j < i + 4 && j < d; j++) v |= c[j] << (2 * (j - i));
+        out[i / 4] = (uint8_t)v;
+    }
+}
+#endif
+
 /* Codes without the NaN check (the caller checked its input already). */
 AI void codes_span_nocheck(const float *restrict x, float *restrict c, int64_t n, float s, float z, float lo, float hi) {
     for (int64_t i = 0; i < n; i++) {
@@ -154,7 +196,7 @@ AI int tok_quant_chunk(int dt, int bits, const float *restrict xf, float *restri
         const float *xs = xf + k * G;
         float *cs = c + k * G;
         float s, z = 0.0f;
-#if defined(__AVX512F__)
+#if KVT_AVX512
         /* explicit 16-lane min/max (gcc leaves these reductions scalar); x - x is NaN exactly
            when x is NaN or Inf, which sets a bit in the bad mask */
         if (sym) {
@@ -206,8 +248,14 @@ AI int tok_quant_chunk(int dt, int bits, const float *restrict xf, float *restri
 #endif
         if (s == 0.0f) s = 1.0f;
         st1(dt, scale, s0 + k, s);
-#if defined(__AVX512F__)
-        codes_span_nocheck(xs, cs, G, s, z, lo, top);
+#if KVT_AVX512
+        {
+            const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
+            const __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(top);
+            uint8_t *cb = (uint8_t *)c + k * G;  /* byte codes: the caller packs with pack_codes_u8 */
+            for (int64_t j = 0; j < G; j += 16) _mm_storeu_si128((__m128i *)(cb + j), codes16(xs + j, vs, vz, vlo, vhi));
+        }
+        (void)cs;
 #else
         bad |= codes_span(xs, cs, G, s, z, lo, top);
 #endif
@@ -240,7 +288,11 @@ static int tok_quant_fast(const void *x, int dt, int64_t rows, int64_t D, int bi
             else if (G == 64) bad |= tok_quant_chunk(dt, bits, xf, c, nr * ng, 64, scale, zero, r0 * ng);
             else if (G == 128) bad |= tok_quant_chunk(dt, bits, xf, c, nr * ng, 128, scale, zero, r0 * ng);
             else bad |= tok_quant_chunk(dt, bits, xf, c, nr * ng, G, scale, zero, r0 * ng);
+#if KVT_AVX512
+            pack_codes_u8((const uint8_t *)c, nr * D, bits, (uint8_t *)q + r0 * P);
+#else
             pack_row(c, nr * D, bits, (uint8_t *)q + r0 * P);
+#endif
         }
         free(xf); free(c);
     }
@@ -293,6 +345,17 @@ AI int ch_quant_unit(int dt, int bits, const float *restrict xf, float *restrict
         sv[d] = s; st1(dt, scale, so + d, s);
         if (!sym) { float z = rdt(dt, mn[d]); zv[d] = z; st1(dt, zero, so + d, z); } else zv[d] = 0.0f;
     }
+#if KVT_AVX512
+    if (D % 16 == 0) {  /* byte codes: the caller packs with pack_codes_u8 */
+        const __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(top);
+        uint8_t *cb = (uint8_t *)c;
+        for (int64_t t = 0; t < n; t++)
+            for (int64_t d = 0; d < D; d += 16)
+                _mm_storeu_si128((__m128i *)(cb + t * D + d),
+                                 codes16(xf + t * D + d, _mm512_loadu_ps(sv + d), _mm512_loadu_ps(zv + d), vlo, vhi));
+        return bad;
+    }
+#endif
     for (int64_t t = 0; t < n; t++) {
         const float *xr = xf + t * D;
         float *cr = c + t * D;
@@ -331,6 +394,9 @@ static int ch_quant(const void *x, int dt, int64_t B, int64_t T, int64_t D, int 
             if (D == 64) bad |= ch_quant_unit(dt, bits, xf, c, n, 64, mn, mx, sv, zv, scale, zero, so);
             else if (D == 128) bad |= ch_quant_unit(dt, bits, xf, c, n, 128, mn, mx, sv, zv, scale, zero, so);
             else bad |= ch_quant_unit(dt, bits, xf, c, n, D, mn, mx, sv, zv, scale, zero, so);
+#if KVT_AVX512
+            if (D % 16 == 0) { pack_codes_u8((const uint8_t *)c, n * D, bits, (uint8_t *)q + row0 * P); continue; }
+#endif
             if (whole) pack_row(c, n * D, bits, (uint8_t *)q + row0 * P);
             else for (int64_t t = 0; t < n; t++) pack_row(c + t * D, D, bits, (uint8_t *)q + (row0 + t) * P);
         }
