@@ -166,7 +166,7 @@ class DeviceTier(Tier):
             self._check_open()
             old = self._slot.get(key)
             # overwrite in place unless someone is still copying out of the old slot
-            if old is not None and not any(not _fence_done(f) for f in self._fence.get(old, ())):
+            if old is not None and all(_fence_done(f) for f in self._fence.get(old, ())):
                 self._fence.pop(old, None)
                 slot = old
             else:
