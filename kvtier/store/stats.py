@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections import deque
 
-_SAMPLES = 8192
+_SAMPLES = 2048  # recent samples the percentiles are taken over
 
 
 class Latency:

@@ -156,6 +156,8 @@ class KVStore:
                       pf_issued=0, pf_errors=0, pf_used=0, pf_wasted=0, pf_served=0,
                       raw_l2=0, enc_l2=0, raw_l3=0, enc_l3=0, lz4_in=0, lz4_out=0,
                       bytes_l2=0, bytes_l3=0, copies_l2=0, copies_l3=0)
+        # blocks per home tier, kept up to date under _lock so that stats() costs O(tables)
+        self._home = {"l1": 0, "l2": 0, "l3": 0}
         self._lat_in = Latency()
         self._lat_out = Latency()
         self._lat_step = Latency()
@@ -231,6 +233,7 @@ class KVStore:
         with self._lock:
             for t in tables:
                 for e in t.entries:
+                    self._home[e.home] -= 1
                     if e.slot is not None:
                         self.l1.delete(e.key)
                         e.slot = None
@@ -304,6 +307,7 @@ class KVStore:
         with self._lock:
             e.slot = self._alloc(e.key, self._zero_block)
             t.resident += 1
+            self._home["l1"] += 1
 
     def _alloc(self, key: str, data: torch.Tensor) -> int:
         """Copy ``data`` [2, kv_heads, block_tokens, head_dim] into a free L1 slot (lock held)."""
@@ -345,6 +349,8 @@ class KVStore:
         self.l1.delete(e.key)
         e.slot = None
         t.resident -= 1
+        self._home["l1"] -= 1
+        self._home[e.home] += 1
         self.c["evicted_clean"] += 1
 
     def _mark_victims(self, t: BlockTable, victims: list[int]) -> list:
@@ -431,6 +437,8 @@ class KVStore:
                                 self.l1.delete(e.key)
                                 e.slot = None
                                 t.resident -= 1
+                                self._home["l1"] -= 1
+                                self._home["l2"] += 1
                         elif rec is not None:
                             self.c["evict_failed"] += 1
                         e.pending = False
@@ -503,6 +511,9 @@ class KVStore:
         with self._lock:
             for (key, e, packed), ok in zip(out, oks):
                 if ok:
+                    if e.slot is None and e.l2:
+                        self._home["l2"] -= 1
+                        self._home["l3"] += 1
                     e.l3 = True
                     e.l3_bytes = len(packed)
                     e.l2 = False
@@ -577,8 +588,10 @@ class KVStore:
                 for b in self.policy.victims(t, 1, exclude, only_clean=True):
                     self._free_clean(t, t.entries[b])
             if t.resident < self.hot_blocks:
+                self._home[e.home] -= 1
                 e.slot = self._alloc(e.key, data)
                 t.resident += 1
+                self._home["l1"] += 1
                 return e.slot
             key = f"scratch/{len(scratch)}"
             assert len(scratch) < self._scratch_n, "more scratch blocks than the sparse budget"
@@ -653,8 +666,10 @@ class KVStore:
             full[:, :, e.idx] = data
             with self._lock:
                 if e.slot is None and t.resident < self.hot_blocks:
+                    self._home[e.home] -= 1
                     e.slot = self._alloc(e.key, data)
                     t.resident += 1
+                    self._home["l1"] += 1
         if self._pf_pool is not None:
             # streaming: the next layer's missing blocks decode while this layer computes
             if layer + 1 < self.num_layers:
@@ -811,21 +826,15 @@ class KVStore:
         """Plain, JSON-serialisable dict of what the store holds and what it cost."""
         c = dict(self.c)
         bt = self.block_tokens
-        home = {"l1": 0, "l2": 0, "l3": 0}
-        l1_tokens = 0
-        tokens = 0
+        tokens = resident = l1_tokens = 0
         with self._lock:
+            home = dict(self._home)
             for tables in self._tables.values():
                 for t in tables:
                     tokens += t.length
-                    last = len(t.entries) - 1
-                    for e in t.entries:
-                        h = e.home
-                        if h in home:
-                            home[h] += 1
-                        if e.slot is not None:
-                            l1_tokens += (t.length - last * bt) if e.idx == last else bt
-            resident = sum(t.resident for tables in self._tables.values() for t in tables)
+                    resident += t.resident
+                    if t.entries:  # the open block holds length - sealed tokens, not block_tokens
+                        l1_tokens += t.resident * bt - (len(t.entries) * bt - t.length)
         l1_bytes = resident * self.slot_bytes
         copies = {"l1": resident, "l2": c["copies_l2"], "l3": c["copies_l3"]}
         nbytes = {"l1": l1_bytes, "l2": c["bytes_l2"], "l3": c["bytes_l3"]}

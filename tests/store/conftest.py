@@ -50,6 +50,12 @@ def check_invariants(store: KVStore) -> None:
                 if e.l3:
                     l3_keys.add(e.key)
     assert set(store.l1.keys()) == l1_keys
+    homes = {"l1": 0, "l2": 0, "l3": 0}
+    for seq in store.sequences():
+        for t in store._tables[seq]:
+            for e in t.entries:
+                homes[e.home] += 1
+    assert store.stats()["blocks"] == homes
     assert set(store.l2.keys()) == l2_keys
     if store.l3 is not None:
         assert set(store.l3.keys()) == l3_keys
