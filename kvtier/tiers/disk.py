@@ -84,13 +84,23 @@ class _Segment:
         self.tombs: set[str] = set()  # keys with a tombstone here
         self.written: set[str] = set()  # keys with a data record here, live or dead
 
+    def release_fd(self) -> None:
+        """Sealed segments keep only their mapping, so a large tier does not run out of fds."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def file_size(self) -> int:
+        try:
+            return os.fstat(self.fd).st_size if self.fd >= 0 else os.stat(self.path).st_size
+        except OSError:  # deleted under us: nothing in it is readable
+            return 0
+
     def close(self) -> None:
         if self.mm is not None:
             self.mm.close()
             self.mm = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        self.release_fd()
 
 
 class DiskTier(Tier):
@@ -186,6 +196,9 @@ class DiskTier(Tier):
             last = self._segs[max(self._segs)]
             if last.size - last.used >= REC_HEADER_BYTES + 8:
                 self._head = last
+        for seg in self._segs.values():
+            if seg is not self._head:
+                seg.release_fd()
         self._n["recovered"] = len(self._index)
 
     def _scan(self, seg: _Segment, last: bool) -> None:
@@ -315,8 +328,19 @@ class DiskTier(Tier):
             self._free_segment()
         if len(self._segs) >= self.max_segments:
             return False
-        self._head = self._new_segment()
+        new = self._new_segment()
+        if self._head is not None:
+            self._seal(self._head)
+        self._head = new
         return True
+
+    def _seal(self, seg: _Segment) -> None:
+        """The head is full: make its data durable per the durability setting, drop its fd."""
+        if seg.id in self._dirty and self.durability != "never":
+            os.fdatasync(seg.fd)
+            self._n["syncs"] += 1
+        self._dirty.discard(seg.id)
+        seg.release_fd()
 
     def _free_segment(self) -> None:
         """At capacity: drop an all-dead sealed segment, or compact one into the head's free space."""
@@ -331,6 +355,7 @@ class DiskTier(Tier):
                 return
 
     def _write(self, seg: _Segment, off: int, iov: list) -> None:
+        assert seg.fd >= 0, f"write to sealed segment {seg.path}"
         total = sum(len(b) for b in iov)
         try:
             done = os.pwritev(seg.fd, iov, off)
@@ -489,7 +514,7 @@ class DiskTier(Tier):
         try:
             older = [s for s in self._segs.values() if s.id < seg.id]
             recs = []
-            file_size = os.fstat(seg.fd).st_size
+            file_size = seg.file_size()
             for key in sorted(seg.keys, key=lambda k: self._index[k][1]):
                 _, off, size, vlen = self._index[key]
                 if off + size > file_size:  # truncated under us
@@ -532,7 +557,7 @@ class DiskTier(Tier):
         sid, off, size, vlen = loc
         seg = self._segs[sid]
         kb = key.encode("utf-8")
-        if off + size <= os.fstat(seg.fd).st_size:  # a file truncated under us would SIGBUS
+        if off + size <= seg.file_size():  # a file truncated under us would SIGBUS
             magic, _, _, klen, vl, dcrc, _ = _REC.unpack_from(seg.mm, off)
             k0 = off + REC_HEADER_BYTES
             if magic == _REC_MAGIC and klen == len(kb) and vl == vlen and seg.mm[k0:k0 + klen] == kb:
@@ -644,7 +669,7 @@ class DiskTier(Tier):
     def _sync_locked(self) -> None:
         for sid in sorted(self._dirty):
             s = self._segs.get(sid)
-            if s is not None:
+            if s is not None and s.fd >= 0:
                 os.fdatasync(s.fd)
         self._dirty.clear()
         if self._dir_dirty:

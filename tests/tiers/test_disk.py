@@ -247,3 +247,15 @@ def test_tombstones_dropped_once_nothing_older_needs_hiding(tmp_path):
         assert 0 < s["dead_bytes"] < all_tombs
     with open_tier(tmp_path / "d") as t:
         assert len(t) == 0
+
+
+def test_sealed_segments_hold_no_file_descriptor(tmp_path):
+    with open_tier(tmp_path / "d") as t:
+        t.put_many([(f"k{i}", b"z" * 3000) for i in range(40)])
+        segs = list(t._segs.values())
+        assert len(segs) > 3
+        assert [s.fd >= 0 for s in segs].count(True) == 1 and t._head.fd >= 0
+        assert all(t.get(f"k{i}") == b"z" * 3000 for i in range(40))  # read through the mappings
+    with open_tier(tmp_path / "d") as t:
+        assert [s.fd >= 0 for s in t._segs.values()].count(True) <= 1
+        assert len(t) == 40
