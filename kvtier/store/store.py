@@ -20,6 +20,7 @@ the copy below is complete, so a slot read by ``gather*`` is never overwritten u
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
@@ -117,8 +118,10 @@ class KVStore:
         if cfg.disk_path is not None:
             self.l3, self._lz4 = self._open_disk(cfg)
 
-        # a selection fits in the budget, so at most hot_blocks - 1 sealed blocks need scratch
-        self._scratch_n = max(1, c - 1)
+        # a selection fits in the budget, so one read needs at most hot_blocks - 1 scratch slots;
+        # one read per live sequence may be in flight at a time (callers on several threads)
+        self._scratch_n = max(1, c - 1) * cfg.max_sequences
+        self._scratch_ids = itertools.count()
         self.l1 = DeviceTier(slot_shape, cfg.max_sequences * num_layers * c + self._scratch_n,
                              dtype=dtype, device=self.device)
         self.l2 = HostTier(cfg.host_bytes, spill=self._spill if self.l3 is not None else None,
@@ -153,7 +156,7 @@ class KVStore:
                       swap_in_l2_bytes=0, swap_in_l3_bytes=0, swap_out_l2_bytes=0, swap_out_l3_bytes=0,
                       swap_in_blocks=0, swap_out_blocks=0, evicted_clean=0, evicted_dirty=0,
                       evict_failed=0, sync_evictions=0, scratch_uses=0,
-                      pf_issued=0, pf_errors=0, pf_used=0, pf_wasted=0, pf_served=0,
+                      pf_issued=0, pf_errors=0, pf_used=0, pf_wasted=0,
                       raw_l2=0, enc_l2=0, raw_l3=0, enc_l3=0, lz4_in=0, lz4_out=0,
                       bytes_l2=0, bytes_l3=0, copies_l2=0, copies_l3=0)
         # blocks per home tier, kept up to date under _lock so that stats() costs O(tables)
@@ -570,12 +573,10 @@ class KVStore:
         if fut is not None:
             try:
                 data = fut.result()
-                self.c["pf_used"] += 1
-                self.c["pf_served"] += 1
+                self._count(pf_used=1)
                 return data
             except Exception:  # a failed prefetch is retried synchronously, and counted
-                self.c["pf_wasted"] += 1
-                self.c["pf_errors"] += 1
+                self._count(pf_wasted=1, pf_errors=1)
         return self._load(e)
 
     def _install(self, t: BlockTable, e: BlockEntry, data: torch.Tensor, exclude, scratch: list) -> int:
@@ -593,8 +594,8 @@ class KVStore:
                 t.resident += 1
                 self._home["l1"] += 1
                 return e.slot
-            key = f"scratch/{len(scratch)}"
-            assert len(scratch) < self._scratch_n, "more scratch blocks than the sparse budget"
+            assert len(scratch) < max(1, self.hot_blocks - 1), "more scratch blocks than the L1 budget"
+            key = f"scratch/{next(self._scratch_ids)}"
             slot = self._alloc(key, data)
             scratch.append(key)
             self.c["scratch_uses"] += 1
@@ -606,7 +607,7 @@ class KVStore:
         """An unused prefetch: cancel it, or wait for it so no load of a dropped block is in flight."""
         self._count(pf_wasted=1)
         if not fut.cancel() and fut.exception() is not None:
-            self.c["pf_errors"] += 1
+            self._count(pf_errors=1)
 
     def _prefetch(self, t: BlockTable, blocks) -> None:
         ents = t.entries
@@ -849,7 +850,7 @@ class KVStore:
             "bytes_per_token": {k: ratio(nbytes[k], tok[k]) for k in nbytes},
             "tier_used_bytes": {"l1": self.l1.used_bytes, "l2": self.l2.used_bytes,
                                 "l3": self.l3.used_bytes if self.l3 is not None else 0},
-            "hits": {"l1": c["hits_l1"], "l2": c["hits_l2"], "l3": c["hits_l3"], "prefetch": c["pf_served"]},
+            "hits": {"l1": c["hits_l1"], "l2": c["hits_l2"], "l3": c["hits_l3"], "prefetch": c["pf_used"]},
             "misses": {"l1": c["misses_l1"], "l2": c["misses_l2"], "l3": c["misses_l3"]},
             "swap_in_bytes": {"l2": c["swap_in_l2_bytes"], "l3": c["swap_in_l3_bytes"]},
             "swap_out_bytes": {"l2": c["swap_out_l2_bytes"], "l3": c["swap_out_l3_bytes"]},
@@ -864,7 +865,7 @@ class KVStore:
             "prefetch": {
                 "issued": c["pf_issued"], "used": c["pf_used"], "wasted": c["pf_wasted"],
                 "precision": ratio(c["pf_used"], pf_done),
-                "coverage": ratio(c["pf_served"], c["misses_l1"]),
+                "coverage": ratio(c["pf_used"], c["misses_l1"]),
             },
             "compression": {
                 "host_codec": self.cfg.host_codec, "disk_codec": self.cfg.disk_codec,

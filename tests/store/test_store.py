@@ -4,7 +4,6 @@ import random
 import pytest
 import torch
 
-from kvtier.config import KVTierConfig
 from kvtier.store import KVStore
 
 from .conftest import Ref, check_invariants, make_store, random_chunk
