@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,7 +31,9 @@ _SRC = r"""
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 typedef _Float16 f16;
 #define LANES 16   /* partial min/max accumulators: elementwise, so gcc vectorizes them */
@@ -624,9 +627,24 @@ def _cache_dir() -> Path:
     return p
 
 
+def _cpu_id() -> str:
+    """What -march=native depends on: a shared cache dir must not hand one CPU's build to another."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine() + platform.processor()
+
+
 def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC", "cc")
-    tag = hashlib.sha256((_SRC + " ".join(_FLAGS) + cc + sys.platform).encode()).hexdigest()[:16]
+    key = "\0".join([_SRC, " ".join(_FLAGS), cc, sys.platform, _cpu_id()])
+    tag = hashlib.sha256(key.encode()).hexdigest()[:16]
     out = _cache_dir() / f"kvtier_quant_{tag}.so"
     if not out.exists():
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
@@ -657,6 +675,8 @@ def _load() -> ctypes.CDLL | None:
             except (OSError, subprocess.SubprocessError) as e:  # no compiler, or it failed
                 detail = getattr(e, "stderr", b"") or b""
                 _error = f"{type(e).__name__}: {e} {detail.decode(errors='replace')[:500]}"
+                warnings.warn(f"kvtier: compiled CPU quantizer unavailable, using the slow torch reference ({_error})",
+                              RuntimeWarning, stacklevel=3)
     return _lib
 
 

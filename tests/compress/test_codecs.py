@@ -181,3 +181,20 @@ def test_cuda_triton_matches_cpu_codes(name):
         y = c.decode(eg, device="cuda")
         assert y.is_cuda and rel_err(y.cpu(), c.decode(ec)) < 1e-3
         assert torch.equal(c.decode(eg, device="cpu"), c.decode(ec))
+
+
+def test_fp32_range_overflow_is_refused():
+    x = torch.zeros(1, 64, 64)
+    x[0, 0, :2] = torch.tensor([3e38, -3e38])  # max - min overflows float32
+    with pytest.raises(ValueError, match="finite"):
+        get_codec("int4", group_size=64, axis="token").encode(x)
+    get_codec("int8", group_size=64, axis="token").encode(x)  # absmax / 127 is fine
+
+
+def test_passthrough_decode_does_not_alias_encoding():
+    x = kv(6)
+    c = get_codec("fp16")
+    enc = c.encode(x)
+    y = c.decode(enc)
+    y.zero_()
+    assert torch.equal(c.decode(enc), x)
