@@ -65,7 +65,7 @@ def test_eviction_during_prefetch(tmp_path):
     seqs = [st.add_sequence() for _ in range(2)]
     rng = random.Random(5)
     ref = Ref()
-    for step in range(250):
+    for step in range(120):
         for s in seqs:
             for layer in range(3):
                 k, v = random_chunk(rng, sizes=(1,))
@@ -90,8 +90,9 @@ def test_eviction_during_prefetch(tmp_path):
 
 @pytest.mark.timeout(90)
 def test_many_sequences_interleaved_from_threads(tmp_path):
-    st = make_store(tmp_path, num_layers=2, block_tokens=4, hot_tokens=8, host_bytes=8192, max_sequences=6,
-                    policy="sink-window", sink_tokens=0, window_tokens=0, prefetch=True)
+    st = make_store(tmp_path, num_layers=2, block_tokens=4, hot_tokens=12, budget_tokens=12, host_bytes=8192,
+                    max_sequences=6, policy="sink-window", sink_tokens=0, window_tokens=4, prefetch=True,
+                    attention="sparse")
     errors = []
     refs = {}
 
@@ -114,6 +115,12 @@ def test_many_sequences_interleaved_from_threads(tmp_path):
                     K, V = st.gather(s, layer)
                     rk, rv = ref.kv(s, layer)
                     assert torch.equal(K, rk) and torch.equal(V, rv)
+                elif i % 4 == 0 and st.seq_len(s, layer) > 8:
+                    # old blocks asked for: swapped in through scratch slots (L1 is full of the window)
+                    sel = st.select(s, layer, torch.randn(2, 1, 8, generator=gen))
+                    K, V, pos = st.gather_blocks(s, layer, sel)
+                    rk, rv = ref.kv(s, layer)
+                    assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
         except BaseException as e:  # surfaced by the main thread
             errors.append(e)
 
@@ -124,6 +131,7 @@ def test_many_sequences_interleaved_from_threads(tmp_path):
         th.join(timeout=80)
     assert not any(th.is_alive() for th in threads), "deadlock"
     assert not errors, errors[0]
+    assert st.stats()["scratch_uses"] > 0
     check_invariants(st)
     for s, ref in refs.items():
         for (_, layer) in ref.chunks:
