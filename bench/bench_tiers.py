@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     a = ap.parse_args(argv)
     if a.smoke:
-        a.block_kib, a.total_mib, a.repeat = 64, 16, 2
+        a.block_kib, a.total_mib, a.repeat = 64, 8, 2
     if a.block_kib < 1 or a.total_mib < 1 or a.batch < 1 or a.repeat < 1:
         raise SystemExit("--block-kib, --total-mib, --batch and --repeat must be >= 1")
     bs = a.block_kib << 10

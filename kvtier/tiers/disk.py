@@ -56,6 +56,13 @@ _SEG_RE = re.compile(r"^seg-(\d{12})\.kvs$")
 _IOV_MAX = 1020
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _PARALLEL_CRC_BYTES = 256 << 10  # below this a CRC is cheaper than handing it to a thread
+_fdatasync = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
+
+
+def _fallocate(fd: int, offset: int, length: int) -> None:
+    if not hasattr(os, "posix_fallocate"):  # macOS: sparse file, a full disk shows on write
+        raise OSError(errno.EOPNOTSUPP, "posix_fallocate unavailable")
+    os.posix_fallocate(fd, offset, length)
 
 
 def _pad8(n: int) -> int:
@@ -299,7 +306,7 @@ class DiskTier(Tier):
         fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             try:
-                os.posix_fallocate(fd, 0, self.segment_bytes)  # ENOSPC now rather than on a later write
+                _fallocate(fd, 0, self.segment_bytes)  # ENOSPC now rather than on a later write
             except OSError as exc:
                 if exc.errno in _FULL_ERRNOS:
                     raise
@@ -337,7 +344,7 @@ class DiskTier(Tier):
     def _seal(self, seg: _Segment) -> None:
         """The head is full: make its data durable per the durability setting, drop its fd."""
         if seg.id in self._dirty and self.durability != "never":
-            os.fdatasync(seg.fd)
+            _fdatasync(seg.fd)
             self._n["syncs"] += 1
         self._dirty.discard(seg.id)
         seg.release_fd()
@@ -670,7 +677,7 @@ class DiskTier(Tier):
         for sid in sorted(self._dirty):
             s = self._segs.get(sid)
             if s is not None and s.fd >= 0:
-                os.fdatasync(s.fd)
+                _fdatasync(s.fd)
         self._dirty.clear()
         if self._dir_dirty:
             dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
