@@ -1,5 +1,5 @@
-"""Crash safety: a writer process is SIGKILLed at random moments while it appends, deletes and
-compacts; after every kill the directory is reopened and checked.
+"""Crash safety: a writer process is SIGKILLed at random moments while its L2 ring spills to L3,
+and while it deletes and compacts; after every kill the directory is reopened and checked.
 
 Values are a pure function of their key, so any value the tier returns can be checked even for
 records whose put was cut short.
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from kvtier.tiers import DiskTier
+from kvtier.tiers import DiskTier, HostTier
 
 ITERATIONS = 25
 _CTX = mp.get_context("fork")
@@ -33,28 +33,35 @@ def open_tier(path):
 
 
 def _writer(path, wfd, gen, live, seed):
-    """Puts and deletes, syncing every few batches; reports what each sync made durable."""
+    """Puts into an L2 ring that spills to L3 (as the store runs them), deletes from L3, and
+    syncs every few steps; reports what each sync made durable."""
     rng = random.Random(seed)
-    t = open_tier(path)
-    os.write(wfd, b"R\n")
-    live = list(live)
+    disk = open_tier(path)
+    on_disk = list(live)  # keys spilled to L3, by this writer or an earlier one
     unsynced_puts: list[str] = []
     unsynced_dels: list[str] = []
+
+    def spill(batch):  # L2 -> L3: copy out of the ring before returning
+        disk.put_many([(k, bytes(v)) for k, v in batch])
+        on_disk.extend(k for k, _ in batch)
+        unsynced_puts.extend(k for k, _ in batch)
+
+    ring = HostTier(256 << 10, spill=spill, spill_batch_bytes=64 << 10)
+    os.write(wfd, b"R\n")
     for op in range(1_000_000):
-        if live and rng.random() < 0.3:
-            k = live.pop(rng.randrange(len(live)))
+        if on_disk and rng.random() < 0.3:
+            k = on_disk.pop(rng.randrange(len(on_disk)))
             os.write(wfd, f"d {k}\n".encode())  # from here on the delete may or may not land
-            t.delete(k)
+            disk.delete(k)
             unsynced_dels.append(k)
             if k in unsynced_puts:  # never report a put as durable after its delete
                 unsynced_puts.remove(k)
         else:
-            keys = [f"g{gen}-{op}-{i}" for i in range(rng.randint(1, 5))]
-            t.put_many([(k, value_of(k)) for k in keys])
-            live.extend(keys)
-            unsynced_puts.extend(keys)
+            for i in range(rng.randint(1, 5)):
+                k = f"g{gen}-{op}-{i}"
+                assert ring.put(k, value_of(k))
         if op % 3 == 2:
-            t.sync()
+            disk.sync()
             for k in unsynced_puts:  # one line per key keeps every write below PIPE_BUF
                 os.write(wfd, f"P {k}\n".encode())
             for k in unsynced_dels:
