@@ -56,6 +56,32 @@ def as_byte_view(value: object, field: str = "value") -> memoryview:
     )
 
 
+def out_view(out: object, need: int, field: str = "out") -> tuple[memoryview | None, torch.Tensor | None]:
+    """Where ``get_into`` writes: (byte memoryview, None) for host buffers and CPU tensors, or
+    (None, flat uint8 tensor) for device tensors. Raises ValueError unless ``out`` is writable,
+    contiguous and holds at least ``need`` bytes."""
+    if isinstance(out, torch.Tensor):
+        if not out.is_contiguous():
+            raise ValueError(f"{field} tensor must be contiguous")
+        flat = out.view(-1)
+        flat = flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+        if flat.numel() < need:
+            raise ValueError(f"{field} holds {flat.numel()} bytes, the value needs {need}")
+        if flat.device.type != "cpu":
+            return None, flat
+        out = flat.numpy()
+    try:
+        mv = memoryview(out)
+    except TypeError:
+        raise ValueError(f"{field} must be a writable buffer or tensor, got {type(out).__name__}") from None
+    if mv.readonly or not mv.c_contiguous:
+        raise ValueError(f"{field} must be a writable, C-contiguous buffer")
+    mv = mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
+    if mv.nbytes < need:
+        raise ValueError(f"{field} holds {mv.nbytes} bytes, the value needs {need}")
+    return mv, None
+
+
 class TierStats:
     """Counters every tier reports (plain ints, so ``as_dict`` is JSON-able)."""
 
@@ -105,6 +131,21 @@ class Tier(ABC):
 
     def __contains__(self, key: str) -> bool:
         return self.contains(key)
+
+    def get_into(self, key: str, out: memoryview | bytearray | torch.Tensor) -> int | None:
+        """Copy the value into ``out`` (a writable buffer or contiguous tensor, any device) from
+        its start; returns the bytes written, or None when absent. This default goes through
+        ``get``; tiers override it to skip the intermediate copy."""
+        value = self.get(key)
+        if value is None:
+            return None
+        src = as_byte_view(value)
+        mv, dev = out_view(out, src.nbytes)
+        if mv is not None:
+            mv[:src.nbytes] = src
+        elif src.nbytes:
+            dev[:src.nbytes].copy_(torch.frombuffer(bytearray(src), dtype=torch.uint8))
+        return src.nbytes
 
     def put_many(self, items: Iterable[tuple[str, BytesLike]]) -> list[bool]:
         return [self.put(k, v) for k, v in items]

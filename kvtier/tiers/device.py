@@ -24,7 +24,7 @@ from math import prod
 import numpy as np
 import torch
 
-from .base import BytesLike, Tier, TierStats, as_byte_view, check_key
+from .base import BytesLike, Tier, TierStats, as_byte_view, check_key, out_view
 from .errors import TierClosedError
 
 _TENSOR = -1  # _length marker: the slot holds a tensor put, not a bytes put
@@ -210,6 +210,29 @@ class DeviceTier(Tier):
             self._stats.hits += 1
             self._stats.bytes_out += n
             return out
+
+    def get_into(self, key: str, out: memoryview | bytearray | torch.Tensor) -> int | None:
+        """Copy what ``get`` would return straight from the slot into ``out``; bytes written or None."""
+        check_key(key)
+        with self._lock:
+            self._check_open()
+            n = self._length.get(key)
+            n = self.slot_bytes if n == _TENSOR else (n or 0)
+            mv, dev = out_view(out, n)  # checked before counting the read
+            self._stats.gets += 1
+            slot = self._slot.get(key)
+            if slot is None:
+                self._stats.misses += 1
+                return None
+            if dev is not None:
+                dev[:n].copy_(self._bytes[slot, :n])
+            elif self._np is not None:
+                mv[:n] = memoryview(self._np[slot, :n])
+            else:
+                mv[:n] = memoryview(self._bytes[slot, :n].cpu().numpy())
+            self._stats.hits += 1
+            self._stats.bytes_out += n
+            return n
 
     def get_tensor(self, key: str) -> torch.Tensor | None:
         """The slot as a ``slot_shape`` tensor aliasing the pool (valid until delete/overwrite)."""

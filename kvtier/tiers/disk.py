@@ -37,8 +37,10 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
+import torch
+
 from ._crc import crc32
-from .base import BytesLike, Tier, TierStats, as_byte_view, check_key
+from .base import BytesLike, Tier, TierStats, as_byte_view, check_key, out_view
 from .errors import DirectoryLockedError, DiskFullError, TierClosedError
 
 Durability = Literal["batch", "close", "never"]
@@ -552,12 +554,10 @@ class DiskTier(Tier):
             self._compacting = False
 
     # -- reading ----------------------------------------------------------------------------
-    def _fetch(self, key: str) -> tuple[bytes, int, int] | None:
-        """Copy a record's value out of its segment after checking its header against the index.
-
-        Returns (value, crc32 of the key, expected crc32 of key+value), or None when absent or
-        when the header/bounds are already wrong (that is counted as corrupt).
-        """
+    def _locate(self, key: str) -> tuple[_Segment, int, int, int, int] | None:
+        """(segment, value offset, value length, crc32 of the key, expected crc32 of key+value)
+        after checking the record's header against the index; None when absent or when the
+        header/bounds are already wrong (that is counted as corrupt)."""
         loc = self._index.get(key)
         if loc is None:
             return None
@@ -568,9 +568,17 @@ class DiskTier(Tier):
             magic, _, _, klen, vl, dcrc, _ = _REC.unpack_from(seg.mm, off)
             k0 = off + REC_HEADER_BYTES
             if magic == _REC_MAGIC and klen == len(kb) and vl == vlen and seg.mm[k0:k0 + klen] == kb:
-                return seg.mm[k0 + klen:k0 + klen + vlen], crc32(kb), dcrc
+                return seg, k0 + klen, vlen, crc32(kb), dcrc
         self._mark_corrupt(key)
         return None
+
+    def _fetch(self, key: str) -> tuple[bytes, int, int] | None:
+        """(value copied out of the mapping, crc32 of the key, expected crc32), or None."""
+        r = self._locate(key)
+        if r is None:
+            return None
+        seg, voff, vlen, kcrc, dcrc = r
+        return seg.mm[voff:voff + vlen], kcrc, dcrc
 
     def _count(self, key: str, value: bytes | None, ok: bool) -> bytes | None:
         self._stats.gets += 1
@@ -593,6 +601,26 @@ class DiskTier(Tier):
                 return self._count(key, None, False)
             value, kcrc, dcrc = r
             return self._count(key, value, crc32(value, kcrc) == dcrc)
+
+    def get_into(self, key: str, out: memoryview | bytearray | torch.Tensor) -> int | None:
+        """Copy the value straight from the mapping into ``out`` (a writable buffer or contiguous
+        tensor) and verify its CRC there. Returns the bytes written, or None when absent or
+        corrupt (then ``out`` may hold the damaged bytes)."""
+        check_key(key)
+        if isinstance(out, torch.Tensor) and out.device.type != "cpu":
+            return super().get_into(key, out)  # staged through host memory
+        with self._lock:
+            self._check_open()
+            loc = self._index.get(key)
+            mv, _ = out_view(out, loc[3] if loc is not None else 0)  # checked before counting
+            r = self._locate(key)
+            if r is None:
+                return self._count(key, None, False)
+            seg, voff, vlen, kcrc, dcrc = r
+            with memoryview(seg.mm) as src:  # released before the mapping can be closed
+                mv[:vlen] = src[voff:voff + vlen]
+            ok = crc32(mv[:vlen], kcrc) == dcrc
+            return vlen if self._count(key, mv[:vlen], ok) is not None else None
 
     def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
         """Batched get: readahead for the whole batch first, and the CRC checks of large values

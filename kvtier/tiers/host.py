@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ._crc import crc32
-from .base import BytesLike, Tier, TierStats, as_byte_view, check_key
+from .base import BytesLike, Tier, TierStats, as_byte_view, check_key, out_view
 from .errors import TierClosedError
 
 log = logging.getLogger(__name__)
@@ -288,31 +288,20 @@ class HostTier(Tier):
 
         Returns the number of bytes written, or None when absent. The copy is complete on return.
         """
+        check_key(key)
         with self._lock:
+            n = self._vlen.get(key)
+            mv, dev = out_view(out, n or 0)  # checked before counting the read
             loc = self._locate(key)
             if loc is None:
                 return None
             voff, n = loc
-            if isinstance(out, torch.Tensor):
-                if not out.is_contiguous():
-                    raise ValueError("out tensor must be contiguous")
-                dst = out.view(-1).view(torch.uint8) if out.dtype != torch.uint8 else out.view(-1)
-                if dst.numel() < n:
-                    raise ValueError(f"out holds {dst.numel()} bytes, the value needs {n}")
-                if dst.device.type != "cpu":
-                    dst[:n].copy_(self.arena[voff:voff + n])
-                    return n
-                out = dst.numpy()
-            dst = memoryview(out)
-            if dst.readonly or not dst.c_contiguous:
-                raise ValueError("out must be a writable, C-contiguous buffer")
-            dst = dst.cast("B")
-            if dst.nbytes < n:
-                raise ValueError(f"out holds {dst.nbytes} bytes, the value needs {n}")
-            if n >= _TORCH_COPY_MIN:
-                torch.frombuffer(dst, dtype=torch.uint8, count=n).copy_(self.arena[voff:voff + n])
+            if dev is not None:
+                dev[:n].copy_(self.arena[voff:voff + n])
+            elif n >= _TORCH_COPY_MIN:
+                torch.frombuffer(mv, dtype=torch.uint8, count=n).copy_(self.arena[voff:voff + n])
             else:
-                dst[:n] = self._mv[voff:voff + n]
+                mv[:n] = self._mv[voff:voff + n]
             return n
 
     def value_size(self, key: str) -> int | None:

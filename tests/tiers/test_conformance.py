@@ -182,3 +182,20 @@ def test_concurrent_threads_keep_every_record_whole(tier, spec):
         t.join()
     assert errors == []
     assert all(len(bytes(tier.get(k))) == size for k in tier.keys())
+
+
+def test_get_into_buffer_and_tensor(tier, spec):
+    raw = os.urandom(spec.max_value)
+    tier.put("k", raw)
+    buf = bytearray(spec.max_value + 5)
+    assert tier.get_into("k", buf) == len(raw) and bytes(buf[: len(raw)]) == raw
+    t = torch.zeros(spec.max_value // 2 + 1, dtype=torch.float16)  # any dtype, seen as bytes
+    assert tier.get_into("k", t) == len(raw)
+    assert t.view(torch.uint8).numpy().tobytes()[: len(raw)] == raw
+    assert tier.get_into("missing", buf) is None
+    with pytest.raises(ValueError, match="out"):
+        tier.get_into("k", bytearray(len(raw) - 1))
+    with pytest.raises(ValueError, match="out"):
+        tier.get_into("k", bytes(len(raw)))
+    s = tier.stats()
+    assert s["hits"] == 2 and s["misses"] == 1 and s["bytes_out"] == 2 * len(raw)

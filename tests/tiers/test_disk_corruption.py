@@ -120,3 +120,17 @@ def test_damage_while_open_is_caught_on_read(pristine, tmp_path):
             got = t.get(k)
             assert got is None or got == vals[k]
         assert all(t.get(k) is None for k in in_seg) and in_seg[0] in t.corrupt_keys
+
+
+def test_get_into_verifies_crc(pristine, tmp_path):
+    orig, vals = pristine
+    d = tmp_path / "copy"
+    shutil.copytree(orig, d)
+    with open_tier(d) as t:
+        buf = bytearray(4000)
+        assert t.get_into("rec2", buf) == len(vals["rec2"]) and bytes(buf[: len(vals["rec2"])]) == vals["rec2"]
+        loc = t._index["rec5"]
+        fd = os.open(d / f"seg-{loc[0]:012d}.kvs", os.O_RDWR)
+        os.pwrite(fd, b"\x55", loc[1] + REC_HEADER_BYTES + 4 + 2)
+        os.close(fd)
+        assert t.get_into("rec5", buf) is None and "rec5" in t.corrupt_keys
