@@ -326,7 +326,10 @@ def main(argv=None) -> int:
     ]
     for label, got, want, op in checks:
         ok = got >= want if op == ">=" else got <= want
-        print(f"target {label}: {got:.3f} {'MET' if ok else 'MISSED'}")
+        verdict = "MET" if ok else "MISSED"
+        if args.smoke and "copy_" in label:
+            verdict = "(not judged in --smoke: tensors too small, call overhead dominates)"
+        print(f"target {label}: {got:.3f} {verdict}")
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), mode=0o700, exist_ok=True)
         with open(os.open(args.json, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
