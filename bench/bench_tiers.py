@@ -8,6 +8,7 @@
                                   a batch of owned bytes held at a time, as get_many returns),
                                   warm (page cache) and cold (pages dropped with
                                   posix_fadvise(DONTNEED) after fdatasync, or O_DIRECT)
+     DiskTier get_into        vs  raw sequential readinto, both into one preallocated buffer
      with lz4: blocks compressed before put and decompressed after get (the store's byte
      stage), GB/s of uncompressed bytes, against the same raw references.
 
@@ -160,6 +161,16 @@ def raw_read(path: str, bs: int, n: int, batch: int) -> float:
     return time.perf_counter() - t0
 
 
+def raw_readinto(path: str, bs: int, n: int, buf: bytearray) -> float:
+    """Sequential reads into one preallocated buffer (the reference for get_into)."""
+    mv = memoryview(buf)
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        for i in range(n):
+            f.readinto(mv[(i % 16) * bs:(i % 16 + 1) * bs])
+    return time.perf_counter() - t0
+
+
 def raw_read_direct(path: str, bs: int, n: int) -> float | None:
     """O_DIRECT sequential read into an aligned (mmap) buffer; None where unsupported."""
     if not hasattr(os, "O_DIRECT") or bs % 4096:
@@ -225,11 +236,25 @@ def bench_l3(root: str, blocks: list[bytes], batch: int, compress: bool, repeat:
     t = DiskTier(os.path.join(root, "tier"), capacity_bytes=4 * nbytes + 16 * seg, segment_bytes=seg)
     tier_read(t)
     raw_read(rawp, bs, n, batch)
-    r_raw = r_tier = float("inf")
+    buf = bytearray(16 * bs)
+
+    def tier_read_into() -> float:
+        mv = memoryview(buf)
+        t0 = time.perf_counter()
+        for i, k in enumerate(keys):
+            assert t.get_into(k, mv[(i % 16) * bs:(i % 16 + 1) * bs]) == len(payload[i])
+        return time.perf_counter() - t0
+
+    r_raw = r_tier = r_raw_into = r_tier_into = float("inf")
     for _ in range(repeat):
         r_raw = min(r_raw, raw_read(rawp, bs, n, batch))
         r_tier = min(r_tier, tier_read(t))
+        if not compress:
+            r_raw_into = min(r_raw_into, raw_readinto(rawp, bs, n, buf))
+            r_tier_into = min(r_tier_into, tier_read_into())
     res.update(raw_read_warm_GBps=gbps(nbytes, r_raw), read_warm_ratio=r_raw / r_tier)
+    if not compress:
+        res.update(read_into_warm_ratio=r_raw_into / r_tier_into)
     t.close()
 
     segs = [os.path.join(root, "tier", f) for f in os.listdir(os.path.join(root, "tier")) if f.startswith("seg-")]
@@ -259,11 +284,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch intra-op threads for the copy_ references (the tiers copy host bytes on one "
+                         "thread; on a loaded machine threaded copies also stall); 0 = torch's default")
     a = ap.parse_args(argv)
     if a.smoke:
         a.block_kib, a.total_mib, a.repeat = 64, 8, 2
     if a.block_kib < 1 or a.total_mib < 1 or a.batch < 1 or a.repeat < 1:
         raise SystemExit("--block-kib, --total-mib, --batch and --repeat must be >= 1")
+    if a.torch_threads > 0:
+        torch.set_num_threads(a.torch_threads)
     bs = a.block_kib << 10
     n = max(2, (a.total_mib << 20) // bs)
     g = torch.Generator().manual_seed(0)
@@ -272,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_blocks = [torch.randn(bs // 2, generator=g).half().numpy().tobytes() for _ in range(n)]
     l1_blocks = [torch.randn(bs // 2, generator=g).half() for _ in range(n)]
 
-    out: dict = {"block_bytes": bs, "blocks": n, "batch": a.batch}
+    out: dict = {"block_bytes": bs, "blocks": n, "batch": a.batch, "torch_threads": torch.get_num_threads()}
     out["L1_cpu"] = bench_l1(l1_blocks, "cpu", a.repeat)
     if torch.cuda.is_available():
         out["L1_cuda"] = bench_l1(l1_blocks, "cuda", a.repeat)

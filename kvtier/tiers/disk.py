@@ -333,15 +333,20 @@ class DiskTier(Tier):
         """Make the head able to take ``size`` bytes; False when the tier is full."""
         if self._head is not None and self._head.used + size <= self._head.size:
             return True
-        if len(self._segs) >= self.max_segments and not self._compacting:
+        if self._full() and not self._compacting:
             self._free_segment()
-        if len(self._segs) >= self.max_segments:
+        if self._full():
             return False
         new = self._new_segment()
         if self._head is not None:
             self._seal(self._head)
         self._head = new
         return True
+
+    def _full(self) -> bool:
+        """No room for one more segment (counted in bytes: segments left by an earlier
+        DiskTier with another segment_bytes keep their own size)."""
+        return self.disk_bytes + self.segment_bytes > self.capacity_bytes
 
     def _seal(self, seg: _Segment) -> None:
         """The head is full: make its data durable per the durability setting, drop its fd."""

@@ -259,3 +259,14 @@ def test_sealed_segments_hold_no_file_descriptor(tmp_path):
     with open_tier(tmp_path / "d") as t:
         assert [s.fd >= 0 for s in t._segs.values()].count(True) <= 1
         assert len(t) == 40
+
+
+def test_reopen_with_another_segment_size_respects_capacity(tmp_path):
+    with open_tier(tmp_path / "d", segment_bytes=4 * SEG, capacity_bytes=8 * SEG) as t:
+        t.put_many([(f"a{i}", b"a" * 3000) for i in range(10)])  # one big segment of 4 * SEG
+    with open_tier(tmp_path / "d", segment_bytes=SEG, capacity_bytes=8 * SEG) as t:
+        n = 0
+        while t.put(f"b{n}", b"b" * 3000):
+            n += 1
+        assert t.stats()["disk_bytes"] <= 8 * SEG and n > 0
+        assert all(t.get(f"a{i}") == b"a" * 3000 for i in range(10))
