@@ -30,6 +30,7 @@ payload is copied once. Callers that reuse a writable buffer must not decode aft
 """
 from __future__ import annotations
 
+import functools
 import math
 import struct
 import zlib
@@ -90,15 +91,11 @@ def _dtype_code(dt: torch.dtype, what: str) -> bytes:
     return _U8.pack(code)
 
 
-def pack_record(enc: Encoded) -> bytes:
-    """Serialise ``enc`` (parts on any device; copied to CPU) into one record."""
-    if not isinstance(enc, Encoded):
-        raise ValueError(f"enc must be an Encoded; got {type(enc).__name__}")
-    if len(enc.parts) > MAX_PARTS or len(enc.params) > MAX_PARAMS:
-        raise ValueError(f"enc must have at most {MAX_PARTS} parts and {MAX_PARAMS} params")
-    head = [_str8(enc.codec, "enc.codec"), _dtype_code(enc.dtype, "enc.dtype"), _dims(enc.shape, "enc.shape"),
-            _U8.pack(len(enc.params))]
-    for k, v in enc.params.items():
+def _header(codec, dtype, shape, params, parts) -> bytes:
+    """The variable header bytes; raises ValueError naming the offending field."""
+    head = [_str8(codec, "enc.codec"), _dtype_code(dtype, "enc.dtype"), _dims(shape, "enc.shape"),
+            _U8.pack(len(params))]
+    for k, v in params:
         head.append(_str8(str(k), "enc.params key"))
         if isinstance(v, bool) or not isinstance(v, (int, str)):
             raise ValueError(f"enc.params values must be int or str; got {k}={v!r}")
@@ -106,14 +103,37 @@ def pack_record(enc: Encoded) -> bytes:
             head += [_U8.pack(0), _I64.pack(v)]
         else:
             head += [_U8.pack(1), _str8(v, f"enc.params[{k!r}]")]
-    head.append(_U8.pack(len(enc.parts)))
+    head.append(_U8.pack(len(parts)))
+    for name, pdt, dims in parts:
+        head += [_str8(name, "part name"), _dtype_code(pdt, f"enc.parts[{name!r}].dtype"),
+                 _dims(dims, f"enc.parts[{name!r}]")]
+    return b"".join(head)
+
+
+_header_cached = functools.lru_cache(maxsize=256)(_header)
+
+
+def pack_record(enc: Encoded) -> bytes:
+    """Serialise ``enc`` (parts on any device; copied to CPU) into one record."""
+    if not isinstance(enc, Encoded):
+        raise ValueError(f"enc must be an Encoded; got {type(enc).__name__}")
+    if len(enc.parts) > MAX_PARTS or len(enc.params) > MAX_PARAMS:
+        raise ValueError(f"enc must have at most {MAX_PARTS} parts and {MAX_PARAMS} params")
+    params = tuple(enc.params.items())
+    parts = tuple((name, t.dtype, tuple(t.shape)) for name, t in enc.parts.items())
+    key = (enc.codec, enc.dtype, tuple(enc.shape), params, parts)
+    try:
+        hash(key)
+    except TypeError:  # an unhashable param value: build uncached, which names the field
+        var = _header(*key)
+    else:
+        # Headers repeat for every block of one codec and shape: build each distinct one once.
+        var = _header_cached(*key)
     payload = []
-    for name, t in enc.parts.items():
-        head += [_str8(name, "part name"), _dtype_code(t.dtype, f"enc.parts[{name!r}].dtype"),
-                 _dims(t.shape, f"enc.parts[{name!r}]")]
-        t = t.detach().to("cpu").contiguous()
-        payload.append(memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
-    var = b"".join(head)
+    for t in enc.parts.values():
+        if t.device.type != "cpu" or not t.is_contiguous():
+            t = t.detach().to("cpu").contiguous()
+        payload.append(memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()) if t.numel() else b"")
     header_len = _FIXED.size + len(var)
     payload_len = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in payload)
     chunks = [_FIXED.pack(MAGIC, FORMAT_VERSION, 0, header_len, payload_len), var, *payload]
@@ -180,6 +200,50 @@ def _as_memoryview(buf) -> memoryview:
     return mv
 
 
+@functools.lru_cache(maxsize=256)
+def _parse_header(var: bytes, payload_len: int):
+    """Variable header bytes -> (codec, dtype, shape, params, part specs). Raises CorruptRecordError.
+
+    Cached (the result is immutable: params are returned as a tuple of items)."""
+    mv = memoryview(var)
+    r = _Reader(mv, 0, len(var))
+    codec = r.str8("codec")
+    dtype = r.dtype("dtype")
+    shape = r.dims("shape")
+    nparams = r.u8("nparams")
+    if nparams > MAX_PARAMS:
+        raise CorruptRecordError(f"record has {nparams} params (max {MAX_PARAMS})")
+    params = []
+    for _ in range(nparams):
+        key = r.str8("param key")
+        kind = r.u8("param kind")
+        if kind == 0:
+            params.append((key, r.i64("param value")))
+        elif kind == 1:
+            params.append((key, r.str8("param value")))
+        else:
+            raise CorruptRecordError(f"record param {key!r} has unknown kind {kind}")
+    nparts = r.u8("nparts")
+    if nparts > MAX_PARTS:
+        raise CorruptRecordError(f"record has {nparts} parts (max {MAX_PARTS})")
+    specs = []
+    total = 0
+    for _ in range(nparts):
+        name = r.str8("part name")
+        pdt = r.dtype(f"part {name!r} dtype")
+        dims = r.dims(f"part {name!r} shape")
+        size = math.prod(dims) * pdt.itemsize
+        specs.append((name, pdt, dims, total, size))
+        total += size
+        if total > payload_len:
+            raise CorruptRecordError(f"record parts need more than the {payload_len}-byte payload")
+    if r.pos != len(var):
+        raise CorruptRecordError(f"record header has {len(var) - r.pos} unparsed bytes")
+    if total != payload_len:
+        raise CorruptRecordError(f"record parts total {total} bytes, payload is {payload_len}")
+    return codec, dtype, tuple(int(d) for d in shape), tuple(params), tuple(specs)
+
+
 def unpack_record(buf) -> Encoded:
     """Parse one record (exactly one: no trailing bytes) back into an :class:`Encoded` on CPU.
 
@@ -205,42 +269,8 @@ def unpack_record(buf) -> Encoded:
     (crc,) = _CRC.unpack(mv[n - _CRC.size:])
     if zlib.crc32(mv[:n - _CRC.size]) != crc:
         raise CorruptRecordError("record CRC32 mismatch")
-
-    r = _Reader(mv, _FIXED.size, header_len)
-    codec = r.str8("codec")
-    dtype = r.dtype("dtype")
-    shape = r.dims("shape")
-    nparams = r.u8("nparams")
-    if nparams > MAX_PARAMS:
-        raise CorruptRecordError(f"record has {nparams} params (max {MAX_PARAMS})")
-    params: dict = {}
-    for _ in range(nparams):
-        key = r.str8("param key")
-        kind = r.u8("param kind")
-        if kind == 0:
-            params[key] = r.i64("param value")
-        elif kind == 1:
-            params[key] = r.str8("param value")
-        else:
-            raise CorruptRecordError(f"record param {key!r} has unknown kind {kind}")
-    nparts = r.u8("nparts")
-    if nparts > MAX_PARTS:
-        raise CorruptRecordError(f"record has {nparts} parts (max {MAX_PARTS})")
-    specs = []
-    total = 0
-    for _ in range(nparts):
-        name = r.str8("part name")
-        pdt = r.dtype(f"part {name!r} dtype")
-        dims = r.dims(f"part {name!r} shape")
-        size = math.prod(dims) * torch.empty((), dtype=pdt).element_size()
-        specs.append((name, pdt, dims, total, size))
-        total += size
-        if total > payload_len:
-            raise CorruptRecordError(f"record parts need more than the {payload_len}-byte payload")
-    if r.pos != header_len:
-        raise CorruptRecordError(f"record header has {header_len - r.pos} unparsed bytes")
-    if total != payload_len:
-        raise CorruptRecordError(f"record parts total {total} bytes, payload is {payload_len}")
+    # Headers repeat for every block of one codec and shape: parse each distinct one once.
+    codec, dtype, shape, params, specs = _parse_header(bytes(mv[_FIXED.size:header_len]), payload_len)
 
     payload = mv[header_len:header_len + payload_len]
     if payload.readonly:
@@ -249,8 +279,7 @@ def unpack_record(buf) -> Encoded:
     parts = {}
     for name, pdt, dims, off, size in specs:
         raw = base[off:off + size]
-        itemsize = torch.empty((), dtype=pdt).element_size()
-        if raw.data_ptr() % itemsize:
+        if raw.data_ptr() % pdt.itemsize:
             raw = raw.clone()  # unaligned for this dtype: copy rather than alias
         parts[name] = raw.view(pdt).reshape(dims)
-    return Encoded(codec, params, tuple(int(d) for d in shape), dtype, parts)
+    return Encoded(codec, dict(params), shape, dtype, parts)
