@@ -41,8 +41,9 @@ from hashlib import sha1
 from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
+import torch
 
-from .base import BytesLike, Tier, TierStats, as_byte_view, check_key
+from .base import BytesLike, Tier, TierStats, as_byte_view, check_key, out_view
 from .errors import TierClosedError
 
 log = logging.getLogger(__name__)
@@ -453,6 +454,29 @@ class RemoteTier(Tier):
             log.warning("RemoteTier %s: %d value(s) failed their frame/CRC check (first: %r); treated as misses",
                         _redact(self.url), len(bad), bad[0])
         return out
+
+    def get_into(self, key: str, out) -> int | None:
+        """Copy the value into ``out``; None when absent. ``out`` is checked before anything is
+        counted, so a refused call (too small, read-only) leaves hits/misses unchanged."""
+        out_view(out, 0)
+        skey = self._skey(key)
+        raw = self._round_trip(lambda: self._r.get(skey), None)
+        got = unframe(key, raw)
+        if got is not None:
+            mv, dev = out_view(out, got.nbytes)
+            if mv is not None:
+                mv[:got.nbytes] = got
+            elif got.nbytes:
+                dev[:got.nbytes].copy_(torch.frombuffer(bytearray(got), dtype=torch.uint8))
+        with self._lock:
+            self._stats.gets += 1
+            if got is None:
+                self._stats.misses += 1
+                self._corrupt += raw is not None
+            else:
+                self._stats.hits += 1
+                self._stats.bytes_out += got.nbytes
+        return None if got is None else got.nbytes
 
     def contains(self, key: str) -> bool:
         skey = self._skey(key)

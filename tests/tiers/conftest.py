@@ -1,10 +1,16 @@
 """Factories for the tier conformance suite: every tier, small enough to fill in a test."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
-from kvtier.tiers import DeviceTier, DiskTier, HostTier
+from kvtier.tiers import DeviceTier, DiskTier, HostTier, RemoteTier
+from tests.conftest import REDIS_SERVER, start_redis_server
+
+_namespaces = itertools.count()
+_SERVER = None  # one real redis-server for the conformance runs of RemoteTier
 
 
 class Spec:
@@ -26,12 +32,31 @@ def _disk(tmp_path):
     return DiskTier(tmp_path / "l3", capacity_bytes=32 << 10, segment_bytes=8 << 10, durability="close")
 
 
+def _remote(tmp_path):
+    if _SERVER is None:
+        pytest.skip("redis-server is not installed")
+    # a namespace per test: the shared server must look empty to each one
+    return RemoteTier(_SERVER.url, key_prefix=f"conf{next(_namespaces)}:", capacity_bytes=16 << 10)
+
+
 SPECS = {
     # max_value: largest value the suite puts; fill_value: size used to fill the tier up
     "device": Spec("device", _device, 128, 100),
     "host": Spec("host", _host, 1024, 900),
     "disk": Spec("disk", _disk, 1024, 900),
+    "remote": Spec("remote", _remote, 1024, 900),
 }
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _redis_for_conformance(tmp_path_factory):
+    global _SERVER
+    if REDIS_SERVER is None:
+        yield
+        return
+    _SERVER = start_redis_server(tmp_path_factory.mktemp("redis"))
+    yield
+    _SERVER.kill()
 
 
 @pytest.fixture(params=sorted(SPECS))
