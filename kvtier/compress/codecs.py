@@ -203,6 +203,11 @@ class IntCodec(Codec):
         """Dequantize on ``device``. ``out``: optional contiguous CPU tensor to write into."""
         shape, q, scale, zero = self._parts(enc)
         dev = _target(enc, device)
+        if out is not None and (not isinstance(out, torch.Tensor) or out.device.type != "cpu"
+                                or tuple(out.shape) != shape or out.dtype != enc.dtype or not out.is_contiguous()):
+            raise ValueError(f"out must be a contiguous CPU tensor of shape {shape} and dtype {enc.dtype}")
+        if out is not None and dev.type != "cpu":
+            raise ValueError(f"out is only supported when decoding to the CPU; got device {dev}")
         if q.device != dev:
             q, scale = q.to(dev), scale.to(dev)
             zero = zero.to(dev) if zero is not None else None
@@ -213,7 +218,8 @@ class IntCodec(Codec):
             return triton_kernels.dequantize(*args)
         if dev.type == "cpu" and _cpu.available():
             return _cpu.dequantize(*args, out=out)
-        return _ref.dequantize_ref(*args)
+        y = _ref.dequantize_ref(*args)
+        return out.copy_(y) if out is not None else y
 
 
 @lru_cache(maxsize=None)

@@ -198,3 +198,13 @@ def test_passthrough_decode_does_not_alias_encoding():
     y = c.decode(enc)
     y.zero_()
     assert torch.equal(c.decode(enc), x)
+
+
+def test_decode_out_is_validated():
+    x = kv(7)
+    c = get_codec("int8", group_size=64, axis="token")
+    enc = c.encode(x)
+    for bad in (torch.empty(3, 64, 63, dtype=x.dtype), torch.empty_like(x, dtype=torch.float32),
+                torch.empty(3, 64, 128, dtype=x.dtype)[..., ::2], "buffer"):
+        with pytest.raises(ValueError, match="out"):
+            c.decode(enc, out=bad)
