@@ -25,7 +25,7 @@ import math
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -40,6 +40,12 @@ from .swap import SwapOutWorker
 from .table import BlockEntry, BlockTable
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+# prefetch predictors, and how a predictor that keeps guessing wrong is throttled
+_PF_SOURCES = ("temporal", "next_layer", "dense_next_layer", "dense_next_step")
+_PF_WINDOW = 128          # outcomes (used / wasted) remembered per predictor
+_PF_MIN_PRECISION = 0.25  # below this a predictor only probes ...
+_PF_PROBE = 8             # ... one block in this many
 
 
 class KVStore:
@@ -149,6 +155,11 @@ class KVStore:
             if cfg.prefetch else None
         self._pf: OrderedDict[str, Future] = OrderedDict()
         self._pf_lock = threading.Lock()  # guards _pf only; never held while waiting
+        # Wrong prefetches cost decode work and bandwidth: each predictor (source) is throttled
+        # to one probe in _PF_PROBE while its precision over its last outcomes is below the floor.
+        self._pf_outcomes = {src: deque(maxlen=_PF_WINDOW) for src in _PF_SOURCES}
+        self._pf_skipped = dict.fromkeys(_PF_SOURCES, 0)
+        self._pf_stats = {src: {"issued": 0, "used": 0, "wasted": 0, "throttled": 0} for src in _PF_SOURCES}
         self._closed = False
 
         # counters (plain ints; read together in stats())
@@ -396,14 +407,14 @@ class KVStore:
             for (seq, layer), sel in list(self._last_sel.items()):
                 tables = self._tables.get(seq)
                 if tables is not None:
-                    self._prefetch(tables[layer], sel)
+                    self._prefetch(tables[layer], sel, "temporal")
             # dense: the next step starts again at layer 0
             dense = list(self._dense_seqs)
             self._dense_seqs.clear()
             for seq in dense:
                 tables = self._tables.get(seq)
                 if tables is not None:
-                    self._prefetch(tables[0], range(len(tables[0].entries)))
+                    self._prefetch(tables[0], range(len(tables[0].entries)), "dense_next_step")
 
     def flush(self) -> None:
         """Wait until every queued swap-out completed (tests, checkpoints)."""
@@ -574,6 +585,7 @@ class KVStore:
             try:
                 data = fut.result()
                 self._count(pf_used=1)
+                self._pf_outcome(fut, True)
                 return data
             except Exception:  # a failed prefetch is retried synchronously, and counted
                 self._count(pf_wasted=1, pf_errors=1)
@@ -603,13 +615,29 @@ class KVStore:
 
     # -- prefetch ------------------------------------------------------------------------------
 
+    def _pf_outcome(self, fut: Future, used: bool) -> None:
+        src = fut.kvtier_source
+        with self._lock:
+            self._pf_outcomes[src].append(used)
+            self._pf_stats[src]["used" if used else "wasted"] += 1
+
+    def _pf_allowed(self, src: str) -> bool:
+        """Whether predictor ``src`` may issue now (caller holds _pf_lock)."""
+        out = self._pf_outcomes[src]
+        if len(out) < _PF_WINDOW // 2 or sum(out) >= _PF_MIN_PRECISION * len(out):
+            return True
+        self._pf_skipped[src] += 1
+        return self._pf_skipped[src] % _PF_PROBE == 0  # keep measuring it
+
     def _discard_prefetch(self, fut: Future) -> None:
         """An unused prefetch: cancel it, or wait for it so no load of a dropped block is in flight."""
         self._count(pf_wasted=1)
+        self._pf_outcome(fut, False)
         if not fut.cancel() and fut.exception() is not None:
             self._count(pf_errors=1)
 
-    def _prefetch(self, t: BlockTable, blocks) -> None:
+    def _prefetch(self, t: BlockTable, blocks, src: str) -> None:
+        """Decode the non-resident ``blocks`` of ``t`` in the background (predictor ``src``)."""
         ents = t.entries
         n = len(ents) - 1
         dropped = []
@@ -620,10 +648,16 @@ class KVStore:
                 e = ents[b]
                 if e.slot is not None or e.key in self._pf:
                     continue
+                if not self._pf_allowed(src):
+                    self._pf_stats[src]["throttled"] += 1
+                    continue
                 while len(self._pf) >= self.cfg.prefetch_blocks:
                     dropped.append(self._pf.popitem(last=False)[1])
-                self._pf[e.key] = self._pf_pool.submit(self._load, e)
+                fut = self._pf_pool.submit(self._load, e)
+                fut.kvtier_source = src
+                self._pf[e.key] = fut
                 self.c["pf_issued"] += 1
+                self._pf_stats[src]["issued"] += 1
         for old in dropped:
             self._discard_prefetch(old)
 
@@ -674,7 +708,7 @@ class KVStore:
         if self._pf_pool is not None:
             # streaming: the next layer's missing blocks decode while this layer computes
             if layer + 1 < self.num_layers:
-                self._prefetch(self._tables[seq][layer + 1], range(n))
+                self._prefetch(self._tables[seq][layer + 1], range(n), "dense_next_layer")
             self._dense_seqs.add(seq)
         self._touched[id(t)] = t
         kv = full.view(2, kvh, n * bt, hd)[:, :, : t.length]  # [2, kv_heads, T, head_dim]
@@ -712,7 +746,7 @@ class KVStore:
         self._last_sel[(seq, layer)] = sel
         if self._pf_pool is not None and layer + 1 < self.num_layers:
             # next-layer prediction: adjacent layers attend to similar blocks
-            self._prefetch(self._tables[seq][layer + 1], sel)
+            self._prefetch(self._tables[seq][layer + 1], sel, "next_layer")
         return sel
 
     def _scores(self, t: BlockTable, query: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
@@ -866,6 +900,8 @@ class KVStore:
                 "issued": c["pf_issued"], "used": c["pf_used"], "wasted": c["pf_wasted"],
                 "precision": ratio(c["pf_used"], pf_done),
                 "coverage": ratio(c["pf_used"], c["misses_l1"]),
+                "by_source": {src: dict(v, precision=ratio(v["used"], v["used"] + v["wasted"]))
+                              for src, v in self._pf_stats.items()},
             },
             "compression": {
                 "host_codec": self.cfg.host_codec, "disk_codec": self.cfg.disk_codec,

@@ -288,3 +288,30 @@ def test_nothing_lost_on_cuda(tmp_path, rng):
         rk, rv = ref.kv(s, layer)
         assert torch.equal(K.cpu(), rk) and torch.equal(V.cpu(), rv)
     st.close()
+
+
+def test_wrong_prefetches_are_throttled(tmp_path):
+    """A predictor whose prefetches go unused is cut down to probes; used ones are not."""
+    st = make_store(tmp_path, num_layers=1, hot_tokens=8, host_bytes=1 << 20, prefetch_blocks=4,
+                    attention="sparse", budget_tokens=8, sink_tokens=0, window_tokens=0)
+    s = st.add_sequence()
+    st.append(s, 0, torch.randn(2, 400, 8).half(), torch.randn(2, 400, 8).half())
+    st.end_step()
+    st.flush()
+    t = st._tables[s][0]
+    cold = [e.idx for e in t.entries[:-1] if e.slot is None]
+    assert len(cold) > 90
+    for b in cold:  # every prefetch is pushed out unused by the next ones
+        st._prefetch(t, [b], "next_layer")
+    by = st.stats()["prefetch"]["by_source"]["next_layer"]
+    assert by["throttled"] > 0 and by["precision"] == 0.0
+    assert by["issued"] < len(cold) - by["throttled"] // 2
+    # a predictor that is right keeps issuing
+    for b in cold[:40]:
+        st._prefetch(t, [b], "temporal")
+        K, _, pos = st.gather_blocks(s, 0, [b])
+        assert pos[0].item() == b * 4
+    by = st.stats()["prefetch"]["by_source"]["temporal"]
+    assert by["throttled"] == 0 and by["used"] == 40
+    json.dumps(st.stats())
+    st.close()
