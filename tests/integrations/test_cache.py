@@ -6,6 +6,7 @@ KiB) so that most blocks live in L2 and L3 while the tests stay fast.
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -235,6 +236,7 @@ def test_batch_methods_and_crop(model_bf16, tokenizer, tmp_path):
         assert cache.seqs[0] != cache.seqs[1]
         cache.batch_select_indices(torch.tensor([1]))
         assert len(cache.seqs) == 1 and cache.stats()["sequences"] == 1
+        assert json.loads(json.dumps(cache.stats()))["integration"]["copied_sequences"] == 1
         cache.crop(0)
         with pytest.raises(NotImplementedError, match="crop"):
             cache.crop(-1)
