@@ -283,7 +283,7 @@ static int tok_quant_fast(const void *x, int dt, int64_t rows, int64_t D, int bi
     #pragma omp parallel if (rows * D > 32768) reduction(|:bad)
     {
         float *xf = malloc(sizeof(float) * CHUNK_ROWS * D), *c = malloc(sizeof(float) * CHUNK_ROWS * D);
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 4)
         for (int64_t ch = 0; ch < nch; ch++) {
             int64_t r0 = ch * CHUNK_ROWS, nr = (r0 + CHUNK_ROWS < rows ? CHUNK_ROWS : rows - r0);
             load_row(dt, x, r0 * D, xf, nr * D);
@@ -309,7 +309,7 @@ static void tok_dequant_fast(const void *q, const void *scale, const void *zero,
     {
         float *c = malloc(sizeof(float) * CHUNK_ROWS * D), *o = malloc(sizeof(float) * CHUNK_ROWS * D);
         float *sv = malloc(sizeof(float) * CHUNK_ROWS * ng), *zv = malloc(sizeof(float) * CHUNK_ROWS * ng);
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 4)
         for (int64_t ch = 0; ch < nch; ch++) {
             int64_t r0 = ch * CHUNK_ROWS, nr = (r0 + CHUNK_ROWS < rows ? CHUNK_ROWS : rows - r0);
             unpack_row((const uint8_t *)q + r0 * P, nr * D, bits, c);
@@ -389,7 +389,7 @@ static int ch_quant(const void *x, int dt, int64_t B, int64_t T, int64_t D, int 
         float *xf = malloc(sizeof(float) * G * D), *c = malloc(sizeof(float) * (G * D + 8));
         float *mn = malloc(sizeof(float) * D), *mx = malloc(sizeof(float) * D);
         float *sv = malloc(sizeof(float) * D), *zv = malloc(sizeof(float) * D);
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 4)
         for (int64_t u = 0; u < units; u++) {
             int64_t b = u / ng, g = u % ng, t0 = g * G, n = (t0 + G < T ? G : T - t0);
             int64_t row0 = b * T + t0, so = (b * ng + g) * D;
@@ -416,7 +416,7 @@ static void ch_dequant(const void *q, const void *scale, const void *zero, int d
     {
         float *c = malloc(sizeof(float) * (G * D + 8)), *o = malloc(sizeof(float) * G * D);
         float *sv = malloc(sizeof(float) * D), *zv = malloc(sizeof(float) * D);
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 4)
         for (int64_t u = 0; u < units; u++) {
             int64_t b = u / ng, g = u % ng, t0 = g * G, n = (t0 + G < T ? G : T - t0);
             int64_t row0 = b * T + t0, so = (b * ng + g) * D;
@@ -443,7 +443,7 @@ static int tok_quant_rows(const void *x, int dt, int64_t rows, int64_t D, int bi
     #pragma omp parallel if (rows * D > 32768) reduction(|:bad)
     {
         float *xf = malloc(sizeof(float) * D), *c = malloc(sizeof(float) * (D + 8));
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 4)
         for (int64_t r = 0; r < rows; r++) {
             load_row(dt, x, r * D, xf, D);
             for (int64_t g = 0; g < ng; g++) {
@@ -479,7 +479,7 @@ static void tok_dequant_rows(const void *q, const void *scale, const void *zero,
     {
         float *c = malloc(sizeof(float) * (D + 8)), *o = malloc(sizeof(float) * D);
         float *sv = malloc(sizeof(float) * ng), *zv = malloc(sizeof(float) * ng);
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 4)
         for (int64_t r = 0; r < rows; r++) {
             unpack_row((const uint8_t *)q + r * P, D, bits, c);
             load_row(dt, scale, r * ng, sv, ng);
@@ -559,7 +559,7 @@ static void tok_dequant_avx(const void *q, const void *scale, const void *zero, 
     {
         uint8_t *c = malloc(CHUNK_ROWS * D + 64);
         float *sv = malloc(sizeof(float) * CHUNK_ROWS * ng), *zv = malloc(sizeof(float) * CHUNK_ROWS * ng);
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 4)
         for (int64_t ch = 0; ch < nch; ch++) {
             int64_t r0 = ch * CHUNK_ROWS, nr = (r0 + CHUNK_ROWS < rows ? CHUNK_ROWS : rows - r0);
             unpack_codes_u8((const uint8_t *)q + r0 * P, nr * D, bits, c);
@@ -582,7 +582,7 @@ static void ch_dequant_avx(const void *q, const void *scale, const void *zero, i
     {
         uint8_t *c = malloc(G * D + 64);
         float *sv = malloc(sizeof(float) * D), *zv = malloc(sizeof(float) * D);
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(dynamic, 4)
         for (int64_t u = 0; u < units; u++) {
             int64_t b = u / ng, g = u % ng, t0 = g * G, n = (t0 + G < T ? G : T - t0);
             int64_t row0 = b * T + t0, so = (b * ng + g) * D;
