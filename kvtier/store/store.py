@@ -14,9 +14,11 @@
 ```
 
 Locks: ``_tier_lock`` serialises tier I/O (L2/L3) and is always taken *before* ``_lock``, which
-guards block tables, entries and L1 slot allocation. The decode path never holds ``_lock`` while
-waiting for anything. Only caller threads allocate L1 slots; the worker only frees them, after
-the copy below is complete, so a slot read by ``gather*`` is never overwritten underneath it.
+guards block tables, entries and L1 slot allocation; ``_pf_lock`` guards the prefetch buffer
+only. The decode path never holds a lock while waiting for anything. Only caller threads
+allocate L1 slots; the worker frees a slot only after the copy below is complete, and not at all
+when a reader marked the block meanwhile (``cancel``: it stays resident, now clean), so a slot
+being read is never reused underneath its reader.
 """
 from __future__ import annotations
 
