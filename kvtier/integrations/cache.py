@@ -157,6 +157,7 @@ class TieredCache(Cache):
         self._observe = self._sparse and config.policy in _OBSERVING_POLICIES
         self._budget = self.store.budget_tokens
         self._pending: tuple[int, str] | None = None
+        self._observed: list[tuple[int, int, list[int], torch.Tensor]] = []
         self._counters = dict(forwards=0, decode_steps=0, sparse_steps=0, dense_steps=0,
                               attended_tokens=0, context_tokens=0, selected_blocks=0, copied_sequences=0)
         if model is not None and self._sparse:
@@ -220,6 +221,10 @@ class TieredCache(Cache):
             self._counters["context_tokens"] += self.layers[0].length
         self._counters["attended_tokens"] += attended
         if l == self.num_layers - 1:
+            if self._observed:
+                for seq, layer, sel, mass in self._observed:
+                    self.store.observe(seq, layer, sel, mass)
+                self._observed.clear()
             self.store.end_step()
 
     # -- called by kvtier's attention function --------------------------------------------------
@@ -293,7 +298,9 @@ class TieredCache(Cache):
             for row, seq in enumerate(self.seqs):
                 nb = len(sels[row]) + 1
                 mrow = torch.nn.functional.pad(mass[row, : lens[row]], (0, nb * bt - lens[row]))
-                store.observe(seq, l, sels[row], mrow.view(nb, bt).sum(1))  # per block, open one last
+                # per block, the open one last; handed to the store at the end of the step, so
+                # reading it back (a device sync on CUDA) happens once per step, not per layer
+                self._observed.append((seq, l, sels[row], mrow.view(nb, bt).sum(1)))
         c = self._counters
         if l == 0:
             c["sparse_steps"] += 1
@@ -359,6 +366,7 @@ class TieredCache(Cache):
             self.store.drop_sequence(seq)
         self.seqs = []
         self._pending = None
+        self._observed.clear()
         for layer in self.layers:
             layer.reset()
 
