@@ -13,9 +13,9 @@ sits at column ``j * PER + k``, so each kernel loads the ``PER`` strided column 
     columns   0 1 | 2 3 | 4 5 ...      (int4, PER = 2)
     byte j    0   | 1   | 2   ...      byte = code[2j] | code[2j+1] << 4
 
-Dequantize computes ``q * scale + zero`` in fp32; on GPU the compiler may contract that into an
-FMA, so decoded values can differ from the reference by one fp32 rounding before the final cast
-(codes, scales and zeros never differ).
+Dequantize computes ``q * scale + zero`` in fp32 as a separate multiply and add, like the
+reference: kernels are launched with ``enable_fp_fusion=False`` so the compiler does not contract
+them into an FMA, which makes decoded values bit-identical too.
 
 This module imports triton at import time; :mod:`kvtier.compress.codecs` imports it lazily,
 only for CUDA tensors.
@@ -220,6 +220,8 @@ def _dequant_ch(q_ptr, s_ptr, z_ptr, o_ptr, T, D, P, NGT,
 
 
 _BLOCK_R = 32
+# No FMA contraction: dequantize's multiply and add round separately, as in the reference.
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str):
@@ -238,11 +240,13 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str):
     if axis == "token":
         ng = math.ceil(d / group_size)
         grid = (triton.cdiv(b * t, _BLOCK_R), ng)
-        _quant_tok[grid](x, q, scale, zarg, b * t, d, p, ng, G=group_size, BITS=bits, BLOCK_R=_BLOCK_R, BF16=bf16)
+        _quant_tok[grid](x, q, scale, zarg, b * t, d, p, ng,
+                         G=group_size, BITS=bits, BLOCK_R=_BLOCK_R, BF16=bf16, **LAUNCH_OPTIONS)
     else:
         ngt = math.ceil(t / group_size)
         bj = triton.next_power_of_2(math.ceil(d * bits / 8) if bits != 8 else d)
-        _quant_ch[(b, ngt)](x, q, scale, zarg, t, d, p, ngt, G=group_size, BITS=bits, BJ=bj, BF16=bf16)
+        _quant_ch[(b, ngt)](x, q, scale, zarg, t, d, p, ngt,
+                            G=group_size, BITS=bits, BJ=bj, BF16=bf16, **LAUNCH_OPTIONS)
     return q, scale, zero
 
 
@@ -259,9 +263,11 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
     if axis == "token":
         ng = math.ceil(d / group_size)
         grid = (triton.cdiv(b * t, _BLOCK_R), ng)
-        _dequant_tok[grid](q, scale, zarg, out, b * t, d, p, ng, G=group_size, BITS=bits, BLOCK_R=_BLOCK_R, BF16=bf16)
+        _dequant_tok[grid](q, scale, zarg, out, b * t, d, p, ng,
+                           G=group_size, BITS=bits, BLOCK_R=_BLOCK_R, BF16=bf16, **LAUNCH_OPTIONS)
     else:
         ngt = math.ceil(t / group_size)
         bj = triton.next_power_of_2(p)
-        _dequant_ch[(b, ngt)](q, scale, zarg, out, t, d, p, ngt, G=group_size, BITS=bits, BJ=bj, BF16=bf16)
+        _dequant_ch[(b, ngt)](q, scale, zarg, out, t, d, p, ngt,
+                              G=group_size, BITS=bits, BJ=bj, BF16=bf16, **LAUNCH_OPTIONS)
     return out
