@@ -15,23 +15,17 @@ def build_parser() -> argparse.ArgumentParser:
     eval_run.add_arguments(p)
     p.set_defaults(func=eval_run.run)
 
-    try:
-        from kvtier import plan
-    except ImportError:  # the planner lands with the store
-        plan = None
-    if plan is not None:
-        p = sub.add_parser("plan", help="KV size per token/sequence and recommended tier sizes")
-        plan.add_arguments(p)
-        p.set_defaults(func=plan.run)
+    from kvtier import plan
 
-    try:
-        from kvtier.integrations import chat
-    except ImportError:
-        chat = None
-    if chat is not None:
-        p = sub.add_parser("generate", help="chat with the embedded model through a kvtier cache")
-        chat.add_arguments(p)
-        p.set_defaults(func=chat.run)
+    p = sub.add_parser("plan", help="KV size per token/sequence and recommended tier sizes")
+    plan.add_arguments(p)
+    p.set_defaults(func=plan.run)
+
+    from kvtier.integrations import chat
+
+    p = sub.add_parser("generate", help="chat with the embedded model through a kvtier cache")
+    chat.add_arguments(p)
+    p.set_defaults(func=chat.run)
     return parser
 
 
