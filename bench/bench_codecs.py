@@ -41,7 +41,7 @@ def timed(fn, probe: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
-MIN_SECONDS = 0.005  # each timing loops its op at least this long
+MIN_SECONDS = 0.0  # single calls: short windows dodge other processes on a shared machine best
 
 
 def loops_for(fn, probe) -> int:
@@ -141,6 +141,16 @@ def bench_codec(name, k, v, kb, vb, group_size, repeats, n_tokens):
             vc.decode(b)
 
     sp = vs_copy({"quant": quant, "dequant": dequant}, copy, k, repeats)
+    sp1 = None
+    if name == "fp16" or name.startswith("int"):
+        # one thread each side too: on a shared 2-core machine a 2-thread call mostly waits for
+        # its second core, so this ratio is the steadier one
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            sp1 = vs_copy({"quant": quant, "dequant": dequant}, copy, k, repeats)
+        finally:
+            torch.set_num_threads(threads)
     # blocked: same bytes as the bulk pair only when all tokens fall in full blocks
     blk_bytes = sum(a.numel() * 2 for a in kb) * 2
     spb = vs_copy({"quant_blocks": quant_blocks, "dequant_blocks": dequant_blocks}, copy, k, max(1, repeats // 2))
@@ -154,6 +164,9 @@ def bench_codec(name, k, v, kb, vb, group_size, repeats, n_tokens):
     res = {
         "codec": name,
         "quant_ratio": sp["quant"]["ratio"], "dequant_ratio": sp["dequant"]["ratio"],
+        "quant_ratio_1t": sp1["quant"]["ratio"] if sp1 else None,
+        "dequant_ratio_1t": sp1["dequant"]["ratio"] if sp1 else None,
+        "copy_GBps_1t": nbytes / sp1["copy_seconds"] / 1e9 if sp1 else None,
         "quant_GBps": nbytes / sp["quant"]["seconds"] / 1e9, "dequant_GBps": nbytes / sp["dequant"]["seconds"] / 1e9,
         "copy_GBps": nbytes / sp["copy_seconds"] / 1e9,
         "quant_blocks_ratio": spb["quant_blocks"]["ratio"] * scale_b,
@@ -293,14 +306,16 @@ def main(argv=None) -> int:
     for bits in (4, 2):
         side.append(bench_hqq(k1, v1, bits, args.group_size, max(1, min(3, args.repeats))))
 
-    print(f"# copy_ reference: {rows[0]['copy_GBps']:.2f} GB/s (fp16 K+V); ratios are t_copy/t_op, "
-          f"best of {args.repeats} interleaved repeats each")
-    hdr = ("codec", "quant/copy", "deq/copy", "q/copy blk", "dq/copy blk", "K rel", "K max", "V rel", "V max",
+    print(f"# copy_ reference: {rows[0]['copy_GBps']:.2f} GB/s with {torch.get_num_threads()} threads, "
+          f"{rows[0]['copy_GBps_1t']:.2f} GB/s with 1 (fp16 K+V); ratios are t_copy/t_op at the same thread "
+          f"count, best of {args.repeats} interleaved repeats each; blk = one call per 64-token block")
+    hdr = ("codec", "quant/copy", "deq/copy", "q/copy 1t", "dq/copy 1t", "q/copy blk", "dq/copy blk", "K rel", "K max", "V rel", "V max",
            "B/tok/layer", "rec B/tok/layer", "lz4", "lz4 GB/s", "zstd", "zstd GB/s", "raw%")
     print(" | ".join(hdr))
     for r in rows:
         print(" | ".join([
             r["codec"], fmt(r["quant_ratio"], ".2f"), fmt(r["dequant_ratio"], ".2f"),
+            fmt(r["quant_ratio_1t"], ".2f"), fmt(r["dequant_ratio_1t"], ".2f"),
             fmt(r["quant_blocks_ratio"], ".2f"), fmt(r["dequant_blocks_ratio"], ".2f"),
             fmt(r["k_rel_err"], ".4f"), fmt(r["k_max_err"], ".3f"), fmt(r["v_rel_err"], ".4f"),
             fmt(r["v_max_err"], ".3f"), fmt(r["payload_bytes_per_token"], ".0f"),
@@ -309,7 +324,7 @@ def main(argv=None) -> int:
             fmt(100 * r["stage_raw_fraction"], ".0f")]))
     print("# side by side (same tensors; HQQ on the first layer only, its own copy_ reference)")
     for r in side:
-        print(" | ".join([r["codec"], fmt(r["quant_ratio"], ".3f"), fmt(r["dequant_ratio"], ".3f"), "-", "-",
+        print(" | ".join([r["codec"], fmt(r["quant_ratio"], ".3f"), fmt(r["dequant_ratio"], ".3f"), "-", "-", "-", "-",
                           fmt(r["k_rel_err"], ".4f"), fmt(r["k_max_err"], ".3f"), fmt(r["v_rel_err"], ".4f"),
                           fmt(r["v_max_err"], ".3f"), fmt(r.get("payload_bytes_per_token"), ".0f")]))
 
@@ -319,6 +334,10 @@ def main(argv=None) -> int:
         ("int8 dequantize >= 0.6x copy_", by["int8"]["dequant_ratio"], TARGETS["dequant_ratio"], ">="),
         ("int4 quantize >= 0.35x copy_", by["int4"]["quant_ratio"], TARGETS["quant_ratio"], ">="),
         ("int4 dequantize >= 0.6x copy_", by["int4"]["dequant_ratio"], TARGETS["dequant_ratio"], ">="),
+        ("int8 quantize >= 0.35x copy_ (1 thread)", by["int8"]["quant_ratio_1t"], TARGETS["quant_ratio"], ">="),
+        ("int8 dequantize >= 0.6x copy_ (1 thread)", by["int8"]["dequant_ratio_1t"], TARGETS["dequant_ratio"], ">="),
+        ("int4 quantize >= 0.35x copy_ (1 thread)", by["int4"]["quant_ratio_1t"], TARGETS["quant_ratio"], ">="),
+        ("int4 dequantize >= 0.6x copy_ (1 thread)", by["int4"]["dequant_ratio_1t"], TARGETS["dequant_ratio"], ">="),
         ("int8 K rel err <= 0.01", by["int8"]["k_rel_err"], TARGETS["int8_err"], "<="),
         ("int8 V rel err <= 0.01", by["int8"]["v_rel_err"], TARGETS["int8_err"], "<="),
         ("int4 K (per-channel) rel err <= 0.05", by["int4"]["k_rel_err"], TARGETS["int4_k_err"], "<="),

@@ -131,12 +131,12 @@ static void unpack_row(const uint8_t *restrict p, int64_t d, int bits, float *re
 
 static inline int64_t pdim(int64_t d, int bits) { return bits == 8 ? d : (d * bits + 7) / 8; }
 
-/* Codes for one span with one (scale, zero): c = clamp(rint((x - z) / s), lo, hi). */
+/* Codes for one span with one (scale, zero): c = clamp(rint((x - z) * inv), lo, hi), inv = 1 / s. */
 /* Returns nonzero when a code is NaN: non-finite input always produces one (inf/inf, inf-inf). */
-static inline int codes_span(const float *restrict x, float *restrict c, int64_t n, float s, float z, float lo, float hi) {
+static inline int codes_span(const float *restrict x, float *restrict c, int64_t n, float inv, float z, float lo, float hi) {
     int bad = 0;
     for (int64_t i = 0; i < n; i++) {
-        float v = rintf((x[i] - z) / s); bad |= (v != v); v = v < lo ? lo : v; v = v > hi ? hi : v; c[i] = v == v ? v : 0.0f;
+        float v = rintf((x[i] - z) * inv); bad |= (v != v); v = v < lo ? lo : v; v = v > hi ? hi : v; c[i] = v == v ? v : 0.0f;
     }
     return bad;
 }
@@ -146,9 +146,9 @@ static inline int codes_span(const float *restrict x, float *restrict c, int64_t
 
 /* ---- token axis, D % G == 0 and whole bytes per row: chunks of rows, G a compile-time constant ---- */
 #if KVT_AVX512
-/* 16 codes as bytes: clamp(rint((x - z) / s)), int8 two's complement for the symmetric case. */
-static inline __m128i codes16(const float *x, __m512 s, __m512 z, __m512 lo, __m512 hi) {
-    __m512 v = _mm512_div_ps(_mm512_sub_ps(_mm512_loadu_ps(x), z), s);
+/* 16 codes as bytes: clamp(rint((x - z) * inv)), int8 two's complement for the symmetric case. */
+static inline __m128i codes16(const float *x, __m512 inv, __m512 z, __m512 lo, __m512 hi) {
+    __m512 v = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x), z), inv);
     v = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     v = _mm512_min_ps(_mm512_max_ps(v, lo), hi);
     return _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v));
@@ -181,13 +181,6 @@ static void pack_codes_u8(const uint8_t *restrict c, int64_t d, int bits, uint8_
     }
 }
 #endif
-
-/* Codes without the NaN check (the caller checked its input already). */
-AI void codes_span_nocheck(const float *restrict x, float *restrict c, int64_t n, float s, float z, float lo, float hi) {
-    for (int64_t i = 0; i < n; i++) {
-        float v = rintf((x[i] - z) / s); v = v < lo ? lo : v; v = v > hi ? hi : v; c[i] = v == v ? v : 0.0f;
-    }
-}
 
 AI int tok_quant_chunk(int dt, int bits, const float *restrict xf, float *restrict c, int64_t ngroups, const int64_t G,
                         void *scale, void *zero, int64_t s0) {
@@ -253,14 +246,14 @@ AI int tok_quant_chunk(int dt, int bits, const float *restrict xf, float *restri
         st1(dt, scale, s0 + k, s);
 #if KVT_AVX512
         {
-            const __m512 vs = _mm512_set1_ps(s), vz = _mm512_set1_ps(z);
+            const __m512 vs = _mm512_set1_ps(1.0f / s), vz = _mm512_set1_ps(z);
             const __m512 vlo = _mm512_set1_ps(lo), vhi = _mm512_set1_ps(top);
             uint8_t *cb = (uint8_t *)c + k * G;  /* byte codes: the caller packs with pack_codes_u8 */
             for (int64_t j = 0; j < G; j += 16) _mm_storeu_si128((__m128i *)(cb + j), codes16(xs + j, vs, vz, vlo, vhi));
         }
         (void)cs;
 #else
-        bad |= codes_span(xs, cs, G, s, z, lo, top);
+        bad |= codes_span(xs, cs, G, 1.0f / s, z, lo, top);
 #endif
     }
     return bad;
@@ -345,7 +338,7 @@ AI int ch_quant_unit(int dt, int bits, const float *restrict xf, float *restrict
     for (int64_t d = 0; d < D; d++) {
         float s = sym ? rdt(dt, mx[d] / top) : rdt(dt, (mx[d] - mn[d]) / top);
         if (s == 0.0f) s = 1.0f;
-        sv[d] = s; st1(dt, scale, so + d, s);
+        sv[d] = 1.0f / s; st1(dt, scale, so + d, s);  /* sv holds inv = 1 / scale from here on */
         if (!sym) { float z = rdt(dt, mn[d]); zv[d] = z; st1(dt, zero, so + d, z); } else zv[d] = 0.0f;
     }
 #if KVT_AVX512
@@ -363,7 +356,7 @@ AI int ch_quant_unit(int dt, int bits, const float *restrict xf, float *restrict
         const float *xr = xf + t * D;
         float *cr = c + t * D;
         for (int64_t d = 0; d < D; d++) {
-            float v = rintf((xr[d] - zv[d]) / sv[d]);
+            float v = rintf((xr[d] - zv[d]) * sv[d]);
             v = v < lo ? lo : v; v = v > top ? top : v; cr[d] = v == v ? v : 0.0f;
         }
     }
@@ -463,7 +456,7 @@ static int tok_quant_rows(const void *x, int dt, int64_t rows, int64_t D, int bi
                 }
                 if (s == 0.0f) s = 1.0f;
                 st1(dt, scale, r * ng + g, s);
-                bad |= codes_span(xs, c + a, n, s, z, lo, top);
+                bad |= codes_span(xs, c + a, n, 1.0f / s, z, lo, top);
             }
             pack_row(c, D, bits, (uint8_t *)q + r * P);
         }

@@ -16,14 +16,16 @@ remainder and its statistics are taken over those elements only (the defined "pa
 
 Arithmetic, in fp32 throughout, identical in every implementation:
 
-- symmetric (int8):   scale = S(absmax / qmax);  q = clamp(rint(x / scale), -qmax, qmax)
-                      x' = q * scale
-- asymmetric (int4, int2): scale = S((max - min) / qmax); zero = S(min)
-                      q = clamp(rint((x - zero) / scale), 0, qmax);  x' = q * scale + zero
+- symmetric (int8):   scale = S(absmax / qmax);  inv = 1 / scale
+                      q = clamp(rint(x * inv), -qmax, qmax);  x' = q * scale
+- asymmetric (int4, int2): scale = S((max - min) / qmax); zero = S(min);  inv = 1 / scale
+                      q = clamp(rint((x - zero) * inv), 0, qmax);  x' = q * scale + zero
 
 ``S`` rounds to the storage dtype of scales and zeros, which is the input dtype (fp16, bf16 or
 fp32), and a scale that is zero after rounding becomes 1 (a constant group: all codes 0, exact).
-``rint`` is round-half-to-even. Division is IEEE division, never a reciprocal multiply.
+``rint`` is round-half-to-even. ``inv`` is an IEEE division, once per group; the per-element
+step is a multiply (cheaper than a division on every CPU and GPU), and the dequantize multiply
+and add are rounded separately (never an FMA).
 
 Codes: int8 is stored as ``int8`` ``[..., T, D]``; int4 and int2 are packed little-end-first
 along the last dim into ``uint8`` ``[..., T, ceil(D * bits / 8)]``
@@ -96,11 +98,11 @@ def quantize_ref(x: torch.Tensor, bits: int, group_size: int, axis: str):
         scale = ((mx - mn) / top).to(sdtype)
         zero = mn.to(sdtype)
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    sf = scale.float().unsqueeze(-1)  # [B, R, ng, 1]
+    inv = torch.ones_like(scale, dtype=torch.float32).div_(scale.float()).unsqueeze(-1)  # [B, R, ng, 1]
     if zero is None:
-        q = torch.round(g / sf).clamp_(-top, top)
+        q = torch.round(g * inv).clamp_(-top, top)
     else:
-        q = torch.round((g - zero.float().unsqueeze(-1)) / sf).clamp_(0, top)
+        q = torch.round((g - zero.float().unsqueeze(-1)) * inv).clamp_(0, top)
     q = q.reshape(q.shape[0], q.shape[1], -1)[..., :n]  # [B, R, n]
     if axis == "channel":
         q = q.transpose(1, 2)  # back to [B, T, D]

@@ -2,8 +2,9 @@
 
 One pass each way: quantize+pack reads the block once per group and writes packed codes, scales
 and zeros; unpack+dequantize reads codes once and writes the output dtype. The arithmetic is the
-reference's (:mod:`kvtier.compress.reference`): IEEE division (``div_rn``), round half to even,
-scales rounded to the storage dtype before use. Tests run these kernels on CPU under
+reference's (:mod:`kvtier.compress.reference`): ``inv = 1 / scale`` by IEEE division (``div_rn``)
+once per group, a multiply per element, round half to even, scales rounded to the storage dtype
+before use. Tests run these kernels on CPU under
 ``TRITON_INTERPRET=1`` and require bit-identical codes, scales and zeros.
 
 Packing ``PER = 8 // BITS`` codes per byte is done without reshapes: code ``k`` of byte ``j``
@@ -90,13 +91,14 @@ def _quant_tok(x_ptr, q_ptr, s_ptr, z_ptr, R, D, P, NG,
         tl.store(z_ptr + rows.to(tl.int64) * NG + g, zero.to(sdt), mask=rmask)
     scale = tl.where(scale == 0.0, 1.0, scale)
     tl.store(s_ptr + rows.to(tl.int64) * NG + g, scale.to(sdt), mask=rmask)
+    inv = tl.math.div_rn(tl.full([BLOCK_R], 1.0, dtype=tl.float32), scale)
 
     acc = tl.zeros([BLOCK_R, GB], dtype=tl.int32)
     for k in tl.static_range(PER):
         cols = g * G + j * PER + k
         m = rmask[:, None] & (cols < D)[None, :]
         xk = tl.load(x_ptr + rbase[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        y = _rint(tl.math.div_rn(xk - zero[:, None], scale[:, None]))
+        y = _rint((xk - zero[:, None]) * inv[:, None])
         if SYM:
             y = tl.minimum(tl.maximum(y, -TOP), TOP)
         else:
@@ -146,7 +148,8 @@ def _quant_ch(x_ptr, q_ptr, s_ptr, z_ptr, T, D, P, NGT,
             tl.store(z_ptr + sbase + cols, zero.to(sdt), mask=cmask)
         scale = tl.where(scale == 0.0, 1.0, scale)
         tl.store(s_ptr + sbase + cols, scale.to(sdt), mask=cmask)
-        y = _rint(tl.math.div_rn(xk - zero[None, :], scale[None, :]))
+        inv = tl.math.div_rn(tl.full([BJ], 1.0, dtype=tl.float32), scale)
+        y = _rint((xk - zero[None, :]) * inv[None, :])
         if SYM:
             y = tl.minimum(tl.maximum(y, -TOP), TOP)
         else:
