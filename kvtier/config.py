@@ -129,14 +129,23 @@ class KVTierConfig:
     """Bound on decoded blocks held in the prefetch buffer."""
 
     durability: Durability = "never"
-    """L3 durability: ``never`` (left to the OS; block keys are process-local, so a cache needs no
-    more), ``close`` (fdatasync on sync/close), ``batch`` (fdatasync after every spilled batch)."""
+    """L3 durability: ``never`` (left to the OS: a clean ``close`` leaves the records readable by
+    the next process, a machine crash may lose recent ones), ``close`` (fdatasync on sync/close), ``batch`` (fdatasync after every spilled batch)."""
 
     lz4_min_saving: float = 0.05
     """lz4 on the way to L3 is kept only when it saves at least this fraction of the record."""
 
     dtype: Optional[DType] = None
     """KV dtype; ``None`` means the model's."""
+
+    remote_url: Optional[str] = None
+    """L4: ``redis://host:port/db`` (or ``rediss://``, ``unix:///path.sock?db=N``) of a Redis/Valkey
+    server shared by many processes. Content-addressed blocks (sequences whose token ids the store
+    was given) are published there asynchronously and L1/L2/L3 misses fall back to it; a dead
+    server is a miss, never an error. ``None``: no L4."""
+
+    remote_key_prefix: str = "kvtier:"
+    """Namespace of this store's keys on the L4 server."""
 
     def __post_init__(self) -> None:
         _positive_int("block_tokens", self.block_tokens)
@@ -177,6 +186,16 @@ class KVTierConfig:
         _choice("durability", self.durability, get_args(Durability))
         if self.dtype is not None:
             _choice("dtype", self.dtype, get_args(DType))
+        if self.remote_url is not None:
+            from kvtier.tiers.remote import check_url  # imports no client: the URL is parsed only
+            try:
+                check_url(self.remote_url)
+            except ValueError as e:
+                raise ValueError(f"remote_url must be a Redis URL or None; {e}") from None
+        if not isinstance(self.remote_key_prefix, str) or "\x00" in self.remote_key_prefix \
+                or len(self.remote_key_prefix.encode()) > 128:
+            raise ValueError(f"remote_key_prefix must be a str of at most 128 UTF-8 bytes without NUL; "
+                             f"got {self.remote_key_prefix!r:.80}")
         _positive_int("snapkv_observe_steps", self.snapkv_observe_steps)
         _positive_int("evict_batch_blocks", self.evict_batch_blocks)
         _positive_int("prefetch_blocks", self.prefetch_blocks)

@@ -23,13 +23,16 @@ being read is never reused underneath its reader.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import os
+import re
 import threading
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from kvtier.config import KVTierConfig
@@ -37,9 +40,16 @@ from kvtier.config import KVTierConfig
 from .blockrecord import pack_block, unpack_block
 from .keys import block_key
 from .policy import make_policy
+from .prefix import _token_bytes, chained_block_hashes, model_fingerprint_key
 from .stats import Latency, ratio
 from .swap import SwapOutWorker
-from .table import BlockEntry, BlockTable
+from .table import BlockCopies, BlockEntry, BlockTable
+
+log = logging.getLogger(__name__)
+
+#: Tier keys of content-addressed blocks (``kvtier.store.prefix``): ``m<32 hex>/<layer>/<32 hex>``.
+#: Only these survive a restart; process-local keys (``seq/layer/block``) are wiped on open.
+CONTENT_KEY = re.compile(r"m[0-9a-f]{32}/[0-9]+/[0-9a-f]{32}")
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -122,9 +132,22 @@ class KVStore:
 
         # L3 first: an unwritable disk_path fails before anything is allocated.
         self.l3 = None
-        self._lz4 = None
         if cfg.disk_path is not None:
-            self.l3, self._lz4 = self._open_disk(cfg)
+            self.l3 = self._open_disk(cfg)
+        from kvtier.compress.bytestage import Lz4Stage
+        self._lz4 = Lz4Stage(cfg.lz4_min_saving)
+        self.l4 = None
+        if cfg.remote_url is not None:
+            from kvtier.tiers import RemoteTier
+            self.l4 = RemoteTier(cfg.remote_url, key_prefix=cfg.remote_key_prefix)
+        # content-addressed keys: the chain seed names the model, both codecs and their parameters,
+        # the dtype and block_tokens, so blocks of another model or encoding never match
+        self.content_fp = model_fingerprint_key(
+            fingerprint, f"{cfg.host_codec}|{cfg.disk_codec}", bt,
+            codec_params={"group_size": cfg.group_size, "key_axis": cfg.key_axis,
+                          "value_axis": cfg.value_axis},
+            dtype=dtype, extra={"kv_heads": kv_heads, "head_dim": head_dim, "num_layers": num_layers},
+        ) if fingerprint else None
 
         # a selection fits in the budget, so one read needs at most hot_blocks - 1 scratch slots;
         # one read per live sequence may be in flight at a time (callers on several threads)
@@ -144,7 +167,10 @@ class KVStore:
         self._lock = threading.Lock()
         self._tier_lock = threading.Lock()
         self._tables: dict[int, list[BlockTable]] = {}
-        self._by_key: dict[str, BlockEntry] = {}
+        self._by_key: dict[str, BlockEntry] = {}      # process-local key -> entry
+        self._recs: dict[str, BlockCopies] = {}       # tier key -> copies below L1 (refcounted)
+        self._tok: dict[int, _SeqTokens] = {}          # token ids noted per sequence
+        self._known_l4: set[str] = set()              # keys just read from L4 (no need to publish)
         self._last_sel: dict[tuple[int, int], list[int]] = {}
         self._dense_seqs: set[int] = set()
         self._touched: dict[int, BlockTable] = {}
@@ -153,6 +179,11 @@ class KVStore:
         self._last_end_step: float | None = None
         self._side = torch.cuda.Stream(device=self.device) if self._cuda else None
         self._worker = SwapOutWorker(self._swap_out_batch, cfg.evict_batch_blocks)
+        # write-through of content-addressed blocks to L3 (reuse after restart) and L4 (sharing
+        # across processes), batched and off the decode path
+        self._publisher = SwapOutWorker(self._publish_batch, max(cfg.evict_batch_blocks, 64),
+                                        name="kvtier-publish") \
+            if (self.l3 is not None or self.l4 is not None) and self.content_fp else None
         self._pf_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-prefetch") \
             if cfg.prefetch else None
         self._pf: OrderedDict[str, Future] = OrderedDict()
@@ -171,7 +202,12 @@ class KVStore:
                       evict_failed=0, sync_evictions=0, scratch_uses=0,
                       pf_issued=0, pf_errors=0, pf_used=0, pf_wasted=0,
                       raw_l2=0, enc_l2=0, raw_l3=0, enc_l3=0, lz4_in=0, lz4_out=0,
-                      bytes_l2=0, bytes_l3=0, copies_l2=0, copies_l3=0)
+                      bytes_l2=0, bytes_l3=0, copies_l2=0, copies_l3=0,
+                      hits_l4=0, misses_l4=0, swap_in_l4_bytes=0,
+                      pub_l3_blocks=0, pub_l3_bytes=0, pub_l3_failed=0,
+                      pub_l4_blocks=0, pub_l4_bytes=0, pub_l4_failed=0, orphans_deleted=0,
+                      prefix_lookups=0, prefix_lookup_tokens=0, prefix_hit_tokens=0,
+                      prefill_tokens_saved=0, dedup_seals=0, adopted_l3=0)
         # blocks per home tier, kept up to date under _lock so that stats() costs O(tables)
         self._home = {"l1": 0, "l2": 0, "l3": 0}
         self._lat_in = Latency()
@@ -182,7 +218,6 @@ class KVStore:
 
     @staticmethod
     def _open_disk(cfg: KVTierConfig):
-        from kvtier.compress.bytestage import Lz4Stage
         from kvtier.tiers import DiskTier
 
         path = cfg.disk_path
@@ -197,12 +232,13 @@ class KVStore:
                           durability=cfg.durability)
         except PermissionError as e:
             raise ValueError(f"disk_path must be a writable directory; {path!r}: {e}") from e
-        # Block keys name (sequence, layer, block) of *this* process; records left by an earlier
-        # store under the same path cannot be addressed again and would only take capacity.
-        stale = list(l3.keys())
+        # Process-local keys name (sequence, layer, block) of an earlier store: they cannot be
+        # addressed again and would only take capacity. Content-addressed records are kept: a
+        # later store of the same model and codecs finds them by key (reuse after restart).
+        stale = [k for k in l3.keys() if not CONTENT_KEY.fullmatch(k)]
         if stale:
             l3.delete_many(stale)
-        return l3, Lz4Stage(cfg.lz4_min_saving)
+        return l3
 
     # -- sequences --------------------------------------------------------------------------
 
@@ -233,13 +269,22 @@ class KVStore:
     def sequences(self) -> list[int]:
         return sorted(self._tables)
 
-    def drop_sequence(self, seq: int) -> None:
-        """Forget a sequence: its L1 slots, L2 and L3 records and prefetched blocks."""
+    def drop_sequence(self, seq: int, keep_prefix: bool = False) -> None:
+        """Forget a sequence: its L1 slots, prefetched blocks, and each block's copies below L1
+        once no other sequence holds that block (reference count 0).
+
+        Args:
+            keep_prefix: keep the L3 copies of its content-addressed blocks (and never delete L4
+                ones) when their last reference goes, so that a later sequence or process finds
+                them with :meth:`match_prefix`; L3 reclaims such unreferenced records when full.
+        """
         self._check_open()
         tables = self._tables.get(seq)
         if tables is None:
             raise ValueError(f"seq must be a live sequence id {sorted(self._tables)}; got {seq!r}")
         self._worker.drain()  # no swap-out of this sequence may be in flight
+        if self._publisher is not None:
+            self._publisher.drain()  # nor a write-through of one of its blocks
         prefix = f"{seq}/"
         with self._pf_lock:
             mine = [self._pf.pop(k) for k in list(self._pf) if k.startswith(prefix)]
@@ -253,25 +298,250 @@ class KVStore:
                     if e.slot is not None:
                         self.l1.delete(e.key)
                         e.slot = None
-                    if e.l2:
-                        drop2.append(e.key)
-                    if e.l3:
-                        drop3.append(e.key)
+                    rec = e.rec
+                    rec.entries.remove(e)
+                    if not rec.entries:  # last reference: the copies below L1 go too
+                        if self._recs.get(rec.key) is rec:
+                            del self._recs[rec.key]
+                        if rec.l2:
+                            drop2.append(rec.key)
+                        if rec.l3 and not (keep_prefix and rec.content):
+                            drop3.append(rec.key)
                     self._by_key.pop(e.key, None)
                 self._touched.pop(id(t), None)
                 self._last_sel.pop((seq, t.layer), None)
             del self._tables[seq]
+            self._tok.pop(seq, None)
             self._dense_seqs.discard(seq)
         with self._tier_lock:
             self.l2.delete_many(drop2)
             if self.l3 is not None:
                 self.l3.delete_many(drop3)
             with self._lock:
-                live = self._by_key.values()
-                self.c["copies_l2"] = sum(1 for e in live if e.l2)
-                self.c["copies_l3"] = sum(1 for e in live if e.l3)
-                self.c["bytes_l2"] = sum(e.l2_bytes for e in live if e.l2)
-                self.c["bytes_l3"] = sum(e.l3_bytes for e in live if e.l3)
+                self._recount()
+
+    def _recount(self) -> None:
+        """Copies and bytes below L1 from the live records (lock held)."""
+        live = self._recs.values()
+        self.c["copies_l2"] = sum(1 for r in live if r.l2)
+        self.c["copies_l3"] = sum(1 for r in live if r.l3)
+        self.c["bytes_l2"] = sum(r.l2_bytes for r in live if r.l2)
+        self.c["bytes_l3"] = sum(r.l3_bytes for r in live if r.l3)
+
+    # -- token ids and content-addressed keys ---------------------------------------------------
+
+    def note_tokens(self, seq: int, token_ids) -> None:
+        """Token ids of tokens appended (or about to be appended) to ``seq``, in order.
+
+        Every full block whose ids are known when it is sealed gets a content-addressed key
+        (``kvtier.store.prefix``): identical prefixes of the same model and codecs share one copy
+        per tier (reference counted), persist in L3 across processes and are published to L4.
+        Call it before (or right after) the ``append`` of those tokens; blocks already sealed
+        and copied below L1 without ids keep their process-local keys.
+
+        Args:
+            token_ids: 1-D ints (list, array or tensor), the next tokens of ``seq``.
+        """
+        self._check_open()
+        if seq not in self._tables:
+            raise ValueError(f"seq must be a live sequence id {sorted(self._tables)}; got {seq!r}")
+        if self.content_fp is None:
+            raise ValueError("fingerprint must be a non-empty model fingerprint to use token ids "
+                             "(KVStore(..., fingerprint=...)): keys are only shared within one model")
+        ids = _token_bytes(token_ids)
+        st = self._tok.setdefault(seq, _SeqTokens())
+        before = len(st.hashes)
+        st.add(ids, self.block_tokens, self.content_fp)
+        if len(st.hashes) > before:
+            # blocks sealed before their ids arrived (ids noted after the append)
+            for t in self._tables[seq]:
+                for e in t.entries[before:min(len(st.hashes), t.n_sealed)]:
+                    self._assign_content(t, e)
+
+    def tokens_noted(self, seq: int) -> int:
+        """How many token ids of ``seq`` the store was given."""
+        st = self._tok.get(seq)
+        return st.count if st is not None else 0
+
+    def _content_key(self, layer: int, block_hash: str) -> str:
+        return f"{self.content_fp}/{layer}/{block_hash}"
+
+    def _assign_content(self, t: BlockTable, e: BlockEntry) -> None:
+        """Give sealed entry ``e`` its content-addressed copies if its token ids are known:
+        join the existing record (dedup, refcount + 1) or create one, adopting an L3 copy left
+        by an earlier process; a new record is queued for write-through to L3/L4."""
+        st = self._tok.get(t.seq)
+        if st is None or e.idx >= len(st.hashes):
+            return
+        key = self._content_key(t.layer, st.hashes[e.idx])
+        with self._lock:
+            old = e.rec
+            if old.content or old.l2 or old.l3 or e.pending or e.slot is None:
+                return
+            rec = self._recs.get(key)
+        adopt = None
+        if rec is None and self.l3 is not None:
+            with self._tier_lock:
+                if self.l3.contains(key):
+                    adopt = self._l3_size(key)
+        with self._lock:
+            rec = self._recs.get(key)
+            new = rec is None
+            if new:
+                rec = self._recs[key] = BlockCopies(key, content=True)
+                rec.l4 = key in self._known_l4
+                if adopt is not None:
+                    rec.l3 = True
+                    rec.l3_bytes = adopt
+                    self.c["copies_l3"] += 1
+                    self.c["bytes_l3"] += adopt
+                    self.c["adopted_l3"] += 1
+            else:
+                self.c["dedup_seals"] += 1
+            self._known_l4.discard(key)
+            old.entries.remove(e)
+            if not old.entries and self._recs.get(old.key) is old:
+                del self._recs[old.key]
+            e.rec = rec
+            rec.entries.append(e)
+            publish = self._publisher is not None and \
+                ((self.l3 is not None and not rec.l3) or (self.l4 is not None and not rec.l4))
+            data = self.l1.pool[e.slot].clone() if (new and publish) else None  # [2, kv_heads, bt, hd]
+        if data is not None:
+            self._publisher.submit([(rec, data)])
+
+    def _l3_size(self, key: str) -> int | None:
+        """Bytes of the L3 value under ``key`` (tier lock held); None when absent or corrupt."""
+        size = getattr(self.l3, "value_size", None)
+        if size is not None:
+            return size(key)
+        buf = self.l3.get(key)
+        return None if buf is None else len(buf)
+
+    def _prefix_keys(self, token_ids) -> tuple[np.ndarray, list[str]]:
+        ids = _token_bytes(token_ids)
+        if self.content_fp is None:
+            return ids, []
+        return ids, chained_block_hashes(ids, self.block_tokens, self.content_fp)
+
+    def match_prefix(self, token_ids) -> int:
+        """Leading tokens of ``token_ids`` available in some tier (L1 of any sequence, L2, L3 or
+        L4) for every layer, in whole blocks. 0 without a fingerprint."""
+        self._check_open()
+        ids, hashes = self._prefix_keys(token_ids)
+        n = 0
+        for h in hashes:
+            keys = [self._content_key(layer, h) for layer in range(self.num_layers)]
+            if not all(self._available(k) for k in keys):
+                break
+            n += 1
+        with self._lock:
+            self.c["prefix_lookups"] += 1
+            self.c["prefix_lookup_tokens"] += int(ids.size)
+            self.c["prefix_hit_tokens"] += n * self.block_tokens
+        return n * self.block_tokens
+
+    def _available(self, key: str) -> bool:
+        with self._lock:
+            rec = self._recs.get(key)
+            if rec is not None and (rec.entries or rec.l2 or rec.l3 or rec.l4):
+                return True  # an entry always has a copy somewhere (its home)
+        if self.l3 is not None:
+            with self._tier_lock:
+                if self.l3.contains(key):
+                    return True
+        return self.l4 is not None and self.l4.contains(key)
+
+    def attach_prefix(self, seq: int, token_ids) -> int:
+        """Link the longest available prefix of ``token_ids`` into the empty sequence ``seq``.
+
+        Each whole block found (every layer, in any tier) is read and appended to ``seq`` as if
+        it had been computed; sealed, it joins the existing record (refcount + 1, stored once
+        below L1). Its token ids are noted; the caller notes and appends only the rest.
+
+        Returns:
+            The number of tokens attached (a multiple of ``block_tokens``; 0 if none).
+        """
+        self._check_open()
+        tables = self._tables.get(seq)
+        if tables is None:
+            raise ValueError(f"seq must be a live sequence id {sorted(self._tables)}; got {seq!r}")
+        if any(t.length for t in tables) or self.tokens_noted(seq):
+            raise ValueError(f"seq must be an empty sequence to attach a prefix; sequence {seq} holds "
+                             f"{tables[0].length} tokens")
+        ids, hashes = self._prefix_keys(token_ids)
+        bt = self.block_tokens
+        n = 0
+        for b, h in enumerate(hashes):
+            data = self._read_blocks([self._content_key(layer, h) for layer in range(self.num_layers)])
+            if data is None:
+                break
+            self.note_tokens(seq, ids[b * bt:(b + 1) * bt])
+            for layer, d in enumerate(data):
+                self.append(seq, layer, d[0], d[1])  # d: [2, kv_heads, block_tokens, head_dim]
+            n += 1
+        with self._lock:
+            self.c["prefix_lookups"] += 1
+            self.c["prefix_lookup_tokens"] += int(ids.size)
+            self.c["prefix_hit_tokens"] += n * bt
+            self.c["prefill_tokens_saved"] += n * bt
+        return n * bt
+
+    def _read_blocks(self, keys: list[str]) -> list[torch.Tensor] | None:
+        """Decoded [2, kv_heads, block_tokens, head_dim] blocks under ``keys`` (one per layer) from
+        the nearest tier holding each, L4 last in one batch; None as soon as one is missing."""
+        out: list[torch.Tensor | None] = []
+        missing = []
+        for i, key in enumerate(keys):
+            d = self._read_local(key)
+            if d is None:
+                if self.l4 is None:
+                    return None
+                missing.append(i)
+            out.append(d)
+        if missing:
+            t0 = time.perf_counter()
+            bufs = self.l4.get_many([keys[i] for i in missing])
+            for i, buf in zip(missing, bufs):
+                d = self._decode_l3(buf)
+                if d is None:
+                    self._count(misses_l4=1)
+                    return None
+                out[i] = d
+                self._count(hits_l4=1, swap_in_l4_bytes=len(buf))
+            with self._lock:
+                self._known_l4.update(keys[i] for i in missing)
+                self._lat_in.add((time.perf_counter() - t0) / len(missing))
+        return out
+
+    def _decode_l3(self, buf) -> torch.Tensor | None:
+        """An L3/L4 record (lz4 stage + disk codec) decoded on the device; None if absent/corrupt."""
+        if buf is None:
+            return None
+        try:
+            return self._decode(self._lz4.unpack(buf), "l3", self.device)
+        except ValueError:  # foreign or corrupt bytes are a miss, never wrong data
+            return None
+
+    def _read_local(self, key: str) -> torch.Tensor | None:
+        with self._lock:
+            rec = self._recs.get(key)
+            if rec is not None:
+                for e in rec.entries:
+                    if e.slot is not None:  # slots are freed under this lock: safe to copy
+                        return self.l1.pool[e.slot].clone()
+        if rec is not None:
+            d = self._load_copies(rec, self.device)
+            if d is not None:
+                return d
+        if self.l3 is not None:
+            with self._tier_lock:
+                buf = self.l3.get(key)
+            d = self._decode_l3(buf)
+            if d is not None:
+                self._count(hits_l3=1, swap_in_l3_bytes=len(buf))
+                return d
+        return None
 
     # -- append ------------------------------------------------------------------------------
 
@@ -311,6 +581,8 @@ class KVStore:
     def _seal(self, t: BlockTable, e: BlockEntry) -> None:
         t.set_digest(e.idx, self.l1.pool[e.slot, 0].to(self._digest_dtype))
         e.last_used = self._step
+        if self.content_fp is not None:
+            self._assign_content(t, e)
 
     def _open_block(self, t: BlockTable) -> None:
         idx = len(t.entries)
@@ -319,6 +591,7 @@ class KVStore:
             # appended first so that the block sealed just before is an eviction candidate
             t.entries.append(e)
             self._by_key[e.key] = e
+            self._recs[e.tkey] = e.rec
         self._make_room(t, 1, exclude=frozenset())
         with self._lock:
             e.slot = self._alloc(e.key, self._zero_block)
@@ -419,8 +692,10 @@ class KVStore:
                     self._prefetch(tables[0], range(len(tables[0].entries)), "dense_next_step")
 
     def flush(self) -> None:
-        """Wait until every queued swap-out completed (tests, checkpoints)."""
+        """Wait until every queued swap-out and write-through completed (tests, checkpoints)."""
         self._worker.drain()
+        if self._publisher is not None:
+            self._publisher.drain()
 
     # -- swap-out (worker thread) ------------------------------------------------------------
 
@@ -439,16 +714,23 @@ class KVStore:
             recs = [None if enc is None else pack_block(*enc) for enc in encs]
             with self._tier_lock:
                 for (t, e), rec in zip(batch, recs):
-                    ok = rec is not None and self.l2.put(e.key, rec)
+                    with self._lock:
+                        # another entry of the same content was copied below meanwhile
+                        # (shared block, or its write-through to L3): nothing to write
+                        clean = e.clean
+                    ok = rec is not None and (clean or self.l2.put(e.tkey, rec))
                     with self._lock:
                         if rec is not None and ok:
-                            e.l2 = True
-                            e.l2_bytes = len(rec)
-                            self.c["copies_l2"] += 1
-                            self.c["bytes_l2"] += len(rec)
-                            self.c["swap_out_l2_bytes"] += len(rec)
-                            self.c["swap_out_blocks"] += 1
-                            self.c["evicted_dirty"] += 1
+                            if clean:
+                                self.c["evicted_clean"] += 1
+                            else:
+                                e.l2 = True
+                                e.l2_bytes = len(rec)
+                                self.c["copies_l2"] += 1
+                                self.c["bytes_l2"] += len(rec)
+                                self.c["swap_out_l2_bytes"] += len(rec)
+                                self.c["swap_out_blocks"] += 1
+                                self.c["evicted_dirty"] += 1
                             if not e.cancel and e.slot is not None:
                                 self.l1.delete(e.key)
                                 e.slot = None
@@ -507,72 +789,173 @@ class KVStore:
         return torch.stack((k, v)).to(self.dtype)
 
     def _spill(self, items: list) -> None:
-        """HostTier callback, called under ``_tier_lock``: the oldest L2 records go to L3."""
-        out = []
+        """HostTier callback, called under ``_tier_lock``: the oldest L2 records go to L3.
+
+        On success the ring drops every record of the batch. If L3 refuses some (full even after
+        reclaiming unreferenced content records) this raises and the ring keeps them all: the
+        ones that did land are then in both tiers, and the accounting says so.
+        """
+        out, already = [], []
         for key, mv in items:
             with self._lock:
-                e = self._by_key.get(key)
-            if e is None:
+                rec = self._recs.get(key)
+            if rec is None:
                 continue  # dropped meanwhile: nothing to keep
-            rec = bytes(mv)
+            if rec.l3:
+                already.append(rec)  # written through (content key) or landed in a failed batch
+                continue
+            raw = bytes(mv)
             if self._transcode:
-                rec = self._encode(self._decode(rec, "l2", torch.device("cpu")), "l3")
-            packed = self._lz4.pack(rec)
-            self.c["lz4_in"] += len(rec)
+                raw = self._encode(self._decode(raw, "l2", torch.device("cpu")), "l3")
+            packed = self._lz4.pack(raw)
+            self.c["lz4_in"] += len(raw)
             self.c["lz4_out"] += len(packed)
-            out.append((key, e, packed))
-        if not out:
-            return
-        oks = self.l3.put_many([(k, p) for k, _, p in out])
+            out.append((key, rec, packed))
+        oks = self._l3_put([(k, p) for k, _, p in out]) if out else []
         with self._lock:
-            for (key, e, packed), ok in zip(out, oks):
+            for (key, rec, packed), ok in zip(out, oks):
                 if ok:
-                    if e.slot is None and e.l2:
-                        self._home["l2"] -= 1
-                        self._home["l3"] += 1
-                    e.l3 = True
-                    e.l3_bytes = len(packed)
-                    e.l2 = False
+                    rec.l3 = True
+                    rec.l3_bytes = len(packed)
                     self.c["copies_l3"] += 1
-                    self.c["copies_l2"] -= 1
                     self.c["bytes_l3"] += len(packed)
-                    self.c["bytes_l2"] -= e.l2_bytes
                     self.c["swap_out_l3_bytes"] += len(packed)
-                    e.l2_bytes = 0
+            if all(oks):
+                for rec in [r for _, r, _ in out] + already:
+                    self._leave_l2(rec)
         if not all(oks):
             raise RuntimeError(f"L3 refused {oks.count(False)} of {len(oks)} spilled blocks (disk_bytes full)")
+
+    def _leave_l2(self, rec: BlockCopies) -> None:
+        """The ring dropped ``rec``'s L2 copy after a spill; L3 is now the home of its
+        non-resident entries (lock held)."""
+        if not rec.l2:
+            return
+        for e in rec.entries:
+            if e.slot is None:
+                self._home["l2"] -= 1
+                self._home["l3"] += 1
+        rec.l2 = False
+        self.c["copies_l2"] -= 1
+        self.c["bytes_l2"] -= rec.l2_bytes
+        rec.l2_bytes = 0
+
+    def _l3_put(self, items: list) -> list[bool]:
+        """``l3.put_many``; when L3 is full, unreferenced content records (left by drops with
+        ``keep_prefix`` or by earlier processes) are reclaimed and the refused puts retried once
+        (tier lock held)."""
+        oks = self.l3.put_many(items)
+        if not all(oks) and self._reclaim_orphans():
+            redo = [i for i, ok in enumerate(oks) if not ok]
+            for i, ok in zip(redo, self.l3.put_many([items[i] for i in redo])):
+                oks[i] = ok
+        return oks
+
+    def _reclaim_orphans(self) -> int:
+        """Delete L3 content records no live block references (tier lock held)."""
+        with self._lock:
+            orphans = [k for k in self.l3.keys() if k not in self._recs and CONTENT_KEY.fullmatch(k)]
+        if orphans:
+            self.l3.delete_many(orphans)
+            self._count(orphans_deleted=len(orphans))
+        return len(orphans)
+
+    # -- write-through of content-addressed blocks (publisher thread) -------------------------
+
+    def _publish_batch(self, batch: list) -> None:
+        """Encode new content-addressed blocks in the disk format (lz4 stage) and put them to
+        L3 (reuse after restart) and L4 (sharing across processes) in one batch each."""
+        todo = []
+        for rec, data in batch:
+            with self._lock:
+                live = self._recs.get(rec.key) is rec
+                need = (self.l3 is not None and not rec.l3) or (self.l4 is not None and not rec.l4)
+            if not (live and need):
+                continue
+            raw = self._encode(data.to("cpu"), "l3")  # data: [2, kv_heads, block_tokens, head_dim]
+            packed = self._lz4.pack(raw)
+            self._count(lz4_in=len(raw), lz4_out=len(packed))
+            todo.append((rec, packed))
+        if not todo:
+            return
+        if self.l3 is not None:
+            with self._tier_lock:
+                with self._lock:  # a spill may have put some meanwhile
+                    put3 = [(r, p) for r, p in todo if not r.l3 and self._recs.get(r.key) is r]
+                oks = self._l3_put([(r.key, p) for r, p in put3]) if put3 else []
+                stale = []
+                with self._lock:
+                    for (rec, p), ok in zip(put3, oks):
+                        if not ok:
+                            self.c["pub_l3_failed"] += 1
+                        elif self._recs.get(rec.key) is not rec:
+                            stale.append(rec.key)  # dropped while being written
+                        else:
+                            rec.l3 = True
+                            rec.l3_bytes = len(p)
+                            self.c["copies_l3"] += 1
+                            self.c["bytes_l3"] += len(p)
+                            self.c["pub_l3_blocks"] += 1
+                            self.c["pub_l3_bytes"] += len(p)
+                if stale:
+                    self.l3.delete_many(stale)
+        if self.l4 is not None:
+            put4 = [(r, p) for r, p in todo if not r.l4]
+            oks = self.l4.put_many([(r.key, p) for r, p in put4])  # a dead server: all False
+            with self._lock:
+                for (rec, p), ok in zip(put4, oks):
+                    if ok:
+                        rec.l4 = True
+                        self.c["pub_l4_blocks"] += 1
+                        self.c["pub_l4_bytes"] += len(p)
+                    else:
+                        self.c["pub_l4_failed"] += 1
 
     # -- swap-in ------------------------------------------------------------------------------
 
     def _load(self, e: BlockEntry, device: torch.device | None = None) -> torch.Tensor:
-        """Read a non-resident block from L2 or L3 and decode it on the device."""
+        """Read a non-resident block from L2, L3 or L4 and decode it on the device."""
         device = self.device if device is None else device
         t0 = time.perf_counter()
-        for _ in range(8):
-            with self._lock:
-                l2, l3 = e.l2, e.l3
-            if l2:
-                with self._tier_lock:
-                    buf = self.l2.get(e.key)
-                if buf is not None:
-                    out = self._decode(buf, "l2", device)
-                    self._count(hits_l2=1, swap_in_l2_bytes=len(buf))
-                    break
-                self._count(misses_l2=1)
-            if l3:
-                with self._tier_lock:
-                    buf = self.l3.get(e.key)
-                if buf is not None:
-                    out = self._decode(self._lz4.unpack(buf), "l3", device)
-                    self._count(hits_l3=1, swap_in_l3_bytes=len(buf))
-                    break
-                self._count(misses_l3=1)
+        for _ in range(8):  # a spill may move the copy between reading the flags and the get
+            out = self._load_copies(e.rec, device)
+            if out is not None:
+                break
         else:
-            raise AssertionError(f"block {e.key} has no readable copy in any tier ({e})")
+            raise AssertionError(f"block {e.key} has no readable copy in any tier ({e}, {e.rec})")
         with self._lock:
             self.c["swap_in_blocks"] += 1
             self._lat_in.add(time.perf_counter() - t0)
         return out
+
+    def _load_copies(self, rec: BlockCopies, device: torch.device) -> torch.Tensor | None:
+        """One pass over ``rec``'s copies, nearest first; None when none could be read."""
+        with self._lock:
+            l2, l3, l4, key = rec.l2, rec.l3, rec.l4, rec.key
+        if l2:
+            with self._tier_lock:
+                buf = self.l2.get(key)
+            if buf is not None:
+                out = self._decode(buf, "l2", device)
+                self._count(hits_l2=1, swap_in_l2_bytes=len(buf))
+                return out
+            self._count(misses_l2=1)
+        if l3:
+            with self._tier_lock:
+                buf = self.l3.get(key)
+            if buf is not None:
+                out = self._decode(self._lz4.unpack(buf), "l3", device)
+                self._count(hits_l3=1, swap_in_l3_bytes=len(buf))
+                return out
+            self._count(misses_l3=1)
+        if l4:
+            buf = self.l4.get(key)
+            out = self._decode_l3(buf)
+            if out is not None:
+                self._count(hits_l4=1, swap_in_l4_bytes=len(buf))
+                return out
+            self._count(misses_l4=1)
+        return None
 
     def _count(self, **deltas: int) -> None:
         """Counter updates from more than one thread (caller and prefetch) go through the lock."""
@@ -915,6 +1298,32 @@ class KVStore:
             "config": {"order": self.cfg.order, "policy": self.cfg.policy, "attention": self.cfg.attention,
                        "block_tokens": bt, "hot_blocks": self.hot_blocks, "budget_tokens": self.budget_tokens},
             "fingerprint": self.fingerprint,
+            "prefix": self._prefix_stats(c),
+            "remote": self._remote_stats(c),
+        }
+
+    def _prefix_stats(self, c: dict) -> dict:
+        with self._lock:
+            refs = [len(r.entries) for r in self._recs.values() if r.content]
+        shared = [n for n in refs if n > 1]
+        return {
+            "lookups": c["prefix_lookups"], "lookup_tokens": c["prefix_lookup_tokens"],
+            "hit_tokens": c["prefix_hit_tokens"], "prefill_tokens_saved": c["prefill_tokens_saved"],
+            "content_blocks": len(refs), "shared_blocks": len(shared), "shared_refs": sum(shared),
+            "max_refs": max(refs, default=0), "dedup_seals": c["dedup_seals"],
+            "adopted_l3": c["adopted_l3"], "orphans_deleted": c["orphans_deleted"],
+            "published_l3": {"blocks": c["pub_l3_blocks"], "bytes": c["pub_l3_bytes"],
+                             "failed": c["pub_l3_failed"]},
+        }
+
+    def _remote_stats(self, c: dict) -> dict | None:
+        if self.l4 is None:
+            return None
+        return {
+            "hits": c["hits_l4"], "misses": c["misses_l4"], "swap_in_bytes": c["swap_in_l4_bytes"],
+            "published_blocks": c["pub_l4_blocks"], "published_bytes": c["pub_l4_bytes"],
+            "publish_failed": c["pub_l4_failed"],
+            "tier": self.l4.stats(),  # puts, gets, bytes, errors, latency p50/p99 ms, connected
         }
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -929,7 +1338,11 @@ class KVStore:
         self._closed = True
         try:
             self._worker.close()
+            if self._publisher is not None:
+                self._publisher.close()
         finally:
+            if self.l4 is not None:
+                self.l4.close()
             if self._pf_pool is not None:
                 for fut in self._pf.values():
                     fut.cancel()
@@ -959,3 +1372,23 @@ def _to_pinned(enc):
         dst.copy_(t, non_blocking=True)
         parts[name] = dst
     return Encoded(enc.codec, dict(enc.params), tuple(enc.shape), enc.dtype, parts)
+
+
+class _SeqTokens:
+    """Token ids noted for one sequence: the chained hash of every full block, and the tail."""
+
+    __slots__ = ("hashes", "tail", "count")
+
+    def __init__(self) -> None:
+        self.hashes: list[str] = []
+        self.tail = np.empty(0, dtype="<i8")
+        self.count = 0
+
+    def add(self, ids: np.ndarray, block_tokens: int, fp: str) -> None:
+        tail = np.concatenate((self.tail, ids)) if self.tail.size else ids
+        n_full = tail.size // block_tokens
+        if n_full:
+            self.hashes += chained_block_hashes(tail[:n_full * block_tokens], block_tokens, fp,
+                                                parent=self.hashes[-1] if self.hashes else None)
+        self.tail = tail[n_full * block_tokens:].copy()
+        self.count += int(ids.size)

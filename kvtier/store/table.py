@@ -10,31 +10,87 @@ blocks never change; that is why a copy below L1 stays valid after a swap-in ("c
 a clean block leaves L1 by just freeing its slot.
 
 Every sealed block has one *home*: L1 if it has a slot, else L2 if it has a copy there, else L3.
-``slot``/``l2``/``l3`` are the copies; all fields are guarded by the store's lock.
+``slot`` is the entry's own L1 copy; the copies below L1 (``l2``/``l3``/``l4``) belong to its
+:class:`BlockCopies`, which every entry holding the same content shares:
+
+```
+ seq 0, layer 3: [e0][e1][e2][open]      e0.rec ─┐  BlockCopies("m…/3/h0", refs=2, l2, l3, l4)
+ seq 1, layer 3: [e0][e1][open]          e0.rec ─┘
+```
+Blocks of sequences without token ids get a private ``BlockCopies`` keyed by their process-local
+key (refs 1). The L1 budget stays per sequence: a shared block may be resident in the L1 of each
+sequence that attends it, but is stored once in each tier below. All fields are guarded by the
+store's lock.
 """
 from __future__ import annotations
 
 import torch
 
 
+class BlockCopies:
+    """The copies below L1 of one block's content, under its tier key.
+
+    ``entries`` are the block entries (of any sequences) holding this content: the reference
+    count is ``len(entries)``, and the copies are deleted from the tiers when it drops to 0.
+    ``content`` is True for content-addressed keys (shared across sequences and processes).
+    """
+
+    __slots__ = ("key", "content", "l2", "l3", "l4", "l2_bytes", "l3_bytes", "entries")
+
+    def __init__(self, key: str, content: bool = False) -> None:
+        self.key = key
+        self.content = content
+        self.l2 = False                # a valid copy in L2 (host codec record)
+        self.l3 = False                # a valid copy in L3 (disk codec record, lz4 stage)
+        self.l4 = False                # published to the remote tier (same bytes as L3)
+        self.l2_bytes = 0
+        self.l3_bytes = 0
+        self.entries: list[BlockEntry] = []
+
+    @property
+    def refs(self) -> int:
+        return len(self.entries)
+
+    def __repr__(self) -> str:
+        return f"BlockCopies({self.key}, refs={self.refs}, l2={self.l2}, l3={self.l3}, l4={self.l4})"
+
+
+def _delegate(name: str) -> property:
+    def get(self):
+        return getattr(self.rec, name)
+
+    def set(self, value):
+        setattr(self.rec, name, value)
+
+    return property(get, set, doc=f"``rec.{name}`` (shared by every entry holding this content)")
+
+
 class BlockEntry:
-    __slots__ = ("idx", "key", "slot", "pending", "cancel", "l2", "l3", "l2_bytes", "l3_bytes",
+    __slots__ = ("idx", "key", "rec", "slot", "pending", "cancel",
                  "last_used", "mass", "importance", "fence")
 
     def __init__(self, idx: int, key: str) -> None:
         self.idx = idx
-        self.key = key
+        self.key = key                 # process-local key: L1 slot, prefetch buffer
+        self.rec = BlockCopies(key)    # copies below L1; replaced by a shared one when sealed
+        self.rec.entries.append(self)
         self.slot: int | None = None   # L1 slot in the device pool
         self.pending = False           # queued for / being swapped out; slot still valid
         self.cancel = False            # re-used while pending: keep the slot after the copy
-        self.l2 = False                # a valid copy in L2
-        self.l3 = False                # a valid copy in L3
-        self.l2_bytes = 0
-        self.l3_bytes = 0
         self.last_used = 0             # store step of the last append/gather touching it (lru)
         self.mass = 0.0                # accumulated attention mass (h2o)
         self.importance = 0.0          # mass observed at the end of prefill (snapkv)
         self.fence = None              # CUDA event after the last write into the slot
+
+    l2 = _delegate("l2")
+    l3 = _delegate("l3")
+    l2_bytes = _delegate("l2_bytes")
+    l3_bytes = _delegate("l3_bytes")
+
+    @property
+    def tkey(self) -> str:
+        """Key of this block's content in L2/L3/L4."""
+        return self.rec.key
 
     @property
     def home(self) -> str:

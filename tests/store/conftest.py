@@ -45,10 +45,11 @@ def check_invariants(store: KVStore) -> None:
                 if e.slot is not None:
                     l1_keys.add(e.key)
                     assert store.l1.slot_of(e.key) == e.slot
+                assert e in e.rec.entries and store._recs.get(e.tkey) is e.rec
                 if e.l2:
-                    l2_keys.add(e.key)
+                    l2_keys.add(e.tkey)
                 if e.l3:
-                    l3_keys.add(e.key)
+                    l3_keys.add(e.tkey)
     assert set(store.l1.keys()) == l1_keys
     homes = {"l1": 0, "l2": 0, "l3": 0}
     for seq in store.sequences():
