@@ -318,6 +318,57 @@ static void tok_dequant_fast(const void *q, const void *scale, const void *zero,
     }
 }
 
+#if KVT_AVX512
+/* Round 16 fp32 lanes to the storage dtype and back (as rdt). */
+static inline __m512 rdt16(int dt, __m512 v) {
+    if (dt == 1) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    if (dt == 2) {
+        __m512i u = _mm512_castps_si512(v);
+        u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(u, 16), 16));
+    }
+    return v;
+}
+
+/* Store 16 fp32 lanes (already representable in dt) to a dt array. */
+static inline void st16(int dt, void *p, int64_t off, __m512 v) {
+    if (dt == 0) _mm512_storeu_ps((float *)p + off, v);
+    else if (dt == 1)
+        _mm256_storeu_si256((__m256i *)((f16 *)p + off), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    else _mm256_storeu_si256((__m256i *)((uint16_t *)p + off), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+
+/* Channel axis, D % 16 == 0: 16 channels at a time over the unit's n rows, min/max held in
+   registers, then their scales, zeros and byte codes; the caller packs with pack_codes_u8. */
+static int ch_quant_unit_avx(int dt, int bits, const float *restrict xf, uint8_t *restrict cb, int64_t n, int64_t D,
+                             void *scale, void *zero, int64_t so) {
+    const int sym = bits == 8;
+    const float top = sym ? 127.0f : (float)((1 << bits) - 1);
+    const __m512 vtop = _mm512_set1_ps(top), vlo = _mm512_set1_ps(sym ? -top : 0.0f), one = _mm512_set1_ps(1.0f);
+    __mmask16 nb = 0;
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512 vn = _mm512_loadu_ps(xf + d0), vx = vn;
+        if (sym) vx = _mm512_abs_ps(vx);
+        nb |= _mm512_cmp_ps_mask(_mm512_sub_ps(vn, vn), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+        for (int64_t t = 1; t < n; t++) {
+            __m512 v = _mm512_loadu_ps(xf + t * D + d0);
+            nb |= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+            if (sym) vx = _mm512_max_ps(vx, _mm512_abs_ps(v));
+            else { vn = _mm512_min_ps(vn, v); vx = _mm512_max_ps(vx, v); }
+        }
+        __m512 s, z;
+        if (sym) { s = rdt16(dt, _mm512_div_ps(vx, vtop)); z = _mm512_setzero_ps(); }
+        else { s = rdt16(dt, _mm512_div_ps(_mm512_sub_ps(vx, vn), vtop)); z = rdt16(dt, vn); st16(dt, zero, so + d0, z); }
+        s = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_EQ_OQ), s, one);
+        st16(dt, scale, so + d0, s);
+        const __m512 inv = _mm512_div_ps(one, s);
+        for (int64_t t = 0; t < n; t++)
+            _mm_storeu_si128((__m128i *)(cb + t * D + d0), codes16(xf + t * D + d0, inv, z, vlo, vtop));
+    }
+    return nb != 0;
+}
+#endif
+
 /* ---- channel axis: one unit = one group of tokens of one batch row, D a compile-time constant when 64/128 ---- */
 AI int ch_quant_unit(int dt, int bits, const float *restrict xf, float *restrict c, int64_t n, const int64_t D,
                       float *restrict mn, float *restrict mx, float *restrict sv, float *restrict zv,
@@ -387,6 +438,13 @@ static int ch_quant(const void *x, int dt, int64_t B, int64_t T, int64_t D, int 
             int64_t b = u / ng, g = u % ng, t0 = g * G, n = (t0 + G < T ? G : T - t0);
             int64_t row0 = b * T + t0, so = (b * ng + g) * D;
             load_row(dt, x, row0 * D, xf, n * D);
+#if KVT_AVX512
+            if (D % 16 == 0) {
+                bad |= ch_quant_unit_avx(dt, bits, xf, (uint8_t *)c, n, D, scale, zero, so);
+                pack_codes_u8((const uint8_t *)c, n * D, bits, (uint8_t *)q + row0 * P);
+                continue;
+            }
+#endif
             if (D == 64) bad |= ch_quant_unit(dt, bits, xf, c, n, 64, mn, mx, sv, zv, scale, zero, so);
             else if (D == 128) bad |= ch_quant_unit(dt, bits, xf, c, n, 128, mn, mx, sv, zv, scale, zero, so);
             else bad |= ch_quant_unit(dt, bits, xf, c, n, D, mn, mx, sv, zv, scale, zero, so);
