@@ -37,7 +37,7 @@ _SRC = r"""
 
 typedef _Float16 f16;
 #define LANES 16   /* partial min/max accumulators: elementwise, so gcc vectorizes them */
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define KVT_AVX512 1
 #else
 #define KVT_AVX512 0
@@ -270,6 +270,107 @@ AI void tok_dequant_chunk(int bits, const float *restrict c, float *restrict o, 
     }
 }
 
+#if KVT_AVX512
+/* Round 16 fp32 lanes to the storage dtype and back (as rdt). */
+static inline __m512 rdt16(int dt, __m512 v) {
+    if (dt == 1) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    if (dt == 2) {
+        __m512i u = _mm512_castps_si512(v);
+        u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(u, 16), 16));
+    }
+    return v;
+}
+
+/* Store 16 fp32 lanes (already representable in dt) to a dt array. */
+static inline void st16(int dt, void *p, int64_t off, __m512 v) {
+    if (dt == 0) _mm512_storeu_ps((float *)p + off, v);
+    else if (dt == 1)
+        _mm256_storeu_si256((__m256i *)((f16 *)p + off), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    else _mm256_storeu_si256((__m256i *)((uint16_t *)p + off), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+
+/* Store the first lanes (mask) of 16 fp32 lanes to a dt array. */
+static inline void st16m(int dt, void *p, int64_t off, __mmask16 m, __m512 v) {
+    if (dt == 0) _mm512_mask_storeu_ps((float *)p + off, m, v);
+    else if (dt == 1)
+        _mm256_mask_storeu_epi16((f16 *)p + off, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    else _mm256_mask_storeu_epi16((uint16_t *)p + off, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+
+/* Token axis, G a multiple of 16: per-group min/max reduced in registers, then the scales,
+   zeros and 1/scale of 16 groups at once as vectors, then byte codes (the caller packs). */
+AI int tok_quant_chunk_avx(int dt, int bits, const float *restrict xf, uint8_t *restrict cb, int64_t ngroups,
+                           const int64_t G, void *scale, void *zero, int64_t s0) {
+    const int sym = bits == 8;
+    const float top = sym ? 127.0f : (float)((1 << bits) - 1);
+    const __m512 vtop = _mm512_set1_ps(top), vlo = _mm512_set1_ps(sym ? -top : 0.0f), one = _mm512_set1_ps(1.0f);
+    float gmn[16], gmx[16], ginv[16], gz[16];
+    __mmask16 nb = 0;
+    for (int64_t k0 = 0; k0 < ngroups; k0 += 16) {
+        const int m = (int)(ngroups - k0 < 16 ? ngroups - k0 : 16);
+        for (int j = 0; j < m; j++) {
+            const float *xs = xf + (k0 + j) * G;
+            __m512 vn = _mm512_loadu_ps(xs), vx = sym ? _mm512_abs_ps(vn) : vn;
+            nb |= _mm512_cmp_ps_mask(_mm512_sub_ps(vn, vn), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+            for (int64_t i = 16; i < G; i += 16) {
+                __m512 v = _mm512_loadu_ps(xs + i);
+                nb |= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+                if (sym) vx = _mm512_max_ps(vx, _mm512_abs_ps(v));
+                else { vn = _mm512_min_ps(vn, v); vx = _mm512_max_ps(vx, v); }
+            }
+            gmx[j] = _mm512_reduce_max_ps(vx);
+            gmn[j] = sym ? 0.0f : _mm512_reduce_min_ps(vn);
+        }
+        const __mmask16 lanes = (__mmask16)((1u << m) - 1u);
+        __m512 vmn = _mm512_maskz_loadu_ps(lanes, gmn), vmx = _mm512_maskz_loadu_ps(lanes, gmx), s, z;
+        if (sym) { s = rdt16(dt, _mm512_div_ps(vmx, vtop)); z = _mm512_setzero_ps(); }
+        else { s = rdt16(dt, _mm512_div_ps(_mm512_sub_ps(vmx, vmn), vtop)); z = rdt16(dt, vmn); st16m(dt, zero, s0 + k0, lanes, z); }
+        s = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_EQ_OQ), s, one);
+        st16m(dt, scale, s0 + k0, lanes, s);
+        _mm512_storeu_ps(ginv, _mm512_div_ps(one, s));
+        _mm512_storeu_ps(gz, z);
+        for (int j = 0; j < m; j++) {
+            const float *xs = xf + (k0 + j) * G;
+            uint8_t *cs = cb + (k0 + j) * G;
+            const __m512 vi = _mm512_set1_ps(ginv[j]), vz = _mm512_set1_ps(gz[j]);
+            for (int64_t i = 0; i < G; i += 16) _mm_storeu_si128((__m128i *)(cs + i), codes16(xs + i, vi, vz, vlo, vtop));
+        }
+    }
+    return nb != 0;
+}
+
+/* Channel axis, D % 16 == 0: 16 channels at a time over the unit's n rows, min/max held in
+   registers, then their scales, zeros and byte codes; the caller packs with pack_codes_u8. */
+static int ch_quant_unit_avx(int dt, int bits, const float *restrict xf, uint8_t *restrict cb, int64_t n, int64_t D,
+                             void *scale, void *zero, int64_t so) {
+    const int sym = bits == 8;
+    const float top = sym ? 127.0f : (float)((1 << bits) - 1);
+    const __m512 vtop = _mm512_set1_ps(top), vlo = _mm512_set1_ps(sym ? -top : 0.0f), one = _mm512_set1_ps(1.0f);
+    __mmask16 nb = 0;
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+        __m512 vn = _mm512_loadu_ps(xf + d0), vx = vn;
+        if (sym) vx = _mm512_abs_ps(vx);
+        nb |= _mm512_cmp_ps_mask(_mm512_sub_ps(vn, vn), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+        for (int64_t t = 1; t < n; t++) {
+            __m512 v = _mm512_loadu_ps(xf + t * D + d0);
+            nb |= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ);
+            if (sym) vx = _mm512_max_ps(vx, _mm512_abs_ps(v));
+            else { vn = _mm512_min_ps(vn, v); vx = _mm512_max_ps(vx, v); }
+        }
+        __m512 s, z;
+        if (sym) { s = rdt16(dt, _mm512_div_ps(vx, vtop)); z = _mm512_setzero_ps(); }
+        else { s = rdt16(dt, _mm512_div_ps(_mm512_sub_ps(vx, vn), vtop)); z = rdt16(dt, vn); st16(dt, zero, so + d0, z); }
+        s = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_EQ_OQ), s, one);
+        st16(dt, scale, so + d0, s);
+        const __m512 inv = _mm512_div_ps(one, s);
+        for (int64_t t = 0; t < n; t++)
+            _mm_storeu_si128((__m128i *)(cb + t * D + d0), codes16(xf + t * D + d0, inv, z, vlo, vtop));
+    }
+    return nb != 0;
+}
+#endif
+
 static int tok_quant_fast(const void *x, int dt, int64_t rows, int64_t D, int bits, int64_t G, void *q, void *scale, void *zero) {
     const int64_t ng = D / G, P = pdim(D, bits), nch = (rows + CHUNK_ROWS - 1) / CHUNK_ROWS;
     int bad = 0;
@@ -280,6 +381,15 @@ static int tok_quant_fast(const void *x, int dt, int64_t rows, int64_t D, int bi
         for (int64_t ch = 0; ch < nch; ch++) {
             int64_t r0 = ch * CHUNK_ROWS, nr = (r0 + CHUNK_ROWS < rows ? CHUNK_ROWS : rows - r0);
             load_row(dt, x, r0 * D, xf, nr * D);
+#if KVT_AVX512
+            uint8_t *cb = (uint8_t *)c;
+            if (G == 32) bad |= tok_quant_chunk_avx(dt, bits, xf, cb, nr * ng, 32, scale, zero, r0 * ng);
+            else if (G == 64) bad |= tok_quant_chunk_avx(dt, bits, xf, cb, nr * ng, 64, scale, zero, r0 * ng);
+            else if (G == 128) bad |= tok_quant_chunk_avx(dt, bits, xf, cb, nr * ng, 128, scale, zero, r0 * ng);
+            else bad |= tok_quant_chunk_avx(dt, bits, xf, cb, nr * ng, G, scale, zero, r0 * ng);
+            pack_codes_u8(cb, nr * D, bits, (uint8_t *)q + r0 * P);
+            continue;
+#endif
             if (G == 32) bad |= tok_quant_chunk(dt, bits, xf, c, nr * ng, 32, scale, zero, r0 * ng);
             else if (G == 64) bad |= tok_quant_chunk(dt, bits, xf, c, nr * ng, 64, scale, zero, r0 * ng);
             else if (G == 128) bad |= tok_quant_chunk(dt, bits, xf, c, nr * ng, 128, scale, zero, r0 * ng);
@@ -318,56 +428,6 @@ static void tok_dequant_fast(const void *q, const void *scale, const void *zero,
     }
 }
 
-#if KVT_AVX512
-/* Round 16 fp32 lanes to the storage dtype and back (as rdt). */
-static inline __m512 rdt16(int dt, __m512 v) {
-    if (dt == 1) return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    if (dt == 2) {
-        __m512i u = _mm512_castps_si512(v);
-        u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_srli_epi32(u, 16), 16));
-    }
-    return v;
-}
-
-/* Store 16 fp32 lanes (already representable in dt) to a dt array. */
-static inline void st16(int dt, void *p, int64_t off, __m512 v) {
-    if (dt == 0) _mm512_storeu_ps((float *)p + off, v);
-    else if (dt == 1)
-        _mm256_storeu_si256((__m256i *)((f16 *)p + off), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    else _mm256_storeu_si256((__m256i *)((uint16_t *)p + off), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-}
-
-/* Channel axis, D % 16 == 0: 16 channels at a time over the unit's n rows, min/max held in
-   registers, then their scales, zeros and byte codes; the caller packs with pack_codes_u8. */
-static int ch_quant_unit_avx(int dt, int bits, const float *restrict xf, uint8_t *restrict cb, int64_t n, int64_t D,
-                             void *scale, void *zero, int64_t so) {
-    const int sym = bits == 8;
-    const float top = sym ? 127.0f : (float)((1 << bits) - 1);
-    const __m512 vtop = _mm512_set1_ps(top), vlo = _mm512_set1_ps(sym ? -top : 0.0f), one = _mm512_set1_ps(1.0f);
-    __mmask16 nb = 0;
-    for (int64_t d0 = 0; d0 < D; d0 += 16) {
-        __m512 vn = _mm512_loadu_ps(xf + d0), vx = vn;
-        if (sym) vx = _mm512_abs_ps(vx);
-        nb |= _mm512_cmp_ps_mask(_mm512_sub_ps(vn, vn), _mm512_setzero_ps(), _CMP_NEQ_UQ);
-        for (int64_t t = 1; t < n; t++) {
-            __m512 v = _mm512_loadu_ps(xf + t * D + d0);
-            nb |= _mm512_cmp_ps_mask(_mm512_sub_ps(v, v), _mm512_setzero_ps(), _CMP_NEQ_UQ);
-            if (sym) vx = _mm512_max_ps(vx, _mm512_abs_ps(v));
-            else { vn = _mm512_min_ps(vn, v); vx = _mm512_max_ps(vx, v); }
-        }
-        __m512 s, z;
-        if (sym) { s = rdt16(dt, _mm512_div_ps(vx, vtop)); z = _mm512_setzero_ps(); }
-        else { s = rdt16(dt, _mm512_div_ps(_mm512_sub_ps(vx, vn), vtop)); z = rdt16(dt, vn); st16(dt, zero, so + d0, z); }
-        s = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_EQ_OQ), s, one);
-        st16(dt, scale, so + d0, s);
-        const __m512 inv = _mm512_div_ps(one, s);
-        for (int64_t t = 0; t < n; t++)
-            _mm_storeu_si128((__m128i *)(cb + t * D + d0), codes16(xf + t * D + d0, inv, z, vlo, vtop));
-    }
-    return nb != 0;
-}
-#endif
 
 /* ---- channel axis: one unit = one group of tokens of one batch row, D a compile-time constant when 64/128 ---- */
 AI int ch_quant_unit(int dt, int bits, const float *restrict xf, float *restrict c, int64_t n, const int64_t D,
