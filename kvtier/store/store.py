@@ -736,7 +736,7 @@ class KVStore:
                                 e.slot = None
                                 t.resident -= 1
                                 self._home["l1"] -= 1
-                                self._home["l2"] += 1
+                                self._home[e.home] += 1  # l2, or l3 for a block clean there
                         elif rec is not None:
                             self.c["evict_failed"] += 1
                         e.pending = False
