@@ -12,6 +12,18 @@ In sparse mode, multi-token steps (prefill) attend densely through SDPA and seed
 statistics from the last queries; only single-token decode steps are budgeted. The store's step
 boundary (eviction, async swap-out, prefetch) is run after the last layer of every forward.
 
+Prefix reuse (issue 7): the store gets the token ids of what is appended (captured from
+``input_ids`` by a forward pre-hook that :func:`attach` registers, or given with
+:meth:`TieredCache.note_tokens`), so full blocks get content-addressed keys. Before a prefill,
+:meth:`TieredCache.load_prefix` links the longest prefix already stored (by another sequence of
+the same store, an earlier process's L3 directory, or the L4 server) and ``generate`` computes
+only the rest:
+
+```
+ n = cache.load_prefix(ids)                    # tokens found, whole blocks, < len(ids)
+ model.generate(ids, past_key_values=cache)    # transformers feeds ids[:, n:] only
+```
+
 Batch rows must all have the same length (transformers pads; padding masks are respected by both
 paths). ``crop`` (except ``crop(0)``) is not supported and raises ``NotImplementedError``;
 ``reorder_cache``, ``batch_select_indices`` and ``batch_repeat_interleave`` work: a permutation
@@ -112,6 +124,9 @@ class TieredCache(Cache):
             sparse mode the model is switched to kvtier's attention (as :func:`attach` does).
         model_config, num_layers, kv_heads, head_dim, dtype, device, fingerprint: used instead
             of (or to override) what ``model`` gives, for a cache built without a model.
+        store: an open :class:`KVStore` of the same model to share (one store per model, one
+            cache per conversation: prefixes are then shared through L1/L2 too); this cache
+            does not close it. None: the cache makes its own store and closes it.
     """
 
     def __init__(
@@ -126,6 +141,7 @@ class TieredCache(Cache):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         fingerprint: str | None = None,
+        store: KVStore | None = None,
     ):
         if not isinstance(config, KVTierConfig):
             raise ValueError(f"config must be a kvtier.KVTierConfig, got {type(config).__name__}")
@@ -148,20 +164,34 @@ class TieredCache(Cache):
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype = dtype  # what attention receives (the store may keep another dtype: config.dtype)
         self.device = device
-        self.store = KVStore(config, num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim,
-                             dtype=dtype, device=device, fingerprint=self.fingerprint)
-        self._finalizer = weakref.finalize(self, self.store.close)
+        if store is None:
+            self.store = KVStore(config, num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim,
+                                 dtype=dtype, device=device, fingerprint=self.fingerprint)
+            self._finalizer = weakref.finalize(self, self.store.close)
+        else:
+            if not isinstance(store, KVStore):
+                raise ValueError(f"store must be a kvtier KVStore or None; got {type(store).__name__}")
+            if (store.num_layers, store.kv_heads, store.head_dim) != (num_layers, kv_heads, head_dim) \
+                    or store.fingerprint != self.fingerprint or store.cfg != config:
+                raise ValueError("store must belong to the same model (shape, fingerprint) and config")
+            self.store = store
+            self._finalizer = weakref.finalize(self, lambda: None)
         super().__init__(layers=[TieredLayer(self, i) for i in range(num_layers)])
         self.seqs: list[int] = []
         self._sparse = config.attention == "sparse"
         self._observe = self._sparse and config.policy in _OBSERVING_POLICIES
         self._budget = self.store.budget_tokens
         self._pending: tuple[int, str] | None = None
+        # token ids of the forward in flight (set by the pre-hook), noted at its layer-0 update
+        self._next_ids: torch.Tensor | None = None
+        self._ids_ok = bool(self.fingerprint)  # False once a forward came without ids
         self._observed: list[tuple[int, int, list[int], torch.Tensor]] = []
         self._counters = dict(forwards=0, decode_steps=0, sparse_steps=0, dense_steps=0,
                               attended_tokens=0, context_tokens=0, selected_blocks=0, copied_sequences=0)
-        if model is not None and self._sparse:
-            switch_attention(model)
+        if model is not None:
+            _register_ids_hook(model)
+            if self._sparse:
+                switch_attention(model)
 
     # -- the update path ------------------------------------------------------------------------
 
@@ -185,6 +215,8 @@ class TieredCache(Cache):
             layer.lazy_initialization(k, v)
         past = layer.length
         store = self.store
+        if l == 0:
+            self._note_ids(t, past)
         for row, seq in enumerate(self.seqs):
             store.append(seq, l, k[row], v[row])  # [kv_heads, t, head_dim]
         layer.length = past + t
@@ -202,6 +234,72 @@ class TieredCache(Cache):
         if not self._sparse:
             self._layer_done(l, layer.length)
         return out
+
+    # -- token ids and prefix reuse ------------------------------------------------------------------
+
+    def set_input_ids(self, input_ids: torch.Tensor | None) -> None:
+        """Token ids of the next forward ([batch, t], what ``input_ids`` holds); the pre-hook of
+        :func:`attach` calls this. They are noted in the store when that forward appends."""
+        self._next_ids = input_ids
+
+    def _note_ids(self, t: int, past: int) -> None:
+        """Note the ids of this forward, only while every earlier token's ids were noted (a gap
+        would shift every later block's key): afterwards blocks keep process-local keys."""
+        ids, self._next_ids = self._next_ids, None
+        if not self._ids_ok:
+            return
+        store = self.store
+        if ids is None or ids.dim() != 2 or ids.shape != (len(self.seqs), t) \
+                or any(store.tokens_noted(seq) != past for seq in self.seqs):
+            self._ids_ok = False
+            return
+        for row, seq in enumerate(self.seqs):
+            store.note_tokens(seq, ids[row])
+
+    def note_tokens(self, input_ids: torch.Tensor) -> None:
+        """Explicitly give the ids of the next forward (when the model is not :func:`attach`-ed)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            raise ValueError("input_ids must be a [batch, t] tensor of token ids")
+        self.set_input_ids(input_ids)
+
+    def load_prefix(self, input_ids: torch.Tensor) -> int:
+        """Link the longest stored prefix of ``input_ids`` into this (empty) cache, before prefill.
+
+        Every row gets the same number of tokens (the shortest match), whole blocks, and always
+        less than the prompt so the forward computes at least the last token's logits. Then
+        ``generate(input_ids, past_key_values=cache)`` feeds only ``input_ids[:, n:]`` (a direct
+        ``model(...)`` call must pass that slice itself).
+
+        Args:
+            input_ids: [batch, T] token ids of the whole prompt.
+        Returns:
+            n, the tokens found (0 when nothing is stored, or the cache has no fingerprint).
+        """
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1:
+            raise ValueError("input_ids must be a [batch, T] tensor of token ids with T >= 1")
+        if self.get_seq_length() or any(self.store.seq_len(s, 0) for s in self.seqs):
+            raise ValueError("load_prefix needs an empty cache (call it before the prefill, or reset())")
+        if not self.fingerprint:
+            return 0
+        store = self.store
+        rows = input_ids[:, :-1].cpu()
+        n = min(store.match_prefix(r) for r in rows)
+        if n == 0:
+            return 0
+        if not self.seqs:
+            self.seqs = [store.add_sequence() for _ in range(rows.shape[0])]
+        elif len(self.seqs) != rows.shape[0]:
+            raise ValueError(f"batch size must stay {len(self.seqs)} for this cache; got {rows.shape[0]}")
+        got = [store.attach_prefix(seq, r[:n]) for seq, r in zip(self.seqs, rows)]
+        if min(got) != n or max(got) != n:  # a block vanished between match and attach
+            raise RuntimeError(f"load_prefix: rows attached {got} tokens, expected {n} each")
+        for layer in self.layers:
+            layer.device = self.device
+            layer.is_initialized = True
+            layer.length = n
+        store.end_step()
+        self._counters["prefix_tokens"] = self._counters.get("prefix_tokens", 0) + n
+        return n
 
     def _gather(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token of layer ``l`` for the whole batch: K, V [batch, kv_heads, T, head_dim]."""
@@ -361,10 +459,14 @@ class TieredCache(Cache):
             "the store cannot truncate a sequence")
 
     def reset(self) -> None:
-        """Forget every sequence (the store and its tiers stay open for the next batch)."""
+        """Forget every sequence (the store and its tiers stay open for the next batch). Their
+        content-addressed blocks stay in L3 for :meth:`load_prefix` of a later conversation,
+        until L3 needs the room."""
         for seq in self.seqs:
-            self.store.drop_sequence(seq)
+            self.store.drop_sequence(seq, keep_prefix=True)
         self.seqs = []
+        self._next_ids = None
+        self._ids_ok = bool(self.fingerprint)
         self._pending = None
         self._observed.clear()
         for layer in self.layers:
@@ -474,16 +576,36 @@ def switch_attention(model) -> None:
         model.set_attn_implementation(name)
 
 
-def attach(model, config: KVTierConfig) -> TieredCache:
+def attach(model, config: KVTierConfig, *, store: KVStore | None = None) -> TieredCache:
     """A :class:`TieredCache` bound to ``model``; in sparse mode the model attends through kvtier.
 
     Pass the result as ``past_key_values=`` (or ``cache=``) to ``model.generate`` / ``model(...)``.
+    A forward pre-hook on ``model`` (registered once by any TieredCache built with a model) hands
+    each forward's ``input_ids`` to the TieredCache it is given, so the store learns the token
+    ids (content-addressed keys, prefix reuse); :func:`detach` removes it.
     """
-    return TieredCache(config, model)
+    return TieredCache(config, model, store=store)
+
+
+def _ids_hook(module, args, kwargs):
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if isinstance(cache, TieredCache):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache.set_input_ids(ids if isinstance(ids, torch.Tensor) else None)
+    return None
+
+
+def _register_ids_hook(model) -> None:
+    if getattr(model, "_kvtier_ids_hook", None) is None:
+        model._kvtier_ids_hook = model.register_forward_pre_hook(_ids_hook, with_kwargs=True)
 
 
 def detach(model) -> None:
     """Give ``model`` back the attention implementation it had before :func:`attach`."""
+    hook = getattr(model, "_kvtier_ids_hook", None)
+    if hook is not None:
+        hook.remove()
+        model._kvtier_ids_hook = None
     prev = getattr(model, "_kvtier_previous_attn", None)
     if prev is not None:
         model.set_attn_implementation(prev)
