@@ -391,7 +391,7 @@ class KVStore:
                 rec = self._recs[key] = BlockCopies(key, content=True)
                 rec.l4 = key in self._known_l4
                 if adopt is not None:
-                    rec.l3 = True
+                    rec.l3 = rec.wt = True
                     rec.l3_bytes = adopt
                     self.c["copies_l3"] += 1
                     self.c["bytes_l3"] += adopt
@@ -822,6 +822,7 @@ class KVStore:
                     self.c["swap_out_l3_bytes"] += len(packed)
             if all(oks):
                 for rec in [r for _, r, _ in out] + already:
+                    rec.wt = False  # L3 now holds the spill: the block's copy below L1
                     self._leave_l2(rec)
         if not all(oks):
             raise RuntimeError(f"L3 refused {oks.count(False)} of {len(oks)} spilled blocks (disk_bytes full)")
@@ -891,7 +892,7 @@ class KVStore:
                         elif self._recs.get(rec.key) is not rec:
                             stale.append(rec.key)  # dropped while being written
                         else:
-                            rec.l3 = True
+                            rec.l3 = rec.wt = True
                             rec.l3_bytes = len(p)
                             self.c["copies_l3"] += 1
                             self.c["bytes_l3"] += len(p)

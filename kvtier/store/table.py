@@ -35,7 +35,7 @@ class BlockCopies:
     ``content`` is True for content-addressed keys (shared across sequences and processes).
     """
 
-    __slots__ = ("key", "content", "l2", "l3", "l4", "l2_bytes", "l3_bytes", "entries")
+    __slots__ = ("key", "content", "l2", "l3", "l4", "wt", "l2_bytes", "l3_bytes", "entries")
 
     def __init__(self, key: str, content: bool = False) -> None:
         self.key = key
@@ -43,6 +43,9 @@ class BlockCopies:
         self.l2 = False                # a valid copy in L2 (host codec record)
         self.l3 = False                # a valid copy in L3 (disk codec record, lz4 stage)
         self.l4 = False                # published to the remote tier (same bytes as L3)
+        self.wt = False                # the L3 copy was written through (or found on disk), not
+                                       # spilled from L2: it persists/shares the block, but an
+                                       # evicted block still goes to L2 (DRAM, host codec) first
         self.l2_bytes = 0
         self.l3_bytes = 0
         self.entries: list[BlockEntry] = []
@@ -104,8 +107,9 @@ class BlockEntry:
 
     @property
     def clean(self) -> bool:
-        """Leaving L1 needs no write: a valid copy exists below."""
-        return self.l2 or self.l3
+        """Leaving L1 needs no write: a copy exists in L2, or in L3 as the spill of one."""
+        rec = self.rec
+        return rec.l2 or (rec.l3 and not rec.wt)
 
     def __repr__(self) -> str:
         return (f"BlockEntry({self.key}, slot={self.slot}, pending={self.pending}, l2={self.l2}, "
