@@ -591,6 +591,11 @@ def _ids_hook(module, args, kwargs):
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
     if isinstance(cache, TieredCache):
         ids = kwargs.get("input_ids", args[0] if args else None)
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+            # padded rows: positions shift with the padding, so the same ids need not mean the
+            # same K/V; such a cache stops giving ids (its blocks keep process-local keys)
+            ids = None
         cache.set_input_ids(ids if isinstance(ids, torch.Tensor) else None)
     return None
 
