@@ -283,16 +283,28 @@ class TieredCache(Cache):
             return 0
         store = self.store
         rows = input_ids[:, :-1].cpu()
-        n = min(store.match_prefix(r) for r in rows)
-        if n == 0:
-            return 0
         if not self.seqs:
             self.seqs = [store.add_sequence() for _ in range(rows.shape[0])]
         elif len(self.seqs) != rows.shape[0]:
             raise ValueError(f"batch size must stay {len(self.seqs)} for this cache; got {rows.shape[0]}")
-        got = [store.attach_prefix(seq, r[:n]) for seq, r in zip(self.seqs, rows)]
-        if min(got) != n or max(got) != n:  # a block vanished between match and attach
-            raise RuntimeError(f"load_prefix: rows attached {got} tokens, expected {n} each")
+        if len(self.seqs) == 1:  # one row: attach reads as far as it finds (one pass, L4 batched)
+            n = store.attach_prefix(self.seqs[0], rows[0])
+        else:
+            n = min(store.match_prefix(r) for r in rows)
+            for _ in range(3):
+                got = [store.attach_prefix(seq, r[:n]) for seq, r in zip(self.seqs, rows)] if n else []
+                if not got or min(got) == max(got) == n:
+                    break
+                # a block vanished between match and attach (L3 reclaimed it, the server evicted
+                # it): start the rows again with what every row got
+                n = min(got)
+                for seq in self.seqs:
+                    store.drop_sequence(seq)
+                self.seqs = [store.add_sequence() for _ in range(rows.shape[0])]
+            else:
+                raise RuntimeError("load_prefix: the stored prefix kept changing while being attached")
+        if n == 0:
+            return 0
         for layer in self.layers:
             layer.device = self.device
             layer.is_initialized = True

@@ -152,3 +152,19 @@ def test_wrong_fingerprint_finds_nothing(model_bf16, tokenizer, tmp_path):
     same = TieredCache(cfg(disk_path=disk), model_bf16)
     assert same.load_prefix(b_ids) == PREFIX
     same.close()
+
+
+def test_batch_rows_attach_the_same_prefix(model_bf16, tokenizer):
+    a_ids, b_ids = prompts(tokenizer)
+    first = attach(model_bf16, cfg())
+    with torch.no_grad():
+        model_bf16(input_ids=a_ids, cache=first)
+    batch = torch.cat((b_ids, torch.cat((a_ids[:, :PREFIX], b_ids[:, :SUFFIX]), 1)), 0)  # [2, T]
+    both = attach(model_bf16, cfg(), store=first.store)
+    assert both.load_prefix(batch) == PREFIX
+    assert first.store.stats()["prefix"]["max_refs"] == 3
+    with torch.no_grad():
+        logits = model_bf16(input_ids=batch[:, PREFIX:], cache=both).logits  # [2, SUFFIX, vocab]
+    assert logits.shape[:2] == (2, SUFFIX) and torch.isfinite(logits).all()
+    assert both.get_seq_length() == PREFIX + SUFFIX
+    first.close()
