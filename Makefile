@@ -26,9 +26,11 @@ demo: $(STAMP)
 	$(VENV)/bin/kvtier eval --quick
 
 # Benchmarks first (--smoke, so they cannot rot), then the suite, whose summary closes the output.
+# One OpenMP/torch thread: the suite runs worker threads and subprocesses of its own on 2 cores,
+# where oversubscribed OpenMP spinning costs up to 10x.
 test: $(STAMP) system-deps
 	$(MAKE) --no-print-directory bench-smoke
-	$(PY) -m pytest -q -ra tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra tests
 
 bench-smoke: $(STAMP)
 	@set -e; for b in bench/bench_*.py; do echo "== $$b --smoke"; $(PY) $$b --smoke; done
