@@ -2,7 +2,7 @@
 
 ```
  append ──► open block, written in place in its L1 slot
-              │ sealed (next block opens) -> key digest (per-channel min/max) kept in L1
+              │ sealed (next block opens) -> key digest (per-channel max|min|mean) kept in L1
               ▼
  end_step ──► watermarks: victims chosen by the policy
               │ clean (valid copy below): slot freed at once
@@ -1101,7 +1101,7 @@ class KVStore:
         return kv[0], kv[1]
 
     def select(self, seq: int, layer: int, query: torch.Tensor, budget_tokens: int | None = None) -> list[int]:
-        """Sealed blocks to attend: sinks + recent window + top-k by key digest (Quest bound).
+        """Sealed blocks to attend: sinks + recent window + top-k by key digest (centroid or Quest bound).
 
         Args:
             query: [q_heads, q_len, head_dim], q_heads a multiple of kv_heads (GQA groups
@@ -1136,15 +1136,20 @@ class KVStore:
         return sel
 
     def _scores(self, t: BlockTable, query: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """Upper bound of q.k over each block in [lo, hi): sum_d max(q_d*min_d, q_d*max_d)."""
+        """Score of each sealed block in [lo, hi) against ``query`` (higher = attend); see
+        ``KVTierConfig.select_score``."""
         qh, ql, hd = query.shape
         if qh % self.kv_heads or hd != self.head_dim:
             raise ValueError(f"query must be [q_heads (multiple of {self.kv_heads}), q_len, {self.head_dim}]; "
                              f"got {tuple(query.shape)}")
         q = query.to(self.device, self._digest_dtype).reshape(self.kv_heads, -1, hd)  # [kv_heads, G*q_len, hd]
-        # q_d*max_d where q_d >= 0, q_d*min_d where q_d < 0: one bmm against [max | min]
+        dig = t.digest[lo:hi]  # [m, kv_heads, 3*hd]: max | min | mean
+        if self.cfg.select_score == "centroid":
+            s = torch.bmm(q, dig[:, :, 2 * hd:].permute(1, 2, 0)) * hd ** -0.5  # [kv_heads, G*q_len, m]
+            return torch.softmax(s, dim=-1).amax(dim=1).amax(dim=0)  # [m]
+        # Quest: q_d*max_d where q_d >= 0, q_d*min_d where q_d < 0: one bmm against [max | min]
         qq = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)  # [kv_heads, G*q_len, 2*hd]
-        s = torch.bmm(qq, t.digest[lo:hi].permute(1, 2, 0))  # [kv_heads, G*q_len, m]
+        s = torch.bmm(qq, dig[:, :, :2 * hd].permute(1, 2, 0))  # [kv_heads, G*q_len, m]
         return s.amax(dim=1).sum(dim=0)  # [m]
 
     def gather_blocks(self, seq: int, layer: int, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

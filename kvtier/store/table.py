@@ -129,8 +129,10 @@ class BlockTable:
         self.pending = 0                       # of which queued for swap-out
         self.observed = 0                      # observe() calls so far (snapkv freezes after a few)
         self.head_dim = head_dim
-        # per sealed block and kv head: per-channel max of the keys, then per-channel min (Quest)
-        self.digest = torch.empty(16, kv_heads, 2 * head_dim, dtype=digest_dtype, device=device)
+        # per sealed block and kv head, three per-channel summaries of its keys side by side:
+        # [max | min | mean] -> [blocks, kv_heads, 3 * head_dim]. max/min give Quest's upper
+        # bound of q.k; the mean (the block's centroid) scores the typical q.k instead.
+        self.digest = torch.empty(16, kv_heads, 3 * head_dim, dtype=digest_dtype, device=device)
 
     @property
     def n_sealed(self) -> int:
@@ -149,4 +151,5 @@ class BlockTable:
             self.digest[: old.shape[0]] = old
         hd = self.head_dim
         self.digest[b, :, :hd] = keys.amax(dim=1)  # [kv_heads, head_dim]
-        self.digest[b, :, hd:] = keys.amin(dim=1)
+        self.digest[b, :, hd:2 * hd] = keys.amin(dim=1)
+        self.digest[b, :, 2 * hd:] = keys.mean(dim=1)
