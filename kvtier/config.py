@@ -156,6 +156,12 @@ class KVTierConfig:
     remote_key_prefix: str = "kvtier:"
     """Namespace of this store's keys on the L4 server."""
 
+    write_through: bool = True
+    """Content-addressed blocks (token ids known) are written to L3 and L4 as they seal, off the
+    decode path, so other sequences, later processes and other hosts find them. ``False``: blocks
+    reach L3 only by eviction and L4 not at all; no extra copy is kept (the footprint of tiering
+    alone, as ``kvtier eval`` measures it)."""
+
     def __post_init__(self) -> None:
         _positive_int("block_tokens", self.block_tokens)
         if self.hot_bytes is None:

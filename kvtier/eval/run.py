@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=None, help="TOML file of [[config]] tables (see kvtier/eval/sweep.py)")
     p.add_argument("--only", default=None, help="comma-separated substrings: keep configs whose name contains one")
     p.add_argument("--no-probe", action="store_true", help="skip the recall-probe windows")
+    p.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
+                   help="model and KV dtype (bfloat16: the fast one on CPUs with AVX-512/AMX)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results", help="output directory for eval.json, eval.png and eval.md")
 
@@ -83,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     with console.status("loading model and text"):
-        model, tok = load_model(path=args.model) if args.model else load_model()
+        dtype = getattr(torch, args.dtype)
+        model, tok = load_model(path=args.model, dtype=dtype) if args.model else load_model(dtype=dtype)
         model.eval()
         text = Path(args.text).read_text(encoding="utf-8") if args.text else load_text()
         ids = tokenize(tok, text)

@@ -30,8 +30,9 @@ class CacheSpec:
         kind: ``dynamic`` (the exact reference), ``offloaded`` (DynamicCache with offloading),
             ``quanto``/``hqq`` (transformers' QuantizedCache backends), or ``kvtier``.
         params: for quanto/hqq: ``nbits``, ``q_group_size``, ``residual_length``; for kvtier:
-            KVTierConfig fields, plus two of the sweep's own: ``hot_fraction`` sizes ``hot_tokens``
-            (and, when absent, ``budget_tokens``) as a fraction of the context length, and
+            KVTierConfig fields, plus three of the sweep's own: ``hot_fraction`` sizes ``hot_tokens``
+            (and, when absent, ``budget_tokens``) as a fraction of the context length,
+            ``host_fraction`` sizes ``host_bytes`` as a fraction of the context's 16-bit KV, and
             ``streaming = true`` makes sink + recent window fill the whole budget (StreamingLLM).
     """
 
@@ -106,8 +107,16 @@ class _Run:
             from kvtier.config import KVTierConfig
 
             hot_fraction = p.pop("hot_fraction", None)
+            host_fraction = p.pop("host_fraction", None)
             streaming = p.pop("streaming", False)
             block = p.get("block_tokens", KVTierConfig.block_tokens)
+            if host_fraction is not None:
+                # L2 sized as a fraction of the context's KV at 16 bits: with a quantized L2 most
+                # evicted blocks stay in DRAM and the rest spill to L3, so every tier is exercised
+                c = model.config
+                hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+                per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * hd * 2
+                p["host_bytes"] = max(1 << 20, int(host_fraction * context * per_token))
             if hot_fraction is not None:
                 hot = max(block, int(hot_fraction * context) // block * block)
                 p["hot_tokens"] = hot

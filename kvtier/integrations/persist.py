@@ -58,7 +58,7 @@ def save_cache(cache, path) -> None:
     cfg: KVTierConfig = cache.config
     store = cache.store
     bt = cfg.block_tokens
-    name = cfg.disk_codec
+    name = store.disk_codec  # the codec the store really uses (16-bit ones follow the KV dtype)
     kc = get_codec(name, group_size=cfg.group_size, axis=cfg.key_axis)
     vc = get_codec(name, group_size=cfg.group_size, axis=cfg.value_axis)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

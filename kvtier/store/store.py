@@ -127,8 +127,13 @@ class KVStore:
             return (get_codec(name, group_size=cfg.group_size, axis=cfg.key_axis),
                     get_codec(name, group_size=cfg.group_size, axis=cfg.value_axis))
 
-        self._codecs = {"l2": pair(cfg.host_codec), "l3": pair(cfg.disk_codec)}
-        self._transcode = (cfg.host_codec != cfg.disk_codec)
+        # A full-precision 16-bit tier codec follows the KV dtype (the config may be built before
+        # the model's dtype is known; fp16 <-> bf16 would not be lossless and the codecs refuse it).
+        lossless16 = "bf16" if dtype == torch.bfloat16 else "fp16"
+        self.host_codec = lossless16 if cfg.host_codec in ("fp16", "bf16") and dtype != torch.float32 else cfg.host_codec
+        self.disk_codec = lossless16 if cfg.disk_codec in ("fp16", "bf16") and dtype != torch.float32 else cfg.disk_codec
+        self._codecs = {"l2": pair(self.host_codec), "l3": pair(self.disk_codec)}
+        self._transcode = (self.host_codec != self.disk_codec)
 
         # L3 first: an unwritable disk_path fails before anything is allocated.
         self.l3 = None
@@ -143,7 +148,7 @@ class KVStore:
         # content-addressed keys: the chain seed names the model, both codecs and their parameters,
         # the dtype and block_tokens, so blocks of another model or encoding never match
         self.content_fp = model_fingerprint_key(
-            fingerprint, f"{cfg.host_codec}|{cfg.disk_codec}", bt,
+            fingerprint, f"{self.host_codec}|{self.disk_codec}", bt,
             codec_params={"group_size": cfg.group_size, "key_axis": cfg.key_axis,
                           "value_axis": cfg.value_axis},
             dtype=dtype, extra={"kv_heads": kv_heads, "head_dim": head_dim, "num_layers": num_layers},
@@ -183,7 +188,7 @@ class KVStore:
         # across processes), batched and off the decode path
         self._publisher = SwapOutWorker(self._publish_batch, max(cfg.evict_batch_blocks, 64),
                                         name="kvtier-publish") \
-            if (self.l3 is not None or self.l4 is not None) and self.content_fp else None
+            if (self.l3 is not None or self.l4 is not None) and self.content_fp and cfg.write_through else None
         self._pf_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-prefetch") \
             if cfg.prefetch else None
         self._pf: OrderedDict[str, Future] = OrderedDict()
@@ -1295,7 +1300,7 @@ class KVStore:
                               for src, v in self._pf_stats.items()},
             },
             "compression": {
-                "host_codec": self.cfg.host_codec, "disk_codec": self.cfg.disk_codec,
+                "host_codec": self.host_codec, "disk_codec": self.disk_codec,
                 "l2_ratio": ratio(c["raw_l2"], c["enc_l2"]),
                 "l3_ratio": ratio(c["raw_l3"], c["enc_l3"]) if self._transcode
                 else ratio(c["raw_l2"], c["enc_l2"]),
