@@ -142,6 +142,8 @@ def plot(doc: dict, path: Path) -> None:
                     label="Pareto frontier")
             ax.legend(fontsize=7)
         ax.set_xscale("log")
+        if yk == "ppl_rel_change":
+            ax.set_yscale("symlog", linthresh=1.0)  # percent: small changes and blow-ups on one axis
         ax.set_xlabel(xl)
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
