@@ -135,8 +135,8 @@ def plot(doc: dict, path: Path) -> None:
             ax.scatter([x], [y], marker="s" if anc else "o", s=36, color="tab:gray" if anc else "tab:blue")
             ax.annotate(lab, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         # lower error is better for ppl; higher accuracy is better for the probe
-        sign = 1 if yk == "ppl_rel_change" else -1
-        front = pareto_front([(x, sign * y) for x, y in pts])
+        err = (lambda y: abs(y)) if yk == "ppl_rel_change" else (lambda y: -y)
+        front = pareto_front([(x, err(y)) for x, y in pts])
         if len(front) > 1:
             ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "--", color="tab:orange",
                     label="Pareto frontier")
