@@ -440,15 +440,7 @@ class RemoteTier(Tier):
 
         raws = self._round_trip(fetch, [None] * len(keys), len(keys))
         out = [unframe(k, raw) for k, raw in zip(keys, raws)]
-        with self._lock:
-            self._stats.gets += len(keys)
-            for raw, got in zip(raws, out):
-                if got is None:
-                    self._stats.misses += 1
-                    self._corrupt += raw is not None
-                else:
-                    self._stats.hits += 1
-                    self._stats.bytes_out += got.nbytes
+        self._count_gets(raws, out)
         bad = [k for k, raw, got in zip(keys, raws, out) if raw is not None and got is None]
         if bad:
             log.warning("RemoteTier %s: %d value(s) failed their frame/CRC check (first: %r); treated as misses",
@@ -468,15 +460,20 @@ class RemoteTier(Tier):
                 mv[:got.nbytes] = got
             elif got.nbytes:
                 dev[:got.nbytes].copy_(torch.frombuffer(bytearray(got), dtype=torch.uint8))
-        with self._lock:
-            self._stats.gets += 1
-            if got is None:
-                self._stats.misses += 1
-                self._corrupt += raw is not None
-            else:
-                self._stats.hits += 1
-                self._stats.bytes_out += got.nbytes
+        self._count_gets([raw], [got])
         return None if got is None else got.nbytes
+
+    def _count_gets(self, raws: list, values: list) -> None:
+        """Account reads: a value that came back but failed its frame/CRC check is a corrupt miss."""
+        with self._lock:
+            self._stats.gets += len(values)
+            for raw, got in zip(raws, values):
+                if got is None:
+                    self._stats.misses += 1
+                    self._corrupt += raw is not None
+                else:
+                    self._stats.hits += 1
+                    self._stats.bytes_out += got.nbytes
 
     def contains(self, key: str) -> bool:
         skey = self._skey(key)
