@@ -50,8 +50,10 @@ def quick_configs() -> list[CacheSpec]:
             hot_fraction=0.25, policy="h2o"),
         _kv("sink-window int4 (no recall)", codec="int4", attention="sparse", hot_fraction=0.10,
             policy="sink-window", streaming=True),
-        _kv("kvtier int4 g64 dense L1=64 tok", codec="int4", group_size=64, attention="dense", hot_tokens=64,
-            policy="lru"),
+        # bytes-lean: 64-token blocks so keys' per-channel groups span 64 tokens (in 16-token
+        # blocks they span 16 and scales cost ~4x more), L1 = the open block only
+        _kv("kvtier int4 g64 b64 dense L1=64 tok", codec="int4", group_size=64, block_tokens=64,
+            attention="dense", hot_tokens=64, policy="lru"),
     ]
 
 
