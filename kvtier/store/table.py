@@ -144,6 +144,9 @@ class BlockTable:
 
     def set_digest(self, b: int, keys: torch.Tensor) -> None:
         """Record the digest of sealed block ``b``; keys: [kv_heads, block_tokens, head_dim]."""
+        if self.digest.is_inference() and not torch.is_inference_mode_enabled():
+            # grown during an inference_mode() prefill; a plain copy can be written outside it
+            self.digest = self.digest.clone()
         if b >= self.digest.shape[0]:
             old = self.digest
             self.digest = torch.empty((max(b + 1, 2 * old.shape[0]), *old.shape[1:]), dtype=old.dtype,
