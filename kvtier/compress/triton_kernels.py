@@ -39,6 +39,20 @@ def _rint(y):
 
 
 @triton.jit
+def _pack_code(acc, y, m, k, SYM: tl.constexpr, TOP: tl.constexpr, BITS: tl.constexpr):
+    """Clamp rounded codes ``y`` to the code range and pack them as the ``k``-th field of ``acc``
+    (symmetric int8: one code per byte, so the code itself); masked lanes pack 0."""
+    if SYM:
+        y = tl.minimum(tl.maximum(y, -TOP), TOP)
+    else:
+        y = tl.minimum(tl.maximum(y, 0.0), TOP)
+    c = tl.where(m, y, 0.0).to(tl.int32)
+    if SYM:
+        return c
+    return acc | (c << (BITS * k))
+
+
+@triton.jit
 def _round_to(v, BF16: tl.constexpr, sdt: tl.constexpr):
     """fp32 -> nearest value of the storage dtype (ties to even), returned as fp32.
 
@@ -99,15 +113,7 @@ def _quant_tok(x_ptr, q_ptr, s_ptr, z_ptr, R, D, P, NG,
         m = rmask[:, None] & (cols < D)[None, :]
         xk = tl.load(x_ptr + rbase[:, None] + cols[None, :], mask=m, other=0.0).to(tl.float32)
         y = _rint((xk - zero[:, None]) * inv[:, None])
-        if SYM:
-            y = tl.minimum(tl.maximum(y, -TOP), TOP)
-        else:
-            y = tl.minimum(tl.maximum(y, 0.0), TOP)
-        c = tl.where(m, y, 0.0).to(tl.int32)
-        if SYM:
-            acc = c
-        else:
-            acc = acc | (c << (BITS * k))
+        acc = _pack_code(acc, y, m, k, SYM, TOP, BITS)
     bj = g * GB + j
     qm = rmask[:, None] & (bj < P)[None, :]
     qoff = rows.to(tl.int64)[:, None] * P + bj[None, :]
@@ -150,15 +156,7 @@ def _quant_ch(x_ptr, q_ptr, s_ptr, z_ptr, T, D, P, NGT,
         tl.store(s_ptr + sbase + cols, scale.to(sdt), mask=cmask)
         inv = tl.math.div_rn(tl.full([BJ], 1.0, dtype=tl.float32), scale)
         y = _rint((xk - zero[None, :]) * inv[None, :])
-        if SYM:
-            y = tl.minimum(tl.maximum(y, -TOP), TOP)
-        else:
-            y = tl.minimum(tl.maximum(y, 0.0), TOP)
-        c = tl.where(m, y, 0.0).to(tl.int32)
-        if SYM:
-            acc = c
-        else:
-            acc = acc | (c << (BITS * k))
+        acc = _pack_code(acc, y, m, k, SYM, TOP, BITS)
     qm = tmask[:, None] & (j < P)[None, :]
     tl.store(q_ptr + row[:, None] * P + j[None, :], acc.to(q_ptr.dtype.element_ty), mask=qm)
 
