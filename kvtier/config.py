@@ -117,7 +117,8 @@ class KVTierConfig:
     """Blocks the swap-out worker encodes and writes to L2 per batch."""
 
     attention: Attention = "dense"
-    """``dense``: every token every step; ``sparse``: sinks + window + top-k blocks by key digest."""
+    """``dense``: every token every step; ``sparse``: sinks + window + top-k blocks by key digest
+    (digests are kept only in sparse mode, on the L1 device, and counted in its bytes)."""
 
     budget_tokens: Optional[int] = None
     """Sparse mode: tokens attended per step (open block included); at most ``hot_tokens``.
@@ -129,7 +130,8 @@ class KVTierConfig:
     centre; one dominant head, e.g. an induction head, can claim a block). ``quest``: Quest's
     upper bound sum_d max(q_d*min_d, q_d*max_d), summed over heads. On SmolLM2 at 2k context
     with a 10% budget the centroid kept the recall probe at the reference's accuracy where the
-    bound lost half of it (kvtier eval)."""
+    bound lost half of it (kvtier eval). The digest kept per sealed block and kv head is what the
+    score reads, in the KV dtype: the mean (``head_dim`` values) or max | min (``2 * head_dim``)."""
 
     prefetch: bool = True
     """Asynchronously decode blocks predicted to be needed (last selection, next layer)."""

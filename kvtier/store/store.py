@@ -2,7 +2,8 @@
 
 ```
  append ──► open block, written in place in its L1 slot
-              │ sealed (next block opens) -> key digest (per-channel max|min|mean) kept in L1
+              │ sealed (next block opens) -> key digest kept in L1 (sparse mode only: the
+              │ per-channel mean for select_score="centroid", max|min for "quest"; KV dtype)
               ▼
  end_step ──► watermarks: victims chosen by the policy
               │ clean (valid copy below): slot freed at once
@@ -167,7 +168,8 @@ class KVStore:
         # the slot axis yields K and V already in [kv_heads, blocks, tokens, head_dim] order
         self._pool_kv = self.l1.pool.permute(1, 2, 0, 3, 4)
         self._arange_bt = torch.arange(bt, device=self.device)
-        self._digest_dtype = torch.float32
+        # key digests only where something reads them: select(), i.e. sparse attention
+        self._digest_score = cfg.select_score if cfg.attention == "sparse" else None
 
         self._lock = threading.Lock()
         self._tier_lock = threading.Lock()
@@ -257,7 +259,7 @@ class KVStore:
             seq = self._next_seq
             self._next_seq += 1
             self._tables[seq] = [BlockTable(seq, layer, self.kv_heads, self.head_dim, self.device,
-                                            self._digest_dtype) for layer in range(self.num_layers)]
+                                            self.dtype, self._digest_score) for layer in range(self.num_layers)]
             return seq
 
     def _table(self, seq: int, layer: int) -> BlockTable:
@@ -584,7 +586,7 @@ class KVStore:
         self._touched[id(t)] = t
 
     def _seal(self, t: BlockTable, e: BlockEntry) -> None:
-        t.set_digest(e.idx, self.l1.pool[e.slot, 0].to(self._digest_dtype))
+        t.set_digest(e.idx, self.l1.pool[e.slot, 0])  # keys: [kv_heads, block_tokens, head_dim]
         e.last_used = self._step
         if self.content_fp is not None:
             self._assign_content(t, e)
@@ -1115,6 +1117,9 @@ class KVStore:
         Returns:
             Sorted block indices.
         """
+        if self._digest_score is None:
+            raise ValueError(f"select() needs attention='sparse' (key digests are kept only in sparse "
+                             f"mode); this store's config has attention={self.cfg.attention!r}")
         t = self._table(seq, layer)
         bt = self.block_tokens
         budget = self.budget_tokens if budget_tokens is None else budget_tokens
@@ -1147,14 +1152,14 @@ class KVStore:
         if qh % self.kv_heads or hd != self.head_dim:
             raise ValueError(f"query must be [q_heads (multiple of {self.kv_heads}), q_len, {self.head_dim}]; "
                              f"got {tuple(query.shape)}")
-        q = query.to(self.device, self._digest_dtype).reshape(self.kv_heads, -1, hd)  # [kv_heads, G*q_len, hd]
-        dig = t.digest[lo:hi]  # [m, kv_heads, 3*hd]: max | min | mean
-        if self.cfg.select_score == "centroid":
-            s = torch.bmm(q, dig[:, :, 2 * hd:].permute(1, 2, 0)) * hd ** -0.5  # [kv_heads, G*q_len, m]
+        q = query.to(self.device, torch.float32).reshape(self.kv_heads, -1, hd)  # [kv_heads, G*q_len, hd]
+        dig = t.digest[:, lo:hi].float()  # [kv_heads, m, hd] (mean) or [kv_heads, m, 2*hd] (max | min)
+        if self._digest_score == "centroid":
+            s = torch.bmm(q, dig.transpose(1, 2)) * hd ** -0.5  # [kv_heads, G*q_len, m]
             return torch.softmax(s, dim=-1).amax(dim=1).amax(dim=0)  # [m]
         # Quest: q_d*max_d where q_d >= 0, q_d*min_d where q_d < 0: one bmm against [max | min]
         qq = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)  # [kv_heads, G*q_len, 2*hd]
-        s = torch.bmm(qq, dig[:, :, :2 * hd].permute(1, 2, 0))  # [kv_heads, G*q_len, m]
+        s = torch.bmm(qq, dig.transpose(1, 2))  # [kv_heads, G*q_len, m]
         return s.amax(dim=1).sum(dim=0)  # [m]
 
     def gather_blocks(self, seq: int, layer: int, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1257,7 +1262,7 @@ class KVStore:
         """Plain, JSON-serialisable dict of what the store holds and what it cost."""
         c = dict(self.c)
         bt = self.block_tokens
-        tokens = resident = l1_tokens = 0
+        tokens = resident = l1_tokens = digest_bytes = digest_reserved = 0
         with self._lock:
             home = dict(self._home)
             for tables in self._tables.values():
@@ -1266,7 +1271,11 @@ class KVStore:
                     resident += t.resident
                     if t.entries:  # the open block holds length - sealed tokens, not block_tokens
                         l1_tokens += t.resident * bt - (len(t.entries) * bt - t.length)
-        l1_bytes = resident * self.slot_bytes
+                    if t.digest is not None:
+                        digest_bytes += t.n_sealed * t.digest_row_bytes()
+                        digest_reserved += t.digest.numel() * t.digest.element_size()
+        # digests live on the L1 device next to the pool: they are part of L1's footprint
+        l1_bytes = resident * self.slot_bytes + digest_bytes
         copies = {"l1": resident, "l2": c["copies_l2"], "l3": c["copies_l3"]}
         nbytes = {"l1": l1_bytes, "l2": c["bytes_l2"], "l3": c["bytes_l3"]}
         tok = {"l1": l1_tokens, "l2": c["copies_l2"] * bt, "l3": c["copies_l3"] * bt}
@@ -1277,6 +1286,8 @@ class KVStore:
             "blocks": home,
             "copies": copies,
             "bytes": nbytes,
+            "digest_bytes": digest_bytes,
+            "digest_reserved_bytes": digest_reserved,
             "bytes_per_token": {k: ratio(nbytes[k], tok[k]) for k in nbytes},
             "tier_used_bytes": {"l1": self.l1.used_bytes, "l2": self.l2.used_bytes,
                                 "l3": self.l3.used_bytes if self.l3 is not None else 0},

@@ -116,11 +116,22 @@ class BlockEntry:
                 f"l3={self.l3}, mass={self.mass:.3g})")
 
 
+#: Per-channel key summaries each ``select_score`` needs, side by side in a digest row.
+DIGEST_PARTS = {"centroid": ("mean",), "quest": ("max", "min")}
+
+
 class BlockTable:
-    """Blocks of one layer of one sequence, plus their key digests (kept on the L1 device)."""
+    """Blocks of one layer of one sequence, plus their key digests (kept on the L1 device).
+
+    ``digest`` (sparse attention only, else None): per sealed block and kv head, the per-channel
+    summaries of its keys that ``select_score`` ranks by, in the KV dtype (scores are computed in
+    float32 from it). ``centroid``: the mean (ArkVale's centre) -> ``[kv_heads, cap, head_dim]``;
+    ``quest``: max | min (Quest's upper bound of q.k) -> ``[kv_heads, cap, 2 * head_dim]``.
+    Rows ``[0, n_sealed)`` are valid; ``cap`` grows by doubling.
+    """
 
     def __init__(self, seq: int, layer: int, kv_heads: int, head_dim: int, device: torch.device,
-                 digest_dtype: torch.dtype) -> None:
+                 digest_dtype: torch.dtype, select_score: str | None = None) -> None:
         self.seq = seq
         self.layer = layer
         self.length = 0                        # tokens appended
@@ -129,10 +140,11 @@ class BlockTable:
         self.pending = 0                       # of which queued for swap-out
         self.observed = 0                      # observe() calls so far (snapkv freezes after a few)
         self.head_dim = head_dim
-        # per sealed block and kv head, three per-channel summaries of its keys side by side:
-        # [max | min | mean] -> [blocks, kv_heads, 3 * head_dim]. max/min give Quest's upper
-        # bound of q.k; the mean (the block's centroid) scores the typical q.k instead.
-        self.digest = torch.empty(16, kv_heads, 3 * head_dim, dtype=digest_dtype, device=device)
+        self.select_score = select_score
+        self.digest: torch.Tensor | None = None
+        if select_score is not None:
+            width = len(DIGEST_PARTS[select_score]) * head_dim
+            self.digest = torch.empty(kv_heads, 16, width, dtype=digest_dtype, device=device)
 
     @property
     def n_sealed(self) -> int:
@@ -142,17 +154,28 @@ class BlockTable:
     def open(self) -> BlockEntry | None:
         return self.entries[-1] if self.entries else None
 
+    def digest_row_bytes(self) -> int:
+        """Bytes of one sealed block's digest (0 without digests)."""
+        d = self.digest
+        return 0 if d is None else d.shape[0] * d.shape[2] * d.element_size()
+
     def set_digest(self, b: int, keys: torch.Tensor) -> None:
         """Record the digest of sealed block ``b``; keys: [kv_heads, block_tokens, head_dim]."""
+        if self.digest is None:
+            return
         if self.digest.is_inference() and not torch.is_inference_mode_enabled():
             # grown during an inference_mode() prefill; a plain copy can be written outside it
             self.digest = self.digest.clone()
-        if b >= self.digest.shape[0]:
+        if b >= self.digest.shape[1]:
             old = self.digest
-            self.digest = torch.empty((max(b + 1, 2 * old.shape[0]), *old.shape[1:]), dtype=old.dtype,
-                                      device=old.device)
-            self.digest[: old.shape[0]] = old
-        hd = self.head_dim
-        self.digest[b, :, :hd] = keys.amax(dim=1)  # [kv_heads, head_dim]
-        self.digest[b, :, hd:2 * hd] = keys.amin(dim=1)
-        self.digest[b, :, 2 * hd:] = keys.mean(dim=1)
+            self.digest = torch.empty((old.shape[0], max(b + 1, 2 * old.shape[1]), old.shape[2]),
+                                      dtype=old.dtype, device=old.device)
+            self.digest[:, : old.shape[1]] = old
+        row = self.digest[:, b]  # [kv_heads, width]
+        if self.select_score == "centroid":
+            row.copy_(keys.mean(dim=1, dtype=torch.float32))  # [kv_heads, head_dim]
+        else:
+            lo, hi = torch.aminmax(keys, dim=1)  # [kv_heads, head_dim] each
+            hd = self.head_dim
+            row[:, :hd].copy_(hi)
+            row[:, hd:].copy_(lo)

@@ -6,7 +6,7 @@ from tests.store.conftest import make_store
 
 
 def test_append_outside_inference_mode_after_prefill_inside(tmp_path):
-    store = make_store(tmp_path, block_tokens=4, hot_tokens=16)
+    store = make_store(tmp_path, block_tokens=4, hot_tokens=16, attention="sparse")  # digests kept
     seq = store.add_sequence()
     k = torch.randn(2, 84, 8).half()
     with torch.inference_mode():
