@@ -4,12 +4,16 @@ One TieredCache holds one batch: batch row ``b`` is store sequence ``seqs[b]``; 
 is a :class:`TieredLayer` (a ``CacheLayerMixin``) that appends to the store and reads it back.
 
 ```
- dense   update(k, v):  append ──► gather (blocks below L1 swapped in) ──► model's own attention
+ dense   update(k, v):  append ──► gather (blocks below L1 swapped in) ──► attention("kvtier"): SDPA
  sparse  update(k, v):  append ──► note "pending"   (decode step, one query token)
          attention("kvtier"):      select with the query ──► gather_blocks ──► attend ──► observe
 ```
-In sparse mode, multi-token steps (prefill) attend densely through SDPA and seed the H2O/SnapKV
-statistics from the last queries; only single-token decode steps are budgeted. The store's step
+In sparse mode, multi-token steps (prefill) attend densely and seed the H2O/SnapKV statistics
+from the last queries; only single-token decode steps are budgeted. In both modes a multi-token
+step over tokens already cached (the prefill after ``load_prefix``, a chunked prefill) attends in
+two unmasked passes merged by log-sum-exp instead of one SDPA over an explicit mask
+(:func:`kvtier.integrations.attention.split_prefix_attention`): the update notes which layer and
+which returned K it is for, and kvtier's attention takes that path only for that exact call. The store's step
 boundary (eviction, async swap-out, prefetch) is run after the last layer of every forward.
 
 Prefix reuse (issue 7): the store gets the token ids of what is appended (captured from
@@ -120,8 +124,9 @@ class TieredCache(Cache):
 
     Args:
         config: the kvtier configuration.
-        model: the model this cache serves. Gives the shape, dtype, device and fingerprint; in
-            sparse mode the model is switched to kvtier's attention (as :func:`attach` does).
+        model: the model this cache serves. Gives the shape, dtype, device and fingerprint; the
+            model is switched to kvtier's attention (as :func:`attach` does): budgeted decode in
+            sparse mode, split prefills over a cached prefix in both modes, SDPA otherwise.
         model_config, num_layers, kv_heads, head_dim, dtype, device, fingerprint: used instead
             of (or to override) what ``model`` gives, for a cache built without a model.
         store: an open :class:`KVStore` of the same model to share (one store per model, one
@@ -182,6 +187,9 @@ class TieredCache(Cache):
         self._observe = self._sparse and config.policy in _OBSERVING_POLICIES
         self._budget = self.store.budget_tokens
         self._pending: tuple[int, str] | None = None
+        # dense mode, a multi-token step over cached tokens: (layer, the K update() returned),
+        # for kvtier's attention to recognise that call; a hint, ignored if the model uses another
+        self._split: tuple[int, weakref.ref] | None = None
         # token ids of the forward in flight (set by the pre-hook), noted at its layer-0 update
         self._next_ids: torch.Tensor | None = None
         self._ids_ok = bool(self.fingerprint)  # False once a forward came without ids
@@ -190,8 +198,7 @@ class TieredCache(Cache):
                               attended_tokens=0, context_tokens=0, selected_blocks=0, copied_sequences=0)
         if model is not None:
             _register_ids_hook(model)
-            if self._sparse:
-                switch_attention(model)
+            switch_attention(model)
 
     # -- the update path ------------------------------------------------------------------------
 
@@ -232,6 +239,9 @@ class TieredCache(Cache):
             self._pending = (l, "dense")
         out = (k, v) if past == 0 else self._gather(l)
         if not self._sparse:
+            if t > 1 and past > 0:
+                _attn.set_active(self)
+                self._split = (l, weakref.ref(out[0]))
             self._layer_done(l, layer.length)
         return out
 
@@ -339,9 +349,13 @@ class TieredCache(Cache):
 
     # -- called by kvtier's attention function --------------------------------------------------
 
-    def pending_for(self, layer_idx: int | None) -> str | None:
-        """Claim the pending step of ``layer_idx``: "sparse", "dense", or None if there is none."""
+    def pending_for(self, layer_idx: int | None, key: torch.Tensor | None = None) -> str | None:
+        """Claim the pending step of ``layer_idx``: "sparse", "dense" (sparse mode), "split"
+        (dense mode, a multi-token step over cached tokens whose K is ``key``), or None."""
         if self._pending is None:
+            split, self._split = self._split, None
+            if split is not None and split[0] == layer_idx and key is not None and split[1]() is key:
+                return "split"
             return None
         l, kind = self._pending
         assert l == layer_idx, f"kvtier attention ran for layer {layer_idx} while layer {l} was pending"
@@ -480,6 +494,7 @@ class TieredCache(Cache):
         self._next_ids = None
         self._ids_ok = bool(self.fingerprint)
         self._pending = None
+        self._split = None
         self._observed.clear()
         for layer in self.layers:
             layer.reset()
@@ -580,7 +595,10 @@ class TieredCache(Cache):
 
 
 def switch_attention(model) -> None:
-    """Register kvtier's attention and make ``model`` use it (previous choice kept for :func:`detach`)."""
+    """Register kvtier's attention and make ``model`` use it (previous choice kept for :func:`detach`).
+
+    Without a TieredCache step to finish, kvtier's attention is transformers' SDPA, so the
+    switched model still runs with any cache."""
     name = _attn.register()
     current = model.config._attn_implementation
     if current != name:
@@ -589,7 +607,7 @@ def switch_attention(model) -> None:
 
 
 def attach(model, config: KVTierConfig, *, store: KVStore | None = None) -> TieredCache:
-    """A :class:`TieredCache` bound to ``model``; in sparse mode the model attends through kvtier.
+    """A :class:`TieredCache` bound to ``model``, which then attends through kvtier's attention.
 
     Pass the result as ``past_key_values=`` (or ``cache=``) to ``model.generate`` / ``model(...)``.
     A forward pre-hook on ``model`` (registered once by any TieredCache built with a model) hands
