@@ -11,6 +11,8 @@ Reported, per (context, L1 fraction):
                  back to back on the same tokens, so machine load hits them alike)  (target <= 0.20)
   step/ref       whole sparse step (store + its attention) / reference step
   p99/p50        of the store run's step times (TPOT jitter, target <= 2)
+  per layer      median us per layer and step of append, select, gather_blocks, observe, end_step
+                 (end_step's step time / layers), next to the reference's
   swap in/out    bytes per step; prefetch precision and coverage; misses per step
 
     python bench/bench_store.py            # 4k and 16k context, L1 at 10% and 25%
@@ -33,6 +35,7 @@ from kvtier.config import KVTierConfig
 from kvtier.store import KVStore
 
 LAYERS, KV_HEADS, Q_HEADS, HEAD_DIM = 30, 3, 9, 64
+CALLS = ("append", "select", "gather", "observe", "end_step")
 
 
 def _sync(device: torch.device) -> None:
@@ -128,6 +131,7 @@ def run(ctx: int, l1_frac: float, budget_frac: float, steps: int, warmup: int, d
     prefill_s = time.perf_counter() - t0
     n = ctx
     ref_t, store_t, step_t = [], [], []
+    calls = {name: [] for name in CALLS}  # per step, summed over layers (host time; no device sync per call)
     before = None
     for i in range(warmup + steps):
         if i == warmup:
@@ -146,15 +150,18 @@ def run(ctx: int, l1_frac: float, budget_frac: float, steps: int, warmup: int, d
         n += 1
         # store: sparse attention over sinks + window + top-k blocks
         t_step = time.perf_counter()
-        in_store = 0.0
+        t_app = t_sel = t_gat = t_obs = 0.0
         for layer in range(LAYERS):
             k, v = kv[layer]
             a = time.perf_counter()
             st.append(seq, layer, k, v)
+            a1 = time.perf_counter()
             if attention == "sparse":
                 sel = st.select(seq, layer, q[layer])
+                a2 = time.perf_counter()
                 kk, vv, _ = st.gather_blocks(seq, layer, sel)
             else:
+                a2 = a1
                 kk, vv = st.gather(seq, layer)
                 sel = range(-(-kk.shape[1] // bt) - 1)
             b = time.perf_counter()
@@ -163,16 +170,20 @@ def run(ctx: int, l1_frac: float, budget_frac: float, steps: int, warmup: int, d
             per_block = torch.nn.functional.pad(mass, (0, nb * bt - mass.shape[0])).view(nb, bt).sum(1)
             c = time.perf_counter()
             st.observe(seq, layer, sel, per_block)
-            in_store += (b - a) + (time.perf_counter() - c)
+            t_app += a1 - a
+            t_sel += a2 - a1
+            t_gat += b - a2
+            t_obs += time.perf_counter() - c
         a = time.perf_counter()
         st.end_step()
         _sync(device)
         end = time.perf_counter()
-        in_store += end - a
         if i >= warmup:
             ref_t.append(ref_step)
-            store_t.append(in_store)
+            store_t.append(t_app + t_sel + t_gat + t_obs + (end - a))
             step_t.append(end - t_step)
+            for name, x in zip(CALLS, (t_app, t_sel, t_gat, t_obs, end - a)):
+                calls[name].append(x)
     after = st.stats()
     st.close()
 
@@ -185,6 +196,9 @@ def run(ctx: int, l1_frac: float, budget_frac: float, steps: int, warmup: int, d
     return {
         "hot_tokens": hot, "budget_tokens": budget, "host_bytes": host, "prefill_s": prefill_s,
         "ref_s": ref_t, "store_s": store_t, "step_s": step_t,
+        # median per layer and step, microseconds (end_step: its per-step time / layers)
+        "per_layer_us": {name: pct(x, 0.5) / LAYERS * 1e6 for name, x in calls.items()},
+        "ref_per_layer_us": pct(ref_t, 0.5) / LAYERS * 1e6,
         "swap_in_bytes_per_step": (delta("swap_in_bytes", "l2") + delta("swap_in_bytes", "l3")) / steps,
         "swap_out_bytes_per_step": (delta("swap_out_bytes", "l2") + delta("swap_out_bytes", "l3")) / steps,
         "l1_misses_per_step": delta("misses", "l1") / steps,
@@ -212,7 +226,8 @@ def main(argv=None) -> int:
     ap.add_argument("--l1", type=float, nargs="+", default=[0.10, 0.25], help="L1 share of the KV")
     ap.add_argument("--budget", type=float, default=0.5, help="sparse budget as a share of L1")
     ap.add_argument("--heavy", type=float, default=0.08, help="share of heavy blocks (0: no structure)")
-    ap.add_argument("--steps", type=int, default=64)
+    # p99 of n samples is the ceil(n/100)-th largest: 64 steps would make it the maximum
+    ap.add_argument("--steps", type=int, default=256)
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--codec", default="int4")
     ap.add_argument("--policy", default="h2o")
@@ -262,6 +277,10 @@ def main(argv=None) -> int:
                   f"{r['l1_misses_per_step']:>7.1f} {_f(pf['precision']):>7} {_f(pf['coverage']):>6}")
     print("targets (sparse): store/ref <= 0.20 with L1 at 25%, p99/p50 <= 2 "
           "(ref p99/p50 of the same steps: " + ", ".join(f"{r['ref_p99_over_p50']:.2f}" for r in results) + ")")
+    print("per layer and step, median us: " + " ".join(f"{c:>8}" for c in CALLS) + "      ref")
+    for r in results:
+        print(f"  ctx {r['ctx']:>6} L1 {r['l1_frac']:.2f}            "
+              + " ".join(f"{r['per_layer_us'][c]:>8.1f}" for c in CALLS) + f" {r['ref_per_layer_us']:>8.1f}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(results, fh, indent=2)

@@ -140,6 +140,9 @@ class BlockTable:
         self.pending = 0                       # of which queued for swap-out
         self.observed = 0                      # observe() calls so far (snapkv freezes after a few)
         self.head_dim = head_dim
+        # (slots, blocks, index tensor, positions tensor) of the last gather_blocks (store.py)
+        self.gather_cache: tuple | None = None
+        self.open_view: torch.Tensor | None = None  # L1 slot of the open block (store.py)
         self.select_score = select_score
         self.digest: torch.Tensor | None = None
         if select_score is not None:
