@@ -479,6 +479,25 @@ class RemoteTier(Tier):
         skey = self._skey(key)
         return bool(self._round_trip(lambda: self._r.exists(skey), 0))
 
+    def contains_many(self, keys: Iterable[str]) -> list[bool]:
+        """Whether each key is on the server, in one round trip (a pipeline of EXISTS, one per
+        key: a multi-key EXISTS only counts). False where absent or the server is unreachable.
+
+        Like :meth:`contains`, this checks presence only: a value that later fails its frame/CRC
+        check still reads as a miss in :meth:`get_many`. Nothing is counted as a hit or miss."""
+        self._check_open()
+        skeys = [self._skey(k) for k in keys]
+        if not skeys:
+            return []
+
+        def exists():
+            pipe = self._r.pipeline(transaction=False)
+            for k in skeys:
+                pipe.exists(k)
+            return [bool(n) for n in pipe.execute()]
+
+        return self._round_trip(exists, [False] * len(skeys), len(skeys))
+
     def delete(self, key: str) -> bool:
         return self.delete_many([key])[0]
 

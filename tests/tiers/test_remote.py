@@ -79,6 +79,29 @@ def test_batched_calls_are_one_round_trip(tier, monkeypatch):
     assert len(tier) == 48
 
 
+def test_contains_many_is_one_round_trip(tier, raw, monkeypatch):
+    """A batched existence check (prefix lookup asks about every layer's block at once)."""
+    tier.put_many([(f"k{i}", bytes([i])) for i in range(40)])
+    other = RemoteTier(tier.url, key_prefix="other:")
+    other.put("k40", b"x")  # another namespace's key is not this tier's
+    raw.set(b"t:k41", b"not a kvtier frame")  # presence only, as contains(): get() calls it a miss
+    keys = [f"k{i}" for i in range(45)] + ["k3", "k3"]
+    sends = []
+    real = redis.connection.AbstractConnection.send_packed_command
+    monkeypatch.setattr(redis.connection.AbstractConnection, "send_packed_command",
+                        lambda self, *a, **kw: (sends.append(1), real(self, *a, **kw))[1])
+    got = tier.contains_many(keys)
+    assert len(sends) == 1
+    assert tier.contains_many([]) == [] and len(sends) == 1  # nothing asked, nothing sent
+    monkeypatch.undo()
+    assert got == [i < 40 or i == 41 for i in range(45)] + [True, True]
+    assert got == [tier.contains(k) for k in keys]
+    big = [f"k{i}" for i in range(1300)]  # more than one chunk of keys
+    assert tier.contains_many(big) == [i < 40 or i == 41 for i in range(1300)]
+    assert tier.stats()["gets"] == 0  # an existence check is not a read
+    other.close()
+
+
 def test_large_batches_are_chunked(tier):
     items = [(f"k{i}", i.to_bytes(4, "little")) for i in range(1300)]  # > one script call's 512 keys
     assert tier.put_many(items) == [True] * 1300
@@ -167,6 +190,7 @@ def test_server_killed_degrades_to_misses_and_restart_recovers(redis_server, cap
             assert t.get_many(["a", "b"]) == [None, None]
             assert t.put_many([("d", b"4")]) == [False]
             assert t.delete("a") is False and t.contains("a") is False
+            assert t.contains_many(["a", "b"]) == [False, False]
             assert list(t.keys()) == []
         elapsed = time.monotonic() - t0
         s = t.stats()  # stats work during an outage too
@@ -298,7 +322,8 @@ def test_closed_tier_refuses_use(redis_url):
     t = RemoteTier(redis_url)
     t.put("a", b"1")
     t.close()
-    for call in (lambda: t.put("b", b"2"), lambda: t.get("a"), lambda: t.delete("a"), lambda: t.stats()):
+    for call in (lambda: t.put("b", b"2"), lambda: t.get("a"), lambda: t.delete("a"), lambda: t.stats(),
+                 lambda: t.contains_many(["a"])):
         with pytest.raises(TierClosedError):
             call()
     t.close()
@@ -341,6 +366,8 @@ def test_bad_keys_and_values_raise_before_any_network(redis_server):
             t.put(key, b"x")
         with pytest.raises(ValueError, match="key"):
             t.get_many(["ok", key])
+        with pytest.raises(ValueError, match="key"):
+            t.contains_many(["ok", key])
     with pytest.raises(ValueError, match="value"):
         t.put("k", "a str")
     s = t.stats()
@@ -399,6 +426,10 @@ class RemoteMachine(RuleBasedStateMachine):
     def get_many(self, keys):
         got = self.tier.get_many(keys)
         assert [None if g is None else bytes(g) for g in got] == [self.model.get(k) for k in keys]
+
+    @rule(keys=st.lists(KEYS, max_size=6))
+    def contains_many(self, keys):
+        assert self.tier.contains_many(keys) == [k in self.model for k in keys]
 
     @rule()
     def reconnect(self):
