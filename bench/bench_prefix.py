@@ -7,25 +7,38 @@ logits (plus, when warm, ``TieredCache.load_prefix``):
   cold        full prefill, plain TieredCache (no L3/L4): the reference every ratio is to
   populate    request 1 (prefix, then its own suffix) with L3 + L4 write-through: what the first
               request pays; it leaves the prefix in the store, the L3 directory and redis
-  warm-l2     request 2 in the same process and store (prefix blocks in L2, some in L1)
-  warm-l3     request 2 in a NEW process on the same L3 directory (a restart)
-  warm-redis  request 2 in a NEW process with no disk, the prefix coming from a redis-server
-              started here (skipped when redis-server is not installed)
+  warm-l2     later requests in the same process and store (prefix blocks in L2, some in L1)
+  warm-l2-masked  (--masked) warm-l2 with the split prefill switched off: one SDPA over the
+              explicit [new, prefix + new] mask, the path before kvtier attended warm prefills
+              itself (kvtier.integrations.attention.split_prefix_attention)
+  warm-l3     later requests in a NEW process on the same L3 directory (a restart)
+  warm-redis  later requests in a NEW process with no disk, the prefix coming from a
+              redis-server started here (skipped when redis-server is not installed)
 
-The new processes measure their own cold prefill too, so every ratio compares runs of one
-process. Codec ``bf16`` (lossless for the bf16 model); ``same_token`` says whether the warm run's
-first token equals the cold one's. Target: warm-l3 <= 0.4x cold.
+Every warm case runs ``--repeat`` times, each time a new request (same prefix, own suffix) and a
+new cache (in the new processes a new store too: nothing in L1/L2), and each warm run is paired
+with a cold prefill of the same prompt measured right after it in the same process. ``x cold``
+is the median of those pairs' ratios, so a busy machine (other jobs on the cores) moves both
+sides of a pair alike; ``cpu x`` is the same median over the CPU time this process spent, which
+contention for the cores does not inflate (but which leaves out the redis server's work). The
+warm time is split into ``load`` (``load_prefix``: finding and attaching the prefix blocks, from
+L2, L3 files or redis) and ``fwd`` (the model computing the new tokens over them). Codec
+``bf16`` (lossless for the bf16 model); ``same_token`` says whether every warm run's first token
+equals its cold one's. Target: warm-l3 <= 0.4x cold.
 
-    python bench/bench_prefix.py            # 4096-token prompt, 3072 shared
+    python bench/bench_prefix.py            # 4096-token prompt, 3072 shared, 3 repeats
+    python bench/bench_prefix.py --masked   # also the masked-SDPA warm prefill, for comparison
     python bench/bench_prefix.py --smoke    # seconds; run by `make bench-smoke`
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,16 +70,20 @@ def request(tok, args, k: int):
 
 
 @torch.no_grad()
-def timed_prefill(model, cache, ids, load: bool):
-    """(seconds to the first token's logits, tokens loaded, first token id)."""
-    t0 = time.perf_counter()
+def timed_prefill(model, cache, ids, load: bool) -> dict:
+    """Time to the first token's logits: ``s`` in all, of which ``load_s`` in ``load_prefix``;
+    ``cpu_s`` the CPU time of this process meanwhile (all its threads; not the redis server's);
+    ``loaded`` tokens found, ``tok`` the first token id."""
+    c0, t0 = time.process_time(), time.perf_counter()
     n = cache.load_prefix(ids) if load else 0
+    t1 = time.perf_counter()
     logits = model(input_ids=ids[:, n:], cache=cache, logits_to_keep=1).logits  # [1, 1, vocab]
     tok = int(logits[0, -1].argmax())
-    return time.perf_counter() - t0, n, tok
+    t2, c2 = time.perf_counter(), time.process_time()
+    return {"s": t2 - t0, "load_s": t1 - t0, "forward_s": t2 - t1, "cpu_s": c2 - c0, "loaded": n, "tok": tok}
 
 
-def cold(model, args, ids):
+def cold(model, args, ids) -> dict:
     from kvtier.integrations.cache import TieredCache
 
     cache = TieredCache(make_config(args), model)
@@ -74,6 +91,47 @@ def cold(model, args, ids):
         return timed_prefill(model, cache, ids, load=False)
     finally:
         cache.close()
+
+
+@contextlib.contextmanager
+def masked_prefill():
+    """Switch the split prefill off (kvtier attention then runs SDPA over the explicit mask):
+    the reference for what splitting buys. A measuring device of this script only."""
+    from kvtier.integrations import attention
+
+    real = attention._splittable
+    attention._splittable = lambda *a, **k: False
+    try:
+        yield
+    finally:
+        attention._splittable = real
+
+
+def warm_runs(model, tok, args, ks, make_cache, before_after=None) -> dict:
+    """One warm prefill per request ``k`` in ``ks``, each on a cache from ``make_cache()`` and
+    paired with a cold prefill of the same prompt right after it. Returns the pairs' summary."""
+    pairs, hit = [], {}
+    for k in ks:
+        ids = request(tok, args, k)
+        cache = make_cache()
+        before = before_after(cache) if before_after else cache.stats()
+        w = timed_prefill(model, cache, ids, load=True)
+        hit = hits(before, before_after(cache) if before_after else cache.stats())
+        cache.reset()  # the conversation ends; its prefix blocks stay where they are
+        cache.close()
+        c = cold(model, args, ids)
+        pairs.append((w, c))
+    return summary(pairs, hit)
+
+
+def summary(pairs, hit) -> dict:
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    ratios = [w["s"] / c["s"] for w, c in pairs]
+    return {"ttft_s": med([w["s"] for w, _ in pairs]), "ratio": med(ratios), "ratios": ratios,
+            "cpu_ratio": med([w["cpu_s"] / c["cpu_s"] for w, c in pairs]),
+            "load_s": med([w["load_s"] for w, _ in pairs]), "forward_s": med([w["forward_s"] for w, _ in pairs]),
+            "cold_s": med([c["s"] for _, c in pairs]), "loaded": min(w["loaded"] for w, _ in pairs),
+            "same_token": all(w["tok"] == c["tok"] for w, c in pairs), "hits": hit}
 
 
 def hits(before: dict, after: dict) -> dict:
@@ -96,20 +154,16 @@ def load(args):
 
 
 def child(args) -> int:
-    """A new process: warm request 2 from L3 or from redis, then its own cold reference."""
+    """A new process: warm requests from L3 or from redis, each on a fresh cache (a fresh store:
+    nothing in L1/L2), each paired with its own cold reference."""
     from kvtier.integrations.cache import TieredCache
 
     model, tok = load(args)
-    r2 = request(tok, args, 2 if args.child == "l3" else 3)
+    base = args.first_request  # requests of their own: no suffix found elsewhere
     kw = {"disk_path": args.disk} if args.child == "l3" else {"remote_url": args.redis_url}
-    cache = TieredCache(make_config(args, **kw), model)
-    before = cache.stats()
-    warm_s, n, warm_tok = timed_prefill(model, cache, r2, load=True)
-    after = cache.stats()
-    cache.close()
-    cold_s, _, cold_tok = cold(model, args, r2)
-    print(json.dumps({"warm_s": warm_s, "cold_s": cold_s, "loaded": n, "same_token": warm_tok == cold_tok,
-                      "hits": hits(before, after)}))
+    res = warm_runs(model, tok, args, range(base, base + args.repeat),
+                    lambda: TieredCache(make_config(args, **kw), model))
+    print(json.dumps(res))
     return 0
 
 
@@ -151,7 +205,7 @@ def run_child(args, kind: str, **extra) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--prompt", str(args.prompt),
            "--prefix", str(args.prefix), "--block-tokens", str(args.block_tokens),
            "--hot-tokens", str(args.hot_tokens), "--host-mb", str(args.host_mb), "--dtype", args.dtype,
-           "--threads", str(args.threads or torch.get_num_threads())]
+           "--threads", str(args.threads or torch.get_num_threads()), "--repeat", str(args.repeat)]
     for k, v in extra.items():
         cmd += [f"--{k.replace('_', '-')}", v]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
@@ -170,15 +224,21 @@ def main(argv=None) -> int:
     ap.add_argument("--host-mb", type=int, default=512, help="L2 ring size")
     ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: leave as is)")
+    ap.add_argument("--repeat", type=int, default=3, help="warm/cold pairs per case (median reported)")
+    ap.add_argument("--masked", action="store_true", help="also warm-l2 with the split prefill off")
     ap.add_argument("--no-redis", action="store_true", help="skip warm-redis")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--child", choices=["l3", "redis"], help=argparse.SUPPRESS)
     ap.add_argument("--disk", help=argparse.SUPPRESS)
     ap.add_argument("--redis-url", help=argparse.SUPPRESS)
+    ap.add_argument("--first-request", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.smoke:
         args.prompt, args.prefix, args.block_tokens, args.hot_tokens = 256, 192, 32, 64
         args.threads = args.threads or 1
+        args.repeat = 1
+    if args.repeat < 1:
+        raise SystemExit("--repeat must be >= 1")
     if not 0 < args.prefix < args.prompt or args.prefix % args.block_tokens:
         raise SystemExit("--prefix must be a multiple of --block-tokens in (0, --prompt)")
     if args.child:
@@ -197,11 +257,24 @@ def main(argv=None) -> int:
         except (FileNotFoundError, RuntimeError) as e:
             print(f"# warm-redis skipped: {e}")
     rows = []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        same = "-" if row["same_token"] is None else ("yes" if row["same_token"] else "NO")
+        per = " ".join(f"{x:.3f}" for x in row["ratios"])
+        print(f"{row['case']:<14} {row['ttft_s']:7.3f} {row['load_s']:7.3f} {row['forward_s']:7.3f} "
+              f"{row['cold_s']:7.3f} {row['ratio']:7.3f} {row['cpu_ratio']:6.3f} {row['loaded']:7d} {same:>5}  "
+              f"[{per}] {row['hits']}", flush=True)
+
     try:
         print(f"# prompt={args.prompt} prefix={args.prefix} block_tokens={args.block_tokens} "
-              f"hot_tokens={args.hot_tokens} dtype={args.dtype} threads={torch.get_num_threads()}")
-        cold_s, _, cold_tok = cold(model, args, r2)
-        rows.append({"case": "cold", "ttft_s": cold_s, "ratio": 1.0, "loaded": 0, "same_token": True, "hits": {}})
+              f"hot_tokens={args.hot_tokens} dtype={args.dtype} threads={torch.get_num_threads()} "
+              f"repeat={args.repeat}")
+        print(f"{'case':<14} {'TTFT s':>7} {'load s':>7} {'fwd s':>7} {'cold s':>7} {'x cold':>7} {'cpu x':>6} "
+              f"{'loaded':>7} {'same':>5}  per pair x cold; hits", flush=True)
+        c = cold(model, args, r2)
+        emit({"case": "cold", "ttft_s": c["s"], "ratio": 1.0, "ratios": [1.0], "cpu_ratio": 1.0, "load_s": 0.0,
+              "forward_s": c["forward_s"], "cold_s": c["s"], "loaded": 0, "same_token": True, "hits": {}})
 
         kw = {"disk_path": disk}
         if redis is not None:
@@ -213,32 +286,30 @@ def main(argv=None) -> int:
             model(input_ids=r1[:, args.prefix:], cache=first, logits_to_keep=1)
         pop_s = time.perf_counter() - t0
         first.store.flush()  # write-through to L3/L4 done (it ran alongside, off the prefill path)
-        rows.append({"case": "populate", "ttft_s": pop_s, "ratio": pop_s / cold_s, "loaded": 0,
-                     "same_token": None, "hits": {}})
+        emit({"case": "populate", "ttft_s": pop_s, "ratio": pop_s / c["s"], "ratios": [pop_s / c["s"]],
+              "cpu_ratio": float("nan"),
+              "load_s": 0.0, "forward_s": pop_s, "cold_s": c["s"], "loaded": 0, "same_token": None, "hits": {}})
 
-        second = TieredCache(make_config(args, **kw), model, store=first.store)
-        before = first.store.stats()
-        s, n, t = timed_prefill(model, second, r2, load=True)
-        rows.append({"case": "warm-l2", "ttft_s": s, "ratio": s / cold_s, "loaded": n,
-                     "same_token": t == cold_tok, "hits": hits(before, first.store.stats())})
+        store = first.store
+        r = args.repeat  # requests 1.. for warm-l2, then masked, l3, redis: each its own suffix
+        same_store = lambda: TieredCache(make_config(args, **kw), model, store=store)  # noqa: E731
+        res = warm_runs(model, tok, args, range(1, 1 + r), same_store, lambda _c: store.stats())
+        emit({"case": "warm-l2", **res})
+        if args.masked:
+            with masked_prefill():
+                res = warm_runs(model, tok, args, range(1 + r, 1 + 2 * r), same_store, lambda _c: store.stats())
+            emit({"case": "warm-l2-masked", **res})
         first.close()  # the process's store closes: L3 files stay, as after a restart
 
-        res = run_child(args, "l3", disk=disk)
-        rows.append({"case": "warm-l3", "ttft_s": res["warm_s"], "ratio": res["warm_s"] / res["cold_s"],
-                     "loaded": res["loaded"], "same_token": res["same_token"], "hits": res["hits"]})
+        emit({"case": "warm-l3", **run_child(args, "l3", disk=disk, first_request=str(1 + 2 * r))})
         if redis is not None:
-            res = run_child(args, "redis", redis_url=redis.url)
-            rows.append({"case": "warm-redis", "ttft_s": res["warm_s"], "ratio": res["warm_s"] / res["cold_s"],
-                         "loaded": res["loaded"], "same_token": res["same_token"], "hits": res["hits"]})
+            emit({"case": "warm-redis", **run_child(args, "redis", redis_url=redis.url,
+                                                    first_request=str(1 + 3 * r))})
     finally:
         if redis is not None:
             redis.close()
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"{'case':<11} {'TTFT s':>8} {'x cold':>7} {'loaded':>7} {'same':>5}  hits")
-    for r in rows:
-        same = "-" if r["same_token"] is None else ("yes" if r["same_token"] else "NO")
-        print(f"{r['case']:<11} {r['ttft_s']:8.3f} {r['ratio']:7.3f} {r['loaded']:7d} {same:>5}  {r['hits']}")
     l3 = next(r for r in rows if r["case"] == "warm-l3")
     verdict = "met" if l3["ratio"] <= 0.4 else "NOT met"
     print(f"# target warm-l3 <= 0.4x cold: {verdict} ({l3['ratio']:.3f}x)"
