@@ -9,12 +9,14 @@ is a :class:`TieredLayer` (a ``CacheLayerMixin``) that appends to the store and 
          attention("kvtier"):      select with the query ──► gather_blocks ──► attend ──► observe
 ```
 In sparse mode, multi-token steps (prefill) attend densely and seed the H2O/SnapKV statistics
-from the last queries; only single-token decode steps are budgeted. In both modes a multi-token
-step over tokens already cached (the prefill after ``load_prefix``, a chunked prefill) attends in
-two unmasked passes merged by log-sum-exp instead of one SDPA over an explicit mask
-(:func:`kvtier.integrations.attention.split_prefix_attention`): the update notes which layer and
-which returned K it is for, and kvtier's attention takes that path only for that exact call. The store's step
-boundary (eviction, async swap-out, prefetch) is run after the last layer of every forward.
+from the last queries; only single-token decode steps are budgeted. The store's step boundary
+(eviction, async swap-out, prefetch) is run after the last layer of every forward.
+
+In both modes a multi-token step over tokens already cached (the prefill after ``load_prefix``, a
+chunked prefill) attends in two unmasked passes merged by log-sum-exp instead of one SDPA over an
+explicit mask (:func:`kvtier.integrations.attention.split_prefix_attention`): the update notes
+the layer and the K it returned, and kvtier's attention takes that path only for that exact call
+(and only when the mask is exactly causal: no padding).
 
 Prefix reuse (issue 7): the store gets the token ids of what is appended (captured from
 ``input_ids`` by a forward pre-hook that :func:`attach` registers, or given with
