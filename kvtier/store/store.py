@@ -1168,16 +1168,16 @@ class KVStore:
         if query.dtype != torch.float32 or query.device != self.device:
             query = query.to(self.device, torch.float32)
         q = query.reshape(self.kv_heads, -1, hd)  # [kv_heads, G*q_len, hd]
-        dig = t.digest.narrow(1, lo, hi - lo)  # [kv_heads, m, hd] (mean) or [kv_heads, m, 2*hd] (max | min)
-        if dig.dtype != torch.float32:
-            dig = dig.float()
+        dig_t = t.digest_t(lo, hi)  # [kv_heads, hd, m] (mean) or [kv_heads, 2*hd, m] (max | min)
+        if dig_t.dtype != torch.float32:
+            dig_t = dig_t.float()
         if self._digest_score == "centroid":
             # bmm and scale in one op (beta=0: the [1, 1, 1] zeros are never read)
-            s = torch.baddbmm(self._zeros111, q, dig.transpose(1, 2), beta=0.0, alpha=hd ** -0.5)  # [kv_heads, G*q_len, m]
+            s = torch.baddbmm(self._zeros111, q, dig_t, beta=0.0, alpha=hd ** -0.5)  # [kv_heads, G*q_len, m]
             return torch.softmax(s, dim=-1).amax(dim=(0, 1))  # [m]: best query of the best head
         # Quest: q_d*max_d where q_d >= 0, q_d*min_d where q_d < 0: one bmm against [max | min]
         qq = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)  # [kv_heads, G*q_len, 2*hd]
-        s = torch.bmm(qq, dig.transpose(1, 2))  # [kv_heads, G*q_len, m]
+        s = torch.bmm(qq, dig_t)  # [kv_heads, G*q_len, m]
         return s.amax(dim=1).sum(dim=0)  # [m]
 
     def gather_blocks(self, seq: int, layer: int, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -145,6 +145,7 @@ class BlockTable:
         self.open_view: torch.Tensor | None = None  # L1 slot of the open block (store.py)
         self.select_score = select_score
         self.digest: torch.Tensor | None = None
+        self._digest_t: tuple | None = None   # (lo, hi, view) of the last digest_t() call
         if select_score is not None:
             width = len(DIGEST_PARTS[select_score]) * head_dim
             self.digest = torch.empty(kv_heads, 16, width, dtype=digest_dtype, device=device)
@@ -162,6 +163,17 @@ class BlockTable:
         d = self.digest
         return 0 if d is None else d.shape[0] * d.shape[2] * d.element_size()
 
+    def digest_t(self, lo: int, hi: int) -> torch.Tensor:
+        """Digests of sealed blocks [lo, hi) as ``[kv_heads, width, hi - lo]`` (a view, ready as
+        the right operand of ``q @``). Kept while (lo, hi) stay the same: between two block
+        boundaries every decode step scores the same candidate range."""
+        c = self._digest_t
+        if c is not None and c[0] == lo and c[1] == hi:
+            return c[2]
+        view = self.digest[:, lo:hi].transpose(1, 2)
+        self._digest_t = (lo, hi, view)
+        return view
+
     def set_digest(self, b: int, keys: torch.Tensor) -> None:
         """Record the digest of sealed block ``b``; keys: [kv_heads, block_tokens, head_dim]."""
         if self.digest is None:
@@ -169,11 +181,13 @@ class BlockTable:
         if self.digest.is_inference() and not torch.is_inference_mode_enabled():
             # grown during an inference_mode() prefill; a plain copy can be written outside it
             self.digest = self.digest.clone()
+            self._digest_t = None
         if b >= self.digest.shape[1]:
             old = self.digest
             self.digest = torch.empty((old.shape[0], max(b + 1, 2 * old.shape[1]), old.shape[2]),
                                       dtype=old.dtype, device=old.device)
             self.digest[:, : old.shape[1]] = old
+            self._digest_t = None  # a view of the old table
         row = self.digest[:, b]  # [kv_heads, width]
         if self.select_score == "centroid":
             row.copy_(keys.mean(dim=1, dtype=torch.float32))  # [kv_heads, head_dim]
