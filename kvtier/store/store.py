@@ -434,22 +434,33 @@ class KVStore:
 
     def match_prefix(self, token_ids) -> int:
         """Leading tokens of ``token_ids`` available in some tier (L1 of any sequence, L2, L3 or
-        L4) for every layer, in whole blocks. 0 without a fingerprint."""
+        L4) for every layer, in whole blocks. 0 without a fingerprint.
+
+        Local tiers are checked first; whatever they lack past the locally available blocks is
+        asked of L4 in one pipelined round trip (not one per key)."""
         self._check_open()
         ids, hashes = self._prefix_keys(token_ids)
+        keys = [[self._content_key(layer, h) for layer in range(self.num_layers)] for h in hashes]
         n = 0
-        for h in hashes:
-            keys = [self._content_key(layer, h) for layer in range(self.num_layers)]
-            if not all(self._available(k) for k in keys):
-                break
+        while n < len(keys) and all(self._available_locally(k) for k in keys[n]):
             n += 1
+        if n < len(keys) and self.l4 is not None:
+            # the rest: one round trip for every key no local tier has, up to the first block
+            # that lacks one everywhere
+            missing = [[k for k in block if not self._available_locally(k)] for block in keys[n:]]
+            flat = [k for block in missing for k in block]
+            found = iter(self.l4.contains_many(flat))
+            for block in missing:
+                if not all([next(found) for _ in block]):  # consume this block's answers in full
+                    break
+                n += 1
         with self._lock:
             self.c["prefix_lookups"] += 1
             self.c["prefix_lookup_tokens"] += int(ids.size)
             self.c["prefix_hit_tokens"] += n * self.block_tokens
         return n * self.block_tokens
 
-    def _available(self, key: str) -> bool:
+    def _available_locally(self, key: str) -> bool:
         with self._lock:
             rec = self._recs.get(key)
             if rec is not None and (rec.entries or rec.l2 or rec.l3 or rec.l4):
@@ -458,7 +469,7 @@ class KVStore:
             with self._tier_lock:
                 if self.l3.contains(key):
                     return True
-        return self.l4 is not None and self.l4.contains(key)
+        return False
 
     def attach_prefix(self, seq: int, token_ids) -> int:
         """Link the longest available prefix of ``token_ids`` into the empty sequence ``seq``.

@@ -382,3 +382,23 @@ def test_redis_killed_mid_run_then_restarted(redis_server):
     store.drop_sequence(d)
     other.close()
     store.close()
+
+
+def test_match_prefix_asks_redis_once(redis_server):
+    """A prefix only the server holds is matched with one pipelined round trip, not one per key,
+    and a block missing from the server ends the match there."""
+    writer = make(remote_url=redis_server.url)
+    fill(writer, PREFIX_IDS + tokens(12, 20), cat(PREFIX_KV, kv(12, 20)))
+    writer.flush()
+    reader = make(remote_url=redis_server.url)
+    trips = []
+    real = reader.l4._round_trip
+    reader.l4._round_trip = lambda *a, **kw: trips.append(1) or real(*a, **kw)
+    assert reader.match_prefix(PREFIX_IDS) == PREFIX
+    assert len(trips) == 1  # PREFIX // BT * L = 128 keys
+    # drop layer 1 of block 10 from the server: the match stops at that block
+    _, hashes = reader._prefix_keys(PREFIX_IDS)
+    assert writer.l4.delete(reader._content_key(1, hashes[10]))
+    assert reader.match_prefix(PREFIX_IDS) == 10 * BT
+    writer.close()
+    reader.close()
