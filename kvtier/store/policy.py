@@ -48,8 +48,11 @@ class EvictionPolicy(ABC):
             return []
         prot = self.protected(table)
         cand, fallback = [], []
-        for e in table.entries[:-1]:  # the open block never leaves
-            if e.slot is None or e.pending or e.idx in exclude or (only_clean and not e.clean):
+        open_idx = len(table.entries) - 1  # the open block never leaves
+        # resident blocks only (a table holds many more below L1); the sorts below make the
+        # order independent of the scan order
+        for e in table.slotted.values():
+            if e.idx == open_idx or e.pending or e.idx in exclude or (only_clean and not e.clean):
                 continue
             (fallback if e.idx in prot else cand).append(e)
         cand.sort(key=self.sort_key)

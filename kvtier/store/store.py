@@ -38,6 +38,7 @@ import torch
 
 from kvtier.config import KVTierConfig
 
+from . import cscore
 from .blockrecord import pack_block, unpack_block
 from .keys import block_key
 from .policy import make_policy
@@ -163,7 +164,6 @@ class KVStore:
                              dtype=dtype, device=self.device)
         self.l2 = HostTier(cfg.host_bytes, spill=self._spill if self.l3 is not None else None,
                            pin_memory=self._cuda)
-        self._zero_block = torch.zeros(slot_shape, dtype=dtype, device=self.device)
         # [2, kv_heads, num_slots, block_tokens, head_dim] view of the pool: one index_select along
         # the slot axis yields K and V already in [kv_heads, blocks, tokens, head_dim] order
         self._pool_kv = self.l1.pool.permute(1, 2, 0, 3, 4)
@@ -171,6 +171,9 @@ class KVStore:
         self._zeros111 = torch.zeros(1, 1, 1, device=self.device)
         # key digests only where something reads them: select(), i.e. sparse attention
         self._digest_score = cfg.select_score if cfg.attention == "sparse" else None
+        # CPU: block scores in one compiled call, read from the digest table in place (cscore.py)
+        self._cscore = (self._digest_score is not None and self.device.type == "cpu"
+                        and dtype in cscore.DTYPES and cscore.available())
 
         self._lock = threading.Lock()
         self._tier_lock = threading.Lock()
@@ -624,14 +627,16 @@ class KVStore:
             self._recs[e.tkey] = e.rec
         self._make_room(t, 1, exclude=frozenset())
         with self._lock:
-            e.slot = self._alloc(e.key, self._zero_block)
-            t.resident += 1
+            # no copy: a slot's tokens past t.length are never read (gather/gather_blocks narrow
+            # to the length, a block is sealed full), so the open block needs no zeroing
+            t.take_slot(e, self._alloc(e.key, None))
             self._home["l1"] += 1
         t.open_view = self.l1.pool[e.slot]  # [2, kv_heads, block_tokens, head_dim]: the open block never moves
 
-    def _alloc(self, key: str, data: torch.Tensor) -> int:
-        """Copy ``data`` [2, kv_heads, block_tokens, head_dim] into a free L1 slot (lock held)."""
-        ok = self.l1.put(key, data)
+    def _alloc(self, key: str, data: torch.Tensor | None) -> int:
+        """Copy ``data`` [2, kv_heads, block_tokens, head_dim] into a free L1 slot (lock held);
+        ``None``: take a slot and leave its contents as they are (the open block)."""
+        ok = self.l1.put(key, b"" if data is None else data)
         assert ok, "L1 pool out of slots although every table stays within its budget"
         return self.l1.slot_of(key)
 
@@ -667,8 +672,7 @@ class KVStore:
         """Drop the L1 copy of a clean block (lock held)."""
         assert e.clean and e.slot is not None and not e.pending, f"not a clean resident block: {e}"
         self.l1.delete(e.key)
-        e.slot = None
-        t.resident -= 1
+        t.free_slot(e)
         self._home["l1"] -= 1
         self._home[e.home] += 1
         self.c["evicted_clean"] += 1
@@ -764,8 +768,7 @@ class KVStore:
                                 self.c["evicted_dirty"] += 1
                             if not e.cancel and e.slot is not None:
                                 self.l1.delete(e.key)
-                                e.slot = None
-                                t.resident -= 1
+                                t.free_slot(e)
                                 self._home["l1"] -= 1
                                 self._home[e.home] += 1  # l2, or l3 for a block clean there
                         elif rec is not None:
@@ -1019,8 +1022,7 @@ class KVStore:
                     self._free_clean(t, t.entries[b])
             if t.resident < self.hot_blocks:
                 self._home[e.home] -= 1
-                e.slot = self._alloc(e.key, data)
-                t.resident += 1
+                t.take_slot(e, self._alloc(e.key, data))
                 self._home["l1"] += 1
                 return e.slot
             assert len(scratch) < max(1, self.hot_blocks - 1), "more scratch blocks than the L1 budget"
@@ -1119,8 +1121,7 @@ class KVStore:
             with self._lock:
                 if e.slot is None and t.resident < self.hot_blocks:
                     self._home[e.home] -= 1
-                    e.slot = self._alloc(e.key, data)
-                    t.resident += 1
+                    t.take_slot(e, self._alloc(e.key, data))
                     self._home["l1"] += 1
         if self._pf_pool is not None:
             # streaming: the next layer's missing blocks decode while this layer computes
@@ -1159,9 +1160,15 @@ class KVStore:
             k = nb - s_end - (ns - w_start)
             sel = list(range(s_end))
             if k > 0:
-                scores = self._scores(t, query, s_end, w_start)
-                top = torch.topk(scores, k, sorted=False).indices.tolist()
-                sel += sorted(b + s_end for b in top)
+                if self._cscore:
+                    # scores and selection in one compiled call, already ascending
+                    top = cscore.top_blocks(self._query_rows(query), t.digest, s_end, w_start,
+                                            self._digest_score == "quest", self.head_dim ** -0.5, k)
+                    sel += [b + s_end for b in top]
+                else:
+                    scores = self._scores(t, query, s_end, w_start)
+                    top = torch.topk(scores, k, sorted=False).indices.tolist()
+                    sel += sorted(b + s_end for b in top)
             sel += range(w_start, ns)
         self._last_sel[(seq, layer)] = sel
         if self._pf_pool is not None and layer + 1 < self.num_layers:
@@ -1169,16 +1176,22 @@ class KVStore:
             self._prefetch(self._tables[seq][layer + 1], sel, "next_layer")
         return sel
 
-    def _scores(self, t: BlockTable, query: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """Score of each sealed block in [lo, hi) against ``query`` (higher = attend); see
-        ``KVTierConfig.select_score``."""
+    def _query_rows(self, query: torch.Tensor) -> torch.Tensor:
+        """Checked query [q_heads, q_len, head_dim] -> float32 [kv_heads, G*q_len, head_dim] on the device."""
         qh, ql, hd = query.shape
         if qh % self.kv_heads or hd != self.head_dim:
             raise ValueError(f"query must be [q_heads (multiple of {self.kv_heads}), q_len, {self.head_dim}]; "
                              f"got {tuple(query.shape)}")
         if query.dtype != torch.float32 or query.device != self.device:
             query = query.to(self.device, torch.float32)
-        q = query.reshape(self.kv_heads, -1, hd)  # [kv_heads, G*q_len, hd]
+        # GQA: consecutive query heads share a kv head, so rows of one kv head are adjacent
+        return query.reshape(self.kv_heads, -1, hd).contiguous()  # [kv_heads, G*q_len, hd]
+
+    def _scores(self, t: BlockTable, query: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Score of each sealed block in [lo, hi) against ``query`` (higher = attend); see
+        ``KVTierConfig.select_score``. The torch math: the specification of cscore.py's CPU path."""
+        q = self._query_rows(query)  # [kv_heads, G*q_len, hd]
+        hd = self.head_dim
         dig_t = t.digest_t(lo, hi)  # [kv_heads, hd, m] (mean) or [kv_heads, 2*hd, m] (max | min)
         if dig_t.dtype != torch.float32:
             dig_t = dig_t.float()

@@ -137,6 +137,7 @@ class BlockTable:
         self.length = 0                        # tokens appended
         self.entries: list[BlockEntry] = []    # index = block index; the last one is open
         self.resident = 0                      # blocks holding an L1 slot (pending included)
+        self.slotted: dict[int, BlockEntry] = {}  # those blocks by index (the policy scans only these)
         self.pending = 0                       # of which queued for swap-out
         self.observed = 0                      # observe() calls so far (snapkv freezes after a few)
         self.head_dim = head_dim
@@ -149,6 +150,19 @@ class BlockTable:
         if select_score is not None:
             width = len(DIGEST_PARTS[select_score]) * head_dim
             self.digest = torch.empty(kv_heads, 16, width, dtype=digest_dtype, device=device)
+
+    def take_slot(self, e: BlockEntry, slot: int) -> None:
+        """``e`` now holds L1 slot ``slot`` (store lock held)."""
+        assert e.slot is None, f"block already resident: {e}"
+        e.slot = slot
+        self.resident += 1
+        self.slotted[e.idx] = e
+
+    def free_slot(self, e: BlockEntry) -> None:
+        """``e`` left L1; the caller deleted its slot (store lock held)."""
+        e.slot = None
+        self.resident -= 1
+        del self.slotted[e.idx]
 
     @property
     def n_sealed(self) -> int:

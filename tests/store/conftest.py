@@ -41,6 +41,7 @@ def check_invariants(store: KVStore) -> None:
         for t in store._tables[seq]:
             assert t.pending == 0
             assert t.resident == sum(e.slot is not None for e in t.entries) <= store.hot_blocks
+            assert t.slotted == {e.idx: e for e in t.entries if e.slot is not None}
             assert not t.entries or t.entries[-1].slot is not None, "open block left L1"
             for e in t.entries:
                 assert not e.pending and e.home != "none", f"block lost: {e}"

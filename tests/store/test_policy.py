@@ -10,11 +10,12 @@ def table(n_blocks: int, **attrs) -> BlockTable:
     t = BlockTable(0, 0, 1, 4, torch.device("cpu"), torch.float32)
     for i in range(n_blocks):
         e = BlockEntry(i, f"0/0/{i}")
-        e.slot = i
         for name, vals in attrs.items():
             setattr(e, name, vals[i])
         t.entries.append(e)
-    t.resident = n_blocks
+    # taken in reverse: the policy's order must not depend on the order blocks became resident
+    for e in reversed(t.entries):
+        t.take_slot(e, e.idx)
     return t
 
 

@@ -1,0 +1,297 @@
+"""CPU fast path for ``KVStore.select``'s block scoring: one small C routine, compiled once per machine.
+
+On the CPU the scoring is a handful of tiny torch ops per layer and decode step (bmm of
+``[kv_heads, G*q_len, hd] x [kv_heads, hd, m]``, softmax, amax; a bf16 -> float32 copy of the
+digest range first), each paying torch's per-op dispatch: ~25 us at SmolLM2's shape (3 kv heads,
+3 query heads per kv head, m = 250 candidate blocks), the largest single cost of a sparse decode
+step's store calls. This routine computes the same scores in one pass straight from the digest
+table (float32 or bf16, read in place: no conversion copy, no extra memory) in a few us.
+
+Math (the specification is the torch code in ``KVStore._scores``, which stays the fallback and
+the CUDA path; tests/store/test_cscore.py compares the two):
+  centroid  s[h, r, j] = scale * q[h, r] . mean[h, j];  score[j] = max_{h, r} softmax_j(s[h, r])[j]
+  quest     s[h, r, j] = sum_d max(q_d, 0) * max[h, j, d] + min(q_d, 0) * min[h, j, d]
+            score[j] = sum_h max_r s[h, r, j]
+Scores agree with torch to float32 rounding (summation order differs), so the top-k ranking is
+the same except between blocks whose scores tie to within rounding.
+
+Build: as :mod:`kvtier.compress.cpu` (system C compiler, ``$KVTIER_CACHE_DIR``, a name hashing the
+source, flags and CPU; loaded with ctypes). Without a compiler :func:`available` is False and
+the store keeps the torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+_SRC = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+typedef float v8 __attribute__((vector_size(32)));   /* 8 floats: AVX, or two SSE registers */
+
+static inline v8 ld8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
+
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* exp(x) for x <= 0 without a libm call, so that the softmax loop vectorizes: x = n ln2 + r,
+   |r| <= ln2/2, degree-6 Taylor polynomial (relative error ~2e-7, float32 rounding level);
+   x < -87 gives ~exp(-87) instead of a denormal (both are ~0 next to the row's max, which is 1). */
+static inline float exp_neg(float x) {
+    x = x < -87.f ? -87.f : x;
+    float n = __builtin_rintf(x * 1.44269504088896341f);
+    float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
+    int32_t e = ((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &e, 4);
+    return p * two_n;
+}
+
+/* One digest row (width floats) as float32 into buf; returns a pointer to it. */
+static inline const float *row_f32(const void *dig, int64_t off, int64_t width, int bf16, float *buf) {
+    if (!bf16) return (const float *)dig + off;
+    const uint16_t *p = (const uint16_t *)dig + off;
+    for (int64_t d = 0; d < width; d++) buf[d] = bf16_to_f32(p[d]);
+    return buf;
+}
+
+/* a . b over n floats: 8-wide partial sums (the order differs from torch's: float32 rounding) */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    v8 acc = {0};
+    int64_t d = 0;
+    for (; d + 8 <= n; d += 8) acc += ld8(a + d) * ld8(b + d);
+    float s = 0.f;
+    for (; d < n; d++) s += a[d] * b[d];
+    /* pairwise: a chain of 8 dependent adds would cost more than the 8 lanes of FMAs */
+    return s + (((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])));
+}
+
+/* q: [H][R][hd] float32 (contiguous). dig: digest rows of the m candidate blocks, row j of head h
+   at element offset h*head_stride + j*width (float32 or bf16); width = hd (centroid: mean) or
+   2*hd (quest: max | min). out: [m] float32. Returns 0, or -1 when out of memory. */
+int kvt_block_scores(const float *q, int64_t H, int64_t R, int64_t hd, const void *dig,
+                     int64_t head_stride, int64_t width, _Bool bf16, int64_t m, _Bool quest,
+                     float scale, float *out) {
+    float *s = (float *)malloc(sizeof(float) * (size_t)(R * m + 2 * width + 2 * R * hd));
+    if (!s) return -1;
+    float *buf = s + R * m;            /* one converted digest row */
+    float *qq = buf + width;           /* quest: [R][max(q,0) | min(q,0)] of the current head */
+    for (int64_t j = 0; j < m; j++) out[j] = quest ? 0.f : -INFINITY;
+    for (int64_t h = 0; h < H; h++) {
+        const float *qh = q + h * R * hd;
+        if (quest) {
+            for (int64_t r = 0; r < R; r++)
+                for (int64_t d = 0; d < hd; d++) {
+                    float x = qh[r * hd + d];
+                    qq[r * 2 * hd + d] = x > 0.f ? x : 0.f;
+                    qq[r * 2 * hd + hd + d] = x < 0.f ? x : 0.f;
+                }
+            for (int64_t j = 0; j < m; j++) {
+                const float *row = row_f32(dig, h * head_stride + j * width, width, bf16, buf);
+                float best = -INFINITY;
+                for (int64_t r = 0; r < R; r++) {
+                    float v = dot(qq + r * 2 * hd, row, 2 * hd);
+                    if (v > best) best = v;
+                }
+                out[j] += best;
+            }
+            continue;
+        }
+        for (int64_t j = 0; j < m; j++) {
+            const float *row = row_f32(dig, h * head_stride + j * width, width, bf16, buf);
+            for (int64_t r = 0; r < R; r++) s[r * m + j] = scale * dot(qh + r * hd, row, hd);
+        }
+        for (int64_t r = 0; r < R; r++) {
+            float *sr = s + r * m;
+            float mx = -INFINITY, sum = 0.f;
+            for (int64_t j = 0; j < m; j++) if (sr[j] > mx) mx = sr[j];
+            for (int64_t j = 0; j < m; j++) { sr[j] = exp_neg(sr[j] - mx); sum += sr[j]; }
+            float inv = 1.f / sum;
+            for (int64_t j = 0; j < m; j++) { float p = sr[j] * inv; if (p > out[j]) out[j] = p; }
+        }
+    }
+    free(s);
+    return 0;
+}
+
+/* k-th largest of a[0..n) (0-based k < n); reorders a (Hoare quickselect, middle pivot). */
+static float kth_largest(float *a, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        float pv = a[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > pv) i++;
+            while (a[j] < pv) j--;
+            if (i <= j) { float t = a[i]; a[i] = a[j]; a[j] = t; i++; j--; }
+        }
+        if (k <= j) hi = j;
+        else if (k >= i) lo = i;
+        else break;
+    }
+    return a[k];
+}
+
+/* The k best of the m scores (kvt_block_scores' arguments) as ascending indices into idx[k]:
+   every block scoring above the k-th best score, then the lowest-indexed ties at it. NaN scores
+   (a NaN query) rank last. Returns 0, or -1 when out of memory. */
+int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *dig,
+                  int64_t head_stride, int64_t width, _Bool bf16, int64_t m, _Bool quest,
+                  float scale, int64_t k, int64_t *idx) {
+    float *sc = (float *)malloc(sizeof(float) * (size_t)(2 * m));
+    if (!sc) return -1;
+    if (kvt_block_scores(q, H, R, hd, dig, head_stride, width, bf16, m, quest, scale, sc)) {
+        free(sc);
+        return -1;
+    }
+    float *tmp = sc + m;
+    for (int64_t j = 0; j < m; j++) {
+        if (sc[j] != sc[j]) sc[j] = -INFINITY;
+        tmp[j] = sc[j];
+    }
+    float thr = kth_largest(tmp, m, k - 1);
+    int64_t above = 0;
+    for (int64_t j = 0; j < m; j++) above += sc[j] > thr;
+    int64_t ties = k - above, n = 0;   /* ties >= 1: thr itself is one of the k best */
+    for (int64_t j = 0; j < m && n < k; j++) {
+        if (sc[j] > thr) idx[n++] = j;
+        else if (sc[j] == thr && ties > 0) { idx[n++] = j; ties--; }
+    }
+    free(sc);
+    return 0;
+}
+"""
+
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_error: str | None = None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVTIER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvtier")
+    p = Path(root)
+    p.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return p
+
+
+def _build() -> ctypes.CDLL:
+    from kvtier.compress.cpu import _cpu_id  # what -march=native depends on
+
+    cc = os.environ.get("CC", "cc")
+    key = "\0".join([_SRC, " ".join(_FLAGS), cc, sys.platform, _cpu_id()])
+    tag = hashlib.sha256(key.encode()).hexdigest()[:16]
+    out = _cache_dir() / f"kvtier_score_{tag}.so"
+    if not out.exists():
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            src = Path(tmp) / "score.c"
+            src.write_text(_SRC)
+            so = Path(tmp) / "score.so"
+            subprocess.run([cc, *_FLAGS, str(src), "-o", str(so), "-lm"], check=True, capture_output=True,
+                           timeout=120)
+            os.chmod(so, 0o700)
+            os.replace(so, out)  # atomic: concurrent builders race harmlessly
+    lib = ctypes.CDLL(str(out))
+    i64, c_int, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.kvt_block_scores.argtypes = [vp, i64, i64, i64, vp, i64, i64, ctypes.c_bool, i64, ctypes.c_bool, ctypes.c_float, vp]
+    lib.kvt_block_scores.restype = c_int
+    lib.kvt_block_top.argtypes = lib.kvt_block_scores.argtypes[:-1] + [i64, vp]
+    lib.kvt_block_top.restype = c_int
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _error
+    if _lib is not None or _error is not None:
+        return _lib
+    with _lock:
+        if _lib is None and _error is None:
+            try:
+                _lib = _build()
+            except (OSError, subprocess.SubprocessError) as e:  # no compiler, or it failed
+                detail = getattr(e, "stderr", b"") or b""
+                _error = f"{type(e).__name__}: {e} {detail.decode(errors='replace')[:500]}"
+                warnings.warn(f"kvtier: compiled block scoring unavailable, select() uses torch ops ({_error})",
+                              RuntimeWarning, stacklevel=3)
+    return _lib
+
+
+def available() -> bool:
+    """True when the compiled routine could be built and loaded on this machine."""
+    return _load() is not None
+
+
+#: digest dtypes the routine reads in place
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def block_scores(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: bool, scale: float) -> torch.Tensor:
+    """Scores of digest rows [lo, hi) (see the module docstring for the math).
+
+    On the decode hot path (once per layer and step): the caller (``KVStore._scores``) has
+    already checked the query's shape; only what would make the C code read out of bounds is
+    asserted here.
+
+    Args:
+        q: [kv_heads, R, head_dim] float32 contiguous CPU (R = query heads per kv head * q_len).
+        digest: [kv_heads, cap, width] contiguous CPU table, float32 or bfloat16; width = head_dim
+            (centroid) or 2 * head_dim (quest: max | min).
+        scale: centroid logit scale (ignored by quest).
+    Returns:
+        [hi - lo] float32 (owned).
+    """
+    fn = _load().kvt_block_scores  # AttributeError on None: callers check available() first
+    kvh, r, hd = q.shape
+    _, cap, width = digest.shape
+    assert (q.dtype == torch.float32 and q.is_contiguous() and digest.is_contiguous()
+            and digest.shape[0] == kvh and width == (hd << quest) and 0 <= lo < hi <= cap), \
+        f"q {q.dtype} {tuple(q.shape)}, digest {tuple(digest.shape)} rows [{lo}, {hi}), quest={quest}"
+    m = hi - lo
+    out = torch.empty(m, dtype=torch.float32)
+    bf16 = digest.dtype == torch.bfloat16
+    assert bf16 or digest.dtype == torch.float32, f"digest dtype must be one of {DTYPES}; got {digest.dtype}"
+    # element offset of row lo (2 or 4 bytes per element)
+    base = digest.data_ptr() + lo * width * (2 if bf16 else 4)
+    if fn(q.data_ptr(), kvh, r, hd, base, cap * width, width, bf16, m, quest, scale, out.data_ptr()):
+        raise MemoryError("kvt_block_scores: out of memory")
+    return out
+
+
+def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: bool, scale: float,
+               k: int) -> list[int]:
+    """The ``k`` best-scoring digest rows of [lo, hi), ascending, as offsets from ``lo``.
+
+    The same scores as :func:`block_scores`; the selection is done in C too (no score tensor, no
+    topk, no sort: fewer calls on the decode path). Ties at the k-th score go to the lower index.
+    Arguments as :func:`block_scores`; 1 <= k <= hi - lo.
+    """
+    fn = _load().kvt_block_top
+    kvh, r, hd = q.shape
+    _, cap, width = digest.shape
+    assert (q.dtype == torch.float32 and q.is_contiguous() and digest.is_contiguous()
+            and digest.shape[0] == kvh and width == (hd << quest) and 0 <= lo < hi <= cap and 1 <= k <= hi - lo), \
+        f"q {q.dtype} {tuple(q.shape)}, digest {tuple(digest.shape)} rows [{lo}, {hi}), quest={quest}, k={k}"
+    bf16 = digest.dtype == torch.bfloat16
+    assert bf16 or digest.dtype == torch.float32, f"digest dtype must be one of {DTYPES}; got {digest.dtype}"
+    out = (ctypes.c_int64 * k)()
+    base = digest.data_ptr() + lo * width * (2 if bf16 else 4)
+    if fn(q.data_ptr(), kvh, r, hd, base, cap * width, width, bf16, hi - lo, quest, scale, k, out):
+        raise MemoryError("kvt_block_top: out of memory")
+    return out[:]
