@@ -103,7 +103,7 @@ class Stream:
 
 def run(ctx: int, l1_frac: float, budget_frac: float, steps: int, warmup: int, dtype, device, codec: str,
         policy: str, block_tokens: int, heavy: float, disk_dir: str, attention: str = "sparse",
-        prefetch: bool = True) -> dict:
+        prefetch: bool | str | None = None) -> dict:
     """Reference and store side by side: every step runs both on the same tokens, so machine
     load hits them alike."""
     bt = block_tokens
@@ -116,7 +116,8 @@ def run(ctx: int, l1_frac: float, budget_frac: float, steps: int, warmup: int, d
     host = max(1 << 20, int(kv_bytes * 0.5 * 4.5 / (8 * elem)))
     cfg = KVTierConfig(block_tokens=bt, hot_tokens=hot, budget_tokens=budget, host_bytes=host,
                        disk_path=disk_dir, disk_bytes=max(64 << 20, 2 * kv_bytes), codec=codec,
-                       policy=policy, attention=attention, max_sequences=1, prefetch=prefetch)
+                       policy=policy, attention=attention, max_sequences=1,
+                       **({} if prefetch is None else {"prefetch": prefetch}))
     st = KVStore(cfg, num_layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=dtype, device=device)
     s = Stream(dtype, device, heavy, bt)
     ks = torch.empty(LAYERS, KV_HEADS, total, HEAD_DIM, dtype=dtype, device=device)
@@ -235,8 +236,9 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", default="sparse", choices=["sparse", "dense"],
                     help="dense: every block every step (swapped in from L2/L3, next layer prefetched)")
     ap.add_argument("--block-tokens", type=int, default=64)
-    ap.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=True,
-                    help="asynchronous swap-in of predicted blocks (a second thread decoding on CPU)")
+    ap.add_argument("--prefetch", action=argparse.BooleanOptionalAction, default=None,
+                    help="asynchronous swap-in of predicted blocks (a second thread decoding on CPU); "
+                         "default: the config's 'auto' (on for a GPU store, off on CPU)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
@@ -249,7 +251,7 @@ def main(argv=None) -> int:
     results = []
     print(f"device={device} dtype={dtype} threads={torch.get_num_threads()} codec={args.codec} "
           f"policy={args.policy} attention={args.attention} block_tokens={args.block_tokens} "
-          f"prefetch={args.prefetch} "
+          f"prefetch={'auto' if args.prefetch is None else args.prefetch} "
           f"budget={args.budget:.2f} of L1 "
           f"heavy={args.heavy}")
     print(f"{'ctx':>6} {'L1':>5} {'budget':>6} {'ref ms':>8} {'store ms':>9} {'store/ref':>9} {'step/ref':>8} "

@@ -250,7 +250,9 @@ def block_scores(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest:
     asserted here.
 
     Args:
-        q: [kv_heads, R, head_dim] float32 contiguous CPU (R = query heads per kv head * q_len).
+        q: [q_heads, q_len, head_dim] float32 contiguous CPU, q_heads a multiple of kv_heads
+            (query heads of one kv head adjacent, as transformers' ``repeat_kv``); a
+            ``[kv_heads, R, head_dim]`` tensor of query rows per kv head is one such.
         digest: [kv_heads, cap, width] contiguous CPU table, float32 or bfloat16; width = head_dim
             (centroid) or 2 * head_dim (quest: max | min).
         scale: centroid logit scale (ignored by quest).
@@ -258,10 +260,11 @@ def block_scores(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest:
         [hi - lo] float32 (owned).
     """
     fn = _load().kvt_block_scores  # AttributeError on None: callers check available() first
-    kvh, r, hd = q.shape
-    _, cap, width = digest.shape
+    qh, ql, hd = q.shape
+    kvh, cap, width = digest.shape
+    r = qh // kvh * ql  # GQA: the rows of kv head h are q[h*G:(h+1)*G] (contiguous), G*q_len of them
     assert (q.dtype == torch.float32 and q.is_contiguous() and digest.is_contiguous()
-            and digest.shape[0] == kvh and width == (hd << quest) and 0 <= lo < hi <= cap), \
+            and qh % kvh == 0 and width == (hd << quest) and 0 <= lo < hi <= cap), \
         f"q {q.dtype} {tuple(q.shape)}, digest {tuple(digest.shape)} rows [{lo}, {hi}), quest={quest}"
     m = hi - lo
     out = torch.empty(m, dtype=torch.float32)
@@ -283,10 +286,11 @@ def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: b
     Arguments as :func:`block_scores`; 1 <= k <= hi - lo.
     """
     fn = _load().kvt_block_top
-    kvh, r, hd = q.shape
-    _, cap, width = digest.shape
+    qh, ql, hd = q.shape
+    kvh, cap, width = digest.shape
+    r = qh // kvh * ql  # GQA: the rows of kv head h are q[h*G:(h+1)*G] (contiguous), G*q_len of them
     assert (q.dtype == torch.float32 and q.is_contiguous() and digest.is_contiguous()
-            and digest.shape[0] == kvh and width == (hd << quest) and 0 <= lo < hi <= cap and 1 <= k <= hi - lo), \
+            and qh % kvh == 0 and width == (hd << quest) and 0 <= lo < hi <= cap and 1 <= k <= hi - lo), \
         f"q {q.dtype} {tuple(q.shape)}, digest {tuple(digest.shape)} rows [{lo}, {hi}), quest={quest}, k={k}"
     bf16 = digest.dtype == torch.bfloat16
     assert bf16 or digest.dtype == torch.float32, f"digest dtype must be one of {DTYPES}; got {digest.dtype}"

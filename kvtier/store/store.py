@@ -167,6 +167,12 @@ class KVStore:
         # [2, kv_heads, num_slots, block_tokens, head_dim] view of the pool: one index_select along
         # the slot axis yields K and V already in [kv_heads, blocks, tokens, head_dim] order
         self._pool_kv = self.l1.pool.permute(1, 2, 0, 3, 4)
+        # CPU: the pool as a numpy array, for decode appends (16-bit floats viewed as int16)
+        self._np_view = torch.int16 if dtype in (torch.float16, torch.bfloat16) else None
+        self._pool_np = None
+        if self.device.type == "cpu":
+            pool = self.l1.pool
+            self._pool_np = (pool if self._np_view is None else pool.view(self._np_view)).numpy()
         self._np_arange_bt = np.arange(bt, dtype=np.int64)
         self._zeros111 = torch.zeros(1, 1, 1, device=self.device)
         # key digests only where something reads them: select(), i.e. sparse attention
@@ -195,8 +201,11 @@ class KVStore:
         self._publisher = SwapOutWorker(self._publish_batch, max(cfg.evict_batch_blocks, 64),
                                         name="kvtier-publish") \
             if (self.l3 is not None or self.l4 is not None) and self.content_fp and cfg.write_through else None
+        # "auto": only where swap-ins decode on another engine (GPU); on a CPU host the thread
+        # competes with the decode step for the cores and the GIL (config.py, bench_store.py)
+        self.prefetch = cfg.prefetch if cfg.prefetch != "auto" else self._cuda
         self._pf_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-prefetch") \
-            if cfg.prefetch else None
+            if self.prefetch else None
         self._pf: OrderedDict[str, Future] = OrderedDict()
         self._pf_lock = threading.Lock()  # guards _pf only; never held while waiting
         # Wrong prefetches cost decode work and bandwidth: each predictor (source) is throttled
@@ -588,7 +597,17 @@ class KVStore:
             if fill + n <= bt:
                 # decode: the tokens fit in the open block; one copy for K and V together
                 e = ents[-1]
-                t.open_view.narrow(2, fill, n).copy_(torch.stack((k, v)))  # [2, kv_heads, n, head_dim]
+                if t.open_np is not None and not k.requires_grad and not v.requires_grad:
+                    # CPU: two numpy slice assignments cost about half of the torch stack + copy
+                    o = t.open_np  # [2, kv_heads, block_tokens, head_dim] aliasing the slot
+                    if self._np_view is None:
+                        o[0, :, fill:fill + n] = k.numpy()
+                        o[1, :, fill:fill + n] = v.numpy()
+                    else:  # 16-bit floats as int16 (numpy has no bfloat16): a bit copy
+                        o[0, :, fill:fill + n] = k.view(self._np_view).numpy()
+                        o[1, :, fill:fill + n] = v.view(self._np_view).numpy()
+                else:
+                    t.open_view.narrow(2, fill, n).copy_(torch.stack((k, v)))  # [2, kv_heads, n, head_dim]
                 t.length = pos + n
                 e.last_used = self._step
                 self._touched[id(t)] = t
@@ -632,6 +651,8 @@ class KVStore:
             t.take_slot(e, self._alloc(e.key, None))
             self._home["l1"] += 1
         t.open_view = self.l1.pool[e.slot]  # [2, kv_heads, block_tokens, head_dim]: the open block never moves
+        if self._pool_np is not None:
+            t.open_np = self._pool_np[e.slot]  # the same slot as a numpy view (CPU)
 
     def _alloc(self, key: str, data: torch.Tensor | None) -> int:
         """Copy ``data`` [2, kv_heads, block_tokens, head_dim] into a free L1 slot (lock held);
@@ -1162,7 +1183,7 @@ class KVStore:
             if k > 0:
                 if self._cscore:
                     # scores and selection in one compiled call, already ascending
-                    top = cscore.top_blocks(self._query_rows(query), t.digest, s_end, w_start,
+                    top = cscore.top_blocks(self._query_f32(query), t.digest, s_end, w_start,
                                             self._digest_score == "quest", self.head_dim ** -0.5, k)
                     sel += [b + s_end for b in top]
                 else:
@@ -1176,16 +1197,20 @@ class KVStore:
             self._prefetch(self._tables[seq][layer + 1], sel, "next_layer")
         return sel
 
-    def _query_rows(self, query: torch.Tensor) -> torch.Tensor:
-        """Checked query [q_heads, q_len, head_dim] -> float32 [kv_heads, G*q_len, head_dim] on the device."""
+    def _query_f32(self, query: torch.Tensor) -> torch.Tensor:
+        """Checked query [q_heads, q_len, head_dim] as contiguous float32 on the device."""
         qh, ql, hd = query.shape
         if qh % self.kv_heads or hd != self.head_dim:
             raise ValueError(f"query must be [q_heads (multiple of {self.kv_heads}), q_len, {self.head_dim}]; "
                              f"got {tuple(query.shape)}")
         if query.dtype != torch.float32 or query.device != self.device:
             query = query.to(self.device, torch.float32)
-        # GQA: consecutive query heads share a kv head, so rows of one kv head are adjacent
-        return query.reshape(self.kv_heads, -1, hd).contiguous()  # [kv_heads, G*q_len, hd]
+        return query if query.is_contiguous() else query.contiguous()
+
+    def _query_rows(self, query: torch.Tensor) -> torch.Tensor:
+        """Checked query -> float32 [kv_heads, G*q_len, head_dim]: GQA groups consecutive query
+        heads per kv head, so the rows of one kv head are adjacent (a view, no copy)."""
+        return self._query_f32(query).view(self.kv_heads, -1, self.head_dim)
 
     def _scores(self, t: BlockTable, query: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Score of each sealed block in [lo, hi) against ``query`` (higher = attend); see
@@ -1379,6 +1404,7 @@ class KVStore:
             "swap_out_latency": self._lat_out.summary(),
             "step_time": self._lat_step.summary(),
             "prefetch": {
+                "enabled": self.prefetch,
                 "issued": c["pf_issued"], "used": c["pf_used"], "wasted": c["pf_wasted"],
                 "precision": ratio(c["pf_used"], pf_done),
                 "coverage": ratio(c["pf_used"], c["misses_l1"]),

@@ -144,6 +144,7 @@ class BlockTable:
         # (slots, blocks, index tensor, positions tensor) of the last gather_blocks (store.py)
         self.gather_cache: tuple | None = None
         self.open_view: torch.Tensor | None = None  # L1 slot of the open block (store.py)
+        self.open_np = None                    # the same slot as a numpy array (CPU store)
         self.select_score = select_score
         self.digest: torch.Tensor | None = None
         self._digest_t: tuple | None = None   # (lo, hi, view) of the last digest_t() call

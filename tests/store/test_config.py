@@ -47,6 +47,8 @@ def test_frozen():
     (dict(key_axis="row"), "key_axis"),
     (dict(dtype="float8"), "dtype"),
     (dict(disk_bytes=1 << 20, disk_segment_bytes=4 << 20), "disk_bytes"),
+    (dict(prefetch="yes"), "prefetch"),
+    (dict(prefetch=1), "prefetch"),
 ])
 def test_bad_config_names_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -63,3 +65,16 @@ def test_from_toml(tmp_path):
     p.write_text('block_tokens = 32\nhot_tokenz = 256\n')
     with pytest.raises(ValueError, match="hot_tokenz"):
         KVTierConfig.from_toml(p)
+
+
+def test_prefetch_auto_is_off_on_a_cpu_store_and_can_be_forced():
+    from kvtier.store import KVStore
+
+    assert KVTierConfig().prefetch == "auto"
+    assert KVTierConfig.from_dict(KVTierConfig(prefetch="auto").to_dict()).prefetch == "auto"
+    for pf, on in (("auto", False), (True, True), (False, False)):
+        st = KVStore(KVTierConfig(block_tokens=4, hot_tokens=16, prefetch=pf), num_layers=1, kv_heads=1,
+                     head_dim=4, device="cpu")
+        assert st.prefetch is on and (st._pf_pool is not None) is on
+        assert json.loads(json.dumps(st.stats()))["prefetch"]["enabled"] is on
+        st.close()

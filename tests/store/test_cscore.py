@@ -75,8 +75,8 @@ def test_store_selection_same_with_and_without_the_compiled_path(dtype, score):
     k = torch.randn(2, 200 * bt + 1, hd, generator=g).to(dtype)
     for st, seq in zip(stores, seqs):
         st.append(seq, 0, k, k)
-    for _ in range(20):
-        q = torch.randn(4, 1, hd, generator=g)
+    for i in range(20):
+        q = torch.randn(4, 1 + i % 3, hd, generator=g)  # q_len > 1: several query rows per head
         a, b = (st.select(seq, 0, q) for st, seq in zip(stores, seqs))
         assert a == b
     for st in stores:

@@ -293,7 +293,7 @@ def test_nothing_lost_on_cuda(tmp_path, rng):
 def test_wrong_prefetches_are_throttled(tmp_path):
     """A predictor whose prefetches go unused is cut down to probes; used ones are not."""
     st = make_store(tmp_path, num_layers=1, hot_tokens=8, host_bytes=1 << 20, prefetch_blocks=4,
-                    attention="sparse", budget_tokens=8, sink_tokens=0, window_tokens=0)
+                    attention="sparse", budget_tokens=8, sink_tokens=0, window_tokens=0, prefetch=True)
     s = st.add_sequence()
     st.append(s, 0, torch.randn(2, 400, 8).half(), torch.randn(2, 400, 8).half())
     st.end_step()
