@@ -14,6 +14,7 @@ Reported, per (context, L1 fraction):
   per layer      median us per layer and step of append, select, gather_blocks, observe, end_step
                  (end_step's step time / layers), next to the reference's
   swap in/out    bytes per step; prefetch precision and coverage; misses per step
+                 (prefetch follows the config's "auto": off for a CPU store; --prefetch forces it)
 
     python bench/bench_store.py            # 4k and 16k context, L1 at 10% and 25%
     python bench/bench_store.py --smoke    # seconds; run by `make bench-smoke`

@@ -1407,7 +1407,8 @@ class KVStore:
                 "enabled": self.prefetch,
                 "issued": c["pf_issued"], "used": c["pf_used"], "wasted": c["pf_wasted"],
                 "precision": ratio(c["pf_used"], pf_done),
-                "coverage": ratio(c["pf_used"], c["misses_l1"]),
+                # None while off: no prefetch to have covered the misses (not a measured 0)
+                "coverage": ratio(c["pf_used"], c["misses_l1"]) if self.prefetch else None,
                 "by_source": {src: dict(v, precision=ratio(v["used"], v["used"] + v["wasted"]))
                               for src, v in self._pf_stats.items()},
             },
