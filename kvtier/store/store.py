@@ -177,9 +177,10 @@ class KVStore:
         self._zeros111 = torch.zeros(1, 1, 1, device=self.device)
         # key digests only where something reads them: select(), i.e. sparse attention
         self._digest_score = cfg.select_score if cfg.attention == "sparse" else None
+        self._digest_parts = cfg.block_tokens // cfg.digest_tokens
         # CPU: block scores in one compiled call, read from the digest table in place (cscore.py)
         self._cscore = (self._digest_score is not None and self.device.type == "cpu"
-                        and dtype in cscore.DTYPES and cscore.available())
+                        and dtype in cscore.DTYPES and self._digest_parts == 1 and cscore.available())
 
         self._lock = threading.Lock()
         self._tier_lock = threading.Lock()
@@ -272,7 +273,8 @@ class KVStore:
             seq = self._next_seq
             self._next_seq += 1
             self._tables[seq] = [BlockTable(seq, layer, self.kv_heads, self.head_dim, self.device,
-                                            self.dtype, self._digest_score) for layer in range(self.num_layers)]
+                                            self.dtype, self._digest_score, self._digest_parts)
+                                 for layer in range(self.num_layers)]
             return seq
 
     def _table(self, seq: int, layer: int) -> BlockTable:
@@ -1222,8 +1224,10 @@ class KVStore:
             dig_t = dig_t.float()
         if self._digest_score == "centroid":
             # bmm and scale in one op (beta=0: the [1, 1, 1] zeros are never read)
-            s = torch.baddbmm(self._zeros111, q, dig_t, beta=0.0, alpha=hd ** -0.5)  # [kv_heads, G*q_len, m]
-            return torch.softmax(s, dim=-1).amax(dim=(0, 1))  # [m]: best query of the best head
+            s = torch.baddbmm(self._zeros111, q, dig_t, beta=0.0, alpha=hd ** -0.5)  # [kv_heads, G*q_len, m*parts]
+            best = torch.softmax(s, dim=-1).amax(dim=(0, 1))  # [m*parts]: best query of the best head
+            p = self._digest_parts
+            return best if p == 1 else best.view(-1, p).amax(dim=1)  # [m]: the block's best sub-block
         # Quest: q_d*max_d where q_d >= 0, q_d*min_d where q_d < 0: one bmm against [max | min]
         qq = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)  # [kv_heads, G*q_len, 2*hd]
         s = torch.bmm(qq, dig_t)  # [kv_heads, G*q_len, m]

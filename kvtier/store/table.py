@@ -127,11 +127,13 @@ class BlockTable:
     summaries of its keys that ``select_score`` ranks by, in the KV dtype (scores are computed in
     float32 from it). ``centroid``: the mean (ArkVale's centre) -> ``[kv_heads, cap, head_dim]``;
     ``quest``: max | min (Quest's upper bound of q.k) -> ``[kv_heads, cap, 2 * head_dim]``.
+    With ``digest_parts`` > 1 (centroid only) a row holds the means of that many equal sub-blocks
+    side by side -> ``[kv_heads, cap, parts * head_dim]``.
     Rows ``[0, n_sealed)`` are valid; ``cap`` grows by doubling.
     """
 
     def __init__(self, seq: int, layer: int, kv_heads: int, head_dim: int, device: torch.device,
-                 digest_dtype: torch.dtype, select_score: str | None = None) -> None:
+                 digest_dtype: torch.dtype, select_score: str | None = None, digest_parts: int = 1) -> None:
         self.seq = seq
         self.layer = layer
         self.length = 0                        # tokens appended
@@ -146,10 +148,11 @@ class BlockTable:
         self.open_view: torch.Tensor | None = None  # L1 slot of the open block (store.py)
         self.open_np = None                    # the same slot as a numpy array (CPU store)
         self.select_score = select_score
+        self.digest_parts = digest_parts
         self.digest: torch.Tensor | None = None
         self._digest_t: tuple | None = None   # (lo, hi, view) of the last digest_t() call
         if select_score is not None:
-            width = len(DIGEST_PARTS[select_score]) * head_dim
+            width = len(DIGEST_PARTS[select_score]) * digest_parts * head_dim
             self.digest = torch.empty(kv_heads, 16, width, dtype=digest_dtype, device=device)
 
     def take_slot(self, e: BlockEntry, slot: int) -> None:
@@ -180,12 +183,16 @@ class BlockTable:
 
     def digest_t(self, lo: int, hi: int) -> torch.Tensor:
         """Digests of sealed blocks [lo, hi) as ``[kv_heads, width, hi - lo]`` (a view, ready as
-        the right operand of ``q @``). Kept while (lo, hi) stay the same: between two block
-        boundaries every decode step scores the same candidate range."""
+        the right operand of ``q @``); with sub-block centroids ``[kv_heads, head_dim,
+        (hi - lo) * digest_parts]`` (block-major). Kept while (lo, hi) stay the same: between two
+        block boundaries every decode step scores the same candidate range."""
         c = self._digest_t
         if c is not None and c[0] == lo and c[1] == hi:
             return c[2]
-        view = self.digest[:, lo:hi].transpose(1, 2)
+        rows = self.digest[:, lo:hi]  # [kv_heads, m, width]
+        if self.digest_parts > 1:
+            rows = rows.reshape(rows.shape[0], -1, self.head_dim)  # [kv_heads, m * parts, head_dim]
+        view = rows.transpose(1, 2)
         self._digest_t = (lo, hi, view)
         return view
 
@@ -205,7 +212,9 @@ class BlockTable:
             self._digest_t = None  # a view of the old table
         row = self.digest[:, b]  # [kv_heads, width]
         if self.select_score == "centroid":
-            row.copy_(keys.mean(dim=1, dtype=torch.float32))  # [kv_heads, head_dim]
+            kvh, bt, hd = keys.shape
+            p = self.digest_parts  # [kv_heads, parts, bt / parts, hd] -> means [kv_heads, parts * hd]
+            row.copy_(keys.reshape(kvh, p, bt // p, hd).mean(dim=2, dtype=torch.float32).view(kvh, p * hd))
         else:
             lo, hi = torch.aminmax(keys, dim=1)  # [kv_heads, head_dim] each
             hd = self.head_dim
