@@ -46,6 +46,10 @@ def quick_configs() -> list[CacheSpec]:
         _kv("kvtier int4 dense L1=25%", codec="int4", attention="dense", hot_fraction=0.25, policy="lru"),
         _kv("kvtier int4 sparse L1=25%", codec="int4", attention="sparse", hot_fraction=0.25, policy="h2o"),
         _kv("kvtier int4 sparse L1=10%", codec="int4", attention="sparse", hot_fraction=0.10, policy="h2o"),
+        # one key centroid per 4 tokens instead of per 16-token block: 4x the digest bytes, for
+        # the recall probe at long context (one matching key is not averaged away by 15 others)
+        _kv("kvtier int4 sparse L1=10% c4", codec="int4", attention="sparse", hot_fraction=0.10, policy="h2o",
+            digest_tokens=4),
         _kv("kvtier int4 t2c sparse L1=25%", codec="int4", order="tier-then-compress", attention="sparse",
             hot_fraction=0.25, policy="h2o"),
         _kv("sink-window int4 (no recall)", codec="int4", attention="sparse", hot_fraction=0.10,
