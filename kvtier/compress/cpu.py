@@ -15,16 +15,10 @@ If no compiler is available, :func:`available` is False and callers fall back to
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
-import sys
-import tempfile
-import threading
-import warnings
-from pathlib import Path
 
 import torch
+
+from kvtier._clib import CLibrary
 
 _SRC = r"""
 #include <stdint.h>
@@ -726,69 +720,18 @@ void kvt_dequant(const void *q, const void *scale, const void *zero, int dt, int
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared",
           "-std=gnu11"]
 _DT = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("KVTIER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvtier")
-    p = Path(root)
-    p.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return p
-
-
-def _cpu_id() -> str:
-    """What -march=native depends on: a shared cache dir must not hand one CPU's build to another."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return line
-    except OSError:
-        pass
-    import platform
-
-    return platform.machine() + platform.processor()
-
-
-def _build() -> ctypes.CDLL:
-    cc = os.environ.get("CC", "cc")
-    key = "\0".join([_SRC, " ".join(_FLAGS), cc, sys.platform, _cpu_id()])
-    tag = hashlib.sha256(key.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"kvtier_quant_{tag}.so"
-    if not out.exists():
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            src = Path(tmp) / "quant.c"
-            src.write_text(_SRC)
-            so = Path(tmp) / "quant.so"
-            subprocess.run([cc, *_FLAGS, str(src), "-o", str(so), "-lm"], check=True, capture_output=True,
-                           timeout=120)
-            os.chmod(so, 0o700)
-            os.replace(so, out)  # atomic: concurrent builders race harmlessly
-    lib = ctypes.CDLL(str(out))
+def _declare(lib: ctypes.CDLL) -> None:
     i64, c_int, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.kvt_quant.argtypes = [vp, c_int, i64, i64, i64, c_int, i64, c_int, vp, vp, vp]
     lib.kvt_quant.restype = c_int
     lib.kvt_dequant.argtypes = [vp, vp, vp, c_int, i64, i64, i64, c_int, i64, c_int, vp]
     lib.kvt_dequant.restype = None
-    return lib
 
 
-def _load() -> ctypes.CDLL | None:
-    global _lib, _error
-    if _lib is not None or _error is not None:
-        return _lib
-    with _lock:
-        if _lib is None and _error is None:
-            try:
-                _lib = _build()
-            except (OSError, subprocess.SubprocessError) as e:  # no compiler, or it failed
-                detail = getattr(e, "stderr", b"") or b""
-                _error = f"{type(e).__name__}: {e} {detail.decode(errors='replace')[:500]}"
-                warnings.warn(f"kvtier: compiled CPU quantizer unavailable, using the slow torch reference ({_error})",
-                              RuntimeWarning, stacklevel=3)
-    return _lib
+_LIB = CLibrary("quant", _SRC, _FLAGS, _declare, "using the slow torch reference")
+_load = _LIB.load
 
 
 def available() -> bool:
@@ -799,7 +742,7 @@ def available() -> bool:
 def build_error() -> str | None:
     """Why the kernel is unavailable (None when it is available)."""
     _load()
-    return _error
+    return _LIB.error
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str, out=None):

@@ -22,16 +22,10 @@ the store keeps the torch path.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import subprocess
-import sys
-import tempfile
-import threading
-import warnings
-from pathlib import Path
 
 import torch
+
+from kvtier._clib import CLibrary
 
 _SRC = r"""
 #include <stdint.h>
@@ -180,57 +174,18 @@ int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *
 """
 
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11"]
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("KVTIER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvtier")
-    p = Path(root)
-    p.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return p
-
-
-def _build() -> ctypes.CDLL:
-    from kvtier.compress.cpu import _cpu_id  # what -march=native depends on
-
-    cc = os.environ.get("CC", "cc")
-    key = "\0".join([_SRC, " ".join(_FLAGS), cc, sys.platform, _cpu_id()])
-    tag = hashlib.sha256(key.encode()).hexdigest()[:16]
-    out = _cache_dir() / f"kvtier_score_{tag}.so"
-    if not out.exists():
-        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            src = Path(tmp) / "score.c"
-            src.write_text(_SRC)
-            so = Path(tmp) / "score.so"
-            subprocess.run([cc, *_FLAGS, str(src), "-o", str(so), "-lm"], check=True, capture_output=True,
-                           timeout=120)
-            os.chmod(so, 0o700)
-            os.replace(so, out)  # atomic: concurrent builders race harmlessly
-    lib = ctypes.CDLL(str(out))
+def _declare(lib: ctypes.CDLL) -> None:
     i64, c_int, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.kvt_block_scores.argtypes = [vp, i64, i64, i64, vp, i64, i64, ctypes.c_bool, i64, ctypes.c_bool, ctypes.c_float, vp]
     lib.kvt_block_scores.restype = c_int
     lib.kvt_block_top.argtypes = lib.kvt_block_scores.argtypes[:-1] + [i64, vp]
     lib.kvt_block_top.restype = c_int
-    return lib
 
 
-def _load() -> ctypes.CDLL | None:
-    global _lib, _error
-    if _lib is not None or _error is not None:
-        return _lib
-    with _lock:
-        if _lib is None and _error is None:
-            try:
-                _lib = _build()
-            except (OSError, subprocess.SubprocessError) as e:  # no compiler, or it failed
-                detail = getattr(e, "stderr", b"") or b""
-                _error = f"{type(e).__name__}: {e} {detail.decode(errors='replace')[:500]}"
-                warnings.warn(f"kvtier: compiled block scoring unavailable, select() uses torch ops ({_error})",
-                              RuntimeWarning, stacklevel=3)
-    return _lib
+_LIB = CLibrary("score", _SRC, _FLAGS, _declare, "select() uses torch ops")
+_load = _LIB.load
 
 
 def available() -> bool:

@@ -39,3 +39,14 @@ def model_fp16():
 def model_bf16():
     """bfloat16 copy: the fast dtype on these CPUs (prefill ~10x faster than fp16)."""
     return _load(torch.bfloat16)
+
+
+@pytest.fixture
+def restore_attention():
+    """Models switched to kvtier attention by a test get their own back afterwards."""
+    from kvtier.integrations.cache import detach
+
+    models = []
+    yield models.append
+    for m in models:
+        detach(m)

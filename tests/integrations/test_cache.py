@@ -16,7 +16,7 @@ import kvtier
 from kvtier.config import KVTierConfig
 from kvtier.integrations.attention import attend_blocks
 from kvtier.integrations.baselines import greedy_generate, make_baseline, teacher_forced_logits
-from kvtier.integrations.cache import TieredCache, detach
+from kvtier.integrations.cache import TieredCache
 from kvtier.integrations.model import text_ids
 
 
@@ -29,15 +29,6 @@ def small_cfg(tmp_path, **kw) -> KVTierConfig:
 
 def l3_hits(stats) -> int:
     return stats["hits"]["l3"]
-
-
-@pytest.fixture
-def restore_attention():
-    """Models switched to kvtier attention by a test get their own back afterwards."""
-    models = []
-    yield models.append
-    for m in models:
-        detach(m)
 
 
 # -- dense mode, lossless codec: exactly DynamicCache ------------------------------------------------

@@ -11,7 +11,7 @@ from transformers.masking_utils import sdpa_mask
 import kvtier.integrations.attention as attn
 from kvtier.config import KVTierConfig
 from kvtier.integrations.baselines import make_baseline
-from kvtier.integrations.cache import TieredCache, attach, detach
+from kvtier.integrations.cache import TieredCache, attach
 from kvtier.integrations.model import text_ids
 
 
@@ -91,14 +91,6 @@ def count_splits(monkeypatch):
 
     monkeypatch.setattr(attn, "split_prefix_attention", counted)
     return calls
-
-
-@pytest.fixture
-def restore_attention():
-    models = []
-    yield models.append
-    for m in models:
-        detach(m)
 
 
 @pytest.mark.parametrize("mode", ["dense", "sparse"])

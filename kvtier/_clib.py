@@ -1,0 +1,93 @@
+"""C sources compiled on first use with the system compiler and loaded with ctypes.
+
+The compress kernel (``kvtier/compress/cpu.py``) and the block scorer (``kvtier/store/cscore.py``)
+both build this way: the shared object is cached under ``$KVTIER_CACHE_DIR`` (default
+``~/.cache/kvtier``, owner-only), named by a hash of the source, flags, compiler and CPU, so a
+cache directory shared between machines never hands one CPU's ``-march=native`` build to another.
+No compiler (or a failed build) is not an error: :meth:`CLibrary.load` returns None once, with a
+warning, and callers take their torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Callable
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("KVTIER_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvtier")
+    p = Path(root)
+    p.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return p
+
+
+def cpu_id() -> str:
+    """What -march=native depends on: a shared cache dir must not hand one CPU's build to another."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine() + platform.processor()
+
+
+class CLibrary:
+    """One C source, built and loaded once per process (thread-safe).
+
+    Args:
+        name: file stem of the cached object (``kvtier_<name>_<hash>.so``).
+        src, flags: the C source and compiler flags (``-shared -fPIC`` included).
+        declare: sets ``argtypes``/``restype`` of the loaded functions.
+        fallback: what callers do without it, for the warning (e.g. "select() uses torch ops").
+    """
+
+    def __init__(self, name: str, src: str, flags: list[str], declare: Callable[[ctypes.CDLL], None],
+                 fallback: str) -> None:
+        self.name, self.src, self.flags, self.declare, self.fallback = name, src, flags, declare, fallback
+        self._lock = threading.Lock()
+        self._lib: ctypes.CDLL | None = None
+        self.error: str | None = None
+
+    def _build(self) -> ctypes.CDLL:
+        cc = os.environ.get("CC", "cc")
+        key = "\0".join([self.src, " ".join(self.flags), cc, sys.platform, cpu_id()])
+        tag = hashlib.sha256(key.encode()).hexdigest()[:16]
+        out = cache_dir() / f"kvtier_{self.name}_{tag}.so"
+        if not out.exists():
+            with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+                src = Path(tmp) / f"{self.name}.c"
+                src.write_text(self.src)
+                so = Path(tmp) / f"{self.name}.so"
+                subprocess.run([cc, *self.flags, str(src), "-o", str(so), "-lm"], check=True, capture_output=True,
+                               timeout=120)
+                os.chmod(so, 0o700)
+                os.replace(so, out)  # atomic: concurrent builders race harmlessly
+        lib = ctypes.CDLL(str(out))
+        self.declare(lib)
+        return lib
+
+    def load(self) -> ctypes.CDLL | None:
+        """The loaded library, or None (and :attr:`error` says why) when it cannot be built."""
+        if self._lib is not None or self.error is not None:
+            return self._lib
+        with self._lock:
+            if self._lib is None and self.error is None:
+                try:
+                    self._lib = self._build()
+                except (OSError, subprocess.SubprocessError) as e:  # no compiler, or it failed
+                    detail = getattr(e, "stderr", b"") or b""
+                    self.error = f"{type(e).__name__}: {e} {detail.decode(errors='replace')[:500]}"
+                    warnings.warn(f"kvtier: compiled {self.name} code unavailable, {self.fallback} ({self.error})",
+                                  RuntimeWarning, stacklevel=3)
+        return self._lib
