@@ -57,9 +57,10 @@ def quick_configs() -> list[CacheSpec]:
         _kv("sink-window int4 (no recall)", codec="int4", attention="sparse", hot_fraction=0.10,
             policy="sink-window", streaming=True),
         # bytes-lean: 64-token blocks so keys' per-channel groups span 64 tokens (in 16-token
-        # blocks they span 16 and scales cost ~4x more), L1 = the open block only
-        _kv("kvtier int4 g64 dense L1=64 tok", codec="int4", group_size=64, attention="dense", hot_tokens=64,
-            policy="lru"),
+        # blocks they span 16 and scales cost ~4x more), L1 = the open block only, and zstd on the
+        # L2/L3 records (entropy coding of the 4-bit codes: ~6.5% fewer bytes; lz4 finds nothing)
+        _kv("kvtier int4 g64 zstd dense L1=64 tok", codec="int4", group_size=64, attention="dense",
+            hot_tokens=64, policy="lru", byte_stage="zstd", byte_stage_l2=True),
     ]
 
 

@@ -7,9 +7,10 @@
               ▼
  end_step ──► watermarks: victims chosen by the policy
               │ clean (valid copy below): slot freed at once
-              │ dirty: queued ──► swap-out worker: encode (host codec) + put to L2, then free slot
+              │ dirty: queued ──► swap-out worker: encode (host codec) [+ byte stage if
+              │                   byte_stage_l2] + put to L2, then free slot
               ▼                          │ L2 ring wraps: spill (transcode if the disk codec
- gather / gather_blocks                  ▼ differs, lz4 if it pays) ──► L3
+ gather / gather_blocks                  ▼ differs, byte stage lz4|zstd if it pays) ──► L3
    hit: index the pool
    miss: prefetched? else L2 / L3 -> unpack -> decode on the device -> slot (or scratch)
 ```
@@ -141,8 +142,10 @@ class KVStore:
         self.l3 = None
         if cfg.disk_path is not None:
             self.l3 = self._open_disk(cfg)
-        from kvtier.compress.bytestage import Lz4Stage
-        self._lz4 = Lz4Stage(cfg.lz4_min_saving)
+        from kvtier.compress.bytestage import ByteStage
+        # lossless byte stage (lz4 | zstd) on records bound for L3/L4, and for L2 if so configured
+        self._stage = ByteStage(cfg.byte_stage, cfg.lz4_min_saving)
+        self._l2_staged = cfg.byte_stage_l2 and cfg.byte_stage != "none"
         self.l4 = None
         if cfg.remote_url is not None:
             from kvtier.tiers import RemoteTier
@@ -222,7 +225,7 @@ class KVStore:
                       swap_in_blocks=0, swap_out_blocks=0, evicted_clean=0, evicted_dirty=0,
                       evict_failed=0, sync_evictions=0, scratch_uses=0,
                       pf_issued=0, pf_errors=0, pf_used=0, pf_wasted=0,
-                      raw_l2=0, enc_l2=0, raw_l3=0, enc_l3=0, lz4_in=0, lz4_out=0,
+                      raw_l2=0, enc_l2=0, raw_l3=0, enc_l3=0, stage_in=0, stage_out=0,
                       bytes_l2=0, bytes_l3=0, copies_l2=0, copies_l3=0,
                       hits_l4=0, misses_l4=0, swap_in_l4_bytes=0,
                       pub_l3_blocks=0, pub_l3_bytes=0, pub_l3_failed=0,
@@ -548,11 +551,11 @@ class KVStore:
         return out
 
     def _decode_l3(self, buf) -> torch.Tensor | None:
-        """An L3/L4 record (lz4 stage + disk codec) decoded on the device; None if absent/corrupt."""
+        """An L3/L4 record (byte stage + disk codec) decoded on the device; None if absent/corrupt."""
         if buf is None:
             return None
         try:
-            return self._decode(self._lz4.unpack(buf), "l3", self.device)
+            return self._decode(self._stage.unpack(buf), "l3", self.device)
         except ValueError:  # foreign or corrupt bytes are a miss, never wrong data
             return None
 
@@ -769,7 +772,7 @@ class KVStore:
                     self._side.synchronize()
             else:
                 encs = [self._encode_slot(e) for _, e in batch]
-            recs = [None if enc is None else pack_block(*enc) for enc in encs]
+            recs = [None if enc is None else self._l2_record(pack_block(*enc)) for enc in encs]
             with self._tier_lock:
                 for (t, e), rec in zip(batch, recs):
                     with self._lock:
@@ -837,6 +840,14 @@ class KVStore:
         assert block.device.type == "cpu", "records are framed from host tensors"
         return pack_block(*self._encode_pair(block, tier))
 
+    def _l2_record(self, raw: bytes) -> bytes:
+        """A block record as L2 holds it: through the byte stage when ``byte_stage_l2``."""
+        if not self._l2_staged:
+            return raw
+        packed = self._stage.pack(raw)
+        self._count(stage_in=len(raw), stage_out=len(packed))
+        return packed
+
     def _decode(self, buf, tier: str, device: torch.device) -> torch.Tensor:
         """Record -> [2, kv_heads, block_tokens, head_dim] in the store dtype on ``device``."""
         ek, ev = unpack_block(buf)
@@ -862,11 +873,16 @@ class KVStore:
                 already.append(rec)  # written through (content key) or landed in a failed batch
                 continue
             raw = bytes(mv)
-            if self._transcode:
-                raw = self._encode(self._decode(raw, "l2", torch.device("cpu")), "l3")
-            packed = self._lz4.pack(raw)
-            self.c["lz4_in"] += len(raw)
-            self.c["lz4_out"] += len(packed)
+            if self._l2_staged and not self._transcode:
+                packed = raw  # already through the stage L3 uses: spilled as it is
+            else:
+                if self._l2_staged:
+                    raw = self._stage.unpack(raw)
+                if self._transcode:
+                    raw = self._encode(self._decode(raw, "l2", torch.device("cpu")), "l3")
+                packed = self._stage.pack(raw)
+                self.c["stage_in"] += len(raw)
+                self.c["stage_out"] += len(packed)
             out.append((key, rec, packed))
         oks = self._l3_put([(k, p) for k, _, p in out]) if out else []
         with self._lock:
@@ -921,7 +937,7 @@ class KVStore:
     # -- write-through of content-addressed blocks (publisher thread) -------------------------
 
     def _publish_batch(self, batch: list) -> None:
-        """Encode new content-addressed blocks in the disk format (lz4 stage) and put them to
+        """Encode new content-addressed blocks in the disk format (byte stage) and put them to
         L3 (reuse after restart) and L4 (sharing across processes) in one batch each."""
         todo = []
         for rec, data in batch:
@@ -931,8 +947,8 @@ class KVStore:
             if not (live and need):
                 continue
             raw = self._encode(data.to("cpu"), "l3")  # data: [2, kv_heads, block_tokens, head_dim]
-            packed = self._lz4.pack(raw)
-            self._count(lz4_in=len(raw), lz4_out=len(packed))
+            packed = self._stage.pack(raw)
+            self._count(stage_in=len(raw), stage_out=len(packed))
             todo.append((rec, packed))
         if not todo:
             return
@@ -994,7 +1010,7 @@ class KVStore:
             with self._tier_lock:
                 buf = self.l2.get(key)
             if buf is not None:
-                out = self._decode(buf, "l2", device)
+                out = self._decode(self._stage.unpack(buf) if self._l2_staged else buf, "l2", device)
                 self._count(hits_l2=1, swap_in_l2_bytes=len(buf))
                 return out
             self._count(misses_l2=1)
@@ -1002,7 +1018,7 @@ class KVStore:
             with self._tier_lock:
                 buf = self.l3.get(key)
             if buf is not None:
-                out = self._decode(self._lz4.unpack(buf), "l3", device)
+                out = self._decode(self._stage.unpack(buf), "l3", device)
                 self._count(hits_l3=1, swap_in_l3_bytes=len(buf))
                 return out
             self._count(misses_l3=1)
@@ -1421,7 +1437,10 @@ class KVStore:
                 "l2_ratio": ratio(c["raw_l2"], c["enc_l2"]),
                 "l3_ratio": ratio(c["raw_l3"], c["enc_l3"]) if self._transcode
                 else ratio(c["raw_l2"], c["enc_l2"]),
-                "lz4_ratio": ratio(c["lz4_in"], c["lz4_out"]),
+                # the lossless stage as achieved (flag bytes included; records kept raw count 1.0)
+                "byte_stage": self._stage.algorithm, "byte_stage_l2": self._l2_staged,
+                "byte_stage_ratio": ratio(c["stage_in"], c["stage_out"]),
+                "lz4_ratio": ratio(c["stage_in"], c["stage_out"]) if self._stage.algorithm == "lz4" else None,
             },
             "config": {"order": self.cfg.order, "policy": self.cfg.policy, "attention": self.cfg.attention,
                        "block_tokens": bt, "hot_blocks": self.hot_blocks, "budget_tokens": self.budget_tokens},

@@ -44,6 +44,8 @@ def test_frozen():
     (dict(high_watermark=1.5), "high_watermark"),
     (dict(durability="sometimes"), "durability"),
     (dict(lz4_min_saving=1.5), "lz4_min_saving"),
+    (dict(byte_stage="gzip"), "byte_stage"),
+    (dict(byte_stage_l2="yes"), "byte_stage_l2"),
     (dict(key_axis="row"), "key_axis"),
     (dict(dtype="float8"), "dtype"),
     (dict(disk_bytes=1 << 20, disk_segment_bytes=4 << 20), "disk_bytes"),

@@ -9,10 +9,12 @@ from kvtier.store import KVStore
 from .conftest import Ref, check_invariants, make_store, random_chunk
 
 
-def test_nothing_lost_fp16_tiny_tiers(tmp_path, rng):
+@pytest.mark.parametrize("stage", [{}, {"byte_stage": "zstd", "byte_stage_l2": True}], ids=["lz4", "zstd-l2"])
+def test_nothing_lost_fp16_tiny_tiers(tmp_path, rng, stage):
     """Thousands of randomly interleaved appends over several sequences and layers, with L1 and L2
-    so small that blocks keep moving to L3: every token reads back bit-exact, wherever it lives."""
-    st = make_store(tmp_path, num_layers=3, hot_tokens=8, host_bytes=4096)
+    so small that blocks keep moving to L3: every token reads back bit-exact, wherever it lives
+    (also with zstd on L2 records, spilled to L3 as they are)."""
+    st = make_store(tmp_path, num_layers=3, hot_tokens=8, host_bytes=4096, **stage)
     ref = Ref()
     seqs = [st.add_sequence() for _ in range(3)]
     for it in range(3000):
@@ -151,16 +153,18 @@ def test_orders_identical_with_lossless_codec(tmp_path):
     assert out["compress-then-tier/stats"] == out["tier-then-compress/stats"]
 
 
+@pytest.mark.parametrize("stage, stage_l2", [("lz4", False), ("zstd", False), ("zstd", True)])
 @pytest.mark.parametrize("order", ["compress-then-tier", "tier-then-compress"])
-def test_orders_expected_bytes_per_tier_with_lossy_codec(tmp_path, order):
+def test_orders_expected_bytes_per_tier_with_lossy_codec(tmp_path, order, stage, stage_l2):
     from kvtier.compress import get_codec
-    from kvtier.compress.bytestage import Lz4Stage
+    from kvtier.compress.bytestage import ByteStage
     from kvtier.store.blockrecord import pack_block
 
     bt, hd = 32, 32
     st = make_store(tmp_path, num_layers=1, block_tokens=bt, head_dim=hd, hot_tokens=2 * bt,
                     host_bytes=64 << 10, codec="int8", order=order, policy="sink-window",
-                    sink_tokens=0, window_tokens=0, budget_tokens=bt)
+                    sink_tokens=0, window_tokens=0, budget_tokens=bt, byte_stage=stage,
+                    byte_stage_l2=stage_l2)
     s = st.add_sequence()
     torch.manual_seed(0)
     k = torch.randn(2, 40 * bt + 3, hd).half()
@@ -175,17 +179,21 @@ def test_orders_expected_bytes_per_tier_with_lossy_codec(tmp_path, order):
         vc = get_codec(name, group_size=32, axis="token")
         return pack_block(kc.encode(k[:, b * bt:(b + 1) * bt]), vc.encode(v[:, b * bt:(b + 1) * bt])), kc, vc
 
-    lz4 = Lz4Stage(st.cfg.lz4_min_saving)
+    bs = ByteStage(stage, st.cfg.lz4_min_saving)
     host = "int8" if order == "compress-then-tier" else "fp16"
     exp = {"l2": 0, "l3": 0}
     ents = st._tables[s][0].entries
     for e in ents[:-1]:
         if e.l2:
-            exp["l2"] += len(rec(host, e.idx)[0])
+            r = rec(host, e.idx)[0]
+            exp["l2"] += len(bs.pack(r) if stage_l2 else r)
         if e.l3:
-            exp["l3"] += len(lz4.pack(rec("int8", e.idx)[0]))
+            exp["l3"] += len(bs.pack(rec("int8", e.idx)[0]))
     stats = st.stats()
     assert exp["l2"] > 0 and exp["l3"] > 0
+    comp = stats["compression"]
+    assert comp["byte_stage"] == stage and comp["byte_stage_l2"] == stage_l2
+    assert (comp["lz4_ratio"] is None) == (stage != "lz4")
     assert stats["bytes"]["l2"] == exp["l2"] and stats["bytes"]["l3"] == exp["l3"]
     assert stats["bytes"]["l1"] == st._tables[s][0].resident * st.slot_bytes
     # values: each block reads back as its home tier's codec round trip
