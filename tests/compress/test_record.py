@@ -17,8 +17,16 @@ def kv(shape=(3, 64, 64), dtype=torch.float16, seed=0):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def sample_record():
-    return pack_record(get_codec("int4", group_size=32, axis="channel").encode(kv()))
+def sample_record(version=FORMAT_VERSION):
+    return pack_record(get_codec("int4", group_size=32, axis="channel").encode(kv()), version=version)
+
+
+def header_len_of(rec) -> int:
+    version = struct.unpack_from("<H", rec, 4)[0]
+    return struct.unpack_from("<I" if version == 1 else "<H", rec, 8)[0]
+
+
+VERSIONS = pytest.mark.parametrize("version", [1, 2])
 
 
 def recrc(buf: bytearray) -> bytearray:
@@ -45,14 +53,42 @@ def test_roundtrip_every_codec(name):
 
 def test_layout_fields():
     rec = sample_record()
-    magic, version, flags, header_len, payload_len = struct.unpack_from("<4sHHIQ", rec)
-    assert (magic, version, flags) == (MAGIC, FORMAT_VERSION, 0)
+    magic, version, flags, header_len, payload_len = struct.unpack_from("<4sHHHI", rec)
+    assert (magic, version, flags) == (MAGIC, FORMAT_VERSION, 0) and FORMAT_VERSION == 2
     assert header_len + payload_len + 4 == len(rec)
+    assert header_len % 8 == 0  # parts stay aligned in an aligned buffer
     assert struct.unpack("<I", rec[-4:])[0] == zlib.crc32(rec[:-4])
+    old = sample_record(version=1)
+    magic, version, flags, header_len1, payload_len1 = struct.unpack_from("<4sHHIQ", old)
+    assert (magic, version, flags, payload_len1) == (MAGIC, 1, 0, payload_len)
+    assert header_len1 + payload_len1 + 4 == len(old)
+    # the compact header: known names are one byte, dims are varints
+    assert header_len <= 64 and header_len1 - header_len >= 100
 
 
-def test_every_single_byte_flip_is_detected():
-    rec = sample_record()
+@pytest.mark.parametrize("name", NAMES)
+def test_version_1_records_still_read(name):
+    c = get_codec(name, group_size=32, axis="token")
+    enc = c.encode(kv(dtype=torch.bfloat16 if name == "bf16" else torch.float16))
+    a, b = unpack_record(pack_record(enc, version=1)), unpack_record(pack_record(enc))
+    assert (a.codec, a.params, a.shape, a.dtype) == (b.codec, b.params, b.shape, b.dtype)
+    for k in a.parts:
+        assert torch.equal(a.parts[k], b.parts[k])
+
+
+def test_names_outside_the_word_table_and_large_ints():
+    enc = Encoded("my-codec", {"my_param": -(1 << 62), "mode": "zigzag", "group_size": 300}, (2, 5), torch.float32,
+                  {"payload": torch.arange(10, dtype=torch.float32).reshape(2, 5), "q": torch.ones(3, dtype=torch.uint8)})
+    back = unpack_record(pack_record(enc))
+    assert back.codec == "my-codec" and back.params == enc.params and back.shape == (2, 5)
+    assert torch.equal(back.parts["payload"], enc.parts["payload"]) and torch.equal(back.parts["q"], enc.parts["q"])
+    with pytest.raises(ValueError, match="version"):
+        pack_record(enc, version=3)
+
+
+@VERSIONS
+def test_every_single_byte_flip_is_detected(version):
+    rec = sample_record(version)
     for i in range(0, len(rec), 7):
         bad = bytearray(rec)
         bad[i] ^= 0x5A
@@ -84,11 +120,12 @@ def test_bad_magic_is_corrupt():
         unpack_record(bad)
 
 
-def test_lengths_checked_even_with_valid_crc():
-    rec = bytearray(sample_record())
-    header_len = struct.unpack_from("<I", rec, 8)[0]
+@VERSIONS
+def test_lengths_checked_even_with_valid_crc(version):
+    rec = bytearray(sample_record(version))
+    header_len = header_len_of(rec)
     # a part that claims more bytes than the payload holds
-    for off in range(20, header_len):
+    for off in range(20 if version == 1 else 14, header_len):
         bad = bytearray(rec)
         bad[off] = 0xFF
         try:
@@ -106,11 +143,12 @@ def test_arbitrary_bytes_only_raise_record_errors(data):
         unpack_record(MAGIC + data)
 
 
+@VERSIONS
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=6))
-def test_mutated_header_with_fixed_crc_never_crashes(edits):
-    rec = bytearray(sample_record())
-    header_len = struct.unpack_from("<I", rec, 8)[0]
+@given(edits=st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), min_size=1, max_size=6))
+def test_mutated_header_with_fixed_crc_never_crashes(edits, version):
+    rec = bytearray(sample_record(version))
+    header_len = header_len_of(rec)
     for pos, val in edits:
         rec[pos % header_len] = val
     try:
