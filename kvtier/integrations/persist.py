@@ -12,8 +12,9 @@ File layout (h5py; no pickle anywhere, every record parsed by ``unpack_block``):
  /seq{b}/layer{l}/open      uint8                        the last partial block, raw bytes of
                                                          [2, kv_heads, tokens % block_tokens, head_dim]
 ```
-Full blocks are encoded with the configuration's L3 codec (``disk_codec``): the persistent
-format is the SSD format. The partial block is kept raw, as it is in L1. The file is written
+Full blocks are records in the configuration's L3 codec (``disk_codec``): the persistent
+format is the SSD format, and a block that already has such a record (in L3, or in L2 under the
+same codec) is written as those bytes, never dequantized and quantized again. The partial block is kept raw, as it is in L1. The file is written
 to a temporary name with mode 0o600 and renamed into place.
 """
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from kvtier.compress import get_codec
 from kvtier.config import KVTierConfig
-from kvtier.store.blockrecord import pack_block, unpack_block
+from kvtier.store.blockrecord import unpack_block
 
 from .model import model_fingerprint
 
@@ -76,20 +77,16 @@ def save_cache(cache, path) -> None:
             })
             for row, seq in enumerate(cache.seqs):
                 for layer in range(cache.num_layers):
-                    k, v = store.gather(seq, layer)  # [kv_heads, T, head_dim]
-                    k, v = k.to(cache.dtype), v.to(cache.dtype)
-                    n_full = k.shape[1] // bt
-                    recs = [pack_block(kc.encode(k[:, i * bt:(i + 1) * bt].contiguous()),
-                                       vc.encode(v[:, i * bt:(i + 1) * bt].contiguous()))
-                            for i in range(n_full)]
-                    offsets = np.zeros(n_full + 1, dtype=np.int64)
+                    # blocks with a record in the disk codec already (L3, or L2 under the same
+                    # codec) are written as those bytes: never dequantized and quantized again
+                    recs, tail = store.export_blocks(seq, layer)  # tail: [2, kv_heads, rest, head_dim]
+                    offsets = np.zeros(len(recs) + 1, dtype=np.int64)
                     np.cumsum([len(r) for r in recs], out=offsets[1:])
                     g = f.create_group(f"seq{row}/layer{layer}")
                     g.create_dataset("records", data=np.frombuffer(b"".join(recs), dtype=np.uint8))
                     g.create_dataset("offsets", data=offsets)
-                    tail = torch.stack([k[:, n_full * bt:], v[:, n_full * bt:]])  # [2, kv_heads, rest, head_dim]
-                    g.create_dataset("open", data=_raw(tail))
-                    g.attrs["tokens"] = k.shape[1]
+                    g.create_dataset("open", data=_raw(tail.to(cache.dtype)))
+                    g.attrs["tokens"] = len(recs) * bt + tail.shape[2]
         os.chmod(tmp, 0o600)
         os.replace(tmp, path)
     except BaseException:

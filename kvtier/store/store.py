@@ -579,6 +579,48 @@ class KVStore:
                 return d
         return None
 
+    def export_blocks(self, seq: int, layer: int) -> tuple[list[bytes], torch.Tensor]:
+        """The sealed blocks of (seq, layer) as block records in the L3 (disk codec) format, and the
+        open block's tokens [2, kv_heads, t, head_dim] (t >= 0) as they are in L1.
+
+        A block that already has a record in the disk codec (its L3 copy, or its L2 copy when L2
+        uses the same codec) is exported as those bytes, so a lossy block is never dequantized and
+        quantized again; only blocks with no such copy (resident in L1 only, or in L2 under another
+        codec) are encoded here, from their full-precision L1 data or their decoded L2 copy.
+        """
+        t = self._table(seq, layer)
+        bt = self.block_tokens
+        with self._lock:
+            ents = list(t.entries)
+            n_full, rest = divmod(t.length, bt)
+            # a partial block is the open one, always resident in L1
+            tail = self.l1.pool[ents[n_full].slot, :, :, :rest].clone() if rest else \
+                torch.empty(2, self.kv_heads, 0, self.head_dim, dtype=self.dtype, device=self.device)
+        return [self._export_record(e) for e in ents[:n_full]], tail
+
+    def _export_record(self, e: BlockEntry) -> bytes:
+        with self._lock:
+            rec = e.rec
+            l2, l3, key = rec.l2, rec.l3, rec.key
+            data = self.l1.pool[e.slot].clone() if e.slot is not None else None
+        if l3:
+            with self._tier_lock:
+                buf = self.l3.get(key)
+            if buf is not None:
+                raw = self._stage.unpack(buf)
+                unpack_block(raw)  # framing and both CRCs checked: corrupt bytes are never exported
+                return raw
+        if l2 and not self._transcode:
+            with self._tier_lock:
+                buf = self.l2.get(key)
+            if buf is not None:
+                raw = self._stage.unpack(buf) if self._l2_staged else bytes(buf)
+                unpack_block(raw)
+                return raw
+        if data is None:
+            data = self._load(e)  # [2, kv_heads, block_tokens, head_dim]
+        return self._encode(data.to("cpu"), "l3")
+
     # -- append ------------------------------------------------------------------------------
 
     def append(self, seq: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:

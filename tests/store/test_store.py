@@ -323,3 +323,46 @@ def test_wrong_prefetches_are_throttled(tmp_path):
     assert by["throttled"] == 0 and by["used"] == 40
     json.dumps(st.stats())
     st.close()
+
+
+@pytest.mark.parametrize("stage", [{}, {"byte_stage": "zstd", "byte_stage_l2": True}], ids=["lz4", "zstd-l2"])
+def test_export_blocks_reuses_stored_records(tmp_path, stage):
+    """export_blocks returns disk-codec records: the stored bytes for blocks in L2/L3 (no second
+    quantization), a fresh encoding for blocks only in L1, and the open block's tokens raw."""
+    from kvtier.compress import get_codec
+    from kvtier.store.blockrecord import pack_block, unpack_block
+
+    bt, hd = 16, 32
+    st = make_store(tmp_path, num_layers=1, block_tokens=bt, head_dim=hd, hot_tokens=4 * bt,
+                    host_bytes=16 << 10, codec="int4", policy="lru", **stage)
+    s = st.add_sequence()
+    torch.manual_seed(0)
+    k = torch.randn(2, 20 * bt + 5, hd).half()
+    v = torch.randn(2, 20 * bt + 5, hd).half()
+    st.append(s, 0, k, v)
+    st.end_step()
+    st.flush()
+    kc = get_codec("int4", group_size=32, axis="channel")
+    vc = get_codec("int4", group_size=32, axis="token")
+    encoded = []
+    orig = st._encode
+    st._encode = lambda block, tier: encoded.append(tier) or orig(block, tier)
+    recs, tail = st.export_blocks(s, 0)
+    st._encode = orig
+    assert len(recs) == 20 and torch.equal(tail, torch.stack((k[:, 20 * bt:], v[:, 20 * bt:])))
+    ents = st._tables[s][0].entries
+    homes = {"l1": 0, "below": 0}
+    for e, rec in zip(ents, recs):
+        sl = slice(e.idx * bt, (e.idx + 1) * bt)
+        assert rec == pack_block(kc.encode(k[:, sl]), vc.encode(v[:, sl]))  # one quantization only
+        ek, ev = unpack_block(rec)
+        assert ek.codec == ev.codec == "int4"
+        homes["l1" if e.slot is not None and not (e.l2 or e.l3) else "below"] += 1
+    assert homes["l1"] > 0 and homes["below"] > 0
+    assert encoded == ["l3"] * homes["l1"]  # only the L1-only blocks were encoded
+    # a sequence ending on a block boundary: the full last block is exported, the tail is empty
+    s2 = st.add_sequence()
+    st.append(s2, 0, k[:, :3 * bt], v[:, :3 * bt])
+    recs, tail = st.export_blocks(s2, 0)
+    assert len(recs) == 3 and tail.shape == (2, 2, 0, hd)
+    st.close()
