@@ -56,9 +56,9 @@ from __future__ import annotations
 import functools
 import math
 import struct
-import zlib
-
 import torch
+
+from kvtier._crc import crc32
 
 from kvtier.compress.base import Encoded
 
@@ -229,7 +229,7 @@ def pack_record(enc: Encoded, version: int = FORMAT_VERSION) -> bytes:
     chunks = [fixed, var, *payload]
     crc = 0
     for c in chunks:
-        crc = zlib.crc32(c, crc)
+        crc = crc32(c, crc)
     chunks.append(_CRC.pack(crc))
     return b"".join(chunks)
 
@@ -397,7 +397,7 @@ def unpack_record(buf) -> Encoded:
         raise CorruptRecordError(
             f"record lengths inconsistent: header {header_len} + payload {payload_len} + crc 4 != {n} bytes")
     (crc,) = _CRC.unpack(mv[n - _CRC.size:])
-    if zlib.crc32(mv[:n - _CRC.size]) != crc:
+    if crc32(mv[:n - _CRC.size]) != crc:
         raise CorruptRecordError("record CRC32 mismatch")
     # Headers repeat for every block of one codec and shape: parse each distinct one once.
     codec, dtype, shape, params, specs = _parse_header(bytes(mv[fixed:header_len]), payload_len, version)
@@ -406,10 +406,15 @@ def unpack_record(buf) -> Encoded:
     if payload.readonly:
         payload = memoryview(bytearray(payload))  # one copy; torch needs a writable buffer to alias
     base = torch.frombuffer(payload, dtype=torch.uint8) if payload_len else torch.empty(0, dtype=torch.uint8)
+    addr = base.data_ptr()
     parts = {}
     for name, pdt, dims, off, size in specs:
-        raw = base[off:off + size]
-        if raw.data_ptr() % pdt.itemsize:
-            raw = raw.clone()  # unaligned for this dtype: copy rather than alias
-        parts[name] = raw.view(pdt).reshape(dims)
+        if size == 0:
+            parts[name] = torch.empty(dims, dtype=pdt)
+        elif (addr + off) % pdt.itemsize:
+            # unaligned for this dtype: copy rather than alias
+            parts[name] = base[off:off + size].clone().view(pdt).view(dims)
+        else:
+            # one view of the buffer per part (fewer tensor ops than slice + view + reshape)
+            parts[name] = torch.frombuffer(payload, dtype=pdt, count=size // pdt.itemsize, offset=off).view(dims)
     return Encoded(codec, dict(params), shape, dtype, parts)

@@ -39,7 +39,7 @@ from typing import Literal
 
 import torch
 
-from ._crc import crc32
+from kvtier._crc import crc32
 from .base import BytesLike, Tier, TierStats, as_byte_view, check_key, out_view
 from .errors import DirectoryLockedError, DiskFullError, TierClosedError
 

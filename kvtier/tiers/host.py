@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from ._crc import crc32
+from kvtier._crc import crc32
 from .base import BytesLike, Tier, TierStats, as_byte_view, check_key, out_view
 from .errors import TierClosedError
 

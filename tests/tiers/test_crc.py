@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 
-from kvtier.tiers._crc import IMPLEMENTATION, crc32
+from kvtier._crc import IMPLEMENTATION, crc32
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 4096, 1 << 20])

@@ -1,8 +1,9 @@
 """CRC-32 (the zlib/IEEE polynomial) for record checksums.
 
 ISA-L's implementation (package ``isal``) computes the same values several times faster than
-zlib's (about 8 vs 2-4 GB/s here), which decides DiskTier's read bandwidth; it is used when
-installed, zlib otherwise. Both release the GIL on large buffers.
+zlib's (about 8 vs 2-4 GB/s here), which decides DiskTier's read bandwidth and part of every
+record's parse time; it is used when installed, zlib otherwise. Both release the GIL on large
+buffers.
 """
 from __future__ import annotations
 
