@@ -143,19 +143,31 @@ static float kth_largest(float *a, int64_t n, int64_t k) {
     return a[k];
 }
 
-/* The k best of the m scores (kvt_block_scores' arguments) as ascending indices into idx[k]:
-   every block scoring above the k-th best score, then the lowest-indexed ties at it. NaN scores
-   (a NaN query) rank last. Returns 0, or -1 when out of memory. */
+/* The k best of m blocks as ascending indices into idx[k]: every block scoring above the k-th
+   best score, then the lowest-indexed ties at it. NaN scores (a NaN query) rank last. With
+   parts > 1 (centroid only) each block is `parts` consecutive digest rows of `width` floats
+   (sub-block centroids): the rows are scored as m * parts candidates (one softmax over all of
+   them) and a block scores as its best row. Other arguments as kvt_block_scores (m = blocks).
+   Returns 0, or -1 when out of memory. */
 int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *dig,
                   int64_t head_stride, int64_t width, _Bool bf16, int64_t m, _Bool quest,
-                  float scale, int64_t k, int64_t *idx) {
-    float *sc = (float *)malloc(sizeof(float) * (size_t)(2 * m));
+                  float scale, int64_t parts, int64_t k, int64_t *idx) {
+    float *sc = (float *)malloc(sizeof(float) * (size_t)(m * parts + m));
     if (!sc) return -1;
-    if (kvt_block_scores(q, H, R, hd, dig, head_stride, width, bf16, m, quest, scale, sc)) {
+    if (kvt_block_scores(q, H, R, hd, dig, head_stride, width, bf16, m * parts, quest, scale, sc)) {
         free(sc);
         return -1;
     }
-    float *tmp = sc + m;
+    if (parts > 1)   /* in place: block j's best row; row j*parts+p >= j, so nothing unread is overwritten */
+        for (int64_t j = 0; j < m; j++) {
+            float b = sc[j * parts];
+            for (int64_t p = 1; p < parts; p++) {
+                float v = sc[j * parts + p];
+                if (v > b || b != b) b = v;
+            }
+            sc[j] = b;
+        }
+    float *tmp = sc + m * parts;
     for (int64_t j = 0; j < m; j++) {
         if (sc[j] != sc[j]) sc[j] = -INFINITY;
         tmp[j] = sc[j];
@@ -180,7 +192,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     i64, c_int, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
     lib.kvt_block_scores.argtypes = [vp, i64, i64, i64, vp, i64, i64, ctypes.c_bool, i64, ctypes.c_bool, ctypes.c_float, vp]
     lib.kvt_block_scores.restype = c_int
-    lib.kvt_block_top.argtypes = lib.kvt_block_scores.argtypes[:-1] + [i64, vp]
+    lib.kvt_block_top.argtypes = lib.kvt_block_scores.argtypes[:-1] + [i64, i64, vp]
     lib.kvt_block_top.restype = c_int
 
 
@@ -233,24 +245,28 @@ def block_scores(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest:
 
 
 def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: bool, scale: float,
-               k: int) -> list[int]:
+               k: int, parts: int = 1) -> list[int]:
     """The ``k`` best-scoring digest rows of [lo, hi), ascending, as offsets from ``lo``.
 
     The same scores as :func:`block_scores`; the selection is done in C too (no score tensor, no
     topk, no sort: fewer calls on the decode path). Ties at the k-th score go to the lower index.
-    Arguments as :func:`block_scores`; 1 <= k <= hi - lo.
+    Arguments as :func:`block_scores`; 1 <= k <= hi - lo. ``parts`` > 1 (centroid only): each
+    row holds that many sub-block centroids side by side (``width = parts * head_dim``), scored
+    as ``KVStore._scores`` does: one softmax over every sub-block, a block's score its best part.
     """
     fn = _load().kvt_block_top
     qh, ql, hd = q.shape
     kvh, cap, width = digest.shape
     r = qh // kvh * ql  # GQA: the rows of kv head h are q[h*G:(h+1)*G] (contiguous), G*q_len of them
     assert (q.dtype == torch.float32 and q.is_contiguous() and digest.is_contiguous()
-            and qh % kvh == 0 and width == (hd << quest) and 0 <= lo < hi <= cap and 1 <= k <= hi - lo), \
-        f"q {q.dtype} {tuple(q.shape)}, digest {tuple(digest.shape)} rows [{lo}, {hi}), quest={quest}, k={k}"
+            and qh % kvh == 0 and parts >= 1 and (parts == 1 or not quest)
+            and width == (hd << quest) * parts and 0 <= lo < hi <= cap and 1 <= k <= hi - lo), \
+        f"q {q.dtype} {tuple(q.shape)}, digest {tuple(digest.shape)} rows [{lo}, {hi}), quest={quest}, k={k}, parts={parts}"
     bf16 = digest.dtype == torch.bfloat16
     assert bf16 or digest.dtype == torch.float32, f"digest dtype must be one of {DTYPES}; got {digest.dtype}"
     out = (ctypes.c_int64 * k)()
     base = digest.data_ptr() + lo * width * (2 if bf16 else 4)
-    if fn(q.data_ptr(), kvh, r, hd, base, cap * width, width, bf16, hi - lo, quest, scale, k, out):
+    sub = width // parts  # one sub-block row: the rows of a block are consecutive
+    if fn(q.data_ptr(), kvh, r, hd, base, cap * width, sub, bf16, hi - lo, quest, scale, parts, k, out):
         raise MemoryError("kvt_block_top: out of memory")
     return out[:]

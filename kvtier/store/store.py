@@ -187,7 +187,7 @@ class KVStore:
         self._digest_parts = cfg.block_tokens // cfg.digest_tokens
         # CPU: block scores in one compiled call, read from the digest table in place (cscore.py)
         self._cscore = (self._digest_score is not None and self.device.type == "cpu"
-                        and dtype in cscore.DTYPES and self._digest_parts == 1 and cscore.available())
+                        and dtype in cscore.DTYPES and cscore.available())
 
         self._lock = threading.Lock()
         self._tier_lock = threading.Lock()
@@ -1256,7 +1256,8 @@ class KVStore:
                 if self._cscore:
                     # scores and selection in one compiled call, already ascending
                     top = cscore.top_blocks(self._query_f32(query), t.digest, s_end, w_start,
-                                            self._digest_score == "quest", self.head_dim ** -0.5, k)
+                                            self._digest_score == "quest", self.head_dim ** -0.5, k,
+                                            self._digest_parts)
                     sel += [b + s_end for b in top]
                 else:
                     scores = self._scores(t, query, s_end, w_start)

@@ -62,12 +62,15 @@ def test_extreme_logits_keep_the_softmax_finite():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("score", ["centroid", "quest"])
-def test_store_selection_same_with_and_without_the_compiled_path(dtype, score):
+@pytest.mark.parametrize("score, digest_tokens", [("centroid", 4), ("quest", 4), ("centroid", 1), ("centroid", 2)])
+def test_store_selection_same_with_and_without_the_compiled_path(dtype, score, digest_tokens):
+    """Also with sub-block centroids (digest_tokens < block_tokens): the C path scores every
+    sub-block in one softmax and a block as its best part, as KVStore._scores does."""
     bt, hd = 4, 16
     stores = [make_store(None, num_layers=1, kv_heads=2, head_dim=hd, dtype=dtype, block_tokens=bt,
                          hot_tokens=256 * bt, host_bytes=1 << 22, budget_tokens=24 * bt, sink_tokens=bt,
-                         window_tokens=2 * bt, attention="sparse", select_score=score) for _ in range(2)]
+                         window_tokens=2 * bt, attention="sparse", select_score=score,
+                         digest_tokens=digest_tokens) for _ in range(2)]
     assert stores[0]._cscore, "CPU store with a float32/bf16 digest should take the compiled path"
     stores[1]._cscore = False  # the torch path
     g = torch.Generator().manual_seed(1)
@@ -137,3 +140,23 @@ def test_scores_match_the_store_torch_path(dtype, score):
         got = cscore.block_scores(st._query_rows(q), t.digest, 1, 97, score == "quest", hd ** -0.5)
         torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-6 * float(ref.abs().max()) + 1e-7)
     st.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parts", [2, 4])
+def test_top_blocks_with_sub_block_centroids_is_the_torch_spec(dtype, parts):
+    g = torch.Generator().manual_seed(3)
+    hd, lo, hi, kvh = 32, 2, 90, 3
+    for trial in range(10):
+        q = torch.randn(9, 1, hd, generator=g)
+        digest = torch.randn(kvh, 128, parts * hd, generator=g).to(dtype)
+        rows = digest[:, lo:hi].float().reshape(kvh, -1, hd)  # [kv_heads, m * parts, hd]
+        s = torch.bmm(q.view(kvh, -1, hd), rows.transpose(1, 2)) * hd ** -0.5
+        ref = torch.softmax(s, dim=-1).amax(dim=(0, 1)).view(-1, parts).amax(dim=1)  # [m]
+        for k in (1, 5, 30, hi - lo):
+            got = cscore.top_blocks(q, digest, lo, hi, False, hd ** -0.5, k, parts)
+            assert got == sorted(got) and len(set(got)) == k
+            want = set(torch.topk(ref, k).indices.tolist())
+            if set(got) != want:  # only blocks whose scores tie to float32 rounding may differ
+                kth = torch.topk(ref, k).values[-1]
+                assert all(abs(ref[j] - kth) < 1e-6 for j in set(got) ^ want)
