@@ -146,49 +146,32 @@ def _dims2(shape, what: str) -> bytes:
     return _U8.pack(len(shape)) + b"".join(_uvarint(d) for d in shape)
 
 
-def _header2(codec, dtype, shape, params, parts) -> bytes:
-    """The variable v2 header bytes, padded so the whole header is a multiple of 8."""
-    head = [_word(codec, "enc.codec"), _dtype_code(dtype, "enc.dtype"), _dims2(shape, "enc.shape"),
+def _header(codec, dtype, shape, params, parts, version: int = FORMAT_VERSION) -> bytes:
+    """The variable header bytes of format ``version`` (v2: padded so the whole header is a
+    multiple of 8); raises ValueError naming the offending field."""
+    v2 = version >= 2
+    word, dims = (_word, _dims2) if v2 else (_str8, _dims)
+    head = [word(codec, "enc.codec"), _dtype_code(dtype, "enc.dtype"), dims(shape, "enc.shape"),
             _U8.pack(len(params))]
     for k, v in params:
-        head.append(_word(str(k), "enc.params key"))
+        head.append(word(str(k), "enc.params key"))
         if isinstance(v, bool) or not isinstance(v, (int, str)):
             raise ValueError(f"enc.params values must be int or str; got {k}={v!r}")
         if isinstance(v, int):
             if not -(1 << 63) <= v < (1 << 63):
                 raise ValueError(f"enc.params int values must fit in 64 bits; got {k}={v}")
-            head += [_U8.pack(0), _uvarint((v << 1) ^ (v >> 63))]
+            head += [_U8.pack(0), _uvarint((v << 1) ^ (v >> 63)) if v2 else _I64.pack(v)]
         else:
-            head += [_U8.pack(1), _word(v, f"enc.params[{k!r}]")]
+            head += [_U8.pack(1), word(v, f"enc.params[{k!r}]")]
     head.append(_U8.pack(len(parts)))
-    for name, pdt, dims in parts:
-        head += [_word(name, "part name"), _dtype_code(pdt, f"enc.parts[{name!r}].dtype"),
-                 _dims2(dims, f"enc.parts[{name!r}]")]
+    for name, pdt, pdims in parts:
+        head += [word(name, "part name"), _dtype_code(pdt, f"enc.parts[{name!r}].dtype"),
+                 dims(pdims, f"enc.parts[{name!r}]")]
     var = b"".join(head)
-    return var + bytes(-(_FIXED2.size + len(var)) % 8)
+    return var + bytes(-(_FIXED2.size + len(var)) % 8) if v2 else var
 
 
-def _header(codec, dtype, shape, params, parts) -> bytes:
-    """The variable header bytes; raises ValueError naming the offending field."""
-    head = [_str8(codec, "enc.codec"), _dtype_code(dtype, "enc.dtype"), _dims(shape, "enc.shape"),
-            _U8.pack(len(params))]
-    for k, v in params:
-        head.append(_str8(str(k), "enc.params key"))
-        if isinstance(v, bool) or not isinstance(v, (int, str)):
-            raise ValueError(f"enc.params values must be int or str; got {k}={v!r}")
-        if isinstance(v, int):
-            head += [_U8.pack(0), _I64.pack(v)]
-        else:
-            head += [_U8.pack(1), _str8(v, f"enc.params[{k!r}]")]
-    head.append(_U8.pack(len(parts)))
-    for name, pdt, dims in parts:
-        head += [_str8(name, "part name"), _dtype_code(pdt, f"enc.parts[{name!r}].dtype"),
-                 _dims(dims, f"enc.parts[{name!r}]")]
-    return b"".join(head)
-
-
-_headers_cached = {1: functools.lru_cache(maxsize=256)(_header),
-                   2: functools.lru_cache(maxsize=256)(_header2)}
+_header_cached = functools.lru_cache(maxsize=512)(_header)
 
 
 def pack_record(enc: Encoded, version: int = FORMAT_VERSION) -> bytes:
@@ -208,10 +191,10 @@ def pack_record(enc: Encoded, version: int = FORMAT_VERSION) -> bytes:
     try:
         hash(key)
     except TypeError:  # an unhashable param value: build uncached, which names the field
-        var = (_header2 if version == 2 else _header)(*key)
+        var = _header(*key, version)
     else:
         # Headers repeat for every block of one codec and shape: build each distinct one once.
-        var = _headers_cached[version](*key)
+        var = _header_cached(*key, version)
     payload = []
     for t in enc.parts.values():
         if t.device.type != "cpu" or not t.is_contiguous():

@@ -153,6 +153,18 @@ def test_orders_identical_with_lossless_codec(tmp_path):
     assert out["compress-then-tier/stats"] == out["tier-then-compress/stats"]
 
 
+def _one_sequence(st, tokens: int, hd: int):
+    """A new sequence of ``tokens`` random fp16 tokens (2 kv heads) in layer 0, swap-outs done."""
+    s = st.add_sequence()
+    torch.manual_seed(0)
+    k = torch.randn(2, tokens, hd).half()
+    v = torch.randn(2, tokens, hd).half()
+    st.append(s, 0, k, v)
+    st.end_step()
+    st.flush()
+    return s, k, v
+
+
 @pytest.mark.parametrize("stage, stage_l2", [("lz4", False), ("zstd", False), ("zstd", True)])
 @pytest.mark.parametrize("order", ["compress-then-tier", "tier-then-compress"])
 def test_orders_expected_bytes_per_tier_with_lossy_codec(tmp_path, order, stage, stage_l2):
@@ -165,13 +177,7 @@ def test_orders_expected_bytes_per_tier_with_lossy_codec(tmp_path, order, stage,
                     host_bytes=64 << 10, codec="int8", order=order, policy="sink-window",
                     sink_tokens=0, window_tokens=0, budget_tokens=bt, byte_stage=stage,
                     byte_stage_l2=stage_l2)
-    s = st.add_sequence()
-    torch.manual_seed(0)
-    k = torch.randn(2, 40 * bt + 3, hd).half()
-    v = torch.randn(2, 40 * bt + 3, hd).half()
-    st.append(s, 0, k, v)
-    st.end_step()
-    st.flush()
+    s, k, v = _one_sequence(st, 40 * bt + 3, hd)
     check_invariants(st)
 
     def rec(name, b):
@@ -335,13 +341,7 @@ def test_export_blocks_reuses_stored_records(tmp_path, stage):
     bt, hd = 16, 32
     st = make_store(tmp_path, num_layers=1, block_tokens=bt, head_dim=hd, hot_tokens=4 * bt,
                     host_bytes=16 << 10, codec="int4", policy="lru", **stage)
-    s = st.add_sequence()
-    torch.manual_seed(0)
-    k = torch.randn(2, 20 * bt + 5, hd).half()
-    v = torch.randn(2, 20 * bt + 5, hd).half()
-    st.append(s, 0, k, v)
-    st.end_step()
-    st.flush()
+    s, k, v = _one_sequence(st, 20 * bt + 5, hd)
     kc = get_codec("int4", group_size=32, axis="channel")
     vc = get_codec("int4", group_size=32, axis="token")
     encoded = []
