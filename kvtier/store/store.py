@@ -9,17 +9,24 @@
               │ clean (valid copy below): slot freed at once
               │ dirty: queued ──► swap-out worker: encode (host codec) + put to L2, then free slot
               ▼                          │ L2 ring wraps: spill (transcode if the disk codec
- gather / gather_blocks                  ▼ differs, lz4 if it pays) ──► L3
+ gather / gather_view / gather_blocks    ▼ differs, lz4 if it pays) ──► L3
    hit: index the pool
    miss: prefetched? else L2 / L3 -> unpack -> decode on the device -> slot (or scratch)
 ```
 
+L1 layout: the pool is stored as ``[2, kv_heads, slots, block_tokens, head_dim]`` and every
+(sequence, layer) table owns ``hot_blocks`` consecutive slots (its region, ``table.py``); scratch
+slots follow the regions. ``gather_view`` keeps the blocks a step attends at the front of the
+region, the open block right after them, so K and V are views of the pool (no copy) and only the
+blocks that entered the selection are copied (moved within the region).
+
 Locks: ``_tier_lock`` serialises tier I/O (L2/L3) and is always taken *before* ``_lock``, which
-guards block tables, entries and L1 slot allocation; ``_pf_lock`` guards the prefetch buffer
+guards block tables, entries, L1 slot allocation and moves of blocks within a region; ``_pf_lock`` guards the prefetch buffer
 only. The decode path never holds a lock while waiting for anything. Only caller threads
 allocate L1 slots; the worker frees a slot only after the copy below is complete, and not at all
 when a reader marked the block meanwhile (``cancel``: it stays resident, now clean), so a slot
-being read is never reused underneath its reader.
+being read is never reused underneath its reader. The worker reads a pending block's slot without
+the lock, so a pending block is never moved and its slot never written (``_arrange``).
 """
 from __future__ import annotations
 
@@ -160,13 +167,18 @@ class KVStore:
         # one read per live sequence may be in flight at a time (callers on several threads)
         self._scratch_n = max(1, c - 1) * cfg.max_sequences
         self._scratch_ids = itertools.count()
-        self.l1 = DeviceTier(slot_shape, cfg.max_sequences * num_layers * c + self._scratch_n,
-                             dtype=dtype, device=self.device)
+        # regions first (placed by the store: table.py), then the scratch slots
+        regions = cfg.max_sequences * num_layers * c
+        self.l1 = DeviceTier(slot_shape, regions + self._scratch_n, dtype=dtype, device=self.device,
+                             slot_axis=2, placed_slots=regions)
+        self._free_groups = list(range(cfg.max_sequences))  # region groups (one region per layer)
+        self._group: dict[int, int] = {}
         self.l2 = HostTier(cfg.host_bytes, spill=self._spill if self.l3 is not None else None,
                            pin_memory=self._cuda)
-        # [2, kv_heads, num_slots, block_tokens, head_dim] view of the pool: one index_select along
-        # the slot axis yields K and V already in [kv_heads, blocks, tokens, head_dim] order
-        self._pool_kv = self.l1.pool.permute(1, 2, 0, 3, 4)
+        # [2, kv_heads, num_slots, block_tokens, head_dim]: the pool's storage. One index_select
+        # along the slot axis yields K and V already in [kv_heads, blocks, tokens, head_dim] order;
+        # a run of slots of one region is, per head, one contiguous run of tokens (gather_view)
+        self._pool_kv = self.l1.storage
         # CPU: the pool as a numpy array, for decode appends (16-bit floats viewed as int16)
         self._np_view = torch.int16 if dtype in (torch.float16, torch.bfloat16) else None
         self._pool_np = None
@@ -228,7 +240,8 @@ class KVStore:
                       pub_l3_blocks=0, pub_l3_bytes=0, pub_l3_failed=0,
                       pub_l4_blocks=0, pub_l4_bytes=0, pub_l4_failed=0, orphans_deleted=0,
                       prefix_lookups=0, prefix_lookup_tokens=0, prefix_hit_tokens=0,
-                      prefill_tokens_saved=0, dedup_seals=0, adopted_l3=0)
+                      prefill_tokens_saved=0, dedup_seals=0, adopted_l3=0,
+                      gather_views=0, gather_copies=0, region_moves=0)
         # blocks per home tier, kept up to date under _lock so that stats() costs O(tables)
         self._home = {"l1": 0, "l2": 0, "l3": 0}
         self._lat_in = Latency()
@@ -272,8 +285,11 @@ class KVStore:
                                  f"raise max_sequences or drop a sequence first")
             seq = self._next_seq
             self._next_seq += 1
+            g = self._group[seq] = self._free_groups.pop(0)
+            c = self.hot_blocks
             self._tables[seq] = [BlockTable(seq, layer, self.kv_heads, self.head_dim, self.device,
-                                            self.dtype, self._digest_score, self._digest_parts)
+                                            self.dtype, self._digest_score, self._digest_parts,
+                                            base=(g * self.num_layers + layer) * c, cap=c)
                                  for layer in range(self.num_layers)]
             return seq
 
@@ -333,6 +349,7 @@ class KVStore:
                 self._touched.pop(id(t), None)
                 self._last_sel.pop((seq, t.layer), None)
             del self._tables[seq]
+            self._free_groups.append(self._group.pop(seq))
             self._tok.pop(seq, None)
             self._dense_seqs.discard(seq)
         with self._tier_lock:
@@ -650,18 +667,35 @@ class KVStore:
         with self._lock:
             # no copy: a slot's tokens past t.length are never read (gather/gather_blocks narrow
             # to the length, a block is sealed full), so the open block needs no zeroing
-            t.take_slot(e, self._alloc(e.key, None))
+            # past the last attended run: gather_view moves it to the end of that run
+            self._alloc_in(t, e, None, lo=t.view_n)
             self._home["l1"] += 1
-        t.open_view = self.l1.pool[e.slot]  # [2, kv_heads, block_tokens, head_dim]: the open block never moves
-        if self._pool_np is not None:
-            t.open_np = self._pool_np[e.slot]  # the same slot as a numpy view (CPU)
+        self._open_views(t)
 
-    def _alloc(self, key: str, data: torch.Tensor | None) -> int:
-        """Copy ``data`` [2, kv_heads, block_tokens, head_dim] into a free L1 slot (lock held);
-        ``None``: take a slot and leave its contents as they are (the open block)."""
-        ok = self.l1.put(key, b"" if data is None else data)
-        assert ok, "L1 pool out of slots although every table stays within its budget"
+    def _open_views(self, t: BlockTable) -> None:
+        """Point the append views at the open block's slot (after it was placed or moved)."""
+        slot = t.entries[-1].slot
+        t.open_view = self.l1.pool[slot]  # [2, kv_heads, block_tokens, head_dim] (strided)
+        if self._pool_np is not None:
+            t.open_np = self._pool_np[slot]  # the same slot as a numpy view (CPU)
+
+    def _alloc(self, key: str, data: torch.Tensor) -> int:
+        """Copy ``data`` [2, kv_heads, block_tokens, head_dim] into a free scratch slot (lock held)."""
+        ok = self.l1.put(key, data)
+        assert ok, "L1 scratch slots exhausted although every read stays within its budget"
         return self.l1.slot_of(key)
+
+    def _alloc_in(self, t: BlockTable, e: BlockEntry, data: torch.Tensor | None, lo: int = 0) -> None:
+        """Give ``e`` a free position of ``t``'s region, the first at or after ``lo`` if any, and
+        copy ``data`` [2, kv_heads, block_tokens, head_dim] there; ``None`` leaves the slot as it
+        is (the open block: tokens past ``t.length`` are never read). Lock held."""
+        p = t.free_position(min(lo, t.cap))
+        if p is None:
+            p = t.free_position(0)
+        assert p is not None, f"region of {t.seq}/{t.layer} full although resident {t.resident} < {t.cap}"
+        ok = self.l1.put_at(e.key, t.base + p, data)
+        assert ok, f"region slot {t.base + p} refused although free"
+        t.take_slot(e, t.base + p)
 
     def _make_room(self, t: BlockTable, need: int, exclude) -> None:
         """Ensure ``need`` more blocks of ``t`` fit in L1. Waits only when L1 is truly full."""
@@ -1034,9 +1068,11 @@ class KVStore:
                 self._count(pf_wasted=1, pf_errors=1)
         return self._load(e)
 
-    def _install(self, t: BlockTable, e: BlockEntry, data: torch.Tensor, exclude, scratch: list) -> int:
+    def _install(self, t: BlockTable, e: BlockEntry, data: torch.Tensor, exclude, scratch: list,
+                 lo: int = 0) -> int:
         """Give a swapped-in block an L1 slot: its own if the budget allows (dropping a clean
-        block outside ``exclude`` if needed), else a scratch slot listed in ``scratch``."""
+        block outside ``exclude`` if needed; region position ``lo`` or after preferred), else a
+        scratch slot listed in ``scratch``."""
         with self._lock:
             if e.slot is not None:
                 return e.slot
@@ -1045,7 +1081,7 @@ class KVStore:
                     self._free_clean(t, t.entries[b])
             if t.resident < self.hot_blocks:
                 self._home[e.home] -= 1
-                t.take_slot(e, self._alloc(e.key, data))
+                self._alloc_in(t, e, data, lo)
                 self._home["l1"] += 1
                 return e.slot
             assert len(scratch) < max(1, self.hot_blocks - 1), "more scratch blocks than the L1 budget"
@@ -1144,7 +1180,7 @@ class KVStore:
             with self._lock:
                 if e.slot is None and t.resident < self.hot_blocks:
                     self._home[e.home] -= 1
-                    t.take_slot(e, self._alloc(e.key, data))
+                    self._alloc_in(t, e, data)
                     self._home["l1"] += 1
         if self._pf_pool is not None:
             # streaming: the next layer's missing blocks decode while this layer computes
@@ -1233,12 +1269,13 @@ class KVStore:
         s = torch.bmm(qq, dig_t)  # [kv_heads, G*q_len, m]
         return s.amax(dim=1).sum(dim=0)  # [m]
 
-    def gather_blocks(self, seq: int, layer: int, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """K, V of ``blocks`` (sorted sealed indices) followed by the open block.
+    def _prepare(self, seq: int, layer: int, blocks) -> tuple[BlockTable, list[int], list[int], list[str]]:
+        """Checks and swap-ins shared by gather_blocks and gather_view: every block of ``blocks``
+        resident (a region slot, or a scratch slot listed in the returned ``scratch`` when the
+        region is full), counted as a hit or a miss, and marked used.
 
         Returns:
-            K, V: [kv_heads, n, head_dim] (owned: copied out of the pool); pos: LongTensor [n] of
-            the token positions.
+            (table, blocks as a list, L1 slot per block with the open block's last, scratch keys)
         """
         t = self._table(seq, layer)
         ents = t.entries
@@ -1275,13 +1312,32 @@ class KVStore:
         if miss:
             sel = frozenset(blocks)
             for i, e in miss:
+                # lowest free region position: inside the attended run when one is free there
                 slots[i] = self._install(t, e, self._fetch(e), sel, scratch)
         self._touched[id(t)] = t
-        blocks.append(ns)
+        return t, blocks, slots, scratch
+
+    def gather_blocks(self, seq: int, layer: int, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V of ``blocks`` (sorted sealed indices) followed by the open block, copied out of L1.
+
+        The decode path uses :meth:`gather_view` (no copy); this keeps the order of ``blocks``.
+
+        Returns:
+            K, V: [kv_heads, n, head_dim] (owned: copied out of the pool); pos: LongTensor [n] of
+            the token positions.
+        """
+        t, blocks, slots, scratch = self._prepare(seq, layer, blocks)
+        blocks.append(len(t.entries) - 1)
+        return self._gather_copy(t, slots, blocks, scratch)
+
+    def _gather_copy(self, t: BlockTable, slots: list[int], blocks: list[int],
+                     scratch: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V [kv_heads, n, head_dim] and pos [n] of ``blocks`` (the open block last) at
+        ``slots``, in that order, copied out of the pool; frees the ``scratch`` slots."""
         idx, pos = self._gather_index(t, slots, blocks)
         bt = self.block_tokens
-        n = nsel + 1
-        total = nsel * bt + (t.length - ns * bt)
+        n = len(blocks)
+        total = (n - 1) * bt + (t.length - (len(t.entries) - 1) * bt)
         g = self._pool_kv.index_select(2, idx)  # [2, kv_heads, n, bt, hd]
         if scratch:
             with self._lock:
@@ -1293,6 +1349,127 @@ class KVStore:
             pos = pos[:total]
         k, v = kv.unbind(0)
         return k, v, pos.clone()  # the cached positions stay untouched whatever the caller does
+
+    def gather_view(self, seq: int, layer: int, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """K, V of ``blocks`` (distinct sealed indices, any order) and the open block, as views
+        of L1 where possible: the decode path's gather.
+
+        The table's region is arranged so that the selected blocks hold its first ``len(blocks)``
+        positions (in whatever order they already are) and the open block the next one; only
+        blocks that entered or left that run are copied. Where that cannot be done this step (a
+        block in a scratch slot because the region is full of dirty blocks, or a block that would
+        have to move while the swap-out worker reads it) K and V are copied instead (counted in
+        ``stats()["gather"]``). Either way the content is the same.
+
+        Returns:
+            K, V: [kv_heads, n, head_dim]. Usually views aliasing the L1 pool: valid only until the
+            next call that changes this (seq, layer) (``append``, ``gather_view``,
+            ``gather_blocks``, ``gather``, ``drop_sequence``); read them at once, never write them.
+            pos: LongTensor [n] (owned), the token position of every row of K and V.
+            order: the block indices in the order of K and V, the open block last; pass it to
+                :meth:`observe` with one mass per block.
+        """
+        t, blocks, slots, scratch = self._prepare(seq, layer, blocks)
+        ents = t.entries
+        nsel = len(blocks)
+        if len(set(blocks)) != nsel:
+            raise ValueError(f"blocks must be distinct; got {sorted(blocks)}")
+        ok = False
+        if not scratch:
+            with self._lock:
+                ok = self._arrange(t, [ents[b] for b in blocks], ents[-1])
+        if not ok:
+            self.c["gather_copies"] += 1
+            blocks.append(len(ents) - 1)
+            k, v, pos = self._gather_copy(t, slots, blocks, scratch)
+            return k, v, pos, blocks
+        self.c["gather_views"] += 1
+        n = nsel + 1
+        t.view_n = n
+        order = [e.idx for e in t.at[:n]]
+        bt, kvh, hd = self.block_tokens, self.kv_heads, self.head_dim
+        cached = t.view_cache
+        if cached is not None and cached[0] == order:
+            pos = cached[1]
+        else:
+            rows = np.asarray(order, dtype=np.int64)[:, None] * bt + self._np_arange_bt  # [n, bt]
+            pos = torch.from_numpy(rows.ravel()).to(self.device)
+            t.view_cache = (order, pos)
+        total = nsel * bt + (t.length - (len(ents) - 1) * bt)  # the open block's unused tail is past the end
+        kv = self._pool_kv[:, :, t.base:t.base + n].view(2, kvh, n * bt, hd)  # [2, kv_heads, n*bt, hd]: a view
+        k, v = kv.narrow(2, 0, total).unbind(0)
+        return k, v, pos[:total].clone(), order
+
+    def _arrange(self, t: BlockTable, sel: list[BlockEntry], open_e: BlockEntry) -> bool:
+        """Lay ``t``'s region out for a view (lock held): the entries ``sel`` at positions
+        ``[0, len(sel))`` in any order, ``open_e`` at ``len(sel)``; False, moving nothing, if a
+        block that would move (in or out of that run) is pending (the worker reads its slot).
+
+        ```
+         before  [a][x][b][open][c][ ][y]     sel = {a, b, c}, nsel = 3
+         plan    c -> 1 (hole: x is not selected); x -> 5 (free, past the run)
+         after   [a][c][b][open][ ][x][y]     two block copies
+        ```
+        Moves go to free positions first (one copy each); a cycle with no free position left
+        is broken by a swap (three copies).
+        """
+        nsel = len(sel)
+        base, cap, at = t.base, t.cap, t.at
+        movers = [e for e in sel if not 0 <= e.slot - base < nsel]
+        if not movers and open_e.slot - base == nsel:
+            return True  # steady state: the run is already in place
+        for e in movers:
+            if not 0 <= e.slot - base < cap:
+                return False  # not in the region (cannot happen without scratch; kept safe)
+        wanted = set(sel)
+        holes = [p for p in range(nsel) if at[p] is None or at[p] not in wanted]
+        assert len(holes) == len(movers), f"{len(holes)} holes for {len(movers)} blocks"
+        plan = dict(zip(movers, holes))  # entry -> target region position
+        if open_e.slot - base != nsel:
+            plan[open_e] = nsel
+        evict = [at[p] for p in plan.values() if at[p] is not None and at[p] not in plan]
+        if evict:
+            # past the run: free positions first (one copy each), then those planned entries leave
+            dest = [p for p in range(nsel + 1, cap) if at[p] is None]
+            dest += [p for p in range(nsel + 1, cap) if at[p] is not None and at[p] in plan]
+            assert len(dest) >= len(evict), f"region of {t.seq}/{t.layer} over-full: {t.resident} > {cap}"
+            plan.update(zip(evict, dest))
+        if any(e.pending for e in plan):
+            return False
+        open_slot = open_e.slot
+        moves = 0
+        while plan:
+            progress = False
+            for e, p in list(plan.items()):
+                if at[p] is None:
+                    ok = self.l1.move(e.key, base + p)
+                    assert ok, f"region slot {base + p} refused although free"
+                    t.relocate(e, base + p)
+                    del plan[e]
+                    moves += 1
+                    progress = True
+            if progress:
+                continue
+            # only cycles left: every target is held by another planned entry
+            e, p = next(iter(plan.items()))
+            f = t.free_position()
+            if f is not None:  # step aside into a free position: the cycle becomes a chain
+                ok = self.l1.move(e.key, base + f)
+                assert ok, f"region slot {base + f} refused although free"
+                t.relocate(e, base + f)
+                moves += 1
+                continue
+            y = at[p]
+            self.l1.swap(e.key, y.key)
+            t.swap_positions(e, y)
+            moves += 3
+            del plan[e]
+            if plan.get(y) == y.slot - base:
+                del plan[y]
+        self.c["region_moves"] += moves
+        if open_e.slot != open_slot:
+            self._open_views(t)  # appends write through views of the open block's slot
+        return True
 
     def _gather_index(self, t: BlockTable, slots: list[int], blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pool slots as an index tensor [n] and the token positions of ``blocks`` [n * bt] (the
@@ -1404,6 +1581,10 @@ class KVStore:
             "evictions": {"clean": c["evicted_clean"], "dirty": c["evicted_dirty"],
                           "failed": c["evict_failed"], "sync": c["sync_evictions"]},
             "scratch_uses": c["scratch_uses"],
+            # gather_view: steps served as views of L1, steps that fell back to a copy, and block
+            # copies made to keep each table's attended run contiguous
+            "gather": {"views": c["gather_views"], "copies": c["gather_copies"],
+                       "moved_blocks": c["region_moves"]},
             "swap_in_latency": self._lat_in.summary(),
             "swap_out_latency": self._lat_out.summary(),
             "step_time": self._lat_step.summary(),
