@@ -1365,7 +1365,8 @@ class KVStore:
             K, V: [kv_heads, n, head_dim]. Usually views aliasing the L1 pool: valid only until the
             next call that changes this (seq, layer) (``append``, ``gather_view``,
             ``gather_blocks``, ``gather``, ``drop_sequence``); read them at once, never write them.
-            pos: LongTensor [n] (owned), the token position of every row of K and V.
+            pos: LongTensor [n], the token position of every row of K and V (cached by the
+                store while the order stays the same: read it, never write it).
             order: the block indices in the order of K and V, the open block last; pass it to
                 :meth:`observe` with one mass per block.
         """
@@ -1387,7 +1388,7 @@ class KVStore:
         n = nsel + 1
         t.view_n = n
         order = [e.idx for e in t.at[:n]]
-        bt, kvh, hd = self.block_tokens, self.kv_heads, self.head_dim
+        bt = self.block_tokens
         cached = t.view_cache
         if cached is not None and cached[0] == order:
             pos = cached[1]
@@ -1395,10 +1396,13 @@ class KVStore:
             rows = np.asarray(order, dtype=np.int64)[:, None] * bt + self._np_arange_bt  # [n, bt]
             pos = torch.from_numpy(rows.ravel()).to(self.device)
             t.view_cache = (order, pos)
+        if t.run_kv is None:
+            # the whole region per plane and head as one run of tokens (the storage never moves)
+            t.run_kv = self._pool_kv[:, :, t.base:t.base + t.cap].view(
+                2, self.kv_heads, t.cap * bt, self.head_dim).unbind(0)  # 2 x [kv_heads, cap*bt, hd]
         total = nsel * bt + (t.length - (len(ents) - 1) * bt)  # the open block's unused tail is past the end
-        kv = self._pool_kv[:, :, t.base:t.base + n].view(2, kvh, n * bt, hd)  # [2, kv_heads, n*bt, hd]: a view
-        k, v = kv.narrow(2, 0, total).unbind(0)
-        return k, v, pos[:total].clone(), order
+        k_run, v_run = t.run_kv
+        return k_run.narrow(1, 0, total), v_run.narrow(1, 0, total), pos.narrow(0, 0, total), order
 
     def _arrange(self, t: BlockTable, sel: list[BlockEntry], open_e: BlockEntry) -> bool:
         """Lay ``t``'s region out for a view (lock held): the entries ``sel`` at positions

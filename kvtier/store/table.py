@@ -166,6 +166,7 @@ class BlockTable:
         # (block order, positions tensor) of the last gather_view (store.py)
         self.view_cache: tuple | None = None
         self.view_n = 0                        # blocks in the last gather_view run (positions [0, n))
+        self.run_kv: tuple | None = None       # the region as K, V runs [kv_heads, cap*bt, hd] (store.py)
         self.open_view: torch.Tensor | None = None  # L1 slot of the open block (store.py)
         self.open_np = None                    # the same slot as a numpy array (CPU store)
         self.select_score = select_score
