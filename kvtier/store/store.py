@@ -1419,6 +1419,10 @@ class KVStore:
         """
         nsel = len(sel)
         base, cap, at = t.base, t.cap, t.at
+        if any(e.slot is None for e in sel):
+            # freed since _prepare by another thread's end_step (its data stays until this
+            # table allocates again): this step reads the slots _prepare saw
+            return False
         movers = [e for e in sel if not 0 <= e.slot - base < nsel]
         if not movers and open_e.slot - base == nsel:
             return True  # steady state: the run is already in place
