@@ -1468,7 +1468,8 @@ class KVStore:
                 moves += 1
                 continue
             y = at[p]
-            self.l1.swap(e.key, y.key)
+            ok = self.l1.swap(e.key, y.key)
+            assert ok, f"region slots {e.slot} and {y.slot} refused a swap"
             t.swap_positions(e, y)
             moves += 3
             del plan[e]

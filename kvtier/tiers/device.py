@@ -294,8 +294,9 @@ class DeviceTier(Tier):
             self._release(old)
             return True
 
-    def swap(self, key_a: str, key_b: str) -> None:
-        """Exchange the slots of two keys (both placed), contents included: three slot copies."""
+    def swap(self, key_a: str, key_b: str) -> bool:
+        """Exchange the slots of two keys (both placed), contents included: three slot copies.
+        False (changing nothing) while a copy out of either slot is still running."""
         check_key(key_a)
         check_key(key_b)
         with self._lock:
@@ -305,11 +306,14 @@ class DeviceTier(Tier):
                 raise ValueError(f"keys must both be in this DeviceTier; got {key_a!r} -> {a}, {key_b!r} -> {b}")
             if not (a < self.placed_slots and b < self.placed_slots):
                 raise ValueError(f"swap needs two placed slots (< {self.placed_slots}); got {a} and {b}")
+            if not all(_fence_done(f) for f in (*self._fence.get(a, ()), *self._fence.get(b, ()))):
+                return False
             tmp = self.pool[a].clone()  # [*slot_shape]
             self.pool[a].copy_(self.pool[b])
             self.pool[b].copy_(tmp)
             self._slot[key_a], self._slot[key_b] = b, a
             self._placed[a], self._placed[b] = key_b, key_a
+            return True
 
     def get(self, key: str) -> bytes | None:
         """Owned bytes: exactly what a bytes put stored, or the slot's raw bytes for a tensor put."""

@@ -159,7 +159,7 @@ def test_placed_slots_are_only_handed_out_by_put_at():
     assert t.move("a", 0) and t.slot_of("a") == 0 and torch.equal(t.get_tensor("a"), x)
     assert not t.move("a", 3)  # taken by b
     assert t.put_at("c", 1, None)  # slot 1 was released by the move
-    t.swap("a", "b")
+    assert t.swap("a", "b")
     assert (t.slot_of("a"), t.slot_of("b")) == (3, 0)
     assert torch.equal(t.get_tensor("a"), x) and torch.equal(t.get_tensor("b"), y)
     assert t.delete("b") and t.put_at("d", 0, y) and len(t) == 5
