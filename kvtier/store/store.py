@@ -1450,9 +1450,7 @@ class KVStore:
             progress = False
             for e, p in list(plan.items()):
                 if at[p] is None:
-                    ok = self.l1.move(e.key, base + p)
-                    assert ok, f"region slot {base + p} refused although free"
-                    t.relocate(e, base + p)
+                    self._move(t, e, base + p, open_e)
                     del plan[e]
                     moves += 1
                     progress = True
@@ -1462,9 +1460,7 @@ class KVStore:
             e, p = next(iter(plan.items()))
             f = t.free_position()
             if f is not None:  # step aside into a free position: the cycle becomes a chain
-                ok = self.l1.move(e.key, base + f)
-                assert ok, f"region slot {base + f} refused although free"
-                t.relocate(e, base + f)
+                self._move(t, e, base + f, open_e)
                 moves += 1
                 continue
             y = at[p]
@@ -1479,6 +1475,19 @@ class KVStore:
         if open_e.slot != open_slot:
             self._open_views(t)  # appends write through views of the open block's slot
         return True
+
+    def _move(self, t: BlockTable, e: BlockEntry, slot: int, open_e: BlockEntry) -> None:
+        """Move ``e`` to the free region slot ``slot`` (lock held). The open block copies only its
+        filled tokens: it moves right after a seal, when it holds one or a few."""
+        old = e.slot
+        whole = e is not open_e
+        ok = self.l1.move(e.key, slot, copy=whole)
+        assert ok, f"region slot {slot} refused although free"
+        if not whole:
+            fill = t.length - (len(t.entries) - 1) * self.block_tokens
+            pool = self.l1.pool
+            pool[slot, :, :, :fill] = pool[old, :, :, :fill]  # [2, kv_heads, fill, head_dim]
+        t.relocate(e, slot)
 
     def _gather_index(self, t: BlockTable, slots: list[int], blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pool slots as an index tensor [n] and the token positions of ``blocks`` [n * bt] (the

@@ -274,9 +274,11 @@ class DeviceTier(Tier):
             self._stats.bytes_in += self.slot_bytes
             return True
 
-    def move(self, key: str, slot: int) -> bool:
+    def move(self, key: str, slot: int, copy: bool = True) -> bool:
         """Copy the contents of ``key``'s slot into the free placed slot ``slot`` and rebind the
-        key there; its old slot is released. False (changing nothing) if ``slot`` is not free."""
+        key there; its old slot is released. False (changing nothing) if ``slot`` is not free.
+        ``copy=False`` only rebinds: the caller copies what it needs of the old slot (before
+        anything else may take it)."""
         check_key(key)
         self._check_placed(slot)
         with self._lock:
@@ -288,7 +290,8 @@ class DeviceTier(Tier):
                 return True
             if not self._placed_free(slot):
                 return False
-            self.pool[slot].copy_(self.pool[old])  # [*slot_shape]
+            if copy:
+                self.pool[slot].copy_(self.pool[old])  # [*slot_shape]
             self._slot[key] = slot
             self._placed[slot] = key
             self._release(old)
