@@ -685,11 +685,13 @@ class KVStore:
         assert ok, "L1 scratch slots exhausted although every read stays within its budget"
         return self.l1.slot_of(key)
 
-    def _alloc_in(self, t: BlockTable, e: BlockEntry, data: torch.Tensor | None, lo: int = 0) -> None:
-        """Give ``e`` a free position of ``t``'s region, the first at or after ``lo`` if any, and
-        copy ``data`` [2, kv_heads, block_tokens, head_dim] there; ``None`` leaves the slot as it
-        is (the open block: tokens past ``t.length`` are never read). Lock held."""
-        p = t.free_position(min(lo, t.cap))
+    def _alloc_in(self, t: BlockTable, e: BlockEntry, data: torch.Tensor | None, lo: int = 0,
+                  pos: int | None = None) -> None:
+        """Give ``e`` a free position of ``t``'s region (``pos`` if given, else the first at or
+        after ``lo`` if any) and copy ``data`` [2, kv_heads, block_tokens, head_dim] there;
+        ``None`` leaves the slot as it is (the open block: tokens past ``t.length`` are never
+        read). Lock held."""
+        p = pos if pos is not None else t.free_position(min(lo, t.cap))
         if p is None:
             p = t.free_position(0)
         assert p is not None, f"region of {t.seq}/{t.layer} full although resident {t.resident} < {t.cap}"
@@ -1069,10 +1071,11 @@ class KVStore:
         return self._load(e)
 
     def _install(self, t: BlockTable, e: BlockEntry, data: torch.Tensor, exclude, scratch: list,
-                 lo: int = 0) -> int:
+                 run: frozenset | None = None) -> int:
         """Give a swapped-in block an L1 slot: its own if the budget allows (dropping a clean
-        block outside ``exclude`` if needed; region position ``lo`` or after preferred), else a
-        scratch slot listed in ``scratch``."""
+        block outside ``exclude`` if needed), else a scratch slot listed in ``scratch``.
+        ``run``: the entries of a gather_view (the open block included): the block is placed
+        straight into that run's span of the region when possible (``_run_position``)."""
         with self._lock:
             if e.slot is not None:
                 return e.slot
@@ -1081,7 +1084,8 @@ class KVStore:
                     self._free_clean(t, t.entries[b])
             if t.resident < self.hot_blocks:
                 self._home[e.home] -= 1
-                self._alloc_in(t, e, data, lo)
+                pos = self._run_position(t, run) if run is not None else None
+                self._alloc_in(t, e, data, pos=pos)
                 self._home["l1"] += 1
                 return e.slot
             assert len(scratch) < max(1, self.hot_blocks - 1), "more scratch blocks than the L1 budget"
@@ -1090,6 +1094,27 @@ class KVStore:
             scratch.append(key)
             self.c["scratch_uses"] += 1
             return slot
+
+    def _run_position(self, t: BlockTable, run: frozenset) -> int | None:
+        """A region position in ``[0, len(run) - 1)`` (where gather_view wants the selected
+        blocks) for a block being swapped in: a free one, else one whose block is not in ``run``
+        after moving that block to a free position past the run (one slot copy, instead of two
+        or a swap when gather_view rearranges later). None: no such position (lock held)."""
+        nsel = len(run) - 1
+        at = t.at
+        for p in range(nsel):
+            if at[p] is None:
+                return p
+        f = t.free_position(nsel + 1)
+        if f is None:
+            return None
+        for p in range(nsel):
+            y = at[p]
+            if y not in run and not y.pending:
+                self._move(t, y, t.base + f, t.entries[-1])
+                self.c["region_moves"] += 1
+                return p
+        return None
 
     # -- prefetch ------------------------------------------------------------------------------
 
@@ -1269,7 +1294,8 @@ class KVStore:
         s = torch.bmm(qq, dig_t)  # [kv_heads, G*q_len, m]
         return s.amax(dim=1).sum(dim=0)  # [m]
 
-    def _prepare(self, seq: int, layer: int, blocks) -> tuple[BlockTable, list[int], list[int], list[str]]:
+    def _prepare(self, seq: int, layer: int, blocks, view: bool = False
+                 ) -> tuple[BlockTable, list[int], list[int], list[str]]:
         """Checks and swap-ins shared by gather_blocks and gather_view: every block of ``blocks``
         resident (a region slot, or a scratch slot listed in the returned ``scratch`` when the
         region is full), counted as a hit or a miss, and marked used.
@@ -1311,9 +1337,9 @@ class KVStore:
         scratch: list[str] = []
         if miss:
             sel = frozenset(blocks)
+            run = frozenset([ents[b] for b in blocks] + [ents[-1]]) if view else None
             for i, e in miss:
-                # lowest free region position: inside the attended run when one is free there
-                slots[i] = self._install(t, e, self._fetch(e), sel, scratch)
+                slots[i] = self._install(t, e, self._fetch(e), sel, scratch, run)
         self._touched[id(t)] = t
         return t, blocks, slots, scratch
 
@@ -1370,11 +1396,12 @@ class KVStore:
             order: the block indices in the order of K and V, the open block last; pass it to
                 :meth:`observe` with one mass per block.
         """
-        t, blocks, slots, scratch = self._prepare(seq, layer, blocks)
+        blocks = list(blocks)
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"blocks must be distinct; got {sorted(blocks)}")
+        t, blocks, slots, scratch = self._prepare(seq, layer, blocks, view=True)
         ents = t.entries
         nsel = len(blocks)
-        if len(set(blocks)) != nsel:
-            raise ValueError(f"blocks must be distinct; got {sorted(blocks)}")
         ok = False
         if not scratch:
             with self._lock:

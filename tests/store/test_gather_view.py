@@ -322,5 +322,30 @@ def test_gather_view_checks_its_input():
     with pytest.raises(ValueError, match="sealed block"):
         st.gather_view(s, 0, [2])
     with pytest.raises(ValueError, match="at most"):
-        st.gather_view(s, 0, [0, 1, 0, 1])
+        st.gather_view(s, 0, [0, 1, 2, 3])
+    st.close()
+
+
+def test_swapped_in_block_lands_inside_the_run(tmp_path):
+    """A missing selected block is decoded straight into the run: the unselected block holding
+    that position moves to a free place past the run (one copy), no second move of the new block."""
+    st = make_store(tmp_path, num_layers=1, block_tokens=4, hot_tokens=24, budget_tokens=24,
+                    attention="sparse", policy="lru")
+    s = st.add_sequence()
+    ref = Ref()
+    k, v = torch.randn(2, 30, 8).half(), torch.randn(2, 30, 8).half()
+    st.append(s, 0, k, v)
+    ref.add(s, 0, k, v)
+    st.end_step()
+    st.flush()
+    t = st._tables[s][0]
+    # what end_step left: [b6][open b7][ ][ ][b4][b5], blocks 0-3 below L1
+    assert [e.idx if e else None for e in t.at] == [6, 7, None, None, 4, 5]
+    K, V, pos, order = st.gather_view(s, 0, [4, 0])
+    check_view(st, ref, s, 0, [4, 0], K, V, pos, order)
+    assert t.entries[0].slot == t.base  # b0 decoded into position 0 (b6 moved out to 3)
+    assert order == [0, 4, 7]
+    # b6 out, b4 in, and the open block after them
+    assert st.stats()["gather"]["moved_blocks"] == 3
+    check_invariants(st)
     st.close()
