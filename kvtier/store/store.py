@@ -1403,18 +1403,18 @@ class KVStore:
         ents = t.entries
         nsel = len(blocks)
         ok = False
+        n = nsel + 1
         if not scratch:
-            with self._lock:
+            with self._lock:  # another thread's end_step may free a block of the run right after
                 ok = self._arrange(t, [ents[b] for b in blocks], ents[-1])
+                order = [e.idx for e in t.at[:n]] if ok else None
         if not ok:
             self.c["gather_copies"] += 1
             blocks.append(len(ents) - 1)
             k, v, pos = self._gather_copy(t, slots, blocks, scratch)
             return k, v, pos, blocks
         self.c["gather_views"] += 1
-        n = nsel + 1
         t.view_n = n
-        order = [e.idx for e in t.at[:n]]
         bt = self.block_tokens
         cached = t.view_cache
         if cached is not None and cached[0] == order:
@@ -1422,7 +1422,7 @@ class KVStore:
         else:
             rows = np.asarray(order, dtype=np.int64)[:, None] * bt + self._np_arange_bt  # [n, bt]
             pos = torch.from_numpy(rows.ravel()).to(self.device)
-            t.view_cache = (order, pos)
+            t.view_cache = (order[:], pos)  # a copy: the caller owns the returned list
         if t.run_kv is None:
             # the whole region per plane and head as one run of tokens (the storage never moves)
             t.run_kv = self._pool_kv[:, :, t.base:t.base + t.cap].view(
