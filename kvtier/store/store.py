@@ -21,8 +21,8 @@ region, the open block right after them, so K and V are views of the pool (no co
 blocks that entered the selection are copied (moved within the region).
 
 Locks: ``_tier_lock`` serialises tier I/O (L2/L3) and is always taken *before* ``_lock``, which
-guards block tables, entries, L1 slot allocation and moves of blocks within a region; ``_pf_lock`` guards the prefetch buffer
-only. The decode path never holds a lock while waiting for anything. Only caller threads
+guards block tables, entries, L1 slot allocation and moves of blocks within a region;
+``_pf_lock`` guards the prefetch buffer only. The decode path never holds a lock while waiting for anything. Only caller threads
 allocate L1 slots; the worker frees a slot only after the copy below is complete, and not at all
 when a reader marked the block meanwhile (``cancel``: it stays resident, now clean), so a slot
 being read is never reused underneath its reader. The worker reads a pending block's slot without
@@ -1313,33 +1313,50 @@ class KVStore:
         if nsel >= self.hot_blocks:
             raise ValueError(f"blocks must number at most {self.hot_blocks - 1} (the L1 budget less the "
                              f"open block); got {nsel}")
+        for b in blocks:
+            if not 0 <= b < ns:
+                raise ValueError(f"blocks must be sealed block indices in [0, {ns}); got {b}")
         step = self._step
         slots = [0] * (nsel + 1)
-        miss = []
-        with self._lock:
-            for i, b in enumerate(blocks):
-                if not 0 <= b < ns:
-                    raise ValueError(f"blocks must be sealed block indices in [0, {ns}); got {b}")
-                e = ents[b]
-                e.last_used = step
-                if e.slot is None:
-                    miss.append((i, e))
-                else:
-                    slots[i] = e.slot
-                    if e.pending:
-                        e.cancel = True  # it is being attended: keep the slot after its copy
-            e = ents[-1]
-            slots[-1] = e.slot
-            e.last_used = step
-        c = self.c
-        c["hits_l1"] += nsel - len(miss)
-        c["misses_l1"] += len(miss)
         scratch: list[str] = []
-        if miss:
+        in_scratch: set[int] = set()
+        c = self.c
+        for attempt in range(8):
+            miss = []
+            with self._lock:
+                for i, b in enumerate(blocks):
+                    e = ents[b]
+                    e.last_used = step
+                    if e.slot is None:
+                        if i not in in_scratch:
+                            miss.append((i, e))
+                    else:
+                        slots[i] = e.slot
+                        if e.pending:
+                            e.cancel = True  # it is being attended: keep the slot after its copy
+                e = ents[-1]
+                slots[-1] = e.slot
+                e.last_used = step
+            if attempt == 0:
+                c["hits_l1"] += nsel - len(miss)
+            c["misses_l1"] += len(miss)
+            if not miss:
+                break
             sel = frozenset(blocks)
             run = frozenset([ents[b] for b in blocks] + [ents[-1]]) if view else None
             for i, e in miss:
+                before = len(scratch)
                 slots[i] = self._install(t, e, self._fetch(e), sel, scratch, run)
+                if len(scratch) > before:
+                    in_scratch.add(i)
+            # Another thread's end_step may have freed a block counted as a hit above, and an
+            # install here may then have reused its region slot: read the slots again until
+            # every block is where it was seen (no install in the last pass).
+            with self._lock:
+                if all(i in in_scratch or ents[b].slot == slots[i] for i, b in enumerate(blocks)):
+                    break
+        else:
+            raise AssertionError(f"{t.seq}/{t.layer}: selected blocks kept leaving L1 during a gather")
         self._touched[id(t)] = t
         return t, blocks, slots, scratch
 
