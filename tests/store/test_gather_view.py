@@ -349,3 +349,41 @@ def test_swapped_in_block_lands_inside_the_run(tmp_path):
     assert st.stats()["gather"]["moved_blocks"] == 3
     check_invariants(st)
     st.close()
+
+
+@pytest.mark.parametrize("method", ["gather_view", "gather_blocks"])
+def test_block_freed_by_another_thread_during_a_swap_in(tmp_path, method):
+    """Another thread's end_step frees a (clean) selected block while this gather swaps in
+    another one, whose install then takes the freed region slot: the gather notices and reads
+    the freed block again instead of returning the newcomer's data twice."""
+    st = make_store(tmp_path, num_layers=1, block_tokens=4, hot_tokens=24, budget_tokens=24,
+                    attention="sparse", policy="lru")
+    s = st.add_sequence()
+    ref = Ref()
+    k, v = torch.randn(2, 30, 8).half(), torch.randn(2, 30, 8).half()
+    st.append(s, 0, k, v)
+    ref.add(s, 0, k, v)
+    st.end_step()
+    st.flush()
+    st.gather_view(s, 0, [0, 1])  # 0 and 1 back in L1, clean (their copies stay in L2)
+    t = st._tables[s][0]
+    assert t.entries[0].slot is not None and t.entries[0].clean and t.entries[2].slot is None
+    fetch = st._fetch
+    fired = []
+
+    def fetch_racing(e):
+        if not fired:
+            fired.append(e.idx)
+            with st._lock:  # what a concurrent end_step does to a clean victim
+                st._free_clean(t, t.entries[0])
+        return fetch(e)
+
+    st._fetch = fetch_racing
+    out = getattr(st, method)(s, 0, [0, 2])
+    K, V, pos = out[:3]
+    assert fired == [2]
+    rk, rv = ref.kv(s, 0)
+    assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+    assert sorted(set((pos // 4).tolist())) == [0, 2, 7]
+    check_invariants(st)
+    st.close()
