@@ -22,11 +22,12 @@ blocks that entered the selection are copied (moved within the region).
 
 Locks: ``_tier_lock`` serialises tier I/O (L2/L3) and is always taken *before* ``_lock``, which
 guards block tables, entries, L1 slot allocation and moves of blocks within a region;
-``_pf_lock`` guards the prefetch buffer only. The decode path never holds a lock while waiting for anything. Only caller threads
-allocate L1 slots; the worker frees a slot only after the copy below is complete, and not at all
-when a reader marked the block meanwhile (``cancel``: it stays resident, now clean), so a slot
-being read is never reused underneath its reader. The worker reads a pending block's slot without
-the lock, so a pending block is never moved and its slot never written (``_arrange``).
+``_pf_lock`` guards the prefetch buffer only. The decode path never holds a lock while waiting
+for anything. Only caller threads allocate L1 slots (a table's own thread, in its region); the
+worker frees a slot only after the copy below is complete, and not at all when a reader marked
+the block meanwhile (``cancel``: it stays resident, now clean), so a slot being read is never
+reused underneath its reader. The worker reads a pending block's slot without the lock, so a
+pending block is never moved and its slot never written (``_arrange``).
 """
 from __future__ import annotations
 
