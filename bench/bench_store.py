@@ -3,7 +3,7 @@
 Reference, measured in the same run: an all-in-L1 decode step (K/V preallocated on the device,
 each layer appends one token and attends to every token). The store run keeps only a fraction of
 the KV in L1 (the rest int4 in L2 and L3) and attends in sparse mode (sinks + window + top-k
-blocks by key digest); each layer calls append, select, gather_blocks and observe, then the step
+blocks by key digest); each layer calls append, select, gather_view and observe, then the step
 calls end_step.
 
 Reported, per (context, L1 fraction):
@@ -11,7 +11,7 @@ Reported, per (context, L1 fraction):
                  back to back on the same tokens, so machine load hits them alike)  (target <= 0.20)
   step/ref       whole sparse step (store + its attention) / reference step
   p99/p50        of the store run's step times (TPOT jitter, target <= 2)
-  per layer      median us per layer and step of append, select, gather_blocks, observe, end_step
+  per layer      median us per layer and step of append, select, gather_view, observe, end_step
                  (end_step's step time / layers), next to the reference's
   swap in/out    bytes per step; prefetch precision and coverage; misses per step
                  (prefetch follows the config's "auto": off for a CPU store; --prefetch forces it)
@@ -162,14 +162,14 @@ def run(ctx: int, l1_frac: float, budget_frac: float, steps: int, warmup: int, d
             if attention == "sparse":
                 sel = st.select(seq, layer, q[layer])
                 a2 = time.perf_counter()
-                kk, vv, _ = st.gather_blocks(seq, layer, sel)
+                kk, vv, _, sel = st.gather_view(seq, layer, sel)  # sel: block order of kk/vv
             else:
                 a2 = a1
                 kk, vv = st.gather(seq, layer)
                 sel = range(-(-kk.shape[1] // bt) - 1)
             b = time.perf_counter()
             _, mass = attend(q[layer], kk, vv)
-            nb = len(sel) + 1
+            nb = len(sel) + (attention != "sparse")  # sparse: the order lists the open block too
             per_block = torch.nn.functional.pad(mass, (0, nb * bt - mass.shape[0])).view(nb, bt).sum(1)
             c = time.perf_counter()
             st.observe(seq, layer, sel, per_block)
@@ -214,6 +214,7 @@ def run(ctx: int, l1_frac: float, budget_frac: float, steps: int, warmup: int, d
         "swap_out_latency": after["swap_out_latency"],
         "evictions": after["evictions"],
         "scratch_uses_per_step": delta("scratch_uses") / steps,
+        "gather": {k: delta("gather", k) / steps for k in ("views", "copies", "moved_blocks")},
     }
 
 

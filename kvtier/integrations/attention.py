@@ -11,9 +11,9 @@ as its mask function), which sees the query and finishes the step:
    q, k, v = proj(h); rope
    cache.update(k, v, l)  ──► store.append(seq, l, k, v)        (sparse decode: returns k, v only)
    attention("kvtier")    ──► store.select(seq, l, q)           sinks + window + top-k by digest
-                              store.gather_blocks(seq, l, sel)  swap-in from L2/L3 if needed
+                              store.gather_view(seq, l, sel)    swap-in from L2/L3 if needed; views of L1
                               softmax(q K^T) V over those blocks  (one batched matmul, GQA packed)
-                              store.observe(seq, l, sel, mass)  H2O mass from these weights
+                              store.observe(seq, l, order, mass) H2O mass from these weights
 ```
 A multi-token step of a TieredCache over tokens already cached (a prefill after
 ``load_prefix``, a chunked prefill), in dense or sparse mode, whose mask is exactly causal with an

@@ -6,7 +6,7 @@ is a :class:`TieredLayer` (a ``CacheLayerMixin``) that appends to the store and 
 ```
  dense   update(k, v):  append ──► gather (blocks below L1 swapped in) ──► attention("kvtier"): SDPA
  sparse  update(k, v):  append ──► note "pending"   (decode step, one query token)
-         attention("kvtier"):      select with the query ──► gather_blocks ──► attend ──► observe
+         attention("kvtier"):      select with the query ──► gather_view ──► attend ──► observe
 ```
 In sparse mode, multi-token steps (prefill) attend densely and seed the H2O/SnapKV statistics
 from the last queries; only single-token decode steps are budgeted. The store's step boundary
@@ -387,7 +387,9 @@ class TieredCache(Cache):
         sels, ks, vs, ps = [], [], [], []
         for row, seq in enumerate(self.seqs):
             sel = store.select(seq, l, query[row], self._budget)  # query[row]: [q_heads, 1, head_dim]
-            k, v, pos = store.gather_blocks(seq, l, sel)  # [kv_heads, n, head_dim], pos [n]
+            # views of L1 ([kv_heads, n, head_dim], pos [n]), valid until this layer's next store
+            # call: consumed below (stacked/padded or attended) before that; sel: their block order
+            k, v, pos, sel = store.gather_view(seq, l, sel)
             sels.append(sel)
             ks.append(k)
             vs.append(v)
@@ -422,7 +424,7 @@ class TieredCache(Cache):
         if self._observe:
             bt = self.config.block_tokens
             for row, seq in enumerate(self.seqs):
-                nb = len(sels[row]) + 1
+                nb = len(sels[row])  # the gathered blocks in gather_view's order, the open one last
                 mrow = torch.nn.functional.pad(mass[row, : lens[row]], (0, nb * bt - lens[row]))
                 # per block, the open one last; handed to the store at the end of the step, so
                 # reading it back (a device sync on CUDA) happens once per step, not per layer
@@ -430,7 +432,7 @@ class TieredCache(Cache):
         c = self._counters
         if l == 0:
             c["sparse_steps"] += 1
-        c["selected_blocks"] += sum(len(s) for s in sels)
+        c["selected_blocks"] += sum(len(s) - 1 for s in sels)  # the open block is not selected
         self._layer_done(l, n)
         return out
 

@@ -10,17 +10,25 @@
               │ dirty: queued ──► swap-out worker: encode (host codec) [+ byte stage if
               │                   byte_stage_l2] + put to L2, then free slot
               ▼                          │ L2 ring wraps: spill (transcode if the disk codec
- gather / gather_blocks                  ▼ differs, byte stage lz4|zstd if it pays) ──► L3
+ gather / gather_view / gather_blocks    ▼ differs, byte stage lz4|zstd if it pays) ──► L3
    hit: index the pool
    miss: prefetched? else L2 / L3 -> unpack -> decode on the device -> slot (or scratch)
 ```
 
+L1 layout: the pool is stored as ``[2, kv_heads, slots, block_tokens, head_dim]`` and every
+(sequence, layer) table owns ``hot_blocks`` consecutive slots (its region, ``table.py``); scratch
+slots follow the regions. ``gather_view`` keeps the blocks a step attends at the front of the
+region, the open block right after them, so K and V are views of the pool (no copy) and only the
+blocks that entered the selection are copied (moved within the region).
+
 Locks: ``_tier_lock`` serialises tier I/O (L2/L3) and is always taken *before* ``_lock``, which
-guards block tables, entries and L1 slot allocation; ``_pf_lock`` guards the prefetch buffer
-only. The decode path never holds a lock while waiting for anything. Only caller threads
-allocate L1 slots; the worker frees a slot only after the copy below is complete, and not at all
-when a reader marked the block meanwhile (``cancel``: it stays resident, now clean), so a slot
-being read is never reused underneath its reader.
+guards block tables, entries, L1 slot allocation and moves of blocks within a region;
+``_pf_lock`` guards the prefetch buffer only. The decode path never holds a lock while waiting
+for anything. Only caller threads allocate L1 slots (a table's own thread, in its region); the
+worker frees a slot only after the copy below is complete, and not at all when a reader marked
+the block meanwhile (``cancel``: it stays resident, now clean), so a slot being read is never
+reused underneath its reader. The worker reads a pending block's slot without the lock, so a
+pending block is never moved and its slot never written (``_arrange``).
 """
 from __future__ import annotations
 
@@ -167,13 +175,18 @@ class KVStore:
         # one read per live sequence may be in flight at a time (callers on several threads)
         self._scratch_n = max(1, c - 1) * cfg.max_sequences
         self._scratch_ids = itertools.count()
-        self.l1 = DeviceTier(slot_shape, cfg.max_sequences * num_layers * c + self._scratch_n,
-                             dtype=dtype, device=self.device)
+        # regions first (placed by the store: table.py), then the scratch slots
+        regions = cfg.max_sequences * num_layers * c
+        self.l1 = DeviceTier(slot_shape, regions + self._scratch_n, dtype=dtype, device=self.device,
+                             slot_axis=2, placed_slots=regions)
+        self._free_groups = list(range(cfg.max_sequences))  # region groups (one region per layer)
+        self._group: dict[int, int] = {}
         self.l2 = HostTier(cfg.host_bytes, spill=self._spill if self.l3 is not None else None,
                            pin_memory=self._cuda)
-        # [2, kv_heads, num_slots, block_tokens, head_dim] view of the pool: one index_select along
-        # the slot axis yields K and V already in [kv_heads, blocks, tokens, head_dim] order
-        self._pool_kv = self.l1.pool.permute(1, 2, 0, 3, 4)
+        # [2, kv_heads, num_slots, block_tokens, head_dim]: the pool's storage. One index_select
+        # along the slot axis yields K and V already in [kv_heads, blocks, tokens, head_dim] order;
+        # a run of slots of one region is, per head, one contiguous run of tokens (gather_view)
+        self._pool_kv = self.l1.storage
         # CPU: the pool as a numpy array, for decode appends (16-bit floats viewed as int16)
         self._np_view = torch.int16 if dtype in (torch.float16, torch.bfloat16) else None
         self._pool_np = None
@@ -235,7 +248,8 @@ class KVStore:
                       pub_l3_blocks=0, pub_l3_bytes=0, pub_l3_failed=0,
                       pub_l4_blocks=0, pub_l4_bytes=0, pub_l4_failed=0, orphans_deleted=0,
                       prefix_lookups=0, prefix_lookup_tokens=0, prefix_hit_tokens=0,
-                      prefill_tokens_saved=0, dedup_seals=0, adopted_l3=0)
+                      prefill_tokens_saved=0, dedup_seals=0, adopted_l3=0,
+                      gather_views=0, gather_copies=0, region_moves=0)
         # blocks per home tier, kept up to date under _lock so that stats() costs O(tables)
         self._home = {"l1": 0, "l2": 0, "l3": 0}
         self._lat_in = Latency()
@@ -279,8 +293,11 @@ class KVStore:
                                  f"raise max_sequences or drop a sequence first")
             seq = self._next_seq
             self._next_seq += 1
+            g = self._group[seq] = self._free_groups.pop(0)
+            c = self.hot_blocks
             self._tables[seq] = [BlockTable(seq, layer, self.kv_heads, self.head_dim, self.device,
-                                            self.dtype, self._digest_score, self._digest_parts)
+                                            self.dtype, self._digest_score, self._digest_parts,
+                                            base=(g * self.num_layers + layer) * c, cap=c)
                                  for layer in range(self.num_layers)]
             return seq
 
@@ -340,6 +357,7 @@ class KVStore:
                 self._touched.pop(id(t), None)
                 self._last_sel.pop((seq, t.layer), None)
             del self._tables[seq]
+            self._free_groups.append(self._group.pop(seq))
             self._tok.pop(seq, None)
             self._dense_seqs.discard(seq)
         with self._tier_lock:
@@ -699,18 +717,37 @@ class KVStore:
         with self._lock:
             # no copy: a slot's tokens past t.length are never read (gather/gather_blocks narrow
             # to the length, a block is sealed full), so the open block needs no zeroing
-            t.take_slot(e, self._alloc(e.key, None))
+            # past the last attended run: gather_view moves it to the end of that run
+            self._alloc_in(t, e, None, lo=t.view_n)
             self._home["l1"] += 1
-        t.open_view = self.l1.pool[e.slot]  # [2, kv_heads, block_tokens, head_dim]: the open block never moves
-        if self._pool_np is not None:
-            t.open_np = self._pool_np[e.slot]  # the same slot as a numpy view (CPU)
+        self._open_views(t)
 
-    def _alloc(self, key: str, data: torch.Tensor | None) -> int:
-        """Copy ``data`` [2, kv_heads, block_tokens, head_dim] into a free L1 slot (lock held);
-        ``None``: take a slot and leave its contents as they are (the open block)."""
-        ok = self.l1.put(key, b"" if data is None else data)
-        assert ok, "L1 pool out of slots although every table stays within its budget"
+    def _open_views(self, t: BlockTable) -> None:
+        """Point the append views at the open block's slot (after it was placed or moved)."""
+        slot = t.entries[-1].slot
+        t.open_view = self.l1.pool[slot]  # [2, kv_heads, block_tokens, head_dim] (strided)
+        if self._pool_np is not None:
+            t.open_np = self._pool_np[slot]  # the same slot as a numpy view (CPU)
+
+    def _alloc(self, key: str, data: torch.Tensor) -> int:
+        """Copy ``data`` [2, kv_heads, block_tokens, head_dim] into a free scratch slot (lock held)."""
+        ok = self.l1.put(key, data)
+        assert ok, "L1 scratch slots exhausted although every read stays within its budget"
         return self.l1.slot_of(key)
+
+    def _alloc_in(self, t: BlockTable, e: BlockEntry, data: torch.Tensor | None, lo: int = 0,
+                  pos: int | None = None) -> None:
+        """Give ``e`` a free position of ``t``'s region (``pos`` if given, else the first at or
+        after ``lo`` if any) and copy ``data`` [2, kv_heads, block_tokens, head_dim] there;
+        ``None`` leaves the slot as it is (the open block: tokens past ``t.length`` are never
+        read). Lock held."""
+        p = pos if pos is not None else t.free_position(min(lo, t.cap))
+        if p is None:
+            p = t.free_position(0)
+        assert p is not None, f"region of {t.seq}/{t.layer} full although resident {t.resident} < {t.cap}"
+        ok = self.l1.put_at(e.key, t.base + p, data)
+        assert ok, f"region slot {t.base + p} refused although free"
+        t.take_slot(e, t.base + p)
 
     def _make_room(self, t: BlockTable, need: int, exclude) -> None:
         """Ensure ``need`` more blocks of ``t`` fit in L1. Waits only when L1 is truly full."""
@@ -1104,9 +1141,12 @@ class KVStore:
                 self._count(pf_wasted=1, pf_errors=1)
         return self._load(e)
 
-    def _install(self, t: BlockTable, e: BlockEntry, data: torch.Tensor, exclude, scratch: list) -> int:
+    def _install(self, t: BlockTable, e: BlockEntry, data: torch.Tensor, exclude, scratch: list,
+                 run: frozenset | None = None) -> int:
         """Give a swapped-in block an L1 slot: its own if the budget allows (dropping a clean
-        block outside ``exclude`` if needed), else a scratch slot listed in ``scratch``."""
+        block outside ``exclude`` if needed), else a scratch slot listed in ``scratch``.
+        ``run``: the entries of a gather_view (the open block included): the block is placed
+        straight into that run's span of the region when possible (``_run_position``)."""
         with self._lock:
             if e.slot is not None:
                 return e.slot
@@ -1115,7 +1155,8 @@ class KVStore:
                     self._free_clean(t, t.entries[b])
             if t.resident < self.hot_blocks:
                 self._home[e.home] -= 1
-                t.take_slot(e, self._alloc(e.key, data))
+                pos = self._run_position(t, run) if run is not None else None
+                self._alloc_in(t, e, data, pos=pos)
                 self._home["l1"] += 1
                 return e.slot
             assert len(scratch) < max(1, self.hot_blocks - 1), "more scratch blocks than the L1 budget"
@@ -1124,6 +1165,27 @@ class KVStore:
             scratch.append(key)
             self.c["scratch_uses"] += 1
             return slot
+
+    def _run_position(self, t: BlockTable, run: frozenset) -> int | None:
+        """A region position in ``[0, len(run) - 1)`` (where gather_view wants the selected
+        blocks) for a block being swapped in: a free one, else one whose block is not in ``run``
+        after moving that block to a free position past the run (one slot copy, instead of two
+        or a swap when gather_view rearranges later). None: no such position (lock held)."""
+        nsel = len(run) - 1
+        at = t.at
+        for p in range(nsel):
+            if at[p] is None:
+                return p
+        f = t.free_position(nsel + 1)
+        if f is None:
+            return None
+        for p in range(nsel):
+            y = at[p]
+            if y not in run and not y.pending:
+                self._move(t, y, t.base + f, t.entries[-1])
+                self.c["region_moves"] += 1
+                return p
+        return None
 
     # -- prefetch ------------------------------------------------------------------------------
 
@@ -1214,7 +1276,7 @@ class KVStore:
             with self._lock:
                 if e.slot is None and t.resident < self.hot_blocks:
                     self._home[e.home] -= 1
-                    t.take_slot(e, self._alloc(e.key, data))
+                    self._alloc_in(t, e, data)
                     self._home["l1"] += 1
         if self._pf_pool is not None:
             # streaming: the next layer's missing blocks decode while this layer computes
@@ -1304,12 +1366,14 @@ class KVStore:
         s = torch.bmm(qq, dig_t)  # [kv_heads, G*q_len, m]
         return s.amax(dim=1).sum(dim=0)  # [m]
 
-    def gather_blocks(self, seq: int, layer: int, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """K, V of ``blocks`` (sorted sealed indices) followed by the open block.
+    def _prepare(self, seq: int, layer: int, blocks, view: bool = False
+                 ) -> tuple[BlockTable, list[int], list[int], list[str]]:
+        """Checks and swap-ins shared by gather_blocks and gather_view: every block of ``blocks``
+        resident (a region slot, or a scratch slot listed in the returned ``scratch`` when the
+        region is full), counted as a hit or a miss, and marked used.
 
         Returns:
-            K, V: [kv_heads, n, head_dim] (owned: copied out of the pool); pos: LongTensor [n] of
-            the token positions.
+            (table, blocks as a list, L1 slot per block with the open block's last, scratch keys)
         """
         t = self._table(seq, layer)
         ents = t.entries
@@ -1321,38 +1385,74 @@ class KVStore:
         if nsel >= self.hot_blocks:
             raise ValueError(f"blocks must number at most {self.hot_blocks - 1} (the L1 budget less the "
                              f"open block); got {nsel}")
+        for b in blocks:
+            if not 0 <= b < ns:
+                raise ValueError(f"blocks must be sealed block indices in [0, {ns}); got {b}")
         step = self._step
         slots = [0] * (nsel + 1)
-        miss = []
-        with self._lock:
-            for i, b in enumerate(blocks):
-                if not 0 <= b < ns:
-                    raise ValueError(f"blocks must be sealed block indices in [0, {ns}); got {b}")
-                e = ents[b]
-                e.last_used = step
-                if e.slot is None:
-                    miss.append((i, e))
-                else:
-                    slots[i] = e.slot
-                    if e.pending:
-                        e.cancel = True  # it is being attended: keep the slot after its copy
-            e = ents[-1]
-            slots[-1] = e.slot
-            e.last_used = step
-        c = self.c
-        c["hits_l1"] += nsel - len(miss)
-        c["misses_l1"] += len(miss)
         scratch: list[str] = []
-        if miss:
+        in_scratch: set[int] = set()
+        c = self.c
+        for attempt in range(8):
+            miss = []
+            with self._lock:
+                for i, b in enumerate(blocks):
+                    e = ents[b]
+                    e.last_used = step
+                    if e.slot is None:
+                        if i not in in_scratch:
+                            miss.append((i, e))
+                    else:
+                        slots[i] = e.slot
+                        if e.pending:
+                            e.cancel = True  # it is being attended: keep the slot after its copy
+                e = ents[-1]
+                slots[-1] = e.slot
+                e.last_used = step
+            if attempt == 0:
+                c["hits_l1"] += nsel - len(miss)
+            c["misses_l1"] += len(miss)
+            if not miss:
+                break
             sel = frozenset(blocks)
+            run = frozenset([ents[b] for b in blocks] + [ents[-1]]) if view else None
             for i, e in miss:
-                slots[i] = self._install(t, e, self._fetch(e), sel, scratch)
+                before = len(scratch)
+                slots[i] = self._install(t, e, self._fetch(e), sel, scratch, run)
+                if len(scratch) > before:
+                    in_scratch.add(i)
+            # Another thread's end_step may have freed a block counted as a hit above, and an
+            # install here may then have reused its region slot: read the slots again until
+            # every block is where it was seen (no install in the last pass).
+            with self._lock:
+                if all(i in in_scratch or ents[b].slot == slots[i] for i, b in enumerate(blocks)):
+                    break
+        else:
+            raise AssertionError(f"{t.seq}/{t.layer}: selected blocks kept leaving L1 during a gather")
         self._touched[id(t)] = t
-        blocks.append(ns)
+        return t, blocks, slots, scratch
+
+    def gather_blocks(self, seq: int, layer: int, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V of ``blocks`` (sorted sealed indices) followed by the open block, copied out of L1.
+
+        The decode path uses :meth:`gather_view` (no copy); this keeps the order of ``blocks``.
+
+        Returns:
+            K, V: [kv_heads, n, head_dim] (owned: copied out of the pool); pos: LongTensor [n] of
+            the token positions.
+        """
+        t, blocks, slots, scratch = self._prepare(seq, layer, blocks)
+        blocks.append(len(t.entries) - 1)
+        return self._gather_copy(t, slots, blocks, scratch)
+
+    def _gather_copy(self, t: BlockTable, slots: list[int], blocks: list[int],
+                     scratch: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V [kv_heads, n, head_dim] and pos [n] of ``blocks`` (the open block last) at
+        ``slots``, in that order, copied out of the pool; frees the ``scratch`` slots."""
         idx, pos = self._gather_index(t, slots, blocks)
         bt = self.block_tokens
-        n = nsel + 1
-        total = nsel * bt + (t.length - ns * bt)
+        n = len(blocks)
+        total = (n - 1) * bt + (t.length - (len(t.entries) - 1) * bt)
         g = self._pool_kv.index_select(2, idx)  # [2, kv_heads, n, bt, hd]
         if scratch:
             with self._lock:
@@ -1364,6 +1464,146 @@ class KVStore:
             pos = pos[:total]
         k, v = kv.unbind(0)
         return k, v, pos.clone()  # the cached positions stay untouched whatever the caller does
+
+    def gather_view(self, seq: int, layer: int, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """K, V of ``blocks`` (distinct sealed indices, any order) and the open block, as views
+        of L1 where possible: the decode path's gather.
+
+        The table's region is arranged so that the selected blocks hold its first ``len(blocks)``
+        positions (in whatever order they already are) and the open block the next one; only
+        blocks that entered or left that run are copied. Where that cannot be done this step (a
+        block in a scratch slot because the region is full of dirty blocks, or a block that would
+        have to move while the swap-out worker reads it) K and V are copied instead (counted in
+        ``stats()["gather"]``). Either way the content is the same.
+
+        Returns:
+            K, V: [kv_heads, n, head_dim]. Usually views aliasing the L1 pool: valid only until the
+            next call that changes this (seq, layer) (``append``, ``gather_view``,
+            ``gather_blocks``, ``gather``, ``drop_sequence``); read them at once, never write them.
+            pos: LongTensor [n], the token position of every row of K and V (cached by the
+                store while the order stays the same: read it, never write it).
+            order: the block indices in the order of K and V, the open block last; pass it to
+                :meth:`observe` with one mass per block.
+        """
+        blocks = list(blocks)
+        if len(set(blocks)) != len(blocks):
+            raise ValueError(f"blocks must be distinct; got {sorted(blocks)}")
+        t, blocks, slots, scratch = self._prepare(seq, layer, blocks, view=True)
+        ents = t.entries
+        nsel = len(blocks)
+        ok = False
+        n = nsel + 1
+        if not scratch:
+            with self._lock:  # another thread's end_step may free a block of the run right after
+                ok = self._arrange(t, [ents[b] for b in blocks], ents[-1])
+                order = [e.idx for e in t.at[:n]] if ok else None
+        if not ok:
+            self.c["gather_copies"] += 1
+            blocks.append(len(ents) - 1)
+            k, v, pos = self._gather_copy(t, slots, blocks, scratch)
+            return k, v, pos, blocks
+        self.c["gather_views"] += 1
+        t.view_n = n
+        bt = self.block_tokens
+        cached = t.view_cache
+        if cached is not None and cached[0] == order:
+            pos = cached[1]
+        else:
+            rows = np.asarray(order, dtype=np.int64)[:, None] * bt + self._np_arange_bt  # [n, bt]
+            pos = torch.from_numpy(rows.ravel()).to(self.device)
+            t.view_cache = (order[:], pos)  # a copy: the caller owns the returned list
+        if t.run_kv is None:
+            # the whole region per plane and head as one run of tokens (the storage never moves)
+            t.run_kv = self._pool_kv[:, :, t.base:t.base + t.cap].view(
+                2, self.kv_heads, t.cap * bt, self.head_dim).unbind(0)  # 2 x [kv_heads, cap*bt, hd]
+        total = nsel * bt + (t.length - (len(ents) - 1) * bt)  # the open block's unused tail is past the end
+        k_run, v_run = t.run_kv
+        return k_run.narrow(1, 0, total), v_run.narrow(1, 0, total), pos.narrow(0, 0, total), order
+
+    def _arrange(self, t: BlockTable, sel: list[BlockEntry], open_e: BlockEntry) -> bool:
+        """Lay ``t``'s region out for a view (lock held): the entries ``sel`` at positions
+        ``[0, len(sel))`` in any order, ``open_e`` at ``len(sel)``; False, moving nothing, if a
+        block that would move (in or out of that run) is pending (the worker reads its slot).
+
+        ```
+         before  [a][x][b][open][c][ ][y]     sel = {a, b, c}, nsel = 3
+         plan    c -> 1 (hole: x is not selected); x -> 5 (free, past the run)
+         after   [a][c][b][open][ ][x][y]     two block copies
+        ```
+        Moves go to free positions first (one copy each); a cycle with no free position left
+        is broken by a swap (three copies).
+        """
+        nsel = len(sel)
+        base, cap, at = t.base, t.cap, t.at
+        if any(e.slot is None for e in sel):
+            # freed since _prepare by another thread's end_step (its data stays until this
+            # table allocates again): this step reads the slots _prepare saw
+            return False
+        movers = [e for e in sel if not 0 <= e.slot - base < nsel]
+        if not movers and open_e.slot - base == nsel:
+            return True  # steady state: the run is already in place
+        for e in movers:
+            if not 0 <= e.slot - base < cap:
+                return False  # not in the region (cannot happen without scratch; kept safe)
+        wanted = set(sel)
+        holes = [p for p in range(nsel) if at[p] is None or at[p] not in wanted]
+        assert len(holes) == len(movers), f"{len(holes)} holes for {len(movers)} blocks"
+        plan = dict(zip(movers, holes))  # entry -> target region position
+        if open_e.slot - base != nsel:
+            plan[open_e] = nsel
+        evict = [at[p] for p in plan.values() if at[p] is not None and at[p] not in plan]
+        if evict:
+            # past the run: free positions first (one copy each), then those planned entries leave
+            dest = [p for p in range(nsel + 1, cap) if at[p] is None]
+            dest += [p for p in range(nsel + 1, cap) if at[p] is not None and at[p] in plan]
+            assert len(dest) >= len(evict), f"region of {t.seq}/{t.layer} over-full: {t.resident} > {cap}"
+            plan.update(zip(evict, dest))
+        if any(e.pending for e in plan):
+            return False
+        open_slot = open_e.slot
+        moves = 0
+        while plan:
+            progress = False
+            for e, p in list(plan.items()):
+                if at[p] is None:
+                    self._move(t, e, base + p, open_e)
+                    del plan[e]
+                    moves += 1
+                    progress = True
+            if progress:
+                continue
+            # only cycles left: every target is held by another planned entry
+            e, p = next(iter(plan.items()))
+            f = t.free_position()
+            if f is not None:  # step aside into a free position: the cycle becomes a chain
+                self._move(t, e, base + f, open_e)
+                moves += 1
+                continue
+            y = at[p]
+            ok = self.l1.swap(e.key, y.key)
+            assert ok, f"region slots {e.slot} and {y.slot} refused a swap"
+            t.swap_positions(e, y)
+            moves += 3
+            del plan[e]
+            if plan.get(y) == y.slot - base:
+                del plan[y]
+        self.c["region_moves"] += moves
+        if open_e.slot != open_slot:
+            self._open_views(t)  # appends write through views of the open block's slot
+        return True
+
+    def _move(self, t: BlockTable, e: BlockEntry, slot: int, open_e: BlockEntry) -> None:
+        """Move ``e`` to the free region slot ``slot`` (lock held). The open block copies only its
+        filled tokens: it moves right after a seal, when it holds one or a few."""
+        old = e.slot
+        whole = e is not open_e
+        ok = self.l1.move(e.key, slot, copy=whole)
+        assert ok, f"region slot {slot} refused although free"
+        if not whole:
+            fill = t.length - (len(t.entries) - 1) * self.block_tokens
+            pool = self.l1.pool
+            pool[slot, :, :, :fill] = pool[old, :, :, :fill]  # [2, kv_heads, fill, head_dim]
+        t.relocate(e, slot)
 
     def _gather_index(self, t: BlockTable, slots: list[int], blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pool slots as an index tensor [n] and the token positions of ``blocks`` [n * bt] (the
@@ -1475,6 +1715,10 @@ class KVStore:
             "evictions": {"clean": c["evicted_clean"], "dirty": c["evicted_dirty"],
                           "failed": c["evict_failed"], "sync": c["sync_evictions"]},
             "scratch_uses": c["scratch_uses"],
+            # gather_view: steps served as views of L1, steps that fell back to a copy, and block
+            # copies made to keep each table's attended run contiguous
+            "gather": {"views": c["gather_views"], "copies": c["gather_copies"],
+                       "moved_blocks": c["region_moves"]},
             "swap_in_latency": self._lat_in.summary(),
             "swap_out_latency": self._lat_out.summary(),
             "step_time": self._lat_step.summary(),

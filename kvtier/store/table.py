@@ -18,7 +18,21 @@ Every sealed block has one *home*: L1 if it has a slot, else L2 if it has a copy
  seq 1, layer 3: [e0][e1][open]          e0.rec ─┘
 ```
 Blocks of sequences without token ids get a private ``BlockCopies`` keyed by their process-local
-key (refs 1). The L1 budget stays per sequence: a shared block may be resident in the L1 of each
+key (refs 1).
+
+Each table owns a fixed *region* of the L1 pool: ``cap`` (= ``hot_blocks``) consecutive slots
+from ``base``; its resident blocks (at most ``cap``) live there, ``at[p]`` is the entry at
+region position ``p`` (slot ``base + p``). Only scratch slots (misses while the region is full)
+lie outside it. ``KVStore.gather_view`` arranges the region so that the attended blocks are one
+contiguous run of slots:
+
+```
+ region of seq 0, layer 3 (cap 8), 3 blocks selected:
+   position  0    1    2    3      4    5    6    7
+            [b9] [b2] [b11][open] [b5] [ -- ][b7] [ -- ]
+            └─── selected ────┘└ open ┘ └── other residents, free ──┘
+   K view = storage[0, :, base:base+4] as [kv_heads, 4*bt, head_dim], narrowed to the length
+``` The L1 budget stays per sequence: a shared block may be resident in the L1 of each
 sequence that attends it, but is stored once in each tier below. All fields are guarded by the
 store's lock.
 """
@@ -133,9 +147,13 @@ class BlockTable:
     """
 
     def __init__(self, seq: int, layer: int, kv_heads: int, head_dim: int, device: torch.device,
-                 digest_dtype: torch.dtype, select_score: str | None = None, digest_parts: int = 1) -> None:
+                 digest_dtype: torch.dtype, select_score: str | None = None, digest_parts: int = 1,
+                 base: int = 0, cap: int = 0) -> None:
         self.seq = seq
         self.layer = layer
+        self.base = base                       # first L1 slot of this table's region
+        self.cap = cap                         # region size (hot_blocks)
+        self.at: list[BlockEntry | None] = [None] * cap  # region position -> resident entry
         self.length = 0                        # tokens appended
         self.entries: list[BlockEntry] = []    # index = block index; the last one is open
         self.resident = 0                      # blocks holding an L1 slot (pending included)
@@ -145,6 +163,10 @@ class BlockTable:
         self.head_dim = head_dim
         # (slots, blocks, index tensor, positions tensor) of the last gather_blocks (store.py)
         self.gather_cache: tuple | None = None
+        # (block order, positions tensor) of the last gather_view (store.py)
+        self.view_cache: tuple | None = None
+        self.view_n = 0                        # blocks in the last gather_view run (positions [0, n))
+        self.run_kv: tuple | None = None       # the region as K, V runs [kv_heads, cap*bt, hd] (store.py)
         self.open_view: torch.Tensor | None = None  # L1 slot of the open block (store.py)
         self.open_np = None                    # the same slot as a numpy array (CPU store)
         self.select_score = select_score
@@ -161,9 +183,38 @@ class BlockTable:
         e.slot = slot
         self.resident += 1
         self.slotted[e.idx] = e
+        p = slot - self.base
+        if 0 <= p < self.cap:
+            assert self.at[p] is None, f"region position {p} of {self.seq}/{self.layer} taken by {self.at[p]}"
+            self.at[p] = e
+
+    def relocate(self, e: BlockEntry, slot: int) -> None:
+        """``e`` moved from one region position to another (its data copied; store lock held)."""
+        self.at[e.slot - self.base] = None
+        p = slot - self.base
+        assert self.at[p] is None, f"region position {p} of {self.seq}/{self.layer} taken by {self.at[p]}"
+        self.at[p] = e
+        e.slot = slot
+
+    def swap_positions(self, a: BlockEntry, b: BlockEntry) -> None:
+        """``a`` and ``b`` exchanged their region positions (store lock held)."""
+        pa, pb = a.slot - self.base, b.slot - self.base
+        self.at[pa], self.at[pb] = b, a
+        a.slot, b.slot = b.slot, a.slot
+
+    def free_position(self, lo: int = 0) -> int | None:
+        """The first free region position >= ``lo``, or None."""
+        at = self.at
+        for p in range(lo, self.cap):
+            if at[p] is None:
+                return p
+        return None
 
     def free_slot(self, e: BlockEntry) -> None:
         """``e`` left L1; the caller deleted its slot (store lock held)."""
+        p = e.slot - self.base
+        if 0 <= p < self.cap:
+            self.at[p] = None
         e.slot = None
         self.resident -= 1
         del self.slotted[e.idx]

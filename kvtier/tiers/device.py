@@ -11,7 +11,15 @@
 
 Ownership: ``put`` copies into the slot (casting tensors to the pool dtype); ``get`` returns an
 owned ``bytes``; ``get_tensor`` returns a view that aliases the pool and is valid until the key is
-deleted or overwritten. No allocation happens per block in steady state.
+deleted, overwritten or moved. No allocation happens per block in steady state.
+
+Two options serve a caller that lays blocks out itself (the KV store's per-table regions):
+- ``slot_axis``: where the slot index sits in the physical tensor ``storage``. With
+  ``slot_shape = (2, kv_heads, bt, hd)`` and ``slot_axis=2`` the storage is
+  ``[2, kv_heads, num_slots, bt, hd]``, so for one K/V plane and head, slots s..s+n are one
+  contiguous run of ``n * bt`` tokens. ``pool`` is always ``[num_slots, *slot_shape]`` (a view).
+- ``placed_slots``: slots ``[0, placed_slots)`` are never handed out by ``put``; the caller
+  chooses them with ``put_at`` and rearranges them with ``move``/``swap``.
 """
 from __future__ import annotations
 
@@ -57,12 +65,14 @@ class DeviceTier(Tier):
         num_slots: number of slots (>= 1).
         dtype: pool dtype; tensor puts are cast to it.
         device: where the pool lives ("cpu", "cuda", "cuda:1", ...).
+        slot_axis: position of the slot index in ``storage`` (0: slot-major, ``storage is pool``).
+        placed_slots: leading slots handed out only by ``put_at`` (0: none).
     """
 
     name = "device"
 
     def __init__(self, slot_shape: tuple[int, ...], num_slots: int, dtype: torch.dtype = torch.float16,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", slot_axis: int = 0, placed_slots: int = 0) -> None:
         slot_shape = tuple(slot_shape)
         if not slot_shape or any((not isinstance(d, int)) or d < 1 for d in slot_shape):
             raise ValueError(f"slot_shape must be a non-empty tuple of positive ints, got {slot_shape!r}")
@@ -70,20 +80,31 @@ class DeviceTier(Tier):
             raise ValueError(f"num_slots must be an int >= 1, got {num_slots!r}")
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"dtype must be a torch.dtype, got {dtype!r}")
+        if isinstance(slot_axis, bool) or not isinstance(slot_axis, int) or not 0 <= slot_axis <= len(slot_shape):
+            raise ValueError(f"slot_axis must be an int in [0, {len(slot_shape)}], got {slot_axis!r}")
+        if isinstance(placed_slots, bool) or not isinstance(placed_slots, int) or not 0 <= placed_slots <= num_slots:
+            raise ValueError(f"placed_slots must be an int in [0, num_slots={num_slots}], got {placed_slots!r}")
         self.slot_shape = slot_shape
         self.num_slots = num_slots
         self.dtype = dtype
         self.device = torch.device(device)
-        self.pool = torch.zeros((num_slots, *slot_shape), dtype=dtype, device=self.device)
+        self.slot_axis = slot_axis
+        self.placed_slots = placed_slots
+        phys = (*slot_shape[:slot_axis], num_slots, *slot_shape[slot_axis:])
+        self.storage = torch.zeros(phys, dtype=dtype, device=self.device)
+        self.pool = self.storage.movedim(slot_axis, 0)  # [num_slots, *slot_shape]
         elem = self.pool.element_size()
         self.slot_bytes = prod(slot_shape) * elem
-        # [num_slots, slot_bytes] byte view of the pool; numpy view on CPU for cheap byte copies
-        self._bytes = self.pool.view(num_slots, -1).view(torch.uint8)
-        self._np = self._bytes.numpy() if self.device.type == "cpu" else None
+        # [num_slots, slot_bytes] byte view of the pool (slot-major only; else a slot's bytes are
+        # gathered per access); numpy view on CPU for cheap byte copies
+        self._bytes = self.pool.view(num_slots, -1).view(torch.uint8) if slot_axis == 0 else None
+        self._np = self._bytes.numpy() if self._bytes is not None and self.device.type == "cpu" else None
         self._slot: dict[str, int] = {}
         self._length: dict[str, int] = {}  # byte length of a bytes put, _TENSOR for tensor puts
-        self._fence: dict[int, list] = {}  # fences on live slots (mark_pending)
-        self._free: deque[int] = deque(range(num_slots))
+        self._fence: dict[int, list] = {}  # fences on live slots (mark_pending); placed slots keep
+                                           # theirs here after release until the fences complete
+        self._placed: dict[int, str] = {}  # placed slot -> key (live placed slots)
+        self._free: deque[int] = deque(range(placed_slots, num_slots))
         self._fenced: list[tuple[int, list]] = []  # released slots waiting for all their fences
         self._lock = threading.RLock()
         self._stats = TierStats()
@@ -125,6 +146,11 @@ class DeviceTier(Tier):
 
     def _release(self, slot: int) -> None:
         fences = [f for f in self._fence.pop(slot, ()) if not _fence_done(f)]
+        if slot < self.placed_slots:
+            self._placed.pop(slot, None)
+            if fences:  # put_at/move refuse the slot until they complete
+                self._fence[slot] = fences
+            return
         if fences:
             self._fenced.append((slot, fences))
         else:
@@ -177,18 +203,119 @@ class DeviceTier(Tier):
                 self.pool[slot].copy_(value)
                 self._length[key] = _TENSOR
             else:
-                if nbytes:
-                    if self._np is not None:
-                        self._np[slot, :nbytes] = np.frombuffer(mv, dtype=np.uint8)
-                    else:
-                        src = torch.from_numpy(np.frombuffer(mv, dtype=np.uint8).copy())
-                        self._bytes[slot, :nbytes].copy_(src)
+                self._write_bytes(slot, mv, nbytes)
                 self._length[key] = nbytes
             if old is not None and old != slot:
                 self._release(old)
             self._slot[key] = slot
             self._stats.puts += 1
             self._stats.bytes_in += nbytes
+            return True
+
+    def _slot_u8(self, slot: int) -> torch.Tensor:
+        """A slot's bytes, [slot_bytes] uint8: a view when slot-major, else a copy."""
+        if self._bytes is not None:
+            return self._bytes[slot]
+        return self.pool[slot].contiguous().view(-1).view(torch.uint8)
+
+    def _write_bytes(self, slot: int, mv: memoryview, nbytes: int) -> None:
+        if not nbytes:
+            return
+        if self._np is not None:
+            self._np[slot, :nbytes] = np.frombuffer(mv, dtype=np.uint8)
+            return
+        src = torch.from_numpy(np.frombuffer(mv, dtype=np.uint8).copy())
+        if self._bytes is not None:
+            self._bytes[slot, :nbytes].copy_(src)
+            return
+        whole = self.pool[slot].contiguous()  # [*slot_shape], a copy: the slot is strided
+        whole.view(-1).view(torch.uint8)[:nbytes].copy_(src)
+        self.pool[slot].copy_(whole)
+
+    # -- placed slots -----------------------------------------------------------------------
+    def _placed_free(self, slot: int) -> bool:
+        """Whether placed slot ``slot`` holds no key and no copy out of it is still running."""
+        if slot in self._placed:
+            return False
+        fences = self._fence.get(slot)
+        if fences:
+            if not all(_fence_done(f) for f in fences):
+                return False
+            del self._fence[slot]
+        return True
+
+    def _check_placed(self, slot: object) -> None:
+        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.placed_slots:
+            raise ValueError(f"slot must be a placed slot in [0, {self.placed_slots}), got {slot!r}")
+
+    def put_at(self, key: str, slot: int, value: torch.Tensor | None) -> bool:
+        """Bind the new key ``key`` to placed slot ``slot`` and copy ``value`` (a ``slot_shape``
+        tensor, cast to the pool dtype) into it; ``None`` leaves the slot's contents as they are.
+
+        Returns False (changing nothing) when the slot is taken or still being copied out of.
+        """
+        check_key(key)
+        self._check_placed(slot)
+        if value is not None and (not isinstance(value, torch.Tensor) or tuple(value.shape) != self.slot_shape):
+            raise ValueError(f"value must be None or a tensor of shape {self.slot_shape}, got "
+                             f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
+        with self._lock:
+            self._check_open()
+            if key in self._slot:
+                raise ValueError(f"key {key!r} is already in this DeviceTier; move() relocates it")
+            if not self._placed_free(slot):
+                return False
+            if value is not None:
+                self.pool[slot].copy_(value)
+            self._length[key] = _TENSOR
+            self._slot[key] = slot
+            self._placed[slot] = key
+            self._stats.puts += 1
+            self._stats.bytes_in += self.slot_bytes
+            return True
+
+    def move(self, key: str, slot: int, copy: bool = True) -> bool:
+        """Copy the contents of ``key``'s slot into the free placed slot ``slot`` and rebind the
+        key there; its old slot is released. False (changing nothing) if ``slot`` is not free.
+        ``copy=False`` only rebinds: the caller copies what it needs of the old slot (before
+        anything else may take it)."""
+        check_key(key)
+        self._check_placed(slot)
+        with self._lock:
+            self._check_open()
+            old = self._slot.get(key)
+            if old is None:
+                raise ValueError(f"key {key!r} is not in this DeviceTier")
+            if old == slot:
+                return True
+            if not self._placed_free(slot):
+                return False
+            if copy:
+                self.pool[slot].copy_(self.pool[old])  # [*slot_shape]
+            self._slot[key] = slot
+            self._placed[slot] = key
+            self._release(old)
+            return True
+
+    def swap(self, key_a: str, key_b: str) -> bool:
+        """Exchange the slots of two keys (both placed), contents included: three slot copies.
+        False (changing nothing) while a copy out of either slot is still running."""
+        check_key(key_a)
+        check_key(key_b)
+        with self._lock:
+            self._check_open()
+            a, b = self._slot.get(key_a), self._slot.get(key_b)
+            if a is None or b is None:
+                raise ValueError(f"keys must both be in this DeviceTier; got {key_a!r} -> {a}, {key_b!r} -> {b}")
+            if not (a < self.placed_slots and b < self.placed_slots):
+                raise ValueError(f"swap needs two placed slots (< {self.placed_slots}); got {a} and {b}")
+            if not all(_fence_done(f) for f in (*self._fence.get(a, ()), *self._fence.get(b, ()))):
+                return False
+            tmp = self.pool[a].clone()  # [*slot_shape]
+            self.pool[a].copy_(self.pool[b])
+            self.pool[b].copy_(tmp)
+            self._slot[key_a], self._slot[key_b] = b, a
+            self._placed[a], self._placed[b] = key_b, key_a
             return True
 
     def get(self, key: str) -> bytes | None:
@@ -206,7 +333,7 @@ class DeviceTier(Tier):
             if self._np is not None:
                 out = self._np[slot, :n].tobytes()
             else:
-                out = self._bytes[slot, :n].cpu().numpy().tobytes()
+                out = self._slot_u8(slot)[:n].cpu().numpy().tobytes()
             self._stats.hits += 1
             self._stats.bytes_out += n
             return out
@@ -225,11 +352,11 @@ class DeviceTier(Tier):
                 self._stats.misses += 1
                 return None
             if dev is not None:
-                dev[:n].copy_(self._bytes[slot, :n])
+                dev[:n].copy_(self._slot_u8(slot)[:n])
             elif self._np is not None:
                 mv[:n] = memoryview(self._np[slot, :n])
             else:
-                mv[:n] = memoryview(self._bytes[slot, :n].cpu().numpy())
+                mv[:n] = memoryview(self._slot_u8(slot)[:n].cpu().numpy())
             self._stats.hits += 1
             self._stats.bytes_out += n
             return n
@@ -305,3 +432,4 @@ class DeviceTier(Tier):
             self._closed = True
             self._slot.clear()
             self._length.clear()
+            self._placed.clear()

@@ -43,6 +43,13 @@ def check_invariants(store: KVStore) -> None:
             assert t.resident == sum(e.slot is not None for e in t.entries) <= store.hot_blocks
             assert t.slotted == {e.idx: e for e in t.entries if e.slot is not None}
             assert not t.entries or t.entries[-1].slot is not None, "open block left L1"
+            # region: every resident block in its table's own slots, at[] the inverse of slot
+            assert len(t.at) == t.cap == store.hot_blocks
+            assert {id(e): e.slot - t.base for e in t.entries if e.slot is not None} == \
+                {id(e): p for p, e in enumerate(t.at) if e is not None}
+            if t.entries and t.open_view is not None:
+                assert t.open_view.data_ptr() == store.l1.pool[t.entries[-1].slot].data_ptr(), \
+                    "append views point away from the open block"
             for e in t.entries:
                 assert not e.pending and e.home != "none", f"block lost: {e}"
                 if e.slot is not None:

@@ -74,6 +74,24 @@ class StoreMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.ref)
     @rule(data=st.data())
+    def view_read(self, data):
+        """gather_view of any distinct sealed blocks, in any order: the rows are the tokens that
+        ``pos`` names, and ``order`` names the block of every ``block_tokens`` rows."""
+        s = data.draw(st.sampled_from(sorted(self.ref)))
+        layer = data.draw(st.integers(0, LAYERS - 1))
+        if not self.ref[s][layer]:
+            return
+        ns = -(-self.store.seq_len(s, layer) // 4) - 1
+        blocks = data.draw(st.lists(st.integers(0, max(0, ns - 1)), max_size=2, unique=True)) if ns else []
+        K, V, pos, order = self.store.gather_view(s, layer, blocks)
+        assert sorted(order[:-1]) == sorted(blocks) and order[-1] == ns
+        assert torch.equal(pos, (torch.tensor(order)[:, None] * 4 + torch.arange(4)).view(-1)[: pos.numel()])
+        ref = torch.cat(self.ref[s][layer], 1)
+        assert torch.equal(K, ref[:, pos]) and torch.equal(V, -ref[:, pos])
+        self.store.observe(s, layer, order, torch.rand(len(order)))
+
+    @precondition(lambda self: self.ref)
+    @rule(data=st.data())
     def dense_read(self, data):
         s = data.draw(st.sampled_from(sorted(self.ref)))
         layer = data.draw(st.integers(0, LAYERS - 1))

@@ -129,3 +129,61 @@ def test_uint8_tensor_of_other_shape_is_bytes():
     assert t.get("enc") == bytes(range(100))
     with pytest.raises(ValueError, match="value"):
         t.put("big", torch.zeros(t.slot_bytes + 1, dtype=torch.uint8))
+
+
+def test_slot_axis_lays_slots_out_inside_the_storage():
+    t = DeviceTier(SHAPE, num_slots=5, dtype=torch.float32, slot_axis=2)
+    assert t.storage.shape == (2, 3, 5, 4, 8) and t.pool.shape == (5, *SHAPE)
+    x = torch.randn(SHAPE)
+    assert t.put("a", x)
+    slot = t.slot_of("a")
+    assert torch.equal(t.storage[:, :, slot], x) and torch.equal(t.get_tensor("a"), x)
+    # bytes puts and gets work on the strided slots too
+    assert t.put("b", b"xyz" * 5)
+    assert t.get("b") == b"xyz" * 5
+    out = bytearray(15)
+    assert t.get_into("b", out) == 15 and bytes(out) == b"xyz" * 5
+    assert t.get("a") == x.numpy().tobytes()
+
+
+def test_placed_slots_are_only_handed_out_by_put_at():
+    t = DeviceTier(SHAPE, num_slots=6, dtype=torch.float32, slot_axis=2, placed_slots=4)
+    for i in range(2):
+        assert t.put(f"g{i}", torch.zeros(SHAPE))
+        assert t.slot_of(f"g{i}") >= 4
+    assert not t.put("g2", torch.zeros(SHAPE))  # the general slots are full; placed ones stay out
+    x, y = torch.randn(SHAPE), torch.randn(SHAPE)
+    assert t.put_at("a", 1, x) and t.slot_of("a") == 1 and torch.equal(t.pool[1], x)
+    assert not t.put_at("b", 1, y)  # taken
+    assert t.put_at("b", 3, y)
+    assert t.move("a", 0) and t.slot_of("a") == 0 and torch.equal(t.get_tensor("a"), x)
+    assert not t.move("a", 3)  # taken by b
+    assert t.put_at("c", 1, None)  # slot 1 was released by the move
+    assert t.swap("a", "b")
+    assert (t.slot_of("a"), t.slot_of("b")) == (3, 0)
+    assert torch.equal(t.get_tensor("a"), x) and torch.equal(t.get_tensor("b"), y)
+    assert t.delete("b") and t.put_at("d", 0, y) and len(t) == 5
+    with pytest.raises(ValueError, match="slot"):
+        t.put_at("e", 4, x)  # not a placed slot
+    with pytest.raises(ValueError, match="already"):
+        t.put_at("a", 2, x)
+    with pytest.raises(ValueError, match="value"):
+        t.put_at("e", 2, torch.zeros(3))
+
+
+def test_placed_slot_waits_for_its_fence():
+    t = DeviceTier(SHAPE, num_slots=3, placed_slots=2)
+    assert t.put_at("a", 0, torch.ones(SHAPE))
+    fence = threading.Event()
+    t.mark_pending("a", fence)
+    t.delete("a")
+    assert not t.put_at("b", 0, torch.zeros(SHAPE))  # still being copied out of
+    fence.set()
+    assert t.put_at("b", 0, torch.zeros(SHAPE))
+
+
+def test_bad_layout_args():
+    with pytest.raises(ValueError, match="slot_axis"):
+        DeviceTier(SHAPE, 2, slot_axis=5)
+    with pytest.raises(ValueError, match="placed_slots"):
+        DeviceTier(SHAPE, 2, placed_slots=3)
