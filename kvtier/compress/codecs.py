@@ -155,6 +155,7 @@ class IntCodec(Codec):
         self.group_size = group_size
         self.axis = axis
         self.check_finite = check_finite
+        self._specs: dict = {}  # (shape, dtype) -> (shape, q shape, q dtype, scale shape): _parts
 
     @property
     def params(self) -> dict:
@@ -186,6 +187,29 @@ class IntCodec(Codec):
         return Encoded(self.name, self.params, tuple(x.shape), x.dtype, parts)
 
     def _parts(self, enc: Encoded):
+        # Fast path (swap-ins decode thousands of records a step): an encoding whose (shape,
+        # dtype) passed the full checks once is checked against the part shapes recorded then,
+        # with plain comparisons; anything else takes the full checks (and their errors).
+        cacheable = type(enc) is Encoded and type(enc.shape) is tuple
+        spec = self._specs.get((enc.shape, enc.dtype)) if cacheable else None
+        if spec is not None and enc.codec == self.name:
+            shape, qshape, qdtype, sshape = spec
+            p, parts = enc.params, enc.parts
+            q, scale = parts.get("q"), parts.get("scale")
+            zero = parts.get("zero") if self.bits != 8 else None
+            if (p.get("group_size") == self.group_size and p.get("axis") == self.axis
+                    and q is not None and q.dtype == qdtype and q.shape == qshape
+                    and scale is not None and scale.dtype == enc.dtype and scale.shape == sshape
+                    and (self.bits == 8 or (zero is not None and zero.dtype == enc.dtype
+                                            and zero.shape == sshape))):
+                return shape, q, scale, zero
+        out = self._parts_checked(enc)
+        if cacheable and len(self._specs) < 64:
+            shape, q, scale, _ = out
+            self._specs[(enc.shape, enc.dtype)] = (shape, q.shape, q.dtype, scale.shape)
+        return out
+
+    def _parts_checked(self, enc: Encoded):
         _check_encoded(enc, self.name)
         p = enc.params
         if p.get("group_size") != self.group_size or p.get("axis") != self.axis:

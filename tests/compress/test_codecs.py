@@ -208,3 +208,27 @@ def test_decode_out_is_validated():
                 torch.empty(3, 64, 128, dtype=x.dtype)[..., ::2], "buffer"):
         with pytest.raises(ValueError, match="out"):
             c.decode(enc, out=bad)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+def test_decode_checks_every_encoding_after_the_first(name):
+    """Decode validates a (shape, dtype) fully once, then compares part shapes: a malformed
+    encoding of an already-seen shape must still be refused, naming the field."""
+    import dataclasses
+
+    c = get_codec(name, group_size=32, axis="token")
+    x = torch.randn(2, 16, 64, dtype=torch.bfloat16)
+    enc = c.encode(x)
+    assert torch.equal(c.decode(enc), c.decode(c.encode(x)))  # second decode: the fast path
+    bad_scale = dataclasses.replace(enc, parts={**enc.parts, "scale": enc.parts["scale"][:, :-1]})
+    with pytest.raises(ValueError, match="scale"):
+        c.decode(bad_scale)
+    with pytest.raises(ValueError, match="params"):
+        c.decode(dataclasses.replace(enc, params={**enc.params, "group_size": 64}))
+    with pytest.raises(ValueError, match="'q'"):
+        c.decode(dataclasses.replace(enc, parts={k: v for k, v in enc.parts.items() if k != "q"}))
+    other = get_codec("int4" if name != "int4" else "int8", group_size=32, axis="token").encode(x)
+    with pytest.raises(ValueError, match="codec"):
+        c.decode(dataclasses.replace(other, parts=enc.parts))
+    listed = dataclasses.replace(enc, shape=list(enc.shape))  # not hashable: full checks only
+    assert torch.equal(c.decode(listed), c.decode(enc))
