@@ -797,3 +797,20 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
     lib.kvt_dequant(q.data_ptr(), scale.data_ptr(), zero.data_ptr() if zero is not None else None,
                     _DT[dtype], b, t, d, bits, group_size, 0 if axis == "token" else 1, out.data_ptr())
     return out
+
+
+def dequantize_ptrs(q: int, scale: int, zero: int | None, bits: int, group_size: int, axis: str,
+                    shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor) -> None:
+    """:func:`dequantize` from raw addresses (a record's parts, read in place by
+    ``kvtier.store.blockrecord.BlockDecoder``) into ``out``, a contiguous CPU tensor of ``shape``
+    and ``dtype``. The caller guarantees the parts' sizes and dtypes (from a checked record
+    header) and keeps their buffer alive during the call."""
+    lib = _load()
+    assert lib is not None, "cpu kernel unavailable; check available() first"
+    assert out.dtype == dtype and out.is_contiguous() and tuple(out.shape) == tuple(shape)
+    *_, t, d = shape
+    b = 1
+    for s in shape[:-2]:
+        b *= s
+    lib.kvt_dequant(q, scale, zero, _DT[dtype], b, t, d, bits, group_size, 0 if axis == "token" else 1,
+                    out.data_ptr())

@@ -349,25 +349,27 @@ def _parse_header(var: bytes, payload_len: int, version: int = 1):
     return codec, dtype, tuple(int(d) for d in shape), tuple(params), tuple(specs)
 
 
-def unpack_record(buf) -> Encoded:
-    """Parse one record (exactly one: no trailing bytes) back into an :class:`Encoded` on CPU.
+def check_record(mv: memoryview) -> tuple[tuple, int, int]:
+    """Check one record (magic, version, lengths, CRC) held in ``mv`` (1-D bytes, exactly one
+    record) and parse its header (cached per distinct header).
 
+    Returns:
+        (layout, header_len, payload_len); layout = (codec, dtype, shape, params, specs), params
+        a tuple of items, specs a tuple of (name, dtype, dims, offset, size) into the payload.
     Raises:
-        UnsupportedVersionError: written by a newer format version.
-        CorruptRecordError: bad magic, CRC mismatch, truncation, or any field out of bounds.
+        UnsupportedVersionError, CorruptRecordError: as :func:`unpack_record`.
     """
-    mv = _as_memoryview(buf)
     n = mv.nbytes
     if n < _FIXED2.size + _CRC.size:
         raise CorruptRecordError(f"record is {n} bytes, shorter than the {_FIXED2.size + _CRC.size}-byte minimum")
-    magic, version = _MAGIC_VERSION.unpack(mv[:_MAGIC_VERSION.size])
+    magic, version = _MAGIC_VERSION.unpack_from(mv, 0)
     if version == 1:
         if n < _FIXED.size + _CRC.size:
             raise CorruptRecordError(f"record is {n} bytes, shorter than the {_FIXED.size + _CRC.size}-byte minimum")
-        magic, version, _flags, header_len, payload_len = _FIXED.unpack(mv[:_FIXED.size])
+        magic, version, _flags, header_len, payload_len = _FIXED.unpack_from(mv, 0)
         fixed = _FIXED.size
     else:
-        magic, version, _flags, header_len, payload_len = _FIXED2.unpack(mv[:_FIXED2.size])
+        magic, version, _flags, header_len, payload_len = _FIXED2.unpack_from(mv, 0)
         fixed = _FIXED2.size
     if magic != MAGIC:
         raise CorruptRecordError(f"record magic is {bytes(magic)!r}, expected {MAGIC!r}")
@@ -379,11 +381,22 @@ def unpack_record(buf) -> Encoded:
     if header_len < fixed or header_len + payload_len + _CRC.size != n:
         raise CorruptRecordError(
             f"record lengths inconsistent: header {header_len} + payload {payload_len} + crc 4 != {n} bytes")
-    (crc,) = _CRC.unpack(mv[n - _CRC.size:])
+    (crc,) = _CRC.unpack_from(mv, n - _CRC.size)
     if crc32(mv[:n - _CRC.size]) != crc:
         raise CorruptRecordError("record CRC32 mismatch")
     # Headers repeat for every block of one codec and shape: parse each distinct one once.
-    codec, dtype, shape, params, specs = _parse_header(bytes(mv[fixed:header_len]), payload_len, version)
+    return _parse_header(bytes(mv[fixed:header_len]), payload_len, version), header_len, payload_len
+
+
+def unpack_record(buf) -> Encoded:
+    """Parse one record (exactly one: no trailing bytes) back into an :class:`Encoded` on CPU.
+
+    Raises:
+        UnsupportedVersionError: written by a newer format version.
+        CorruptRecordError: bad magic, CRC mismatch, truncation, or any field out of bounds.
+    """
+    mv = _as_memoryview(buf)
+    (codec, dtype, shape, params, specs), header_len, payload_len = check_record(mv)
 
     payload = mv[header_len:header_len + payload_len]
     if payload.readonly:

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import struct
 
+import numpy as np
+import torch
+
 from kvtier.compress.base import Encoded
 
 _MAGIC = b"KVB1"
@@ -42,3 +45,76 @@ def unpack_block(buf) -> tuple[Encoded, Encoded]:
     k = unpack_record(mv[_HEADER.size:_HEADER.size + nk])
     v = unpack_record(mv[_HEADER.size + nk:])
     return k, v
+
+
+class BlockDecoder:
+    """Block records of two integer codecs (K, V) decoded straight into one
+    ``[2, *shape]`` CPU tensor by the compiled kernel, reading the parts in place.
+
+    The checks are :func:`unpack_block`'s (framing, both headers, both CRCs: corrupt bytes raise
+    ``CorruptRecordError``); what it skips is the per-part tensors, the :class:`Encoded` objects
+    and the codecs' per-call validation, which cost more than the kernel on a swap-in. A record
+    of any other layout (another codec, shape or dtype) gives None: the caller then decodes it
+    the general way.
+    """
+
+    def __init__(self, kc, vc, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        self._codecs = (kc, vc)
+        self._shape = tuple(shape)
+        self._dtype = dtype
+        self._plans: dict = {}  # (role, layout) -> part offsets and kernel arguments, or None
+
+    def _plan(self, role: int, layout: tuple):
+        from kvtier.compress import reference as ref
+
+        codec = self._codecs[role]
+        name, dtype, shape, params, specs = layout
+        if (name != codec.name or dtype != self._dtype or shape != self._shape
+                or dict(params) != codec.params):
+            return None
+        bits = codec.bits
+        want = [("q", torch.int8 if bits == 8 else torch.uint8,
+                 (*shape[:-1], ref.packed_dim(shape[-1], bits)))]
+        sshape = tuple(ref.scale_shape(shape, codec.group_size, codec.axis))
+        want.append(("scale", dtype, sshape))
+        if bits != 8:
+            want.append(("zero", dtype, sshape))
+        if [(n, dt, tuple(dims)) for n, dt, dims, _, _ in specs] != want:
+            return None
+        offs = [off for *_, off, _ in specs]
+        return bits, codec.group_size, codec.axis, offs[0], offs[1], offs[2] if bits != 8 else None
+
+    def decode(self, buf) -> torch.Tensor | None:
+        """``[2, *shape]`` (K, V) of one block record, or None when its layout is not this
+        decoder's. Raises ``CorruptRecordError`` on bad framing, a bad header or a CRC mismatch."""
+        from kvtier.compress import cpu
+        from kvtier.compress.record import CorruptRecordError, check_record
+
+        mv = memoryview(buf).cast("B")
+        if mv.nbytes < _HEADER.size:
+            raise CorruptRecordError(f"block record is {mv.nbytes} bytes, shorter than its header")
+        magic, nk, nv = _HEADER.unpack_from(mv, 0)
+        if magic != _MAGIC or _HEADER.size + nk + nv != mv.nbytes:
+            raise CorruptRecordError(
+                f"bad block record framing (magic={bytes(magic)!r}, n_k={nk}, n_v={nv}, total={mv.nbytes})")
+        jobs = []
+        for role, start, n in ((0, _HEADER.size, nk), (1, _HEADER.size + nk, nv)):
+            layout, header_len, _ = check_record(mv[start:start + n])
+            key = (role, layout)
+            plan = self._plans.get(key, False)
+            if plan is False:
+                plan = self._plans[key] = self._plan(role, layout)
+            if plan is None:
+                return None
+            jobs.append((start + header_len, plan))
+        base = np.frombuffer(mv, dtype=np.uint8).ctypes.data  # mv stays alive through the calls
+        item = self._dtype.itemsize
+        for payload, (_, _, _, _, s, z) in jobs:  # scales/zeros unaligned for their dtype (a v1
+            if (base + payload + s) % item or (z is not None and (base + payload + z) % item):
+                return None                       # header): the general path copies them
+        out = torch.empty((2, *self._shape), dtype=self._dtype)
+        for half, (payload, (bits, group, axis, q, s, z)) in zip(out, jobs):
+            p = base + payload
+            cpu.dequantize_ptrs(p + q, p + s, None if z is None else p + z, bits, group, axis,
+                                self._shape, self._dtype, half)
+        return out

@@ -49,7 +49,7 @@ import torch
 from kvtier.config import KVTierConfig
 
 from . import cscore
-from .blockrecord import pack_block, unpack_block
+from .blockrecord import BlockDecoder, pack_block, unpack_block
 from .keys import block_key
 from .policy import make_policy
 from .prefix import _token_bytes, chained_block_hashes, model_fingerprint_key
@@ -149,6 +149,13 @@ class KVStore:
         # tiers whose codecs can decode into a given CPU tensor (the integer codecs)
         self._decode_into = {tier for tier, cs in self._codecs.items()
                              if all("out" in inspect.signature(c.decode).parameters for c in cs)}
+        # CPU: integer-codec block records decoded in place by the compiled kernel (blockrecord.py)
+        from kvtier.compress import cpu as _cpu
+        from kvtier.compress.codecs import IntCodec
+        self._fast_decoders = {
+            tier: BlockDecoder(*cs, (kv_heads, bt, head_dim), dtype) for tier, cs in self._codecs.items()
+            if all(isinstance(c, IntCodec) for c in cs) and _cpu.available()
+        } if self.device.type == "cpu" else {}
 
         # L3 first: an unwritable disk_path fails before anything is allocated.
         self.l3 = None
@@ -933,6 +940,10 @@ class KVStore:
 
     def _decode(self, buf, tier: str, device: torch.device) -> torch.Tensor:
         """Record -> [2, kv_heads, block_tokens, head_dim] in the store dtype on ``device``."""
+        if device.type == "cpu" and tier in self._fast_decoders:
+            out = self._fast_decoders[tier].decode(buf)  # CRC-checked, parts read in place
+            if out is not None:
+                return out
         ek, ev = unpack_block(buf)
         kc, vc = self._codecs[tier]
         shape = (self.kv_heads, self.block_tokens, self.head_dim)
