@@ -10,10 +10,10 @@ least ``min_saving`` of its size::
 
 ``unpack`` reads every flag whatever algorithm the stage packs with, so records written under one
 setting stay readable under another. What each algorithm buys on SmolLM2's real KV (int4, 64-token
-blocks, whole K+V block records; ``/tmp``-free numbers from ``bench/bench_codecs.py``): lz4 ~1.00
-(quantized codes have no repeated byte strings, so the stage stores them raw), zstd level 1 ~0.93
-(its entropy coder finds the non-uniform distribution of the 4-bit codes: ~6.5% fewer bytes, at
-roughly 1 GB/s to decompress a 14 KB record). Full-precision records (``tier-then-compress``)
+blocks, whole K+V block records, format 2): lz4 ~1.00
+(quantized codes have no repeated byte strings, so the stage stores them raw), zstd level 1 ~0.95
+(its entropy coder finds the non-uniform distribution of the 4-bit codes: ~5% fewer bytes, at
+roughly 1 GB/s to decompress a 13 KB record; a ``min_saving`` above ~0.03 would keep most raw). Full-precision records (``tier-then-compress``)
 shrink more under zstd, from the skewed exponent bytes.
 
 Counters (bytes in/out, records per kind) are updated under a lock, so one stage may be shared
