@@ -31,9 +31,9 @@ def pack_block(k: Encoded, v: Encoded) -> bytes:
     return b"".join((_HEADER.pack(_MAGIC, len(rk), len(rv)), rk, rv))
 
 
-def unpack_block(buf) -> tuple[Encoded, Encoded]:
-    """Inverse of :func:`pack_block`. Raises ``CorruptRecordError`` (a ``ValueError``) on bad framing."""
-    from kvtier.compress.record import CorruptRecordError, unpack_record
+def _frame(buf) -> tuple[memoryview, int, int]:
+    """The block record as bytes, and its K and V record lengths; checks the framing."""
+    from kvtier.compress.record import CorruptRecordError
 
     mv = memoryview(buf).cast("B")
     if mv.nbytes < _HEADER.size:
@@ -42,6 +42,14 @@ def unpack_block(buf) -> tuple[Encoded, Encoded]:
     if magic != _MAGIC or _HEADER.size + nk + nv != mv.nbytes:
         raise CorruptRecordError(
             f"bad block record framing (magic={bytes(magic)!r}, n_k={nk}, n_v={nv}, total={mv.nbytes})")
+    return mv, nk, nv
+
+
+def unpack_block(buf) -> tuple[Encoded, Encoded]:
+    """Inverse of :func:`pack_block`. Raises ``CorruptRecordError`` (a ``ValueError``) on bad framing."""
+    from kvtier.compress.record import unpack_record
+
+    mv, nk, _ = _frame(buf)
     k = unpack_record(mv[_HEADER.size:_HEADER.size + nk])
     v = unpack_record(mv[_HEADER.size + nk:])
     return k, v
@@ -88,15 +96,9 @@ class BlockDecoder:
         """``[2, *shape]`` (K, V) of one block record, or None when its layout is not this
         decoder's. Raises ``CorruptRecordError`` on bad framing, a bad header or a CRC mismatch."""
         from kvtier.compress import cpu
-        from kvtier.compress.record import CorruptRecordError, check_record
+        from kvtier.compress.record import check_record
 
-        mv = memoryview(buf).cast("B")
-        if mv.nbytes < _HEADER.size:
-            raise CorruptRecordError(f"block record is {mv.nbytes} bytes, shorter than its header")
-        magic, nk, nv = _HEADER.unpack_from(mv, 0)
-        if magic != _MAGIC or _HEADER.size + nk + nv != mv.nbytes:
-            raise CorruptRecordError(
-                f"bad block record framing (magic={bytes(magic)!r}, n_k={nk}, n_v={nv}, total={mv.nbytes})")
+        mv, nk, nv = _frame(buf)
         jobs = []
         for role, start, n in ((0, _HEADER.size, nk), (1, _HEADER.size + nk, nv)):
             layout, header_len, _ = check_record(mv[start:start + n])

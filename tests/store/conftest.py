@@ -86,3 +86,23 @@ def random_chunk(rng: random.Random, kv_heads=2, head_dim=8, dtype=torch.float16
 @pytest.fixture
 def rng():
     return random.Random(1234)
+
+
+def join_all(threads, errors: list, timeout: float = 80) -> None:
+    """Start ``threads``, join them with a bound (a hang is a deadlock) and re-raise the first
+    error a thread put in ``errors``."""
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=timeout)
+    assert not any(th.is_alive() for th in threads), "deadlock"
+    assert not errors, errors[0]
+
+
+def assert_reads_back(st: KVStore, refs: dict) -> None:
+    """Every (sequence, layer) of ``refs`` ({seq: Ref}) reads back bit-exact through gather."""
+    for s, ref in refs.items():
+        for (_, layer) in ref.chunks:
+            rk, rv = ref.kv(s, layer)
+            K, V = st.gather(s, layer)
+            assert torch.equal(K, rk) and torch.equal(V, rv)

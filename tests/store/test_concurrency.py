@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from .conftest import Ref, check_invariants, make_store, random_chunk
+from .conftest import Ref, assert_reads_back, check_invariants, join_all, make_store, random_chunk
 
 
 def slow_swap_out(st, delay=0.002):
@@ -124,18 +124,8 @@ def test_many_sequences_interleaved_from_threads(tmp_path):
         except BaseException as e:  # surfaced by the main thread
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=80)
-    assert not any(th.is_alive() for th in threads), "deadlock"
-    assert not errors, errors[0]
+    join_all([threading.Thread(target=run, args=(i,)) for i in range(6)], errors)
     assert st.stats()["scratch_uses"] > 0
     check_invariants(st)
-    for s, ref in refs.items():
-        for (_, layer) in ref.chunks:
-            rk, rv = ref.kv(s, layer)
-            K, V = st.gather(s, layer)
-            assert torch.equal(K, rk) and torch.equal(V, rv)
+    assert_reads_back(st, refs)
     st.close()

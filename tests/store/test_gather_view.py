@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from .conftest import Ref, check_invariants, make_store, random_chunk
+from .conftest import Ref, assert_reads_back, check_invariants, join_all, make_store, random_chunk
 from .test_concurrency import slow_swap_out
 
 
@@ -31,6 +31,18 @@ def check_view(st, ref, s, layer, blocks, K, V, pos, order):
         n = min(bt, K.shape[1] - i * bt)
         assert torch.equal(K[:, i * bt:i * bt + n], Kc[:, j * bt:j * bt + n]), f"block {b}"
         assert torch.equal(V[:, i * bt:i * bt + n], Vc[:, j * bt:j * bt + n]), f"block {b}"
+
+
+def filled(tokens: int, *args, **cfg):
+    """A store (make_store(*args, **cfg)) with one sequence of ``tokens`` random fp16 tokens in
+    layer 0 (2 kv heads, head_dim 8), and the reference holding the same."""
+    st = make_store(*args, **cfg)
+    s = st.add_sequence()
+    ref = Ref()
+    k, v = torch.randn(2, tokens, 8).half(), torch.randn(2, tokens, 8).half()
+    st.append(s, 0, k, v)
+    ref.add(s, 0, k, v)
+    return st, s, ref
 
 
 def chunk(rng, dtype, sizes):
@@ -97,13 +109,8 @@ def test_view_equals_copying_gather_across_changing_selections(tmp_path, policy,
 
 
 def test_steady_selection_moves_nothing_and_returns_the_same_views():
-    st = make_store(num_layers=1, block_tokens=4, hot_tokens=32, budget_tokens=32, attention="sparse",
-                    policy="lru", high_watermark=1.0, low_watermark=0.9)
-    s = st.add_sequence()
-    ref = Ref()
-    k, v = torch.randn(2, 30, 8).half(), torch.randn(2, 30, 8).half()
-    st.append(s, 0, k, v)
-    ref.add(s, 0, k, v)
+    st, s, ref = filled(30, num_layers=1, block_tokens=4, hot_tokens=32, budget_tokens=32,
+                        attention="sparse", policy="lru", high_watermark=1.0, low_watermark=0.9)
     K1, _, _, order1 = st.gather_view(s, 0, [5, 1, 3])
     moved = st.c["region_moves"]
     K2, V2, pos2, order2 = st.gather_view(s, 0, [3, 5, 1])  # the same blocks, another order
@@ -122,13 +129,9 @@ def test_steady_selection_moves_nothing_and_returns_the_same_views():
 
 def test_open_block_moves_and_appends_follow_it():
     """When the run grows, the open block moves to its end; appends must then write the new slot."""
-    st = make_store(num_layers=1, block_tokens=4, hot_tokens=32, budget_tokens=32, attention="sparse",
-                    policy="lru", high_watermark=1.0, low_watermark=0.9)
-    s = st.add_sequence()
-    ref = Ref()
-    k, v = torch.randn(2, 18, 8).half(), torch.randn(2, 18, 8).half()  # 4 sealed + open with 2
-    st.append(s, 0, k, v)
-    ref.add(s, 0, k, v)
+    # 4 sealed + open with 2
+    st, s, ref = filled(18, num_layers=1, block_tokens=4, hot_tokens=32, budget_tokens=32,
+                        attention="sparse", policy="lru", high_watermark=1.0, low_watermark=0.9)
     t = st._tables[s][0]
     for sel in ([], [0, 1, 2], [2], [3, 0, 1, 2], [1]):
         K, V, pos, order = st.gather_view(s, 0, sel)
@@ -145,13 +148,9 @@ def test_open_block_moves_and_appends_follow_it():
 
 def test_full_region_without_free_position_swaps():
     """Every region position taken: a block entering the run trades places with one leaving it."""
-    st = make_store(num_layers=1, block_tokens=4, hot_tokens=16, budget_tokens=16, attention="sparse",
-                    policy="lru", high_watermark=1.0, low_watermark=0.9)
-    s = st.add_sequence()
-    ref = Ref()
-    k, v = torch.randn(2, 14, 8).half(), torch.randn(2, 14, 8).half()  # 3 sealed + open: region full
-    st.append(s, 0, k, v)
-    ref.add(s, 0, k, v)
+    # 3 sealed + open: region full
+    st, s, ref = filled(14, num_layers=1, block_tokens=4, hot_tokens=16, budget_tokens=16,
+                        attention="sparse", policy="lru", high_watermark=1.0, low_watermark=0.9)
     t = st._tables[s][0]
     assert t.resident == t.cap == 4
     for sel in ([0, 1], [2, 1], [0], [2, 0, 1], [1, 2]):
@@ -180,13 +179,9 @@ def test_observe_gets_mass_in_the_view_order():
 def test_scratch_slot_falls_back_to_a_copy(tmp_path):
     """The region full of dirty blocks: a swapped-in block takes a scratch slot, so this step's
     K and V are copied; the content is the same."""
-    st = make_store(tmp_path, num_layers=1, block_tokens=4, hot_tokens=16, budget_tokens=16, attention="sparse",
-                    policy="lru", high_watermark=1.0, low_watermark=0.9)
-    s = st.add_sequence()
-    ref = Ref()
-    k, v = torch.randn(2, 22, 8).half(), torch.randn(2, 22, 8).half()  # 5 sealed: one was evicted
-    st.append(s, 0, k, v)
-    ref.add(s, 0, k, v)
+    # 5 sealed: one was evicted
+    st, s, ref = filled(22, tmp_path, num_layers=1, block_tokens=4, hot_tokens=16, budget_tokens=16,
+                        attention="sparse", policy="lru", high_watermark=1.0, low_watermark=0.9)
     st.flush()
     t = st._tables[s][0]
     gone = [e.idx for e in t.entries[:-1] if e.slot is None]
@@ -276,20 +271,10 @@ def test_sequences_on_threads_with_views(tmp_path):
         except BaseException as e:  # surfaced by the main thread
             errors.append(e)
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(timeout=80)
-    assert not any(th.is_alive() for th in threads), "deadlock"
-    assert not errors, errors[0]
+    join_all([threading.Thread(target=run, args=(i,)) for i in range(4)], errors)
     assert st.stats()["gather"]["moved_blocks"] > 0
     check_invariants(st)
-    for s, ref in refs.items():
-        for (_, layer) in ref.chunks:
-            rk, rv = ref.kv(s, layer)
-            K, V = st.gather(s, layer)
-            assert torch.equal(K, rk) and torch.equal(V, rv)
+    assert_reads_back(st, refs)
     st.close()
 
 
@@ -329,13 +314,8 @@ def test_gather_view_checks_its_input():
 def test_swapped_in_block_lands_inside_the_run(tmp_path):
     """A missing selected block is decoded straight into the run: the unselected block holding
     that position moves to a free place past the run (one copy), no second move of the new block."""
-    st = make_store(tmp_path, num_layers=1, block_tokens=4, hot_tokens=24, budget_tokens=24,
-                    attention="sparse", policy="lru")
-    s = st.add_sequence()
-    ref = Ref()
-    k, v = torch.randn(2, 30, 8).half(), torch.randn(2, 30, 8).half()
-    st.append(s, 0, k, v)
-    ref.add(s, 0, k, v)
+    st, s, ref = filled(30, tmp_path, num_layers=1, block_tokens=4, hot_tokens=24, budget_tokens=24,
+                        attention="sparse", policy="lru")
     st.end_step()
     st.flush()
     t = st._tables[s][0]
@@ -356,13 +336,8 @@ def test_block_freed_by_another_thread_during_a_swap_in(tmp_path, method):
     """Another thread's end_step frees a (clean) selected block while this gather swaps in
     another one, whose install then takes the freed region slot: the gather notices and reads
     the freed block again instead of returning the newcomer's data twice."""
-    st = make_store(tmp_path, num_layers=1, block_tokens=4, hot_tokens=24, budget_tokens=24,
-                    attention="sparse", policy="lru")
-    s = st.add_sequence()
-    ref = Ref()
-    k, v = torch.randn(2, 30, 8).half(), torch.randn(2, 30, 8).half()
-    st.append(s, 0, k, v)
-    ref.add(s, 0, k, v)
+    st, s, ref = filled(30, tmp_path, num_layers=1, block_tokens=4, hot_tokens=24, budget_tokens=24,
+                        attention="sparse", policy="lru")
     st.end_step()
     st.flush()
     st.gather_view(s, 0, [0, 1])  # 0 and 1 back in L1, clean (their copies stay in L2)
