@@ -9,7 +9,8 @@ Checks (each prints PASS/FAIL; exit status 1 if any fails):
 2. Kernel throughput: quantize and dequantize GB/s of fp16 input as ratios to ``copy_`` of the
    same bytes on the same device, synchronized, after warm-up.
 3. KVStore on the device: fp16 codec, tiny L1/L2 so blocks reach L3 through the side stream and
-   pinned buffers; every token reads back bit-exact; swap latencies from stats().
+   pinned buffers; every token reads back bit-exact; swap latencies from stats(). Sparse mode:
+   gather_view (views of the per-table L1 regions) equals the appended tokens and gather_blocks.
 4. TieredCache generate() on SmolLM2 (fp16 codec, dense, L1 far below the context) equals
    DynamicCache's greedy tokens; int4 sparse decode tokens/s as a ratio to DynamicCache.
 """
@@ -117,6 +118,38 @@ def store(dev: torch.device, quick: bool) -> None:
         check("store fp16 round trip through L2/L3 on " + dev.type, ok,
               f"(blocks {stats['blocks']}, swap-in p50/p99 {stats['swap_in_latency']}, "
               f"swap-out {stats['swap_out_latency']})")
+
+        # sparse: gather_view's K/V (views of each table's L1 region, blocks in the returned order)
+        # equal the copying gather_blocks' and the appended tokens, while selections change and
+        # blocks move between regions, L2 and L3 (swap-outs on the side stream)
+        cfg = KVTierConfig(block_tokens=16, hot_tokens=256, budget_tokens=128, host_bytes=64 << 10,
+                           disk_path=tmp + "/sparse", codec="fp16", policy="h2o", attention="sparse")
+        st = KVStore(cfg, num_layers=2, kv_heads=3, head_dim=64, dtype=torch.float16, device=dev)
+        s = st.add_sequence()
+        kv = {l: ([], []) for l in range(2)}
+        ok, views = True, 0
+        for step in range(100 if quick else 400):
+            for l in range(2):
+                t = 200 if step == 0 else 1
+                k = torch.randn(3, t, 64, generator=g, device=dev, dtype=torch.float16)
+                v = torch.randn(3, t, 64, generator=g, device=dev, dtype=torch.float16)
+                st.append(s, l, k, v)
+                kv[l][0].append(k)
+                kv[l][1].append(v)
+                sel = st.select(s, l, torch.randn(9, 1, 64, generator=g, device=dev, dtype=torch.float16))
+                K, V, pos, order = st.gather_view(s, l, sel)
+                rk, rv = torch.cat(kv[l][0], 1), torch.cat(kv[l][1], 1)
+                ok &= torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos]) and sorted(order[:-1]) == sel
+                views += K.untyped_storage().data_ptr() == st.l1.storage.untyped_storage().data_ptr()
+                if step % 10 == 0:  # the copying gather agrees
+                    Kc, _, pc = st.gather_blocks(s, l, sel)
+                    ok &= torch.equal(Kc, rk[:, pc])
+                st.observe(s, l, order, torch.rand(len(order), device=dev))
+            st.end_step()
+        g_stats = st.stats()["gather"]
+        st.close()
+        check("store sparse gather_view == appended tokens on " + dev.type, ok,
+              f"({views} of {2 * (100 if quick else 400)} reads were views; gather stats {g_stats})")
 
 
 def model(dev: torch.device, quick: bool) -> None:
