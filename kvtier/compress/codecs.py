@@ -294,7 +294,10 @@ class BnbCodec(Codec):
             code = _dyn8_code()[0].to(x.device)
             q, st = F.quantize_blockwise(y, code=code, blocksize=self.group_size)
         else:
-            q, st = F.quantize_4bit(y, blocksize=self.group_size, quant_type=self.name)
+            # flattened: bitsandbytes' 4-bit CPU path blocks each row of a 2-D+ input separately,
+            # which is wrong when a row is shorter than the block (channel axis, 16-token blocks,
+            # group 32: relative MSE 3.8% instead of 0.8% on normal data, 45% on real SmolLM2 keys)
+            q, st = F.quantize_4bit(y.reshape(-1), blocksize=self.group_size, quant_type=self.name)
         parts = {"q": q.reshape(-1).contiguous(), "absmax": st.absmax.float().contiguous()}
         return Encoded(self.name, self.params, tuple(x.shape), x.dtype, parts)
 
@@ -320,8 +323,8 @@ class BnbCodec(Codec):
                               dtype=enc.dtype)
             y = F.dequantize_blockwise(q.reshape(yshape), st)
         else:
-            st = F.QuantState(absmax=absmax, shape=torch.Size(yshape), blocksize=self.group_size,
-                              quant_type=self.name, dtype=enc.dtype)
+            st = F.QuantState(absmax=absmax, shape=torch.Size((n,)), blocksize=self.group_size,
+                              quant_type=self.name, dtype=enc.dtype)  # flat, as encoded
             y = F.dequantize_4bit(q.reshape(-1, 1), st)
         y = y.reshape(yshape)
         if self.axis == "channel":
