@@ -32,7 +32,6 @@ pending block is never moved and its slot never written (``_arrange``).
 """
 from __future__ import annotations
 
-import inspect
 import itertools
 import logging
 import math
@@ -146,9 +145,6 @@ class KVStore:
         self.disk_codec = lossless16 if cfg.disk_codec in ("fp16", "bf16") and dtype != torch.float32 else cfg.disk_codec
         self._codecs = {"l2": pair(self.host_codec), "l3": pair(self.disk_codec)}
         self._transcode = (self.host_codec != self.disk_codec)
-        # tiers whose codecs can decode into a given CPU tensor (the integer codecs)
-        self._decode_into = {tier for tier, cs in self._codecs.items()
-                             if all("out" in inspect.signature(c.decode).parameters for c in cs)}
         # CPU: integer-codec block records decoded in place by the compiled kernel (blockrecord.py)
         from kvtier.compress import cpu as _cpu
         from kvtier.compress.codecs import IntCodec
@@ -946,14 +942,6 @@ class KVStore:
                 return out
         ek, ev = unpack_block(buf)
         kc, vc = self._codecs[tier]
-        shape = (self.kv_heads, self.block_tokens, self.head_dim)
-        if (device.type == "cpu" and tier in self._decode_into and ek.dtype == ev.dtype == self.dtype
-                and ek.shape == ev.shape == shape):
-            # CPU kernels write K and V straight into their halves: no stack, no second copy
-            out = torch.empty((2, *shape), dtype=self.dtype)
-            kc.decode(ek, device=device, out=out[0])
-            vc.decode(ev, device=device, out=out[1])
-            return out
         k = kc.decode(ek, device=device)
         v = vc.decode(ev, device=device)
         return torch.stack((k, v)).to(self.dtype)
