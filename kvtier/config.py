@@ -1,14 +1,20 @@
 """KVTierConfig: every knob of a kvtier store in one frozen, validated dataclass.
 
 Sizes carry their unit in the name (``*_tokens``, ``*_bytes``). String choices are ``Literal``s and
-are checked at construction: bad input raises ``ValueError`` naming the field and the allowed
-values. Checks that need the filesystem (is ``disk_path`` writable?) or the model shape (does
-``hot_bytes`` hold one block?) happen when the store is built.
+every field is checked at construction (types too: a bool is a bool): bad input raises
+``ValueError`` naming the field and the allowed values. Checks that need the model shape (does
+``host_bytes`` hold one block? does L1 fit the device?) are :meth:`KVTierConfig.check_model`, run
+by the store before it allocates anything; those that need the filesystem (is ``disk_path``
+writable?) happen when L3 is opened.
+
+Derived fields (``DERIVED_FIELDS``: ``host_codec``, ``budget_tokens``, ...) hold a value marked
+as computed, so that ``dataclasses.replace`` and ``from_dict(to_dict() | {...})`` compute them
+again from what the user set instead of pinning the old ones.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,19 +31,135 @@ ByteStageName = Literal["lz4", "zstd", "none"]
 
 #: Codec names known to ``kvtier.compress.get_codec`` (kept here so a config is checked before
 #: any codec module is imported).
-CODECS = ("fp16", "bf16", "int8", "int4", "int2", "nf4", "fp4", "dyn8")
-#: Codecs that reproduce their input exactly (for a matching dtype).
-LOSSLESS_CODECS = ("fp16", "bf16")
+CODECS = ("fp16", "bf16", "fp32", "int8", "int4", "int2", "nf4", "fp4", "dyn8")
+#: Codecs that reproduce their input exactly: ``fp32`` for every KV dtype, ``fp16``/``bf16`` for
+#: KV of their own dtype only (float32 KV is rounded to 16 bits by them).
+LOSSLESS_CODECS = ("fp16", "bf16", "fp32")
+#: Quantization group sizes the codecs implement.
+GROUP_SIZES = (32, 64, 128)
+#: Fields computed from the others unless the user sets them.
+DERIVED_FIELDS = ("host_codec", "disk_codec", "digest_tokens", "budget_tokens", "sink_tokens", "window_tokens")
+
+# Bounds that keep every size far from int64 overflow in the tiers' arithmetic; the real limits
+# (the device's memory, the machine's RAM) are checked against them where they are known.
+_MAX_BYTES = 1 << 62
+_MAX_TOKENS = 1 << 31
+_MAX_SEQUENCES = 1 << 16
+_MIN_HOST_BYTES = 4096          # HostTier's smallest ring
+_MIN_SEGMENT_BYTES = 4096       # DiskTier: a segment header and one small record
+_MAX_SEGMENT_BYTES = (1 << 32) - 1  # DiskTier keeps record offsets in 32 bits
+# Redis' default `databases 16` (Valkey's too): a db index above it is refused by the server
+# at the first SELECT, which the L4 tier would only report as an unreachable server.
+_REDIS_DBS = 16
+
+
+class _Derived:
+    """Marks a value the config computed, as opposed to one the user set (see ``__post_init__``)."""
+
+    __slots__ = ()
+
+
+class _DerivedStr(_Derived, str):
+    __slots__ = ()
+
+
+class _DerivedInt(_Derived, int):
+    __slots__ = ()
+
+
+def _derive(cfg: "KVTierConfig", name: str, value: Any) -> None:
+    object.__setattr__(cfg, name, _DerivedStr(value) if isinstance(value, str) else _DerivedInt(value))
 
 
 def _choice(name: str, value: Any, allowed: tuple) -> None:
-    if value not in allowed:
+    if isinstance(value, bool) or value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+
+
+def _int(name: str, value: Any, minimum: int, maximum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be an int >= {minimum} and <= {maximum:,}; got {value!r}")
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
+
+
+def _bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False; got {value!r}")
+
+
+def _physical_memory() -> int | None:
+    """Bytes of RAM of this machine, or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _device_memory(device) -> int | None:
+    """Bytes of memory of ``device`` (a torch.device): the GPU's total, the machine's RAM for CPU."""
+    if device.type == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(device).total_memory
+    return _physical_memory() if device.type == "cpu" else None
+
+
+def _check_remote_url(url: Any) -> None:
+    """``remote_url`` as kvtier's L4 tier and the Redis client will both read it."""
+    from kvtier.tiers.remote import check_url  # imports no client: the URL is parsed only
+
+    try:
+        check_url(url)
+    except ValueError as e:
+        raise ValueError(f"remote_url must be a Redis URL or None; {e}") from None
+    try:
+        from redis.connection import parse_url
+    except ImportError:  # the L4 tier then reports itself unavailable; the form is checked above
+        return
+    try:
+        kwargs = parse_url(url)
+    except ValueError as e:
+        raise ValueError(f"remote_url must be a URL the Redis client accepts; {e}") from None
+    db = kwargs.get("db", 0)
+    if isinstance(db, str):
+        db = int(db) if db.isdigit() else -1
+    if not 0 <= db < _REDIS_DBS:
+        raise ValueError(f"remote_url must name a db in [0, {_REDIS_DBS - 1}] (Redis' default `databases "
+                         f"{_REDIS_DBS}`); got db {db}")
+
+
+def _block_record_bytes(cfg: "KVTierConfig", num_layers: int, kv_heads: int, head_dim: int,
+                        dtype) -> tuple[int, int]:
+    """(L2 ring bytes, L3 segment bytes) one block of this model takes at most, headers included.
+
+    Measured by encoding one block with the tiers' real codecs, as the store frames it.
+    """
+    import torch
+
+    from kvtier.compress import get_codec
+    from kvtier.store.blockrecord import pack_block
+    from kvtier.tiers.disk import SEG_HEADER_BYTES, record_size
+    from kvtier.tiers.host import HostTier
+
+    # the longest key the store writes: content-addressed "m<32 hex>/<layer>/<32 hex>"
+    key = f"m{'0' * 32}/{num_layers - 1}/{'0' * 32}"
+    x = torch.zeros(kv_heads, cfg.block_tokens, head_dim, dtype=dtype)  # [kv_heads, block_tokens, head_dim]
+    full = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
+
+    def block(name: str) -> int:
+        if name in ("fp16", "bf16") and dtype != torch.float32:
+            name = full  # a 16-bit tier codec follows the KV dtype, as in the store
+        k = get_codec(name, group_size=cfg.group_size, axis=cfg.key_axis).encode(x)
+        v = get_codec(name, group_size=cfg.group_size, axis=cfg.value_axis).encode(x)
+        return len(pack_block(k, v))
+
+    l2 = HostTier.record_bytes(key, block(cfg.host_codec))
+    l3 = SEG_HEADER_BYTES + record_size(len(key), block(cfg.disk_codec))
+    return l2, l3
 
 
 @dataclass(frozen=True)
@@ -59,16 +181,18 @@ class KVTierConfig:
     """Concurrent sequences the L1 pool is sized for (each gets the full ``hot_tokens`` budget)."""
 
     host_bytes: int = 256 << 20
-    """L2 capacity: bytes of the DRAM ring buffer."""
+    """L2 capacity: bytes of the DRAM ring buffer. At least 4096 and at most the machine's RAM;
+    at attach, at least one encoded block of the model (the error says how many bytes)."""
 
     disk_path: Optional[str] = None
     """Directory of the L3 segment files; ``None`` means no L3 (L2 is the last tier)."""
 
     disk_bytes: int = 64 << 30
-    """L3 capacity in bytes."""
+    """L3 capacity in bytes; with ``disk_path`` set, at least two segments (L3 frees space by
+    compacting one segment into another)."""
 
     disk_segment_bytes: int = 64 << 20
-    """Size of one L3 segment file."""
+    """Size of one L3 segment file, in [4096, 2**32); at attach, at least one encoded block."""
 
     codec: str = "int4"
     """Codec of the tiers below L1 (see ``order``): one of ``CODECS``."""
@@ -78,13 +202,16 @@ class KVTierConfig:
     ``tier-then-compress``: L2 holds full precision (``fp16``/``bf16``), quantize on the L2->L3 spill."""
 
     host_codec: Optional[str] = None
-    """Per-tier override of the L2 codec; by default filled from ``order``."""
+    """Per-tier override of the L2 codec; by default derived from ``order`` (``codec``, or the
+    full-precision codec of ``dtype`` for ``tier-then-compress``). A derived value is computed
+    again whenever the config is rebuilt (``dataclasses.replace``, ``from_dict``); ``to_dict``
+    gives it as ``None``. The same holds for every field of ``DERIVED_FIELDS``."""
 
     disk_codec: Optional[str] = None
-    """Per-tier override of the L3 codec; by default ``codec``."""
+    """Per-tier override of the L3 codec; by default (derived) ``codec``."""
 
     group_size: int = 32
-    """Quantization group size (elements sharing one scale/zero)."""
+    """Quantization group size (elements sharing one scale/zero): 32, 64 or 128."""
 
     key_axis: Axis = "channel"
     """Grouping axis for keys (KIVI: per channel)."""
@@ -190,45 +317,62 @@ class KVTierConfig:
     alone, as ``kvtier eval`` measures it)."""
 
     def __post_init__(self) -> None:
-        _positive_int("block_tokens", self.block_tokens)
+        # A value this config computed (and not the user) is passed back in by
+        # dataclasses.replace and from_dict(to_dict()): forget it and compute it again from what
+        # the user set, so that replace(cfg, codec="int8") does not keep the old host_codec.
+        for name in DERIVED_FIELDS:
+            if isinstance(getattr(self, name), _Derived):
+                object.__setattr__(self, name, None)
+
+        _int("block_tokens", self.block_tokens, 1, _MAX_TOKENS)
         if self.hot_bytes is None:
             if self.hot_tokens is None:
                 raise ValueError("hot_tokens or hot_bytes must be set (hot_tokens: int >= block_tokens)")
-            _positive_int("hot_tokens", self.hot_tokens)
+            _int("hot_tokens", self.hot_tokens, 1, _MAX_TOKENS)
             if self.hot_tokens < self.block_tokens:
                 raise ValueError(
                     f"hot_tokens must be >= block_tokens ({self.block_tokens}); got {self.hot_tokens}")
         else:
-            _positive_int("hot_bytes", self.hot_bytes)
-        _positive_int("max_sequences", self.max_sequences)
-        _positive_int("host_bytes", self.host_bytes)
-        _positive_int("disk_bytes", self.disk_bytes)
-        _positive_int("disk_segment_bytes", self.disk_segment_bytes, minimum=4096)
+            _int("hot_bytes", self.hot_bytes, 1, _MAX_BYTES)
+        _int("max_sequences", self.max_sequences, 1, _MAX_SEQUENCES)
+        if isinstance(self.host_bytes, int) and not isinstance(self.host_bytes, bool) \
+                and self.host_bytes < _MIN_HOST_BYTES:
+            raise ValueError(f"host_bytes must be an int >= {_MIN_HOST_BYTES} (the smallest L2 ring; it must "
+                             f"also hold one block of the model, checked at attach); got {self.host_bytes!r}")
+        _int("host_bytes", self.host_bytes, _MIN_HOST_BYTES, _MAX_BYTES)
+        ram = _physical_memory()
+        if ram and self.host_bytes > ram:
+            raise ValueError(f"host_bytes must be at most this machine's memory ({ram:,} bytes): L2 is a "
+                             f"DRAM ring; got {self.host_bytes:,}")
+        _int("disk_segment_bytes", self.disk_segment_bytes, _MIN_SEGMENT_BYTES, _MAX_SEGMENT_BYTES)
+        _int("disk_bytes", self.disk_bytes, 1, _MAX_BYTES)
         if self.disk_bytes < self.disk_segment_bytes:
-            raise ValueError(f"disk_bytes must be >= disk_segment_bytes ({self.disk_segment_bytes}); "
-                             f"got {self.disk_bytes}")
-        if self.disk_path is not None and (not isinstance(self.disk_path, (str, Path)) or str(self.disk_path) == ""):
-            raise ValueError(f"disk_path must be a non-empty path or None; got {self.disk_path!r}")
-        if isinstance(self.disk_path, Path):
-            object.__setattr__(self, "disk_path", str(self.disk_path))
+            raise ValueError(f"disk_bytes must be >= disk_segment_bytes ({self.disk_segment_bytes:,}); "
+                             f"got {self.disk_bytes:,}")
+        if self.disk_path is not None:
+            if not isinstance(self.disk_path, (str, Path)) or str(self.disk_path).strip() == "" \
+                    or "\x00" in str(self.disk_path):
+                raise ValueError(f"disk_path must be a non-empty path (without NUL) or None; got {self.disk_path!r}")
+            if isinstance(self.disk_path, Path):
+                object.__setattr__(self, "disk_path", str(self.disk_path))
         _choice("codec", self.codec, CODECS)
         _choice("order", self.order, get_args(Order))
         if self.host_codec is None:
-            full = "bf16" if self.dtype == "bfloat16" else "fp16"
-            object.__setattr__(self, "host_codec", self.codec if self.order == "compress-then-tier" else full)
+            full = "bf16" if self.dtype == "bfloat16" else "fp32" if self.dtype == "float32" else "fp16"
+            _derive(self, "host_codec", self.codec if self.order == "compress-then-tier" else full)
         if self.disk_codec is None:
-            object.__setattr__(self, "disk_codec", self.codec)
+            _derive(self, "disk_codec", self.codec)
         _choice("host_codec", self.host_codec, CODECS)
         _choice("disk_codec", self.disk_codec, CODECS)
-        _positive_int("group_size", self.group_size)
+        _choice("group_size", self.group_size, GROUP_SIZES)
         _choice("key_axis", self.key_axis, get_args(Axis))
         _choice("value_axis", self.value_axis, get_args(Axis))
         _choice("policy", self.policy, get_args(Policy))
         _choice("attention", self.attention, get_args(Attention))
         _choice("select_score", self.select_score, get_args(SelectScore))
         if self.digest_tokens is None:
-            object.__setattr__(self, "digest_tokens", self.block_tokens)
-        _positive_int("digest_tokens", self.digest_tokens)
+            _derive(self, "digest_tokens", self.block_tokens)
+        _int("digest_tokens", self.digest_tokens, 1, self.block_tokens)
         if self.block_tokens % self.digest_tokens:
             raise ValueError(f"digest_tokens must divide block_tokens ({self.block_tokens}); "
                              f"got {self.digest_tokens}")
@@ -239,18 +383,14 @@ class KVTierConfig:
         if self.dtype is not None:
             _choice("dtype", self.dtype, get_args(DType))
         if self.remote_url is not None:
-            from kvtier.tiers.remote import check_url  # imports no client: the URL is parsed only
-            try:
-                check_url(self.remote_url)
-            except ValueError as e:
-                raise ValueError(f"remote_url must be a Redis URL or None; {e}") from None
+            _check_remote_url(self.remote_url)
         if not isinstance(self.remote_key_prefix, str) or "\x00" in self.remote_key_prefix \
                 or len(self.remote_key_prefix.encode()) > 128:
             raise ValueError(f"remote_key_prefix must be a str of at most 128 UTF-8 bytes without NUL; "
                              f"got {self.remote_key_prefix!r:.80}")
-        _positive_int("snapkv_observe_steps", self.snapkv_observe_steps)
-        _positive_int("evict_batch_blocks", self.evict_batch_blocks)
-        _positive_int("prefetch_blocks", self.prefetch_blocks)
+        _int("snapkv_observe_steps", self.snapkv_observe_steps, 1, 1 << 20)
+        _int("evict_batch_blocks", self.evict_batch_blocks, 1, 1 << 20)
+        _int("prefetch_blocks", self.prefetch_blocks, 1, 1 << 24)
         if not (isinstance(self.prefetch, bool) or self.prefetch == "auto"):
             raise ValueError(f"prefetch must be True, False or 'auto'; got {self.prefetch!r}")
         for name in ("high_watermark", "low_watermark"):
@@ -261,8 +401,8 @@ class KVTierConfig:
             raise ValueError(
                 f"low_watermark must be <= high_watermark ({self.high_watermark}); got {self.low_watermark}")
         _choice("byte_stage", self.byte_stage, get_args(ByteStageName))
-        if not isinstance(self.byte_stage_l2, bool):
-            raise ValueError(f"byte_stage_l2 must be True or False; got {self.byte_stage_l2!r}")
+        _bool("byte_stage_l2", self.byte_stage_l2)
+        _bool("write_through", self.write_through)
         if isinstance(self.lz4_min_saving, bool) or not isinstance(self.lz4_min_saving, (int, float)) \
                 or not 0.0 <= self.lz4_min_saving < 1.0:
             raise ValueError(f"lz4_min_saving must be a float in [0, 1); got {self.lz4_min_saving!r}")
@@ -272,9 +412,9 @@ class KVTierConfig:
         hot = self.hot_tokens if self.hot_bytes is None else None
         if self.budget_tokens is None:
             if hot is not None:
-                object.__setattr__(self, "budget_tokens", (hot // bt) * bt)
+                _derive(self, "budget_tokens", (hot // bt) * bt)
         else:
-            _positive_int("budget_tokens", self.budget_tokens)
+            _int("budget_tokens", self.budget_tokens, 1, _MAX_TOKENS)
             if self.budget_tokens < bt:
                 raise ValueError(f"budget_tokens must be >= block_tokens ({bt}); got {self.budget_tokens}")
             if hot is not None and self.budget_tokens > hot:
@@ -283,20 +423,82 @@ class KVTierConfig:
                     f"in L1 while attention runs; got {self.budget_tokens}")
         budget = self.budget_tokens
         if self.sink_tokens is not None:
-            _positive_int("sink_tokens", self.sink_tokens, minimum=0)
+            _int("sink_tokens", self.sink_tokens, 0, _MAX_TOKENS)
         if self.window_tokens is not None:
-            _positive_int("window_tokens", self.window_tokens, minimum=0)
+            _int("window_tokens", self.window_tokens, 0, _MAX_TOKENS)
         if budget is None:
             # hot_bytes without budget_tokens: the store fills the defaults once it knows the budget
             return
         sink, window = self.sink_window(budget)
-        object.__setattr__(self, "sink_tokens", sink)
-        object.__setattr__(self, "window_tokens", window)
+        if self.sink_tokens is None:
+            _derive(self, "sink_tokens", sink)
+        if self.window_tokens is None:
+            _derive(self, "window_tokens", window)
         fixed = _round_up(self.sink_tokens, bt) + _round_up(self.window_tokens, bt) + bt
         if budget < fixed:
             raise ValueError(
                 f"budget_tokens must be >= sink_tokens + window_tokens + one open block "
                 f"(= {fixed} with block_tokens={bt}); got {budget}")
+
+    def user_set(self) -> dict[str, Any]:
+        """The fields as the user set them: a derived value (``host_codec`` filled from ``order``,
+        the default ``budget_tokens``, ...) is ``None``, so building a config from this dict
+        derives it again from the other fields."""
+        return {f.name: (None if isinstance(v := getattr(self, f.name), _Derived) else v)
+                for f in dataclasses.fields(self)}
+
+    def is_derived(self, name: str) -> bool:
+        """Whether field ``name`` holds a value this config computed rather than one the user set."""
+        return isinstance(getattr(self, name), _Derived)
+
+    # -- checks that need the model's shape ---------------------------------------------------
+
+    def check_model(self, num_layers: int, kv_heads: int, head_dim: int, dtype, device=None) -> None:
+        """Check the sizes against one model's KV shape, before anything is allocated.
+
+        Raises ValueError naming the user's field and the bound in bytes for this model: L1
+        (``hot_tokens``/``hot_bytes`` x ``max_sequences``) that the device cannot hold,
+        ``host_bytes`` below one block record, ``disk_segment_bytes`` below one L3 record,
+        ``disk_bytes`` below the two segments L3 needs to reclaim space by compaction.
+        """
+        import torch
+
+        device = torch.device(device if device is not None else "cpu")
+        elem = torch.empty((), dtype=dtype).element_size()
+        bt = self.block_tokens
+        slot_bytes = 2 * kv_heads * bt * head_dim * elem  # one block, K and V, full precision
+        if self.hot_bytes is None:
+            hot_blocks = self.hot_tokens // bt
+            # the store adds up to hot_blocks - 1 scratch slots per sequence (a selection's swap-ins)
+            l1 = slot_bytes * self.max_sequences * (num_layers * hot_blocks + max(1, hot_blocks - 1))
+            room = _device_memory(device)
+            if room and l1 > room:
+                most = room // (slot_bytes * self.max_sequences * (num_layers + 1)) * bt
+                raise ValueError(
+                    f"hot_tokens x max_sequences must fit the L1 device ({device}: {room:,} bytes): "
+                    f"hot_tokens={self.hot_tokens:,} with max_sequences={self.max_sequences} needs "
+                    f"{l1:,} bytes for this model ({slot_bytes * num_layers // bt:,} bytes per token "
+                    f"and sequence); at most about hot_tokens={max(bt, most):,}")
+        else:
+            room = _device_memory(device)
+            if room and self.hot_bytes > room:
+                raise ValueError(f"hot_bytes must fit the L1 device ({device}: {room:,} bytes); "
+                                 f"got {self.hot_bytes:,}")
+        l2, l3 = _block_record_bytes(self, num_layers, kv_heads, head_dim, dtype)
+        if self.host_bytes < l2:
+            raise ValueError(f"host_bytes must hold at least one block: >= {l2:,} bytes for this model "
+                             f"(a {self.host_codec} block of {bt} tokens, {kv_heads} kv heads x "
+                             f"head_dim {head_dim}, K and V); got {self.host_bytes:,}")
+        if self.disk_path is not None:
+            if self.disk_segment_bytes < l3:
+                raise ValueError(f"disk_segment_bytes must hold at least one block: >= {l3:,} bytes for "
+                                 f"this model (a {self.disk_codec} block record and the segment header); "
+                                 f"got {self.disk_segment_bytes:,}")
+            if self.disk_bytes < 2 * self.disk_segment_bytes:
+                raise ValueError(f"disk_bytes must hold at least two segments (>= 2 x disk_segment_bytes = "
+                                 f"{2 * self.disk_segment_bytes:,} bytes): L3 reclaims space by compacting "
+                                 f"one segment into another; got {self.disk_bytes:,}")
+
 
     # -- derived sizes ------------------------------------------------------------------------
 
@@ -315,30 +517,59 @@ class KVTierConfig:
 
     # -- (de)serialisation --------------------------------------------------------------------
 
-    def to_dict(self) -> dict[str, Any]:
-        """Every field, JSON-serialisable (derived defaults filled in)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    def to_dict(self, resolved: bool = False) -> dict[str, Any]:
+        """Every field, JSON-serialisable.
+
+        Args:
+            resolved: False (default): the fields as the user set them, derived ones ``None``
+                (see :meth:`user_set`), so ``from_dict(cfg.to_dict() | {"codec": "int8"})``
+                derives ``host_codec`` again. True: the values in effect, derived ones filled in
+                (for reports; building a config from it pins the derived values as if set).
+        """
+        if not resolved:
+            return self.user_set()
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "KVTierConfig":
+        if not isinstance(data, dict):
+            raise ValueError(f"a KVTierConfig is built from a table of fields (a dict); got a "
+                             f"{type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
+        unknown = sorted(set(data) - names, key=str)
         if unknown:
             raise ValueError(f"unknown KVTierConfig field(s) {unknown}; allowed: {sorted(names)}")
         return cls(**data)
 
     @classmethod
     def from_toml(cls, path: str | Path) -> "KVTierConfig":
-        """Load from a TOML file: fields at top level or under a ``[kvtier]`` table."""
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+        """Load from a TOML file: fields at top level or under a ``[kvtier]`` table. A missing,
+        unreadable or malformed file raises ValueError naming it."""
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ValueError(f"config file {str(path)!r} does not exist") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"config file {str(path)!r} cannot be read: {e}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
         if "kvtier" in data and isinstance(data["kvtier"], dict):
             data = data["kvtier"]
         return cls.from_dict(data)
 
 
+def _plain(v: Any) -> Any:
+    """A derived value as the plain str/int it stands for."""
+    if isinstance(v, _DerivedStr):
+        return str(v)
+    if isinstance(v, _DerivedInt):
+        return int(v)
+    return v
+
+
 def _round_up(x: int, m: int) -> int:
-    return int(math.ceil(x / m)) * m if x else 0
+    return -(-x // m) * m
 
 
-__all__ = ["KVTierConfig", "CODECS", "LOSSLESS_CODECS"]
+__all__ = ["KVTierConfig", "CODECS", "LOSSLESS_CODECS", "GROUP_SIZES", "DERIVED_FIELDS"]

@@ -24,7 +24,7 @@ from kvtier.compress import cpu as _cpu
 from kvtier.compress import reference as _ref
 from kvtier.compress.base import Codec, Encoded
 
-NAMES = ("fp16", "bf16", "int8", "int4", "int2", "nf4", "fp4", "dyn8")
+NAMES = ("fp16", "bf16", "fp32", "int8", "int4", "int2", "nf4", "fp4", "dyn8")
 AXES = ("token", "channel")
 GROUP_SIZES = (32, 64, 128)
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -36,11 +36,11 @@ def get_codec(name: str, *, group_size: int = 64, axis: str | None = None, check
     """Build a codec by name.
 
     Args:
-        name: one of ``fp16, bf16, int8, int4, int2, nf4, fp4, dyn8``.
-        group_size: elements per quantization group: 32, 64 or 128 (ignored by fp16/bf16).
+        name: one of ``fp16, bf16, fp32, int8, int4, int2, nf4, fp4, dyn8``.
+        group_size: elements per quantization group: 32, 64 or 128 (ignored by fp16/bf16/fp32).
         axis: ``"channel"``: groups run along the token axis, one scale per channel per group of
             tokens (KIVI keys); ``"token"``: groups run along head_dim, one scale per token per
-            group of channels (values). ``None`` means ``"token"``. Ignored by fp16/bf16.
+            group of channels (values). ``None`` means ``"token"``. Ignored by fp16/bf16/fp32.
         check_finite: reject NaN/Inf input with ValueError (on CUDA this synchronizes).
     """
     if not isinstance(name, str) or name not in NAMES:
@@ -55,6 +55,8 @@ def get_codec(name: str, *, group_size: int = 64, axis: str | None = None, check
         raise ValueError(f"check_finite must be True or False; got {check_finite!r}")
     if name in ("fp16", "bf16"):
         return PassthroughCodec(name)
+    if name == "fp32":
+        return Fp32Codec()
     if name in _INT_BITS:
         return IntCodec(_INT_BITS[name], group_size, axis, check_finite)
     return BnbCodec(name, group_size, axis, check_finite)
@@ -139,6 +141,26 @@ class PassthroughCodec(Codec):
         if out.data_ptr() == data.data_ptr():
             out = out.clone()  # the result never aliases the encoding (which may alias a record buffer)
         return out
+
+
+class Fp32Codec(PassthroughCodec):
+    """``fp32``: the tensor as float32, lossless for every KV dtype.
+
+    The one exact codec for float32 KV (``load_model()``'s default): fp16/bf16 round it to 16
+    bits. fp16 and bf16 input is widened exactly (both are subsets of float32) and decoded back
+    to its own dtype, bit for bit, at twice its bytes.
+    """
+
+    def __init__(self):
+        self.name = "fp32"
+        self.store_dtype = torch.float32
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        check_input(x)
+        data = x.to(torch.float32).contiguous()
+        if data.data_ptr() == x.data_ptr():
+            data = data.clone()  # parts never alias the caller's tensor
+        return Encoded(self.name, {}, tuple(x.shape), x.dtype, {"data": data})
 
 
 class IntCodec(Codec):

@@ -105,6 +105,10 @@ class KVStore:
         self.device = torch.device(device if device is not None else "cpu")
         self.fingerprint = fingerprint
         self._cuda = self.device.type == "cuda"
+        # -- config sizes against this model's shape (kvtier.config owns the checks and messages:
+        # each names the user's field and the bound in bytes), before anything is allocated --
+        cfg.check_model(num_layers, kv_heads, head_dim, dtype, self.device)
+        # -- end of the config checks --
 
         bt = self.block_tokens = cfg.block_tokens
         slot_shape = (2, kv_heads, bt, head_dim)

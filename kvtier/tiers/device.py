@@ -1,7 +1,7 @@
-"""L1: a preallocated paged pool of fixed-size block slots on the model's device.
+"""L1: a paged pool of fixed-size block slots on the model's device.
 
 ```
- pool: [num_slots, *slot_shape]   one tensor, allocated once
+ pool: [num_slots, *slot_shape]   one tensor, allocated once (address space; see Memory)
         slot 0 | slot 1 | ... | slot n-1
  key -> slot            (live)
  free  : deque of slots ready to hand out
@@ -13,6 +13,13 @@ Ownership: ``put`` copies into the slot (casting tensors to the pool dtype); ``g
 owned ``bytes``; ``get_tensor`` returns a view that aliases the pool and is valid until the key is
 deleted, overwritten or moved. No allocation happens per block in steady state.
 
+Memory: on a CPU device the pool is an anonymous private mapping the OS fills with zeros page
+by page on first write, so RSS grows with the slots really used up to ``capacity_bytes``: a
+store sized for 4 sequences x 32k tokens costs what one short chat writes, not the budget
+(tests/tiers/test_device_memory.py). Pages stay committed once written (no slot is unmapped
+again). On a GPU the pool is reserved and zeroed at construction: CUDA memory is not committed
+lazily, and a budget that does not fit should fail at attach, not mid-generation.
+
 Two options serve a caller that lays blocks out itself (the KV store's per-table regions):
 - ``slot_axis``: where the slot index sits in the physical tensor ``storage``. With
   ``slot_shape = (2, kv_heads, bt, hd)`` and ``slot_axis=2`` the storage is
@@ -23,6 +30,7 @@ Two options serve a caller that lays blocks out itself (the KV store's per-table
 """
 from __future__ import annotations
 
+import mmap
 import threading
 from collections import deque
 from collections.abc import Iterator
@@ -55,6 +63,24 @@ def _check_fence(fence: object, field: str) -> None:
             f"{field} must be a torch.cuda.Event, concurrent.futures.Future or threading.Event, "
             f"got {type(fence).__name__}"
         )
+
+
+# Below this the pool is an ordinary allocation: lazy pages do not pay for a few slots.
+_LAZY_MIN_BYTES = 1 << 20
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor; on CPU, large ones are backed by pages committed on first write."""
+    nbytes = prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes < _LAZY_MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # MAP_PRIVATE: not shared memory (a fork does not share the pool); anonymous pages read as
+    # zeros until written. No transparent huge pages: one touched slot would commit 2 MiB.
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        mm.madvise(mmap.MADV_NOHUGEPAGE)
+    # the tensor holds a reference to the mapping: it is unmapped when the last view goes
+    return torch.frombuffer(mm, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class DeviceTier(Tier):
@@ -91,7 +117,7 @@ class DeviceTier(Tier):
         self.slot_axis = slot_axis
         self.placed_slots = placed_slots
         phys = (*slot_shape[:slot_axis], num_slots, *slot_shape[slot_axis:])
-        self.storage = torch.zeros(phys, dtype=dtype, device=self.device)
+        self.storage = _zeros(phys, dtype, self.device)
         self.pool = self.storage.movedim(slot_axis, 0)  # [num_slots, *slot_shape]
         elem = self.pool.element_size()
         self.slot_bytes = prod(slot_shape) * elem

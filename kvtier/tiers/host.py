@@ -110,8 +110,9 @@ class HostTier(Tier):
         """Bytes held by live records, headers and padding included."""
         return self._live
 
-    def record_bytes(self, key: str, value_bytes: int) -> int:
-        """Arena bytes one record takes (what ``used_bytes`` grows by)."""
+    @staticmethod
+    def record_bytes(key: str, value_bytes: int) -> int:
+        """Arena bytes one record takes (what ``used_bytes`` grows by); the same for every ring."""
         return _align(_HDR.size + len(key.encode("utf-8")) + value_bytes)
 
     # -- ring arithmetic --------------------------------------------------------------------

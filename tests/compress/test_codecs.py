@@ -35,7 +35,7 @@ def test_get_codec_names_and_params():
     for name in NAMES:
         c = get_codec(name, group_size=32, axis="channel")
         assert isinstance(c, Codec) and c.name == name
-        assert c.lossless == (name in ("fp16", "bf16"))
+        assert c.lossless == (name in ("fp16", "bf16", "fp32"))
     assert get_codec("int4").params == {"group_size": 64, "axis": "token"}
     assert get_codec("int4", group_size=128, axis="channel").params == {"group_size": 128, "axis": "channel"}
 

@@ -1,0 +1,170 @@
+"""KVTierConfig: every field checked at construction, derived fields derived again on every
+rebuild, and the sizes that need the model's shape checked before the store allocates."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from kvtier.config import DERIVED_FIELDS, KVTierConfig
+
+# SmolLM2-135M's KV shape: 30 layers, 3 kv heads, head_dim 64 (float32 as load_model() gives)
+SHAPE = dict(num_layers=30, kv_heads=3, head_dim=64)
+
+
+def store(cfg, dtype=torch.float32):
+    from kvtier.store import KVStore
+
+    return KVStore(cfg, **SHAPE, dtype=dtype, device="cpu")
+
+
+# -- derived fields ---------------------------------------------------------------------------
+
+def test_replace_derives_host_and_disk_codec_again():
+    cfg = KVTierConfig()
+    assert (cfg.host_codec, cfg.disk_codec) == ("int4", "int4")
+    r = dataclasses.replace(cfg, codec="int8")
+    assert (r.host_codec, r.disk_codec) == ("int8", "int8")
+    t = dataclasses.replace(cfg, order="tier-then-compress")
+    assert (t.host_codec, t.disk_codec) == ("fp16", "int4")
+    assert dataclasses.replace(t, dtype="bfloat16").host_codec == "bf16"
+    assert dataclasses.replace(t, dtype="float32").host_codec == "fp32"
+
+
+def test_a_value_the_user_set_is_kept_even_if_equal_to_the_derived_one():
+    cfg = KVTierConfig()  # host_codec derived: int4
+    r = dataclasses.replace(cfg, codec="int8", host_codec="int4")  # set by the user: kept
+    assert (r.host_codec, r.disk_codec) == ("int4", "int8")
+    assert not r.is_derived("host_codec") and r.is_derived("disk_codec")
+    assert dataclasses.replace(r, codec="int2").host_codec == "int4"
+
+
+def test_replace_of_block_tokens_and_hot_tokens_derives_digest_and_budget():
+    cfg = KVTierConfig(attention="sparse")
+    r = dataclasses.replace(cfg, block_tokens=16)
+    assert r.digest_tokens == 16
+    r = dataclasses.replace(cfg, hot_tokens=128)
+    assert r.budget_tokens == 128
+    assert r.sink_tokens + r.window_tokens + r.block_tokens <= r.budget_tokens
+    # a budget the user set is checked against the new hot_tokens, not silently dropped
+    with pytest.raises(ValueError, match="budget_tokens must be <= hot_tokens"):
+        dataclasses.replace(KVTierConfig(budget_tokens=512), hot_tokens=128)
+
+
+def test_to_dict_gives_what_the_user_set_and_from_dict_derives_the_rest():
+    cfg = KVTierConfig(codec="int4", hot_tokens=256)
+    d = cfg.to_dict()
+    assert all(d[name] is None for name in DERIVED_FIELDS)
+    assert d["codec"] == "int4" and d["hot_tokens"] == 256
+    assert KVTierConfig.from_dict(d) == cfg
+    changed = KVTierConfig.from_dict(d | {"codec": "int8", "block_tokens": 16, "hot_tokens": 64})
+    assert (changed.host_codec, changed.disk_codec, changed.digest_tokens, changed.budget_tokens) == \
+        ("int8", "int8", 16, 64)
+    # resolved: the values in effect, plain JSON types
+    r = json.loads(json.dumps(cfg.to_dict(resolved=True)))
+    assert r["host_codec"] == "int4" and r["budget_tokens"] == 256 and type(r["budget_tokens"]) is int
+
+
+def test_from_dict_and_from_toml_refuse_what_is_not_a_table(tmp_path):
+    with pytest.raises(ValueError, match=r"a dict\); got a list"):
+        KVTierConfig.from_dict([1, 2])
+    with pytest.raises(ValueError, match="does not exist"):
+        KVTierConfig.from_toml(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("codec = ")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        KVTierConfig.from_toml(bad)
+
+
+# -- every field at construction ----------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(write_through="no"), "write_through must be True or False"),
+    (dict(write_through=1), "write_through must be True or False"),
+    (dict(byte_stage_l2=0), "byte_stage_l2 must be True or False"),
+    (dict(group_size=16), "group_size must be one of 32, 64, 128"),
+    (dict(group_size=True), "group_size must be one of"),
+    (dict(host_bytes=1024), r"host_bytes must be an int >= 4096 .*one block of the model"),
+    (dict(host_bytes=10 ** 20), "host_bytes must be an int >= 4096 and <= "),
+    (dict(host_bytes=4.0e9), "host_bytes must be an int"),
+    (dict(hot_tokens=10 ** 12), "hot_tokens must be an int >= 1 and <= "),
+    (dict(hot_bytes=10 ** 20), "hot_bytes must be an int"),
+    (dict(max_sequences=10 ** 9), "max_sequences must be an int"),
+    (dict(disk_bytes=10 ** 20), "disk_bytes must be an int"),
+    (dict(disk_segment_bytes=1 << 33, disk_bytes=1 << 40), r"disk_segment_bytes must be an int >= 4096 and <= "),
+    (dict(disk_path=""), "disk_path must be a non-empty path"),
+    (dict(disk_path="a\x00b"), "disk_path must be a non-empty path"),
+    (dict(disk_path=3), "disk_path must be a non-empty path"),
+    (dict(codec="fp8"), "codec must be one of"),
+    (dict(remote_url="redis://127.0.0.1:6379/0?timeout=abc"), "remote_url .*Redis client.*timeout"),
+    (dict(remote_url=" redis://127.0.0.1:6379/0"), "remote_url must be a URL the Redis client accepts"),
+    (dict(remote_url="redis://127.0.0.1:6379/99999"), r"remote_url must name a db in \[0, 15\].*99999"),
+    (dict(remote_url="unix:///tmp/r.sock?db=abc"), "remote_url"),
+    (dict(remote_url="http://x"), "remote_url must be a Redis URL"),
+    (dict(budget_tokens=10 ** 12), "budget_tokens must be an int"),
+    (dict(sink_tokens=-1), "sink_tokens must be an int >= 0"),
+    (dict(digest_tokens=128), "digest_tokens must be an int >= 1 and <= 64"),
+    (dict(evict_batch_blocks=0), "evict_batch_blocks must be an int >= 1"),
+])
+def test_bad_value_names_the_field_and_what_is_allowed(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KVTierConfig(**kwargs)
+
+
+def test_good_remote_urls_pass():
+    for url in ("redis://127.0.0.1:6379/0", "redis://h", "rediss://u:p@h:6380/15",
+                "unix:///tmp/r.sock?db=3", "redis://h:1/0?socket_timeout=0.5"):
+        assert KVTierConfig(remote_url=url).remote_url == url
+
+
+def test_fp32_codec_is_accepted():
+    assert KVTierConfig(codec="fp32").disk_codec == "fp32"
+
+
+# -- sizes against the model's shape, before anything is allocated -----------------------------------
+
+def test_host_bytes_below_one_block_is_refused_at_attach_in_bytes():
+    cfg = KVTierConfig(host_bytes=4096, codec="int4")
+    with pytest.raises(ValueError, match=r"host_bytes must hold at least one block: >= [\d,]+ bytes for this model"):
+        store(cfg)
+
+
+def test_host_bytes_of_exactly_one_block_builds_and_serves(tmp_path):
+    import re
+
+    base = dict(codec="fp32", block_tokens=16, hot_tokens=32, disk_path=str(tmp_path / "l3"),
+                disk_segment_bytes=1 << 20, disk_bytes=8 << 20)
+    with pytest.raises(ValueError) as ei:
+        store(KVTierConfig(host_bytes=4096, **base))
+    need = int(re.search(r">= ([\d,]+) bytes", str(ei.value)).group(1).replace(",", ""))
+    st = store(KVTierConfig(host_bytes=need, **base))  # L2 holds one block and spills the rest to L3
+    try:
+        seq = st.add_sequence()
+        k = torch.randn(3, 40, 64)  # [kv_heads, tokens, head_dim]: 2 sealed blocks, 1 evicted to L2
+        for layer in range(SHAPE["num_layers"]):
+            st.append(seq, layer, k, -k)
+        st.end_step()
+        gk, gv = st.gather(seq, 0)
+        assert torch.equal(gk, k) and torch.equal(gv, -k)  # fp32 is lossless
+    finally:
+        st.close()
+
+
+def test_l1_beyond_the_device_is_refused_before_allocation():
+    from kvtier.config import _physical_memory
+
+    ram = _physical_memory()
+    tokens = 1 << 24  # 16 M tokens per sequence: terabytes of L1 for this model
+    assert ram is not None and tokens * 30 * 2 * 3 * 64 * 4 > ram
+    with pytest.raises(ValueError, match=r"hot_tokens x max_sequences must fit the L1 device .*at most about hot_tokens="):
+        store(KVTierConfig(hot_tokens=tokens))
+
+
+def test_disk_too_small_for_a_record_names_disk_segment_bytes_and_disk_bytes(tmp_path):
+    with pytest.raises(ValueError, match=r"disk_segment_bytes must hold at least one block: >= [\d,]+ bytes"):
+        store(KVTierConfig(disk_path=str(tmp_path / "a"), codec="fp32", disk_segment_bytes=8192,
+                           disk_bytes=1 << 20))
+    with pytest.raises(ValueError, match=r"disk_bytes must hold at least two segments"):
+        store(KVTierConfig(disk_path=str(tmp_path / "b"), disk_segment_bytes=1 << 20,
+                           disk_bytes=(1 << 20) + 4096))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing was created
