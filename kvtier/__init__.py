@@ -1,12 +1,12 @@
 """kvtier: tiered, quantized KV-cache storage for long-context LLM inference.
 
-Public names: ``KVTierConfig``, ``TieredCache``, ``attach``. The transformers-facing names are
+Public names: ``KVTierConfig``, ``TieredCache``, ``attach``, ``SavedCacheError``. The transformers-facing names are
 imported lazily so that the compress/tiers/store layers work without transformers installed.
 """
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["KVTierConfig", "TieredCache", "attach", "__version__"]
+__all__ = ["KVTierConfig", "TieredCache", "attach", "SavedCacheError", "__version__"]
 
 
 def __getattr__(name: str):
@@ -18,4 +18,8 @@ def __getattr__(name: str):
         from kvtier.integrations import cache as _cache
 
         return getattr(_cache, name)
+    if name == "SavedCacheError":
+        from kvtier.integrations.persist import SavedCacheError
+
+        return SavedCacheError
     raise AttributeError(f"module 'kvtier' has no attribute {name!r}")
