@@ -132,8 +132,8 @@ def _check_remote_url(url: Any) -> None:
                          f"{_REDIS_DBS}`); got db {db}")
 
 
-def _block_record_bytes(cfg: "KVTierConfig", num_layers: int, kv_heads: int, head_dim: int,
-                        dtype) -> tuple[int, int]:
+def block_record_bytes(cfg: "KVTierConfig", num_layers: int, kv_heads: int, head_dim: int,
+                       dtype) -> tuple[int, int]:
     """(L2 ring bytes, L3 segment bytes) one block of this model takes at most, headers included.
 
     Measured by encoding one block with the tiers' real codecs, as the store frames it.
@@ -340,10 +340,6 @@ class KVTierConfig:
             raise ValueError(f"host_bytes must be an int >= {_MIN_HOST_BYTES} (the smallest L2 ring; it must "
                              f"also hold one block of the model, checked at attach); got {self.host_bytes!r}")
         _int("host_bytes", self.host_bytes, _MIN_HOST_BYTES, _MAX_BYTES)
-        ram = _physical_memory()
-        if ram and self.host_bytes > ram:
-            raise ValueError(f"host_bytes must be at most this machine's memory ({ram:,} bytes): L2 is a "
-                             f"DRAM ring; got {self.host_bytes:,}")
         _int("disk_segment_bytes", self.disk_segment_bytes, _MIN_SEGMENT_BYTES, _MAX_SEGMENT_BYTES)
         _int("disk_bytes", self.disk_bytes, 1, _MAX_BYTES)
         if self.disk_bytes < self.disk_segment_bytes:
@@ -453,13 +449,20 @@ class KVTierConfig:
 
     # -- checks that need the model's shape ---------------------------------------------------
 
-    def check_model(self, num_layers: int, kv_heads: int, head_dim: int, dtype, device=None) -> None:
+    def check_model(self, num_layers: int, kv_heads: int, head_dim: int, dtype, device=None,
+                    machine: bool = True) -> None:
         """Check the sizes against one model's KV shape, before anything is allocated.
 
         Raises ValueError naming the user's field and the bound in bytes for this model: L1
         (``hot_tokens``/``hot_bytes`` x ``max_sequences``) that the device cannot hold,
-        ``host_bytes`` below one block record, ``disk_segment_bytes`` below one L3 record,
-        ``disk_bytes`` below the two segments L3 needs to reclaim space by compaction.
+        ``host_bytes`` beyond this machine's RAM or below one block record,
+        ``disk_segment_bytes`` below one L3 record, ``disk_bytes`` below the two segments L3
+        needs to reclaim space by compaction.
+
+        Args:
+            dtype: the KV dtype (a torch dtype).
+            device: where L1 lives (default CPU).
+            machine: also check against this machine's memory (False: a plan for another one).
         """
         import torch
 
@@ -467,24 +470,9 @@ class KVTierConfig:
         elem = torch.empty((), dtype=dtype).element_size()
         bt = self.block_tokens
         slot_bytes = 2 * kv_heads * bt * head_dim * elem  # one block, K and V, full precision
-        if self.hot_bytes is None:
-            hot_blocks = self.hot_tokens // bt
-            # the store adds up to hot_blocks - 1 scratch slots per sequence (a selection's swap-ins)
-            l1 = slot_bytes * self.max_sequences * (num_layers * hot_blocks + max(1, hot_blocks - 1))
-            room = _device_memory(device)
-            if room and l1 > room:
-                most = room // (slot_bytes * self.max_sequences * (num_layers + 1)) * bt
-                raise ValueError(
-                    f"hot_tokens x max_sequences must fit the L1 device ({device}: {room:,} bytes): "
-                    f"hot_tokens={self.hot_tokens:,} with max_sequences={self.max_sequences} needs "
-                    f"{l1:,} bytes for this model ({slot_bytes * num_layers // bt:,} bytes per token "
-                    f"and sequence); at most about hot_tokens={max(bt, most):,}")
-        else:
-            room = _device_memory(device)
-            if room and self.hot_bytes > room:
-                raise ValueError(f"hot_bytes must fit the L1 device ({device}: {room:,} bytes); "
-                                 f"got {self.hot_bytes:,}")
-        l2, l3 = _block_record_bytes(self, num_layers, kv_heads, head_dim, dtype)
+        if machine:
+            self._check_memory(slot_bytes, num_layers, device)
+        l2, l3 = block_record_bytes(self, num_layers, kv_heads, head_dim, dtype)
         if self.host_bytes < l2:
             raise ValueError(f"host_bytes must hold at least one block: >= {l2:,} bytes for this model "
                              f"(a {self.host_codec} block of {bt} tokens, {kv_heads} kv heads x "
@@ -499,6 +487,31 @@ class KVTierConfig:
                                  f"{2 * self.disk_segment_bytes:,} bytes): L3 reclaims space by compacting "
                                  f"one segment into another; got {self.disk_bytes:,}")
 
+    def _check_memory(self, slot_bytes: int, num_layers: int, device) -> None:
+        """L1 against the device's memory, L2 against this machine's RAM."""
+        bt = self.block_tokens
+        ram = _physical_memory()
+        if ram and self.host_bytes > ram:
+            raise ValueError(f"host_bytes must be at most this machine's memory ({ram:,} bytes): L2 is a "
+                             f"DRAM ring; got {self.host_bytes:,}")
+        room = _device_memory(device)
+        if not room:
+            return
+        if self.hot_bytes is not None:
+            if self.hot_bytes > room:
+                raise ValueError(f"hot_bytes must fit the L1 device ({device}: {room:,} bytes); "
+                                 f"got {self.hot_bytes:,}")
+            return
+        hot_blocks = self.hot_tokens // bt
+        # the store adds up to hot_blocks - 1 scratch slots per sequence (a selection's swap-ins)
+        l1 = slot_bytes * self.max_sequences * (num_layers * hot_blocks + max(1, hot_blocks - 1))
+        if l1 > room:
+            most = room // (slot_bytes * self.max_sequences * (num_layers + 1)) * bt
+            raise ValueError(
+                f"hot_tokens x max_sequences must fit the L1 device ({device}: {room:,} bytes): "
+                f"hot_tokens={self.hot_tokens:,} with max_sequences={self.max_sequences} needs "
+                f"{l1:,} bytes for this model ({slot_bytes * num_layers // bt:,} bytes per token "
+                f"and sequence); at most about hot_tokens={max(bt, most):,}")
 
     # -- derived sizes ------------------------------------------------------------------------
 

@@ -18,16 +18,31 @@ Sizing (per the seed's practice: HBM:DRAM about 1:4 to 1:8, SSD as backstop):
 ```
 ``ratio`` defaults to 6 (the middle of 1:4-1:8). With ``--hbm-bytes`` the L1 size is given and the
 ratio follows from it; a ratio outside 4-8 is reported as such.
+
+All byte counts are exact integers (rational arithmetic). The printed ``KVTierConfig`` is built
+and checked against the model's shape before it is printed: ``host_bytes`` holds at least one
+block record, L3 at least two segments of at least one record each, so it is a configuration
+``KVTierConfig`` accepts (on a machine with the planned memory).
+
+The seed's table (KV per sequence at 4k / 32k / 128k tokens, and for ``--concurrency`` of them)
+is printed for the model: LLaMA-2-70B as the seed counts it (80 layers, hidden 8192, fp16, one KV
+head per query head: ``--layers 80 --hidden-size 8192 --heads 64``) gives 10 / 80 / 320 GiB per
+sequence and 3,200 GiB for 10 x 128k; with its real 8 KV heads (GQA, ``--kv-heads 8``) each
+figure is 8x smaller.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
+from fractions import Fraction
 
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp16": 2, "bf16": 2, "fp32": 4}
+_CANONICAL = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "fp16": "float16",
+              "bf16": "bfloat16", "fp32": "float32"}
+# the sequence lengths of the seed's sizing table (4k, 32k, 128k)
+_SEED_LENGTHS = (4096, 32768, 131072)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--layers", type=int, help="number of layers")
     m.add_argument("--kv-heads", type=int, help="key/value heads per layer")
     m.add_argument("--head-dim", type=int, help="dimension of one head")
+    m.add_argument("--heads", type=int, help="query heads (with --kv-heads: states the GQA saving)")
+    m.add_argument("--hidden-size", type=int, help="model width; head_dim = hidden_size / heads")
     m.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), help="KV dtype (default: the config's, else float16)")
     w = parser.add_argument_group("workload")
     w.add_argument("--concurrency", type=int, default=1, help="sequences served at once")
@@ -53,96 +70,184 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    """A byte count like ``40G``, ``512M``, ``1.5T`` or ``123456`` (binary units), exactly."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
     t = text.strip().lower().removesuffix("ib").removesuffix("b")
     try:
-        if t and t[-1] in units:
-            return int(float(t[:-1]) * units[t[-1]])
-        return int(t)
-    except ValueError:
+        unit = units.get(t[-1:], 1)
+        n = Fraction(t[:-1] if t[-1:] in units else t) * unit
+    except (ValueError, ZeroDivisionError):
         raise argparse.ArgumentTypeError(f"a size like 40G or 512M, got {text!r}") from None
+    if n < 1 or n.denominator != 1 and n < 1 << 10 or n > 1 << 62:
+        raise argparse.ArgumentTypeError(f"a size between 1 byte and 4 EiB, got {text!r}")
+    return int(n)
 
 
 def _read_config(path: str) -> dict:
-    if os.path.isdir(path):
-        path = os.path.join(path, "config.json")
-    with open(path, encoding="utf-8") as fh:
-        cfg = json.load(fh)
-    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the language model's
-    layers = cfg.get("num_hidden_layers") or cfg.get("n_layer") or cfg.get("num_layers")
-    heads = cfg.get("num_attention_heads") or cfg.get("n_head")
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    head_dim = cfg.get("head_dim") or (cfg["hidden_size"] // heads if heads and cfg.get("hidden_size") else None)
+    where = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    try:
+        with open(where, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except FileNotFoundError:
+        raise ValueError(f"--config {path!r}: no such file (a transformers config.json, or a directory "
+                         f"holding one)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--config {where!r} cannot be read: {e}") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config {where!r} is not JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--config {where!r} must hold a JSON object (a transformers config); it holds "
+                         f"a {type(cfg).__name__}")
+    text = cfg.get("text_config")
+    cfg = text if isinstance(text, dict) else cfg  # multimodal configs nest the language model's
+
+    def count(*names):
+        for n in names:
+            v = cfg.get(n)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+        return None
+
+    layers = count("num_hidden_layers", "n_layer", "num_layers")
+    heads = count("num_attention_heads", "n_head")
+    kv_heads = count("num_key_value_heads") or heads
+    hidden = count("hidden_size", "n_embd")
+    head_dim = count("head_dim") or (hidden // heads if heads and hidden and hidden % heads == 0 else None)
     dtype = cfg.get("torch_dtype") or cfg.get("dtype")
     if not (layers and kv_heads and head_dim):
-        raise ValueError(f"config {path!r} lacks num_hidden_layers / num_key_value_heads / head_dim")
-    return {"layers": int(layers), "kv_heads": int(kv_heads), "head_dim": int(head_dim),
+        raise ValueError(f"--config {where!r} lacks num_hidden_layers / num_key_value_heads / head_dim "
+                         f"(or hidden_size and num_attention_heads) as positive integers")
+    return {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "heads": heads,
             "dtype": dtype if dtype in _DTYPE_BYTES else None}
 
 
-def codec_bytes_per_token(codec: str, kv_heads: int, head_dim: int, block_tokens: int, group_size: int,
-                          layers: int) -> float:
-    """Measured encoded bytes per token (all layers, K and V) of ``codec``."""
+def codec_bytes_per_block(codec: str, dtype: str, kv_heads: int, head_dim: int, block_tokens: int,
+                          group_size: int) -> int:
+    """Measured encoded bytes of one block of one layer, K and V (scales and zeros included)."""
     import torch
 
     from kvtier.compress import get_codec
 
+    tdtype = _torch_dtype(dtype)
+    if codec in ("fp16", "bf16") and tdtype != torch.float32:
+        codec = "bf16" if tdtype == torch.bfloat16 else "fp16"  # a 16-bit codec follows the KV dtype
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(kv_heads, block_tokens, head_dim, generator=gen).to(torch.float16)
+    x = torch.randn(kv_heads, block_tokens, head_dim, generator=gen).to(tdtype)  # [kv_heads, bt, head_dim]
     k = get_codec(codec, group_size=group_size, axis="channel").encode(x).nbytes
     v = get_codec(codec, group_size=group_size, axis="token").encode(x).nbytes
-    return (k + v) * layers / block_tokens
+    return k + v
+
+
+def codec_bytes_per_token(codec: str, kv_heads: int, head_dim: int, block_tokens: int, group_size: int,
+                          layers: int, dtype: str = "float16") -> float:
+    """Measured encoded bytes per token (all layers, K and V) of ``codec``."""
+    return codec_bytes_per_block(codec, dtype, kv_heads, head_dim, block_tokens, group_size) * layers / block_tokens
+
+
+def _ceil(x: Fraction) -> int:
+    return -(-x.numerator // x.denominator)
 
 
 def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency: int, avg_seq_len: int,
               max_seq_len: int, codec: str, group_size: int = 32, block_tokens: int = 64,
-              ratio: float = 6.0, hbm_bytes: int | None = None) -> dict:
-    """The plan as a dict (see the module docstring for the arithmetic)."""
-    from kvtier.config import CODECS
+              ratio: float = 6.0, hbm_bytes: int | None = None, heads: int | None = None,
+              disk_path: str = "kvtier-cache") -> dict:
+    """The plan as a dict (see the module docstring for the arithmetic). Byte counts are exact
+    integers; the ``config`` entry is checked by ``KVTierConfig`` (and its sizes against this
+    model's shape) before it is returned.
+
+    Args:
+        heads: query heads, when known: ``kv_heads < heads`` is grouped-query attention and the
+            plan states how much smaller the KV is than with one KV head per query head.
+    """
+    from kvtier.config import CODECS, GROUP_SIZES, KVTierConfig
 
     for name, v in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
                     ("concurrency", concurrency), ("avg_seq_len", avg_seq_len), ("max_seq_len", max_seq_len),
-                    ("group_size", group_size), ("block_tokens", block_tokens)):
+                    ("block_tokens", block_tokens)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1; got {v!r}")
+    if heads is not None and (isinstance(heads, bool) or not isinstance(heads, int) or heads < kv_heads
+                              or heads % kv_heads):
+        raise ValueError(f"heads must be a multiple of kv_heads ({kv_heads}); got {heads!r}")
     if dtype not in _DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}; got {dtype!r}")
     if codec not in CODECS:
         raise ValueError(f"codec must be one of {', '.join(CODECS)}; got {codec!r}")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}; got {group_size!r}")
     if avg_seq_len > max_seq_len:
         raise ValueError(f"avg_seq_len must be <= max_seq_len ({max_seq_len}); got {avg_seq_len}")
     if not 1.0 <= ratio <= 64.0:
         raise ValueError(f"ratio must be in [1, 64] (4-8 recommended); got {ratio}")
-
+    dtype = _CANONICAL[dtype]
     bf = 2 * layers * kv_heads * head_dim * _DTYPE_BYTES[dtype]  # bytes per token, full precision
-    bc = codec_bytes_per_token(codec, kv_heads, head_dim, block_tokens, group_size, layers)
+    per_block = codec_bytes_per_block(codec, dtype, kv_heads, head_dim, block_tokens, group_size) * layers
+    bc = Fraction(per_block, block_tokens)  # encoded bytes per token, exact
     live = concurrency * avg_seq_len
     if hbm_bytes is None:
-        hot = live * bc / (ratio * bf + bc)
+        hot = live * bc / (Fraction(ratio) * bf + bc)
     else:
         if hbm_bytes < concurrency * block_tokens * bf:
-            raise ValueError(f"hbm_bytes must hold one block per sequence (>= {concurrency * block_tokens * bf} "
-                             f"bytes here); got {hbm_bytes}")
-        hot = min(live, hbm_bytes / bf)
-    hot_tokens = max(block_tokens, int(hot / concurrency) // block_tokens * block_tokens)
+            raise ValueError(f"hbm_bytes must hold one block per sequence (>= {concurrency * block_tokens * bf:,} "
+                             f"bytes here); got {hbm_bytes:,}")
+        hot = Fraction(min(live, hbm_bytes // bf))
+    # per sequence, whole blocks, at least one and at most what the longest sequence needs
+    hot_tokens = int(hot / concurrency) // block_tokens * block_tokens
+    hot_tokens = max(block_tokens, min(hot_tokens, _ceil(Fraction(max_seq_len, block_tokens)) * block_tokens))
     l1 = hot_tokens * concurrency * bf
-    l2 = max(0.0, (live - hot_tokens * concurrency) * bc)
-    l3 = concurrency * max_seq_len * bc
-    achieved = l2 / l1 if l1 else math.inf
-    return {
+    l2 = _ceil(max(Fraction(0), (live - hot_tokens * concurrency) * bc))
+    l3 = _ceil(concurrency * max_seq_len * bc)
+    try:
+        cfg = _config(layers, kv_heads, head_dim, dtype, block_tokens, hot_tokens, concurrency,
+                      max(0, live - hot_tokens * concurrency), l3, codec, group_size, disk_path)
+        KVTierConfig.from_dict(cfg).check_model(layers, kv_heads, head_dim, _torch_dtype(dtype), machine=False)
+    except ValueError as e:
+        raise ValueError(f"this workload needs a configuration KVTierConfig does not accept ({e}); "
+                         f"lower --max-seq-len, --avg-seq-len or --concurrency") from None
+    achieved = Fraction(l2, l1)
+    out = {
         "model": {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": dtype},
         "workload": {"concurrency": concurrency, "avg_seq_len": avg_seq_len, "max_seq_len": max_seq_len},
         "codec": codec,
-        "bytes_per_token": {"full": bf, "codec": bc, "codec_ratio": bf / bc},
+        "bytes_per_token": {"full": bf, "codec": round(float(bc), 3), "codec_per_block": per_block,
+                            "codec_ratio": round(float(bf / bc), 3)},
         "bytes_per_sequence": {"avg_full": bf * avg_seq_len, "max_full": bf * max_seq_len,
-                               "avg_codec": bc * avg_seq_len, "max_codec": bc * max_seq_len},
+                               "avg_codec": _ceil(bc * avg_seq_len), "max_codec": _ceil(bc * max_seq_len)},
         "all_sequences_full": {"avg": bf * live, "max": bf * concurrency * max_seq_len},
-        "tiers": {"l1_hbm_bytes": int(l1), "l2_dram_bytes": int(math.ceil(l2)), "l3_ssd_bytes": int(math.ceil(l3)),
-                  "dram_to_hbm": achieved, "ratio_in_range": 4.0 <= achieved <= 8.0},
-        "config": {"block_tokens": block_tokens, "hot_tokens": hot_tokens, "max_sequences": concurrency,
-                   "host_bytes": int(math.ceil(l2)), "disk_bytes": int(math.ceil(l3)), "codec": codec,
-                   "group_size": group_size},
+        "seed_table": {str(n): {"sequence": bf * n, "all_sequences": bf * n * concurrency}
+                       for n in _SEED_LENGTHS},
+        "tiers": {"l1_hbm_bytes": l1, "l2_dram_bytes": l2, "l3_ssd_bytes": l3,
+                  "dram_to_hbm": round(float(achieved), 3), "ratio_in_range": 4 <= achieved <= 8},
+        "config": cfg,
     }
+    if heads is not None:
+        out["gqa"] = {"heads": heads, "kv_heads": kv_heads, "mha_bytes_per_token": bf * heads // kv_heads,
+                      "reduction": heads // kv_heads}
+    return out
+
+
+def _config(layers, kv_heads, head_dim, dtype, block_tokens, hot_tokens, concurrency, l2_tokens, l3, codec,
+            group_size, disk_path) -> dict:
+    """KVTierConfig fields for the plan. L2 holds ``l2_tokens`` as ring records (headers
+    included) and at least one block; L3 holds ``l3`` bytes in whole segments, at least two
+    (compaction needs a second one), each segment at least one record."""
+    from kvtier.config import KVTierConfig, block_record_bytes
+
+    probe = KVTierConfig(block_tokens=block_tokens, hot_tokens=hot_tokens, codec=codec, group_size=group_size)
+    rec_l2, rec_l3 = block_record_bytes(probe, layers, kv_heads, head_dim, _torch_dtype(dtype))
+    host = max(4096, rec_l2, -(-l2_tokens // block_tokens) * layers * rec_l2)
+    seg = max(rec_l3, -(-min(64 << 20, max(4096, l3 // 2)) // 4096) * 4096)  # whole pages, <= 64 MiB
+    disk = max(2 * seg, -(-l3 // seg) * seg)
+    return {"block_tokens": block_tokens, "hot_tokens": hot_tokens, "max_sequences": concurrency,
+            "host_bytes": host, "disk_path": disk_path, "disk_bytes": disk, "disk_segment_bytes": seg,
+            "codec": codec, "group_size": group_size}
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[_CANONICAL[name]]
 
 
 def _fmt(n: float) -> str:
@@ -153,49 +258,80 @@ def _fmt(n: float) -> str:
     return str(n)
 
 
+def _shape(args: argparse.Namespace) -> dict:
+    """The model shape from the flags, completed from --config where a flag is not given."""
+    shape = {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "heads": args.heads,
+             "dtype": args.dtype}
+    if args.config:
+        for k, v in _read_config(args.config).items():
+            if shape[k] is None:
+                shape[k] = v
+    if shape["head_dim"] is None and args.hidden_size is not None:
+        if not shape["heads"] or args.hidden_size % shape["heads"]:
+            raise ValueError(f"--hidden-size {args.hidden_size} needs --heads, a divisor of it "
+                             f"(head_dim = hidden_size / heads)")
+        shape["head_dim"] = args.hidden_size // shape["heads"]
+    if shape["kv_heads"] is None and shape["heads"] is not None:
+        shape["kv_heads"] = shape["heads"]  # no --kv-heads: one KV head per query head (MHA)
+    missing = [k for k in ("layers", "kv_heads", "head_dim") if shape[k] is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} needed: pass --config or --layers/--kv-heads/--head-dim "
+                         f"(or --hidden-size with --heads)")
+    return shape
+
+
 def run(args: argparse.Namespace) -> int:
     """Print the plan; 0 on success, 2 on bad input (message on stderr)."""
     try:
-        shape = {"layers": args.layers, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": args.dtype}
-        if args.config:
-            got = _read_config(args.config)
-            for k, v in got.items():
-                if shape[k] is None:
-                    shape[k] = v
-        missing = [k for k in ("layers", "kv_heads", "head_dim") if shape[k] is None]
-        if missing:
-            raise ValueError(f"{', '.join(missing)} needed: pass --config or --layers/--kv-heads/--head-dim")
+        shape = _shape(args)
         if args.avg_seq_len is None and args.max_seq_len is None:
             raise ValueError("avg_seq_len or max_seq_len needed (--avg-seq-len, --max-seq-len)")
         avg = args.avg_seq_len if args.avg_seq_len is not None else args.max_seq_len
         mx = args.max_seq_len if args.max_seq_len is not None else avg
         plan = make_plan(shape["layers"], shape["kv_heads"], shape["head_dim"], shape["dtype"] or "float16",
                          args.concurrency, avg, mx, args.codec, args.group_size, args.block_tokens,
-                         args.ratio, args.hbm_bytes)
-    except (ValueError, OSError) as e:
-        print(f"kvtier plan: {e}", file=sys.stderr)
+                         args.ratio, args.hbm_bytes, heads=shape["heads"])
+    except ValueError as e:
+        print(f"kvtier plan: error: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps(plan, indent=2))
         return 0
     m, w, b, s, t = plan["model"], plan["workload"], plan["bytes_per_token"], plan["bytes_per_sequence"], plan["tiers"]
     print(f"model      {m['layers']} layers x {m['kv_heads']} kv heads x head_dim {m['head_dim']}, {m['dtype']}")
-    print(f"workload   {w['concurrency']} sequences, avg {w['avg_seq_len']} / max {w['max_seq_len']} tokens")
+    if "gqa" in plan:
+        g = plan["gqa"]
+        if g["reduction"] > 1:
+            print(f"GQA        {g['kv_heads']} kv heads for {g['heads']} query heads: KV is 1/{g['reduction']} of "
+                  f"one KV head per query head (MHA: {_fmt(g['mha_bytes_per_token'])} per token)")
+        else:
+            print(f"MHA        one KV head per query head; a GQA model with fewer kv heads (--kv-heads) "
+                  f"needs heads/kv_heads times less")
+    print(f"workload   {w['concurrency']} sequences, avg {w['avg_seq_len']:,} / max {w['max_seq_len']:,} tokens")
     print(f"KV/token   {_fmt(b['full'])} full (2 x layers x kv_heads x head_dim x bytes), "
           f"{_fmt(b['codec'])} as {plan['codec']} ({b['codec_ratio']:.2f}x smaller)")
+    seed = plan["seed_table"]
+    print("KV at      " + ",  ".join(f"{int(n) // 1024}k: {_gib(v['sequence'])}" for n, v in seed.items())
+          + f"  per sequence, full precision")
+    print(f"  x {w['concurrency']:<6} " + ",  ".join(f"{int(n) // 1024}k: {_gib(v['all_sequences'])}"
+                                                  for n, v in seed.items()))
     print(f"KV/seq     avg {_fmt(s['avg_full'])} full / {_fmt(s['avg_codec'])} {plan['codec']};  "
           f"max {_fmt(s['max_full'])} full / {_fmt(s['max_codec'])} {plan['codec']}")
     print(f"all seqs   avg {_fmt(plan['all_sequences_full']['avg'])}, max {_fmt(plan['all_sequences_full']['max'])} "
           f"at full precision")
     flag = "" if t["ratio_in_range"] else "  (outside the 1:4-1:8 range)"
-    print(f"L1 HBM     {_fmt(t['l1_hbm_bytes'])}  (hot_tokens={plan['config']['hot_tokens']} per sequence)")
+    print(f"L1 HBM     {_fmt(t['l1_hbm_bytes'])}  (hot_tokens={plan['config']['hot_tokens']:,} per sequence)")
     print(f"L2 DRAM    {_fmt(t['l2_dram_bytes'])}  HBM:DRAM = 1:{t['dram_to_hbm']:.1f}{flag}")
     print(f"L3 SSD     {_fmt(t['l3_ssd_bytes'])}  (every sequence at max length, {plan['codec']}, lz4 not assumed)")
-    cfg = plan["config"]
-    print(f"config     KVTierConfig(block_tokens={cfg['block_tokens']}, hot_tokens={cfg['hot_tokens']}, "
-          f"max_sequences={cfg['max_sequences']}, host_bytes={cfg['host_bytes']}, disk_bytes={cfg['disk_bytes']}, "
-          f"codec={cfg['codec']!r}, group_size={cfg['group_size']})")
+    fields = ", ".join(f"{k}={v!r}" for k, v in plan["config"].items())
+    print(f"config     KVTierConfig({fields})")
     return 0
+
+
+def _gib(n: int) -> str:
+    """Bytes in GiB (the unit of the seed's table), with TiB beyond 1024 GiB."""
+    g = n / (1 << 30)
+    return f"{g:,.1f} GiB" + (f" ({g / 1024:.2f} TiB)" if g >= 1024 else "")
 
 
 def main(argv: list[str] | None = None) -> int:

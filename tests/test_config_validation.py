@@ -160,6 +160,15 @@ def test_l1_beyond_the_device_is_refused_before_allocation():
         store(KVTierConfig(hot_tokens=tokens))
 
 
+def test_host_bytes_beyond_this_machine_is_refused_at_attach_and_accepted_for_a_plan():
+    from kvtier.config import _physical_memory
+
+    cfg = KVTierConfig(host_bytes=_physical_memory() + (1 << 30))  # a plan for a bigger machine
+    cfg.check_model(**SHAPE, dtype=torch.float32, machine=False)
+    with pytest.raises(ValueError, match=r"host_bytes must be at most this machine's memory \([\d,]+ bytes\)"):
+        store(cfg)
+
+
 def test_disk_too_small_for_a_record_names_disk_segment_bytes_and_disk_bytes(tmp_path):
     with pytest.raises(ValueError, match=r"disk_segment_bytes must hold at least one block: >= [\d,]+ bytes"):
         store(KVTierConfig(disk_path=str(tmp_path / "a"), codec="fp32", disk_segment_bytes=8192,

@@ -1,9 +1,18 @@
-"""`kvtier generate`: chat with a model through a kvtier cache, then print the cache's stats."""
+"""`kvtier generate`: chat with a model through a kvtier cache, then print the cache's stats.
+
+Without ``--disk-path`` each run gets its own L3 directory (a fresh temporary one, removed at the
+end), so two runs at once never meet on one directory's lock; ``--disk-path DIR`` keeps L3 in
+``DIR`` across runs (content-addressed blocks are found again by the next run), and a second run
+on a directory in use stops with a sentence, exit code 2. Every input is checked before the
+model loads.
+"""
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
 
 import torch
 
@@ -21,13 +30,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget-tokens", type=int, default=None)
     p.add_argument("--block-tokens", type=int, default=None)
     p.add_argument("--host-bytes", type=int, default=None)
-    p.add_argument("--disk-path", default="kvtier-cache", help="L3 directory ('' for no L3)")
+    p.add_argument("--disk-path", default=None,
+                   help="L3 directory, kept across runs (default: a per-run temporary directory; '' for no L3)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--sample", action="store_true", help="sample (temperature 0.7, top-p 0.9) instead of greedy")
     p.add_argument("--stats-json", action="store_true", help="print the stats as JSON instead of a summary")
 
 
-def _config(args):
+def _config(args, disk_path: str | None):
     from kvtier.config import KVTierConfig
 
     fields = KVTierConfig.from_toml(args.config).to_dict() if args.config else {}
@@ -36,7 +46,7 @@ def _config(args):
         v = getattr(args, name)
         if v is not None:
             fields[name] = v
-    fields["disk_path"] = args.disk_path or None
+    fields["disk_path"] = disk_path
     return KVTierConfig(**fields)
 
 
@@ -50,14 +60,38 @@ def _turns(args):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Chat, then print the summary; ValueError (exit code 2 in the CLI) on bad input."""
+    if isinstance(args.max_new_tokens, bool) or args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
+    scratch = tempfile.mkdtemp(prefix="kvtier-generate-") if args.disk_path is None else None
+    try:
+        disk_path = scratch if scratch is not None else (args.disk_path or None)
+        cfg = _config(args, disk_path)  # checked before the model loads
+        return _chat(args, cfg)
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _attach(model, cfg):
+    import kvtier
+    from kvtier.tiers import DirectoryLockedError
+
+    try:
+        return kvtier.attach(model, cfg)
+    except DirectoryLockedError:
+        raise ValueError(f"--disk-path {cfg.disk_path!r} is in use by another kvtier process (a second "
+                         f"`kvtier generate` on the same directory?): pass another --disk-path, or none "
+                         f"for a per-run directory") from None
+
+
+def _chat(args: argparse.Namespace, cfg) -> int:
     from transformers import TextStreamer
 
-    import kvtier
     from kvtier.integrations.model import load_model
 
-    cfg = _config(args)
     model, tok = load_model(path=args.model) if args.model else load_model()
-    cache = kvtier.attach(model, cfg)
+    cache = _attach(model, cfg)
     streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     messages: list[dict] = []
     fed = torch.empty(0, dtype=torch.long)   # tokens whose KV the cache holds
@@ -70,9 +104,9 @@ def run(args: argparse.Namespace) -> int:
             # the re-rendered conversation starts with exactly those tokens; otherwise start over.
             if fed.numel() and not torch.equal(ids[0, :fed.numel()], fed):
                 cache.close()
-                cache = kvtier.attach(model, cfg)
+                cache = _attach(model, cfg)
             with torch.inference_mode():
-                out = model.generate(ids, past_key_values=cache, max_new_tokens=args.max_new_tokens,
+                out = model.generate(ids, cache=cache, max_new_tokens=args.max_new_tokens,
                                      do_sample=args.sample, temperature=0.7 if args.sample else None,
                                      top_p=0.9 if args.sample else None, streamer=streamer,
                                      pad_token_id=tok.eos_token_id)
@@ -83,17 +117,40 @@ def run(args: argparse.Namespace) -> int:
         if args.stats_json:
             print(json.dumps(st, indent=2))
         else:
-            _print_summary(st)
+            print(summary(st, turns=sum(m["role"] == "user" for m in messages)))
     finally:
         cache.close()
     return 0
 
 
-def _print_summary(st: dict) -> None:
-    print("\n-- kvtier cache --")
-    for tier, t in st.get("tiers", {}).items():
-        print(f"{tier}: {t.get('blocks', 0)} blocks, {t.get('bytes', 0):,} bytes, "
-              f"hits {t.get('hits', 0)}, misses {t.get('misses', 0)}")
-    for k in ("tokens", "bytes_swapped_out", "bytes_swapped_in"):
-        if k in st:
-            print(f"{k}: {st[k]:,}")
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} GiB"
+
+
+def summary(st: dict, turns: int | None = None) -> str:
+    """The end-of-run summary of ``TieredCache.stats()``: the conversation's tokens, then blocks
+    and bytes per tier, what moved between tiers, and hits and misses."""
+    integ = st.get("integration") or {}
+    blocks, nbytes = st.get("blocks", {}), st.get("bytes", {})
+    comp = st.get("compression", {})
+    conv = integ.get("seq_length", 0)
+    lines = ["", "-- kvtier cache --",
+             f"conversation  {conv:,} tokens" + (f" over {turns} turn{'s' * (turns != 1)}" if turns else "")
+             + f", {st.get('sequences', 0)} sequence{'s' * (st.get('sequences', 0) != 1)}"]
+    names = {"l1": "L1 device", "l2": "L2 host", "l3": "L3 disk"}
+    codec = {"l1": "full precision", "l2": comp.get("host_codec"), "l3": comp.get("disk_codec")}
+    for tier, label in names.items():
+        if tier == "l3" and not blocks.get("l3") and not nbytes.get("l3"):
+            continue
+        lines.append(f"{label:<13} {blocks.get(tier, 0):,} blocks, {_size(nbytes.get(tier, 0))} ({codec[tier]})")
+    out, inn = st.get("swap_out_bytes", {}), st.get("swap_in_bytes", {})
+    lines.append(f"swapped out   {_size(out.get('l2', 0))} to L2, {_size(out.get('l3', 0))} to L3; "
+                 f"swapped in {_size(inn.get('l2', 0) + inn.get('l3', 0))} ({st.get('swap_in_blocks', 0):,} blocks)")
+    hits, misses = st.get("hits", {}), st.get("misses", {})
+    lines.append("hits/misses   " + ", ".join(f"{t.upper()} {hits.get(t, 0):,}/{misses.get(t, 0):,}"
+                                               for t in ("l1", "l2", "l3")))
+    return "\n".join(lines)
