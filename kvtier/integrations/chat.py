@@ -143,10 +143,14 @@ def summary(st: dict, turns: int | None = None) -> str:
              + f", {st.get('sequences', 0)} sequence{'s' * (st.get('sequences', 0) != 1)}"]
     names = {"l1": "L1 device", "l2": "L2 host", "l3": "L3 disk"}
     codec = {"l1": "full precision", "l2": comp.get("host_codec"), "l3": comp.get("disk_codec")}
+    copies = st.get("copies", {})
     for tier, label in names.items():
         if tier == "l3" and not blocks.get("l3") and not nbytes.get("l3"):
             continue
-        lines.append(f"{label:<13} {blocks.get(tier, 0):,} blocks, {_size(nbytes.get(tier, 0))} ({codec[tier]})")
+        # blocks whose home is the tier; copies also counts write-through and kept copies
+        extra = f" ({copies[tier]:,} copies)" if copies.get(tier, blocks.get(tier)) != blocks.get(tier) else ""
+        lines.append(f"{label:<13} {blocks.get(tier, 0):,} blocks{extra}, {_size(nbytes.get(tier, 0))} "
+                     f"({codec[tier]})")
     out, inn = st.get("swap_out_bytes", {}), st.get("swap_in_bytes", {})
     lines.append(f"swapped out   {_size(out.get('l2', 0))} to L2, {_size(out.get('l3', 0))} to L3; "
                  f"swapped in {_size(inn.get('l2', 0) + inn.get('l3', 0))} ({st.get('swap_in_blocks', 0):,} blocks)")
