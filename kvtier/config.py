@@ -38,7 +38,10 @@ LOSSLESS_CODECS = ("fp16", "bf16", "fp32")
 #: Quantization group sizes the codecs implement.
 GROUP_SIZES = (32, 64, 128)
 #: Fields computed from the others unless the user sets them.
-DERIVED_FIELDS = ("host_codec", "disk_codec", "digest_tokens", "budget_tokens", "sink_tokens", "window_tokens")
+DERIVED_FIELDS = ("host_codec", "disk_codec", "digest_tokens", "budget_tokens", "sink_tokens", "window_tokens",
+                  "disk_segment_bytes")
+#: Segment size when ``disk_bytes`` leaves room for two of them (else half of ``disk_bytes``).
+DEFAULT_SEGMENT_BYTES = 64 << 20
 
 # Bounds that keep every size far from int64 overflow in the tiers' arithmetic; the real limits
 # (the device's memory, the machine's RAM) are checked against them where they are known.
@@ -191,8 +194,10 @@ class KVTierConfig:
     """L3 capacity in bytes; with ``disk_path`` set, at least two segments (L3 frees space by
     compacting one segment into another)."""
 
-    disk_segment_bytes: int = 64 << 20
-    """Size of one L3 segment file, in [4096, 2**32); at attach, at least one encoded block."""
+    disk_segment_bytes: Optional[int] = None
+    """Size of one L3 segment file, in [4096, 2**32); at attach, at least one encoded block.
+    Default (derived): 64 MiB, or half of ``disk_bytes`` (whole pages) when that is smaller, so
+    that L3 always has the two segments compaction needs."""
 
     codec: str = "int4"
     """Codec of the tiers below L1 (see ``order``): one of ``CODECS``."""
@@ -340,8 +345,11 @@ class KVTierConfig:
             raise ValueError(f"host_bytes must be an int >= {_MIN_HOST_BYTES} (the smallest L2 ring; it must "
                              f"also hold one block of the model, checked at attach); got {self.host_bytes!r}")
         _int("host_bytes", self.host_bytes, _MIN_HOST_BYTES, _MAX_BYTES)
-        _int("disk_segment_bytes", self.disk_segment_bytes, _MIN_SEGMENT_BYTES, _MAX_SEGMENT_BYTES)
         _int("disk_bytes", self.disk_bytes, 1, _MAX_BYTES)
+        if self.disk_segment_bytes is None:
+            half = self.disk_bytes // 2 // 4096 * 4096
+            _derive(self, "disk_segment_bytes", max(_MIN_SEGMENT_BYTES, min(DEFAULT_SEGMENT_BYTES, half)))
+        _int("disk_segment_bytes", self.disk_segment_bytes, _MIN_SEGMENT_BYTES, _MAX_SEGMENT_BYTES)
         if self.disk_bytes < self.disk_segment_bytes:
             raise ValueError(f"disk_bytes must be >= disk_segment_bytes ({self.disk_segment_bytes:,}); "
                              f"got {self.disk_bytes:,}")
@@ -479,6 +487,10 @@ class KVTierConfig:
                              f"head_dim {head_dim}, K and V); got {self.host_bytes:,}")
         if self.disk_path is not None:
             if self.disk_segment_bytes < l3:
+                if self.is_derived("disk_segment_bytes"):  # half of disk_bytes: disk_bytes is the cause
+                    raise ValueError(f"disk_bytes must hold two L3 segments of at least one block each: "
+                                     f">= {2 * -(-l3 // 4096) * 4096:,} bytes for this model (a {self.disk_codec} "
+                                     f"block record is {l3:,} bytes with the segment header); got {self.disk_bytes:,}")
                 raise ValueError(f"disk_segment_bytes must hold at least one block: >= {l3:,} bytes for "
                                  f"this model (a {self.disk_codec} block record and the segment header); "
                                  f"got {self.disk_segment_bytes:,}")

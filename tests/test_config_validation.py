@@ -176,4 +176,24 @@ def test_disk_too_small_for_a_record_names_disk_segment_bytes_and_disk_bytes(tmp
     with pytest.raises(ValueError, match=r"disk_bytes must hold at least two segments"):
         store(KVTierConfig(disk_path=str(tmp_path / "b"), disk_segment_bytes=1 << 20,
                            disk_bytes=(1 << 20) + 4096))
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()  # nothing was created
+    with pytest.raises(ValueError, match=r"disk_bytes must hold two L3 segments of at least one block each: >= [\d,]+ bytes"):
+        store(KVTierConfig(disk_path=str(tmp_path / "c"), codec="fp32", disk_bytes=16384))
+    assert not any((tmp_path / d).exists() for d in "abc")  # nothing was created
+
+
+def test_segment_size_follows_a_small_disk_bytes_unless_set():
+    assert KVTierConfig().disk_segment_bytes == 64 << 20
+    small = KVTierConfig(disk_bytes=64 << 20)
+    assert small.disk_segment_bytes == 32 << 20 and small.is_derived("disk_segment_bytes")
+    assert dataclasses.replace(small, disk_bytes=1 << 30).disk_segment_bytes == 64 << 20
+    assert KVTierConfig(disk_bytes=64 << 20, disk_segment_bytes=8 << 20).disk_segment_bytes == 8 << 20
+
+
+def test_derived_values_survive_pickle_and_deepcopy():
+    import copy
+    import pickle
+
+    cfg = KVTierConfig(attention="sparse")
+    for c in (pickle.loads(pickle.dumps(cfg)), copy.deepcopy(cfg)):
+        assert c == cfg and c.is_derived("host_codec") and c.is_derived("budget_tokens")
+        assert dataclasses.replace(c, codec="int8").host_codec == "int8"
