@@ -204,7 +204,8 @@ class KVTierConfig:
 
     order: Order = "compress-then-tier"
     """``compress-then-tier``: quantize on L1->L2, L2 and L3 hold ``codec`` records.
-    ``tier-then-compress``: L2 holds full precision (``fp16``/``bf16``), quantize on the L2->L3 spill."""
+    ``tier-then-compress``: L2 holds full precision (``fp16``/``bf16``, ``fp32`` with ``dtype="float32"``),
+    quantize on the L2->L3 spill."""
 
     host_codec: Optional[str] = None
     """Per-tier override of the L2 codec; by default derived from ``order`` (``codec``, or the

@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--avg-seq-len", type=int, required=False, default=None, help="average tokens per sequence")
     w.add_argument("--max-seq-len", type=int, required=False, default=None, help="longest sequence, in tokens")
     c = parser.add_argument_group("storage")
-    c.add_argument("--codec", default="int4", help="codec of L2/L3 (fp16, bf16, int8, int4, int2, nf4, fp4, dyn8)")
+    c.add_argument("--codec", default="int4", help="codec of L2/L3 (fp16, bf16, fp32, int8, int4, int2, nf4, fp4, dyn8)")
     c.add_argument("--group-size", type=int, default=32, help="quantization group size")
     c.add_argument("--block-tokens", type=int, default=64, help="tokens per block")
     c.add_argument("--ratio", type=float, default=6.0, help="DRAM:HBM capacity ratio to aim for (4-8)")
