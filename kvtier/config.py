@@ -84,11 +84,6 @@ def _int(name: str, value: Any, minimum: int, maximum: int) -> None:
         raise ValueError(f"{name} must be an int >= {minimum} and <= {maximum:,}; got {value!r}")
 
 
-def _positive_int(name: str, value: Any, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
-
-
 def _bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be True or False; got {value!r}")

@@ -305,14 +305,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"GQA        {g['kv_heads']} kv heads for {g['heads']} query heads: KV is 1/{g['reduction']} of "
                   f"one KV head per query head (MHA: {_fmt(g['mha_bytes_per_token'])} per token)")
         else:
-            print(f"MHA        one KV head per query head; a GQA model with fewer kv heads (--kv-heads) "
-                  f"needs heads/kv_heads times less")
+            print("MHA        one KV head per query head; a GQA model with fewer kv heads (--kv-heads) "
+                  "needs heads/kv_heads times less")
     print(f"workload   {w['concurrency']} sequences, avg {w['avg_seq_len']:,} / max {w['max_seq_len']:,} tokens")
     print(f"KV/token   {_fmt(b['full'])} full (2 x layers x kv_heads x head_dim x bytes), "
           f"{_fmt(b['codec'])} as {plan['codec']} ({b['codec_ratio']:.2f}x smaller)")
     seed = plan["seed_table"]
     print("KV at      " + ",  ".join(f"{int(n) // 1024}k: {_gib(v['sequence'])}" for n, v in seed.items())
-          + f"  per sequence, full precision")
+          + "  per sequence, full precision")
     print(f"  x {w['concurrency']:<6} " + ",  ".join(f"{int(n) // 1024}k: {_gib(v['all_sequences'])}"
                                                   for n, v in seed.items()))
     print(f"KV/seq     avg {_fmt(s['avg_full'])} full / {_fmt(s['avg_codec'])} {plan['codec']};  "
