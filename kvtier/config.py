@@ -102,7 +102,8 @@ def _device_memory(device) -> int | None:
     if device.type == "cuda":
         import torch
 
-        return torch.cuda.get_device_properties(device).total_memory
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return torch.cuda.get_device_properties(index).total_memory
     return _physical_memory() if device.type == "cpu" else None
 
 
