@@ -160,6 +160,7 @@ class BlockTable:
         self.slotted: dict[int, BlockEntry] = {}  # those blocks by index (the policy scans only these)
         self.pending = 0                       # of which queued for swap-out
         self.observed = 0                      # observe() calls so far (snapkv freezes after a few)
+        self.pinned: frozenset[int] = frozenset()  # blocks a read in progress needs: never evicted
         self.head_dim = head_dim
         # (slots, blocks, index tensor, positions tensor) of the last gather_blocks (store.py)
         self.gather_cache: tuple | None = None

@@ -71,8 +71,8 @@ def test_store_selection_same_with_and_without_the_compiled_path(dtype, score, d
                          hot_tokens=256 * bt, host_bytes=1 << 22, budget_tokens=24 * bt, sink_tokens=bt,
                          window_tokens=2 * bt, attention="sparse", select_score=score,
                          digest_tokens=digest_tokens) for _ in range(2)]
-    assert stores[0]._cscore, "CPU store with a float32/bf16 digest should take the compiled path"
-    stores[1]._cscore = False  # the torch path
+    assert stores[0].selector.cscore, "CPU store with a float32/bf16 digest should take the compiled path"
+    stores[1].selector.cscore = False  # the torch path
     g = torch.Generator().manual_seed(1)
     seqs = [st.add_sequence() for st in stores]
     k = torch.randn(2, 200 * bt + 1, hd, generator=g).to(dtype)
@@ -88,7 +88,7 @@ def test_store_selection_same_with_and_without_the_compiled_path(dtype, score, d
 
 def test_fp16_store_keeps_the_torch_path():
     st = make_store(None, attention="sparse")  # fp16 digests: no in-place read in C
-    assert not st._cscore
+    assert not st.selector.cscore
     st.close()
 
 
@@ -133,11 +133,11 @@ def test_scores_match_the_store_torch_path(dtype, score):
     seq = st.add_sequence()
     k = torch.randn(2, 100 * bt + 1, hd, generator=g).to(dtype)
     st.append(seq, 0, k, k)
-    t = st._table(seq, 0)
+    t = st.residency.table(seq, 0)
     for ql in (1, 3):
         q = torch.randn(4, ql, hd, generator=g)
-        ref = st._scores(t, q, 1, 97)
-        got = cscore.block_scores(st._query_rows(q), t.digest, 1, 97, score == "quest", hd ** -0.5)
+        ref = st.selector.scores(t, q, 1, 97)
+        got = cscore.block_scores(st.selector.query_rows(q), t.digest, 1, 97, score == "quest", hd ** -0.5)
         torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-6 * float(ref.abs().max()) + 1e-7)
     st.close()
 

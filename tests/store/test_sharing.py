@@ -117,7 +117,7 @@ def test_shared_prefix_stored_once(tmp_path, how):
     check_invariants(store)
     s = store.stats()
     assert s["bytes"] == {"l1": 0, "l2": 0, "l3": 0}
-    assert len(store.l2) == 0 and len(store.l3) == 0 and not store._recs
+    assert len(store.l2) == 0 and len(store.l3) == 0 and not store.residency.copies
     assert store.match_prefix(PREFIX_IDS) == 0
     store.close()
 
@@ -171,7 +171,7 @@ def test_tokens_noted_after_append_and_without_ids(tmp_path):
     store.end_step()
     store.flush()
     check_invariants(store)
-    assert all(not r.content for r in store._recs.values() if r.key.startswith(f"{plain}/"))
+    assert all(not r.content for r in store.residency.copies.values() if r.key.startswith(f"{plain}/"))
     assert_reads(store, plain, PREFIX_KV)
     store.close()
 
@@ -304,8 +304,8 @@ def test_spill_partial_failure_accounting(tmp_path):
             store.end_step()
             store.flush()
     assert store.l2.stats()["spill_errors"] > 0
-    with store._lock:
-        recs = list(store._recs.values())
+    with store.residency.lock:
+        recs = list(store.residency.copies.values())
     assert {r.key for r in recs if r.l2} == set(store.l2.keys())
     assert {r.key for r in recs if r.l3} == set(store.l3.keys())
     s = store.stats()
