@@ -13,7 +13,7 @@ import torch
 from .blockio import BlockIO
 from .layout import Layout
 from .lower import LowerTiers
-from .prefix import _token_bytes, chained_block_hashes
+from .prefix import _token_bytes, block_key, chained_block_hashes, chained_block_keys
 from .residency import Residency
 from .stats import Counters
 from .table import BlockEntry, BlockTable
@@ -33,7 +33,7 @@ class ContentIndex:
         self._tokens: dict[int, _SeqTokens] = {}  # token ids noted per sequence (state lock)
 
     def key(self, layer: int, block_hash: str) -> str:
-        return f"{self.content_fp}/{layer}/{block_hash}"
+        return block_key(self.content_fp, layer, block_hash)
 
     # -- token ids -----------------------------------------------------------------------------
 
@@ -91,9 +91,9 @@ class ContentIndex:
 
     def match_prefix(self, token_ids) -> int:
         """Leading tokens of ``token_ids`` available in some tier, in whole blocks (KVStore)."""
-        ids, hashes = self.prefix_hashes(token_ids)
-        layers = range(self.layout.num_layers)
-        keys = [[self.key(layer, h) for layer in layers] for h in hashes]
+        ids = _token_bytes(token_ids)
+        keys = [] if self.content_fp is None else \
+            chained_block_keys(ids, self.layout.block_tokens, self.layout.num_layers, self.content_fp)
         n = 0
         while n < len(keys) and all(self._available_locally(k) for k in keys[n]):
             n += 1

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.config import KVTierConfig
+from kvtier.config import LOSSLESS_CODECS, KVTierConfig, lossless_codec
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -81,10 +81,10 @@ class Layout:
         high = min(hot, max(1, math.ceil(cfg.high_watermark * hot)))
         # A full-precision 16-bit tier codec follows the KV dtype (the config may be built before
         # the model's dtype is known; fp16 <-> bf16 would not be lossless and the codecs refuse it).
-        lossless16 = "bf16" if dtype == torch.bfloat16 else "fp16"
+        lossless16 = lossless_codec(next(name for name, d in DTYPES.items() if d == dtype))
 
         def follow(name: str) -> str:
-            return lossless16 if name in ("fp16", "bf16") and dtype != torch.float32 else name
+            return lossless16 if name in LOSSLESS_CODECS and dtype != torch.float32 else name
 
         return cls(
             num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,

@@ -403,7 +403,7 @@ class Residency:
             if self.copies.get(rec.key) is not rec:
                 return False
             rec.l3 = True
-            rec.wt = written_through
+            rec.written_through = written_through
             rec.l3_bytes = nbytes
             self.below["copies_l3"] += 1
             self.below["bytes_l3"] += nbytes
@@ -414,7 +414,7 @@ class Residency:
         block's copy below L1 and is the home of its non-resident entries."""
         with self.lock:
             for rec in recs:
-                rec.wt = False
+                rec.written_through = False
                 if not rec.l2:
                     continue
                 before = [e.home for e in rec.entries]
@@ -491,7 +491,7 @@ class Residency:
                 rec = self.copies[key] = BlockCopies(key, content=True)
                 rec.l4 = key in self.known_l4
                 if adopt_bytes is not None:
-                    rec.l3 = rec.wt = True
+                    rec.l3 = rec.written_through = True
                     rec.l3_bytes = adopt_bytes
                     self.below["copies_l3"] += 1
                     self.below["bytes_l3"] += adopt_bytes

@@ -397,8 +397,8 @@ def test_match_prefix_asks_redis_once(redis_server):
     assert reader.match_prefix(PREFIX_IDS) == PREFIX
     assert len(trips) == 1  # PREFIX // BT * L = 128 keys
     # drop layer 1 of block 10 from the server: the match stops at that block
-    _, hashes = reader._prefix_keys(PREFIX_IDS)
-    assert writer.l4.delete(reader._content_key(1, hashes[10]))
+    _, hashes = reader.content.prefix_hashes(PREFIX_IDS)
+    assert writer.l4.delete(reader.content.key(1, hashes[10]))
     assert reader.match_prefix(PREFIX_IDS) == 10 * BT
     writer.close()
     reader.close()
