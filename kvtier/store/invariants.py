@@ -10,16 +10,19 @@ def check(res: Residency, lower: LowerTiers) -> None:
     """Raise AssertionError naming the first broken invariant. Call it with no swap-out or
     write-through in flight (``KVStore.flush``) and no other thread using the store."""
     with lower.lock:
+        # the tiers' keys first: HostTier calls the spill (which takes the state lock) under its
+        # own lock, so L2 is never called with the state lock held
+        in_l2 = set(lower.l2.keys())
+        on_disk = set(lower.l3.keys()) if lower.l3 is not None else set()
         with res.lock:
             l1_keys, l2_keys, l3_keys, homes = _check_tables(res)
             _check_records(res)
             assert set(res.l1.keys()) == l1_keys, "L1 holds slots no block owns (or misses some)"
             assert res.home == homes, f"blocks per home tier {res.home} != counted {homes}"
-            assert set(lower.l2.keys()) == l2_keys, "L2 keys differ from the blocks' L2 copies"
+            assert in_l2 == l2_keys, "L2 keys differ from the blocks' L2 copies"
             if lower.l3 is not None:
                 # content records no live block references (kept by drop_sequence(keep_prefix=True)
                 # or left by an earlier process) may stay in L3 until it needs the room
-                on_disk = set(lower.l3.keys())
                 unreferenced = {k for k in on_disk - l3_keys if CONTENT_KEY.fullmatch(k) and k not in res.copies}
                 assert on_disk - unreferenced == l3_keys, "L3 keys differ from the blocks' L3 copies"
             else:

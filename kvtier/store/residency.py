@@ -69,18 +69,29 @@ class Residency:
             return seq
 
     def table(self, seq: int, layer: int) -> BlockTable:
+        tables = self.tables_of(seq)
         try:
-            return self.tables[seq][layer]
-        except KeyError:
-            raise ValueError(f"seq must be a live sequence id {sorted(self.tables)}; got {seq!r}") from None
+            return tables[layer]
         except (IndexError, TypeError):
             raise ValueError(f"layer must be in [0, {self.layout.num_layers}); got {layer!r}") from None
 
     def tables_of(self, seq: int) -> list[BlockTable]:
-        tables = self.tables.get(seq)
+        """The tables (one per layer) of live sequence ``seq``; ValueError otherwise."""
+        tables = self.live_tables(seq)
         if tables is None:
-            raise ValueError(f"seq must be a live sequence id {sorted(self.tables)}; got {seq!r}")
+            raise ValueError(f"seq must be a live sequence id {self.sequences()}; got {seq!r}")
         return tables
+
+    def live_tables(self, seq: int) -> list[BlockTable] | None:
+        try:
+            with self.lock:
+                return self.tables.get(seq)
+        except TypeError:  # unhashable
+            return None
+
+    def sequences(self) -> list[int]:
+        with self.lock:
+            return sorted(self.tables)
 
     def drop(self, seq: int, keep_prefix: bool) -> tuple[list[str], list[str]]:
         """Forget ``seq``'s tables and L1 slots; returns the tier keys whose last reference went

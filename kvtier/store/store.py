@@ -134,7 +134,7 @@ class KVStore:
         return self.residency.table(seq, layer).length
 
     def sequences(self) -> list[int]:
-        return sorted(self.residency.tables)
+        return self.residency.sequences()
 
     def drop_sequence(self, seq: int, keep_prefix: bool = False) -> None:
         """Forget a sequence: its L1 slots, prefetched blocks, and each block's copies below L1
@@ -254,7 +254,7 @@ class KVStore:
             self.counters.sample("step", now - self._last_end_step)
         self._last_end_step = now
         self.evictor.end_step()
-        self.prefetcher.end_step(self.residency.tables.get)
+        self.prefetcher.end_step(self.residency.live_tables)
 
     def flush(self) -> None:
         """Wait until every queued swap-out and write-through completed (tests, checkpoints)."""
@@ -270,8 +270,8 @@ class KVStore:
         Blocks below L1 are swapped in (made resident while the budget has room, otherwise only
         streamed into the output); the next layer's missing blocks are prefetched meanwhile.
         """
-        self.residency.table(seq, layer)
-        return self.reader.gather(self.residency.tables[seq], layer)
+        self.residency.table(seq, layer)  # checked
+        return self.reader.gather(self.residency.tables_of(seq), layer)
 
     def select(self, seq: int, layer: int, query: torch.Tensor, budget_tokens: int | None = None) -> list[int]:
         """Sealed blocks to attend: sinks + recent window + top-k by key digest (centroid or Quest bound).
@@ -292,7 +292,7 @@ class KVStore:
         if budget > self.hot_blocks * bt or budget < bt:
             raise ValueError(f"budget_tokens must be in [{bt}, {self.hot_blocks * bt}]; got {budget}")
         sel = self.selector.select(t, query, budget)
-        self.prefetcher.selected(self.residency.tables[seq], layer, sel)
+        self.prefetcher.selected(self.residency.tables_of(seq), layer, sel)
         return sel
 
     def gather_blocks(self, seq: int, layer: int, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
