@@ -402,3 +402,19 @@ def test_match_prefix_asks_redis_once(redis_server):
     assert reader.match_prefix(PREFIX_IDS) == 10 * BT
     writer.close()
     reader.close()
+
+
+def test_adopting_an_l3_record_does_not_read_it(tmp_path):
+    """A block sealed with a key L3 already holds adopts the record by its size from the disk
+    index (Tier.value_size): no record is read or CRC-checked for it."""
+    store = make(tmp_path)
+    a = fill(store, PREFIX_IDS, PREFIX_KV)
+    store.flush()
+    store.drop_sequence(a, keep_prefix=True)
+    gets = store.l3.stats()["gets"]
+    b = fill(store, PREFIX_IDS, PREFIX_KV)
+    assert store.stats()["prefix"]["adopted_l3"] == (PREFIX // BT - 1) * L
+    assert store.l3.stats()["gets"] == gets
+    assert_reads(store, b, PREFIX_KV)
+    check_invariants(store)
+    store.close()
