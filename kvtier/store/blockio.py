@@ -99,18 +99,17 @@ class BlockIO:
         v = vc.decode(ev, device=device)
         return torch.stack((k, v)).to(self.layout.dtype)
 
-    def decode_l2(self, value, device: torch.device) -> torch.Tensor:
-        return self.decode(self.stage.unpack(value) if self.layout.l2_staged else value, "l2", device)
-
-    def decode_l3(self, value, device: torch.device) -> torch.Tensor:
-        return self.decode(self.stage.unpack(value), "l3", device)
+    def decode_stored(self, value, tier: str, device: torch.device) -> torch.Tensor:
+        """A value as ``tier`` (l2 or l3; L4 holds L3's records) stores it, decoded on ``device``."""
+        staged = tier == "l3" or self.layout.l2_staged
+        return self.decode(self.stage.unpack(value) if staged else value, tier, device)
 
     def try_decode_l3(self, value) -> torch.Tensor | None:
         """An L3/L4 value decoded on the store's device; None if absent, foreign or corrupt."""
         if value is None:
             return None
         try:
-            return self.decode_l3(value, self.layout.device)
+            return self.decode_stored(value, "l3", self.layout.device)
         except ValueError:  # foreign or corrupt bytes are a miss, never wrong data
             return None
 

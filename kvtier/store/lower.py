@@ -61,18 +61,14 @@ class LowerTiers:
             l2, l3, l4, key = self.res.flags(rec)
             v2 = self.l2.get(key) if l2 else None
             v3 = self.l3.get(key) if l3 and v2 is None else None
-        if l2:
-            if v2 is not None:
-                out = self.io.decode_l2(v2, device)
-                self.counters.add(hits_l2=1, swap_in_l2_bytes=len(v2))
+        for tier, held, value in (("l2", l2, v2), ("l3", l3, v3)):
+            if not held:
+                continue
+            if value is not None:
+                out = self.io.decode_stored(value, tier, device)
+                self.counters.add(**{f"hits_{tier}": 1, f"swap_in_{tier}_bytes": len(value)})
                 return out
-            self.counters.add(misses_l2=1)
-        if l3:
-            if v3 is not None:
-                out = self.io.decode_l3(v3, device)
-                self.counters.add(hits_l3=1, swap_in_l3_bytes=len(v3))
-                return out
-            self.counters.add(misses_l3=1)
+            self.counters.add(**{f"misses_{tier}": 1})
         if l4:
             v4 = self.l4.get(key)
             out = self.io.try_decode_l3(v4)
