@@ -33,8 +33,11 @@ contiguous run of slots:
             └─── selected ────┘└ open ┘ └── other residents, free ──┘
    K view = storage[0, :, base:base+4] as [kv_heads, 4*bt, head_dim], narrowed to the length
 ``` The L1 budget stays per sequence: a shared block may be resident in the L1 of each
-sequence that attends it, but is stored once in each tier below. All fields are guarded by the
-store's lock.
+sequence that attends it, but is stored once in each tier below.
+
+The bookkeeping fields are written by ``Residency`` (residency.py) under the state lock. The
+read caches of a table (``gather_cache``, ``view_cache``, ``view_n``, ``run_kv``) are used only
+by the thread that reads that table.
 """
 from __future__ import annotations
 
@@ -157,13 +160,13 @@ class BlockTable:
         self.observed = 0                      # observe() calls so far (snapkv freezes after a few)
         self.pinned: frozenset[int] = frozenset()  # blocks a read in progress needs: never evicted
         self.head_dim = head_dim
-        # (slots, blocks, index tensor, positions tensor) of the last gather_blocks (store.py)
+        # (slots, blocks, index tensor, positions tensor) of the last gather_blocks (reads.py)
         self.gather_cache: tuple | None = None
-        # (block order, positions tensor) of the last gather_view (store.py)
+        # (block order, positions tensor) of the last gather_view (reads.py)
         self.view_cache: tuple | None = None
         self.view_n = 0                        # blocks in the last gather_view run (positions [0, n))
-        self.run_kv: tuple | None = None       # the region as K, V runs [kv_heads, cap*bt, hd] (store.py)
-        self.open_view: torch.Tensor | None = None  # L1 slot of the open block (store.py)
+        self.run_kv: tuple | None = None       # the region as K, V runs [kv_heads, cap*bt, hd] (reads.py)
+        self.open_view: torch.Tensor | None = None  # L1 slot of the open block (append.py)
         self.open_np = None                    # the same slot as a numpy array (CPU store)
         self.select_score = select_score
         self.digest_parts = digest_parts

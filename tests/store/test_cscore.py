@@ -1,4 +1,4 @@
-"""The compiled CPU block scoring (kvtier/store/cscore.py) against the torch math of KVStore._scores."""
+"""The compiled CPU block scoring (kvtier/store/cscore.py) against the torch math of Selector.scores."""
 import pytest
 import torch
 
@@ -9,7 +9,7 @@ pytestmark = pytest.mark.skipif(not cscore.available(), reason="no C compiler: s
 
 
 def _torch_scores(q, digest, lo, hi, quest, scale):
-    """The torch math of KVStore._scores: q [kvh, R, hd], digest [kvh, cap, width] -> [hi - lo]."""
+    """The torch math of Selector.scores: q [kvh, R, hd], digest [kvh, cap, width] -> [hi - lo]."""
     d = digest[:, lo:hi].transpose(1, 2).float()  # [kvh, width, m]
     if quest:
         qq = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)  # [kvh, R, 2*hd]
@@ -65,7 +65,7 @@ def test_extreme_logits_keep_the_softmax_finite():
 @pytest.mark.parametrize("score, digest_tokens", [("centroid", 4), ("quest", 4), ("centroid", 1), ("centroid", 2)])
 def test_store_selection_same_with_and_without_the_compiled_path(dtype, score, digest_tokens):
     """Also with sub-block centroids (digest_tokens < block_tokens): the C path scores every
-    sub-block in one softmax and a block as its best part, as KVStore._scores does."""
+    sub-block in one softmax and a block as its best part, as Selector.scores does."""
     bt, hd = 4, 16
     stores = [make_store(None, num_layers=1, kv_heads=2, head_dim=hd, dtype=dtype, block_tokens=bt,
                          hot_tokens=256 * bt, host_bytes=1 << 22, budget_tokens=24 * bt, sink_tokens=bt,
@@ -124,7 +124,7 @@ def test_top_blocks_ties_go_to_the_lower_index_and_nan_ranks_last():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("score", ["centroid", "quest"])
 def test_scores_match_the_store_torch_path(dtype, score):
-    """Against KVStore._scores itself (the specification), on a real digest table."""
+    """Against Selector.scores itself (the specification), on a real digest table."""
     bt, hd = 4, 16
     st = make_store(None, num_layers=1, kv_heads=2, head_dim=hd, dtype=dtype, block_tokens=bt,
                     hot_tokens=256 * bt, host_bytes=1 << 22, budget_tokens=24 * bt, sink_tokens=bt,

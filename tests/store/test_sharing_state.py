@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from .conftest import check_invariants, make_store
+from .conftest import make_store
 
 LAYERS, KVH, HD = 2, 2, 8
 BASE = [random.Random(5).randrange(2) for _ in range(160)]  # the common "system prompt"
