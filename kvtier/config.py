@@ -32,9 +32,10 @@ ByteStageName = Literal["lz4", "zstd", "none"]
 #: Codec names known to ``kvtier.compress.get_codec`` (kept here so a config is checked before
 #: any codec module is imported).
 CODECS = ("fp16", "bf16", "fp32", "int8", "int4", "int2", "nf4", "fp4", "dyn8")
-#: Codecs that reproduce their input exactly: ``fp32`` for every KV dtype, ``fp16``/``bf16`` for
-#: KV of their own dtype only (float32 KV is rounded to 16 bits by them).
-LOSSLESS_CODECS = ("fp16", "bf16", "fp32")
+#: The 16-bit pass-through codecs: exact for KV of their own dtype only (float32 KV is rounded to
+#: 16 bits by them), so a 16-bit tier codec follows the KV dtype. ``fp32`` is exact for every
+#: KV dtype and follows nothing.
+LOSSLESS_CODECS = ("fp16", "bf16")
 #: Quantization group sizes the codecs implement.
 GROUP_SIZES = (32, 64, 128)
 #: Fields computed from the others unless the user sets them.
@@ -72,6 +73,12 @@ class _DerivedInt(_Derived, int):
 
 def _derive(cfg: "KVTierConfig", name: str, value: Any) -> None:
     object.__setattr__(cfg, name, _DerivedStr(value) if isinstance(value, str) else _DerivedInt(value))
+
+
+def lossless_codec(dtype: str | None) -> str:
+    """The full-precision codec of KV dtype ``dtype`` (a ``KVTierConfig.dtype`` name; None: not
+    known yet, fp16): fp16 <-> bf16 would not be lossless, and float32 KV needs ``fp32``."""
+    return "bf16" if dtype == "bfloat16" else "fp32" if dtype == "float32" else "fp16"
 
 
 def _choice(name: str, value: Any, allowed: tuple) -> None:
@@ -359,8 +366,8 @@ class KVTierConfig:
         _choice("codec", self.codec, CODECS)
         _choice("order", self.order, get_args(Order))
         if self.host_codec is None:
-            full = "bf16" if self.dtype == "bfloat16" else "fp32" if self.dtype == "float32" else "fp16"
-            _derive(self, "host_codec", self.codec if self.order == "compress-then-tier" else full)
+            _derive(self, "host_codec", self.codec if self.order == "compress-then-tier"
+                    else lossless_codec(self.dtype))
         if self.disk_codec is None:
             _derive(self, "disk_codec", self.codec)
         _choice("host_codec", self.host_codec, CODECS)
@@ -594,4 +601,4 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-__all__ = ["KVTierConfig", "CODECS", "LOSSLESS_CODECS", "GROUP_SIZES", "DERIVED_FIELDS"]
+__all__ = ["KVTierConfig", "CODECS", "LOSSLESS_CODECS", "GROUP_SIZES", "DERIVED_FIELDS", "lossless_codec"]
