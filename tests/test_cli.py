@@ -137,5 +137,9 @@ def test_generate_config_file_fields_are_re_derived_with_the_flags(tmp_path):
     toml.write_text('codec = "int4"\nhot_tokens = 256\n')
     p = argparse.ArgumentParser()
     chat.add_arguments(p)
-    cfg = chat._config(p.parse_args(["--config", str(toml), "--codec", "int8", "--hot-tokens", "128"]), None)
+    cfg = chat._config(p.parse_args(["--config", str(toml), "--codec", "int8", "--hot-tokens", "128"]), "/scratch")
     assert (cfg.host_codec, cfg.disk_codec, cfg.budget_tokens) == ("int8", "int8", 128)
+    assert cfg.disk_path == "/scratch"  # neither the file nor a flag names L3: the per-run directory
+    toml.write_text('disk_path = "/kept"\n')
+    assert chat._config(p.parse_args(["--config", str(toml)]), "/scratch").disk_path == "/kept"
+    assert chat._config(p.parse_args(["--config", str(toml), "--disk-path", ""]), "/scratch").disk_path is None

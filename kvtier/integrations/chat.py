@@ -1,6 +1,6 @@
 """`kvtier generate`: chat with a model through a kvtier cache, then print the cache's stats.
 
-Without ``--disk-path`` each run gets its own L3 directory (a fresh temporary one, removed at the
+Without ``--disk-path`` (or a ``disk_path`` in the ``--config`` file) each run gets its own L3 directory (a fresh temporary one, removed at the
 end), so two runs at once never meet on one directory's lock; ``--disk-path DIR`` keeps L3 in
 ``DIR`` across runs (content-addressed blocks are found again by the next run), and a second run
 on a directory in use stops with a sentence, exit code 2. Every input is checked before the
@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats-json", action="store_true", help="print the stats as JSON instead of a summary")
 
 
-def _config(args, disk_path: str | None):
+def _fields(args) -> dict:
+    """KVTierConfig fields: the --config file's, then the flags over them."""
     from kvtier.config import KVTierConfig
 
     fields = KVTierConfig.from_toml(args.config).to_dict() if args.config else {}
@@ -46,7 +47,19 @@ def _config(args, disk_path: str | None):
         v = getattr(args, name)
         if v is not None:
             fields[name] = v
-    fields["disk_path"] = disk_path
+    if args.disk_path is not None:
+        fields["disk_path"] = args.disk_path or None
+    return fields
+
+
+def _config(args, scratch: str | None):
+    """The run's config; ``scratch`` is the per-run L3 directory used when neither --disk-path
+    nor the --config file names one."""
+    from kvtier.config import KVTierConfig
+
+    fields = _fields(args)
+    if args.disk_path is None and fields.get("disk_path") is None:
+        fields["disk_path"] = scratch
     return KVTierConfig(**fields)
 
 
@@ -63,14 +76,12 @@ def run(args: argparse.Namespace) -> int:
     """Chat, then print the summary; ValueError (exit code 2 in the CLI) on bad input."""
     if isinstance(args.max_new_tokens, bool) or args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1; got {args.max_new_tokens}")
-    scratch = tempfile.mkdtemp(prefix="kvtier-generate-") if args.disk_path is None else None
+    scratch = tempfile.mkdtemp(prefix="kvtier-generate-")
     try:
-        disk_path = scratch if scratch is not None else (args.disk_path or None)
-        cfg = _config(args, disk_path)  # checked before the model loads
+        cfg = _config(args, scratch)  # checked before the model loads
         return _chat(args, cfg)
     finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _attach(model, cfg):
