@@ -50,12 +50,13 @@ class Evictor:
                 continue
             items = self.res.mark_victims(t, max(over, t.resident - t.pending - self.layout.low),
                                           exclude, force=True)
+            # read before submitting: the worker may finish the batch before this thread runs on
+            before = t.resident
             self.worker.submit(items)
             if not items:
                 if t.resident + need <= hot:
                     return  # the victims were clean: freed at once
                 raise AssertionError(f"L1 full for {t.seq}/{t.layer} with nothing evictable")
-            before = t.resident
             self.worker.drain()
             if t.resident >= before:
                 raise RuntimeError(
