@@ -43,6 +43,7 @@ __all__ = [
     "find_gguf",
     "load_model",
     "load_text",
+    "model_dir",
     "resolve_model",
     "load_tokenizer",
     "model_fingerprint",
@@ -259,6 +260,11 @@ def load_model(
 def load_tokenizer(path: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None):
     """Only the tokenizer of :func:`load_model` (same ``path`` and ``cache_dir`` rules)."""
     return AutoTokenizer.from_pretrained(str(_resolve(path, cache_dir)), local_files_only=True)
+
+
+def model_dir(path: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The local transformers directory of :func:`load_model`'s ``path`` (converted once)."""
+    return _resolve(path, cache_dir)
 
 
 def _resolve(path, cache_dir) -> Path:
