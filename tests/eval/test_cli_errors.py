@@ -59,3 +59,12 @@ def test_short_text_before_model_loads(capsys, tmp_path):
     f = tmp_path / "short.txt"
     f.write_text("only a few words here")
     assert "exceeds the text" in _err(capsys, "--text", str(f), "--contexts", "1024", "--out", str(tmp_path / "o"))
+
+
+def test_model_names_and_paths():
+    from kvtier.integrations.model import MODELS, resolve_model
+
+    assert resolve_model(None) == (None, MODELS["smollm2-135m"])
+    assert resolve_model("qwen2.5-coder-0.5b") == (None, MODELS["qwen2.5-coder-0.5b"])
+    assert MODELS["qwen2.5-coder-0.5b"].max_positions == 32768
+    assert resolve_model("/some/dir") == ("/some/dir", None)
