@@ -195,7 +195,8 @@ def _plot_ruler(doc: dict, path: Path, plt) -> None:
     """RULER accuracy against L1 bytes per token, one panel per context, 95% intervals as error
     bars; hollow markers: the paired difference to the reference is inside its interval."""
     contexts = sorted({r["context"] for r in doc["results"]})
-    fig, axes = plt.subplots(1, len(contexts), figsize=(5.5 * len(contexts), 4.2), dpi=80, squeeze=False)
+    fig, axes = plt.subplots(1, len(contexts), figsize=(max(8.0, 5.5 * len(contexts)), 4.6), dpi=80,
+                             squeeze=False)
     for ax, ctx in zip(axes[0], contexts):
         for r in (r for r in doc["results"] if r["context"] == ctx):
             a = r["accuracy"]
@@ -213,8 +214,8 @@ def _plot_ruler(doc: dict, path: Path, plt) -> None:
         ax.set_ylabel("RULER score (%), 95% CI")
         ax.set_title(f"context {ctx:,}", fontsize=9)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{doc['model']['name']}: RULER {', '.join(doc['settings'].get('tasks', []))} "
-                 "(squares: anchors; hollow: inside the reference's CI)", fontsize=8)
+    fig.suptitle(f"{doc['model']['name']}: RULER {', '.join(doc['settings'].get('tasks', []))}\n"
+                 "squares: anchors; hollow: paired difference to the reference inside its 95% CI", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
