@@ -295,16 +295,25 @@ class Run:
     needs after each decode step (the StreamingLLM window slides) and at the end."""
 
     def __init__(self, spec: CacheSpec, model, pre: Prefill | None, context: int, workdir: Path):
-        from transformers import QuantizedCache
-
         self.spec = spec
         self.model = model
         self.build_s = 0.0
         self._tmp: Path | None = None
         self._attn_before = model.config._attn_implementation
         self._sink = self._window = 0
-        p = dict(spec.params)
+        self.cache = None
         t0 = time.perf_counter()
+        try:
+            self._build(spec, model, pre, context, workdir)
+        except BaseException:
+            self.close()  # nothing left behind: attention restored, L3 directory removed
+            raise
+        self.build_s = time.perf_counter() - t0
+
+    def _build(self, spec: CacheSpec, model, pre: Prefill | None, context: int, workdir: Path) -> None:
+        from transformers import QuantizedCache
+
+        p = dict(spec.params)
         if spec.kind == "offloaded":
             # transformers' offloading moves layers between a CUDA device and the CPU on side
             # streams; on a CPU-only machine there is nothing to offload to.
@@ -347,7 +356,6 @@ class Run:
                 self.cache = TieredCache.wrap(_dynamic_from(model, pre.kv), cfg, model)
             else:
                 self.cache = TieredCache(cfg, model)
-        self.build_s = time.perf_counter() - t0
 
     def after_step(self) -> None:
         """StreamingLLM: keep the sinks and the most recent ``window`` tokens."""
@@ -371,9 +379,8 @@ class Run:
         return self.cache.stats() if self.spec.kind == "kvtier" else {}
 
     def close(self) -> None:
-        if self.spec.kind == "kvtier":
-            with contextlib.suppress(AttributeError):
-                self.cache.close()
+        if self.spec.kind == "kvtier" and self.cache is not None:
+            self.cache.close()
         self.model.config._attn_implementation = self._attn_before
         with contextlib.suppress(AttributeError):
             self.model.set_attn_implementation(self._attn_before)
