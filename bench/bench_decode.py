@@ -89,7 +89,7 @@ class PeakMemory:
 
 def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: float):
     from kvtier.config import KVTierConfig
-    from kvtier.integrations.baselines import make_baseline
+    from kvtier.eval.baselines import make_baseline
     from kvtier.integrations.cache import TieredCache
 
     if name in BASELINE_CONFIGS:
@@ -106,7 +106,7 @@ def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: f
 
 
 def kv_bytes(cache) -> int:
-    from kvtier.integrations.baselines import cache_bytes
+    from kvtier.eval.baselines import cache_bytes
     from kvtier.integrations.cache import TieredCache
 
     if isinstance(cache, TieredCache):

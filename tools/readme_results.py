@@ -1,7 +1,8 @@
 """Copy a real `kvtier eval` run into the README: the table between the eval markers and the
 plot as docs/eval.png. Nothing is hand-edited; rerun after `kvtier eval`:
 
-    .venv/bin/kvtier eval --quick --out results && .venv/bin/python tools/readme_results.py results
+    .venv/bin/kvtier eval --suite ruler --model qwen2.5-coder-0.5b --out results
+    .venv/bin/python tools/readme_results.py results
 """
 from __future__ import annotations
 
@@ -21,13 +22,19 @@ def main(argv: list[str]) -> int:
     doc = json.loads((results / "eval.json").read_text())
     report.validate(doc)
     s = doc["settings"]
+    if s.get("suite") == "ruler":
+        what = (f"RULER tasks {', '.join(s['tasks'])}, {s['samples']} samples each"
+                + (f", at most {s['max_new_tokens']} new tokens" if s.get("max_new_tokens") else ""))
+    else:
+        what = (f"continuation {s['continuation']}, {s['windows']} text + "
+                f"{s['windows'] if s.get('probe', True) else 0} probe windows")
     block = "\n".join([
         BEGIN,
-        f"Run of `kvtier eval{' --quick' if s.get('quick') else ''}` on {doc['created']} "
-        f"({doc['model']['name']}, {doc['model']['dtype']}; contexts {s['contexts']}, "
-        f"continuation {s['continuation']}, {s['windows']} text + {s['windows'] if s.get('probe', True) else 0} "
-        f"probe windows; {doc['elapsed_s']:.0f} s on this machine). `*` marks transformers anchors; "
-        "probe is accuracy/reference accuracy.",
+        f"Run of `kvtier eval` on {doc['created']} ({doc['model']['name']}, {doc['model']['dtype']}, "
+        f"{doc['model'].get('threads', '?')} threads; contexts {s['contexts']}; {what}; seed {s['seed']}; "
+        f"{doc['elapsed_s']:.0f} s on this machine). `*` marks anchors; `[lo, hi]` is the 95% bootstrap "
+        "interval over samples; the Δ column is the paired difference to the reference, `≈` where its "
+        "interval holds zero; recalled L2/L3: blocks attended at decode that came from DRAM / SSD.",
         "",
         report.markdown_table(doc),
         "",

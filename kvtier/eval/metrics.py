@@ -78,3 +78,36 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
             front.append(i)
             best_y = points[i][1]
     return front
+
+
+def bootstrap_ci(values, seed: int, level: float = 0.95, resamples: int = 2000) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of ``values`` (resampled with replacement).
+
+    Seeded: the same values and seed give the same interval. One value gives a zero-width interval.
+    """
+    import numpy as np
+
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0:
+        return float("nan"), float("nan")
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(resamples, x.size))].mean(axis=1)
+    a = (1.0 - level) / 2
+    return float(np.quantile(means, a)), float(np.quantile(means, 1.0 - a))
+
+
+def mean_ci(values, seed: int) -> dict:
+    """``{"mean", "lo", "hi", "n"}``: the mean and its 95% bootstrap interval."""
+    lo, hi = bootstrap_ci(values, seed)
+    return {"mean": float(sum(values) / len(values)) if values else float("nan"), "lo": lo, "hi": hi,
+            "n": len(values)}
+
+
+def paired_diff(ref_values, values, seed: int) -> dict:
+    """The paired difference ``values - ref_values`` (same samples), its 95% bootstrap interval,
+    and ``within_ci``: whether zero lies inside it (the difference is not distinguishable)."""
+    if len(ref_values) != len(values):
+        raise ValueError(f"paired values must have the same length; got {len(ref_values)} and {len(values)}")
+    d = mean_ci([b - a for a, b in zip(ref_values, values)], seed)
+    d["within_ci"] = bool(d["lo"] <= 0.0 <= d["hi"])
+    return d

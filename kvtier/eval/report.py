@@ -1,18 +1,24 @@
 """Turns sweep rows into the three outputs of `kvtier eval`: a table, a JSON file and a PNG plot.
 
-JSON schema (version 1), documented in the README::
+JSON schema (version 2), documented in the README::
 
-    {"schema": "kvtier-eval/1", "kvtier_version": str, "created": ISO-8601 str,
-     "model": {"name": str, "layers": int, "kv_heads": int, "head_dim": int, "dtype": str},
-     "settings": {"contexts": [int], "continuation": int, "windows": int, "seed": int, "quick": bool},
+    {"schema": "kvtier-eval/2", "kvtier_version": str, "created": ISO-8601 str,
+     "model": {"name": str, "layers": int, "kv_heads": int, "head_dim": int, "dtype": str, ...},
+     "settings": {"suite": "text"|"ruler", "contexts": [int], "seed": int, ...},
      "reference": str, "elapsed_s": float,
      "results": [{"config": str, "kind": str, "anchor": bool, "params": {...}, "context": int,
-                  "accuracy": {"ppl", "ppl_ref", "ppl_rel_change", "kl_mean", "top1_agreement",
-                               "probe_acc", "probe_acc_ref", "probe_rel"},
+                  "accuracy": {text suite: "ppl", "ppl_ref", "ppl_rel_change", "kl_mean",
+                               "top1_agreement", "probe_acc", "probe_acc_ref", "probe_rel";
+                               ruler suite: "ruler", "ruler_ref", "ruler_rel", "ruler_tasks",
+                               "samples": [{"task", "index", "score", "prediction"}];
+                               both: "ci": {metric: {"mean", "lo", "hi", "n"}} (95% bootstrap),
+                               "diff": {metric: {"mean", "lo", "hi", "n", "within_ci"}}
+                               (paired against the reference)},
                   "footprint": {"l1_bytes_per_token", "l2_bytes_per_token", "l3_bytes_per_token",
                                 "total_bytes_per_token", "peak_l1_bytes", "compression"?: {...}},
-                  "cost": {"decode_tok_s", "tpot_p50_ms", "tpot_p99_ms", "prefill_s",
-                           "swap_bytes_per_token"?, "prefetch_precision"?, "prefetch_coverage"?},
+                  "cost": {"decode_tok_s", "tpot_p50_ms", "tpot_p99_ms", "prefill_s", "ttft_s",
+                           "shared_prefill", "swap_bytes_per_token"?, "prefetch_precision"?,
+                           "prefetch_coverage"?, "recalled_from"?: {"l1", "l2", "l3"}},
                   "stats": {... kvtier stats() of the last window, {} for anchors}}]}
 """
 from __future__ import annotations
@@ -23,7 +29,7 @@ from pathlib import Path
 
 from kvtier.eval.metrics import pareto_front
 
-SCHEMA = "kvtier-eval/1"
+SCHEMA = "kvtier-eval/2"
 RESULT_KEYS = ("config", "kind", "anchor", "params", "context", "accuracy", "footprint", "cost", "stats")
 
 
@@ -69,21 +75,50 @@ def _fmt(x, spec: str, scale: float = 1.0) -> str:
     return format(x * scale, spec)
 
 
+def _ci(a: dict, key: str, scale: float, spec: str) -> str:
+    ci = a.get("ci", {}).get(key)
+    if not ci or ci.get("lo") is None:
+        return _fmt(a.get(key), spec, scale)
+    return f"{_fmt(a.get(key), spec, scale)} [{_fmt(ci['lo'], spec, scale)}, {_fmt(ci['hi'], spec, scale)}]"
+
+
+def _diff(a: dict, key: str, scale: float, spec: str) -> str:
+    d = a.get("diff", {}).get(key)
+    if not d or d.get("lo") is None:
+        return "-"
+    mark = " ≈" if d.get("within_ci") else ""
+    return f"{_fmt(d['mean'], '+' + spec, scale)} [{_fmt(d['lo'], '+' + spec, scale)}, {_fmt(d['hi'], '+' + spec, scale)}]{mark}"
+
+
 def table_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
-    head = ["context", "config", "Δppl %", "KL", "top-1", "probe", "B/tok total", "B/tok L1", "tok/s", "p99/p50"]
+    """Rows of the table. Accuracy figures carry their 95% interval ``[lo, hi]``; a paired
+    difference whose interval holds zero is marked ``≈`` (not distinguishable from the reference)."""
+    ruler = doc.get("settings", {}).get("suite") == "ruler"
+    if ruler:
+        head = ["context", "config", "RULER % [95% CI]", "Δ vs ref (paired)", "B/tok L1", "B/tok total",
+                "tok/s", "TTFT s", "recalled L2/L3"]
+    else:
+        head = ["context", "config", "Δppl % [95% CI]", "KL", "top-1", "probe", "probe Δ (paired)",
+                "B/tok total", "B/tok L1", "tok/s", "TTFT s"]
     rows = []
     for r in doc["results"]:
         a, f, c = r["accuracy"], r["footprint"], r["cost"]
-        p50, p99 = c.get("tpot_p50_ms"), c.get("tpot_p99_ms")
-        rows.append([
-            str(r["context"]), ("* " if r["anchor"] else "  ") + r["config"],
-            _fmt(a.get("ppl_rel_change"), "+.3f", 100), _fmt(a.get("kl_mean"), ".4f"),
-            _fmt(a.get("top1_agreement"), ".3f"),
-            f"{_fmt(a.get('probe_acc'), '.2f')}/{_fmt(a.get('probe_acc_ref'), '.2f')}",
-            _fmt(f.get("total_bytes_per_token"), ",.0f"), _fmt(f.get("l1_bytes_per_token"), ",.0f"),
-            _fmt(c.get("decode_tok_s"), ".1f"),
-            _fmt(p99 / p50 if p50 and p99 else None, ".2f"),
-        ])
+        name = ("* " if r["anchor"] else "  ") + r["config"]
+        if ruler:
+            rec = c.get("recalled_from")
+            rows.append([str(r["context"]), name, _ci(a, "ruler", 100, ".1f"), _diff(a, "ruler", 100, ".1f"),
+                         _fmt(f.get("l1_bytes_per_token"), ",.0f"), _fmt(f.get("total_bytes_per_token"), ",.0f"),
+                         _fmt(c.get("decode_tok_s"), ".2f"), _fmt(c.get("ttft_s"), ".1f"),
+                         f"{rec['l2']}/{rec['l3']}" if rec else "-"])
+        else:
+            rows.append([
+                str(r["context"]), name, _ci(a, "ppl_rel_change", 100, "+.2f"), _fmt(a.get("kl_mean"), ".4f"),
+                _fmt(a.get("top1_agreement"), ".3f"),
+                f"{_fmt(a.get('probe_acc'), '.2f')}/{_fmt(a.get('probe_acc_ref'), '.2f')}",
+                _diff(a, "probe_acc", 1, ".2f"),
+                _fmt(f.get("total_bytes_per_token"), ",.0f"), _fmt(f.get("l1_bytes_per_token"), ",.0f"),
+                _fmt(c.get("decode_tok_s"), ".1f"), _fmt(c.get("ttft_s"), ".2f"),
+            ])
     return head, rows
 
 
@@ -115,6 +150,8 @@ def plot(doc: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if doc.get("settings", {}).get("suite") == "ruler":
+        return _plot_ruler(doc, path, plt)
     ctx = max(r["context"] for r in doc["results"])
     rows = [r for r in doc["results"] if r["context"] == ctx]
     panels = [
@@ -149,6 +186,36 @@ def plot(doc: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle(f"{doc['model']['name']}, context {ctx}: accuracy vs footprint (squares: transformers anchors)",
                  fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _plot_ruler(doc: dict, path: Path, plt) -> None:
+    """RULER accuracy against L1 bytes per token, one panel per context, 95% intervals as error
+    bars; hollow markers: the paired difference to the reference is inside its interval."""
+    contexts = sorted({r["context"] for r in doc["results"]})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(max(8.0, 5.5 * len(contexts)), 4.6), dpi=80,
+                             squeeze=False)
+    for ax, ctx in zip(axes[0], contexts):
+        for r in (r for r in doc["results"] if r["context"] == ctx):
+            a = r["accuracy"]
+            x, y, ci = r["footprint"].get("l1_bytes_per_token"), a.get("ruler"), a.get("ci", {}).get("ruler")
+            if x is None or y is None or not ci:
+                continue
+            same = a.get("diff", {}).get("ruler", {}).get("within_ci")
+            color = "tab:gray" if r["anchor"] else "tab:blue"
+            ax.errorbar([x], [100 * y], yerr=[[100 * (y - ci["lo"])], [100 * (ci["hi"] - y)]],
+                        fmt="s" if r["anchor"] else "o", color=color, capsize=3,
+                        mfc="white" if same and r["kind"] != "dynamic" else color)
+            ax.annotate(r["config"], (x, 100 * y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.set_xscale("log")
+        ax.set_xlabel("L1 (device) KV bytes per token")
+        ax.set_ylabel("RULER score (%), 95% CI")
+        ax.set_title(f"context {ctx:,}", fontsize=9)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{doc['model']['name']}: RULER {', '.join(doc['settings'].get('tasks', []))}\n"
+                 "squares: anchors; hollow: paired difference to the reference inside its 95% CI", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -4,26 +4,29 @@ Configurations come from the built-in lists below or from a TOML file::
 
     [[config]]
     name = "int4-sparse-25"
-    kind = "kvtier"            # dynamic | offloaded | quanto | hqq | kvtier
+    kind = "kvtier"            # dynamic | offloaded | quanto | hqq | streaming | snapkv | kvtier
     codec = "int4"             # any other key is passed on (KVTierConfig fields for kvtier,
     attention = "sparse"       # nbits / q_group_size / residual_length for quanto and hqq)
     hot_fraction = 0.25        # kvtier: L1 (hot_tokens) as a fraction of the context
 
 The first configuration whose kind is ``dynamic`` is the reference; one is added if none is given.
+Every configuration is checked (:meth:`CacheSpec.check`) before any model loads.
+
+:func:`summarise` turns one configuration's results into a row: every accuracy figure with its
+95% bootstrap interval over samples, and the paired difference against the reference.
 """
 from __future__ import annotations
 
 import math
 import statistics
 import tomllib
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kvtier.eval import metrics
-from kvtier.eval.data import Window
-from kvtier.integrations.evalrun import KINDS, CacheSpec, Unavailable, run_window
+from kvtier.eval.caches import KINDS, CacheSpec
+from kvtier.eval.runner import Result
 
 REFERENCE = CacheSpec("dynamic (ref)", "dynamic")
 
@@ -65,6 +68,39 @@ def quick_configs() -> list[CacheSpec]:
     ]
 
 
+SPARSE_L1 = (0.015, 0.03, 0.06, 0.125)
+
+
+def ruler_configs(l1_fractions=SPARSE_L1) -> list[CacheSpec]:
+    """The long-context sweep: full attention, eviction-only anchors at kvtier's smallest
+    sparse budget but one (3%), transformers' quantized caches, and kvtier int4 sparse at each
+    L1 fraction with a small L2 (2% of the 16-bit KV), so most blocks live on L3 and come back
+    by query; plus kvtier int4 dense.
+
+    The sparse rows use the lru policy: blocks are selected by query at every step wherever they
+    lie, so the policy only decides which tier holds them, and a non-observing policy lets the
+    row start from the shared prefill exactly.
+    """
+    out = [REFERENCE]
+    for f in (0.03,):
+        out.append(CacheSpec(f"StreamingLLM {f:.1%}", "streaming", {"budget_fraction": f}))
+        out.append(CacheSpec(f"SnapKV drop {f:.1%}", "snapkv", {"budget_fraction": f}))
+    out.append(CacheSpec("quanto int4", "quanto", {"nbits": 4}))
+    out.append(CacheSpec("quanto int2", "quanto", {"nbits": 2}))
+    for f in l1_fractions:
+        out.append(_kv(f"kvtier int4 sparse L1={f:.1%}", codec="int4", attention="sparse", hot_fraction=f,
+                       host_fraction=0.02, policy="lru"))
+    out.append(_kv("kvtier int4 dense", codec="int4", attention="dense", hot_fraction=0.03, host_fraction=0.02,
+                   policy="lru"))
+    return out
+
+
+def demo_configs() -> list[CacheSpec]:
+    """`make demo`: full attention, StreamingLLM and kvtier sparse at the same 3% budget."""
+    keep = ("dynamic (ref)", "StreamingLLM 3.0%", "kvtier int4 sparse L1=3.0%")
+    return [s for s in ruler_configs() if s.name in keep]
+
+
 def full_configs() -> list[CacheSpec]:
     out = quick_configs()
     out[3:3] = [
@@ -84,8 +120,19 @@ def full_configs() -> list[CacheSpec]:
     return out
 
 
+def check_configs(specs: list[CacheSpec], contexts: list[int], model_config=None, where: str = "") -> None:
+    """Every configuration's parameters checked for every context (ValueError naming it)."""
+    for spec in specs:
+        try:
+            spec.check(contexts, model_config)
+        except ValueError as e:
+            raise ValueError(f"{where}{e}") from None
+
+
 def load_configs(path: str | Path) -> list[CacheSpec]:
     """Parse a TOML sweep file (see module docstring). Raises ValueError on bad entries."""
+    if not Path(path).is_file():
+        raise ValueError(f"--configs {path}: no such file")
     try:
         data = tomllib.loads(Path(path).read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
@@ -102,7 +149,8 @@ def load_configs(path: str | Path) -> list[CacheSpec]:
             raise ValueError(f"--configs {path}: config #{i} needs a non-empty string 'name'")
         if kind not in KINDS:
             raise ValueError(f"--configs {path}: config {name!r}: 'kind' must be one of {KINDS}, got {kind!r}")
-        specs.append(CacheSpec(name, kind, e))
+        spec = CacheSpec(name, kind, e)
+        specs.append(spec)
     names = [s.name for s in specs]
     if len(set(names)) != len(names):
         raise ValueError(f"--configs {path}: config names must be unique, got {names}")
@@ -123,41 +171,62 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))]
 
 
-@dataclass
-class WindowResult:
-    window: Window
-    logp: torch.Tensor
-    step_s: list
-    prefill_s: float
-    footprint: dict
-    stats: dict
-
-
-def measure(model, spec: CacheSpec, windows: list[Window], workdir: Path, on_window=None) -> list[WindowResult]:
-    out = []
-    for w in windows:
-        r = run_window(model, w, spec, workdir)
-        out.append(WindowResult(w, r["logp"], r["step_s"], r["prefill_s"], r["footprint"], r["stats"]))
-        if on_window:
-            on_window()
-    return out
-
-
-def summarise(spec: CacheSpec, context: int, ref: list[WindowResult], got: list[WindowResult]) -> dict:
-    """One row of the results: accuracy against ``ref`` on the same windows, footprint, cost."""
-    text = [(r, g) for r, g in zip(ref, got) if r.window.kind == "text"]
-    probe = [(r, g) for r, g in zip(ref, got) if r.window.kind == "probe"]
+def _text_accuracy(ref: list[Result], got: list[Result], seed: int) -> dict:
     acc: dict = {}
+    text = [(r, g) for r, g in zip(ref, got) if getattr(r.sample, "kind", None) == "text"]
+    probe = [(r, g) for r, g in zip(ref, got) if getattr(r.sample, "kind", None) == "probe"]
     if text:
         ref_lp = torch.cat([r.logp for r, _ in text])
         lp = torch.cat([g.logp for _, g in text])
-        targets = torch.cat([r.window.continuation for r, _ in text])
+        targets = torch.cat([r.sample.continuation for r, _ in text])
         acc.update(metrics.compare(ref_lp, lp, targets))
+        per = [metrics.compare(r.logp, g.logp, r.sample.continuation) for r, g in text]
+        acc["ci"] = {k: metrics.mean_ci([p[k] for p in per], seed) for k in ("ppl_rel_change", "kl_mean",
+                                                                               "top1_agreement")}
+        acc["ci"]["ppl_rel_change"]["within_ci"] = bool(acc["ci"]["ppl_rel_change"]["lo"] <= 0.0
+                                                        <= acc["ci"]["ppl_rel_change"]["hi"])
     if probe:
-        pa = statistics.fmean(metrics.top1_accuracy(g.logp, g.window.continuation) for _, g in probe)
-        pr = statistics.fmean(metrics.top1_accuracy(r.logp, r.window.continuation) for r, _ in probe)
-        acc.update({"probe_acc": pa, "probe_acc_ref": pr, "probe_rel": pa / pr if pr > 0 else float("nan")})
-    fp_keys = got[0].footprint.keys()
+        pa = [metrics.top1_accuracy(g.logp, g.sample.continuation) for _, g in probe]
+        pr = [metrics.top1_accuracy(r.logp, r.sample.continuation) for r, _ in probe]
+        acc.update({"probe_acc": statistics.fmean(pa), "probe_acc_ref": statistics.fmean(pr),
+                    "probe_rel": statistics.fmean(pa) / statistics.fmean(pr) if statistics.fmean(pr) > 0
+                    else float("nan")})
+        acc.setdefault("ci", {})["probe_acc"] = metrics.mean_ci(pa, seed)
+        acc.setdefault("diff", {})["probe_acc"] = metrics.paired_diff(pr, pa, seed)
+    return acc
+
+
+def _ruler_accuracy(ref: list[Result], got: list[Result], seed: int) -> dict:
+    pairs = [(r, g) for r, g in zip(ref, got) if r.score is not None]
+    if not pairs:
+        return {}
+    sc = [g.score for _, g in pairs]
+    rs = [r.score for r, _ in pairs]
+    tasks: dict = {}
+    for r, g in pairs:
+        tasks.setdefault(g.sample.task, []).append(g.score)
+    mean_ref = statistics.fmean(rs)
+    return {
+        "ruler": statistics.fmean(sc), "ruler_ref": mean_ref,
+        "ruler_rel": statistics.fmean(sc) / mean_ref if mean_ref > 0 else float("nan"),
+        "ruler_tasks": {t: statistics.fmean(v) for t, v in sorted(tasks.items())},
+        "ci": {"ruler": metrics.mean_ci(sc, seed)},
+        "diff": {"ruler": metrics.paired_diff(rs, sc, seed)},
+        "samples": [{"task": g.sample.task, "index": g.sample.index, "score": g.score,
+                     "prediction": g.prediction} for _, g in pairs],
+    }
+
+
+def summarise(spec: CacheSpec, context: int, ref: list[Result], got: list[Result], seed: int = 0) -> dict:
+    """One row of the results: accuracy against ``ref`` on the same samples (with 95% bootstrap
+    intervals and paired differences), footprint and cost."""
+    acc = _text_accuracy(ref, got, seed)
+    for k, v in _ruler_accuracy(ref, got, seed).items():
+        if isinstance(v, dict) and k in acc:
+            acc[k].update(v)
+        else:
+            acc[k] = v
+    fp_keys = [k for k in got[0].footprint if isinstance(got[0].footprint[k], (int, float))]
     footprint = {k: statistics.fmean(g.footprint[k] for g in got) for k in fp_keys}
     steps = [s for g in got for s in g.step_s]
     cost = {
@@ -165,13 +234,26 @@ def summarise(spec: CacheSpec, context: int, ref: list[WindowResult], got: list[
         "tpot_p50_ms": 1e3 * _pct(steps, 0.50),
         "tpot_p99_ms": 1e3 * _pct(steps, 0.99),
         "prefill_s": statistics.fmean(g.prefill_s for g in got),
+        "ttft_s": statistics.fmean(g.ttft_s for g in got),
+        "shared_prefill": spec.reuses_prefill,
     }
     st = got[-1].stats
     if st:
-        cost.update(_stats_cost(st, context + len(got[-1].window.continuation)))
+        cost.update(_stats_cost(st, context + max(1, len(got[-1].step_s))))
         footprint["compression"] = st.get("compression", {})
+        cost["recalled_from"] = _recalled_from(got)
     return {"config": spec.name, "kind": spec.kind, "anchor": spec.anchor, "params": dict(spec.params),
             "context": context, "accuracy": acc, "footprint": footprint, "cost": cost, "stats": st}
+
+
+def _recalled_from(got: list[Result]) -> dict:
+    """Where the blocks attended at decode came from, summed over the samples: L1 hits, and
+    blocks brought back from L2 (DRAM) and L3 (SSD)."""
+    out = {"l1": 0, "l2": 0, "l3": 0}
+    for g in got:
+        for t in out:
+            out[t] += int(g.stats.get("hits", {}).get(t, 0))
+    return out
 
 
 def _stats_cost(st: dict, tokens: int) -> dict:

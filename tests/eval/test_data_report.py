@@ -5,8 +5,9 @@ import torch
 
 from kvtier.eval import report
 from kvtier.eval.data import PROBE_CUE, probe_windows, text_windows
-from kvtier.eval.sweep import load_configs, summarise, WindowResult
-from kvtier.integrations.evalrun import CacheSpec
+from kvtier.eval.caches import CacheSpec
+from kvtier.eval.runner import Result
+from kvtier.eval.sweep import load_configs, summarise
 
 
 class CharTokenizer:
@@ -55,11 +56,15 @@ def test_summarise_reference_against_itself_and_schema(tmp_path):
     w_probe = type(w_text)("probe", w_text.context, lp.argmax(1)[:8])
     fp = {"l1_bytes_per_token": 10.0, "l2_bytes_per_token": 0.0, "l3_bytes_per_token": 0.0,
           "total_bytes_per_token": 10.0, "peak_l1_bytes": 640.0}
-    res = [WindowResult(w_text, lp, [0.01, 0.02], 0.1, fp, {}), WindowResult(w_probe, lp, [0.01], 0.1, fp, {})]
-    row = summarise(CacheSpec("ref", "dynamic"), 64, res, res)
+    spec = CacheSpec("ref", "dynamic")
+    res = [Result(spec, w_text, [0.01, 0.02], 0.1, 0.0, fp, {}, logp=lp),
+           Result(spec, w_probe, [0.01], 0.1, 0.0, fp, {}, logp=lp)]
+    row = summarise(spec, 64, res, res)
     a = row["accuracy"]
     assert a["ppl_rel_change"] == 0 and a["kl_mean"] == pytest.approx(0) and a["top1_agreement"] == 1
     assert a["probe_acc"] == a["probe_acc_ref"] == 1.0 and a["probe_rel"] == 1.0
+    assert a["diff"]["probe_acc"]["mean"] == 0 and a["diff"]["probe_acc"]["within_ci"]
+    assert a["ci"]["ppl_rel_change"]["lo"] == a["ci"]["ppl_rel_change"]["hi"] == 0
     doc = _doc([row])
     report.write_json(doc, tmp_path / "e.json")
     back = json.loads((tmp_path / "e.json").read_text())

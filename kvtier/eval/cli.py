@@ -1,0 +1,302 @@
+"""`kvtier eval`: options -> checks -> tasks (text windows or RULER samples) -> runs -> rows -> outputs.
+
+Every option, every configuration row and the text's length are checked before the model loads
+(a mistake costs a second, not a model load); errors are sentences naming the option, exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import sys
+import random
+import tempfile
+import time
+from pathlib import Path
+
+from kvtier.eval.sweep import (
+    check_configs,
+    demo_configs,
+    full_configs,
+    load_configs,
+    quick_configs,
+    ruler_configs,
+    summarise,
+    with_reference,
+)
+
+QUICK = {"contexts": [1024], "continuation": 32, "windows": 1}
+DEFAULT = {"contexts": [1024, 2048, 4096], "continuation": 64, "windows": 2}
+RULER_DEFAULT = {"contexts": [8192], "samples": 4}
+DEMO = {"model": "qwen2.5-coder-0.5b", "contexts": [8192], "samples": 3, "tasks": ["niah_single_2"]}
+TEXTS = ("pydoc", "essays")
+
+
+def _int_list(s: str) -> list[int]:
+    try:
+        vals = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--contexts must be comma-separated integers, got {s!r}") from None
+    if not vals or any(v < 128 or v > 131072 for v in vals):
+        raise argparse.ArgumentTypeError(f"--contexts values must be in 128..131072, got {s!r}")
+    return vals
+
+
+def _positive(name: str, lo: int, hi: int):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer in {lo}..{hi}, got {s!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{name} must be in {lo}..{hi}, got {v}")
+        return v
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtier.eval.ruler import NIAH_TASKS
+
+    p.add_argument("--suite", choices=("text", "ruler"), default="text",
+                   help="text: perplexity/KL/top-1 on text windows plus the recall probe; "
+                        "ruler: RULER's synthetic tasks, generated and scored by RULER's own code")
+    p.add_argument("--quick", action="store_true",
+                   help=f"small text sweep that finishes in about 5 minutes on 2 cores ({QUICK})")
+    p.add_argument("--demo", action="store_true",
+                   help=f"the product's point in a few minutes: RULER {DEMO['tasks'][0]} at {DEMO['contexts'][0]} "
+                        "tokens on Qwen2.5-Coder-0.5B, full attention vs StreamingLLM vs kvtier sparse at 3%%")
+    p.add_argument("--model", default=None,
+                   help="embedded model name (smollm2-135m, the default; qwen2.5-coder-0.5b), "
+                        "or a local transformers directory or .gguf file")
+    p.add_argument("--text", default=None,
+                   help="text of the text suite: 'pydoc' (default: pydoc_data.topics), 'essays' "
+                        "(RULER's Paul Graham essays) or a UTF-8 file")
+    p.add_argument("--contexts", type=_int_list, default=None, help="context lengths, e.g. 8192,16384,32768")
+    p.add_argument("--continuation", type=_positive("--continuation", 2, 4096), default=None,
+                   help="text suite: teacher-forced decode steps per window")
+    p.add_argument("--windows", type=_positive("--windows", 1, 1000), default=None,
+                   help="text suite: text windows (and as many recall-probe windows) per context")
+    p.add_argument("--tasks", default=",".join(NIAH_TASKS),
+                   help="ruler suite: comma-separated RULER tasks (default: the NIAH family)")
+    p.add_argument("--samples", type=_positive("--samples", 1, 500), default=None,
+                   help=f"ruler suite: samples per task and context (default {RULER_DEFAULT['samples']})")
+    p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens", 1, 4096), default=None,
+                   help="ruler suite: cap on generated tokens (default: each task's RULER limit)")
+    p.add_argument("--configs", default=None, help="TOML file of [[config]] tables (see kvtier/eval/sweep.py)")
+    p.add_argument("--only", default=None, help="comma-separated substrings: keep configs whose name contains one")
+    p.add_argument("--no-probe", action="store_true", help="skip the recall-probe windows")
+    p.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
+                   help="model and KV dtype (bfloat16: the fast one on CPUs with AVX-512/AMX)")
+    p.add_argument("--threads", type=_positive("--threads", 1, 1024), default=None,
+                   help="torch threads (default: torch's choice, the physical cores)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="results", help="output directory for eval.json, eval.png and eval.md")
+
+
+class _Plan:
+    """The checked options: what the run will do, settled before any model loads."""
+
+    def __init__(self, args: argparse.Namespace):
+        from kvtier.integrations.model import MODELS, resolve_model
+
+        if args.demo:
+            args.suite = "ruler"
+            args.model = args.model or DEMO["model"]
+            args.tasks = ",".join(DEMO["tasks"])
+            args.contexts = args.contexts or DEMO["contexts"]
+            args.samples = args.samples or DEMO["samples"]
+        self.suite = args.suite
+        path, embedded = resolve_model(args.model)
+        if path is not None and not Path(path).expanduser().exists():
+            raise ValueError(f"--model {path!r} is neither an embedded model ({', '.join(MODELS)}) nor an existing path")
+        self.embedded = embedded
+        self.max_positions = embedded.max_positions if embedded else _positions_of(path)
+        preset = QUICK if args.quick else (RULER_DEFAULT if self.suite == "ruler" else DEFAULT)
+        self.contexts = args.contexts or preset["contexts"]
+        if self.max_positions is not None:
+            too_long = [c for c in self.contexts if c > self.max_positions]
+            if too_long:
+                raise ValueError(f"--contexts {too_long} exceed the model's {self.max_positions:,} positions "
+                                 f"(--model {args.model or 'smollm2-135m'})")
+        text_preset = QUICK if args.quick else DEFAULT
+        self.continuation = args.continuation or text_preset["continuation"]
+        self.windows = args.windows or text_preset["windows"]
+        self.samples = args.samples or RULER_DEFAULT["samples"]
+        self.text = self._check_text(args.text)
+        if self.suite == "ruler":
+            from kvtier.eval import ruler
+
+            self.tasks = ruler.check_tasks([t.strip() for t in args.tasks.split(",") if t.strip()])
+        else:
+            self.tasks = []
+        out = Path(args.out)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {args.out}: exists and is not a directory (eval writes eval.json, eval.png and "
+                             "eval.md into a directory)")
+        self.out = out
+        if args.configs:
+            specs = load_configs(args.configs)
+        elif self.suite == "ruler":
+            specs = demo_configs() if args.demo else ruler_configs()
+        else:
+            specs = quick_configs() if args.quick else full_configs()
+        if args.only:
+            keep = [s.strip() for s in args.only.split(",") if s.strip()]
+            chosen = [s for s in specs if s.kind != "dynamic" and any(k in s.name for k in keep)]
+            if not chosen:
+                raise ValueError(f"--only {args.only!r} matches no configuration; the names are "
+                                 f"{[s.name for s in specs if s.kind != 'dynamic']}")
+            specs = [s for s in specs if s.kind == "dynamic"] + chosen
+        check_configs(specs, self.contexts, where=f"--configs {args.configs}: " if args.configs else "")
+        self.ref, self.specs = with_reference(specs)
+
+    @staticmethod
+    def _check_text(text: str | None) -> str | None:
+        if text is None or text in TEXTS:
+            return text
+        p = Path(text)
+        if not p.is_file():
+            raise ValueError(f"--text {text}: no such file (or use one of {TEXTS})")
+        try:
+            p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--text {text}: cannot read it as UTF-8 text ({e})") from None
+        return text
+
+
+def _positions_of(path: str) -> int | None:
+    """max_position_embeddings of a local transformers directory (None for a .gguf: known after load)."""
+    import json
+
+    cfg = Path(path).expanduser() / "config.json"
+    if cfg.is_file():
+        return json.loads(cfg.read_text()).get("max_position_embeddings")
+    return None
+
+
+def _load_text(name: str | None) -> str:
+    from kvtier.eval import ruler
+    from kvtier.integrations.model import load_text
+
+    if name in (None, "pydoc"):
+        return load_text()
+    if name == "essays":
+        return ruler.essays_text()
+    return Path(name).read_text(encoding="utf-8")
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = _Plan(args)  # every check before anything heavy is imported or loaded
+
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from kvtier import __version__
+    from kvtier.eval import report, ruler
+    from kvtier.eval.caches import warm_up
+    from kvtier.eval.data import probe_windows, text_windows, tokenize
+    from kvtier.eval.runner import run_all
+    from kvtier.integrations.model import load_model, load_tokenizer, model_dir
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    console = Console(width=max(150, Console().width))
+    t_start = time.perf_counter()
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+
+    # tasks first (the tokenizer alone loads in a second): a text too short fails before the model
+    tok = load_tokenizer(args.model)
+    tasks: dict[int, list] = {}
+    with console.status("building tasks"):
+        if plan.suite == "text":
+            text = _load_text(plan.text)
+            ids = tokenize(tok, text)
+            for ctx in plan.contexts:
+                windows = text_windows(ids, ctx, plan.continuation, plan.windows, seed=args.seed)
+                if not args.no_probe:
+                    windows += probe_windows(tok, text, ids, ctx, plan.windows, seed=args.seed)
+                tasks[ctx] = windows
+        else:
+            tok_dir = model_dir(args.model)
+            for ctx in plan.contexts:
+                tasks[ctx] = [s for task in plan.tasks
+                              for s in ruler.generate(task, tok, tok_dir, ctx, plan.samples, seed=42 + args.seed)]
+    with console.status("loading model"):
+        dtype = getattr(torch, args.dtype)
+        model, tok = load_model(args.model, dtype=dtype)
+        model.eval()
+        warm_up(model)
+    cfg = model.config
+    if plan.max_positions is None and max(plan.contexts) > cfg.max_position_embeddings:
+        raise ValueError(f"--contexts {max(plan.contexts)} exceeds the model's {cfg.max_position_embeddings:,} positions")
+    label = plan.embedded.label if plan.embedded else args.model
+    model_info = {"name": label, "layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads,
+                  "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+                  "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+                  "max_positions": cfg.max_position_embeddings, "threads": torch.get_num_threads()}
+    specs = [plan.ref] + plan.specs
+    console.print(f"{plan.suite} suite: contexts {plan.contexts}; "
+                  + (f"tasks {plan.tasks}, {plan.samples} samples each" if plan.suite == "ruler" else
+                     f"continuation {plan.continuation}, {plan.windows} text + "
+                     f"{0 if args.no_probe else plan.windows} probe windows")
+                  + f"; {len(plan.specs)} configurations + reference, one shared prefill per sample")
+
+    rows, skipped = [], []
+    with tempfile.TemporaryDirectory(prefix="kvtier-eval-") as tmp, Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console,
+    ) as progress:
+        for ctx in plan.contexts:
+            samples = tasks[ctx]
+            bar = progress.add_task(f"context {ctx}", total=len(samples) * len(specs))
+            per_spec: list[list] = [[] for _ in specs]
+
+            def tick(r, bar=bar, ctx=ctx):
+                progress.update(bar, advance=1, description=f"context {ctx}: {getattr(r, 'spec', None) and r.spec.name}")
+
+            for sample in samples:
+                results = run_all(model, specs, sample, Path(tmp), tokenizer=tok,
+                                  max_new_tokens=args.max_new_tokens, on_result=tick)
+                for i, r in enumerate(results):
+                    per_spec[i].append(r)
+            ref = per_spec[0]
+            if any(not hasattr(r, "spec") for r in ref):
+                raise RuntimeError(f"the reference {plan.ref.name!r} could not run: {ref[0]}")
+            for spec, got in zip(specs, per_spec):
+                bad = [r for r in got if not hasattr(r, "spec")]
+                if bad:
+                    skipped.append({"config": spec.name, "context": ctx, "reason": str(bad[0])})
+                    console.print(f"[yellow]skipped {spec.name}: {bad[0]}")
+                    continue
+                rows.append(summarise(spec, ctx, ref, got, seed=args.seed))
+
+    settings = {"suite": plan.suite, "contexts": plan.contexts, "seed": args.seed, "quick": bool(args.quick),
+                "demo": bool(args.demo)}
+    if plan.suite == "text":
+        settings.update({"continuation": plan.continuation, "windows": plan.windows, "probe": not args.no_probe,
+                         "text": plan.text or "pydoc"})
+    else:
+        settings.update({"tasks": plan.tasks, "samples": plan.samples, "max_new_tokens": args.max_new_tokens})
+    doc = {
+        "schema": report.SCHEMA, "kvtier_version": __version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": model_info, "settings": settings,
+        "reference": plan.ref.name, "elapsed_s": time.perf_counter() - t_start, "results": rows,
+        "skipped": skipped,
+    }
+    plan.out.mkdir(parents=True, exist_ok=True)
+    report.print_table(doc, console)
+    report.write_json(doc, plan.out / "eval.json")
+    report.plot(doc, plan.out / "eval.png")
+    (plan.out / "eval.md").write_text(report.markdown_table(doc) + "\n")
+    console.print(f"wrote {plan.out / 'eval.json'}, {plan.out / 'eval.png'}, {plan.out / 'eval.md'} "
+                  f"in {doc['elapsed_s']:.0f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvtier.eval.cli`: the same as `kvtier eval`."""
+    from kvtier.cli import main as kvtier_main
+
+    return kvtier_main(["eval"] + list(argv if argv is not None else sys.argv[1:]))
