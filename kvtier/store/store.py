@@ -251,10 +251,11 @@ class KVStore:
                       pub_l3_blocks=0, pub_l3_bytes=0, pub_l3_failed=0,
                       pub_l4_blocks=0, pub_l4_bytes=0, pub_l4_failed=0, orphans_deleted=0,
                       prefix_lookups=0, prefix_lookup_tokens=0, prefix_hit_tokens=0,
-                      prefill_tokens_saved=0, dedup_seals=0, adopted_l3=0,
+                      prefill_tokens_saved=0, dedup_seals=0, adopted_l3=0, l3_disk_full=0,
                       gather_views=0, gather_copies=0, region_moves=0)
         # blocks per home tier, kept up to date under _lock so that stats() costs O(tables)
         self._home = {"l1": 0, "l2": 0, "l3": 0}
+        self._disk_full_warned = False
         self._lat_in = Latency()
         self._lat_out = Latency()
         self._lat_step = Latency()
@@ -716,7 +717,13 @@ class KVStore:
             t.entries.append(e)
             self._by_key[e.key] = e
             self._recs[e.tkey] = e.rec
-        self._make_room(t, 1, exclude=frozenset())
+        try:
+            self._make_room(t, 1, exclude=frozenset())
+        except BaseException:  # no room (tiers full): the block was never opened
+            with self._lock:
+                t.entries.pop()
+                del self._by_key[e.key], self._recs[e.tkey]
+            raise
         with self._lock:
             # no copy: a slot's tokens past t.length are never read (gather/gather_blocks narrow
             # to the length, a block is sealed full), so the open block needs no zeroing
@@ -1008,12 +1015,28 @@ class KVStore:
         """``l3.put_many``; when L3 is full, unreferenced content records (left by drops with
         ``keep_prefix`` or by earlier processes) are reclaimed and the refused puts retried once
         (tier lock held)."""
-        oks = self.l3.put_many(items)
+        oks = self._l3_put_many(items)
         if not all(oks) and self._reclaim_orphans():
             redo = [i for i, ok in enumerate(oks) if not ok]
-            for i, ok in zip(redo, self.l3.put_many([items[i] for i in redo])):
+            for i, ok in zip(redo, self._l3_put_many([items[i] for i in redo])):
                 oks[i] = ok
         return oks
+
+    def _l3_put_many(self, items: list) -> list[bool]:
+        """``l3.put_many`` where a full filesystem refuses the records it could not write (as a
+        full L3 would) instead of ending the run: they stay in L2, or the publisher skips them.
+        Warned once per store; counted in ``l3_disk_full``."""
+        from kvtier.tiers import DiskFullError
+
+        try:
+            return self.l3.put_many(items)
+        except DiskFullError as exc:
+            self._count(l3_disk_full=1)
+            if not self._disk_full_warned:
+                self._disk_full_warned = True
+                log.warning("kvtier: the disk under disk_path is full (%s); blocks L3 cannot take stay in "
+                            "L2 (free space there or lower disk_bytes)", exc)
+            return [self.l3.contains(k) for k, _ in items]  # the ones written before it filled are kept
 
     def _reclaim_orphans(self) -> int:
         """Delete L3 content records no live block references (tier lock held)."""

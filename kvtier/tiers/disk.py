@@ -46,7 +46,8 @@ from .base import BytesLike, Tier, TierStats, as_byte_view, check_key, out_view
 from .compactor import CompactJob, Compactor
 from .errors import DirectoryLockedError, DiskFullError, TierClosedError
 from .segfile import (FLAG_TOMB, IOV_MAX, REC, REC_HEADER_BYTES, REC_MAGIC, SEG_HDR, SEG_HEADER_BYTES,
-                      SEG_MAGIC, Segment, fdatasync, header, iter_headers, record_size)
+                      SEG_MAGIC, FIRST_BYTES, Segment, cut_record_at, fdatasync, header, iter_headers,
+                      record_size)
 
 __all__ = ["DiskTier", "record_size", "REC_HEADER_BYTES", "SEG_HEADER_BYTES", "purge_directory"]
 
@@ -160,7 +161,7 @@ class DiskTier(Tier):
         open) when ``capacity_bytes`` is more than the filesystem has left."""
         st = os.statvfs(self.path)
         free = st.f_bavail * st.f_frsize
-        need = min(self.segment_bytes, 1 << 20)
+        need = min(self.segment_bytes, FIRST_BYTES)
         if free < need:
             raise DiskFullError(28, f"disk_path {self.path!r} has {free:,} bytes free; L3 needs at least "
                                 f"{need:,} to start (free space there, or choose another disk_path)")
@@ -185,7 +186,8 @@ class DiskTier(Tier):
             seg = Segment(sid, p, fd, st.st_size, st.st_size)
             magic, _, hsid, cap, _ = SEG_HDR.unpack_from(seg.mm, 0)
             if magic == SEG_MAGIC and hsid == sid and st.st_size <= cap < 1 << 32:
-                seg.cap = cap  # the head at a crash can still grow to its segment size
+                # the last segment may grow again, up to the segment size of then and of now
+                seg.cap = max(st.st_size, min(cap, self.segment_bytes))
             seg.mtime_ns = st.st_mtime_ns
             self._segs[sid] = seg
         ids = sorted(self._segs)
@@ -286,6 +288,10 @@ class DiskTier(Tier):
             seg.used = pending_bad[0][1]
             # erase them, so they cannot shadow an older record once this segment is sealed
             seg.write(seg.used, [bytes(end - seg.used)])
+            self._dirty.add(seg.id)
+        elif last and cut_record_at(mm, end, seg.size):  # torn past the end of the file
+            self._n["torn"] += 1
+            seg.write(end, [bytes(seg.size - end)])
             self._dirty.add(seg.id)
 
     def _mark_corrupt(self, key: str | None, scan: bool = False) -> None:
@@ -919,8 +925,10 @@ class DiskTier(Tier):
         err = None
         if not self._closed and self._lock_fd >= 0 and self._recovered:
             try:
-                if self.durability in ("batch", "close"):
-                    with self._lock:
+                with self._lock:
+                    if self._head is not None:
+                        self._head.seal()  # give back its unused allocation; it grows again on reopen
+                    if self.durability in ("batch", "close"):
                         self._sync_locked()
             except OSError as exc:
                 err = exc

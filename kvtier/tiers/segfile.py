@@ -96,6 +96,16 @@ def iter_headers(mm, pos: int, limit: int) -> Iterator[tuple[int, int, int, int,
         pos += size
 
 
+def cut_record_at(mm, pos: int, limit: int) -> bool:
+    """Whether a record with a valid header starts at ``pos`` but runs past ``limit``: an
+    append cut short at the end of a file that had not been grown ahead of it."""
+    if pos + REC_HEADER_BYTES > limit:
+        return False
+    magic, hcrc, _, klen, vlen, _, _ = REC.unpack_from(mm, pos)
+    return (magic == REC_MAGIC and klen > 0 and pos + pad8(REC_HEADER_BYTES + klen + vlen) > limit
+            and crc32(mm[pos + 8:pos + REC_HEADER_BYTES]) == hcrc)
+
+
 class Segment:
     """One segment file: ``size`` bytes allocated and mapped, ``used`` of them written, at most
     ``cap``. Sealed segments keep only their mapping (no fd), so a large tier does not run out
