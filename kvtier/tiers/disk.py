@@ -57,6 +57,8 @@ DURABILITY = ("batch", "close", "never")
 _SEG_RE = re.compile(r"^seg-(\d{12})\.kvs$")
 _PARALLEL_CRC_BYTES = 256 << 10  # below this a CRC is cheaper than handing it to a thread
 _STEP_BYTES = 512 << 10  # segment bytes one background compaction step reads
+_PREAD_MAX = 16 << 10  # values below this are read with pread, larger ones from the mapping
+_READ_FDS = 128  # read-only fds kept open for sealed segments (LRU)
 
 
 class DiskTier(Tier):
@@ -121,6 +123,7 @@ class DiskTier(Tier):
         self._closed = True
         self._lock_fd = -1
         self._pool: ThreadPoolExecutor | None = None
+        self._rfds: dict[int, int] = {}  # segment id -> read-only fd, least recently used first
         self._worker: Compactor | None = None
         self._share = float(compact_share)
 
@@ -634,6 +637,7 @@ class DiskTier(Tier):
             return
         del self._segs[seg.id]
         self._dirty.discard(seg.id)
+        self._drop_rfd(seg.id)
         seg.close()
         os.unlink(seg.path)
         self._dir_dirty = True
@@ -706,6 +710,45 @@ class DiskTier(Tier):
         return diskindex.Checkpoint(dict(self._index), {}, rows, sorted(self._corrupt_keys), self._next_id, wm)
 
     # -- reading ----------------------------------------------------------------------------
+    # Small records are read with one pread of the whole record image: a file truncated under
+    # us then gives a short read, where touching the mapping would SIGBUS, and no fstat is
+    # needed per read (it costs more than the copy at these sizes). Larger ones are copied
+    # out of the mapping after one fstat bounds check.
+    def _rfd(self, seg: Segment) -> int:
+        """A read fd for ``seg``: the head's own, else one from a small LRU of read-only fds
+        (sealed segments hold none of their own, so a large tier does not run out of fds)."""
+        if seg.fd >= 0:
+            return seg.fd
+        fd = self._rfds.pop(seg.id, None)
+        if fd is None:
+            fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
+            if len(self._rfds) >= _READ_FDS:
+                os.close(self._rfds.pop(next(iter(self._rfds))))
+        self._rfds[seg.id] = fd
+        return fd
+
+    def _drop_rfd(self, sid: int) -> None:
+        fd = self._rfds.pop(sid, None)
+        if fd is not None:
+            os.close(fd)
+
+    def _read_small(self, key: str, loc: tuple) -> bytes | None:
+        """The value of a small record, header and CRC checked; None (counted corrupt) if not."""
+        sid, off, size, vlen = loc
+        kb = key.encode("utf-8")
+        k0 = REC_HEADER_BYTES + len(kb)
+        try:
+            rec = os.pread(self._rfd(self._segs[sid]), k0 + vlen, off)
+        except OSError:  # the file went away under us
+            rec = b""
+        if len(rec) == k0 + vlen:
+            magic, _, _, klen, vl, dcrc, _ = REC.unpack_from(rec)
+            if magic == REC_MAGIC and klen == len(kb) and vl == vlen and rec[REC_HEADER_BYTES:k0] == kb:
+                if crc32(memoryview(rec)[REC_HEADER_BYTES:]) == dcrc:
+                    return rec[k0:]
+        self._mark_corrupt(key)
+        return None
+
     def _locate(self, key: str) -> tuple[Segment, int, int, int, int] | None:
         """(segment, value offset, value length, crc32 of the key, expected crc32 of key+value)
         after checking the record's header against the index; None when absent or when the
@@ -743,16 +786,23 @@ class DiskTier(Tier):
         self._stats.bytes_out += len(value)
         return value
 
+    def _get_locked(self, key: str) -> bytes | None:
+        loc = self._index.get(key)
+        if loc is not None and loc[3] < _PREAD_MAX:
+            value = self._read_small(key, loc)
+            return self._count(key, value, value is not None)
+        r = self._fetch(key)
+        if r is None:
+            return self._count(key, None, False)
+        value, kcrc, dcrc = r
+        return self._count(key, value, crc32(value, kcrc) == dcrc)
+
     def get(self, key: str) -> bytes | None:
         """CRC-verified owned bytes, or None when absent or corrupt (counted in stats()["corrupt"])."""
         check_key(key)
         with self._lock:
             self._check_open()
-            r = self._fetch(key)
-            if r is None:
-                return self._count(key, None, False)
-            value, kcrc, dcrc = r
-            return self._count(key, value, crc32(value, kcrc) == dcrc)
+            return self._get_locked(key)
 
     def get_into(self, key: str, out: memoryview | bytearray | torch.Tensor) -> int | None:
         """Copy the value straight from the mapping into ``out`` (a writable buffer or contiguous
@@ -782,7 +832,7 @@ class DiskTier(Tier):
             self._check_open()
             for k in keys:
                 loc = self._index.get(k)
-                if loc is not None:
+                if loc is not None and loc[3] >= _PREAD_MAX:
                     s = self._segs[loc[0]]
                     a = loc[1] & ~(mmap.PAGESIZE - 1)
                     try:
@@ -791,6 +841,10 @@ class DiskTier(Tier):
                         break  # advice only
             pending = []
             for k in keys:
+                loc = self._index.get(k)
+                if loc is not None and loc[3] < _PREAD_MAX:
+                    pending.append((k, self._get_locked(k), None, 0))
+                    continue
                 r = self._fetch(k)
                 if r is None:
                     pending.append((k, None, None, 0))
@@ -803,6 +857,9 @@ class DiskTier(Tier):
                 pending.append((k, value, crc, dcrc))
             out = []
             for k, value, crc, dcrc in pending:
+                if crc is None:  # a small record, read and counted already
+                    out.append(value)
+                    continue
                 if value is not None and not isinstance(crc, int):
                     crc = crc.result()
                 out.append(self._count(k, value, value is not None and crc == dcrc))
@@ -845,6 +902,7 @@ class DiskTier(Tier):
             diskindex.remove(self.path)
             for sid in sorted(self._segs):  # oldest first: a crash leaves a suffix of the log, never stale versions
                 seg = self._segs.pop(sid)
+                self._drop_rfd(sid)
                 seg.close()
                 os.unlink(seg.path)
             self._index.clear()
@@ -942,6 +1000,8 @@ class DiskTier(Tier):
             if self._closed and self._lock_fd < 0:
                 return
             self._closed = True
+            for sid in list(self._rfds):
+                self._drop_rfd(sid)
             for s in self._segs.values():
                 s.close()
             self._segs.clear()
