@@ -1,4 +1,5 @@
-"""DiskTier's background worker: compaction and index checkpoints off the put/get path.
+"""DiskTier's compaction and index checkpoints, and the background worker that runs them off
+the put/get path.
 
 Compaction copies a sealed segment's live records to the head in steps of ``step_bytes`` of
 the segment, each step under the tier lock (so a put or get waits at most one step), and
@@ -11,11 +12,17 @@ which says whether there is more to do.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .segfile import SEG_HEADER_BYTES, Segment
+from kvtier._crc import crc32
+from . import diskindex
+from .segfile import FLAG_TOMB, REC_HEADER_BYTES, SEG_HEADER_BYTES, Segment, fdatasync, iter_headers
+
+_STEP_BYTES = 512 << 10  # segment bytes one background compaction step reads
 
 log = logging.getLogger(__name__)
 
@@ -81,3 +88,214 @@ class Compactor:
                 with self._cv:
                     if self._cv.wait_for(lambda: self._stop, timeout=dt * (1.0 - self.share) / self.share):
                         return
+
+
+class DiskCompaction:
+    """Compaction, index checkpoints and expiry for DiskTier (a mixin: the state lives in
+    ``DiskTier.__init__``; ``_``-methods expect the tier lock held unless they say otherwise)."""
+
+    def _compactable(self, s: Segment | None) -> bool:
+        return (s is not None and s is not self._head and self.compact_threshold > 0 and s.id not in self._stuck
+                and s.live < self.compact_threshold * (s.used - SEG_HEADER_BYTES))
+
+    def _candidates(self) -> list[Segment]:
+        """Sealed segments below the threshold, emptiest first."""
+        todo = [s for s in self._segs.values() if self._compactable(s)]
+        return sorted(todo, key=lambda s: s.live / max(1, s.used - SEG_HEADER_BYTES))
+
+    def compact(self) -> int:
+        """Compact every sealed segment below the threshold now (waiting for none of the
+        background pacing); returns how many were compacted."""
+        with self._lock:
+            self._check_open()
+            n = 0
+            for s in self._candidates():
+                n += self._compact_now(s)
+            return n
+
+    def _compact_now(self, seg: Segment) -> bool:
+        """Compact ``seg`` to the end under the lock (continuing a background job on it)."""
+        job = self._job if self._job is not None and self._job.seg is seg else CompactJob(seg)
+        self._job = job
+        try:
+            while not job.sync_pending:
+                if not self._compact_step(job, 1 << 62):
+                    return False
+            if self.durability != "never":
+                self._sync_locked()  # the copies are durable before the original goes
+            self._finish(job)
+            return True
+        finally:
+            if self._job is job:
+                self._job = None
+
+    def _compact_step(self, job: CompactJob, budget: int) -> bool:
+        """Copy the live records (and needed tombstones) of up to ``budget`` bytes of the job's
+        segment to the head; sets ``job.sync_pending`` when the segment is all read. False when
+        the head had no room for them (the segment is left as it is now)."""
+        seg = job.seg
+        if seg.file_size() < seg.used:  # truncated under us: reading it would SIGBUS
+            self._stuck.add(seg.id)
+            return False
+        mm, recs, read, pos = seg.mm, [], 0, job.pos
+        for pos, flags, klen, vlen, dcrc, size in iter_headers(mm, job.pos, seg.used):
+            if read >= budget:
+                break
+            read += size
+            k0 = pos + REC_HEADER_BYTES
+            kraw = mm[k0:k0 + klen]
+            try:
+                key = kraw.decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            if flags & FLAG_TOMB:  # a tombstone must outlive every older record it hides
+                if key not in self._index and self._hides_older(key, seg):
+                    recs.append((key, *self._image(key, None)))
+                continue
+            loc = self._index.get(key)
+            if loc is None or loc[0] != seg.id or loc[1] != pos:
+                continue  # dead
+            img = mm[pos:pos + size]  # the record image is position independent
+            if crc32(img[REC_HEADER_BYTES + klen:REC_HEADER_BYTES + klen + vlen], crc32(kraw)) != dcrc:
+                self._mark_corrupt(key)
+                continue
+            recs.append((key, kraw, size, [img], vlen))
+        else:
+            pos = seg.used
+        self._compacting = True
+        try:
+            res = self._append(recs) if recs else []
+        finally:
+            self._compacting = False
+        moved = sum(r[2] for r in recs)
+        self._n["compact_bytes_written"] += moved
+        job.copied_bytes += moved
+        if not all(res):
+            self._stuck.add(seg.id)
+            return False
+        job.pos = pos
+        job.sync_pending = pos >= seg.used
+        return True
+
+    def _hides_older(self, key: str, seg: Segment) -> bool:
+        for o in self._segs.values():
+            if o.id < seg.id:
+                if o.written is None:
+                    o.written = {k for k, flags in self._record_keys(o) if not flags & FLAG_TOMB}
+                if key in o.written:
+                    return True
+        return False
+
+    @staticmethod
+    def _record_keys(seg: Segment) -> Iterator[tuple[str, int]]:
+        mm = seg.mm
+        for pos, flags, klen, *_ in iter_headers(mm, SEG_HEADER_BYTES, seg.used):
+            try:
+                yield mm[pos + REC_HEADER_BYTES:pos + REC_HEADER_BYTES + klen].decode("utf-8"), flags
+            except UnicodeDecodeError:
+                continue
+
+    def _finish(self, job: CompactJob) -> None:
+        seg = job.seg
+        if seg.live:  # a record indexed here was not found again (damaged since): keep the file
+            self._stuck.add(seg.id)
+            return
+        del self._segs[seg.id]
+        self._dirty.discard(seg.id)
+        self._drop_rfd(seg.id)
+        seg.close()
+        os.unlink(seg.path)
+        self._dir_dirty = True
+        self._n["compactions"] += 1
+
+    def _background_step(self) -> bool:
+        """One paced unit of background work (compactor thread): a compaction step, the
+        durable hand-over of a compacted segment, or an index checkpoint. True if more may follow."""
+        with self._lock:
+            if self._closed:
+                return False
+            job = self._job
+            if job is None or self._segs.get(job.seg.id) is not job.seg:
+                todo = self._candidates()
+                job = self._job = CompactJob(todo[0]) if todo else None
+            if job is not None and not job.sync_pending:
+                if not self._compact_step(job, _STEP_BYTES):
+                    self._job = None
+                return True
+            if job is None:
+                due = self.checkpoint_records and self._since_cp >= max(self.checkpoint_records, len(self._index) // 4)
+                if not due:
+                    return False
+            fds = self._dup_dirty_fds() if self.durability != "never" else []
+        self._sync_fds(fds)  # outside the lock: puts and gets go on meanwhile
+        if job is None:
+            self.checkpoint()
+            return True
+        with self._lock:
+            if self._job is job and not self._closed and self._segs.get(job.seg.id) is job.seg:
+                self._job = None
+                self._finish(job)
+        return True
+
+    def _dup_dirty_fds(self) -> list[int]:
+        return [os.dup(s.fd) for sid in sorted(self._dirty) if (s := self._segs.get(sid)) is not None and s.fd >= 0]
+
+    @staticmethod
+    def _sync_fds(fds: list[int]) -> None:
+        try:
+            for fd in fds:
+                fdatasync(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    # -- checkpoint -------------------------------------------------------------------------
+    def checkpoint(self) -> int:
+        """Write the index checkpoint now (its records made durable first unless
+        durability="never"); returns the bytes written. Reopening then scans only what is
+        appended after this point."""
+        with self._cp_lock:
+            with self._lock:
+                self._check_open()
+                cp = self._snapshot()
+                fds = self._dup_dirty_fds() if self.durability != "never" else []
+                self._since_cp = 0
+            self._sync_fds(fds)  # the records it indexes are durable before it is
+            n = diskindex.save(self.path, cp)
+            with self._lock:
+                self._n["checkpoints"] += 1
+                self._n["checkpoint_bytes_written"] += n
+            return n
+
+    def _snapshot(self) -> diskindex.Checkpoint:
+        head = self._head
+        wm = (head.id, head.used) if head is not None else (self._next_id, SEG_HEADER_BYTES)
+        rows = [diskindex.SegmentRow(s.id, s.size, s.used, s.mtime_ns, s.tomb_bytes)
+                for s in sorted(self._segs.values(), key=lambda s: s.id)]
+        return diskindex.Checkpoint(dict(self._index), {}, rows, sorted(self._corrupt_keys), self._next_id, wm)
+
+    def expire(self, max_age_s: float | None = None, max_bytes: int | None = None,
+               keep=lambda key: False) -> int:
+        """Delete records not kept by ``keep(key)``: those written more than ``max_age_s`` ago,
+        then the oldest of the rest until they hold at most ``max_bytes``. A record's age is its
+        segment's (the time its file was last written). Returns how many were deleted."""
+        if max_age_s is not None and (not isinstance(max_age_s, (int, float)) or max_age_s < 0):
+            raise ValueError(f"max_age_s must be a number >= 0 or None, got {max_age_s!r}")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
+            raise ValueError(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
+        with self._lock:
+            self._check_open()
+            now = time.time_ns()
+            cand = sorted((loc[0], loc[1], loc[2], k) for k, loc in self._index.items() if not keep(k))
+            mt = {sid: (s.mtime_ns if s is not self._head else now) for sid, s in self._segs.items()}
+            drop = [k for sid, _, _, k in cand if max_age_s is not None and now - mt[sid] > max_age_s * 1e9]
+            rest = cand[len(drop):]  # oldest first, like ``cand``: the aged ones are its prefix
+            if max_bytes is not None:
+                total = sum(c[2] for c in rest)
+                for sid, _, size, k in rest:
+                    if total <= max_bytes:
+                        break
+                    drop.append(k)
+                    total -= size
+            self.delete_many(drop)
+            return len(drop)

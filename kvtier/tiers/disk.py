@@ -28,9 +28,7 @@ returns); ``get`` returns an owned ``bytes``.
 from __future__ import annotations
 
 import fcntl
-import mmap
 import os
-import re
 import threading
 import time
 import warnings
@@ -38,30 +36,23 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
-import torch
-
 from kvtier._crc import crc32
 from . import diskindex
-from .base import BytesLike, Tier, TierStats, as_byte_view, check_key, out_view
-from .compactor import CompactJob, Compactor
+from .base import BytesLike, Tier, TierStats, as_byte_view, check_key
+from .compactor import CompactJob, Compactor, DiskCompaction
+from .diskread import DiskReads
+from .diskspace import SEG_RE, check_free_space, purge_directory, remove_tier_files
 from .errors import DirectoryLockedError, DiskFullError, TierClosedError
-from .segfile import (FLAG_TOMB, IOV_MAX, REC, REC_HEADER_BYTES, REC_MAGIC, SEG_HDR, SEG_HEADER_BYTES,
-                      SEG_MAGIC, FIRST_BYTES, Segment, cut_record_at, fdatasync, header, iter_headers,
-                      record_size)
+from .segfile import (FLAG_TOMB, IOV_MAX, REC_HEADER_BYTES, SEG_HDR, SEG_HEADER_BYTES, SEG_MAGIC, Segment,
+                      cut_record_at, fdatasync, header, iter_headers, record_size)
 
 __all__ = ["DiskTier", "record_size", "REC_HEADER_BYTES", "SEG_HEADER_BYTES", "purge_directory"]
 
 Durability = Literal["batch", "close", "never"]
 DURABILITY = ("batch", "close", "never")
 
-_SEG_RE = re.compile(r"^seg-(\d{12})\.kvs$")
-_PARALLEL_CRC_BYTES = 256 << 10  # below this a CRC is cheaper than handing it to a thread
-_STEP_BYTES = 512 << 10  # segment bytes one background compaction step reads
-_PREAD_MAX = 16 << 10  # values below this are read with pread, larger ones from the mapping
-_READ_FDS = 128  # read-only fds kept open for sealed segments (LRU)
 
-
-class DiskTier(Tier):
+class DiskTier(DiskReads, DiskCompaction, Tier):
     """Persistent key -> bytes store in segment files under ``path``.
 
     Args:
@@ -151,7 +142,7 @@ class DiskTier(Tier):
             self._recover()
             self._recovered = True
             self.open_seconds = time.perf_counter() - t0
-            self._check_free_space()
+            check_free_space(self.path, self.segment_bytes, self.capacity_bytes, self.disk_bytes)
         except BaseException:
             self.close()
             raise
@@ -159,24 +150,9 @@ class DiskTier(Tier):
         if self._candidates():
             self._worker.wake()
 
-    def _check_free_space(self) -> None:
-        """Refuse a filesystem without room for one segment's first allocation; warn (once per
-        open) when ``capacity_bytes`` is more than the filesystem has left."""
-        st = os.statvfs(self.path)
-        free = st.f_bavail * st.f_frsize
-        need = min(self.segment_bytes, FIRST_BYTES)
-        if free < need:
-            raise DiskFullError(28, f"disk_path {self.path!r} has {free:,} bytes free; L3 needs at least "
-                                f"{need:,} to start (free space there, or choose another disk_path)")
-        room = free + self.disk_bytes
-        if room < self.capacity_bytes:
-            warnings.warn(f"kvtier: L3 capacity is {self.capacity_bytes:,} bytes but {self.path!r} has "
-                          f"{free:,} bytes free: the disk fills before L3 does (lower disk_bytes to at most "
-                          f"{room:,})", RuntimeWarning, stacklevel=3)
-
     # -- opening ----------------------------------------------------------------------------
     def _recover(self) -> None:
-        ids = sorted(int(m.group(1)) for n in os.listdir(self.path) if (m := _SEG_RE.match(n)))
+        ids = sorted(int(m.group(1)) for n in os.listdir(self.path) if (m := SEG_RE.match(n)))
         for sid in ids:
             p = self._seg_path(sid)
             fd = os.open(p, os.O_RDWR | os.O_CLOEXEC)
@@ -528,349 +504,6 @@ class DiskTier(Tier):
                 or (self.checkpoint_records and self._since_cp >= max(self.checkpoint_records, len(self._index) // 4))):
             self._worker.wake()
 
-    # -- compaction -------------------------------------------------------------------------
-    def _compactable(self, s: Segment | None) -> bool:
-        return (s is not None and s is not self._head and self.compact_threshold > 0 and s.id not in self._stuck
-                and s.live < self.compact_threshold * (s.used - SEG_HEADER_BYTES))
-
-    def _candidates(self) -> list[Segment]:
-        """Sealed segments below the threshold, emptiest first."""
-        todo = [s for s in self._segs.values() if self._compactable(s)]
-        return sorted(todo, key=lambda s: s.live / max(1, s.used - SEG_HEADER_BYTES))
-
-    def compact(self) -> int:
-        """Compact every sealed segment below the threshold now (waiting for none of the
-        background pacing); returns how many were compacted."""
-        with self._lock:
-            self._check_open()
-            n = 0
-            for s in self._candidates():
-                n += self._compact_now(s)
-            return n
-
-    def _compact_now(self, seg: Segment) -> bool:
-        """Compact ``seg`` to the end under the lock (continuing a background job on it)."""
-        job = self._job if self._job is not None and self._job.seg is seg else CompactJob(seg)
-        self._job = job
-        try:
-            while not job.sync_pending:
-                if not self._compact_step(job, 1 << 62):
-                    return False
-            if self.durability != "never":
-                self._sync_locked()  # the copies are durable before the original goes
-            self._finish(job)
-            return True
-        finally:
-            if self._job is job:
-                self._job = None
-
-    def _compact_step(self, job: CompactJob, budget: int) -> bool:
-        """Copy the live records (and needed tombstones) of up to ``budget`` bytes of the job's
-        segment to the head; sets ``job.sync_pending`` when the segment is all read. False when
-        the head had no room for them (the segment is left as it is now)."""
-        seg = job.seg
-        if seg.file_size() < seg.used:  # truncated under us: reading it would SIGBUS
-            self._stuck.add(seg.id)
-            return False
-        mm, recs, read, pos = seg.mm, [], 0, job.pos
-        for pos, flags, klen, vlen, dcrc, size in iter_headers(mm, job.pos, seg.used):
-            if read >= budget:
-                break
-            read += size
-            k0 = pos + REC_HEADER_BYTES
-            kraw = mm[k0:k0 + klen]
-            try:
-                key = kraw.decode("utf-8")
-            except UnicodeDecodeError:
-                continue
-            if flags & FLAG_TOMB:  # a tombstone must outlive every older record it hides
-                if key not in self._index and self._hides_older(key, seg):
-                    recs.append((key, *self._image(key, None)))
-                continue
-            loc = self._index.get(key)
-            if loc is None or loc[0] != seg.id or loc[1] != pos:
-                continue  # dead
-            img = mm[pos:pos + size]  # the record image is position independent
-            if crc32(img[REC_HEADER_BYTES + klen:REC_HEADER_BYTES + klen + vlen], crc32(kraw)) != dcrc:
-                self._mark_corrupt(key)
-                continue
-            recs.append((key, kraw, size, [img], vlen))
-        else:
-            pos = seg.used
-        self._compacting = True
-        try:
-            res = self._append(recs) if recs else []
-        finally:
-            self._compacting = False
-        moved = sum(r[2] for r in recs)
-        self._n["compact_bytes_written"] += moved
-        job.copied_bytes += moved
-        if not all(res):
-            self._stuck.add(seg.id)
-            return False
-        job.pos = pos
-        job.sync_pending = pos >= seg.used
-        return True
-
-    def _hides_older(self, key: str, seg: Segment) -> bool:
-        for o in self._segs.values():
-            if o.id < seg.id:
-                if o.written is None:
-                    o.written = {k for k, flags in self._record_keys(o) if not flags & FLAG_TOMB}
-                if key in o.written:
-                    return True
-        return False
-
-    @staticmethod
-    def _record_keys(seg: Segment) -> Iterator[tuple[str, int]]:
-        mm = seg.mm
-        for pos, flags, klen, *_ in iter_headers(mm, SEG_HEADER_BYTES, seg.used):
-            try:
-                yield mm[pos + REC_HEADER_BYTES:pos + REC_HEADER_BYTES + klen].decode("utf-8"), flags
-            except UnicodeDecodeError:
-                continue
-
-    def _finish(self, job: CompactJob) -> None:
-        seg = job.seg
-        if seg.live:  # a record indexed here was not found again (damaged since): keep the file
-            self._stuck.add(seg.id)
-            return
-        del self._segs[seg.id]
-        self._dirty.discard(seg.id)
-        self._drop_rfd(seg.id)
-        seg.close()
-        os.unlink(seg.path)
-        self._dir_dirty = True
-        self._n["compactions"] += 1
-
-    def _background_step(self) -> bool:
-        """One paced unit of background work (compactor thread): a compaction step, the
-        durable hand-over of a compacted segment, or an index checkpoint. True if more may follow."""
-        with self._lock:
-            if self._closed:
-                return False
-            job = self._job
-            if job is None or self._segs.get(job.seg.id) is not job.seg:
-                todo = self._candidates()
-                job = self._job = CompactJob(todo[0]) if todo else None
-            if job is not None and not job.sync_pending:
-                if not self._compact_step(job, _STEP_BYTES):
-                    self._job = None
-                return True
-            if job is None:
-                due = self.checkpoint_records and self._since_cp >= max(self.checkpoint_records, len(self._index) // 4)
-                if not due:
-                    return False
-            fds = self._dup_dirty_fds() if self.durability != "never" else []
-        self._sync_fds(fds)  # outside the lock: puts and gets go on meanwhile
-        if job is None:
-            self.checkpoint()
-            return True
-        with self._lock:
-            if self._job is job and not self._closed and self._segs.get(job.seg.id) is job.seg:
-                self._job = None
-                self._finish(job)
-        return True
-
-    def _dup_dirty_fds(self) -> list[int]:
-        return [os.dup(s.fd) for sid in sorted(self._dirty) if (s := self._segs.get(sid)) is not None and s.fd >= 0]
-
-    @staticmethod
-    def _sync_fds(fds: list[int]) -> None:
-        try:
-            for fd in fds:
-                fdatasync(fd)
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-    # -- checkpoint -------------------------------------------------------------------------
-    def checkpoint(self) -> int:
-        """Write the index checkpoint now (its records made durable first unless
-        durability="never"); returns the bytes written. Reopening then scans only what is
-        appended after this point."""
-        with self._cp_lock:
-            with self._lock:
-                self._check_open()
-                cp = self._snapshot()
-                fds = self._dup_dirty_fds() if self.durability != "never" else []
-                self._since_cp = 0
-            self._sync_fds(fds)  # the records it indexes are durable before it is
-            n = diskindex.save(self.path, cp)
-            with self._lock:
-                self._n["checkpoints"] += 1
-                self._n["checkpoint_bytes_written"] += n
-            return n
-
-    def _snapshot(self) -> diskindex.Checkpoint:
-        head = self._head
-        wm = (head.id, head.used) if head is not None else (self._next_id, SEG_HEADER_BYTES)
-        rows = [diskindex.SegmentRow(s.id, s.size, s.used, s.mtime_ns, s.tomb_bytes)
-                for s in sorted(self._segs.values(), key=lambda s: s.id)]
-        return diskindex.Checkpoint(dict(self._index), {}, rows, sorted(self._corrupt_keys), self._next_id, wm)
-
-    # -- reading ----------------------------------------------------------------------------
-    # Small records are read with one pread of the whole record image: a file truncated under
-    # us then gives a short read, where touching the mapping would SIGBUS, and no fstat is
-    # needed per read (it costs more than the copy at these sizes). Larger ones are copied
-    # out of the mapping after one fstat bounds check.
-    def _rfd(self, seg: Segment) -> int:
-        """A read fd for ``seg``: the head's own, else one from a small LRU of read-only fds
-        (sealed segments hold none of their own, so a large tier does not run out of fds)."""
-        if seg.fd >= 0:
-            return seg.fd
-        fd = self._rfds.pop(seg.id, None)
-        if fd is None:
-            fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
-            if len(self._rfds) >= _READ_FDS:
-                os.close(self._rfds.pop(next(iter(self._rfds))))
-        self._rfds[seg.id] = fd
-        return fd
-
-    def _drop_rfd(self, sid: int) -> None:
-        fd = self._rfds.pop(sid, None)
-        if fd is not None:
-            os.close(fd)
-
-    def _read_small(self, key: str, loc: tuple) -> bytes | None:
-        """The value of a small record, header and CRC checked; None (counted corrupt) if not."""
-        sid, off, size, vlen = loc
-        kb = key.encode("utf-8")
-        k0 = REC_HEADER_BYTES + len(kb)
-        try:
-            rec = os.pread(self._rfd(self._segs[sid]), k0 + vlen, off)
-        except OSError:  # the file went away under us
-            rec = b""
-        if len(rec) == k0 + vlen:
-            magic, _, _, klen, vl, dcrc, _ = REC.unpack_from(rec)
-            if magic == REC_MAGIC and klen == len(kb) and vl == vlen and rec[REC_HEADER_BYTES:k0] == kb:
-                if crc32(memoryview(rec)[REC_HEADER_BYTES:]) == dcrc:
-                    return rec[k0:]
-        self._mark_corrupt(key)
-        return None
-
-    def _locate(self, key: str) -> tuple[Segment, int, int, int, int] | None:
-        """(segment, value offset, value length, crc32 of the key, expected crc32 of key+value)
-        after checking the record's header against the index; None when absent or when the
-        header/bounds are already wrong (that is counted as corrupt)."""
-        loc = self._index.get(key)
-        if loc is None:
-            return None
-        sid, off, size, vlen = loc
-        seg = self._segs[sid]
-        kb = key.encode("utf-8")
-        if off + size <= seg.file_size():  # a file truncated under us would SIGBUS
-            magic, _, _, klen, vl, dcrc, _ = REC.unpack_from(seg.mm, off)
-            k0 = off + REC_HEADER_BYTES
-            if magic == REC_MAGIC and klen == len(kb) and vl == vlen and seg.mm[k0:k0 + klen] == kb:
-                return seg, k0 + klen, vlen, crc32(kb), dcrc
-        self._mark_corrupt(key)
-        return None
-
-    def _fetch(self, key: str) -> tuple[bytes, int, int] | None:
-        """(value copied out of the mapping, crc32 of the key, expected crc32), or None."""
-        r = self._locate(key)
-        if r is None:
-            return None
-        seg, voff, vlen, kcrc, dcrc = r
-        return seg.mm[voff:voff + vlen], kcrc, dcrc
-
-    def _count(self, key: str, value: bytes | None, ok: bool) -> bytes | None:
-        self._stats.gets += 1
-        if value is None or not ok:
-            if value is not None:
-                self._mark_corrupt(key)
-            self._stats.misses += 1
-            return None
-        self._stats.hits += 1
-        self._stats.bytes_out += len(value)
-        return value
-
-    def _get_locked(self, key: str) -> bytes | None:
-        loc = self._index.get(key)
-        if loc is not None and loc[3] < _PREAD_MAX:
-            value = self._read_small(key, loc)
-            return self._count(key, value, value is not None)
-        r = self._fetch(key)
-        if r is None:
-            return self._count(key, None, False)
-        value, kcrc, dcrc = r
-        return self._count(key, value, crc32(value, kcrc) == dcrc)
-
-    def get(self, key: str) -> bytes | None:
-        """CRC-verified owned bytes, or None when absent or corrupt (counted in stats()["corrupt"])."""
-        check_key(key)
-        with self._lock:
-            self._check_open()
-            return self._get_locked(key)
-
-    def get_into(self, key: str, out: memoryview | bytearray | torch.Tensor) -> int | None:
-        """Copy the value straight from the mapping into ``out`` (a writable buffer or contiguous
-        tensor) and verify its CRC there. Returns the bytes written, or None when absent or
-        corrupt (then ``out`` may hold the damaged bytes)."""
-        check_key(key)
-        if isinstance(out, torch.Tensor) and out.device.type != "cpu":
-            return super().get_into(key, out)  # staged through host memory
-        with self._lock:
-            self._check_open()
-            loc = self._index.get(key)
-            mv, _ = out_view(out, loc[3] if loc is not None else 0)  # checked before counting
-            r = self._locate(key)
-            if r is None:
-                return self._count(key, None, False)
-            seg, voff, vlen, kcrc, dcrc = r
-            with memoryview(seg.mm) as src:  # released before the mapping can be closed
-                mv[:vlen] = src[voff:voff + vlen]
-            ok = crc32(mv[:vlen], kcrc) == dcrc
-            return vlen if self._count(key, mv[:vlen], ok) is not None else None
-
-    def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
-        """Batched get: readahead for the whole batch first, and the CRC checks of large values
-        run on worker threads (the CRC releases the GIL) while the next values are copied."""
-        keys = [check_key(k) for k in keys]
-        with self._lock:
-            self._check_open()
-            for k in keys:
-                loc = self._index.get(k)
-                if loc is not None and loc[3] >= _PREAD_MAX:
-                    s = self._segs[loc[0]]
-                    a = loc[1] & ~(mmap.PAGESIZE - 1)
-                    try:
-                        s.mm.madvise(mmap.MADV_WILLNEED, a, min(loc[1] + loc[2], s.size) - a)
-                    except (OSError, ValueError):
-                        break  # advice only
-            pending = []
-            for k in keys:
-                loc = self._index.get(k)
-                if loc is not None and loc[3] < _PREAD_MAX:
-                    pending.append((k, self._get_locked(k), None, 0))
-                    continue
-                r = self._fetch(k)
-                if r is None:
-                    pending.append((k, None, None, 0))
-                    continue
-                value, kcrc, dcrc = r
-                if len(value) >= _PARALLEL_CRC_BYTES and len(keys) > 1:
-                    crc = self._crc_pool().submit(crc32, value, kcrc)
-                else:
-                    crc = crc32(value, kcrc)
-                pending.append((k, value, crc, dcrc))
-            out = []
-            for k, value, crc, dcrc in pending:
-                if crc is None:  # a small record, read and counted already
-                    out.append(value)
-                    continue
-                if value is not None and not isinstance(crc, int):
-                    crc = crc.result()
-                out.append(self._count(k, value, value is not None and crc == dcrc))
-            return out
-
-    def _crc_pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1),
-                                            thread_name_prefix="kvtier-disk-crc")
-        return self._pool
-
     def contains(self, key: str) -> bool:
         check_key(key)
         return key in self._index
@@ -914,32 +547,6 @@ class DiskTier(Tier):
             if self.durability != "never":
                 self._sync_locked()
             return n
-
-    def expire(self, max_age_s: float | None = None, max_bytes: int | None = None,
-               keep=lambda key: False) -> int:
-        """Delete records not kept by ``keep(key)``: those written more than ``max_age_s`` ago,
-        then the oldest of the rest until they hold at most ``max_bytes``. A record's age is its
-        segment's (the time its file was last written). Returns how many were deleted."""
-        if max_age_s is not None and (not isinstance(max_age_s, (int, float)) or max_age_s < 0):
-            raise ValueError(f"max_age_s must be a number >= 0 or None, got {max_age_s!r}")
-        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
-            raise ValueError(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
-        with self._lock:
-            self._check_open()
-            now = time.time_ns()
-            cand = sorted((loc[0], loc[1], loc[2], k) for k, loc in self._index.items() if not keep(k))
-            mt = {sid: (s.mtime_ns if s is not self._head else now) for sid, s in self._segs.items()}
-            drop = [k for sid, _, _, k in cand if max_age_s is not None and now - mt[sid] > max_age_s * 1e9]
-            rest = cand[len(drop):]  # oldest first, like ``cand``: the aged ones are its prefix
-            if max_bytes is not None:
-                total = sum(c[2] for c in rest)
-                for sid, _, size, k in rest:
-                    if total <= max_bytes:
-                        break
-                    drop.append(k)
-                    total -= size
-            self.delete_many(drop)
-            return len(drop)
 
     # -- durability -------------------------------------------------------------------------
     def _sync_locked(self) -> None:
@@ -1028,7 +635,7 @@ class DiskTier(Tier):
             freed = self.disk_bytes
             self.clear()
         self.close()
-        return freed + _remove_tier_files(self.path)
+        return freed + remove_tier_files(self.path)
 
     def __del__(self) -> None:
         if getattr(self, "_lock_fd", -1) >= 0:
@@ -1036,45 +643,3 @@ class DiskTier(Tier):
                 self.close()
             except Exception:  # interpreter shutdown: nothing left to report to
                 self._lock_fd = -1
-
-
-def _remove_tier_files(path: str) -> int:
-    """Remove what a DiskTier keeps in ``path`` (caller holds or has just released the lock);
-    the directory too when it is then empty. Returns the bytes freed."""
-    freed = 0
-    for name in os.listdir(path):
-        if _SEG_RE.match(name) or name in (diskindex.INDEX_NAME, diskindex.INDEX_NAME + ".tmp", "LOCK"):
-            p = os.path.join(path, name)
-            freed += os.stat(p).st_size
-            os.unlink(p)
-    try:
-        os.rmdir(path)
-    except OSError:  # other files live there: not ours to remove
-        pass
-    return freed
-
-
-def purge_directory(path: str | os.PathLike) -> tuple[int, int]:
-    """Delete a DiskTier directory's files (``kvtier cache clear``), taking its lock first so
-    a directory in use raises DirectoryLockedError and is left alone. Works on a full disk
-    (nothing is written). Returns (files removed, bytes freed). Raises ValueError when
-    ``path`` is not a kvtier L3 directory."""
-    path = os.path.abspath(os.fspath(path))
-    if not os.path.isdir(path):
-        raise ValueError(f"{path!r} is not a directory")
-    names = os.listdir(path)
-    ours = [n for n in names if _SEG_RE.match(n) or n in ("LOCK", diskindex.INDEX_NAME, diskindex.INDEX_NAME + ".tmp")]
-    if names and not ours:
-        raise ValueError(f"{path!r} holds no kvtier L3 files (LOCK, INDEX, seg-*.kvs); nothing removed")
-    fd = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise DirectoryLockedError(f"{path!r} is in use by a running kvtier (lock file "
-                                       f"{os.path.join(path, 'LOCK')}); stop it first") from None
-        diskindex.remove(path)  # first: a crash half way leaves a log a full scan reads right
-        files = len([n for n in os.listdir(path) if _SEG_RE.match(n)])
-        return files, _remove_tier_files(path)
-    finally:
-        os.close(fd)
