@@ -22,7 +22,20 @@ from kvtier._crc import crc32
 from . import diskindex
 from .segfile import FLAG_TOMB, REC_HEADER_BYTES, SEG_HEADER_BYTES, Segment, fdatasync, iter_headers
 
-_STEP_BYTES = 512 << 10  # segment bytes one background compaction step reads
+_STEP_BYTES = 256 << 10  # segment bytes one background compaction step reads
+
+
+class _NoLockType:
+    """Stands in for the tier lock where the caller holds it already."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+_NoLock = _NoLockType()
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +47,7 @@ class CompactJob:
     seg: Segment
     pos: int = SEG_HEADER_BYTES
     copied_bytes: int = 0
+    max_step_read: int = 0  # the most segment bytes one step read
     sync_pending: bool = False  # every record moved; the copies must be durable before the unlink
 
 
@@ -47,6 +61,7 @@ class Compactor:
         self._wake = False
         self._stop = False
         self.busy_s = 0.0  # seconds spent in steps
+        self.max_step_s = 0.0  # the longest step: about the most a put or get waited for one
         self.steps = 0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -82,6 +97,7 @@ class Compactor:
                     more = False
                 dt = time.perf_counter() - t0
                 self.busy_s += dt
+                self.max_step_s = max(self.max_step_s, dt)
                 self.steps += 1
                 if not more:
                     break
@@ -129,53 +145,104 @@ class DiskCompaction:
             if self._job is job:
                 self._job = None
 
-    def _compact_step(self, job: CompactJob, budget: int) -> bool:
+    def _compact_step(self, job: CompactJob, budget: int, locked: bool = True) -> bool:
         """Copy the live records (and needed tombstones) of up to ``budget`` bytes of the job's
         segment to the head; sets ``job.sync_pending`` when the segment is all read. False when
-        the head had no room for them (the segment is left as it is now)."""
-        seg = job.seg
-        if seg.file_size() < seg.used:  # truncated under us: reading it would SIGBUS
-            self._stuck.add(seg.id)
+        the segment cannot be moved now (no room at the head, or it changed under us).
+
+        With ``locked=False`` (the background worker) the tier lock is taken only to check the
+        segment and then to append what was gathered: reading and CRC-checking the records
+        runs without it, so a put or get waits for an append, not for a whole step."""
+        lock = self._lock if not locked else _NoLock
+        with lock:
+            seg = job.seg
+            if self._closed or self._segs.get(seg.id) is not seg:
+                return False
+            if seg.file_size() < seg.used:  # truncated under us: reading it would SIGBUS
+                self._stuck.add(seg.id)
+                return False
+        try:
+            cands, pos, read, written = self._gather(job, budget, yield_gil=not locked)
+        except ValueError:  # its mapping was closed meanwhile (cleared, or the tier closed)
             return False
-        mm, recs, read, pos = seg.mm, [], 0, job.pos
+        with lock:
+            if self._closed or self._segs.get(seg.id) is not seg:
+                return False
+            for o, keys in written.items():
+                if self._segs.get(o.id) is o and o.written is None:
+                    o.written = keys
+            recs = []
+            for key, flags, kraw, size, vlen, off, img in cands:
+                if flags & FLAG_TOMB:  # a tombstone must outlive every older record it hides
+                    if key not in self._index and self._hides_older(key, seg):
+                        recs.append((key, *self._image(key, None)))
+                    continue
+                loc = self._index.get(key)
+                if loc is None or loc[0] != seg.id or loc[1] != off:
+                    continue  # replaced or deleted meanwhile
+                if img is None:
+                    self._mark_corrupt(key)
+                else:
+                    recs.append((key, kraw, size, [img], vlen))
+            job.max_step_read = max(job.max_step_read, read)
+            self._compacting = True
+            try:
+                res = self._append(recs) if recs else []
+            finally:
+                self._compacting = False
+            moved = sum(r[2] for r in recs)
+            self._n["compact_bytes_written"] += moved
+            job.copied_bytes += moved
+            if not all(res):
+                self._stuck.add(seg.id)
+                return False
+            job.pos = pos
+            job.sync_pending = pos >= seg.used
+            return True
+
+    def _gather(self, job: CompactJob, budget: int, yield_gil: bool):
+        """Read up to ``budget`` bytes of records from ``job.pos``: (candidates, next position,
+        bytes read, written-key sets built for older segments). A candidate is (key, flags,
+        key bytes, size, value length, offset, image or None when its CRC failed) for records
+        the index points to here, and every tombstone whose key is not indexed. The index is
+        only peeked at: the caller re-checks under the lock."""
+        seg = job.seg
+        mm, cands, read, pos, n = seg.mm, [], 0, job.pos, 0
         for pos, flags, klen, vlen, dcrc, size in iter_headers(mm, job.pos, seg.used):
             if read >= budget:
                 break
             read += size
+            n += 1
+            if yield_gil and n % 8 == 0:
+                time.sleep(0)  # let a waiting put/get have the GIL (this loop is pure Python)
             k0 = pos + REC_HEADER_BYTES
             kraw = mm[k0:k0 + klen]
             try:
                 key = kraw.decode("utf-8")
             except UnicodeDecodeError:
                 continue
-            if flags & FLAG_TOMB:  # a tombstone must outlive every older record it hides
-                if key not in self._index and self._hides_older(key, seg):
-                    recs.append((key, *self._image(key, None)))
+            if flags & FLAG_TOMB:
+                if key not in self._index:
+                    cands.append((key, flags, kraw, size, vlen, pos, None))
                 continue
             loc = self._index.get(key)
             if loc is None or loc[0] != seg.id or loc[1] != pos:
-                continue  # dead
+                continue  # dead, and a dead record never comes back to life
             img = mm[pos:pos + size]  # the record image is position independent
             if crc32(img[REC_HEADER_BYTES + klen:REC_HEADER_BYTES + klen + vlen], crc32(kraw)) != dcrc:
-                self._mark_corrupt(key)
+                cands.append((key, flags, kraw, size, vlen, pos, None))
                 continue
-            recs.append((key, kraw, size, [img], vlen))
+            cands.append((key, flags, kraw, size, vlen, pos, img))
         else:
             pos = seg.used
-        self._compacting = True
-        try:
-            res = self._append(recs) if recs else []
-        finally:
-            self._compacting = False
-        moved = sum(r[2] for r in recs)
-        self._n["compact_bytes_written"] += moved
-        job.copied_bytes += moved
-        if not all(res):
-            self._stuck.add(seg.id)
-            return False
-        job.pos = pos
-        job.sync_pending = pos >= seg.used
-        return True
+        written = {}
+        if any(c[1] & FLAG_TOMB for c in cands):  # older segments' key sets, built here, not under the lock
+            for o in list(self._segs.values()):
+                if o.id < seg.id and o.written is None:
+                    written[o] = {k for k, flags in self._record_keys(o) if not flags & FLAG_TOMB}
+                    if yield_gil:
+                        time.sleep(0)
+        return cands, pos, read, written
 
     def _hides_older(self, key: str, seg: Segment) -> bool:
         for o in self._segs.values():
@@ -218,15 +285,20 @@ class DiskCompaction:
             if job is None or self._segs.get(job.seg.id) is not job.seg:
                 todo = self._candidates()
                 job = self._job = CompactJob(todo[0]) if todo else None
-            if job is not None and not job.sync_pending:
-                if not self._compact_step(job, _STEP_BYTES):
-                    self._job = None
-                return True
-            if job is None:
-                due = self.checkpoint_records and self._since_cp >= max(self.checkpoint_records, len(self._index) // 4)
-                if not due:
-                    return False
-            fds = self._dup_dirty_fds() if self.durability != "never" else []
+            run_step = job is not None and not job.sync_pending
+            if not run_step:
+                if job is None:
+                    due = self.checkpoint_records and self._since_cp >= max(self.checkpoint_records,
+                                                                              len(self._index) // 4)
+                    if not due:
+                        return False
+                fds = self._dup_dirty_fds() if self.durability != "never" else []
+        if run_step:
+            if not self._compact_step(job, _STEP_BYTES, locked=False):
+                with self._lock:
+                    if self._job is job:
+                        self._job = None
+            return True
         self._sync_fds(fds)  # outside the lock: puts and gets go on meanwhile
         if job is None:
             self.checkpoint()

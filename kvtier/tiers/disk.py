@@ -577,7 +577,9 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
             d.update(used_bytes=live, capacity_bytes=self.capacity_bytes, records=len(self._index),
                      segments=len(self._segs), disk_bytes=self.disk_bytes, dead_bytes=written - live,
                      corrupt_keys=len(self._corrupt_keys), open_seconds=self.open_seconds,
-                     compact_busy_seconds=self._worker.busy_s if self._worker is not None else 0.0, **self._n)
+                     compact_busy_seconds=self._worker.busy_s if self._worker is not None else 0.0,
+                     compact_max_step_seconds=self._worker.max_step_s if self._worker is not None else 0.0,
+                     **self._n)
             return d
 
     def close(self) -> None:
