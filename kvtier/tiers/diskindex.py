@@ -21,6 +21,7 @@ record's header and data CRC on every read, so damage after the checkpoint is st
 """
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import struct
@@ -121,13 +122,19 @@ def load(dirpath: str) -> Checkpoint | None:
         return None
     if len(keys) != n or len(corrupt) != ncor:
         return None
-    index = dict(zip(keys, zip(*(c.tolist() for c in cols)))) if n else {}
+    paused = gc.isenabled()
+    gc.disable()  # a million new tuples would trigger collections that traverse all of them
+    try:
+        index = dict(zip(keys, zip(*(c.tolist() for c in cols)))) if n else {}
+    finally:
+        if paused:
+            gc.enable()
     if len(index) != n:  # a key listed twice: not a file this module wrote
         return None
-    sids, live = np.unique(cols[0], return_inverse=False), {}
+    live = {}
     if n:
         per = np.bincount(cols[0], weights=cols[2].astype(np.float64))
-        live = {int(s): int(per[s]) for s in sids}
+        live = {int(s): int(per[s]) for s in np.flatnonzero(per)}
     rows = [SegmentRow(*map(int, r)) for r in segs.tolist()]
     return Checkpoint(index, live, rows, corrupt, int(next_id), (int(wsid), int(woff)))
 
