@@ -5,9 +5,9 @@ head_dim 128, bf16; ``--shape`` for others) and int4 below L1:
   grow      one sequence growing to --max-tokens (128k): prefill in chunks, and at each
             checkpoint (8k, 16k, ... 128k) a few sparse decode steps (budget 3% of the context:
             select + gather_view + a one-token append per layer, then end_step)
-  convs     1, 2, 4, ... --convs (8) concurrent conversations of --conv-tokens (32k) sharing a
-            --prefix-tokens (4k) prefix (content-addressed blocks: one copy per tier), decoding
-            round-robin
+  convs     --convs (8) conversations of --conv-tokens (32k) sharing a --prefix-tokens (4k)
+            prefix (content-addressed blocks: one copy per tier), stored once; then decode
+            steps with 1, 2, 4, ... of them active at once (round-robin)
   reopen    a DiskTier directory of --reopen-records (1M) small records reopened, in fresh
             processes: the code this session started from (full log scan) against the index
             checkpoint, and a full scan of the same files by the current code
@@ -230,43 +230,49 @@ def run_grow(a, shape, root: str) -> dict:
 
 
 def run_convs(a, shape, root: str) -> dict:
+    """--convs conversations stored once (L1 sized for all of them), then decode steps with the
+    first 1, 2, 4, ... of them active: store time per step and conversation against how many."""
     layers = shape[0]
     budget = max(a.block_tokens * 4, int(0.03 * a.conv_tokens) // a.block_tokens * a.block_tokens)
     per_tok = 2 * shape[1] * shape[3] * 2 * layers
-    out = []
+    hot = max(budget, (int(a.l1_gib * (1 << 30)) // (per_tok * a.convs)) // a.block_tokens * a.block_tokens)
+    d = os.path.join(root, "convs")
+    st = make_store(a, shape, d, hot, budget, a.convs)
+    timed = Timed(st.l3)
+    src = KVSource(shape, 1024, seed=1)
     prefix_ids = np.arange(a.prefix_tokens, dtype=np.int64)
+    seqs = []
+    t0 = time.perf_counter()
+    for i in range(a.convs):
+        s = st.add_sequence()
+        own = np.arange(10**6 * (i + 1), 10**6 * (i + 1) + a.conv_tokens - a.prefix_tokens, dtype=np.int64)
+        st.note_tokens(s, np.concatenate([prefix_ids, own]))
+        prefill(st, s, layers, src, a.prefix_tokens)  # the same prefix KV: shared blocks
+        prefill(st, s, layers, src, a.conv_tokens - a.prefix_tokens, offset=7 + i)
+        seqs.append(s)
+    fill_s = time.perf_counter() - t0
+    out = []
     counts = [c for c in (1, 2, 4, 8, 16, 32) if c < a.convs] + [a.convs]
     for c in counts:
-        hot = max(budget, (int(a.l1_gib * (1 << 30)) // (per_tok * c)) // a.block_tokens * a.block_tokens)
-        d = os.path.join(root, f"convs{c}")
-        st = make_store(a, shape, d, hot, budget, c)
-        timed = Timed(st.l3)
-        src = KVSource(shape, 1024, seed=1)
-        seqs = []
-        for i in range(c):
-            s = st.add_sequence()
-            own = np.arange(10**6 * (i + 1), 10**6 * (i + 1) + a.conv_tokens - a.prefix_tokens, dtype=np.int64)
-            st.note_tokens(s, np.concatenate([prefix_ids, own]))
-            prefill(st, s, layers, src, a.prefix_tokens)  # identical prefix: shared blocks
-            prefill(st, s, layers, src, a.conv_tokens - a.prefix_tokens, offset=7 + i)
-            seqs.append(s)
+        active = seqs[:c]
         for _ in range(2):
-            decode_step(st, seqs, layers, src, budget)
-        times = sorted(decode_step(st, seqs, layers, src, budget) / c for _ in range(a.steps))
-        st.flush()
-        stats = st.stats()
-        l3 = st.l3.stats()
+            decode_step(st, active, layers, src, budget)
+        times = sorted(decode_step(st, active, layers, src, budget) / c for _ in range(a.steps))
         out.append({"conversations": c, "step_ms_p50_per_conv": times[len(times) // 2] * 1e3,
-                    "step_ms_p99_per_conv": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3,
-                    "tokens": c * a.conv_tokens, "dedup_seals": stats.get("dedup_seals"),
-                    "l3_disk_bytes": l3["disk_bytes"], "l3_bytes_written": l3["bytes_written"],
-                    "swap_out_GBps": timed.put_b / timed.put_s / 1e9 if timed.put_s else None,
-                    "swap_in_GBps": timed.get_b / timed.get_s / 1e9 if timed.get_s else None})
-        print(f"  {c} conversation(s): step p50 {out[-1]['step_ms_p50_per_conv']:.1f} ms per conversation, "
-              f"L3 {l3['disk_bytes'] / 2**30:.2f} GiB", flush=True)
-        st.close()
-        shutil.rmtree(d, ignore_errors=True)
-    return {"points": out, "budget_tokens": budget,
+                    "step_ms_p99_per_conv": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3})
+        print(f"  {c} conversation(s): step p50 {out[-1]['step_ms_p50_per_conv']:.1f} ms per conversation",
+              flush=True)
+    st.flush()
+    stats = st.stats()
+    l3 = st.l3.stats()
+    st.close()
+    shutil.rmtree(d, ignore_errors=True)
+    tokens = a.convs * a.conv_tokens
+    return {"points": out, "budget_tokens": budget, "hot_tokens": hot, "fill_s": fill_s, "tokens": tokens,
+            "dedup_seals": stats.get("prefix", {}).get("dedup_seals"), "l3_disk_bytes": l3["disk_bytes"],
+            "l3_bytes_written_per_token": l3["bytes_written"] / tokens,
+            "swap_out_GBps": timed.put_b / timed.put_s / 1e9 if timed.put_s else None,
+            "swap_in_GBps": timed.get_b / timed.get_s / 1e9 if timed.get_s else None,
             "step_time_exponent": fit_exponent([p["conversations"] for p in out],
                                                [p["step_ms_p50_per_conv"] for p in out])}
 
@@ -297,6 +303,28 @@ print(json.dumps({"seconds": dt, "records": n, "rss_delta_bytes": r1 - r0}))
 """
 
 
+def _reopen_here(which: str, path: str, base_src: str) -> dict:
+    import importlib.util
+
+    from kvtier.tiers import DiskTier
+
+    cls = DiskTier
+    if which == "base":
+        spec = importlib.util.spec_from_file_location("kvtier.tiers._disk_base", base_src)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        cls = mod.DiskTier
+    elif which == "scan":
+        os.unlink(os.path.join(path, "INDEX"))
+    r0 = rss_bytes()
+    t0 = time.perf_counter()
+    t = cls(path, capacity_bytes=8 << 30, durability="never")
+    dt = time.perf_counter() - t0
+    out = {"seconds": dt, "records": len(t), "rss_delta_bytes": rss_bytes() - r0}
+    t.close()
+    return out
+
+
 def run_reopen(a, root: str) -> dict:
     from kvtier.tiers import DiskTier
 
@@ -316,11 +344,14 @@ def run_reopen(a, root: str) -> dict:
             f.write(got.stdout)
         order = ["base"] + order
     for which in order:  # the scan run's close writes the checkpoint again for the last run
-        r = subprocess.run([sys.executable, "-c", _REOPEN_CHILD, which, d, base_src], capture_output=True,
-                           text=True, env=env)
-        if r.returncode != 0:
-            raise RuntimeError(f"reopen child ({which}) failed: {r.stderr[-2000:]}")
-        out = json.loads(r.stdout.strip().splitlines()[-1])
+        if a.smoke:  # in this process: a child's interpreter start would take most of the smoke time
+            out = _reopen_here(which, d, base_src)
+        else:
+            r = subprocess.run([sys.executable, "-c", _REOPEN_CHILD, which, d, base_src], capture_output=True,
+                               text=True, env=env)
+            if r.returncode != 0:
+                raise RuntimeError(f"reopen child ({which}) failed: {r.stderr[-2000:]}")
+            out = json.loads(r.stdout.strip().splitlines()[-1])
         assert out["records"] == a.reopen_records, out
         prev = res.get(which)
         if prev is None or out["seconds"] < prev["seconds"]:
