@@ -204,9 +204,13 @@ def run_grow(a, shape, root: str) -> dict:
         have += 2 + a.steps
         st.flush()
         l3 = st.l3.stats()
+        # the L2 arena's pages count in RSS once written: what grows beyond them is the rest
+        l2_touched = min(st.l2.capacity_bytes, st.l2.stats()["bytes_in"])
+        rss_delta = rss_bytes() - rss0
         points.append({"context": have, "step_ms_p50": times[len(times) // 2] * 1e3,
                        "step_ms_p99": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3,
-                       "rss_bytes": rss_bytes(), "rss_delta_bytes": rss_bytes() - rss0,
+                       "rss_bytes": rss_bytes(), "rss_delta_bytes": rss_delta, "l2_touched_bytes": l2_touched,
+                       "rss_beyond_l2_bytes": rss_delta - l2_touched,
                        "l3_records": l3["records"], "l3_disk_bytes": l3["disk_bytes"],
                        "l3_bytes_written": l3["bytes_written"]})
         print(f"  grow {have:>7} tokens: step p50 {points[-1]['step_ms_p50']:.1f} ms, "
@@ -219,8 +223,11 @@ def run_grow(a, shape, root: str) -> dict:
     return {"points": points, "wall_s": wall, "budget_fraction": 0.03, "hot_tokens": hot,
             "step_time_exponent": fit_exponent([p["context"] for p in points], [p["step_ms_p50"] for p in points]),
             "rss_exponent": fit_exponent([p["context"] for p in points], [max(1, p["rss_delta_bytes"]) for p in points]),
-            "rss_bytes_per_l3_record": (points[-1]["rss_delta_bytes"] / points[-1]["l3_records"]
-                                        if points[-1]["l3_records"] else None),
+            "rss_beyond_l2_exponent": fit_exponent([p["context"] for p in points],
+                                                   [max(1, p["rss_beyond_l2_bytes"]) for p in points]),
+            "rss_beyond_l2_bytes_per_token": points[-1]["rss_beyond_l2_bytes"] / have,
+            "rss_beyond_l2_bytes_per_l3_record": (points[-1]["rss_beyond_l2_bytes"] / points[-1]["l3_records"]
+                                                  if points[-1]["l3_records"] else None),
             "swap_out_GBps": timed.put_b / timed.put_s / 1e9 if timed.put_s else None,
             "swap_in_GBps": timed.get_b / timed.get_s / 1e9 if timed.get_s else None,
             "l3_bytes_written_per_token": l3["bytes_written"] / have,
@@ -380,6 +387,7 @@ def plot(out: dict, path: str) -> None:
                   title=f"one sequence (k={fmt(out['grow']['step_time_exponent'])})")
         ax[0].legend()
         ax[2].loglog(x, [max(1, p["rss_delta_bytes"]) / 2**20 for p in g], "o-", label="RSS growth")
+        ax[2].loglog(x, [max(1, p["rss_beyond_l2_bytes"]) / 2**20 for p in g], "^-", label="RSS beyond the L2 arena")
         ax[2].loglog(x, [max(1, p["l3_disk_bytes"]) / 2**20 for p in g], "s--", label="L3 on disk")
         ax[2].set(xlabel="tokens stored", ylabel="MiB", title="memory and disk against tokens")
         ax[2].legend()

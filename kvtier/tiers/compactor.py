@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -56,7 +57,9 @@ class Compactor:
 
     def __init__(self, step, share: float, name: str) -> None:
         assert 0.0 < share <= 1.0, f"share {share} must be in (0, 1]"
-        self._step, self.share = step, share
+        # a weak reference: the running thread must not keep an unclosed tier alive (its
+        # finalizer closes it and releases the directory lock)
+        self._step, self.share = weakref.WeakMethod(step), share
         self._cv = threading.Condition()
         self._wake = False
         self._stop = False
@@ -89,12 +92,16 @@ class Compactor:
                 self._wake = False
             while True:
                 t0 = time.perf_counter()
+                step = self._step()
+                if step is None:  # the tier is gone
+                    return
                 try:
-                    more = self._step()
+                    more = step()
                 except Exception as exc:  # a failed step (e.g. a full disk) leaves the tier as it was
                     self.error = exc
                     log.warning("kvtier DiskTier background compaction stopped: %r", exc)
                     more = False
+                del step
                 dt = time.perf_counter() - t0
                 self.busy_s += dt
                 self.max_step_s = max(self.max_step_s, dt)

@@ -79,3 +79,14 @@ def test_puts_gets_deletes_racing_the_compactor_match_a_dict(tmp_path):
         assert sorted(t.keys()) == sorted(model)
     with DiskTier(tmp_path / "d", **kw) as t:
         assert sorted(t.keys()) == sorted(model) and all(t.get(k) == v for k, v in model.items())
+
+
+def test_an_unclosed_tier_is_collected_and_releases_its_directory(tmp_path):
+    import gc
+
+    t = DiskTier(tmp_path / "d", segment_bytes=SEG, capacity_bytes=64 * SEG)
+    t.put("a", b"1")
+    del t
+    gc.collect()
+    with DiskTier(tmp_path / "d", segment_bytes=SEG, capacity_bytes=64 * SEG) as t2:  # not DirectoryLockedError
+        assert t2.get("a") == b"1"
