@@ -198,9 +198,12 @@ def run_grow(a, shape, root: str) -> dict:
         have = m
         bud = max(a.block_tokens * 4, int(0.03 * m) // a.block_tokens * a.block_tokens)
         bud = min(bud, hot)
+        st.flush()  # the prefill's swap-outs are not the decode steps' cost
         for _ in range(2):  # warm: the first steps after a prefill swap the chosen blocks in
             decode_step(st, [s], layers, src, bud)
+        sw0 = st.c["swap_in_blocks"]
         times = sorted(decode_step(st, [s], layers, src, bud) for _ in range(a.steps))
+        swaps = (st.c["swap_in_blocks"] - sw0) / a.steps
         have += 2 + a.steps
         st.flush()
         l3 = st.l3.stats()
@@ -210,7 +213,7 @@ def run_grow(a, shape, root: str) -> dict:
         points.append({"context": have, "step_ms_p50": times[len(times) // 2] * 1e3,
                        "step_ms_p99": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3,
                        "rss_bytes": rss_bytes(), "rss_delta_bytes": rss_delta, "l2_touched_bytes": l2_touched,
-                       "rss_beyond_l2_bytes": rss_delta - l2_touched,
+                       "rss_beyond_l2_bytes": rss_delta - l2_touched, "swap_in_blocks_per_step": swaps,
                        "l3_records": l3["records"], "l3_disk_bytes": l3["disk_bytes"],
                        "l3_bytes_written": l3["bytes_written"]})
         print(f"  grow {have:>7} tokens: step p50 {points[-1]['step_ms_p50']:.1f} ms, "
@@ -264,9 +267,15 @@ def run_convs(a, shape, root: str) -> dict:
         active = seqs[:c]
         for _ in range(2):
             decode_step(st, active, layers, src, budget)
+        sw0, cp0, mv0 = st.c["swap_in_blocks"], st.c["gather_copies"], st.c["region_moves"]
         times = sorted(decode_step(st, active, layers, src, budget) / c for _ in range(a.steps))
+        swaps = (st.c["swap_in_blocks"] - sw0) / a.steps / c
+        copies = (st.c["gather_copies"] - cp0) / a.steps / c
+        moves = (st.c["region_moves"] - mv0) / a.steps / c
         out.append({"conversations": c, "step_ms_p50_per_conv": times[len(times) // 2] * 1e3,
-                    "step_ms_p99_per_conv": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3})
+                    "step_ms_p99_per_conv": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3,
+                    "swap_in_blocks_per_step_per_conv": swaps, "gather_copies_per_step_per_conv": copies,
+                    "region_moves_per_step_per_conv": moves})
         print(f"  {c} conversation(s): step p50 {out[-1]['step_ms_p50_per_conv']:.1f} ms per conversation",
               flush=True)
     st.flush()

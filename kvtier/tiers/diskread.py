@@ -73,7 +73,11 @@ class DiskReads:
         sid, off, size, vlen = loc
         seg = self._segs[sid]
         kb = key.encode("utf-8")
-        if off + size <= seg.file_size():  # a file truncated under us would SIGBUS
+        try:
+            file_size = os.fstat(self._rfd(seg)).st_size  # an fstat is cheaper than a stat by path
+        except OSError:  # deleted under us: nothing in it is readable
+            file_size = 0
+        if off + size <= file_size:  # a file truncated under us would SIGBUS
             magic, _, _, klen, vl, dcrc, _ = REC.unpack_from(seg.mm, off)
             k0 = off + REC_HEADER_BYTES
             if magic == REC_MAGIC and klen == len(kb) and vl == vlen and seg.mm[k0:k0 + klen] == kb:
