@@ -70,6 +70,15 @@ class KVTierConfig:
     disk_segment_bytes: int = 64 << 20
     """Size of one L3 segment file."""
 
+    disk_max_age_s: Optional[float] = None
+    """Kept L3 records (content-addressed blocks no live sequence uses, left for reuse after a
+    restart) older than this many seconds are deleted when a store opens ``disk_path``;
+    ``None`` keeps them (until ``disk_bytes`` is reached)."""
+
+    disk_kept_bytes: Optional[int] = None
+    """The most bytes of kept L3 records left when a store opens ``disk_path`` (the oldest go
+    first); ``None``: only ``disk_bytes`` bounds them."""
+
     codec: str = "int4"
     """Codec of the tiers below L1 (see ``order``): one of ``CODECS``."""
 
@@ -207,6 +216,11 @@ class KVTierConfig:
         if self.disk_bytes < self.disk_segment_bytes:
             raise ValueError(f"disk_bytes must be >= disk_segment_bytes ({self.disk_segment_bytes}); "
                              f"got {self.disk_bytes}")
+        if self.disk_max_age_s is not None and (isinstance(self.disk_max_age_s, bool) or not isinstance(
+                self.disk_max_age_s, (int, float)) or not self.disk_max_age_s >= 0):
+            raise ValueError(f"disk_max_age_s must be a number of seconds >= 0 or None; got {self.disk_max_age_s!r}")
+        if self.disk_kept_bytes is not None:
+            _positive_int("disk_kept_bytes", self.disk_kept_bytes, minimum=0)
         if self.disk_path is not None and (not isinstance(self.disk_path, (str, Path)) or str(self.disk_path) == ""):
             raise ValueError(f"disk_path must be a non-empty path or None; got {self.disk_path!r}")
         if isinstance(self.disk_path, Path):

@@ -284,6 +284,8 @@ class KVStore:
         stale = [k for k in l3.keys() if not CONTENT_KEY.fullmatch(k)]
         if stale:
             l3.delete_many(stale)
+        if cfg.disk_max_age_s is not None or cfg.disk_kept_bytes is not None:
+            l3.expire(max_age_s=cfg.disk_max_age_s, max_bytes=cfg.disk_kept_bytes)  # all kept: none is live yet
         return l3
 
     # -- sequences --------------------------------------------------------------------------

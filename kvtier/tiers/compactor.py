@@ -1,16 +1,19 @@
 """DiskTier's compaction and index checkpoints, and the background worker that runs them off
 the put/get path.
 
-Compaction copies a sealed segment's live records to the head in steps of ``step_bytes`` of
-the segment, each step under the tier lock (so a put or get waits at most one step), and
-sleeps between steps so that its I/O takes at most ``share`` of the time while it runs:
-after a step of ``t`` seconds it sleeps ``t * (1 - share) / share``.
+Compaction copies a sealed segment's live records to the head in steps of ``_STEP_BYTES`` of
+the segment. A background step reads and CRC-checks its records without the tier lock and
+takes the lock only to append what is still live (so a put or get waits for one append, not
+a step); the worker then sleeps so that its I/O takes at most ``share`` of the time while it
+runs: after a step of ``t`` seconds, ``t * (1 - share) / share``. The copies are made durable
+(fdatasync on duplicated fds, outside the lock) before the emptied segment is deleted.
 
 The worker owns no tier state: each step is a call back into the tier (``_background_step``),
 which says whether there is more to do.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -25,18 +28,6 @@ from .segfile import FLAG_TOMB, REC_HEADER_BYTES, SEG_HEADER_BYTES, Segment, fda
 
 _STEP_BYTES = 256 << 10  # segment bytes one background compaction step reads
 
-
-class _NoLockType:
-    """Stands in for the tier lock where the caller holds it already."""
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
-
-
-_NoLock = _NoLockType()
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +151,7 @@ class DiskCompaction:
         With ``locked=False`` (the background worker) the tier lock is taken only to check the
         segment and then to append what was gathered: reading and CRC-checking the records
         runs without it, so a put or get waits for an append, not for a whole step."""
-        lock = self._lock if not locked else _NoLock
+        lock = self._lock if not locked else contextlib.nullcontext()  # (held by the caller)
         with lock:
             seg = job.seg
             if self._closed or self._segs.get(seg.id) is not seg:
@@ -357,7 +348,8 @@ class DiskCompaction:
                keep=lambda key: False) -> int:
         """Delete records not kept by ``keep(key)``: those written more than ``max_age_s`` ago,
         then the oldest of the rest until they hold at most ``max_bytes``. A record's age is its
-        segment's (the time its file was last written). Returns how many were deleted."""
+        segment's (since its file was last written: never older than the record really is).
+        Returns how many were deleted."""
         if max_age_s is not None and (not isinstance(max_age_s, (int, float)) or max_age_s < 0):
             raise ValueError(f"max_age_s must be a number >= 0 or None, got {max_age_s!r}")
         if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
@@ -366,7 +358,9 @@ class DiskCompaction:
             self._check_open()
             now = time.time_ns()
             cand = sorted((loc[0], loc[1], loc[2], k) for k, loc in self._index.items() if not keep(k))
-            mt = {sid: (s.mtime_ns if s is not self._head else now) for sid, s in self._segs.items()}
+            # a segment's last write dates every record in it (a lower bound of their age)
+            mt = {sid: (s.mtime_ns if s is not self._head else os.fstat(s.fd).st_mtime_ns)
+                  for sid, s in self._segs.items()}
             drop = [k for sid, _, _, k in cand if max_age_s is not None and now - mt[sid] > max_age_s * 1e9]
             rest = cand[len(drop):]  # oldest first, like ``cand``: the aged ones are its prefix
             if max_bytes is not None:

@@ -213,3 +213,35 @@ def test_store_on_a_full_disk_stops_cleanly_and_serves_again_once_space_is_back(
     rk, rv = ref.kv(s, 0)
     assert torch.equal(K, rk) and torch.equal(V, rv)
     st.close()
+
+
+def test_store_policy_for_kept_records_applies_at_open(tmp_path):
+    from tests.store.conftest import make_store
+
+    from kvtier.config import KVTierConfig
+
+    for bad in (dict(disk_max_age_s=-1), dict(disk_max_age_s="1h"), dict(disk_kept_bytes=-5)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            KVTierConfig(**bad)
+
+    def fill(**kw):
+        st = make_store(tmp_path, num_layers=1, fingerprint="fp", hot_tokens=8, **kw)
+        s = st.add_sequence()
+        ids = torch.arange(64)
+        st.note_tokens(s, ids)
+        for i in range(16):
+            st.append(s, 0, torch.full((2, 4, 8), float(i)).half(), torch.full((2, 4, 8), -float(i)).half())
+        st.flush()
+        st.drop_sequence(s, keep_prefix=True)  # its blocks stay in L3 for reuse
+        n = len(st.l3)
+        st.close()
+        return n
+
+    kept = fill()
+    assert kept >= 10
+    st = make_store(tmp_path, num_layers=1, fingerprint="fp", hot_tokens=8, disk_kept_bytes=3 * 300)
+    assert 0 < len(st.l3) < kept  # the oldest went
+    st.close()
+    st = make_store(tmp_path, num_layers=1, fingerprint="fp", hot_tokens=8, disk_max_age_s=0)
+    assert len(st.l3) == 0
+    st.close()
