@@ -22,6 +22,8 @@ from .segfile import REC, REC_HEADER_BYTES, REC_MAGIC, Segment
 _PREAD_MAX = 16 << 10  # values below this are read with pread, larger ones from the mapping
 _READ_FDS = 128  # read-only fds kept open for sealed segments (LRU)
 _PARALLEL_CRC_BYTES = 256 << 10  # below this a CRC is cheaper than handing it to a thread
+_RUN_GAP = 16 << 10  # get_many reads small records this close together with one pread ...
+_RUN_MAX = 1 << 20  # ... of at most this many bytes
 
 
 class DiskReads:
@@ -62,6 +64,46 @@ class DiskReads:
                     return rec[k0:]
         self._mark_corrupt(key)
         return None
+
+    def _read_small_runs(self, todo: list[tuple[int, str, tuple]], out: list) -> None:
+        """Small records [(position in the batch, key, loc)], read with one pread per run of
+        records near each other in one segment (a spill batch lands as one such run), each
+        checked as in ``_read_small``; their values (None if corrupt) go to ``out[position]``,
+        and the counters are updated."""
+        todo.sort(key=lambda t: (t[2][0], t[2][1]))
+        hits = nbytes = i = 0
+        unpack, hdr = REC.unpack_from, REC_HEADER_BYTES
+        while i < len(todo):
+            sid, start = todo[i][2][0], todo[i][2][1]
+            j, end = i, start
+            while j < len(todo) and todo[j][2][0] == sid and todo[j][2][1] - end <= _RUN_GAP \
+                    and todo[j][2][1] + todo[j][2][2] - start <= _RUN_MAX:
+                end = max(end, todo[j][2][1] + todo[j][2][2])
+                j += 1
+            try:
+                buf = os.pread(self._rfd(self._segs[sid]), end - start, start)
+            except OSError:
+                buf = b""
+            with memoryview(buf) as mv:
+                for pos, key, (_, off, _, vlen) in todo[i:j]:
+                    o = off - start
+                    kb = key.encode("utf-8")
+                    k0 = o + hdr + len(kb)
+                    if k0 + vlen <= len(buf):
+                        magic, _, _, klen, vl, dcrc, _ = unpack(buf, o)
+                        if (magic == REC_MAGIC and klen == len(kb) and vl == vlen and buf[o + hdr:k0] == kb
+                                and crc32(mv[o + hdr:k0 + vlen]) == dcrc):
+                            out[pos] = buf[k0:k0 + vlen]
+                            hits += 1
+                            nbytes += vlen
+                            continue
+                    self._mark_corrupt(key)
+            i = j
+        st = self._stats
+        st.gets += len(todo)
+        st.hits += hits
+        st.misses += len(todo) - hits
+        st.bytes_out += nbytes
 
     def _locate(self, key: str) -> tuple[Segment, int, int, int, int] | None:
         """(segment, value offset, value length, crc32 of the key, expected crc32 of key+value)
@@ -117,10 +159,35 @@ class DiskReads:
 
     def get(self, key: str) -> bytes | None:
         """CRC-verified owned bytes, or None when absent or corrupt (counted in stats()["corrupt"])."""
-        check_key(key)
+        index = self._index
+        if type(key) is not str or key not in index:  # an indexed key was checked when put
+            check_key(key)
         with self._lock:
             self._check_open()
-            return self._get_locked(key)
+            loc = index.get(key)
+            if loc is None or loc[3] >= _PREAD_MAX:
+                return self._get_locked(key)
+            # the small-record path of _get_locked, inlined: at these sizes the calls cost more than the copy
+            sid, off, _, vlen = loc
+            seg = self._segs[sid]
+            kb = key.encode("utf-8")
+            k0 = REC_HEADER_BYTES + len(kb)
+            try:
+                rec = os.pread(seg.fd if seg.fd >= 0 else self._rfd(seg), k0 + vlen, off)
+            except OSError:  # the file went away under us
+                rec = b""
+            st = self._stats
+            st.gets += 1
+            if len(rec) == k0 + vlen:
+                magic, _, _, klen, vl, dcrc, _ = REC.unpack_from(rec)
+                if magic == REC_MAGIC and klen == len(kb) and vl == vlen and rec[REC_HEADER_BYTES:k0] == kb \
+                        and crc32(memoryview(rec)[REC_HEADER_BYTES:]) == dcrc:
+                    st.hits += 1
+                    st.bytes_out += vlen
+                    return rec[k0:]
+            self._mark_corrupt(key)
+            st.misses += 1
+            return None
 
     def get_into(self, key: str, out: memoryview | bytearray | torch.Tensor) -> int | None:
         """Copy the value straight from the mapping into ``out`` (a writable buffer or contiguous
@@ -145,42 +212,47 @@ class DiskReads:
     def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
         """Batched get: readahead for the whole batch first, and the CRC checks of large values
         run on worker threads (the CRC releases the GIL) while the next values are copied."""
-        keys = [check_key(k) for k in keys]
+        index = self._index
+        keys = [k if type(k) is str and k in index else check_key(k) for k in keys]
         with self._lock:
             self._check_open()
+            spans: dict[int, list[int]] = {}  # segment id -> [first byte, end, bytes wanted] of the large ones
             for k in keys:
-                loc = self._index.get(k)
+                loc = index.get(k)
                 if loc is not None and loc[3] >= _PREAD_MAX:
-                    s = self._segs[loc[0]]
-                    a = loc[1] & ~(mmap.PAGESIZE - 1)
+                    sp = spans.setdefault(loc[0], [loc[1], 0, 0])
+                    sp[0], sp[1], sp[2] = min(sp[0], loc[1]), max(sp[1], loc[1] + loc[2]), sp[2] + loc[2]
+            for sid, (a, b, want) in spans.items():  # readahead: one call per segment, if not too sparse
+                seg = self._segs[sid]
+                a &= ~(mmap.PAGESIZE - 1)
+                if b - a <= 4 * want:
                     try:
-                        s.mm.madvise(mmap.MADV_WILLNEED, a, min(loc[1] + loc[2], s.size) - a)
+                        seg.mm.madvise(mmap.MADV_WILLNEED, a, min(b, seg.size) - a)
                     except (OSError, ValueError):
-                        break  # advice only
+                        pass  # advice only
+            out: list[bytes | None] = [None] * len(keys)
+            small, rest = [], []
+            for i, k in enumerate(keys):
+                loc = index.get(k)
+                (small if loc is not None and loc[3] < _PREAD_MAX else rest).append((i, k, loc))
+            if small:
+                self._read_small_runs(small, out)
             pending = []
-            for k in keys:
-                loc = self._index.get(k)
-                if loc is not None and loc[3] < _PREAD_MAX:
-                    pending.append((k, self._get_locked(k), None, 0))
-                    continue
+            for i, k, _ in rest:
                 r = self._fetch(k)
                 if r is None:
-                    pending.append((k, None, None, 0))
+                    pending.append((i, k, None, None, 0))
                     continue
                 value, kcrc, dcrc = r
                 if len(value) >= _PARALLEL_CRC_BYTES and len(keys) > 1:
                     crc = self._crc_pool().submit(crc32, value, kcrc)
                 else:
                     crc = crc32(value, kcrc)
-                pending.append((k, value, crc, dcrc))
-            out = []
-            for k, value, crc, dcrc in pending:
-                if crc is None:  # a small record, read and counted already
-                    out.append(value)
-                    continue
+                pending.append((i, k, value, crc, dcrc))
+            for i, k, value, crc, dcrc in pending:
                 if value is not None and not isinstance(crc, int):
                     crc = crc.result()
-                out.append(self._count(k, value, value is not None and crc == dcrc))
+                out[i] = self._count(k, value, value is not None and crc == dcrc)
             return out
 
     def _crc_pool(self) -> ThreadPoolExecutor:
