@@ -220,6 +220,14 @@ def run_grow(a, shape, root: str) -> dict:
               f"RSS +{points[-1]['rss_delta_bytes'] / 2**20:.0f} MiB, L3 {l3['disk_bytes'] / 2**30:.2f} GiB", flush=True)
     wall = time.perf_counter() - t_start
     stats = st.stats()
+    before_drop = st.l3.stats()
+    # the conversation ends: its L3 records die, background compaction gives the space back
+    st.drop_sequence(s)
+    t0 = time.perf_counter()
+    while (st.l3._job is not None or st.l3._candidates() or st.l3._head_mostly_dead()) \
+            and time.perf_counter() - t0 < 60:
+        time.sleep(0.05)
+    reclaim_s = time.perf_counter() - t0
     l3 = st.l3.stats()
     st.close()
     payload = stats.get("swap_out_l3_bytes", 0) or timed.put_b
@@ -233,9 +241,11 @@ def run_grow(a, shape, root: str) -> dict:
                                                   if points[-1]["l3_records"] else None),
             "swap_out_GBps": timed.put_b / timed.put_s / 1e9 if timed.put_s else None,
             "swap_in_GBps": timed.get_b / timed.get_s / 1e9 if timed.get_s else None,
-            "l3_bytes_written_per_token": l3["bytes_written"] / have,
+            "l3_bytes_written_per_token": before_drop["bytes_written"] / have,
             "write_amplification": (l3["bytes_written"] + l3["checkpoint_bytes_written"]) / max(1, timed.put_b),
             "compaction_bytes_written": l3["compact_bytes_written"], "l3_payload_bytes": timed.put_b,
+            "l3_disk_bytes_before_drop": before_drop["disk_bytes"], "l3_disk_bytes_after_drop": l3["disk_bytes"],
+            "reclaim_seconds_after_drop": reclaim_s, "l3_records_after_drop": l3["records"],
             "payload_bytes_swapped_out": payload}
 
 

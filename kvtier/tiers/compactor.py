@@ -112,6 +112,13 @@ class DiskCompaction:
         return (s is not None and s is not self._head and self.compact_threshold > 0 and s.id not in self._stuck
                 and s.live < self.compact_threshold * (s.used - SEG_HEADER_BYTES))
 
+    def _head_mostly_dead(self) -> bool:
+        """The head holds a good share of a segment, most of it dead: sealing it lets compaction
+        give that space back (a head is never compacted while records are appended to it)."""
+        h = self._head
+        return (h is not None and self.compact_threshold > 0 and h.used - SEG_HEADER_BYTES >= self.segment_bytes // 8
+                and h.live < self.compact_threshold * (h.used - SEG_HEADER_BYTES))
+
     def _candidates(self) -> list[Segment]:
         """Sealed segments below the threshold, emptiest first."""
         todo = [s for s in self._segs.values() if self._compactable(s)]
@@ -282,6 +289,10 @@ class DiskCompaction:
             job = self._job
             if job is None or self._segs.get(job.seg.id) is not job.seg:
                 todo = self._candidates()
+                if not todo and self._head_mostly_dead():
+                    self._seal(self._head)  # the next append starts a new head
+                    self._head = None
+                    todo = self._candidates()
                 job = self._job = CompactJob(todo[0]) if todo else None
             run_step = job is not None and not job.sync_pending
             if not run_step:

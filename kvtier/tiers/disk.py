@@ -500,7 +500,7 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
             self._sync_locked()
         self._stuck -= touched
         if self._worker is not None and (
-                any(self._compactable(self._segs.get(sid)) for sid in touched)
+                any(self._compactable(self._segs.get(sid)) for sid in touched) or self._head_mostly_dead()
                 or (self.checkpoint_records and self._since_cp >= max(self.checkpoint_records, len(self._index) // 4))):
             self._worker.wake()
 

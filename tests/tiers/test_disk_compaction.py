@@ -90,3 +90,12 @@ def test_an_unclosed_tier_is_collected_and_releases_its_directory(tmp_path):
     gc.collect()
     with DiskTier(tmp_path / "d", segment_bytes=SEG, capacity_bytes=64 * SEG) as t2:  # not DirectoryLockedError
         assert t2.get("a") == b"1"
+
+
+def test_a_mostly_dead_head_is_sealed_and_given_back(tmp_path):
+    with DiskTier(tmp_path / "d", segment_bytes=4 << 20, capacity_bytes=64 << 20, durability="never") as t:
+        t.put_many([(f"k{i}", b"x" * 4000) for i in range(300)])  # all in the head: never compacted as such
+        before = t.disk_bytes
+        t.delete_many([f"k{i}" for i in range(300) if i != 7])
+        assert wait_for(lambda: t.disk_bytes < before // 10)
+        assert t.get("k7") == b"x" * 4000 and len(t) == 1
