@@ -11,7 +11,7 @@ head_dim 128, bf16; ``--shape`` for others) and int4 below L1:
   reopen    a DiskTier directory of --reopen-records (1M) small records reopened, in fresh
             processes: the code this session started from (full log scan) against the index
             checkpoint, and a full scan of the same files by the current code
-L1 --l1-gib (2), L2 --l2-gib (8), L3 a real directory (--dir; tens of GB at full size).
+L1 --l1-gib (2), L2 --l2-gib (8), L3 a real directory (--dir).
 
 Reported (JSON, and PNG curves next to it in --out):
   store time per decode step against context and against conversations, with the fitted
@@ -21,10 +21,12 @@ Reported (JSON, and PNG curves next to it in --out):
   tombstones and checkpoints included / record payload); RSS against tokens stored, its
   exponent, and bytes per L3 record; reopen seconds, microseconds per record and RSS.
 
-Default (full) run: about 33 GB on disk (int4 records of 128k + 8 x 32k tokens, shared prefix
-stored once, plus compaction headroom) and about 14 GB of RAM (L1 2 GiB + L2 8 GiB + the process)
-- keep at least 40 GB free on --dir and 16 GB of RAM. --smoke: 4 of the 32 layers, contexts to
-4k, 2 conversations of 1k, 50k records; under 30 s, a few hundred MB.
+Default (full) run: about 12 GB of RAM (L1 2 GiB + L2 8 GiB + the process) and, with int4 below
+L1 (about 36 KiB a token at this shape), 4.6 GiB for the 128k sequence and 8 GiB for the
+conversations (the prefix stored once), of which what L2 cannot hold goes to L3: a few GB on disk.
+``--codec bf16`` stores 128 KiB a token: 16 + 28 GiB written, about 30 GB on L3 at its peak.
+Either stays within 40 GB of disk and 16 GB of RAM. --smoke: 4 of the 32 layers, contexts to
+4k, 2 conversations of 1k, 20k records reopened; under 30 s, a few hundred MB.
 
     python bench/bench_scale.py --smoke
     python bench/bench_scale.py --dir /mnt/ssd/kvtier-scale --out results/scale
@@ -136,7 +138,7 @@ def make_store(a, shape, dirpath: str, hot_tokens: int, budget: int, max_seqs: i
     layers, kvh, _, hd = shape
     cfg = KVTierConfig(block_tokens=a.block_tokens, hot_tokens=hot_tokens, budget_tokens=budget,
                        host_bytes=int(a.l2_gib * (1 << 30)), disk_path=dirpath, disk_bytes=a.disk_gib << 30,
-                       codec="int4", policy="lru", attention="sparse", max_sequences=max_seqs, write_through=False)
+                       codec=a.codec, policy="lru", attention="sparse", max_sequences=max_seqs, write_through=False)
     return KVStore(cfg, num_layers=layers, kv_heads=kvh, head_dim=hd, dtype=torch.bfloat16,
                    fingerprint="bench-scale")
 
@@ -431,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--conv-tokens", type=int, default=32768)
     ap.add_argument("--prefix-tokens", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=8, help="decode steps measured per point")
+    ap.add_argument("--codec", default="int4", help="codec below L1 (bf16 = lossless: about 3.5x the bytes on L3)")
     ap.add_argument("--l1-gib", type=float, default=2.0)
     ap.add_argument("--l2-gib", type=float, default=8.0)
     ap.add_argument("--disk-gib", type=int, default=40)
@@ -453,7 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     root = tempfile.mkdtemp(prefix="kvtier-scale-", dir=a.dir)
     out: dict = {"shape": {"name": a.shape, "layers": shape[0], "kv_heads": kvh, "head_dim": hd, "dtype": "bf16"},
-                 "l1_gib": a.l1_gib, "l2_gib": a.l2_gib, "smoke": a.smoke}
+                 "codec": a.codec, "l1_gib": a.l1_gib, "l2_gib": a.l2_gib, "smoke": a.smoke,
+                 "args": {k: v for k, v in vars(a).items() if k != "marks"}}
     try:
         out["raw_disk"] = raw_disk(root, (64 if a.smoke else 1024) << 20)
         todo = a.only or ["grow", "convs", "reopen"]
