@@ -48,27 +48,10 @@ class DiskReads:
         if fd is not None:
             os.close(fd)
 
-    def _read_small(self, key: str, loc: tuple) -> bytes | None:
-        """The value of a small record, header and CRC checked; None (counted corrupt) if not."""
-        sid, off, size, vlen = loc
-        kb = key.encode("utf-8")
-        k0 = REC_HEADER_BYTES + len(kb)
-        try:
-            rec = os.pread(self._rfd(self._segs[sid]), k0 + vlen, off)
-        except OSError:  # the file went away under us
-            rec = b""
-        if len(rec) == k0 + vlen:
-            magic, _, _, klen, vl, dcrc, _ = REC.unpack_from(rec)
-            if magic == REC_MAGIC and klen == len(kb) and vl == vlen and rec[REC_HEADER_BYTES:k0] == kb:
-                if crc32(memoryview(rec)[REC_HEADER_BYTES:]) == dcrc:
-                    return rec[k0:]
-        self._mark_corrupt(key)
-        return None
-
     def _read_small_runs(self, todo: list[tuple[int, str, tuple]], out: list) -> None:
         """Small records [(position in the batch, key, loc)], read with one pread per run of
         records near each other in one segment (a spill batch lands as one such run), each
-        checked as in ``_read_small``; their values (None if corrupt) go to ``out[position]``,
+        checked as in ``get``; their values (None if corrupt) go to ``out[position]``,
         and the counters are updated."""
         todo.sort(key=lambda t: (t[2][0], t[2][1]))
         hits = nbytes = i = 0
@@ -146,11 +129,8 @@ class DiskReads:
         self._stats.bytes_out += len(value)
         return value
 
-    def _get_locked(self, key: str) -> bytes | None:
-        loc = self._index.get(key)
-        if loc is not None and loc[3] < _PREAD_MAX:
-            value = self._read_small(key, loc)
-            return self._count(key, value, value is not None)
+    def _get_mapped(self, key: str) -> bytes | None:
+        """get() of a large (or absent) record: copied out of the mapping, then CRC-checked."""
         r = self._fetch(key)
         if r is None:
             return self._count(key, None, False)
@@ -166,8 +146,9 @@ class DiskReads:
             self._check_open()
             loc = index.get(key)
             if loc is None or loc[3] >= _PREAD_MAX:
-                return self._get_locked(key)
-            # the small-record path of _get_locked, inlined: at these sizes the calls cost more than the copy
+                return self._get_mapped(key)
+            # a small record: one pread of its whole image, checked here (at these sizes a call
+            # more costs about as much as the copy)
             sid, off, _, vlen = loc
             seg = self._segs[sid]
             kb = key.encode("utf-8")
