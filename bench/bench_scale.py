@@ -203,9 +203,9 @@ def run_grow(a, shape, root: str) -> dict:
         st.flush()  # the prefill's swap-outs are not the decode steps' cost
         for _ in range(2):  # warm: the first steps after a prefill swap the chosen blocks in
             decode_step(st, [s], layers, src, bud)
-        sw0 = st.c["swap_in_blocks"]
+        sw0 = st.counters["swap_in_blocks"]
         times = sorted(decode_step(st, [s], layers, src, bud) for _ in range(a.steps))
-        swaps = (st.c["swap_in_blocks"] - sw0) / a.steps
+        swaps = (st.counters["swap_in_blocks"] - sw0) / a.steps
         have += 2 + a.steps
         st.flush()
         l3 = st.l3.stats()
@@ -279,11 +279,11 @@ def run_convs(a, shape, root: str) -> dict:
         active = seqs[:c]
         for _ in range(2):
             decode_step(st, active, layers, src, budget)
-        sw0, cp0, mv0 = st.c["swap_in_blocks"], st.c["gather_copies"], st.c["region_moves"]
+        sw0, cp0, mv0 = st.counters["swap_in_blocks"], st.counters["gather_copies"], st.counters["region_moves"]
         times = sorted(decode_step(st, active, layers, src, budget) / c for _ in range(a.steps))
-        swaps = (st.c["swap_in_blocks"] - sw0) / a.steps / c
-        copies = (st.c["gather_copies"] - cp0) / a.steps / c
-        moves = (st.c["region_moves"] - mv0) / a.steps / c
+        swaps = (st.counters["swap_in_blocks"] - sw0) / a.steps / c
+        copies = (st.counters["gather_copies"] - cp0) / a.steps / c
+        moves = (st.counters["region_moves"] - mv0) / a.steps / c
         out.append({"conversations": c, "step_ms_p50_per_conv": times[len(times) // 2] * 1e3,
                     "step_ms_p99_per_conv": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3,
                     "swap_in_blocks_per_step_per_conv": swaps, "gather_copies_per_step_per_conv": copies,

@@ -202,7 +202,7 @@ def test_store_on_a_full_disk_stops_cleanly_and_serves_again_once_space_is_back(
         with pytest.raises(RuntimeError, match="full"):
             for _ in range(400):
                 step()
-    assert st.c["l3_disk_full"] > 0
+    assert st.counters["l3_disk_full"] > 0
     K, V = st.gather(s, 0)  # everything before the failure, from L1, L2 and L3
     rk, rv = ref.kv(s, 0)
     assert torch.equal(K, rk) and torch.equal(V, rv)
