@@ -95,7 +95,8 @@ def test_cache_clear_command(tmp_path):
     (other / "data.bin").write_bytes(b"1")
     with pytest.raises(ValueError, match="no kvtier L3 files"):
         purge_directory(other)
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=root)
     r = subprocess.run([sys.executable, "-c", "from kvtier.cli import main; main()", "cache", "clear", str(d)],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0 and "removed" in r.stdout and not d.exists(), r.stderr
