@@ -1,4 +1,4 @@
-"""Command-line entry points: `kvtier eval`, `kvtier plan`, `kvtier generate`."""
+"""Command-line entry points: `kvtier eval`, `kvtier plan`, `kvtier generate`, `kvtier cache`."""
 from __future__ import annotations
 
 import argparse
@@ -31,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="chat with the embedded model through a kvtier cache")
     chat.add_arguments(p)
     p.set_defaults(func=chat.run)
+
+    from kvtier import cachecli
+
+    p = sub.add_parser("cache", help="manage L3 directories on disk (cache clear DIR)")
+    cachecli.add_arguments(p)
+    p.set_defaults(func=cachecli.run)
     return parser
 
 

@@ -202,6 +202,15 @@ class KVTierConfig:
     Default (derived): 64 MiB, or half of ``disk_bytes`` (whole pages) when that is smaller, so
     that L3 always has the two segments compaction needs."""
 
+    disk_max_age_s: Optional[float] = None
+    """Kept L3 records (content-addressed blocks no live sequence uses, left for reuse after a
+    restart) older than this many seconds are deleted when a store opens ``disk_path``;
+    ``None`` keeps them (until ``disk_bytes`` is reached)."""
+
+    disk_kept_bytes: Optional[int] = None
+    """The most bytes of kept L3 records left when a store opens ``disk_path`` (the oldest go
+    first); ``None``: only ``disk_bytes`` bounds them."""
+
     codec: str = "int4"
     """Codec of the tiers below L1 (see ``order``): one of ``CODECS``."""
 
@@ -357,6 +366,11 @@ class KVTierConfig:
         if self.disk_bytes < self.disk_segment_bytes:
             raise ValueError(f"disk_bytes must be >= disk_segment_bytes ({self.disk_segment_bytes:,}); "
                              f"got {self.disk_bytes:,}")
+        if self.disk_max_age_s is not None and (isinstance(self.disk_max_age_s, bool) or not isinstance(
+                self.disk_max_age_s, (int, float)) or not self.disk_max_age_s >= 0):
+            raise ValueError(f"disk_max_age_s must be a number of seconds >= 0 or None; got {self.disk_max_age_s!r}")
+        if self.disk_kept_bytes is not None:
+            _int("disk_kept_bytes", self.disk_kept_bytes, 0, _MAX_BYTES)
         if self.disk_path is not None:
             if not isinstance(self.disk_path, (str, Path)) or str(self.disk_path).strip() == "" \
                     or "\x00" in str(self.disk_path):

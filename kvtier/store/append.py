@@ -75,5 +75,9 @@ class Appender:
 
     def _open_block(self, t: BlockTable) -> None:
         e = self.res.new_block(t)
-        self.evictor.make_room(t, 1)
+        try:
+            self.evictor.make_room(t, 1)
+        except BaseException:  # no room (every tier full): leave no half-opened block behind
+            self.res.abandon_block(t, e)
+            raise
         self.res.place_open(t, e)

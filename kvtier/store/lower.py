@@ -7,6 +7,7 @@ lock, so a spill cannot move the copy in between.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import threading
@@ -25,6 +26,8 @@ from .table import BlockCopies, BlockEntry
 #: Only these survive a restart; process-local keys (``seq/layer/block``) are wiped on open.
 CONTENT_KEY = re.compile(r"m[0-9a-f]{32}/[0-9]+/[0-9a-f]{32}")
 
+log = logging.getLogger(__name__)
+
 
 class LowerTiers:
     def __init__(self, cfg: KVTierConfig, layout: Layout, io: BlockIO, counters: Counters) -> None:
@@ -35,6 +38,7 @@ class LowerTiers:
         self.io = io
         self.counters = counters
         self.res = None  # the residency part, attached once it exists (it needs L1 first)
+        self._disk_full_warned = False
         # L3 first: an unwritable disk_path fails before anything is allocated.
         self.l3 = open_disk(cfg) if cfg.disk_path is not None else None
         self.l4 = RemoteTier(cfg.remote_url, key_prefix=cfg.remote_key_prefix) \
@@ -139,12 +143,28 @@ class LowerTiers:
         """``l3.put_many``; when L3 is full, unreferenced content records (left by drops with
         ``keep_prefix`` or by earlier processes) are reclaimed and the refused puts retried once
         (tier lock held)."""
-        oks = self.l3.put_many(items)
+        oks = self._l3_put_many(items)
         if not all(oks) and self._reclaim_orphans():
             redo = [i for i, ok in enumerate(oks) if not ok]
-            for i, ok in zip(redo, self.l3.put_many([items[i] for i in redo])):
+            for i, ok in zip(redo, self._l3_put_many([items[i] for i in redo])):
                 oks[i] = ok
         return oks
+
+    def _l3_put_many(self, items: list) -> list[bool]:
+        """``l3.put_many`` where a full filesystem refuses the records it could not write (as a
+        full L3 would) instead of ending the run: they stay in L2, or the publisher skips them.
+        Warned once per store; counted in ``l3_disk_full``."""
+        from kvtier.tiers import DiskFullError
+
+        try:
+            return self.l3.put_many(items)
+        except DiskFullError as exc:
+            self.counters.add(l3_disk_full=1)
+            if not self._disk_full_warned:
+                self._disk_full_warned = True
+                log.warning("kvtier: the disk under disk_path is full (%s); blocks L3 cannot take stay in "
+                            "L2 (free space there or lower disk_bytes)", exc)
+            return [self.l3.contains(k) for k, _ in items]  # the ones written before it filled are kept
 
     def _reclaim_orphans(self) -> int:
         """Delete L3 content records no live block references (tier lock held)."""
@@ -226,4 +246,6 @@ def open_disk(cfg: KVTierConfig):
     stale = [k for k in l3.keys() if not CONTENT_KEY.fullmatch(k)]
     if stale:
         l3.delete_many(stale)
+    if cfg.disk_max_age_s is not None or cfg.disk_kept_bytes is not None:
+        l3.expire(max_age_s=cfg.disk_max_age_s, max_bytes=cfg.disk_kept_bytes)  # all kept: none is live yet
     return l3

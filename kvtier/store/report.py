@@ -90,7 +90,7 @@ def _prefix_stats(refs: list[int], c: dict) -> dict:
         "hit_tokens": c["prefix_hit_tokens"], "prefill_tokens_saved": c["prefill_tokens_saved"],
         "content_blocks": len(refs), "shared_blocks": len(shared), "shared_refs": sum(shared),
         "max_refs": max(refs, default=0), "dedup_seals": c["dedup_seals"],
-        "adopted_l3": c["adopted_l3"], "orphans_deleted": c["orphans_deleted"],
+        "adopted_l3": c["adopted_l3"], "orphans_deleted": c["orphans_deleted"], "l3_disk_full": c["l3_disk_full"],
         "published_l3": {"blocks": c["pub_l3_blocks"], "bytes": c["pub_l3_bytes"],
                          "failed": c["pub_l3_failed"]},
     }

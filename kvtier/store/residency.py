@@ -157,6 +157,13 @@ class Residency:
             self.copies[e.rec.key] = e.rec
         return e
 
+    def abandon_block(self, t: BlockTable, e: BlockEntry) -> None:
+        """Undo ``new_block``: no room was found for it, so it was never opened."""
+        with self.lock:
+            assert t.entries and t.entries[-1] is e and e.slot is None, f"not the unplaced new block: {e}"
+            t.entries.pop()
+            del self.by_key[e.key], self.copies[e.rec.key]
+
     def place_open(self, t: BlockTable, e: BlockEntry) -> None:
         """Give the new open block a region slot, past the last attended run (gather_view moves
         it to the end of that run). No copy: a slot's tokens past ``t.length`` are never read."""

@@ -55,7 +55,7 @@ COUNTERS = (
     "pub_l3_blocks", "pub_l3_bytes", "pub_l3_failed", "pub_l4_blocks", "pub_l4_bytes",
     "pub_l4_failed", "orphans_deleted", "prefix_lookups", "prefix_lookup_tokens",
     "prefix_hit_tokens", "prefill_tokens_saved", "dedup_seals", "adopted_l3", "gather_views",
-    "gather_copies", "region_moves",
+    "gather_copies", "region_moves", "l3_disk_full",
 )
 
 

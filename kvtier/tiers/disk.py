@@ -1,134 +1,78 @@
-"""L3: a directory of fixed-size, append-only segment files, memory-mapped for reads.
+"""L3: a directory of append-only segment files, memory-mapped for reads.
 
 ```
  path/ (0o700)
    LOCK                    flock'ed by the one DiskTier that owns the directory
-   seg-000000000001.kvs    0o600, preallocated to segment_bytes
-   seg-000000000002.kvs    <- head: records are appended here
-
- segment = [64-byte segment header][record][record]...[zeros up to segment_bytes]
- record  = [24-byte header][key][value][pad to 8]
- header  = magic u32 | hdr_crc u32 (CRC32 of bytes 8..24) | flags u16 | key_len u16
-           | value_len u32 | data_crc u32 (CRC32 of key+value) | reserved u32
+   INDEX                   the index as of a log position (diskindex.py), 0o600
+   seg-000000000001.kvs    0o600, sealed: truncated to the records it holds
+   seg-000000000002.kvs    <- head: records are appended here; grown on demand
 ```
-Records are position-independent and appended in one global order (segment id, offset), so
-replaying the segments in that order rebuilds the index: a later record for a key wins, a
-tombstone (flags & 1) removes it. A record whose header checks out but whose data does not is
-corrupt: the key is dropped (never an older version), except at the very end of the last
-segment, where it is a torn append and is ignored. ``get`` re-verifies the data CRC on every
-read, so bit rot after opening is caught too.
+The record format is in ``segfile.py``. Records are appended in one global order (segment id,
+offset), so replaying the segments in that order rebuilds the index: a later record for a key
+wins, a tombstone removes it. Opening reads the INDEX checkpoint and replays only the log after
+its watermark (every tail record CRC-checked); without a usable checkpoint it replays all of it.
+A record whose header checks out but whose data does not is corrupt: the key is dropped (never
+an older version), except at the very end of the last segment, where it is a torn append and is
+ignored. ``get`` re-verifies the header and data CRC on every read, so bit rot after the
+checkpoint or after opening is caught too.
 
-Compaction: when a sealed segment's live fraction drops below ``compact_threshold`` its live
-records (and still-needed tombstones) are copied to the head, synced, and the file is deleted.
+Compaction: a sealed segment whose live fraction drops below ``compact_threshold`` is compacted
+by a background thread (``compactor.py``): its live records (and still-needed tombstones) are
+copied to the head in small steps, made durable, and the file is deleted. At capacity, a put
+compacts inline to make room.
 
-Ownership: ``put`` copies (the bytes go to the page cache before it returns); ``get`` returns
-an owned ``bytes``.
+Locks: ``_cp_lock`` (one checkpoint written at a time) is taken before ``_lock`` (all index,
+segment and file state). Ownership: ``put`` copies (the bytes go to the page cache before it
+returns); ``get`` returns an owned ``bytes``.
 """
 from __future__ import annotations
 
-import errno
 import fcntl
-import mmap
 import os
-import re
-import struct
 import threading
+import time
+import warnings
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
-import torch
-
 from kvtier._crc import crc32
-from .base import BytesLike, Tier, TierStats, as_byte_view, check_key, out_view
+from . import diskindex
+from .base import BytesLike, Tier, TierStats, as_byte_view, check_key
+from .compactor import CompactJob, Compactor, DiskCompaction
+from .diskread import DiskReads
+from .diskspace import SEG_RE, check_free_space, purge_directory, remove_tier_files
 from .errors import DirectoryLockedError, DiskFullError, TierClosedError
+from .segfile import (FLAG_TOMB, IOV_MAX, REC_HEADER_BYTES, SEG_HDR, SEG_HEADER_BYTES, SEG_MAGIC, Segment,
+                      cut_record_at, fdatasync, header, iter_headers, record_size)
+
+__all__ = ["DiskTier", "record_size", "REC_HEADER_BYTES", "SEG_HEADER_BYTES", "purge_directory"]
 
 Durability = Literal["batch", "close", "never"]
 DURABILITY = ("batch", "close", "never")
 
-_SEG_MAGIC = b"KVTSEG01"
-_SEG_HDR = struct.Struct("<8sIQQI")  # magic, version, segment id, segment_bytes, crc32 of the rest
-SEG_HEADER_BYTES = 64
-_REC_MAGIC = 0x3152564B  # b"KVR1" little-endian
-_REC_MAGIC_BYTES = struct.pack("<I", _REC_MAGIC)
-_REC = struct.Struct("<IIHHIII")
-REC_HEADER_BYTES = _REC.size  # 24
-_FLAG_TOMB = 1
-_SEG_RE = re.compile(r"^seg-(\d{12})\.kvs$")
-_IOV_MAX = 1020
-_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-_PARALLEL_CRC_BYTES = 256 << 10  # below this a CRC is cheaper than handing it to a thread
-_fdatasync = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
 
-
-def _fallocate(fd: int, offset: int, length: int) -> None:
-    if not hasattr(os, "posix_fallocate"):  # macOS: sparse file, a full disk shows on write
-        raise OSError(errno.EOPNOTSUPP, "posix_fallocate unavailable")
-    os.posix_fallocate(fd, offset, length)
-
-
-def _pad8(n: int) -> int:
-    return (n + 7) & ~7
-
-
-def record_size(key_bytes: int, value_bytes: int) -> int:
-    """Bytes one record takes on disk."""
-    return _pad8(REC_HEADER_BYTES + key_bytes + value_bytes)
-
-
-def _header(flags: int, klen: int, vlen: int, data_crc: int) -> bytes:
-    rest = struct.pack("<HHIII", flags, klen, vlen, data_crc, 0)
-    return struct.pack("<II", _REC_MAGIC, crc32(rest)) + rest
-
-
-class _Segment:
-    __slots__ = ("id", "path", "fd", "mm", "size", "used", "live", "keys", "tombs", "written")
-
-    def __init__(self, sid: int, path: str, fd: int, size: int) -> None:
-        self.id, self.path, self.fd, self.size = sid, path, fd, size
-        self.mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
-        self.used = SEG_HEADER_BYTES  # append offset
-        self.live = 0  # bytes of records the index points to
-        self.keys: set[str] = set()  # keys whose current record lives here
-        self.tombs: set[str] = set()  # keys with a tombstone here
-        self.written: set[str] = set()  # keys with a data record here, live or dead
-
-    def release_fd(self) -> None:
-        """Sealed segments keep only their mapping, so a large tier does not run out of fds."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def file_size(self) -> int:
-        try:
-            return os.fstat(self.fd).st_size if self.fd >= 0 else os.stat(self.path).st_size
-        except OSError:  # deleted under us: nothing in it is readable
-            return 0
-
-    def close(self) -> None:
-        if self.mm is not None:
-            self.mm.close()
-            self.mm = None
-        self.release_fd()
-
-
-class DiskTier(Tier):
+class DiskTier(DiskReads, DiskCompaction, Tier):
     """Persistent key -> bytes store in segment files under ``path``.
 
     Args:
         path: directory (created 0o700 if missing). One DiskTier per directory at a time.
-        capacity_bytes: bound on the segment files' total size (a whole number of segments).
-        segment_bytes: size of one segment file; the largest record is segment_bytes - 64.
+        capacity_bytes: bound on the segment files' total size.
+        segment_bytes: the most one segment file grows to; the largest record is segment_bytes - 64.
         durability: "batch" = fdatasync at the end of every put/put_many/delete call;
             "close" = on ``sync()``/``close()`` only; "never" = leave it to the OS.
         compact_threshold: compact a sealed segment once its live fraction falls below this
-            (0 disables compaction).
+            (0 disables compaction except to make room at capacity).
+        compact_share: the most of the time background compaction spends on I/O while it runs.
+        checkpoint_records: write an index checkpoint in the background once this many records
+            were appended since the last one (and always on ``close``); 0 = only on close.
     """
 
     name = "disk"
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int = 64 << 30, segment_bytes: int = 64 << 20,
-                 durability: Durability = "batch", compact_threshold: float = 0.5) -> None:
+                 durability: Durability = "batch", compact_threshold: float = 0.5, compact_share: float = 0.25,
+                 checkpoint_records: int = 100_000) -> None:
         if not isinstance(segment_bytes, int) or not (4096 <= segment_bytes < 1 << 32):
             raise ValueError(f"segment_bytes must be an int in [4096, 2**32), got {segment_bytes!r}")
         if not isinstance(capacity_bytes, int) or capacity_bytes < segment_bytes:
@@ -138,25 +82,41 @@ class DiskTier(Tier):
             raise ValueError(f"durability must be one of {DURABILITY}, got {durability!r}")
         if not isinstance(compact_threshold, (int, float)) or not (0.0 <= compact_threshold <= 1.0):
             raise ValueError(f"compact_threshold must be a float in [0, 1], got {compact_threshold!r}")
+        if not isinstance(compact_share, (int, float)) or not (0.0 < compact_share <= 1.0):
+            raise ValueError(f"compact_share must be a float in (0, 1], got {compact_share!r}")
+        if not isinstance(checkpoint_records, int) or checkpoint_records < 0:
+            raise ValueError(f"checkpoint_records must be an int >= 0, got {checkpoint_records!r}")
         self.path = os.path.abspath(os.fspath(path))
         self.segment_bytes = segment_bytes
-        self.max_segments = capacity_bytes // segment_bytes
+        self._capacity = capacity_bytes
         self.durability = durability
         self.compact_threshold = float(compact_threshold)
+        self.checkpoint_records = checkpoint_records
         self._lock = threading.RLock()
+        self._cp_lock = threading.Lock()
         self._stats = TierStats()
-        self._n = dict(compactions=0, corrupt=0, scan_corrupt=0, torn=0, syncs=0, recovered=0)
+        self._n = dict(compactions=0, corrupt=0, scan_corrupt=0, torn=0, syncs=0, recovered=0, tail_records=0,
+                       checkpoints=0, checkpoint_loaded=0, checkpoint_rejected=0, bytes_written=0,
+                       compact_bytes_written=0, checkpoint_bytes_written=0, disk_full_errors=0)
+        self.open_seconds = 0.0
         self._corrupt_keys: set[str] = set()
         self._index: dict[str, tuple[int, int, int, int]] = {}  # key -> (seg id, offset, size, vlen)
-        self._segs: dict[int, _Segment] = {}
-        self._head: _Segment | None = None
+        self._segs: dict[int, Segment] = {}
+        self._head: Segment | None = None
         self._next_id = 1
         self._dirty: set[int] = set()
         self._dir_dirty = False
         self._compacting = False
+        self._job: CompactJob | None = None
+        self._stuck: set[int] = set()  # segments a compaction could not move (no room): retried after a put
+        self._since_cp = 0  # records appended since the last checkpoint
+        self._failed: BaseException | None = None  # the last environment failure reported to a caller
         self._closed = True
         self._lock_fd = -1
         self._pool: ThreadPoolExecutor | None = None
+        self._rfds: dict[int, int] = {}  # segment id -> read-only fd, least recently used first
+        self._worker: Compactor | None = None
+        self._share = float(compact_share)
 
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise ValueError(f"path {self.path!r} exists and is not a directory")
@@ -174,91 +134,144 @@ class DiskTier(Tier):
             raise DirectoryLockedError(f"{self.path!r} is in use by another DiskTier "
                                        f"(lock file {os.path.join(self.path, 'LOCK')})") from None
         os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)  # a killed owner's flock dies with it
         self._closed = False
+        self._recovered = False  # a checkpoint is written only of a completely recovered index
         try:
+            t0 = time.perf_counter()
             self._recover()
+            self._recovered = True
+            self.open_seconds = time.perf_counter() - t0
+            check_free_space(self.path, self.segment_bytes, self.capacity_bytes, self.disk_bytes)
         except BaseException:
             self.close()
             raise
+        self._worker = Compactor(self._background_step, self._share, "kvtier-disk-compact")
+        if self._candidates():
+            self._worker.wake()
 
     # -- opening ----------------------------------------------------------------------------
     def _recover(self) -> None:
-        ids = sorted(int(m.group(1)) for n in os.listdir(self.path) if (m := _SEG_RE.match(n)))
+        ids = sorted(int(m.group(1)) for n in os.listdir(self.path) if (m := SEG_RE.match(n)))
         for sid in ids:
             p = self._seg_path(sid)
             fd = os.open(p, os.O_RDWR | os.O_CLOEXEC)
-            size = os.fstat(fd).st_size
-            if size < SEG_HEADER_BYTES + REC_HEADER_BYTES:
+            st = os.fstat(fd)
+            if st.st_size < SEG_HEADER_BYTES + REC_HEADER_BYTES:
                 os.close(fd)
                 os.unlink(p)  # a segment torn while being created holds no record
                 self._dir_dirty = True
                 continue
-            seg = _Segment(sid, p, fd, size)
+            seg = Segment(sid, p, fd, st.st_size, st.st_size)
+            magic, _, hsid, cap, _ = SEG_HDR.unpack_from(seg.mm, 0)
+            if magic == SEG_MAGIC and hsid == sid and st.st_size <= cap < 1 << 32:
+                # the last segment may grow again, up to the segment size of then and of now
+                seg.cap = max(st.st_size, min(cap, self.segment_bytes))
+            seg.mtime_ns = st.st_mtime_ns
             self._segs[sid] = seg
-            self._scan(seg, last=sid == ids[-1])
+        ids = sorted(self._segs)
+        cp = diskindex.load(self.path)
+        if cp is not None and not self._usable(cp):
+            cp = None
+            self._n["checkpoint_rejected"] += 1
+        if cp is None:
+            for sid in ids:
+                self._scan(self._segs[sid], SEG_HEADER_BYTES, check_data=sid == ids[-1], last=sid == ids[-1])
+        else:
+            self._adopt(cp)
+            wsid, woff = cp.watermark
+            for sid in ids:
+                if sid >= wsid:
+                    self._scan(self._segs[sid], woff if sid == wsid else SEG_HEADER_BYTES, check_data=True,
+                               last=sid == ids[-1])
+            self._next_id = max(self._next_id, cp.next_id)
         if self._dirty:
             self._sync_locked()  # torn tails erased at open are durable before anything new
         if ids:
-            self._next_id = ids[-1] + 1
-        if self._segs:
-            last = self._segs[max(self._segs)]
-            if last.size - last.used >= REC_HEADER_BYTES + 8:
+            self._next_id = max(self._next_id, ids[-1] + 1)
+            last = self._segs[ids[-1]]
+            if last.cap - last.used >= REC_HEADER_BYTES + 8:
                 self._head = last
         for seg in self._segs.values():
             if seg is not self._head:
+                seg.seal()
                 seg.release_fd()
         self._n["recovered"] = len(self._index)
 
-    def _scan(self, seg: _Segment, last: bool) -> None:
-        """Index the records of one segment. Headers are always checked; data CRCs only in the
-        last segment, the only place a torn append can be (elsewhere ``get`` checks them)."""
-        mm, pos, limit = seg.mm, SEG_HEADER_BYTES, seg.size
-        pending_bad: list[tuple[str | None, int]] = []  # header-valid, data-bad, not yet followed by a good record
-        end = SEG_HEADER_BYTES
-        while pos + REC_HEADER_BYTES <= limit:
-            magic, hcrc, flags, klen, vlen, dcrc, _ = _REC.unpack_from(mm, pos)
-            size = _pad8(REC_HEADER_BYTES + klen + vlen)
-            if magic != _REC_MAGIC or crc32(mm[pos + 8:pos + REC_HEADER_BYTES]) != hcrc \
-                    or klen == 0 or pos + size > limit:
-                nxt = mm.find(_REC_MAGIC_BYTES, pos + 8)
-                while nxt != -1 and (nxt - pos) % 8:
-                    nxt = mm.find(_REC_MAGIC_BYTES, nxt + 1)
-                if nxt == -1:
-                    break
-                pos = nxt
+    def _usable(self, cp: diskindex.Checkpoint) -> bool:
+        """Whether the segment files are the ones ``cp`` describes (see diskindex)."""
+        wsid, woff = cp.watermark
+        rows = {r.id: r for r in cp.segments}
+        for sid, seg in self._segs.items():
+            if sid > wsid:
                 continue
+            r = rows.get(sid)
+            if r is None:
+                return False  # a segment the checkpoint does not know, inside what it claims to cover
+            if sid == wsid:
+                if seg.size < woff or r.used != woff:
+                    return False
+            elif seg.size != r.size or seg.mtime_ns != r.mtime_ns or r.used > r.size:
+                return False
+        return True
+
+    def _adopt(self, cp: diskindex.Checkpoint) -> None:
+        gone = {r.id for r in cp.segments} - set(self._segs)  # compacted after the checkpoint
+        self._index = cp.index if not gone else {k: v for k, v in cp.index.items() if v[0] not in gone}
+        for r in cp.segments:
+            seg = self._segs.get(r.id)
+            if seg is not None:
+                seg.used, seg.tomb_bytes, seg.written = r.used, r.tomb_bytes, None
+                seg.live = cp.live.get(r.id, 0)
+        self._corrupt_keys = {k for k in cp.corrupt if k not in self._index}
+        self._n["checkpoint_loaded"] = 1
+
+    def _scan(self, seg: Segment, start: int, check_data: bool, last: bool) -> None:
+        """Index the records of ``seg`` from ``start``. Headers are always checked; data CRCs
+        where asked (the tail after a checkpoint, or the last segment of a full scan: the only
+        place a torn append can be; elsewhere ``get`` checks them)."""
+        mm = seg.mm
+        pending_bad: list[tuple[str | None, int]] = []  # header-valid, data-bad, not yet followed by a good record
+        end, n = start, 0
+        for pos, flags, klen, vlen, dcrc, size in iter_headers(mm, start, seg.size):
             k0 = pos + REC_HEADER_BYTES
             kraw = mm[k0:k0 + klen]
             try:
                 key = kraw.decode("utf-8")
             except UnicodeDecodeError:
                 key = None
-            good = key is not None and (not last or crc32(mm[k0 + klen:k0 + klen + vlen], crc32(kraw)) == dcrc)
+            good = key is not None and (not check_data or crc32(mm[k0 + klen:k0 + klen + vlen], crc32(kraw)) == dcrc)
             end = pos + size
             if not good:
                 pending_bad.append((key, pos))
-                pos += size
                 continue
             for bad_key, _ in pending_bad:  # followed by a good record: real corruption
                 self._mark_corrupt(bad_key, scan=True)
             pending_bad.clear()
-            if flags & _FLAG_TOMB:
+            n += 1
+            if flags & FLAG_TOMB:
                 self._unset(key)
-                seg.tombs.add(key)
+                seg.tomb_bytes += size
             else:
                 self._set(key, (seg.id, pos, size, vlen))
-                seg.written.add(key)
-            pos += size
+                if seg.written is not None:
+                    seg.written.add(key)
         seg.used = end
-        if pending_bad and not last:  # (only an undecodable key gets here outside the last segment)
+        if check_data:
+            self._n["tail_records"] += n
+        if pending_bad and not last:
             for bad_key, _ in pending_bad:
                 self._mark_corrupt(bad_key, scan=True)
         elif pending_bad:  # torn append(s) at the end of the log: those writes never completed
             self._n["torn"] += len(pending_bad)
             seg.used = pending_bad[0][1]
             # erase them, so they cannot shadow an older record once this segment is sealed
-            self._write(seg, seg.used, [bytes(end - seg.used)])
+            seg.write(seg.used, [bytes(end - seg.used)])
+            self._dirty.add(seg.id)
+        elif last and cut_record_at(mm, end, seg.size):  # torn past the end of the file
+            self._n["torn"] += 1
+            seg.write(end, [bytes(seg.size - end)])
+            self._dirty.add(seg.id)
 
     def _mark_corrupt(self, key: str | None, scan: bool = False) -> None:
         self._n["scan_corrupt" if scan else "corrupt"] += 1
@@ -270,19 +283,13 @@ class DiskTier(Tier):
     def _set(self, key: str, loc: tuple[int, int, int, int]) -> None:
         self._unset(key)
         self._index[key] = loc
-        seg = self._segs[loc[0]]
-        seg.live += loc[2]
-        seg.keys.add(key)
+        self._segs[loc[0]].live += loc[2]
         self._corrupt_keys.discard(key)
 
-    def _unset(self, key: str) -> _Segment | None:
+    def _unset(self, key: str) -> None:
         old = self._index.pop(key, None)
-        if old is None:
-            return None
-        seg = self._segs[old[0]]
-        seg.live -= old[2]
-        seg.keys.discard(key)
-        return seg
+        if old is not None:
+            self._segs[old[0]].live -= old[2]
 
     def _seg_path(self, sid: int) -> str:
         return os.path.join(self.path, f"seg-{sid:012d}.kvs")
@@ -290,7 +297,11 @@ class DiskTier(Tier):
     # -- capacity ---------------------------------------------------------------------------
     @property
     def capacity_bytes(self) -> int:
-        return self.max_segments * self.segment_bytes
+        return self._capacity
+
+    @property
+    def max_segments(self) -> int:
+        return self._capacity // self.segment_bytes
 
     @property
     def used_bytes(self) -> int:
@@ -299,95 +310,65 @@ class DiskTier(Tier):
 
     @property
     def disk_bytes(self) -> int:
+        """Bytes the segment files take now."""
         return sum(s.size for s in self._segs.values())
 
+    def value_size(self, key: str) -> int | None:
+        """Length of the value stored under ``key`` (from the index, nothing read), or None."""
+        loc = self._index.get(check_key(key))
+        return None if loc is None else loc[3]
+
     # -- writing ----------------------------------------------------------------------------
-    def _new_segment(self) -> _Segment:
+    def _new_segment(self, need: int) -> Segment:
         sid = self._next_id
-        p = self._seg_path(sid)
-        fd = os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            try:
-                _fallocate(fd, 0, self.segment_bytes)  # ENOSPC now rather than on a later write
-            except OSError as exc:
-                if exc.errno in _FULL_ERRNOS:
-                    raise
-                os.ftruncate(fd, self.segment_bytes)  # filesystem without fallocate
-            hdr = _SEG_HDR.pack(_SEG_MAGIC, 1, sid, self.segment_bytes, 0)
-            hdr = hdr[:-4] + struct.pack("<I", crc32(hdr[:-4]))
-            os.pwrite(fd, hdr.ljust(SEG_HEADER_BYTES, b"\0"), 0)
-        except OSError as exc:
-            os.close(fd)
-            os.unlink(p)
-            if exc.errno in _FULL_ERRNOS:
-                raise DiskFullError(exc.errno, f"disk full creating segment {p!r} "
-                                    f"({self.segment_bytes} bytes): {exc.strerror}") from exc
-            raise
+        seg = Segment.create(sid, self._seg_path(sid), self.segment_bytes, SEG_HEADER_BYTES + need)
         self._next_id += 1
-        seg = _Segment(sid, p, fd, self.segment_bytes)
         self._segs[sid] = seg
         self._dir_dirty = True
         return seg
 
     def _room(self, size: int) -> bool:
         """Make the head able to take ``size`` bytes; False when the tier is full."""
-        if self._head is not None and self._head.used + size <= self._head.size:
+        if self._head is not None and self._head.used + size <= self._head.cap:
             return True
         if self._full() and not self._compacting:
             self._free_segment()
+            if self._head is not None and self._head.used + size <= self._head.cap:
+                return True  # compacted into a new head with room to spare
         if self._full():
             return False
-        new = self._new_segment()
+        new = self._new_segment(size)
         if self._head is not None:
             self._seal(self._head)
         self._head = new
         return True
 
     def _full(self) -> bool:
-        """No room for one more segment (counted in bytes: segments left by an earlier
-        DiskTier with another segment_bytes keep their own size)."""
-        return self.disk_bytes + self.segment_bytes > self.capacity_bytes
+        """No room for one more segment: sealed files count at their size, the head at the most
+        it may grow to. A compaction may go one segment over, as the segment it empties is
+        deleted right after."""
+        held = self.disk_bytes + (self._head.cap - self._head.size if self._head is not None else 0)
+        return held + self.segment_bytes > self._capacity + (self.segment_bytes if self._compacting else 0)
 
-    def _seal(self, seg: _Segment) -> None:
-        """The head is full: make its data durable per the durability setting, drop its fd."""
+    def _seal(self, seg: Segment) -> None:
+        """The head is full: truncate it to its records, make them durable per the durability
+        setting, drop its fd."""
+        seg.seal()
         if seg.id in self._dirty and self.durability != "never":
-            _fdatasync(seg.fd)
+            fdatasync(seg.fd)
             self._n["syncs"] += 1
         self._dirty.discard(seg.id)
         seg.release_fd()
 
     def _free_segment(self) -> None:
-        """At capacity: drop an all-dead sealed segment, or compact one into the head's free space."""
-        sealed = sorted((s for s in self._segs.values() if s is not self._head),
+        """At capacity: compact the sealed segment with the most dead space (background
+        compaction had not got to it yet)."""
+        sealed = sorted((s for s in self._segs.values() if s is not self._head and s.id not in self._stuck),
                         key=lambda s: s.live / max(1, s.used - SEG_HEADER_BYTES))
-        head_free = (self._head.size - self._head.used) if self._head is not None else 0
         for s in sealed:
-            needed = s.live + sum(record_size(len(k.encode("utf-8")), 0) for k in s.tombs
-                                  if k not in self._index)  # an upper bound: some tombstones are dropped
-            if needed <= head_free and (s.live == 0 or s.live < s.used - SEG_HEADER_BYTES):
-                self._compact(s)
-                return
-
-    def _write(self, seg: _Segment, off: int, iov: list) -> None:
-        assert seg.fd >= 0, f"write to sealed segment {seg.path}"
-        total = sum(len(b) for b in iov)
-        try:
-            done = os.pwritev(seg.fd, iov, off)
-            while done < total:  # short write: resend the rest
-                rest, skip = [], done
-                for b in iov:
-                    if skip >= len(b):
-                        skip -= len(b)
-                        continue
-                    rest.append(memoryview(b)[skip:])
-                    skip = 0
-                iov, off, total = rest, off + done, total - done
-                done = os.pwritev(seg.fd, iov, off)
-        except OSError as exc:
-            if exc.errno in _FULL_ERRNOS:
-                raise DiskFullError(exc.errno, f"disk full writing {seg.path!r}: {exc.strerror}") from exc
-            raise
-        self._dirty.add(seg.id)
+            if s.live < s.used - SEG_HEADER_BYTES:
+                if self._compact_now(s):
+                    return
 
     def _append(self, records: list[tuple[str, bytes, int, list, int]]) -> list[bool]:
         """Append record images [(key, key bytes, size, iov, value length or -1 for a tombstone)]
@@ -400,35 +381,46 @@ class DiskTier(Tier):
         def flush() -> None:
             nonlocal iov, batch
             if batch:
-                self._write(seg, start, iov)
+                seg.write(start, iov)
+                self._dirty.add(seg.id)
                 for key, off, size, vlen in batch:
                     if vlen < 0:
                         self._unset(key)
-                        seg.tombs.add(key)
+                        seg.tomb_bytes += size
                     else:
                         self._set(key, (seg.id, off, size, vlen))
-                        seg.written.add(key)
+                        if seg.written is not None:
+                            seg.written.add(key)
+                    self._n["bytes_written"] += size
+                self._since_cp += len(batch)
             iov, batch = [], []
 
         try:
             for key, kb, size, parts, vlen in records:
-                if self._head is None or self._head.used + size > self._head.size:
+                if self._head is None or self._head.used + size > self._head.cap:
                     flush()
                     if not self._room(size):
                         results.append(False)
                         continue
-                # a fresh batch starts at the head as it is now (_room may have compacted into it)
-                if not batch or self._head is not seg or len(iov) + len(parts) > _IOV_MAX:
+                head = self._head
+                if head.used + size > head.size:
                     flush()
-                    seg, start = self._head, self._head.used
+                    head.grow(size)
+                # a fresh batch starts at the head as it is now (_room may have compacted into it)
+                if not batch or head is not seg or len(iov) + len(parts) > IOV_MAX:
+                    flush()
+                    seg, start = head, head.used
                 batch.append((key, seg.used, size, vlen))
                 iov.extend(parts)
                 seg.used += size
                 results.append(True)
             flush()
-        except BaseException:
+        except BaseException as exc:
             if batch:  # the failed write is not indexed; rewind so the next append overwrites it
                 seg.used = start
+            if isinstance(exc, DiskFullError):
+                self._failed = exc
+                self._n["disk_full_errors"] += 1
             raise
         return results
 
@@ -438,11 +430,11 @@ class DiskTier(Tier):
         kb = key.encode("utf-8")
         if value is None:
             size = record_size(len(kb), 0)
-            return kb, size, [_header(_FLAG_TOMB, len(kb), 0, crc32(kb)), kb,
+            return kb, size, [header(FLAG_TOMB, len(kb), 0, crc32(kb)), kb,
                               b"\0" * (size - REC_HEADER_BYTES - len(kb))], -1
         n = value.nbytes
         size = record_size(len(kb), n)
-        parts = [_header(0, len(kb), n, crc32(value, crc32(kb))), kb, value]
+        parts = [header(0, len(kb), n, crc32(value, crc32(kb))), kb, value]
         pad = size - REC_HEADER_BYTES - len(kb) - n
         if pad:
             parts.append(b"\0" * pad)
@@ -506,172 +498,11 @@ class DiskTier(Tier):
     def _after_batch(self, touched: set[int]) -> None:
         if self.durability == "batch":
             self._sync_locked()
-        if self.compact_threshold > 0 and not self._compacting:
-            for sid in sorted(touched):
-                s = self._segs.get(sid)
-                if s is not None and s is not self._head and \
-                        s.live < self.compact_threshold * (s.used - SEG_HEADER_BYTES):
-                    self._compact(s)
-
-    def compact(self) -> int:
-        """Compact every sealed segment below the threshold now; returns how many were compacted."""
-        with self._lock:
-            self._check_open()
-            todo = [s for s in self._segs.values() if s is not self._head
-                    and s.live < self.compact_threshold * (s.used - SEG_HEADER_BYTES)]
-            for s in todo:
-                self._compact(s)
-            return len(todo)
-
-    def _compact(self, seg: _Segment) -> None:
-        self._compacting = True
-        try:
-            older = [s for s in self._segs.values() if s.id < seg.id]
-            recs = []
-            file_size = seg.file_size()
-            for key in sorted(seg.keys, key=lambda k: self._index[k][1]):
-                _, off, size, vlen = self._index[key]
-                if off + size > file_size:  # truncated under us
-                    self._mark_corrupt(key)
-                    continue
-                img = seg.mm[off:off + size]  # the record image is position independent
-                kb = key.encode("utf-8")
-                k0 = REC_HEADER_BYTES
-                if crc32(img[k0 + len(kb):k0 + len(kb) + vlen], crc32(kb)) != \
-                        _REC.unpack_from(img)[5]:
-                    self._mark_corrupt(key)
-                    continue
-                recs.append((key, kb, size, [img], vlen))
-            for key in sorted(seg.tombs):  # a tombstone must outlive every older record it hides
-                if key not in self._index and any(key in s.written for s in older):
-                    recs.append((key, *self._image(key, None)))
-            res = self._append(recs) if recs else []
-            if not all(res):
-                return  # no room to move everything: keep the segment
-            if self.durability != "never":
-                self._sync_locked()  # the copies are durable before the originals go
-            del self._segs[seg.id]
-            seg.close()
-            os.unlink(seg.path)
-            self._dir_dirty = True
-            self._n["compactions"] += 1
-        finally:
-            self._compacting = False
-
-    # -- reading ----------------------------------------------------------------------------
-    def _locate(self, key: str) -> tuple[_Segment, int, int, int, int] | None:
-        """(segment, value offset, value length, crc32 of the key, expected crc32 of key+value)
-        after checking the record's header against the index; None when absent or when the
-        header/bounds are already wrong (that is counted as corrupt)."""
-        loc = self._index.get(key)
-        if loc is None:
-            return None
-        sid, off, size, vlen = loc
-        seg = self._segs[sid]
-        kb = key.encode("utf-8")
-        if off + size <= seg.file_size():  # a file truncated under us would SIGBUS
-            magic, _, _, klen, vl, dcrc, _ = _REC.unpack_from(seg.mm, off)
-            k0 = off + REC_HEADER_BYTES
-            if magic == _REC_MAGIC and klen == len(kb) and vl == vlen and seg.mm[k0:k0 + klen] == kb:
-                return seg, k0 + klen, vlen, crc32(kb), dcrc
-        self._mark_corrupt(key)
-        return None
-
-    def _fetch(self, key: str) -> tuple[bytes, int, int] | None:
-        """(value copied out of the mapping, crc32 of the key, expected crc32), or None."""
-        r = self._locate(key)
-        if r is None:
-            return None
-        seg, voff, vlen, kcrc, dcrc = r
-        return seg.mm[voff:voff + vlen], kcrc, dcrc
-
-    def _count(self, key: str, value: bytes | None, ok: bool) -> bytes | None:
-        self._stats.gets += 1
-        if value is None or not ok:
-            if value is not None:
-                self._mark_corrupt(key)
-            self._stats.misses += 1
-            return None
-        self._stats.hits += 1
-        self._stats.bytes_out += len(value)
-        return value
-
-    def get(self, key: str) -> bytes | None:
-        """CRC-verified owned bytes, or None when absent or corrupt (counted in stats()["corrupt"])."""
-        check_key(key)
-        with self._lock:
-            self._check_open()
-            r = self._fetch(key)
-            if r is None:
-                return self._count(key, None, False)
-            value, kcrc, dcrc = r
-            return self._count(key, value, crc32(value, kcrc) == dcrc)
-
-    def get_into(self, key: str, out: memoryview | bytearray | torch.Tensor) -> int | None:
-        """Copy the value straight from the mapping into ``out`` (a writable buffer or contiguous
-        tensor) and verify its CRC there. Returns the bytes written, or None when absent or
-        corrupt (then ``out`` may hold the damaged bytes)."""
-        check_key(key)
-        if isinstance(out, torch.Tensor) and out.device.type != "cpu":
-            return super().get_into(key, out)  # staged through host memory
-        with self._lock:
-            self._check_open()
-            loc = self._index.get(key)
-            mv, _ = out_view(out, loc[3] if loc is not None else 0)  # checked before counting
-            r = self._locate(key)
-            if r is None:
-                return self._count(key, None, False)
-            seg, voff, vlen, kcrc, dcrc = r
-            with memoryview(seg.mm) as src:  # released before the mapping can be closed
-                mv[:vlen] = src[voff:voff + vlen]
-            ok = crc32(mv[:vlen], kcrc) == dcrc
-            return vlen if self._count(key, mv[:vlen], ok) is not None else None
-
-    def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
-        """Batched get: readahead for the whole batch first, and the CRC checks of large values
-        run on worker threads (the CRC releases the GIL) while the next values are copied."""
-        keys = [check_key(k) for k in keys]
-        with self._lock:
-            self._check_open()
-            for k in keys:
-                loc = self._index.get(k)
-                if loc is not None:
-                    s = self._segs[loc[0]]
-                    a = loc[1] & ~(mmap.PAGESIZE - 1)
-                    try:
-                        s.mm.madvise(mmap.MADV_WILLNEED, a, min(loc[1] + loc[2], s.size) - a)
-                    except (OSError, ValueError):
-                        break  # advice only
-            pending = []
-            for k in keys:
-                r = self._fetch(k)
-                if r is None:
-                    pending.append((k, None, None, 0))
-                    continue
-                value, kcrc, dcrc = r
-                if len(value) >= _PARALLEL_CRC_BYTES and len(keys) > 1:
-                    crc = self._crc_pool().submit(crc32, value, kcrc)
-                else:
-                    crc = crc32(value, kcrc)
-                pending.append((k, value, crc, dcrc))
-            out = []
-            for k, value, crc, dcrc in pending:
-                if value is not None and not isinstance(crc, int):
-                    crc = crc.result()
-                out.append(self._count(k, value, value is not None and crc == dcrc))
-            return out
-
-    def _crc_pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1),
-                                            thread_name_prefix="kvtier-disk-crc")
-        return self._pool
-
-    def value_size(self, key: str) -> int | None:
-        """Length of the value under ``key`` from the index (not read, not CRC-checked)."""
-        check_key(key)
-        loc = self._index.get(key)
-        return None if loc is None else loc[3]
+        self._stuck -= touched
+        if self._worker is not None and (
+                any(self._compactable(self._segs.get(sid)) for sid in touched) or self._head_mostly_dead()
+                or (self.checkpoint_records and self._since_cp >= max(self.checkpoint_records, len(self._index) // 4))):
+            self._worker.wake()
 
     def contains(self, key: str) -> bool:
         check_key(key)
@@ -689,22 +520,28 @@ class DiskTier(Tier):
         """Keys found corrupt (at open or on read) and not written again since."""
         return frozenset(self._corrupt_keys)
 
+    # -- giving space back ------------------------------------------------------------------
     def clear(self) -> int:
         """Remove every record at once by deleting all segment files; returns how many were live.
 
-        Cheaper than ``delete_many(keys())`` (no tombstones). If the process dies half way, the
-        segments not yet deleted come back on reopen (their records were valid, just unwanted).
+        Cheaper than ``delete_many(keys())`` (no tombstones). The checkpoint goes first; if the
+        process dies half way, the segments not yet deleted come back on reopen (their records
+        were valid, just unwanted).
         """
         with self._lock:
             self._check_open()
             n = len(self._index)
+            self._job = None
+            diskindex.remove(self.path)
             for sid in sorted(self._segs):  # oldest first: a crash leaves a suffix of the log, never stale versions
                 seg = self._segs.pop(sid)
+                self._drop_rfd(sid)
                 seg.close()
                 os.unlink(seg.path)
             self._index.clear()
             self._corrupt_keys.clear()
             self._dirty.clear()
+            self._stuck.clear()
             self._head = None
             self._dir_dirty = True
             if self.durability != "never":
@@ -716,7 +553,7 @@ class DiskTier(Tier):
         for sid in sorted(self._dirty):
             s = self._segs.get(sid)
             if s is not None and s.fd >= 0:
-                _fdatasync(s.fd)
+                fdatasync(s.fd)
         self._dirty.clear()
         if self._dir_dirty:
             dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
@@ -739,29 +576,68 @@ class DiskTier(Tier):
             written = sum(s.used - SEG_HEADER_BYTES for s in self._segs.values())
             d.update(used_bytes=live, capacity_bytes=self.capacity_bytes, records=len(self._index),
                      segments=len(self._segs), disk_bytes=self.disk_bytes, dead_bytes=written - live,
-                     corrupt_keys=len(self._corrupt_keys), **self._n)
+                     corrupt_keys=len(self._corrupt_keys), open_seconds=self.open_seconds,
+                     compact_busy_seconds=self._worker.busy_s if self._worker is not None else 0.0,
+                     compact_max_step_seconds=self._worker.max_step_s if self._worker is not None else 0.0,
+                     **self._n)
             return d
 
     def close(self) -> None:
+        """Stop the background worker, write the checkpoint, sync (per durability), release the
+        directory. After an environment failure already reported to a caller (a full disk),
+        a failing final sync or checkpoint is logged, not raised again."""
+        if self._worker is not None:
+            self._worker.stop()  # before the lock: the worker may be waiting for it
+            self._worker = None
+        err = None
+        if not self._closed and self._lock_fd >= 0 and self._recovered:
+            try:
+                with self._lock:
+                    if self._head is not None:
+                        self._head.seal()  # give back its unused allocation; it grows again on reopen
+                    if self.durability in ("batch", "close"):
+                        self._sync_locked()
+            except OSError as exc:
+                err = exc
+            try:
+                self.checkpoint()
+            except OSError as exc:  # only costs the next open a longer scan
+                diskindex.remove(self.path)
+                warnings.warn(f"kvtier: L3 index checkpoint not written at {self.path!r}: {exc}", RuntimeWarning,
+                              stacklevel=2)
         with self._lock:
             if self._closed and self._lock_fd < 0:
                 return
-            try:
-                if not self._closed and self.durability in ("batch", "close"):
-                    self._sync_locked()
-            finally:
-                self._closed = True
-                for s in self._segs.values():
-                    s.close()
-                self._segs.clear()
-                self._index.clear()
-                self._head = None
-                if self._lock_fd >= 0:
-                    os.close(self._lock_fd)  # releases the flock
-                    self._lock_fd = -1
-                if self._pool is not None:
-                    self._pool.shutdown(wait=True)
-                    self._pool = None
+            self._closed = True
+            for sid in list(self._rfds):
+                self._drop_rfd(sid)
+            for s in self._segs.values():
+                s.close()
+            self._segs.clear()
+            self._index.clear()
+            self._head = None
+            self._job = None
+            if self._lock_fd >= 0:
+                os.close(self._lock_fd)  # releases the flock
+                self._lock_fd = -1
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+        if err is not None:
+            if self._failed is None:
+                raise err
+            warnings.warn(f"kvtier: closing L3 at {self.path!r} after an earlier failure ({self._failed}): {err}",
+                          RuntimeWarning, stacklevel=2)
+
+    def purge(self) -> int:
+        """Delete every record and this tier's files (segments, checkpoint, lock) and close;
+        the directory itself goes too when nothing else is in it. Returns the bytes freed."""
+        with self._lock:
+            self._check_open()
+            freed = self.disk_bytes
+            self.clear()
+        self.close()
+        return freed + remove_tier_files(self.path)
 
     def __del__(self) -> None:
         if getattr(self, "_lock_fd", -1) >= 0:

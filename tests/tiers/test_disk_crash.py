@@ -112,11 +112,14 @@ def test_sigkill_during_writes_never_loses_synced_or_returns_torn(tmp_path):
     # test_torn_tail_* below forge torn appends deterministically
 
 
-def _forge_torn_append(t: DiskTier, key: str, value: bytes, keep: int) -> None:
-    """Write the first ``keep`` bytes of a record for key at the head, as a killed write would."""
-    kb, size, parts, _ = t._image(key, memoryview(value))
+def _forge_torn_append(path, key: str, value: bytes, keep: int) -> None:
+    """Write the first ``keep`` bytes of a record for key at the end of the log (the last
+    segment, which a clean close truncated to its records), as a killed write would."""
+    kb, size, parts, _ = DiskTier._image(key, memoryview(value))
     image = b"".join(bytes(p) for p in parts)[:keep]
-    os.pwrite(t._head.fd, image, t._head.used)
+    last = max(p for p in os.listdir(path) if p.startswith("seg-"))
+    with open(os.path.join(path, last), "ab") as f:
+        f.write(image)
 
 
 @pytest.mark.parametrize("keep", [10, 24, 24 + 3 + 100])  # inside the header, header only, some data
@@ -125,8 +128,7 @@ def test_torn_tail_is_ignored_and_overwritten(tmp_path, keep):
     with open_tier(path) as t:
         t.put("k", b"old" * 100)
         t.put("other", b"x" * 1000)
-        t.sync()
-        _forge_torn_append(t, "k", b"new" * 1000, keep)  # the overwrite of k never completed
+    _forge_torn_append(path, "k", b"new" * 1000, keep)  # the overwrite of k never completed
     with open_tier(path) as t:
         assert t.get("k") == b"old" * 100 and t.get("other") == b"x" * 1000  # older version stands
         s = t.stats()

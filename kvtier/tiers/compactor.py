@@ -1,0 +1,385 @@
+"""DiskTier's compaction and index checkpoints, and the background worker that runs them off
+the put/get path.
+
+Compaction copies a sealed segment's live records to the head in steps of ``_STEP_BYTES`` of
+the segment. A background step reads and CRC-checks its records without the tier lock and
+takes the lock only to append what is still live (so a put or get waits for one append, not
+a step); the worker then sleeps so that its I/O takes at most ``share`` of the time while it
+runs: after a step of ``t`` seconds, ``t * (1 - share) / share``. The copies are made durable
+(fdatasync on duplicated fds, outside the lock) before the emptied segment is deleted.
+
+The worker owns no tier state: each step is a call back into the tier (``_background_step``),
+which says whether there is more to do.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvtier._crc import crc32
+from . import diskindex
+from .segfile import FLAG_TOMB, REC_HEADER_BYTES, SEG_HEADER_BYTES, Segment, fdatasync, iter_headers
+
+_STEP_BYTES = 256 << 10  # segment bytes one background compaction step reads
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class CompactJob:
+    """One segment being compacted: the records before ``pos`` have been copied (or dropped)."""
+
+    seg: Segment
+    pos: int = SEG_HEADER_BYTES
+    copied_bytes: int = 0
+    max_step_read: int = 0  # the most segment bytes one step read
+    sync_pending: bool = False  # every record moved; the copies must be durable before the unlink
+
+
+class Compactor:
+    """A daemon thread that calls ``step()`` while it returns True, paced to an I/O share."""
+
+    def __init__(self, step, share: float, name: str) -> None:
+        assert 0.0 < share <= 1.0, f"share {share} must be in (0, 1]"
+        # a weak reference: the running thread must not keep an unclosed tier alive (its
+        # finalizer closes it and releases the directory lock)
+        self._step, self.share = weakref.WeakMethod(step), share
+        self._cv = threading.Condition()
+        self._wake = False
+        self._stop = False
+        self.busy_s = 0.0  # seconds spent in steps
+        self.max_step_s = 0.0  # the longest step: about the most a put or get waited for one
+        self.steps = 0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        with self._cv:
+            self._wake = True
+            self._cv.notify()
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._wake and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                self._wake = False
+            while True:
+                t0 = time.perf_counter()
+                step = self._step()
+                if step is None:  # the tier is gone
+                    return
+                try:
+                    more = step()
+                except Exception as exc:  # a failed step (e.g. a full disk) leaves the tier as it was
+                    self.error = exc
+                    log.warning("kvtier DiskTier background compaction stopped: %r", exc)
+                    more = False
+                del step
+                dt = time.perf_counter() - t0
+                self.busy_s += dt
+                self.max_step_s = max(self.max_step_s, dt)
+                self.steps += 1
+                if not more:
+                    break
+                with self._cv:
+                    if self._cv.wait_for(lambda: self._stop, timeout=dt * (1.0 - self.share) / self.share):
+                        return
+
+
+class DiskCompaction:
+    """Compaction, index checkpoints and expiry for DiskTier (a mixin: the state lives in
+    ``DiskTier.__init__``; ``_``-methods expect the tier lock held unless they say otherwise)."""
+
+    def _compactable(self, s: Segment | None) -> bool:
+        return (s is not None and s is not self._head and self.compact_threshold > 0 and s.id not in self._stuck
+                and s.live < self.compact_threshold * (s.used - SEG_HEADER_BYTES))
+
+    def _head_mostly_dead(self) -> bool:
+        """The head holds a good share of a segment, most of it dead: sealing it lets compaction
+        give that space back (a head is never compacted while records are appended to it)."""
+        h = self._head
+        return (h is not None and self.compact_threshold > 0 and h.used - SEG_HEADER_BYTES >= self.segment_bytes // 8
+                and h.live < self.compact_threshold * (h.used - SEG_HEADER_BYTES))
+
+    def _candidates(self) -> list[Segment]:
+        """Sealed segments below the threshold, emptiest first."""
+        todo = [s for s in self._segs.values() if self._compactable(s)]
+        return sorted(todo, key=lambda s: s.live / max(1, s.used - SEG_HEADER_BYTES))
+
+    def compact(self) -> int:
+        """Compact every sealed segment below the threshold now (waiting for none of the
+        background pacing); returns how many were compacted."""
+        with self._lock:
+            self._check_open()
+            n = 0
+            for s in self._candidates():
+                n += self._compact_now(s)
+            return n
+
+    def _compact_now(self, seg: Segment) -> bool:
+        """Compact ``seg`` to the end under the lock (continuing a background job on it)."""
+        job = self._job if self._job is not None and self._job.seg is seg else CompactJob(seg)
+        self._job = job
+        try:
+            while not job.sync_pending:
+                if not self._compact_step(job, 1 << 62):
+                    return False
+            if self.durability != "never":
+                self._sync_locked()  # the copies are durable before the original goes
+            self._finish(job)
+            return True
+        finally:
+            if self._job is job:
+                self._job = None
+
+    def _compact_step(self, job: CompactJob, budget: int, locked: bool = True) -> bool:
+        """Copy the live records (and needed tombstones) of up to ``budget`` bytes of the job's
+        segment to the head; sets ``job.sync_pending`` when the segment is all read. False when
+        the segment cannot be moved now (no room at the head, or it changed under us).
+
+        With ``locked=False`` (the background worker) the tier lock is taken only to check the
+        segment and then to append what was gathered: reading and CRC-checking the records
+        runs without it, so a put or get waits for an append, not for a whole step."""
+        lock = self._lock if not locked else contextlib.nullcontext()  # (held by the caller)
+        with lock:
+            seg = job.seg
+            if self._closed or self._segs.get(seg.id) is not seg:
+                return False
+            if seg.file_size() < seg.used:  # truncated under us: reading it would SIGBUS
+                self._stuck.add(seg.id)
+                return False
+        try:
+            cands, pos, read, written = self._gather(job, budget, yield_gil=not locked)
+        except ValueError:  # its mapping was closed meanwhile (cleared, or the tier closed)
+            return False
+        with lock:
+            if self._closed or self._segs.get(seg.id) is not seg:
+                return False
+            for o, keys in written.items():
+                if self._segs.get(o.id) is o and o.written is None:
+                    o.written = keys
+            recs = []
+            for key, flags, kraw, size, vlen, off, img in cands:
+                if flags & FLAG_TOMB:  # a tombstone must outlive every older record it hides
+                    if key not in self._index and self._hides_older(key, seg):
+                        recs.append((key, *self._image(key, None)))
+                    continue
+                loc = self._index.get(key)
+                if loc is None or loc[0] != seg.id or loc[1] != off:
+                    continue  # replaced or deleted meanwhile
+                if img is None:
+                    self._mark_corrupt(key)
+                else:
+                    recs.append((key, kraw, size, [img], vlen))
+            job.max_step_read = max(job.max_step_read, read)
+            self._compacting = True
+            try:
+                res = self._append(recs) if recs else []
+            finally:
+                self._compacting = False
+            moved = sum(r[2] for r in recs)
+            self._n["compact_bytes_written"] += moved
+            job.copied_bytes += moved
+            if not all(res):
+                self._stuck.add(seg.id)
+                return False
+            job.pos = pos
+            job.sync_pending = pos >= seg.used
+            return True
+
+    def _gather(self, job: CompactJob, budget: int, yield_gil: bool):
+        """Read up to ``budget`` bytes of records from ``job.pos``: (candidates, next position,
+        bytes read, written-key sets built for older segments). A candidate is (key, flags,
+        key bytes, size, value length, offset, image or None when its CRC failed) for records
+        the index points to here, and every tombstone whose key is not indexed. The index is
+        only peeked at: the caller re-checks under the lock."""
+        seg = job.seg
+        mm, cands, read, pos, n = seg.mm, [], 0, job.pos, 0
+        for pos, flags, klen, vlen, dcrc, size in iter_headers(mm, job.pos, seg.used):
+            if read >= budget:
+                break
+            read += size
+            n += 1
+            if yield_gil and n % 8 == 0:
+                time.sleep(0)  # let a waiting put/get have the GIL (this loop is pure Python)
+            k0 = pos + REC_HEADER_BYTES
+            kraw = mm[k0:k0 + klen]
+            try:
+                key = kraw.decode("utf-8")
+            except UnicodeDecodeError:
+                continue
+            if flags & FLAG_TOMB:
+                if key not in self._index:
+                    cands.append((key, flags, kraw, size, vlen, pos, None))
+                continue
+            loc = self._index.get(key)
+            if loc is None or loc[0] != seg.id or loc[1] != pos:
+                continue  # dead, and a dead record never comes back to life
+            img = mm[pos:pos + size]  # the record image is position independent
+            if crc32(img[REC_HEADER_BYTES + klen:REC_HEADER_BYTES + klen + vlen], crc32(kraw)) != dcrc:
+                cands.append((key, flags, kraw, size, vlen, pos, None))
+                continue
+            cands.append((key, flags, kraw, size, vlen, pos, img))
+        else:
+            pos = seg.used
+        written = {}
+        if any(c[1] & FLAG_TOMB for c in cands):  # older segments' key sets, built here, not under the lock
+            for o in list(self._segs.values()):
+                if o.id < seg.id and o.written is None:
+                    written[o] = {k for k, flags in self._record_keys(o) if not flags & FLAG_TOMB}
+                    if yield_gil:
+                        time.sleep(0)
+        return cands, pos, read, written
+
+    def _hides_older(self, key: str, seg: Segment) -> bool:
+        for o in self._segs.values():
+            if o.id < seg.id:
+                if o.written is None:
+                    o.written = {k for k, flags in self._record_keys(o) if not flags & FLAG_TOMB}
+                if key in o.written:
+                    return True
+        return False
+
+    @staticmethod
+    def _record_keys(seg: Segment) -> Iterator[tuple[str, int]]:
+        mm = seg.mm
+        for pos, flags, klen, *_ in iter_headers(mm, SEG_HEADER_BYTES, seg.used):
+            try:
+                yield mm[pos + REC_HEADER_BYTES:pos + REC_HEADER_BYTES + klen].decode("utf-8"), flags
+            except UnicodeDecodeError:
+                continue
+
+    def _finish(self, job: CompactJob) -> None:
+        seg = job.seg
+        if seg.live:  # a record indexed here was not found again (damaged since): keep the file
+            self._stuck.add(seg.id)
+            return
+        del self._segs[seg.id]
+        self._dirty.discard(seg.id)
+        self._drop_rfd(seg.id)
+        seg.close()
+        os.unlink(seg.path)
+        self._dir_dirty = True
+        self._n["compactions"] += 1
+
+    def _background_step(self) -> bool:
+        """One paced unit of background work (compactor thread): a compaction step, the
+        durable hand-over of a compacted segment, or an index checkpoint. True if more may follow."""
+        with self._lock:
+            if self._closed:
+                return False
+            job = self._job
+            if job is None or self._segs.get(job.seg.id) is not job.seg:
+                todo = self._candidates()
+                if not todo and self._head_mostly_dead():
+                    self._seal(self._head)  # the next append starts a new head
+                    self._head = None
+                    todo = self._candidates()
+                job = self._job = CompactJob(todo[0]) if todo else None
+            run_step = job is not None and not job.sync_pending
+            if not run_step:
+                if job is None:
+                    due = self.checkpoint_records and self._since_cp >= max(self.checkpoint_records,
+                                                                              len(self._index) // 4)
+                    if not due:
+                        return False
+                fds = self._dup_dirty_fds() if self.durability != "never" else []
+        if run_step:
+            if not self._compact_step(job, _STEP_BYTES, locked=False):
+                with self._lock:
+                    if self._job is job:
+                        self._job = None
+            return True
+        self._sync_fds(fds)  # outside the lock: puts and gets go on meanwhile
+        if job is None:
+            self.checkpoint()
+            return True
+        with self._lock:
+            if self._job is job and not self._closed and self._segs.get(job.seg.id) is job.seg:
+                self._job = None
+                self._finish(job)
+        return True
+
+    def _dup_dirty_fds(self) -> list[int]:
+        return [os.dup(s.fd) for sid in sorted(self._dirty) if (s := self._segs.get(sid)) is not None and s.fd >= 0]
+
+    @staticmethod
+    def _sync_fds(fds: list[int]) -> None:
+        try:
+            for fd in fds:
+                fdatasync(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    # -- checkpoint -------------------------------------------------------------------------
+    def checkpoint(self) -> int:
+        """Write the index checkpoint now (its records made durable first unless
+        durability="never"); returns the bytes written. Reopening then scans only what is
+        appended after this point."""
+        with self._cp_lock:
+            with self._lock:
+                self._check_open()
+                cp = self._snapshot()
+                fds = self._dup_dirty_fds() if self.durability != "never" else []
+                self._since_cp = 0
+            self._sync_fds(fds)  # the records it indexes are durable before it is
+            n = diskindex.save(self.path, cp)
+            with self._lock:
+                self._n["checkpoints"] += 1
+                self._n["checkpoint_bytes_written"] += n
+            return n
+
+    def _snapshot(self) -> diskindex.Checkpoint:
+        head = self._head
+        wm = (head.id, head.used) if head is not None else (self._next_id, SEG_HEADER_BYTES)
+        rows = [diskindex.SegmentRow(s.id, s.size, s.used, s.mtime_ns, s.tomb_bytes)
+                for s in sorted(self._segs.values(), key=lambda s: s.id)]
+        return diskindex.Checkpoint(dict(self._index), {}, rows, sorted(self._corrupt_keys), self._next_id, wm)
+
+    def expire(self, max_age_s: float | None = None, max_bytes: int | None = None,
+               keep=lambda key: False) -> int:
+        """Delete records not kept by ``keep(key)``: those written more than ``max_age_s`` ago,
+        then the oldest of the rest until they hold at most ``max_bytes``. A record's age is its
+        segment's (since its file was last written: never older than the record really is).
+        Returns how many were deleted."""
+        if max_age_s is not None and (not isinstance(max_age_s, (int, float)) or max_age_s < 0):
+            raise ValueError(f"max_age_s must be a number >= 0 or None, got {max_age_s!r}")
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
+            raise ValueError(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
+        with self._lock:
+            self._check_open()
+            now = time.time_ns()
+            cand = sorted((loc[0], loc[1], loc[2], k) for k, loc in self._index.items() if not keep(k))
+            # a segment's last write dates every record in it (a lower bound of their age)
+            mt = {sid: (s.mtime_ns if s is not self._head else os.fstat(s.fd).st_mtime_ns)
+                  for sid, s in self._segs.items()}
+            drop = [k for sid, _, _, k in cand if max_age_s is not None and now - mt[sid] > max_age_s * 1e9]
+            rest = cand[len(drop):]  # oldest first, like ``cand``: the aged ones are its prefix
+            if max_bytes is not None:
+                total = sum(c[2] for c in rest)
+                for sid, _, size, k in rest:
+                    if total <= max_bytes:
+                        break
+                    drop.append(k)
+                    total -= size
+            self.delete_many(drop)
+            return len(drop)

@@ -1,0 +1,202 @@
+"""DiskTier's on-disk record format and one segment file (grown on demand, sealed to its size).
+
+```
+ segment = [64-byte segment header][record][record]...[unused tail, zeros]
+ record  = [24-byte header][key][value][pad to 8]
+ header  = magic u32 | hdr_crc u32 (CRC32 of bytes 8..24) | flags u16 | key_len u16
+           | value_len u32 | data_crc u32 (CRC32 of key+value) | reserved u32
+```
+A segment file starts small and grows (doubling, never past ``cap``) as records are appended,
+so a tiny run costs a few hundred KiB of disk rather than a whole segment; sealing truncates
+it to what it holds. Records are position independent: compaction copies their images as
+they are.
+"""
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+
+from kvtier._crc import crc32
+from .errors import DiskFullError
+
+SEG_MAGIC = b"KVTSEG01"
+SEG_HDR = struct.Struct("<8sIQQI")  # magic, version, segment id, segment_bytes, crc32 of the rest
+SEG_HEADER_BYTES = 64
+REC_MAGIC = 0x3152564B  # b"KVR1" little-endian
+REC_MAGIC_BYTES = struct.pack("<I", REC_MAGIC)
+REC = struct.Struct("<IIHHIII")
+REC_HEADER_BYTES = REC.size  # 24
+FLAG_TOMB = 1
+IOV_MAX = 1020
+FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+FIRST_BYTES = 256 << 10  # a new segment file's first allocation
+fdatasync = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
+
+
+def pad8(n: int) -> int:
+    return (n + 7) & ~7
+
+
+def record_size(key_bytes: int, value_bytes: int) -> int:
+    """Bytes one record takes on disk."""
+    return pad8(REC_HEADER_BYTES + key_bytes + value_bytes)
+
+
+def header(flags: int, klen: int, vlen: int, data_crc: int) -> bytes:
+    rest = struct.pack("<HHIII", flags, klen, vlen, data_crc, 0)
+    return struct.pack("<II", REC_MAGIC, crc32(rest)) + rest
+
+
+def segment_header(sid: int, segment_bytes: int) -> bytes:
+    hdr = SEG_HDR.pack(SEG_MAGIC, 1, sid, segment_bytes, 0)
+    return (hdr[:-4] + struct.pack("<I", crc32(hdr[:-4]))).ljust(SEG_HEADER_BYTES, b"\0")
+
+
+def full_error(exc: OSError, what: str) -> OSError:
+    """DiskFullError for a full filesystem, the error itself otherwise."""
+    if exc.errno in FULL_ERRNOS:
+        err = DiskFullError(exc.errno, f"disk full {what}: {exc.strerror}")
+        err.__cause__ = exc
+        return err
+    return exc
+
+
+def allocate(fd: int, offset: int, length: int) -> None:
+    """Reserve [offset, offset+length) so a full disk shows here, not as SIGBUS on a later read."""
+    try:
+        if not hasattr(os, "posix_fallocate"):  # macOS: sparse file, a full disk shows on write
+            raise OSError(errno.EOPNOTSUPP, "posix_fallocate unavailable")
+        os.posix_fallocate(fd, offset, length)
+    except OSError as exc:
+        if exc.errno in FULL_ERRNOS:
+            raise
+        os.ftruncate(fd, offset + length)  # filesystem without fallocate
+
+
+def iter_headers(mm, pos: int, limit: int) -> Iterator[tuple[int, int, int, int, int, int]]:
+    """(offset, flags, key length, value length, data crc, record size) of each record whose
+    header checks out, from ``pos`` up to ``limit``; damaged stretches are skipped by looking
+    for the next 8-aligned record magic."""
+    unpack, hdr_end = REC.unpack_from, REC_HEADER_BYTES
+    while pos + hdr_end <= limit:
+        magic, hcrc, flags, klen, vlen, dcrc, _ = unpack(mm, pos)
+        size = pad8(hdr_end + klen + vlen)
+        if magic != REC_MAGIC or klen == 0 or pos + size > limit or crc32(mm[pos + 8:pos + hdr_end]) != hcrc:
+            nxt = mm.find(REC_MAGIC_BYTES, pos + 8, limit)
+            while nxt != -1 and (nxt - pos) % 8:
+                nxt = mm.find(REC_MAGIC_BYTES, nxt + 1, limit)
+            if nxt == -1:
+                return
+            pos = nxt
+            continue
+        yield pos, flags, klen, vlen, dcrc, size
+        pos += size
+
+
+def cut_record_at(mm, pos: int, limit: int) -> bool:
+    """Whether a record with a valid header starts at ``pos`` but runs past ``limit``: an
+    append cut short at the end of a file that had not been grown ahead of it."""
+    if pos + REC_HEADER_BYTES > limit:
+        return False
+    magic, hcrc, _, klen, vlen, _, _ = REC.unpack_from(mm, pos)
+    return (magic == REC_MAGIC and klen > 0 and pos + pad8(REC_HEADER_BYTES + klen + vlen) > limit
+            and crc32(mm[pos + 8:pos + REC_HEADER_BYTES]) == hcrc)
+
+
+class Segment:
+    """One segment file: ``size`` bytes allocated and mapped, ``used`` of them written, at most
+    ``cap``. Sealed segments keep only their mapping (no fd), so a large tier does not run out
+    of file descriptors.
+
+    ``written`` is the set of keys with a data record here (live or dead), which decides
+    whether a tombstone still hides something; None until needed for a segment indexed from
+    a checkpoint (then rebuilt from its headers).
+    """
+
+    __slots__ = ("id", "path", "fd", "mm", "size", "cap", "used", "live", "tomb_bytes", "written", "mtime_ns")
+
+    def __init__(self, sid: int, path: str, fd: int, size: int, cap: int) -> None:
+        self.id, self.path, self.fd, self.size, self.cap = sid, path, fd, size, cap
+        self.mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
+        self.used = SEG_HEADER_BYTES  # append offset
+        self.live = 0  # bytes of records the index points to
+        self.tomb_bytes = 0  # bytes of tombstones here
+        self.written: set[str] | None = set()
+        self.mtime_ns = 0  # of the file once sealed (a checkpoint tells a changed file by it)
+
+    @classmethod
+    def create(cls, sid: int, path: str, cap: int, first: int) -> Segment:
+        """A new segment file holding only its header, ``first`` bytes allocated."""
+        first = min(cap, max(first, FIRST_BYTES))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            allocate(fd, 0, first)
+            os.pwrite(fd, segment_header(sid, cap), 0)
+        except OSError as exc:
+            os.close(fd)
+            os.unlink(path)
+            raise full_error(exc, f"creating segment {path!r} ({first} bytes)") from exc
+        return cls(sid, path, fd, first, cap)
+
+    def grow(self, need: int) -> None:
+        """Allocate (and map) room for ``need`` more bytes after ``used`` (at most ``cap``)."""
+        assert self.fd >= 0 and self.used + need <= self.cap, f"grow past the cap of {self.path}"
+        new = min(self.cap, max(2 * self.size, self.used + need))
+        try:
+            allocate(self.fd, self.size, new - self.size)
+        except OSError as exc:
+            raise full_error(exc, f"growing {self.path!r} to {new} bytes") from exc
+        self._remap(new)
+
+    def seal(self) -> None:
+        """Truncate to what is written (dead space aside, the file then costs only its records)."""
+        if self.fd >= 0:
+            if self.used < self.size:
+                os.ftruncate(self.fd, self.used)
+                self._remap(self.used)
+            self.mtime_ns = os.fstat(self.fd).st_mtime_ns
+
+    def _remap(self, size: int) -> None:
+        if self.mm is not None:
+            self.mm.close()
+        self.mm = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ)
+        self.size = size
+
+    def write(self, off: int, iov: list) -> None:
+        """pwritev the buffers at ``off`` (short writes resent); DiskFullError on a full disk."""
+        assert self.fd >= 0, f"write to sealed segment {self.path}"
+        total = sum(len(b) for b in iov)
+        try:
+            done = os.pwritev(self.fd, iov, off)
+            while done < total:  # short write: resend the rest
+                rest, skip = [], done
+                for b in iov:
+                    if skip >= len(b):
+                        skip -= len(b)
+                        continue
+                    rest.append(memoryview(b)[skip:])
+                    skip = 0
+                iov, off, total = rest, off + done, total - done
+                done = os.pwritev(self.fd, iov, off)
+        except OSError as exc:
+            raise full_error(exc, f"writing {self.path!r}") from exc
+
+    def release_fd(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def file_size(self) -> int:
+        try:
+            return os.fstat(self.fd).st_size if self.fd >= 0 else os.stat(self.path).st_size
+        except OSError:  # deleted under us: nothing in it is readable
+            return 0
+
+    def close(self) -> None:
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None
+        self.release_fd()

@@ -1,0 +1,202 @@
+"""DiskTier's index checkpoint: reopening reads it and replays only the log after it; a
+checkpoint that does not match the files is never trusted."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+
+import pytest
+
+from kvtier.tiers import DiskTier
+from kvtier.tiers import diskindex
+from kvtier.tiers.disk import REC_HEADER_BYTES
+
+SEG = 16 << 10
+
+
+def open_tier(path, **kw):
+    kw.setdefault("capacity_bytes", 64 * SEG)
+    kw.setdefault("segment_bytes", SEG)
+    kw.setdefault("durability", "close")
+    return DiskTier(path, **kw)
+
+
+def die_in_child(fn, *args):
+    """fn(*args) in a forked child that ends by SIGKILL (no close, no final checkpoint)."""
+    p = mp.get_context("fork").Process(target=fn, args=args)
+    p.start()
+    p.join(60)
+    assert p.exitcode == -signal.SIGKILL, f"child ended with {p.exitcode}"
+
+
+def value(i: int, n: int = 900) -> bytes:
+    return bytes([i % 251]) * (n + i % 7)
+
+
+def fill(t, lo, hi):
+    assert all(t.put_many([(f"k{i}", value(i)) for i in range(lo, hi)]))
+
+
+def expect(t, live):
+    assert sorted(t.keys()) == sorted(live)
+    assert all(t.get(k) == v for k, v in live.items())
+
+
+def test_clean_reopen_reads_the_checkpoint_and_scans_nothing(tmp_path):
+    live = {f"k{i}": value(i) for i in range(60)}
+    with open_tier(tmp_path / "d") as t:
+        fill(t, 0, 60)
+        t.delete_many(["k3", "k4"])
+        t.put("k5", b"newer")
+    del live["k3"], live["k4"]
+    live["k5"] = b"newer"
+    with open_tier(tmp_path / "d") as t:
+        s = t.stats()
+        assert s["checkpoint_loaded"] == 1 and s["tail_records"] == 0 and s["segments"] > 2
+        expect(t, live)
+        assert t.value_size("k5") == 5 and t.value_size("k3") is None
+
+
+def _write_then_die(path, cp_at, end, dels):
+    t = open_tier(path)
+    fill(t, 0, cp_at)
+    t.checkpoint()
+    fill(t, cp_at, end)
+    t.delete_many(dels)
+    t.put("k0", b"rewritten after the checkpoint")
+    t.sync()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_tail_after_the_checkpoint_is_replayed_after_a_kill(tmp_path):
+    d = tmp_path / "d"
+    dels = ["k1", "k40", "k70"]
+    die_in_child(_write_then_die, d, 50, 80, dels)
+    live = {f"k{i}": value(i) for i in range(80) if f"k{i}" not in dels}
+    live["k0"] = b"rewritten after the checkpoint"
+    with open_tier(d) as t:
+        s = t.stats()
+        assert s["checkpoint_loaded"] == 1 and s["tail_records"] == 30 + len(dels) + 1
+        expect(t, live)
+        t.put("later", b"x")  # appends go on at the end of the replayed tail
+    live["later"] = b"x"
+    with open_tier(d) as t:
+        expect(t, live)
+
+
+def _compact_after_checkpoint_then_die(path):
+    t = open_tier(path, compact_threshold=0.5)
+    fill(t, 0, 60)
+    t.checkpoint()
+    t.delete_many([f"k{i}" for i in range(60) if i % 4])
+    assert t.compact() > 0  # segments the checkpoint lists are gone, their live records moved
+    t.sync()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_segments_compacted_after_the_checkpoint(tmp_path):
+    d = tmp_path / "d"
+    die_in_child(_compact_after_checkpoint_then_die, d)
+    with open_tier(d) as t:
+        assert t.stats()["checkpoint_loaded"] == 1
+        expect(t, {f"k{i}": value(i) for i in range(0, 60, 4)})
+
+
+def _damage_index(path, how):
+    p = os.path.join(path, diskindex.INDEX_NAME)
+    raw = bytearray(open(p, "rb").read())
+    if how == "flip":
+        raw[len(raw) // 2] ^= 0x10
+    elif how == "truncate":
+        raw = raw[: len(raw) - 9]
+    elif how == "header":
+        raw[9] ^= 1
+    open(p, "wb").write(bytes(raw))
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "header", "empty"])
+def test_damaged_checkpoint_falls_back_to_a_full_scan(tmp_path, how):
+    d = tmp_path / "d"
+    with open_tier(d) as t:
+        fill(t, 0, 40)
+        t.delete("k7")
+    if how == "empty":
+        open(os.path.join(d, diskindex.INDEX_NAME), "wb").close()
+    else:
+        _damage_index(d, how)
+    with open_tier(d) as t:
+        s = t.stats()
+        assert s["checkpoint_loaded"] == 0
+        expect(t, {f"k{i}": value(i) for i in range(40) if i != 7})
+
+
+def test_segment_changed_since_the_checkpoint_is_not_trusted(tmp_path):
+    d = tmp_path / "d"
+    with open_tier(d) as t:
+        fill(t, 0, 40)
+        loc = t._index["k2"]
+    seg = d / f"seg-{loc[0]:012d}.kvs"
+    with open(seg, "r+b") as f:  # a bit flip in the value of a record the checkpoint indexes
+        f.seek(loc[1] + REC_HEADER_BYTES + 2 + 5)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 1]))
+    with open_tier(d) as t:
+        s = t.stats()
+        assert s["checkpoint_rejected"] == 1 and s["checkpoint_loaded"] == 0
+        assert t.get("k2") is None and "k2" in t.corrupt_keys  # never the damaged bytes
+        assert all(t.get(f"k{i}") == value(i) for i in range(40) if i != 2)
+
+
+def test_unknown_segment_before_the_watermark_is_not_trusted(tmp_path):
+    d = tmp_path / "d"
+    with open_tier(d) as t:
+        fill(t, 0, 40)
+    with open_tier(d) as t:
+        assert t.stats()["checkpoint_loaded"] == 1
+        first = min(t._segs)
+    os.rename(d / f"seg-{first:012d}.kvs", d / "spare")
+    with open_tier(d) as t:
+        t.put("x", b"y")  # writes a checkpoint without that segment
+    os.rename(d / "spare", d / f"seg-{first:012d}.kvs")
+    with open_tier(d) as t:
+        assert t.stats()["checkpoint_rejected"] == 1
+        expect(t, {**{f"k{i}": value(i) for i in range(40)}, "x": b"y"})
+
+
+def test_damage_after_the_checkpoint_is_caught_on_read(tmp_path):
+    d = tmp_path / "d"
+    with open_tier(d) as t:
+        fill(t, 0, 40)
+        loc = t._index["k9"]
+    with open_tier(d) as t:
+        assert t.stats()["checkpoint_loaded"] == 1
+        fd = os.open(d / f"seg-{loc[0]:012d}.kvs", os.O_RDWR)
+        os.pwrite(fd, b"\xAA", loc[1] + REC_HEADER_BYTES + 2 + 3)
+        os.close(fd)
+        assert t.get("k9") is None and "k9" in t.corrupt_keys
+
+
+def test_clear_removes_the_checkpoint_first(tmp_path):
+    d = tmp_path / "d"
+    with open_tier(d) as t:
+        fill(t, 0, 40)
+        t.checkpoint()
+        t.clear()
+        assert not os.path.exists(d / diskindex.INDEX_NAME)
+        t.put("new", b"1")
+    with open_tier(d) as t:
+        expect(t, {"new": b"1"})
+
+
+def test_background_checkpoint_after_enough_records(tmp_path):
+    d = tmp_path / "d"
+    with open_tier(d, checkpoint_records=20) as t:
+        fill(t, 0, 30)
+        for _ in range(200):
+            if t.stats()["checkpoints"]:
+                break
+            import time
+            time.sleep(0.01)
+        assert t.stats()["checkpoints"] >= 1
