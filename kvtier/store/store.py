@@ -1804,6 +1804,217 @@ class KVStore:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # --- sequence surgery: add many, truncate (crop), fork -------------------------------------
+    # What kvtier.integrations needs for TieredCache.crop / fork / batch changes. Same locks as
+    # everywhere: the tier lock before the state lock; nothing waits while holding either.
+
+    def free_sequences(self) -> int:
+        """How many more sequences may be registered now (``max_sequences`` less the live ones)."""
+        return self.cfg.max_sequences - len(self._tables)
+
+    def add_sequences(self, n: int) -> list[int]:
+        """Register ``n`` new sequences, all or none.
+
+        Raises:
+            ValueError (registering nothing) when fewer than ``n`` are free.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be an int >= 0; got {n!r}")
+        self._check_open()
+        if n > self.free_sequences():
+            raise ValueError(
+                f"max_sequences ({self.cfg.max_sequences}) is too small: {n} more sequences wanted, "
+                f"{len(self._tables)} live already (every batch row of every open cache on this store "
+                f"is one; beams and num_return_sequences multiply the batch). Raise "
+                f"KVTierConfig.max_sequences, or close caches you no longer use")
+        seqs: list[int] = []
+        try:
+            for _ in range(n):
+                seqs.append(self.add_sequence())
+        except BaseException:
+            for seq in seqs:
+                self.drop_sequence(seq)
+            raise
+        return seqs
+
+    def truncate_sequence(self, seq: int, length: int) -> None:
+        """Cut every layer of ``seq`` that holds more than ``length`` tokens back to ``length``.
+
+        ```
+         before  [ b0 ][ b1 ][ b2 ][ b3 open ]      bt = block_tokens
+         cut at length 1.5 bt:  b2, b3 leave every tier; b1 is reopened
+         after   [ b0 ][ b1 open: bt/2 tokens ]
+        ```
+        Blocks past the cut lose this reference; their copies below L1 go once no other
+        sequence holds them (content-addressed L3 copies stay for :meth:`match_prefix`, as with
+        ``drop_sequence(keep_prefix=True)``). The block the cut falls in becomes the open block:
+        kept in its L1 slot (full precision) when resident, otherwise decoded from its nearest
+        copy into one, so with a lossy codec its kept tokens hold the codec's reconstruction,
+        not the original values. Cut inside a block, that block gets private copies from now on
+        (the next append makes it new content). Token ids noted for ``seq`` are cut too.
+        """
+        self._check_open()
+        tables = self._tables.get(seq)
+        if tables is None:
+            raise ValueError(f"seq must be a live sequence id {sorted(self._tables)}; got {seq!r}")
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise ValueError(f"length must be an int >= 0; got {length!r}")
+        cut = [t for t in tables if t.length > length]
+        if not cut:
+            return
+        self._quiesce(seq)
+        bt = self.block_tokens
+        keep = -(-length // bt)  # blocks left, the last one open
+        for t in cut:
+            drop2, drop3 = [], []
+            reopen = keep and keep < len(t.entries)  # a sealed block becomes the open one
+            with self._lock:
+                for e in t.entries[keep:]:
+                    self._unlink(t, e, drop2, drop3)
+                del t.entries[keep:]
+                t.length = min(t.length, keep * bt)
+                self._last_sel.pop((seq, t.layer), None)
+                t.gather_cache = t.view_cache = None
+                t.view_n = 0
+            fresh = None
+            if reopen:
+                e = t.entries[-1]
+                if e.slot is None:
+                    data = self._load(e)  # [2, kv_heads, block_tokens, head_dim]
+                    self._make_room(t, 1, exclude=frozenset())
+                    with self._lock:
+                        self._home[e.home] -= 1
+                        self._alloc_in(t, e, data)
+                        self._home["l1"] += 1
+                if length < keep * bt:
+                    with self._lock:
+                        self._unref(e, drop2, drop3)
+                        fresh = BlockCopies(e.key)
+            self._delete_copies(drop2, drop3)
+            with self._lock:
+                if fresh is not None:  # registered only now: its key may have named a dropped copy
+                    e.rec = fresh
+                    fresh.entries.append(e)
+                    self._recs[e.key] = fresh
+                t.length = length
+                if t.entries:
+                    self._open_views(t)
+                else:
+                    t.open_view = t.open_np = None
+                self._touched[id(t)] = t
+        st = self._tok.get(seq)
+        if st is not None:
+            st.truncate(length, bt)
+
+    def fork_sequence(self, src: int) -> int:
+        """A new sequence holding what ``src`` holds, sharing its sealed blocks.
+
+        Each sealed block of the fork joins ``src``'s :class:`BlockCopies` (reference count + 1):
+        stored once in every tier below L1, and a block not yet written below is written once for
+        both. L1 stays per sequence: what is resident in ``src``'s region is copied into the new
+        region at the same positions, the open block included (copy-on-write: later appends write
+        only one sequence's open block). Digests, policy statistics and token ids are copied.
+
+        Raises:
+            ValueError when no sequence is free (``max_sequences``), registering nothing.
+        """
+        self._check_open()
+        tables = self._tables.get(src)
+        if tables is None:
+            raise ValueError(f"src must be a live sequence id {sorted(self._tables)}; got {src!r}")
+        dst = self.add_sequences(1)[0]
+        try:
+            with self._lock:
+                for s, d in zip(tables, self._tables[dst]):
+                    self._fork_table(s, d)
+        except BaseException:
+            self.drop_sequence(dst)
+            raise
+        st = self._tok.get(src)
+        if st is not None:
+            self._tok[dst] = st.copy()
+        return dst
+
+    def _fork_table(self, s: BlockTable, d: BlockTable) -> None:
+        """Fill the empty table ``d`` from ``s`` (lock held): shared copies, own L1 slots."""
+        src_slots, dst_slots = [], []
+        last = len(s.entries) - 1
+        for e in s.entries:
+            n = BlockEntry(e.idx, block_key(d.seq, d.layer, e.idx))
+            if e.idx < last:  # sealed: the same content, one more reference
+                n.rec.entries.remove(n)
+                n.rec = e.rec
+                e.rec.entries.append(n)
+            else:
+                self._recs[n.key] = n.rec
+            n.last_used, n.mass, n.importance = e.last_used, e.mass, e.importance
+            d.entries.append(n)
+            self._by_key[n.key] = n
+            if e.slot is not None:
+                slot = d.base + (e.slot - s.base)
+                if not self.l1.put_at(n.key, slot, None):
+                    raise AssertionError(f"fresh region slot {slot} of {d.seq}/{d.layer} refused")
+                d.take_slot(n, slot)
+                src_slots.append(e.slot)
+                dst_slots.append(slot)
+                self._home["l1"] += 1
+            else:
+                self._home[n.home] += 1
+        if src_slots:
+            src_i = torch.tensor(src_slots, device=self.device)
+            self._pool_kv[:, :, torch.tensor(dst_slots, device=self.device)] = \
+                self._pool_kv.index_select(2, src_i)  # [2, kv_heads, n, block_tokens, head_dim]
+        d.length = s.length
+        d.observed = s.observed
+        if s.digest is not None:
+            d.digest = s.digest.clone()
+        if d.entries:
+            self._open_views(d)
+        self._touched[id(d)] = d
+
+    def _quiesce(self, seq: int) -> None:
+        """No swap-out, write-through or prefetch of ``seq`` in flight (before changing its blocks)."""
+        self._worker.drain()
+        if self._publisher is not None:
+            self._publisher.drain()
+        prefix = f"{seq}/"
+        with self._pf_lock:
+            mine = [self._pf.pop(k) for k in list(self._pf) if k.startswith(prefix)]
+        for fut in mine:
+            self._discard_prefetch(fut)
+
+    def _unlink(self, t: BlockTable, e: BlockEntry, drop2: list, drop3: list) -> None:
+        """Entry ``e`` leaves ``t``: its L1 slot and its reference (lock held)."""
+        self._home[e.home] -= 1
+        if e.slot is not None:
+            self.l1.delete(e.key)
+            t.free_slot(e)
+        self._unref(e, drop2, drop3)
+        self._by_key.pop(e.key, None)
+
+    def _unref(self, e: BlockEntry, drop2: list, drop3: list) -> None:
+        """Drop ``e``'s reference to its copies below L1; the last one lists them for deletion
+        (content-addressed L3 copies are kept for later prefix matches). Lock held."""
+        rec = e.rec
+        rec.entries.remove(e)
+        if not rec.entries:
+            if self._recs.get(rec.key) is rec:
+                del self._recs[rec.key]
+            if rec.l2:
+                drop2.append(rec.key)
+            if rec.l3 and not rec.content:
+                drop3.append(rec.key)
+
+    def _delete_copies(self, drop2: list, drop3: list) -> None:
+        if not (drop2 or drop3):
+            return
+        with self._tier_lock:
+            self.l2.delete_many(drop2)
+            if self.l3 is not None:
+                self.l3.delete_many(drop3)
+            with self._lock:
+                self._recount()
+
 
 
 
@@ -1822,12 +2033,13 @@ def _to_pinned(enc):
 class _SeqTokens:
     """Token ids noted for one sequence: the chained hash of every full block, and the tail."""
 
-    __slots__ = ("hashes", "tail", "count")
+    __slots__ = ("hashes", "tail", "count", "ids")
 
     def __init__(self) -> None:
         self.hashes: list[str] = []
         self.tail = np.empty(0, dtype="<i8")
         self.count = 0
+        self.ids: list[np.ndarray] = []  # every id noted, in chunks (truncate needs them back)
 
     def add(self, ids: np.ndarray, block_tokens: int, fp: str) -> None:
         tail = np.concatenate((self.tail, ids)) if self.tail.size else ids
@@ -1837,3 +2049,22 @@ class _SeqTokens:
                                                 parent=self.hashes[-1] if self.hashes else None)
         self.tail = tail[n_full * block_tokens:].copy()
         self.count += int(ids.size)
+        self.ids.append(np.array(ids, dtype="<i8"))
+
+    def truncate(self, n: int, block_tokens: int) -> None:
+        """Forget every id past the first ``n`` (the hashes of whole blocks before stay valid)."""
+        if n >= self.count:
+            return
+        kept = np.concatenate(self.ids)[:n] if self.ids else np.empty(0, dtype="<i8")
+        self.ids = [kept]
+        self.hashes = self.hashes[: n // block_tokens]
+        self.tail = kept[(n // block_tokens) * block_tokens:].copy()
+        self.count = n
+
+    def copy(self) -> "_SeqTokens":
+        other = _SeqTokens()
+        other.hashes = list(self.hashes)
+        other.tail = self.tail.copy()
+        other.count = self.count
+        other.ids = list(self.ids)  # chunks are never written after they are added
+        return other
