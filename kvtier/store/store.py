@@ -1808,6 +1808,10 @@ class KVStore:
     # What kvtier.integrations needs for TieredCache.crop / fork / batch changes. Same locks as
     # everywhere: the tier lock before the state lock; nothing waits while holding either.
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def free_sequences(self) -> int:
         """How many more sequences may be registered now (``max_sequences`` less the live ones)."""
         return self.cfg.max_sequences - len(self._tables)
