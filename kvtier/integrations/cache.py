@@ -49,14 +49,15 @@ from __future__ import annotations
 import weakref
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from kvtier.config import KVTierConfig
 from kvtier.store import KVStore
 
-from . import attention as _attn
 from . import registry
 from .handover import HANDOVER_KWARG, Handover, Step, StepKind
+from .hooks import detach, register_hooks, switch_attention
+from .layer import TieredLayer
 from .model import model_fingerprint
 from .rows import BatchRows
 from .sparse import budgeted_attention
@@ -64,86 +65,6 @@ from .sparse import budgeted_attention
 __all__ = ["TieredCache", "TieredLayer", "attach", "detach"]
 
 _OBSERVING_POLICIES = ("h2o", "snapkv")
-
-
-class TieredLayer(CacheLayerMixin):
-    """One model layer of a :class:`TieredCache`; the tokens live in the store, not here.
-
-    ``keys`` / ``values`` are what a ``DynamicLayer`` holds, ``[batch, kv_heads, T, head_dim]``,
-    gathered from the store on every access: a copy (blocks below L1 are read back), so writing
-    into it changes nothing and each access costs a dense read of the layer.
-    """
-
-    is_compileable = False
-    is_croppable = True
-    is_sliding = False
-    supports_early_init = False
-
-    def __init__(self, cache: "TieredCache", layer_idx: int):
-        # A weak reference: the cache owns its layers, not the other way round.
-        self._cache_ref = weakref.ref(cache)
-        self.layer_idx = layer_idx
-        self.length = 0
-        super().__init__()
-
-    def _kv(self, half: int) -> torch.Tensor | None:
-        cache = self._cache_ref()
-        if cache is None or not self.length:
-            return None
-        return cache._gather(self.layer_idx)[half]
-
-    def _read_only(self, value) -> None:
-        if value is not None:  # CacheLayerMixin.__init__ clears them
-            raise AttributeError("TieredLayer keys/values are gathered from the store (a copy); "
-                                 "append through update()")
-
-    keys = property(lambda self: self._kv(0), _read_only)
-    values = property(lambda self: self._kv(1), _read_only)
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.device = key_states.device
-        self.is_initialized = True
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Append ``[batch, kv_heads, t, head_dim]`` states; return what attention should see.
-
-        ``kwargs["kwargs"]`` is the attention call's kwargs dict (transformers passes it), where
-        a hand-over to kvtier's attention goes."""
-        attn_kwargs = kwargs.get("kwargs")
-        return self._cache_ref()._update(self, key_states, value_states,
-                                         attn_kwargs if isinstance(attn_kwargs, dict) else None)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.length
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self.length = 0
-        self.is_initialized = False
-
-    def offload(self):
-        raise NotImplementedError("TieredLayer.offload: kvtier tiers the cache itself; do not combine it "
-                                  "with transformers' cache offloading")
-
-    def prefetch(self):
-        raise NotImplementedError("TieredLayer.prefetch: kvtier prefetches inside its store")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("TieredLayer.crop: call TieredCache.crop (every layer is cut together)")
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("TieredLayer.reorder_cache: call TieredCache.reorder_cache")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("TieredLayer.batch_repeat_interleave: call TieredCache.batch_repeat_interleave")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("TieredLayer.batch_select_indices: call TieredCache.batch_select_indices")
 
 
 def _model_shape(model_config) -> tuple[int, int, int]:
@@ -243,7 +164,7 @@ class TieredCache(Cache):
                               attended_tokens=0, context_tokens=0, selected_blocks=0,
                               rolled_back_steps=0, cropped_tokens=0)
         if model is not None:
-            _register_hooks(model)
+            register_hooks(model)
             switch_attention(model)
 
     @property
@@ -638,39 +559,9 @@ class TieredCache(Cache):
             config: kvtier configuration of the new cache.
             model: the model it belongs to (gives the fingerprint; switches attention in sparse mode).
         """
-        if isinstance(existing_cache, TieredCache):
-            raise ValueError("existing_cache is already a TieredCache")
-        if not isinstance(existing_cache, Cache):
-            raise ValueError(f"existing_cache must be a transformers Cache (DynamicCache); got {type(existing_cache).__name__}")
-        layers = existing_cache.layers
-        if not layers or any(getattr(ly, "is_sliding", False) for ly in layers):
-            raise ValueError("existing_cache must have full-attention layers (no sliding window)")
-        first = next((ly for ly in layers if ly.is_initialized and ly.keys is not None and ly.keys.numel()), None)
-        if first is None:
-            raise ValueError("existing_cache is empty: nothing to take over (pass the TieredCache to the prefill instead)")
-        for ly in layers:
-            if type(ly) is not DynamicLayer:
-                raise ValueError(f"existing_cache layers must be DynamicLayer; got {type(ly).__name__}")
-        b, kvh, t, hd = first.keys.shape
-        for l, ly in enumerate(layers):
-            if ly.keys is None or ly.keys.shape[-2] != t:
-                raise ValueError(f"existing_cache layers must all hold {t} tokens; layer {l} differs")
-        cache = cls(config, model, num_layers=len(layers), kv_heads=kvh, head_dim=hd,
-                    dtype=first.keys.dtype, device=first.keys.device)
-        try:
-            cache._rows.register(b)
-            for l, ly in enumerate(layers):
-                for row, seq in enumerate(cache._rows.seqs):
-                    cache.store.append(seq, l, ly.keys[row], ly.values[row])  # [kv_heads, t, head_dim]
-            cache._filled(t)
-        except BaseException:
-            cache.close()
-            raise
-        cache.store.end_step()
-        if release:
-            for ly in layers:
-                ly.reset()
-        return cache
+        from .takeover import take_over
+
+        return take_over(cls, existing_cache, config, model, release=release)
 
     def save(self, path) -> None:
         """Write this conversation to an HDF5 file (see :mod:`kvtier.integrations.persist`)."""
@@ -693,18 +584,6 @@ class TieredCache(Cache):
         return load_cache(cls, path, config, model=model, fingerprint=fingerprint)
 
 
-def switch_attention(model) -> None:
-    """Register kvtier's attention and make ``model`` use it (previous choice kept for :func:`detach`).
-
-    Without a TieredCache hand-over, kvtier's attention is transformers' SDPA, so the switched
-    model still runs with any cache."""
-    name = _attn.register()
-    current = model.config._attn_implementation
-    if current != name:
-        model._kvtier_previous_attn = current
-        model.set_attn_implementation(name)
-
-
 def attach(model, config: KVTierConfig, *, store: KVStore | None = None) -> TieredCache:
     """A :class:`TieredCache` bound to ``model``, which then attends through kvtier's attention.
 
@@ -717,49 +596,3 @@ def attach(model, config: KVTierConfig, *, store: KVStore | None = None) -> Tier
     :func:`detach` removes them.
     """
     return TieredCache(config, model, store=store)
-
-
-def _forward_cache(kwargs: dict):
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    return cache if isinstance(cache, TieredCache) else None
-
-
-def _ids_hook(module, args, kwargs):
-    cache = _forward_cache(kwargs)
-    if cache is not None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
-            # padded rows: positions shift with the padding, so the same ids need not mean the
-            # same K/V; such a cache stops giving ids (its blocks keep process-local keys)
-            ids = None
-        cache.set_input_ids(ids if isinstance(ids, torch.Tensor) else None)
-    return None
-
-
-def _end_hook(module, args, kwargs, result):
-    # always_call: runs after a forward that raised too (result None), so its step is rolled back
-    cache = _forward_cache(kwargs)
-    if cache is not None:
-        cache._forward_ended(failed=result is None)
-    return None
-
-
-def _register_hooks(model) -> None:
-    if getattr(model, "_kvtier_ids_hook", None) is None:
-        model._kvtier_ids_hook = model.register_forward_pre_hook(_ids_hook, with_kwargs=True)
-    if getattr(model, "_kvtier_end_hook", None) is None:
-        model._kvtier_end_hook = model.register_forward_hook(_end_hook, with_kwargs=True, always_call=True)
-
-
-def detach(model) -> None:
-    """Give ``model`` back the attention implementation it had before :func:`attach`."""
-    for name in ("_kvtier_ids_hook", "_kvtier_end_hook"):
-        hook = getattr(model, name, None)
-        if hook is not None:
-            hook.remove()
-            setattr(model, name, None)
-    prev = getattr(model, "_kvtier_previous_attn", None)
-    if prev is not None:
-        model.set_attn_implementation(prev)
-        del model._kvtier_previous_attn
