@@ -170,8 +170,8 @@ def test_assisted_speculative_prompt_lookup_match_dynamic(model_fp16, tokenizer,
     # rounding of SDPA's (bf16 rounding can move a sampled token). A prompt that repeats itself,
     # so that prompt lookup and the draft find long matches.
     model = model_fp16
-    ids = text_ids(tokenizer, 116, offset=4100)
-    ids = torch.cat([ids, ids[:, :116]], dim=1)
+    ids = text_ids(tokenizer, 80, offset=4100)
+    ids = torch.cat([ids, ids], dim=1)
     draft = draft_of(model)
     methods = {"prompt_lookup": dict(prompt_lookup_num_tokens=8),
                "assisted": dict(assistant_model=draft),
@@ -183,7 +183,7 @@ def test_assisted_speculative_prompt_lookup_match_dynamic(model_fp16, tokenizer,
     restore_attention(model)
     for mode, kw in (("dense", {}),
                      # the budget covers the context, and L1 still evicts (watermarks) to L2/L3
-                     ("sparse", dict(attention="sparse", hot_tokens=256, budget_tokens=256, host_bytes=96 << 10))):
+                     ("sparse", dict(attention="sparse", hot_tokens=192, budget_tokens=192, host_bytes=96 << 10))):
         for name, gen in methods.items():
             with kvtier.attach(model, cfg(tmp_path, f"l3-{mode}-{name}", codec="fp16", **kw)) as cache:
                 torch.manual_seed(7)
