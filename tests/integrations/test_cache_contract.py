@@ -288,3 +288,11 @@ def test_readme_example_runs_as_written_twice(monkeypatch, tmp_path):
         exec(compile(code, "README.md", "exec"), {})
     gc.collect()
     assert not any(s.cfg.disk_path == "kvtier-cache" for s in registry.open_stores())
+
+
+def test_chat_keeps_the_part_of_the_cache_the_rerendered_conversation_shares():
+    from kvtier.integrations.chat import _common_prefix
+
+    assert _common_prefix(torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 9])) == 2
+    assert _common_prefix(torch.tensor([1, 2]), torch.tensor([1, 2, 3])) == 2
+    assert _common_prefix(torch.tensor([5]), torch.tensor([], dtype=torch.long)) == 0
