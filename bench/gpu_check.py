@@ -165,11 +165,11 @@ def model(dev: torch.device, quick: bool) -> None:
     ids = tok(load_text()[:20000], return_tensors="pt")["input_ids"][:, : (512 if quick else 2048)].to(dev)
     new = 32 if quick else 64
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
-        ref = m.generate(ids, past_key_values=DynamicCache(config=m.config), max_new_tokens=new, do_sample=False)
+        ref = m.generate(ids, cache=DynamicCache(config=m.config), max_new_tokens=new, do_sample=False)
         cfg = KVTierConfig(block_tokens=32, hot_tokens=128, host_bytes=1 << 20, disk_path=tmp, codec=lossless,
                            attention="dense", policy="lru")
         cache = kvtier.attach(m, cfg)
-        got = m.generate(ids, past_key_values=cache, max_new_tokens=new, do_sample=False)
+        got = m.generate(ids, cache=cache, max_new_tokens=new, do_sample=False)
         st = cache.stats()
         cache.close()
         check(f"generate {lossless} dense == DynamicCache on {dev.type}", torch.equal(ref, got),
@@ -177,12 +177,12 @@ def model(dev: torch.device, quick: bool) -> None:
 
         def decode_rate(make):
             cache = make()
-            out = m(input_ids=ids, past_key_values=cache, use_cache=True)
+            out = m(input_ids=ids, cache=cache, use_cache=True)
             nxt = out.logits[:, -1:].argmax(-1)
             sync(dev)
             t0 = time.perf_counter()
             for _ in range(new):
-                out = m(input_ids=nxt, past_key_values=cache, use_cache=True)
+                out = m(input_ids=nxt, cache=cache, use_cache=True)
                 nxt = out.logits[:, -1:].argmax(-1)
             sync(dev)
             rate = new / (time.perf_counter() - t0)

@@ -1,24 +1,26 @@
-"""kvtier's attention function: budgeted (sparse) attention over blocks chosen with the query.
+"""kvtier's attention function: what a TieredCache layer hands over, finished with the query.
 
-transformers calls ``cache.update(k, v, layer)`` without the query, so the selection cannot
-happen in the cache. Instead, in sparse mode a :class:`~kvtier.integrations.cache.TieredCache`
-layer appends the new token in ``update`` and leaves a *pending* note; the model then calls this
-function (registered as ``"kvtier"`` in transformers' ``AttentionInterface``, with ``sdpa_mask``
-as its mask function), which sees the query and finishes the step:
+transformers calls ``cache.update(k, v, layer)`` without the query, so whatever needs the query
+happens here. A :class:`~kvtier.integrations.cache.TieredCache` layer that needs this call puts a
+:class:`~kvtier.integrations.handover.Handover` into the attention kwargs (the dict transformers
+passes to ``update`` and then to this function); this function, registered as ``"kvtier"`` in
+transformers' ``AttentionInterface`` (with ``sdpa_mask`` as its mask function), claims it and
+finishes the layer's step:
 
 ```
  LlamaAttention.forward
    q, k, v = proj(h); rope
-   cache.update(k, v, l)  ──► store.append(seq, l, k, v)        (sparse decode: returns k, v only)
-   attention("kvtier")    ──► store.select(seq, l, q)           sinks + window + top-k by digest
-                              store.gather_view(seq, l, sel)    swap-in from L2/L3 if needed; views of L1
-                              softmax(q K^T) V over those blocks  (one batched matmul, GQA packed)
-                              store.observe(seq, l, order, mass) H2O mass from these weights
+   cache.update(k, v, l)  ──► store.append(seq, l, k, v)   (sparse decode: returns k, v only)
+   attention("kvtier")    ──► Handover.claim(l, k)
+     SPARSE: sparse.budgeted_attention     select + gather_view + attend over the chosen blocks
+     DENSE:  SDPA (or split), then seed H2O/SnapKV from the last queries
+     SPLIT:  split_prefix_attention when the mask is exactly causal, else SDPA
 ```
 A multi-token step of a TieredCache over tokens already cached (a prefill after
-``load_prefix``, a chunked prefill), in dense or sparse mode, whose mask is exactly causal with an
-offset (no padding, every batch row alike) is split in two unmasked passes instead of one SDPA over
-an explicit ``[q_len, past + q_len]`` mask, and the two are merged exactly with their log-sum-exp:
+``load_prefix``, a chunked prefill, a speculative verification), in dense or sparse mode, whose
+mask is exactly causal with an offset (no padding, every batch row alike) is split in two
+unmasked passes instead of one SDPA over an explicit ``[q_len, past + q_len]`` mask, and the two
+are merged exactly with their log-sum-exp:
 
 ```
             keys:  0 ......... past-1 | past ........ past+q-1
@@ -41,15 +43,13 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from .handover import HANDOVER_KWARG, StepKind
+
 ATTN_IMPLEMENTATION = "kvtier"
 
-# The TieredCache whose layer has a step pending, per thread: update() and the attention call
-# of one layer happen back to back in the same thread.
-_active = threading.local()
-
-
-def set_active(cache) -> None:
-    _active.cache = cache
+# _offset_causal's answer for the mask tensor it last checked, per thread (a pure function of
+# that tensor, which transformers hands to every layer of one forward)
+_mask_memo = threading.local()
 
 
 # CPU kernel returning (out, logsumexp); absent in old torch builds (then: masked SDPA)
@@ -83,25 +83,23 @@ def kvtier_attention(
     Returns:
         ``(attn_output [batch, q_len, q_heads, head_dim], None)``.
     """
-    cache = getattr(_active, "cache", None)
-    layer_idx = getattr(module, "layer_idx", None)
-    pending = cache.pending_for(layer_idx, key) if cache is not None else None
-    if pending is None:
+    hand = kwargs.pop(HANDOVER_KWARG, None)
+    kind = hand.claim(getattr(module, "layer_idx", None), key) if hand is not None else None
+    if kind is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       dropout=dropout, scaling=scaling, **kwargs)
-    _active.cache = None
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1])
-    if pending == "sparse":
-        return cache.sparse_attention(layer_idx, query, attention_mask, scaling), None
-    # "split" (dense mode) or "dense" (a multi-token step in sparse mode)
+    cache = hand.cache
+    if kind is StepKind.SPARSE:
+        return cache.sparse_attention(hand.layer, query, attention_mask, scaling), None
     if _splittable(module, query, key, value, attention_mask, dropout, kwargs):
         out = split_prefix_attention(query, key, value, key.shape[2] - query.shape[2], scaling), None
     else:
         out = sdpa_attention_forward(module, query, key, value, attention_mask,
                                      dropout=dropout, scaling=scaling, **kwargs)
-    if pending == "dense":
-        cache.after_dense_attention(layer_idx, query)
+    if kind is StepKind.DENSE:
+        cache.after_dense_attention(hand.layer, query)
     return out
 
 
@@ -134,13 +132,13 @@ def _offset_causal(mask: torch.Tensor | None, q_len: int, kv_len: int) -> bool:
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4 \
             or mask.shape[1] != 1 or tuple(mask.shape[2:]) != (q_len, kv_len):
         return False
-    memo = getattr(_active, "mask_memo", None)
+    memo = getattr(_mask_memo, "last", None)
     if memo is not None and memo[0]() is mask:
         return memo[1]
     past = kv_len - q_len
     tril = torch.ones(q_len, q_len, dtype=torch.bool, device=mask.device).tril_()  # [q_len, q_len]
     ok = bool(mask[..., :past].all()) and torch.equal(mask[..., past:], tril.expand(mask.shape[0], 1, q_len, q_len))
-    _active.mask_memo = (weakref.ref(mask), ok)
+    _mask_memo.last = (weakref.ref(mask), ok)
     return ok
 
 
@@ -198,38 +196,3 @@ def split_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     w1 = torch.sigmoid(lse1 - lse2).unsqueeze(-1)  # [B, q_heads, q_len, 1], float32
     out = torch.lerp(out2.float(), out1.float(), w1)  # out2 + w1 * (out1 - out2)
     return out.to(query.dtype).transpose(1, 2).contiguous()  # [B, q_len, q_heads, D]
-
-
-def attend_blocks(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    mask: torch.Tensor | None,
-    scaling: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention with grouped KV heads, also returning each key's attention mass.
-
-    The query heads sharing one KV head are packed into the query-length dimension, so K and V
-    are never repeated: one batched matmul per product.
-
-    Args:
-        query: [B, q_heads, q_len, D]; keys, values: [B, kv_heads, n, D].
-        mask: boolean [B, 1, q_len, n] (True = attend) or None.
-    Returns:
-        out: [B, q_len, q_heads, D] (the layout transformers expects);
-        mass: float32 [B, n], attention weight per key summed over heads and queries.
-    """
-    b, qh, ql, d = query.shape
-    kvh = keys.shape[1]
-    g = qh // kvh
-    # fp32 throughout: the budget keeps n small, and half-precision products lose logits' digits
-    q = query.reshape(b, kvh, g * ql, d).float()  # [B, kv_heads, G*q_len, D] (head h uses kv head h // G)
-    scores = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling  # [B, kv_heads, G*q_len, n]
-    if mask is not None:
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        bias.masked_fill_(~mask, torch.finfo(torch.float32).min)  # [B, 1, q_len, n]
-        scores = (scores.view(b, kvh, g, ql, -1) + bias.unsqueeze(2)).view(b, kvh, g * ql, -1)
-    probs = torch.softmax(scores, dim=-1)  # [B, kv_heads, G*q_len, n]
-    out = torch.matmul(probs, values.float())  # [B, kv_heads, G*q_len, D]
-    out = out.view(b, qh, ql, d).transpose(1, 2).to(query.dtype).contiguous()  # [B, q_len, q_heads, D]
-    return out, probs.sum(dim=(1, 2))  # mass: [B, n]

@@ -112,10 +112,11 @@ def _chat(args: argparse.Namespace, cfg) -> int:
             ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                           return_dict=True)["input_ids"]
             # generate() feeds only the tokens past what the cache holds, which is right only if
-            # the re-rendered conversation starts with exactly those tokens; otherwise start over.
-            if fed.numel() and not torch.equal(ids[0, :fed.numel()], fed):
-                cache.close()
-                cache = _attach(model, cfg)
+            # the re-rendered conversation starts with exactly those tokens: cut the cache back to
+            # the part it shares with them (the template may render the last reply differently)
+            keep = _common_prefix(ids[0, :-1], fed)
+            if keep < fed.numel():
+                cache.crop(keep - fed.numel())
             with torch.inference_mode():
                 out = model.generate(ids, cache=cache, max_new_tokens=args.max_new_tokens,
                                      do_sample=args.sample, temperature=0.7 if args.sample else None,
@@ -132,6 +133,13 @@ def _chat(args: argparse.Namespace, cfg) -> int:
     finally:
         cache.close()
     return 0
+
+
+def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Length of the longest common prefix of two 1-D token tensors."""
+    n = min(a.numel(), b.numel())
+    differ = (a[:n] != b[:n]).nonzero()
+    return int(differ[0]) if differ.numel() else n
 
 
 def _size(n: float) -> str:

@@ -395,7 +395,7 @@ def load_cache(cls, path, config: KVTierConfig, model=None, fingerprint: str | N
                         dtype=plan["dtype"], fingerprint=expected)
         try:
             store = cache.store
-            cache.seqs = [store.add_sequence() for _ in range(h["batch"])]
+            cache._rows.register(h["batch"])  # all or none
             for layer in range(shape[0]):
                 for row, seq in enumerate(cache.seqs):
                     k, v = r.blocks(row, layer, plan, h, cache.device)

@@ -61,6 +61,20 @@ class ContentIndex:
         with self.res.lock:
             self._tokens.pop(seq, None)
 
+    def truncate(self, seq: int, n: int) -> None:
+        """Forget the ids of ``seq`` past its first ``n`` tokens (the sequence was cut there)."""
+        with self.res.lock:
+            st = self._tokens.get(seq)
+            if st is not None:
+                st.truncate(n, self.layout.block_tokens)
+
+    def fork(self, src: int, dst: int) -> None:
+        """``dst`` continues ``src``: the same ids so far."""
+        with self.res.lock:
+            st = self._tokens.get(src)
+            if st is not None:
+                self._tokens[dst] = st.copy()
+
     def _hash_of(self, t: BlockTable, e: BlockEntry) -> str | None:
         with self.res.lock:
             st = self._tokens.get(t.seq)
@@ -161,12 +175,13 @@ class ContentIndex:
 class _SeqTokens:
     """Token ids noted for one sequence: the chained hash of every full block, and the tail."""
 
-    __slots__ = ("hashes", "tail", "count")
+    __slots__ = ("hashes", "tail", "count", "ids")
 
     def __init__(self) -> None:
         self.hashes: list[str] = []
         self.tail = np.empty(0, dtype="<i8")
         self.count = 0
+        self.ids: list[np.ndarray] = []  # every id noted, in chunks (truncate needs them back)
 
     def add(self, ids: np.ndarray, block_tokens: int, fp: str) -> None:
         tail = np.concatenate((self.tail, ids)) if self.tail.size else ids
@@ -176,3 +191,22 @@ class _SeqTokens:
                                                 parent=self.hashes[-1] if self.hashes else None)
         self.tail = tail[n_full * block_tokens:].copy()
         self.count += int(ids.size)
+        self.ids.append(np.array(ids, dtype="<i8"))
+
+    def truncate(self, n: int, block_tokens: int) -> None:
+        """Forget every id past the first ``n`` (the hashes of whole blocks before stay valid)."""
+        if n >= self.count:
+            return
+        kept = np.concatenate(self.ids)[:n] if self.ids else np.empty(0, dtype="<i8")
+        self.ids = [kept]
+        self.hashes = self.hashes[: n // block_tokens]
+        self.tail = kept[(n // block_tokens) * block_tokens:].copy()
+        self.count = n
+
+    def copy(self) -> "_SeqTokens":
+        other = _SeqTokens()
+        other.hashes = list(self.hashes)
+        other.tail = self.tail.copy()
+        other.count = self.count
+        other.ids = list(self.ids)  # chunks are never written after they are added
+        return other

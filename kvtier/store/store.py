@@ -41,6 +41,7 @@ from .report import store_stats
 from .residency import Residency
 from .select import Selector
 from .stats import Counters
+from .surgery import SequenceSurgery
 from .writethrough import WriteThrough
 
 __all__ = ["KVStore", "CONTENT_KEY"]
@@ -101,6 +102,7 @@ class KVStore:
                                  self.content if self.content_fp is not None else None)
         self.reader = Reader(lay, self.residency, self.prefetcher, self.counters)
         self.selector = Selector(lay, self.residency)
+        self.surgery = SequenceSurgery(self.residency, self.lower, self.evictor, self.content)
         self._last_end_step: float | None = None
         self._closed = False
 
@@ -152,6 +154,69 @@ class KVStore:
         drop2, drop3 = self.residency.drop(seq, keep_prefix)
         self.content.forget(seq)
         self.lower.delete(drop2, drop3)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def free_sequences(self) -> int:
+        """How many more sequences may be registered now (``max_sequences`` less the live ones)."""
+        return self.cfg.max_sequences - len(self.residency.sequences())
+
+    def add_sequences(self, n: int) -> list[int]:
+        """Register ``n`` new sequences, all or none (ValueError, registering nothing, when
+        fewer than ``n`` are free)."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"n must be an int >= 0; got {n!r}")
+        self._check_open()
+        if n > self.free_sequences():
+            raise ValueError(
+                f"max_sequences ({self.cfg.max_sequences}) is too small: {n} more sequences wanted, "
+                f"{len(self.sequences())} live already (every batch row of every open cache on this "
+                f"store is one; beams and num_return_sequences multiply the batch). Raise "
+                f"KVTierConfig.max_sequences, or close caches you no longer use")
+        seqs: list[int] = []
+        try:
+            for _ in range(n):
+                seqs.append(self.add_sequence())
+        except BaseException:
+            for seq in seqs:
+                self.drop_sequence(seq)
+            raise
+        return seqs
+
+    def truncate_sequence(self, seq: int, length: int) -> None:
+        """Cut every layer of ``seq`` holding more than ``length`` tokens back to ``length``.
+
+        Blocks past the cut lose this reference (their copies go once no other sequence holds
+        them; content-addressed L3 copies stay for :meth:`match_prefix`). The block the cut falls
+        in becomes the open block again: from its L1 slot (full precision) when resident, else
+        decoded from its nearest copy, so with a lossy codec its kept tokens are the codec's
+        reconstruction. Token ids noted for ``seq`` are cut too (``surgery.py``).
+        """
+        self._check_open()
+        tables = self.residency.tables_of(seq)
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise ValueError(f"length must be an int >= 0; got {length!r}")
+        if all(t.length <= length for t in tables):
+            return
+        self.flush()  # no swap-out or write-through of its blocks in flight
+        self.prefetcher.forget(seq)
+        self.surgery.truncate(tables, length)
+
+    def fork_sequence(self, src: int) -> int:
+        """A new sequence holding what ``src`` holds: its sealed blocks share ``src``'s copies
+        below L1 (reference count + 1); L1 is copied region for region, the open block included
+        (copy-on-write). ValueError when no sequence is free, registering nothing."""
+        self._check_open()
+        tables = self.residency.tables_of(src)
+        dst = self.add_sequences(1)[0]
+        try:
+            self.surgery.fork(tables, self.residency.tables_of(dst))
+        except BaseException:
+            self.drop_sequence(dst)
+            raise
+        return dst
 
     # -- token ids and content-addressed keys ---------------------------------------------------
 

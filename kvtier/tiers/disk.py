@@ -131,8 +131,12 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
         except BlockingIOError:
             os.close(self._lock_fd)
             self._lock_fd = -1
-            raise DirectoryLockedError(f"{self.path!r} is in use by another DiskTier "
-                                       f"(lock file {os.path.join(self.path, 'LOCK')})") from None
+            raise DirectoryLockedError(
+                f"{self.path!r} is in use by another store (lock file {os.path.join(self.path, 'LOCK')} holds "
+                f"the owner's pid): one L3 directory serves one store at a time. "
+                f"Close the kvtier caches or store using it (cache.close(), or a `with` block; in "
+                f"this process, caches of the same model and config share one store), or give "
+                f"this one another disk_path") from None
         os.ftruncate(self._lock_fd, 0)
         os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)  # a killed owner's flock dies with it
         self._closed = False

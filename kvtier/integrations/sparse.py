@@ -1,0 +1,119 @@
+"""Budgeted (sparse) attention of a one-token decode step over the blocks chosen with the query.
+
+```
+ per batch row:  store.select(seq, l, q)        sinks + window + top-k by key digest
+                 store.gather_view(seq, l, sel)  swap-in from L2/L3 if needed; views of L1
+ all rows:       stack (pad rows that attend fewer tokens, masked out)
+                 softmax(q K^T) V                one batched matmul, GQA packed
+                 attention mass per block        for H2O (handed to the store at the step's end)
+```
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.store import KVStore
+
+
+@dataclass
+class SparseResult:
+    out: torch.Tensor            # [batch, 1, q_heads, head_dim]
+    attended: int                # tokens attended by the longest row
+    selected_blocks: int         # sealed blocks selected over all rows (the open one not counted)
+    observed: list               # (seq, layer, block order, mass per block) when observing, else []
+
+
+def budgeted_attention(store: KVStore, seqs: list[int], layer: int, query: torch.Tensor,
+                       attention_mask: torch.Tensor | None, scaling: float, budget_tokens: int,
+                       observe: bool) -> SparseResult:
+    """Attend each row's selected blocks.
+
+    Args:
+        query: [batch, q_heads, 1, head_dim]; attention_mask: bool [batch|1, 1, 1, T] or None.
+        observe: collect the attention mass per block (H2O/SnapKV policies).
+    """
+    sels, ks, vs, ps = [], [], [], []
+    for row, seq in enumerate(seqs):
+        sel = store.select(seq, layer, query[row], budget_tokens)  # query[row]: [q_heads, 1, head_dim]
+        # views of L1 ([kv_heads, n, head_dim], pos [n]), valid until this layer's next store
+        # call: consumed below (stacked/padded or attended) before that; sel: their block order
+        k, v, pos, sel = store.gather_view(seq, layer, sel)
+        sels.append(sel)
+        ks.append(k)
+        vs.append(v)
+        ps.append(pos)
+    lens = [p.numel() for p in ps]
+    n = max(lens)
+    if len(ks) == 1:
+        k, v, pos = ks[0].unsqueeze(0), vs[0].unsqueeze(0), ps[0].unsqueeze(0)
+    elif min(lens) == n:
+        k, v, pos = torch.stack(ks), torch.stack(vs), torch.stack(ps)
+    else:  # rows attend different counts: pad, and mask the padding out below
+        kv_heads, head_dim = ks[0].shape[0], ks[0].shape[2]
+        k = query.new_zeros((len(ks), kv_heads, n, head_dim), dtype=ks[0].dtype)
+        v = torch.zeros_like(k)
+        pos = torch.zeros((len(ks), n), dtype=torch.long, device=ps[0].device)
+        for row, (kr, vr, pr) in enumerate(zip(ks, vs, ps)):
+            k[row, :, : pr.numel()] = kr
+            v[row, :, : pr.numel()] = vr
+            pos[row, : pr.numel()] = pr
+    if k.dtype != query.dtype:
+        k, v = k.to(query.dtype), v.to(query.dtype)
+    mask = None
+    if attention_mask is not None:
+        m = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
+        m = m.expand(len(ks), 1, m.shape[2], m.shape[3])  # [B, 1, q_len, T]
+        idx = pos.to(m.device)[:, None, None, :].expand(-1, 1, m.shape[2], -1)  # [B, 1, q_len, n]
+        mask = torch.gather(m, 3, idx)
+    if min(lens) != n:
+        valid = torch.arange(n, device=k.device)[None, :] < torch.tensor(lens, device=k.device)[:, None]
+        valid = valid[:, None, None, :]  # [B, 1, 1, n]
+        mask = valid if mask is None else mask & valid
+    out, mass = attend_blocks(query, k, v, mask, scaling)  # out [B, 1, q_heads, D], mass [B, n]
+    observed = []
+    if observe:
+        bt = store.block_tokens
+        for row, seq in enumerate(seqs):
+            nb = len(sels[row])  # the gathered blocks in gather_view's order, the open one last
+            mrow = torch.nn.functional.pad(mass[row, : lens[row]], (0, nb * bt - lens[row]))
+            # per block, the open one last; handed to the store at the end of the step, so
+            # reading it back (a device sync on CUDA) happens once per step, not per layer
+            observed.append((seq, layer, sels[row], mrow.view(nb, bt).sum(1)))
+    return SparseResult(out, n, sum(len(s) - 1 for s in sels), observed)
+
+
+def attend_blocks(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention with grouped KV heads, also returning each key's attention mass.
+
+    The query heads sharing one KV head are packed into the query-length dimension, so K and V
+    are never repeated: one batched matmul per product.
+
+    Args:
+        query: [B, q_heads, q_len, D]; keys, values: [B, kv_heads, n, D].
+        mask: boolean [B, 1, q_len, n] (True = attend) or None.
+    Returns:
+        out: [B, q_len, q_heads, D] (the layout transformers expects);
+        mass: float32 [B, n], attention weight per key summed over heads and queries.
+    """
+    b, qh, ql, d = query.shape
+    kvh = keys.shape[1]
+    g = qh // kvh
+    # fp32 throughout: the budget keeps n small, and half-precision products lose logits' digits
+    q = query.reshape(b, kvh, g * ql, d).float()  # [B, kv_heads, G*q_len, D] (head h uses kv head h // G)
+    scores = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling  # [B, kv_heads, G*q_len, n]
+    if mask is not None:
+        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+        bias.masked_fill_(~mask, torch.finfo(torch.float32).min)  # [B, 1, q_len, n]
+        scores = (scores.view(b, kvh, g, ql, -1) + bias.unsqueeze(2)).view(b, kvh, g * ql, -1)
+    probs = torch.softmax(scores, dim=-1)  # [B, kv_heads, G*q_len, n]
+    out = torch.matmul(probs, values.float())  # [B, kv_heads, G*q_len, D]
+    out = out.view(b, qh, ql, d).transpose(1, 2).to(query.dtype).contiguous()  # [B, q_len, q_heads, D]
+    return out, probs.sum(dim=(1, 2))  # mass: [B, n]

@@ -1,0 +1,135 @@
+"""Sequence surgery: cut a sequence back anywhere (crop), fork one sharing its sealed blocks.
+
+What ``TieredCache.crop`` / ``fork`` / ``copy.deepcopy`` and the batch methods need. Tables,
+entries and copies change under the residency lock through Residency's lock-held helpers, as
+Regions does; tier I/O (a swap-in for the block a cut reopens, deleting copies) goes through
+LowerTiers without that lock, in the store's order (tier lock before state lock).
+
+```
+ truncate to 1.5 blocks          before  [ b0 ][ b1 ][ b2 ][ b3 open ]
+   b2, b3 unreferenced, b1 reopen  after   [ b0 ][ b1 open: bt/2 tokens ]
+ fork                            src     [ e0 ][ e1 ][ open ]     e0.rec, e1.rec: refs + 1
+                                 dst     [ e0'][ e1'][ open' ]    open': its own copy (COW)
+```
+"""
+from __future__ import annotations
+
+import torch
+
+from .keys import block_key
+from .table import BlockCopies, BlockEntry, BlockTable
+
+
+class SequenceSurgery:
+    def __init__(self, res, lower, evictor, content) -> None:
+        self.res = res
+        self.lower = lower
+        self.evictor = evictor
+        self.content = content
+
+    def truncate(self, tables: list[BlockTable], length: int) -> None:
+        """Cut every table longer than ``length`` back to it (nothing of its blocks in flight)."""
+        res = self.res
+        bt = res.layout.block_tokens
+        keep = -(-length // bt)  # blocks left, the last one open
+        for t in [t for t in tables if t.length > length]:
+            drop2, drop3 = [], []
+            reopen = keep and keep < len(t.entries)  # a sealed block becomes the open one
+            with res.lock:
+                for e in t.entries[keep:]:
+                    self._unlink(t, e, drop2, drop3)
+                del t.entries[keep:]
+                t.length = min(t.length, keep * bt)
+                t.gather_cache = t.view_cache = None
+                t.view_n = 0
+            fresh = None
+            if reopen:
+                e = t.entries[-1]
+                if e.slot is None:
+                    data = self.lower.load(e)  # [2, kv_heads, block_tokens, head_dim]
+                    self.evictor.make_room(t, 1)
+                    with res.lock:
+                        res._place(t, e, data)
+                if length < keep * bt:  # cut inside it: the next append makes new content
+                    with res.lock:
+                        self._unref(e, drop2, drop3)
+                        fresh = BlockCopies(e.key)
+            if drop2 or drop3:
+                self.lower.delete(drop2, drop3)
+            with res.lock:
+                if fresh is not None:  # registered only now: its key may have named a dropped copy
+                    e.rec = fresh
+                    fresh.entries.append(e)
+                    res.copies[e.key] = fresh
+                t.length = length
+                if t.entries:
+                    res._open_views(t)
+                else:
+                    t.open_view = t.open_np = None
+                res.touched[id(t)] = t
+        self.content.truncate(tables[0].seq, length)
+
+    def fork(self, src: list[BlockTable], dst: list[BlockTable]) -> None:
+        """Fill the empty tables ``dst`` from ``src``: shared copies below L1, own L1 slots."""
+        with self.res.lock:
+            for s, d in zip(src, dst):
+                self._fork_table(s, d)
+        self.content.fork(src[0].seq, dst[0].seq)
+
+    def _fork_table(self, s: BlockTable, d: BlockTable) -> None:
+        res = self.res
+        src_slots, dst_slots = [], []
+        last = len(s.entries) - 1
+        for e in s.entries:
+            n = BlockEntry(e.idx, block_key(d.seq, d.layer, e.idx))
+            if e.idx < last:  # sealed: the same content, one more reference
+                n.rec.entries.remove(n)
+                n.rec = e.rec
+                e.rec.entries.append(n)
+            else:
+                res.copies[n.key] = n.rec
+            n.last_used, n.mass, n.importance = e.last_used, e.mass, e.importance
+            d.entries.append(n)
+            res.by_key[n.key] = n
+            if e.slot is not None:
+                slot = d.base + (e.slot - s.base)  # the same region position
+                if not res.l1.put_at(n.key, slot, None):
+                    raise RuntimeError(f"kvtier: L1 refused fresh region slot {slot} of {d.seq}/{d.layer}")
+                d.take_slot(n, slot)
+                src_slots.append(e.slot)
+                dst_slots.append(slot)
+            res._count_home(n.home, 1)
+        if src_slots:
+            pool = res.l1.storage  # [2, kv_heads, slots, block_tokens, head_dim]
+            dev = pool.device
+            pool[:, :, torch.tensor(dst_slots, device=dev)] = pool.index_select(2, torch.tensor(src_slots, device=dev))
+        d.length = s.length
+        d.observed = s.observed
+        if s.digest is not None:
+            d.digest = s.digest.clone()
+        if d.entries:
+            res._open_views(d)
+        res.touched[id(d)] = d
+
+    def _unlink(self, t: BlockTable, e: BlockEntry, drop2: list, drop3: list) -> None:
+        """Entry ``e`` leaves ``t``: its L1 slot and its reference (lock held)."""
+        res = self.res
+        res._count_home(e.home, -1)
+        if e.slot is not None:
+            res.l1.delete(e.key)
+            t.free_slot(e)
+        self._unref(e, drop2, drop3)
+        res.by_key.pop(e.key, None)
+
+    def _unref(self, e: BlockEntry, drop2: list, drop3: list) -> None:
+        """Drop ``e``'s reference to its copies; the last one lists them for deletion
+        (content-addressed L3 copies stay for later prefix matches). Lock held."""
+        rec = e.rec
+        rec.entries.remove(e)
+        if not rec.entries:
+            if self.res.copies.get(rec.key) is rec:
+                del self.res.copies[rec.key]
+            if rec.l2:
+                drop2.append(rec.key)
+            if rec.l3 and not rec.content:
+                drop3.append(rec.key)

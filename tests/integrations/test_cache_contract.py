@@ -1,0 +1,298 @@
+"""TieredCache against transformers' Cache contract on the real model: a failed step leaves no
+trace, refused batch changes roll back, crop anywhere, deepcopy/fork, layers[i].keys, one store
+per process, and generate()'s assisted / speculative / prompt-lookup decoding.
+
+Small contexts, 16-token blocks and an L2 of a few hundred KiB, so blocks really live in L2/L3;
+bf16 model with the bf16 codec (lossless) wherever results are compared with DynamicCache.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvtier
+from kvtier.config import KVTierConfig
+from kvtier.integrations import registry
+from kvtier.eval.baselines import greedy_generate, make_baseline, teacher_forced_logits
+from kvtier.integrations.cache import TieredCache
+from kvtier.integrations.model import text_ids
+from kvtier.tiers import DiskTier
+
+
+def cfg(tmp_path, name="l3", **kw) -> KVTierConfig:
+    base = dict(block_tokens=16, hot_tokens=64, host_bytes=256 << 10, disk_path=str(tmp_path / name),
+                disk_segment_bytes=1 << 20, codec="bf16", policy="lru")
+    base.update(kw)
+    return KVTierConfig(**base)
+
+
+def _fwd(model, ids, cache):
+    with torch.inference_mode():
+        return model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1].float()
+
+
+def _lengths(cache):
+    return {(s, l): cache.store.seq_len(s, l) for s in cache.seqs for l in range(cache.num_layers)}
+
+
+class _FailAt:
+    """Make ``store.<name>`` raise on its ``n``-th call from now (a swap-in failing mid-forward)."""
+
+    def __init__(self, monkeypatch, store, name, n):
+        real = getattr(store, name)
+        self.calls = 0
+
+        def boom(*a, **kw):
+            self.calls += 1
+            if self.calls == n:
+                raise OSError("injected swap-in failure")
+            return real(*a, **kw)
+
+        monkeypatch.setattr(store, name, boom)
+
+
+# -- 1. a failed step leaves no trace -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+def test_failed_step_is_rolled_back_and_hijacks_nothing(model_bf16, tokenizer, tmp_path, monkeypatch,
+                                                        restore_attention, mode):
+    ids = text_ids(tokenizer, 120, offset=1000)
+    kw = dict(attention="sparse", hot_tokens=128, budget_tokens=64, policy="h2o") if mode == "sparse" else {}
+    restore_attention(model_bf16)
+    with kvtier.attach(model_bf16, cfg(tmp_path, **kw)) as cache, \
+            kvtier.attach(model_bf16, cfg(tmp_path, "twin", **kw)) as twin:
+        _fwd(model_bf16, ids[:, :100], cache)
+        _fwd(model_bf16, ids[:, :100], twin)
+        before = _lengths(cache)
+        # decode step; the failure hits layer 7 (dense: its gather; sparse: its gather_view)
+        name = "gather" if mode == "dense" else "gather_view"
+        _FailAt(monkeypatch, cache.store, name, 8)
+        with pytest.raises(OSError, match="injected"):
+            _fwd(model_bf16, ids[:, 100:101], cache)
+        monkeypatch.undo()
+        assert cache.get_seq_length() == 100 and _lengths(cache) == before
+        assert cache._step is None and cache.stats()["integration"]["rolled_back_steps"] == 1
+        # any later forward of this model is unaffected, with another cache or a plain DynamicCache
+        ref = greedy_generate(model_bf16, ids[:, :40], make_baseline("dynamic", model_bf16), 4)
+        assert torch.equal(greedy_generate(model_bf16, ids[:, :40], make_baseline("dynamic", model_bf16), 4), ref)
+        # and the cache continues exactly as one that never failed
+        torch.testing.assert_close(_fwd(model_bf16, ids[:, 100:108], cache), _fwd(model_bf16, ids[:, 100:108], twin))
+        torch.testing.assert_close(_fwd(model_bf16, ids[:, 108:109], cache), _fwd(model_bf16, ids[:, 108:109], twin))
+
+
+def test_sparse_refusal_without_kvtier_attention_leaves_nothing(model_bf16, tokenizer, tmp_path):
+    c = cfg(tmp_path, attention="sparse", hot_tokens=128, budget_tokens=64)
+    assert model_bf16.config._attn_implementation == "sdpa"
+    cache = TieredCache(c, model_config=model_bf16.config, dtype=torch.bfloat16)  # no model: no switch
+    try:
+        with pytest.raises(RuntimeError, match="attach"):
+            _fwd(model_bf16, text_ids(tokenizer, 40), cache)
+        # the sequence the refused prefill registered was given back
+        assert cache.get_seq_length() == 0 and cache.store.sequences() == [] and not cache.seqs
+        ref = _fwd(model_bf16, text_ids(tokenizer, 30), make_baseline("dynamic", model_bf16))
+        torch.testing.assert_close(_fwd(model_bf16, text_ids(tokenizer, 30), make_baseline("dynamic", model_bf16)), ref)
+    finally:
+        cache.close()
+
+
+# -- 2. refused batch changes roll back; reset empties the store of the cache ---------------------------
+
+
+def test_refused_batch_changes_roll_back(model_bf16, tokenizer, tmp_path):
+    ids = torch.cat([text_ids(tokenizer, 20, offset=o) for o in (0, 500, 900, 1300, 1700)])
+    with kvtier.attach(model_bf16, cfg(tmp_path, max_sequences=4)) as cache:
+        store = cache.store
+        with pytest.raises(ValueError, match="max_sequences"):
+            _fwd(model_bf16, ids, cache)  # a first batch of 5
+        assert store.sequences() == [] and cache.get_seq_length() == 0
+        _fwd(model_bf16, ids[:2], cache)
+        seqs, lengths = list(cache.seqs), _lengths(cache)
+        with pytest.raises(ValueError, match="max_sequences"):
+            cache.batch_repeat_interleave(3)  # 6 rows > 4
+        assert cache.seqs == seqs and store.sequences() == sorted(seqs) and _lengths(cache) == lengths
+        cache.reset()
+        assert store.sequences() == [] and cache.get_seq_length() == 0
+        _fwd(model_bf16, ids[:1], cache)
+        assert len(store.sequences()) == 1
+
+
+def test_beam_search_beyond_max_sequences_fails_before_registering(model_bf16, tokenizer, tmp_path):
+    ids = torch.cat([text_ids(tokenizer, 24, offset=o) for o in (0, 700, 1400)])
+    with kvtier.attach(model_bf16, cfg(tmp_path, max_sequences=4)) as cache:
+        with pytest.raises(ValueError, match="max_sequences"):
+            greedy_generate(model_bf16, ids, cache, 4, num_beams=3)
+        assert cache.store.sequences() == []
+
+
+# -- 4. crop anywhere -----------------------------------------------------------------------------------
+
+
+def test_crop_across_evicted_blocks_matches_dynamic(model_bf16, tokenizer, tmp_path):
+    ids = text_ids(tokenizer, 180, offset=2200)
+    dyn = make_baseline("dynamic", model_bf16)
+    with kvtier.attach(model_bf16, cfg(tmp_path)) as cache:
+        _fwd(model_bf16, ids[:, :150], dyn)
+        _fwd(model_bf16, ids[:, :150], cache)
+        assert cache.stats()["blocks"]["l3"] > 0
+        for n in (-3, -40):  # inside the open block, then across blocks already on disk
+            dyn.crop(n)
+            cache.crop(n)
+        cache.crop(200)  # n > 0 keeps the first n tokens (older transformers): here all of them
+        assert cache.get_seq_length() == dyn.get_seq_length() == 107
+        assert set(_lengths(cache).values()) == {107}
+        for layer in (0, 29):
+            assert torch.equal(cache.layers[layer].keys, dyn.layers[layer].keys)
+        # one token per forward: the same attention kernel on both sides, so bit-identical
+        got = teacher_forced_logits(model_bf16, ids[:, 107:127], cache, 1)
+        ref = teacher_forced_logits(model_bf16, ids[:, 107:127], dyn, 1)
+        assert torch.equal(got, ref)
+        with pytest.raises(ValueError, match="tokens_to_remove"):
+            cache.crop(1.5)
+
+
+def draft_of(model, layers=10):
+    """SmolLM2 drafting for itself: its first ``layers`` layers (self-speculative, layer skip)."""
+    draft = copy.deepcopy(model)
+    draft.model.layers = draft.model.layers[:layers]
+    draft.config.num_hidden_layers = layers
+    return draft
+
+
+@pytest.mark.slow
+def test_assisted_speculative_prompt_lookup_match_dynamic(model_fp16, tokenizer, tmp_path, restore_attention):
+    # fp16 model, fp16 codec: lossless, and the verification's split attention stays within a
+    # rounding of SDPA's (bf16 rounding can move a sampled token). A prompt that repeats itself,
+    # so that prompt lookup and the draft find long matches.
+    model = model_fp16
+    ids = text_ids(tokenizer, 80, offset=4100)
+    ids = torch.cat([ids, ids], dim=1)
+    draft = draft_of(model)
+    methods = {"prompt_lookup": dict(prompt_lookup_num_tokens=8),
+               "assisted": dict(assistant_model=draft),
+               "speculative": dict(assistant_model=draft, do_sample=True, top_k=20)}
+    refs = {}
+    for name, gen in methods.items():
+        torch.manual_seed(7)
+        refs[name] = greedy_generate(model, ids, make_baseline("dynamic", model), 12, **gen)
+    restore_attention(model)
+    for mode, kw in (("dense", {}),
+                     # the budget covers the context, and L1 still evicts (watermarks) to L2/L3
+                     ("sparse", dict(attention="sparse", hot_tokens=192, budget_tokens=192, host_bytes=96 << 10))):
+        for name, gen in methods.items():
+            with kvtier.attach(model, cfg(tmp_path, f"l3-{mode}-{name}", codec="fp16", **kw)) as cache:
+                torch.manual_seed(7)
+                got = greedy_generate(model, ids, cache, 12, **gen)
+                s = cache.stats()
+            assert torch.equal(got, refs[name]), (mode, name)
+            assert s["blocks"]["l3"] > 0, (mode, name)
+            assert s["integration"]["cropped_tokens"] > 0, (mode, name)  # rejected drafts were cut
+
+
+# -- 3. deepcopy / fork -----------------------------------------------------------------------------------
+
+
+def test_deepcopy_prompt_reuse_recipe_shares_blocks(model_bf16, tokenizer, tmp_path):
+    prompt = text_ids(tokenizer, 96, offset=7000)
+    tails = [text_ids(tokenizer, 6, offset=o) for o in (300, 9000)]
+    dyn_prompt = make_baseline("dynamic", model_bf16)
+    _fwd(model_bf16, prompt, dyn_prompt)
+    with kvtier.attach(model_bf16, cfg(tmp_path)) as prompt_cache:
+        _fwd(model_bf16, prompt, prompt_cache)
+        prompt_cache.store.flush()
+        copies = prompt_cache.stats()["copies"]
+        for tail in tails:  # transformers' recipe: one deepcopy of the prompt cache per continuation
+            ids = torch.cat([prompt, tail], dim=1)
+            ref = greedy_generate(model_bf16, ids, copy.deepcopy(dyn_prompt), 8)
+            reuse = copy.deepcopy(prompt_cache)
+            assert reuse.store is prompt_cache.store and reuse.seqs != prompt_cache.seqs
+            after = reuse.stats()["copies"]
+            assert after["l2"] == copies["l2"] and after["l3"] == copies["l3"]  # shared, not copied
+            assert torch.equal(greedy_generate(model_bf16, ids, reuse, 8), ref)
+            reuse.close()
+        assert prompt_cache.get_seq_length() == 96 and len(prompt_cache.store.sequences()) == 1
+
+
+# -- 5. layers[i].keys / values, is_initialized -------------------------------------------------------------
+
+
+def test_layer_keys_values_and_is_initialized(model_bf16, tokenizer, tmp_path):
+    ids = text_ids(tokenizer, 70, offset=8000)
+    dyn = make_baseline("dynamic", model_bf16)
+    with kvtier.attach(model_bf16, cfg(tmp_path)) as cache:
+        assert not cache.is_initialized and cache.layers[0].keys is None
+        _fwd(model_bf16, ids, dyn)
+        _fwd(model_bf16, ids, cache)
+        assert cache.is_initialized
+        for layer in (0, 17, 29):
+            assert torch.equal(cache.layers[layer].keys, dyn.layers[layer].keys)
+            assert torch.equal(cache.layers[layer].values, dyn.layers[layer].values)
+        cache.layers[3].keys.zero_()  # a copy: the store is untouched
+        assert torch.equal(cache.layers[3].keys, dyn.layers[3].keys)
+        with pytest.raises(AttributeError, match="update"):
+            cache.layers[3].keys = dyn.layers[3].keys
+
+
+# -- 6. one store per (model, disk directory) per process ------------------------------------------------
+
+
+def test_caches_share_one_store_and_give_sequences_back(model_bf16, tokenizer, tmp_path):
+    c = cfg(tmp_path)
+    a, b = kvtier.attach(model_bf16, c), TieredCache(c, model_bf16)
+    assert a.store is b.store
+    store = a.store
+    _fwd(model_bf16, text_ids(tokenizer, 20), a)
+    _fwd(model_bf16, text_ids(tokenizer, 20, offset=99), b)
+    assert len(store.sequences()) == 2
+    a.close()
+    assert len(store.sequences()) == 1 and not store.closed
+    with TieredCache(c, model_bf16) as w:  # `with` gives its sequence back too
+        _fwd(model_bf16, text_ids(tokenizer, 20), w)
+        assert len(store.sequences()) == 2
+    assert len(store.sequences()) == 1
+    for _ in range(6):  # a cache per request, more requests than max_sequences, dropped each time
+        r = TieredCache(c, model_bf16)
+        _fwd(model_bf16, text_ids(tokenizer, 20), r)
+        del r
+        gc.collect()
+    assert len(store.sequences()) == 1
+    b.close()
+    assert store.closed and store not in registry.open_stores()  # the last cache closes the store
+    with pytest.raises(ValueError, match="fields that differ: codec"):
+        with kvtier.attach(model_bf16, c):
+            kvtier.attach(model_bf16, cfg(tmp_path, codec="int8"))
+
+
+def test_locked_directory_names_the_way_out(model_bf16, tmp_path):
+    other = DiskTier(str(tmp_path / "l3"), capacity_bytes=1 << 20, segment_bytes=1 << 20)  # as another process would hold it
+    try:
+        with pytest.raises(kvtier.tiers.DirectoryLockedError, match="close"):
+            kvtier.attach(model_bf16, cfg(tmp_path))
+    finally:
+        other.close()
+
+
+@pytest.mark.slow
+def test_readme_example_runs_as_written_twice(monkeypatch, tmp_path):
+    text = (Path(__file__).parents[2] / "README.md").read_text()
+    code = re.search(r"## Using it\n\n```python\n(.*?)```", text, re.S).group(1)
+    assert "cache=cache" in code and "past_key_values=cache" not in code
+    monkeypatch.chdir(tmp_path)  # its disk_path and file are relative
+    code = code.replace("max_new_tokens=64", "max_new_tokens=8")  # the speed is not what is tested
+    for _ in range(2):  # a second run in the same process (a notebook cell run again)
+        exec(compile(code, "README.md", "exec"), {})
+    gc.collect()
+    assert not any(s.cfg.disk_path == "kvtier-cache" for s in registry.open_stores())
+
+
+def test_chat_keeps_the_part_of_the_cache_the_rerendered_conversation_shares():
+    from kvtier.integrations.chat import _common_prefix
+
+    assert _common_prefix(torch.tensor([1, 2, 3, 4]), torch.tensor([1, 2, 9])) == 2
+    assert _common_prefix(torch.tensor([1, 2]), torch.tensor([1, 2, 3])) == 2
+    assert _common_prefix(torch.tensor([5]), torch.tensor([], dtype=torch.long)) == 0
