@@ -183,9 +183,12 @@ class IntCodec(Codec):
     def encode(self, x: torch.Tensor) -> Encoded:
         check_input(x)
         bits, g, axis = self.bits, self.group_size, self.axis
-        if self.encoder == "mse":
-            # the search is plain torch on any device (no fused kernel); the codes it ends with
-            # follow the same formula as the kernels'
+        if self.encoder == "mse" and x.device.type == "cpu" and _cpu.available():
+            q, scale, zero, nonfinite = _cpu.quantize_mse_checked(x.contiguous(), bits, g, axis)
+            if self.check_finite and nonfinite:
+                raise ValueError("x must be finite (no NaN or Inf)")
+        elif self.encoder == "mse":
+            # no fused kernel of the search on other devices: the reference's torch operations
             if self.check_finite:
                 _check_finite(x)
             q, scale, zero = _ref.quantize_ref(x, bits, g, axis, encoder="mse")

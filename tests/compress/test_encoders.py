@@ -97,3 +97,31 @@ def test_mse_lowers_error_on_real_like_keys_and_values():
             c = get_codec(name, group_size=32, axis=axis, encoder=enc)
             errs[enc] = (c.decode(c.encode(x)).float() - x.float()).norm().item()
         assert errs["mse"] < errs["minmax"]
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("axis", ["token", "channel"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_compiled_mse_matches_the_reference(bits, axis, dtype):
+    # Same steps and fp32 arithmetic; only the order of the sums may differ, which moves a
+    # float32 pair by its last bits and, rarely, a 16-bit one: the total error agrees to 1e-3
+    # and no group is worse than min/max.
+    from kvtier.compress import cpu
+
+    if not cpu.available():
+        pytest.skip(f"no C kernel: {cpu.build_error()}")
+    x = data(21, (2, 3, 80, 64), dtype)  # a short last group along tokens
+    q, s, z = R.quantize_ref(x, bits, 32, axis, encoder="mse")
+    cq, cs, cz, bad = cpu.quantize_mse_checked(x.contiguous(), bits, 32, axis)
+    assert not bad and cq.shape == q.shape and cs.shape == s.shape and cs.dtype == s.dtype
+    if dtype != torch.float32:
+        assert ((cs == s) & (cz == z)).float().mean() >= 0.99
+    e_ref = group_sq_err(x, (q, s, z), bits, 32, axis).sum()
+    e_c = group_sq_err(x, (cq, cs, cz), bits, 32, axis).sum()
+    assert abs(e_c / e_ref - 1) < 1e-3
+    e_minmax = group_sq_err(x, R.quantize_ref(x, bits, 32, axis), bits, 32, axis)
+    assert bool((group_sq_err(x, (cq, cs, cz), bits, 32, axis) <= e_minmax * (1 + 1e-6) + 1e-12).all())
+    y = get_codec(f"int{bits}", group_size=32, axis=axis, encoder="mse").encode(x)
+    assert torch.equal(y.parts["q"], cq) and torch.equal(y.parts["scale"], cs)  # the codec's CPU path
+    x[1, 2, 3, 4] = float("inf")
+    assert cpu.quantize_mse_checked(x.contiguous(), bits, 32, axis)[3]
