@@ -4,9 +4,13 @@ What a tiered cache in dense mode attends to after a prefill is: the recent toke
 precision (L1) and every older block as its codec decodes it. This script builds exactly that
 cache content, without the store's moves, so that many windows of several texts fit in minutes::
 
-    window:  [ context C tokens                         ][ continuation M tokens ]
-              | older blocks: encode -> decode | recent |  teacher-forced, scored
-              |  (block_tokens each, per role) | R full |  (one chunked forward)
+    window:  [ context C tokens                                ][ continuation M tokens ]
+              | sink | older blocks: encode -> decode | recent |  teacher-forced, scored
+              | full |  (block_tokens each, per role) | R full |  (one chunked forward)
+
+The defaults mirror the store with ``hot_tokens = 256`` and 64-token blocks: its protected set
+is one sink block and a two-block recent window (``KVTierConfig.sink_window``), all else is
+evicted when the prefill ends.
 
 Anchors (transformers' QuantizedCache backends, as it calls them: per-channel groups, axis 0,
 the whole prefill quantized at once, decode tokens kept at full precision) get the same windows.
@@ -66,6 +70,7 @@ class Spec:
     key_axis: str = "channel"
     value_axis: str = "token"
     encoder: str | None = None
+    value_encoder: str | None = None  # values' encoder when it differs from keys'
     nbits: int = 4
     params: dict = field(default_factory=dict)
 
@@ -77,10 +82,11 @@ def default_specs() -> list[Spec]:
         kv("kvtier int8 g32", codec="int8"),
         kv("kvtier int4 g32 minmax", encoder="minmax"),
         kv("kvtier int4 g32 mse", encoder="mse"),
-        kv("kvtier int4 g64 mse", group_size=64, encoder="mse"),
-        kv("kvtier int4 g64 V/ch mse", group_size=64, value_axis="channel", encoder="mse"),
+        kv("kvtier int4 g32 K minmax V mse", encoder="minmax", value_encoder="mse"),
+        kv("kvtier int4 g64 minmax", group_size=64, encoder="minmax"),
         kv("kvtier int2 g32 minmax", codec="int2", encoder="minmax"),
-        kv("kvtier int2 g32 mse", codec="int2", encoder="mse"),
+        kv("kvtier int2 g32 K minmax V mse", codec="int2", encoder="minmax", value_encoder="mse"),
+        kv("kvtier int2 g32 K mse V minmax", codec="int2", encoder="mse", value_encoder="minmax"),
         Spec("hqq int4", "hqq", nbits=4),
         Spec("quanto int4", "quanto", nbits=4),
         Spec("quanto int2", "quanto", nbits=2),
@@ -95,7 +101,8 @@ def _encode_decode_blocks(x: torch.Tensor, spec: Spec, role: str, block: int) ->
 
     h, t, d = x.shape
     axis = spec.key_axis if role == "k" else spec.value_axis
-    c = get_codec(spec.codec, group_size=spec.group_size, axis=axis, encoder=spec.encoder)
+    encoder = spec.value_encoder if role == "v" and spec.value_encoder else spec.encoder
+    c = get_codec(spec.codec, group_size=spec.group_size, axis=axis, encoder=encoder)
     xb = x.view(h, t // block, block, d).transpose(0, 1).reshape(-1, block, d)  # [blocks * kv_heads, block, D]
     enc = c.encode(xb.contiguous())
     y = c.decode(enc).view(t // block, h, block, d).transpose(0, 1).reshape(h, t, d)
@@ -124,7 +131,8 @@ def _anchor(x: torch.Tensor, spec: Spec) -> tuple[torch.Tensor, int]:
 
 
 @torch.inference_mode()
-def run_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[Spec], recent: int, block: int):
+def run_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[Spec], recent: int, block: int,
+               sink: int = 0):
     """Per-token NLL of ``cont`` after ``ctx`` for the reference and every spec, and bytes."""
     from transformers import DynamicCache
 
@@ -133,7 +141,7 @@ def run_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[Spec], 
     first = out.logits[0, -1].float()
     kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]  # [1, kv_heads, C, D]
     c = ctx.numel()
-    old = (c - recent) // block * block  # tokens held as encoded blocks
+    old = (c - recent) // block * block  # tokens [sink, old) are held as encoded blocks
 
     def score(layers):
         cc = DynamicCache(config=model.config)
@@ -151,9 +159,9 @@ def run_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[Spec], 
             if spec.kind == "kvtier":
                 pair = []
                 for role, x in (("k", k), ("v", v)):
-                    y, nb = _encode_decode_blocks(x[0, :, :old], spec, role, block)
-                    pair.append(torch.cat([y[None], x[:, :, old:]], dim=2))
-                    nbytes += nb + x[:, :, old:].numel() * x.element_size()
+                    y, nb = _encode_decode_blocks(x[0, :, sink:old], spec, role, block)
+                    pair.append(torch.cat([x[:, :, :sink], y[None], x[:, :, old:]], dim=2))
+                    nbytes += nb + (x[:, :, :sink].numel() + x[:, :, old:].numel()) * x.element_size()
                 layers.append(tuple(pair))
             else:  # the anchors quantize the whole prefill, recent tokens included
                 yk, nk = _anchor(k, spec)
@@ -186,9 +194,10 @@ def main(argv=None) -> int:
     ap.add_argument("--continuation", type=int, default=128)
     ap.add_argument("--windows", type=int, default=8, help="windows per text")
     ap.add_argument("--block-tokens", type=int, default=64)
-    ap.add_argument("--recent", type=int, default=192,
-                    help="full-precision recent context tokens (L1 = 256 holds 3 sealed blocks after eviction to "
-                         "its 0.75 low watermark)")
+    ap.add_argument("--recent", type=int, default=128,
+                    help="full-precision recent context tokens (the store's default window with L1 = 256)")
+    ap.add_argument("--sink", type=int, default=64,
+                    help="full-precision leading tokens (the store's default sink block with L1 = 256)")
     ap.add_argument("--only", default=None, help="comma-separated substrings of config names to keep")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--boot", type=int, default=2000)
@@ -198,8 +207,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     specs = default_specs()
     if args.smoke:
-        args.texts, args.context, args.continuation, args.windows, args.recent = "pydoc", 256, 16, 2, 64
-        specs = [s for s in specs if s.name in ("kvtier int8 g32", "kvtier int4 g32 mse", "kvtier int2 g32 mse")]
+        args.texts, args.context, args.continuation, args.windows, args.recent, args.sink = "pydoc", 256, 16, 2, 64, 0
+        specs = [s for s in specs if s.name in ("kvtier int8 g32", "kvtier int4 g32 mse", "kvtier int2 g32 minmax")]
     if args.only:
         keep = [k.strip() for k in args.only.split(",") if k.strip()]
         specs = [s for s in specs if any(k in s.name for k in keep)]
@@ -219,14 +228,14 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         for o in offsets:
             w = run_window(model, ids[o:o + args.context], ids[o + args.context:o + span], specs,
-                           args.recent, args.block_tokens)
+                           args.recent, args.block_tokens, args.sink)
             for name, val in w.items():
                 per.setdefault(name, []).append(val)
         rows = {}
         ref = [v[0] for v in per["ref"]]
         ppl_ref = math.exp(torch.cat(ref).mean().item())
         print(f"# {src}: {ids.numel():,} tokens, {len(offsets)} windows x {args.continuation} scored tokens, "
-              f"context {args.context}, recent {args.recent} at full precision, ppl_ref {ppl_ref:.3f}, "
+              f"context {args.context}, sink {args.sink} + recent {args.recent} at full precision, ppl_ref {ppl_ref:.3f}, "
               f"{time.perf_counter() - t0:.0f}s", flush=True)
         for s in specs:
             got = [v[0] for v in per[s.name]]
