@@ -39,9 +39,11 @@ zero-point, but against the plain L2 error the attention sees::
     kept per group: the pair of least error, min/max included (never worse than minmax)
 
 On real SmolLM2 KV (64-token blocks, groups of 32) two refinements take int4 keys' relative
-error from 0.0385 to 0.0363 and int2 keys' from 0.195 to 0.157; a third adds under 1%. It costs
-about 20 tensor passes more than ``minmax`` and runs where eviction runs (the swap-out worker),
-off the decode path.
+error from 0.0385 to 0.0363 and int2 keys' from 0.195 to 0.157; a third adds under 1%. Lower
+error is not lower perplexity everywhere: ``kvtier.compress.codecs.DEFAULT_ENCODER`` holds
+where it measured better end to end. The compiled CPU kernel runs the same steps
+(:func:`kvtier.compress.cpu.quantize_mse_checked`); elsewhere these torch operations do, where
+eviction runs (the swap-out worker), off the decode path.
 
 Codes: int8 is stored as ``int8`` ``[..., T, D]``; int4 and int2 are packed little-end-first
 along the last dim into ``uint8`` ``[..., T, ceil(D * bits / 8)]``

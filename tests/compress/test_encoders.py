@@ -68,8 +68,12 @@ def test_mse_encoding_decodes_alike_everywhere(name, axis):
 
 
 def test_encoder_defaults_and_validation():
-    assert get_codec("int4").encoder == "mse" and get_codec("int2").encoder == "mse"
+    # measured defaults: only int2 keys (per-channel groups) are refined
+    assert get_codec("int2", axis="channel").encoder == "mse"
+    assert get_codec("int2", axis="token").encoder == "minmax"
+    assert get_codec("int4", axis="channel").encoder == "minmax" and get_codec("int4").encoder == "minmax"
     assert get_codec("int8").encoder == "minmax"
+    assert get_codec("int2", axis="token", encoder="mse").encoder == "mse"
     assert get_codec("int4", encoder="minmax").encoder == "minmax"
     with pytest.raises(ValueError, match="encoder"):
         get_codec("int4", encoder="hqq")
