@@ -118,7 +118,8 @@ def _anchor(x: torch.Tensor, spec: Spec) -> tuple[torch.Tensor, int]:
         q, meta = Quantizer.quantize(x.contiguous(), axis=0, device=str(x.device), compute_dtype=x.dtype,
                                      nbits=spec.nbits, group_size=group)
         y = Quantizer.dequantize(q, meta)
-        nbytes = sum(t.numel() * t.element_size() for t in (q, meta["scale"], meta["zero"]))
+        # QuantizedCache casts scale and zero to the compute dtype (HQQQuantizedLayer._quantize)
+        nbytes = q.numel() * q.element_size() + (meta["scale"].numel() + meta["zero"].numel()) * x.element_size()
         return y.to(x.dtype), nbytes
     from optimum.quanto import MaxOptimizer, qint2, qint4, quantize_weight
 
