@@ -34,12 +34,12 @@ MAX_RANK = 4
 
 ENCODERS = _ref.ENCODERS
 #: The encoder ``get_codec`` uses when none is named, per (bits, axis). Measured with
-#: tools/accuracy_sweep.py (SmolLM2-135M, bf16, 2k context, 4 windows x 128 tokens on each of
-#: pydoc, RULER's essays and SQuAD, sink + 128 recent tokens at full precision): int2 with
-#: keys refined and values min/max gave Δppl +3.8 / +3.1 / +3.0% where min/max for both gave
-#: +2.6 / +2.7 / +12.3% and mse values +3.9 / +3.0 / +13.9%; for int4 the refinement lowered
-#: the error of K and V by 6% but not Δppl (min/max -0.6 / -0.05 / +0.17%, mse +0.13 / -0.11
-#: / +0.53%, CIs about +-1%), so int4 keeps the fused single pass.
+#: tools/accuracy_sweep.py (SmolLM2-135M, bf16, 2k context, 8 windows x 128 tokens on each of
+#: pydoc, RULER's essays and SQuAD, sink + 128 recent tokens at full precision): int2 with keys
+#: refined and values min/max gave Δppl +3.0 / +1.5 / +1.1% where min/max for both gave
+#: +4.3 / +4.0 / +9.0% (refined values were worse still on 4 windows); for int4 the refinement
+#: lowered the error of K and V by ~6% but not Δppl (4 windows: min/max -0.6 / -0.05 / +0.17%,
+#: mse +0.13 / -0.11 / +0.53%, CIs about +-1%), so int4 keeps the fused single pass.
 DEFAULT_ENCODER = {(4, "token"): "minmax", (4, "channel"): "minmax", (2, "token"): "minmax",
                    (2, "channel"): "mse", (8, "token"): "minmax", (8, "channel"): "minmax"}
 
