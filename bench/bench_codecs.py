@@ -1,10 +1,12 @@
 """Codec benchmark on real KV: SmolLM2-135M over pydoc_data.topics.
 
-Per codec (keys grouped per channel, values per token, as KIVI): quantize and dequantize speed
+Per codec (keys grouped per channel, values per token, as KIVI; int codecs with their fused
+single-pass ``minmax`` encoder): quantize and dequantize speed
 as a ratio to ``tensor.copy_`` of the same fp16 bytes measured in the same run (interleaved,
 best of N for both, so a shared machine's noise is filtered from both sides alike); relative
 Frobenius and max error of K and V; bytes per token; lz4 and zstd ratio and speed on the
-encoded block records. Side by side on the same tensors: optimum-quanto and HQQ as transformers'
+encoded block records. Per int4/int2 encoder (``minmax``, ``mse``): K and V error over the blocks
+and the encode cost per block. Side by side on the same tensors: optimum-quanto and HQQ as transformers'
 QuantizedCache calls them (HQQ on one layer only: it is slow on CPU). bitsandbytes is measured
 through the nf4/fp4/dyn8 codecs, which are its blockwise quantizers.
 
@@ -103,9 +105,14 @@ def blocks_of(x: torch.Tensor, heads: int, block_tokens: int) -> list[torch.Tens
     return out
 
 
+def _int(name: str, **kw) -> dict:
+    """Speed rows time the fused single-pass encoder (int8 has only that one)."""
+    return {"encoder": "minmax", **kw} if name.startswith("int") else kw
+
+
 def bench_codec(name, k, v, kb, vb, group_size, repeats, n_tokens):
-    kc = get_codec(name, group_size=group_size, axis="channel")
-    vc = get_codec(name, group_size=group_size, axis="token")
+    kc = get_codec(name, group_size=group_size, axis="channel", **_int(name))
+    vc = get_codec(name, group_size=group_size, axis="token", **_int(name))
     ek, ev = kc.encode(k), vc.encode(v)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     ck, cv = torch.empty_like(k), torch.empty_like(v)
@@ -179,6 +186,45 @@ def bench_codec(name, k, v, kb, vb, group_size, repeats, n_tokens):
     }
     res.update(byte_stages(records))
     return res
+
+
+def bench_encoders(kb, vb, group_size, repeats):
+    """Each int4/int2 encoder on the store's unit, one block per call (keys per channel, values
+    per token): relative error of K and V over all blocks, and the encode time of the blocks as
+    a ratio to ``copy_`` of the same bytes (1 thread; the swap-out worker's cost)."""
+    ck = [torch.empty_like(a) for a in kb]
+    cv = [torch.empty_like(b) for b in vb]
+
+    def copy():
+        for a, b, x, y in zip(kb, vb, ck, cv):
+            x.copy_(a)
+            y.copy_(b)
+
+    rows = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name in ("int4", "int2"):
+            for enc in ("minmax", "mse"):
+                kc = get_codec(name, group_size=group_size, axis="channel", encoder=enc)
+                vc = get_codec(name, group_size=group_size, axis="token", encoder=enc)
+
+                def quant():
+                    for a, b in zip(kb, vb):
+                        kc.encode(a)
+                        vc.encode(b)
+
+                sp = vs_copy({"quant": quant}, copy, kb[0], repeats)
+                yk = torch.cat([kc.decode(kc.encode(a)) for a in kb])
+                yv = torch.cat([vc.decode(vc.encode(b)) for b in vb])
+                errk, _ = rel_err(yk, torch.cat(kb))
+                errv, _ = rel_err(yv, torch.cat(vb))
+                rows.append({"codec": name, "encoder": enc, "k_rel_err": errk, "v_rel_err": errv,
+                             "quant_blocks_ratio_1t": sp["quant"]["ratio"],
+                             "quant_us_per_block": 1e6 * sp["quant"]["seconds"] / len(kb)})
+    finally:
+        torch.set_num_threads(threads)
+    return rows
 
 
 def byte_stages(records: list[bytes]) -> dict:
@@ -299,6 +345,8 @@ def main(argv=None) -> int:
         reps = args.repeats if n.startswith(("fp16", "int")) else min(args.repeats, 3)
         rows.append(bench_codec(n, k, v, kb, vb, args.group_size, reps, args.tokens))
         print(f"# measured {n}", flush=True)
+    encoders = bench_encoders(kb, vb, args.group_size, max(1, min(3, args.repeats)))
+    print("# measured encoders", flush=True)
     side = []
     for bits in (4, 2):
         side.append(bench_quanto(k, v, bits, args.group_size, min(args.repeats, 3)))
@@ -322,6 +370,12 @@ def main(argv=None) -> int:
             fmt(r["record_bytes_per_token"], ".0f"), fmt(r["lz4_ratio"], ".3f"), fmt(r["lz4_comp_GBps"], ".2f"),
             fmt(r.get("zstd_ratio"), ".3f"), fmt(r.get("zstd_comp_GBps"), ".2f"),
             fmt(100 * r["stage_raw_fraction"], ".0f")]))
+    print(f"# encoders (the rows above are minmax): one call per {args.block_tokens}-token block, 1 thread; "
+          "K rel / V rel over all blocks; quant/copy = t_copy / t_encode of the same blocks")
+    print(" | ".join(("codec", "encoder", "K rel", "V rel", "quant/copy blk 1t", "us/block (K+V)")))
+    for r in encoders:
+        print(" | ".join([r["codec"], r["encoder"], fmt(r["k_rel_err"], ".4f"), fmt(r["v_rel_err"], ".4f"),
+                          fmt(r["quant_blocks_ratio_1t"], ".3f"), fmt(r["quant_us_per_block"], ".0f")]))
     print("# side by side (same tensors; HQQ on the first layer only, its own copy_ reference)")
     for r in side:
         print(" | ".join([r["codec"], fmt(r["quant_ratio"], ".3f"), fmt(r["dequant_ratio"], ".3f"), "-", "-", "-", "-",
@@ -352,7 +406,7 @@ def main(argv=None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), mode=0o700, exist_ok=True)
         with open(os.open(args.json, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump({"args": vars(args), "codecs": rows, "side_by_side": side}, f, indent=1)
+            json.dump({"args": vars(args), "codecs": rows, "encoders": encoders, "side_by_side": side}, f, indent=1)
     print(f"# total {time.perf_counter() - t_start:.1f}s")
     return 0
 

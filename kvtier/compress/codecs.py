@@ -32,7 +32,20 @@ _INT_BITS = {"int8": 8, "int4": 4, "int2": 2}
 MAX_RANK = 4
 
 
-def get_codec(name: str, *, group_size: int = 64, axis: str | None = None, check_finite: bool = True) -> Codec:
+ENCODERS = _ref.ENCODERS
+#: The encoder ``get_codec`` uses when none is named, per (bits, axis). Measured with
+#: tools/accuracy_sweep.py (SmolLM2-135M, bf16, 2k context, 8 windows x 128 tokens on each of
+#: pydoc, RULER's essays and SQuAD, sink + 128 recent tokens at full precision): int2 with keys
+#: refined and values min/max gave Δppl +3.0 / +1.5 / +1.1% where min/max for both gave
+#: +4.3 / +4.0 / +9.0% (refined values were worse still on 4 windows); for int4 the refinement
+#: lowered the error of K and V by ~6% but not Δppl (4 windows: min/max -0.6 / -0.05 / +0.17%,
+#: mse +0.13 / -0.11 / +0.53%, CIs about +-1%), so int4 keeps the fused single pass.
+DEFAULT_ENCODER = {(4, "token"): "minmax", (4, "channel"): "minmax", (2, "token"): "minmax",
+                   (2, "channel"): "mse", (8, "token"): "minmax", (8, "channel"): "minmax"}
+
+
+def get_codec(name: str, *, group_size: int = 64, axis: str | None = None, check_finite: bool = True,
+              encoder: str | None = None) -> Codec:
     """Build a codec by name.
 
     Args:
@@ -42,6 +55,13 @@ def get_codec(name: str, *, group_size: int = 64, axis: str | None = None, check
             tokens (KIVI keys); ``"token"``: groups run along head_dim, one scale per token per
             group of channels (values). ``None`` means ``"token"``. Ignored by fp16/bf16/fp32.
         check_finite: reject NaN/Inf input with ValueError (on CUDA this synchronizes).
+        encoder: how int4/int2 choose each group's scale and zero (the record layout and the
+            decoders are the same for both): ``"mse"`` refines min/max to the least squared error
+            (see :mod:`kvtier.compress.reference`; several passes, for the swap-out worker),
+            ``"minmax"`` is the single fused pass. ``None`` picks by measurement
+            (:data:`DEFAULT_ENCODER`): ``"mse"`` for int2 keys (axis "channel"), ``"minmax"``
+            otherwise. int8 is always absmax and accepts only ``None`` or ``"minmax"``. Ignored
+            by the others.
     """
     if not isinstance(name, str) or name not in NAMES:
         raise ValueError(f"codec name must be one of {NAMES}; got {name!r}")
@@ -53,12 +73,17 @@ def get_codec(name: str, *, group_size: int = 64, axis: str | None = None, check
         raise ValueError(f"axis must be one of {AXES} or None; got {axis!r}")
     if not isinstance(check_finite, bool):
         raise ValueError(f"check_finite must be True or False; got {check_finite!r}")
+    if encoder is not None and encoder not in ENCODERS:
+        raise ValueError(f"encoder must be one of {ENCODERS} or None; got {encoder!r}")
     if name in ("fp16", "bf16"):
         return PassthroughCodec(name)
     if name == "fp32":
         return Fp32Codec()
     if name in _INT_BITS:
-        return IntCodec(_INT_BITS[name], group_size, axis, check_finite)
+        bits = _INT_BITS[name]
+        if bits == 8 and encoder not in (None, "minmax"):
+            raise ValueError(f"encoder must be 'minmax' or None for int8 (absmax scales); got {encoder!r}")
+        return IntCodec(bits, group_size, axis, check_finite, encoder or DEFAULT_ENCODER[(bits, axis)])
     return BnbCodec(name, group_size, axis, check_finite)
 
 
@@ -169,14 +194,19 @@ class IntCodec(Codec):
     Parts: ``q`` (int8 ``[..., T, D]`` or packed uint8 ``[..., T, ceil(D*bits/8)]``), ``scale``
     and, for int4/int2, ``zero`` (input dtype; ``[..., T, ceil(D/G)]`` for axis "token",
     ``[..., ceil(T/G), D]`` for axis "channel"). A short last group covers the remainder.
+
+    ``encoder`` ("minmax" or "mse") only chooses scale and zero: it is not part of ``params``,
+    since any decoder reads either encoder's output.
     """
 
-    def __init__(self, bits: int, group_size: int, axis: str, check_finite: bool = True):
+    def __init__(self, bits: int, group_size: int, axis: str, check_finite: bool = True,
+                 encoder: str = "minmax"):
         self.bits = bits
         self.name = f"int{bits}"
         self.group_size = group_size
         self.axis = axis
         self.check_finite = check_finite
+        self.encoder = encoder
         self._specs: dict = {}  # (shape, dtype) -> (shape, q shape, q dtype, scale shape): _parts
 
     @property
@@ -186,7 +216,16 @@ class IntCodec(Codec):
     def encode(self, x: torch.Tensor) -> Encoded:
         check_input(x)
         bits, g, axis = self.bits, self.group_size, self.axis
-        if x.is_cuda:
+        if self.encoder == "mse" and x.device.type == "cpu" and _cpu.available():
+            q, scale, zero, nonfinite = _cpu.quantize_mse_checked(x.contiguous(), bits, g, axis)
+            if self.check_finite and nonfinite:
+                raise ValueError("x must be finite (no NaN or Inf)")
+        elif self.encoder == "mse":
+            # no fused kernel of the search on other devices: the reference's torch operations
+            if self.check_finite:
+                _check_finite(x)
+            q, scale, zero = _ref.quantize_ref(x, bits, g, axis, encoder="mse")
+        elif x.is_cuda:
             if self.check_finite:
                 _check_finite(x)
             from kvtier.compress import triton_kernels

@@ -601,6 +601,114 @@ static void tok_dequant_rows(const void *q, const void *scale, const void *zero,
     }
 }
 
+/* ---- the mse encoder's search (reference.refine_ref): the same steps in the same fp32
+   arithmetic, one group at a time; sums run in index order (torch's reductions may order them
+   otherwise, so a pair can differ from the reference's in its last bit) ---- */
+static inline float grp_codes(const float *restrict x, int64_t n, float s, float z, float top, float *restrict q) {
+    float inv = 1.0f / s, sum = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        float c = rintf((x[i] - z) * inv);
+        c = c < 0.0f ? 0.0f : (c > top ? top : c);
+        q[i] = c;
+        sum += c;
+    }
+    return sum;
+}
+static inline float grp_err(const float *restrict x, int64_t n, float s, float z, float top) {
+    float inv = 1.0f / s, acc = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        float c = rintf((x[i] - z) * inv);
+        c = c < 0.0f ? 0.0f : (c > top ? top : c);
+        float d = c * s + z - x[i];
+        acc += d * d;
+    }
+    return acc / (float)n;
+}
+static inline void storable(int dt, float *s, float *z) {
+    float a = rdt(dt, *s), b = rdt(dt, *z);
+    *s = (a > 0.0f && isfinite(a)) ? a : 1.0f;
+    *z = isfinite(b) ? b : 0.0f;
+}
+/* One group x[0..n) (n <= 128): the min/max pair as the spec has it, refined; returns the pair
+   in *ps, *pz (rounded to dt). */
+static void mse_group(const float *restrict x, int64_t n, float top, int dt, int iters,
+                      const float *shrink, int n_shrink, float *ps, float *pz) {
+    float q[128];
+    float mn = x[0], mx = x[0], gsum = 0.0f;
+    for (int64_t j = 0; j < n; j++) { gsum += x[j]; mn = x[j] < mn ? x[j] : mn; mx = x[j] > mx ? x[j] : mx; }
+    float bs = rdt(dt, (mx - mn) / top), bz = rdt(dt, mn);
+    if (bs == 0.0f) bs = 1.0f;
+    float be = grp_err(x, n, bs, bz, top);
+    float gm = gsum / (float)n;
+    if (be == be) {   /* NaN where min/max overflowed: left for the caller to refuse */
+        for (int k = 0; k <= n_shrink; k++) {
+            float f = k == 0 ? 1.0f : shrink[k - 1];
+            float half = (mx - mn) * (0.5f * f);
+            float cs = 2.0f * half / top, cz = (mx + mn) * 0.5f - half;
+            storable(dt, &cs, &cz);
+            for (int it = 0; it < iters; it++) {
+                float qm = grp_codes(x, n, cs, cz, top, q) / (float)n;
+                float v = 0.0f, c = 0.0f;
+                for (int64_t j = 0; j < n; j++) { float dq = q[j] - qm; v += dq * dq; c += dq * (x[j] - gm); }
+                float var = v / (float)n, cov = c / (float)n;
+                float ns = var > 0.0f ? cov / var : cs;
+                if (!(ns > 0.0f)) ns = cs;
+                cs = ns; cz = gm - ns * qm;
+                storable(dt, &cs, &cz);
+                float e = grp_err(x, n, cs, cz, top);
+                if (e < be) { be = e; bs = cs; bz = cz; }
+            }
+        }
+    }
+    *ps = bs; *pz = bz;
+}
+
+/* The mse encoder, whole: per [T, D] slab, each group gathered, searched, coded; then each
+   row packed. Same layouts as kvt_quant. Returns nonzero when x held NaN or Inf. */
+int kvt_quant_mse(const void *x, int dt, int64_t B, int64_t T, int64_t D, int bits, int64_t G, int axis,
+                  int iters, const float *shrink, int n_shrink, void *q, void *scale, void *zero) {
+    const float top = (float)((1 << bits) - 1);
+    const int64_t P = pdim(D, bits);
+    int bad = 0;
+    #pragma omp parallel for schedule(static) reduction(|:bad) if (B * T * D >= (1 << 18))
+    for (int64_t b = 0; b < B; b++) {
+        float *xf = malloc(sizeof(float) * T * D), *cf = malloc(sizeof(float) * T * D);
+        float buf[128];
+        for (int64_t t = 0; t < T; t++) load_row(dt, x, (b * T + t) * D, xf + t * D, D);
+        for (int64_t i = 0; i < T * D; i++) if (!isfinite(xf[i])) bad = 1;
+        if (axis == 0) {
+            int64_t ng = (D + G - 1) / G;
+            for (int64_t t = 0; t < T; t++)
+                for (int64_t j = 0; j < ng; j++) {
+                    int64_t n = D - j * G < G ? D - j * G : G;
+                    const float *g = xf + t * D + j * G;
+                    float s, z;
+                    mse_group(g, n, top, dt, iters, shrink, n_shrink, &s, &z);
+                    int64_t si = (b * T + t) * ng + j;
+                    st1(dt, scale, si, s); st1(dt, zero, si, z);
+                    grp_codes(g, n, s, z, top, cf + t * D + j * G);
+                }
+        } else {
+            int64_t ng = (T + G - 1) / G;
+            for (int64_t j = 0; j < ng; j++) {
+                int64_t n = T - j * G < G ? T - j * G : G;
+                for (int64_t d = 0; d < D; d++) {
+                    for (int64_t i = 0; i < n; i++) buf[i] = xf[(j * G + i) * D + d];
+                    float s, z, c[128];
+                    mse_group(buf, n, top, dt, iters, shrink, n_shrink, &s, &z);
+                    int64_t si = (b * ng + j) * D + d;
+                    st1(dt, scale, si, s); st1(dt, zero, si, z);
+                    grp_codes(buf, n, s, z, top, c);
+                    for (int64_t i = 0; i < n; i++) cf[(j * G + i) * D + d] = c[i];
+                }
+            }
+        }
+        for (int64_t t = 0; t < T; t++) pack_row(cf + t * D, D, bits, (uint8_t *)q + (b * T + t) * P);
+        free(xf); free(cf);
+    }
+    return bad;
+}
+
 /* Returns nonzero when the input held NaN or Inf (the outputs are then meaningless). */
 int kvt_quant(const void *x, int dt, int64_t B, int64_t T, int64_t D, int bits, int64_t G, int axis,
               void *q, void *scale, void *zero) {
@@ -728,6 +836,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvt_quant.restype = c_int
     lib.kvt_dequant.argtypes = [vp, vp, vp, c_int, i64, i64, i64, c_int, i64, c_int, vp]
     lib.kvt_dequant.restype = None
+    lib.kvt_quant_mse.argtypes = [vp, c_int, i64, i64, i64, c_int, i64, c_int, c_int, vp, c_int, vp, vp, vp]
+    lib.kvt_quant_mse.restype = c_int
 
 
 _LIB = CLibrary("quant", _SRC, _FLAGS, _declare, "using the slow torch reference")
@@ -774,6 +884,30 @@ def quantize_checked(x: torch.Tensor, bits: int, group_size: int, axis: str, out
         zero = None if symmetric(bits) else torch.empty(sshape, dtype=x.dtype)
     bad = lib.kvt_quant(x.data_ptr(), _DT[x.dtype], b, t, d, bits, group_size, 0 if axis == "token" else 1,
                         q.data_ptr(), scale.data_ptr(), zero.data_ptr() if zero is not None else None)
+    return q, scale, zero, bool(bad)
+
+
+def quantize_mse_checked(x: torch.Tensor, bits: int, group_size: int, axis: str):
+    """The ``mse`` encoder (:func:`kvtier.compress.reference.quantize_ref` with
+    ``encoder="mse"``), compiled: int4/int2, ``x`` contiguous on CPU, ``group_size <= 128``.
+    Returns ``(q, scale, zero, nonfinite)``. Same steps and fp32 arithmetic as the reference;
+    its sums run in index order, so for float32 input a pair may differ from the reference's in
+    its last bits (its error does not, measurably)."""
+    from kvtier.compress.reference import FIT_ITERS, SHRINK, packed_dim, scale_shape
+
+    lib = _load()
+    assert lib is not None, "cpu kernel unavailable; check available() first"
+    assert x.device.type == "cpu" and x.is_contiguous() and bits in (4, 2) and group_size <= 128
+    shape = tuple(x.shape)
+    *lead, t, d = shape
+    q = torch.empty(*lead, t, packed_dim(d, bits), dtype=torch.uint8)
+    sshape = scale_shape(shape, group_size, axis)
+    scale = torch.empty(sshape, dtype=x.dtype)
+    zero = torch.empty(sshape, dtype=x.dtype)
+    fac = torch.tensor(SHRINK or (1.0,), dtype=torch.float32)
+    bad = lib.kvt_quant_mse(x.data_ptr(), _DT[x.dtype], x.numel() // (t * d), t, d, bits, group_size,
+                            0 if axis == "token" else 1, FIT_ITERS, fac.data_ptr(), len(SHRINK),
+                            q.data_ptr(), scale.data_ptr(), zero.data_ptr())
     return q, scale, zero, bool(bad)
 
 

