@@ -18,6 +18,13 @@ Every record is written through to every configured tier (L3 so a restarted engi
 L4 so another engine does); L2 is a DRAM cache of the newest records whose ring drops the
 oldest when it wraps (they are still in L3/L4).
 
+Why tiers and records, not ``KVStore``: under vLLM, vLLM owns L1 (its paged KV), scheduling and
+eviction; ``KVStore`` is built around an L1 pool of its own, per-sequence block tables, policies
+and sparse attention, and would need every token appended a second time just to seal blocks.
+What the connector needs is kvtier's codecs, block record format (``store.blockrecord``, with
+its in-place integer decoder), content keys (``store.prefix``) and tiers: this module composes
+them, and ``KVStore`` is untouched.
+
 Ownership: :meth:`BlockStore.save` takes the staged tensors (the caller must not reuse them);
 :meth:`BlockStore.load` writes into the caller's ``pages`` and keeps nothing.
 """
@@ -45,6 +52,11 @@ log = logging.getLogger(__name__)
 CONNECTOR_FIELDS = ("codec", "group_size", "key_axis", "value_axis", "host_bytes", "disk_path",
                     "disk_bytes", "disk_segment_bytes", "durability", "remote_url", "remote_key_prefix")
 _SAVE_QUEUE_JOBS = 8  # steps of staged KV waiting to be encoded before save_kv_layer blocks
+# Redis round-trip bound. One step's save is a pipeline of (blocks x layers) records, MBs; under
+# load (this 2-core machine at load 10) RemoteTier's 0.5 s default timed such puts out and marked
+# the server down. The cost of a larger bound is a stall of the lookup when the server black-holes
+# packets, once per outage (RemoteTier then serves misses without trying for retry_interval_s).
+_REMOTE_TIMEOUT_S = 2.0
 
 
 RAW = "raw"
@@ -174,7 +186,8 @@ class BlockStore:
         self.l3 = DiskTier(cfg.disk_path, capacity_bytes=cfg.disk_bytes, segment_bytes=cfg.disk_segment_bytes,
                            durability="batch" if cfg.durability == "batch" else "close") \
             if cfg.disk_path else None
-        self.l4 = RemoteTier(cfg.remote_url, key_prefix=cfg.remote_key_prefix) if cfg.remote_url else None
+        self.l4 = RemoteTier(cfg.remote_url, key_prefix=cfg.remote_key_prefix,
+                                                 socket_timeout_s=_REMOTE_TIMEOUT_S) if cfg.remote_url else None
         self._lock = threading.Lock()  # guards _pending and _n
         self._pending: dict[str, _SaveJob] = {}  # block hash -> the job that is writing it
         self._n = dict(saved_blocks=0, stored_bytes=0, l2_dropped=0, loaded_blocks=0, load_failures=0,
