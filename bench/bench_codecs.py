@@ -22,7 +22,7 @@ import time
 import torch
 
 from kvtier.compress import get_codec, pack_record
-from kvtier.compress.bytestage import Lz4Stage
+from kvtier.compress.bytestage import ByteStage
 
 TARGETS = {"quant_ratio": 0.35, "dequant_ratio": 0.6, "int8_err": 0.01, "int4_k_err": 0.05, "int4_v_err": 0.10}
 CODECS = ("fp16", "int8", "int4", "int2", "nf4", "fp4", "dyn8")
@@ -195,7 +195,7 @@ def byte_stages(records: list[bytes]) -> dict:
     out["lz4_ratio"] = total / sum(len(c) for c in comp)
     out["lz4_comp_GBps"] = total / (t1 - t0) / 1e9
     out["lz4_decomp_GBps"] = total / (t2 - t1) / 1e9
-    stage = Lz4Stage(0.05)
+    stage = ByteStage("lz4", 0.05)
     for r in records:
         stage.pack(r)
     st = stage.stats()

@@ -30,6 +30,12 @@ CODECS = ("fp16", "bf16", "int8", "int4", "int2", "nf4", "fp4", "dyn8")
 LOSSLESS_CODECS = ("fp16", "bf16")
 
 
+def lossless_codec(dtype: str | None) -> str:
+    """The 16-bit full-precision codec of KV dtype ``dtype`` (a ``KVTierConfig.dtype`` name;
+    None: not known yet, fp16). fp16 <-> bf16 would not be lossless, so it follows the dtype."""
+    return "bf16" if dtype == "bfloat16" else "fp16"
+
+
 def _choice(name: str, value: Any, allowed: tuple) -> None:
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
@@ -214,8 +220,8 @@ class KVTierConfig:
         _choice("codec", self.codec, CODECS)
         _choice("order", self.order, get_args(Order))
         if self.host_codec is None:
-            full = "bf16" if self.dtype == "bfloat16" else "fp16"
-            object.__setattr__(self, "host_codec", self.codec if self.order == "compress-then-tier" else full)
+            object.__setattr__(self, "host_codec", self.codec if self.order == "compress-then-tier"
+                               else lossless_codec(self.dtype))
         if self.disk_codec is None:
             object.__setattr__(self, "disk_codec", self.codec)
         _choice("host_codec", self.host_codec, CODECS)
@@ -341,4 +347,4 @@ def _round_up(x: int, m: int) -> int:
     return int(math.ceil(x / m)) * m if x else 0
 
 
-__all__ = ["KVTierConfig", "CODECS", "LOSSLESS_CODECS"]
+__all__ = ["KVTierConfig", "CODECS", "LOSSLESS_CODECS", "lossless_codec"]

@@ -155,9 +155,3 @@ class ByteStage:
             out["records_lz4"] = self._n_comp
         return out
 
-
-class Lz4Stage(ByteStage):
-    """The lz4 stage (``ByteStage("lz4", min_saving)``)."""
-
-    def __init__(self, min_saving: float = 0.05):
-        super().__init__("lz4", min_saving)

@@ -1,4 +1,4 @@
-"""CPU fast path for ``KVStore.select``'s block scoring: one small C routine, compiled once per machine.
+"""CPU fast path for the block scoring of ``KVStore.select``: one small C routine, compiled once per machine.
 
 On the CPU the scoring is a handful of tiny torch ops per layer and decode step (bmm of
 ``[kv_heads, G*q_len, hd] x [kv_heads, hd, m]``, softmax, amax; a bf16 -> float32 copy of the
@@ -7,8 +7,8 @@ digest range first), each paying torch's per-op dispatch: ~25 us at SmolLM2's sh
 step's store calls. This routine computes the same scores in one pass straight from the digest
 table (float32 or bf16, read in place: no conversion copy, no extra memory) in a few us.
 
-Math (the specification is the torch code in ``KVStore._scores``, which stays the fallback and
-the CUDA path; tests/store/test_cscore.py compares the two):
+Math (the specification is the torch code in ``Selector.scores``, select.py, which stays the
+fallback and the CUDA path; tests/store/test_cscore.py compares the two):
   centroid  s[h, r, j] = scale * q[h, r] . mean[h, j];  score[j] = max_{h, r} softmax_j(s[h, r])[j]
   quest     s[h, r, j] = sum_d max(q_d, 0) * max[h, j, d] + min(q_d, 0) * min[h, j, d]
             score[j] = sum_h max_r s[h, r, j]
@@ -212,8 +212,8 @@ DTYPES = (torch.float32, torch.bfloat16)
 def block_scores(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: bool, scale: float) -> torch.Tensor:
     """Scores of digest rows [lo, hi) (see the module docstring for the math).
 
-    On the decode hot path (once per layer and step): the caller (``KVStore._scores``) has
-    already checked the query's shape; only what would make the C code read out of bounds is
+    On the decode hot path (once per layer and step): the caller checked the query's shape
+    already (``Selector.query_f32``); only what would make the C code read out of bounds is
     asserted here.
 
     Args:
@@ -252,7 +252,7 @@ def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: b
     topk, no sort: fewer calls on the decode path). Ties at the k-th score go to the lower index.
     Arguments as :func:`block_scores`; 1 <= k <= hi - lo. ``parts`` > 1 (centroid only): each
     row holds that many sub-block centroids side by side (``width = parts * head_dim``), scored
-    as ``KVStore._scores`` does: one softmax over every sub-block, a block's score its best part.
+    as ``Selector.scores`` does: one softmax over every sub-block, a block's score its best part.
     """
     fn = _load().kvt_block_top
     qh, ql, hd = q.shape

@@ -1,5 +1,8 @@
-"""Tier keys of stored blocks. Built in one place: another issue will switch them to
-content-addressed keys (hash of fingerprint + token prefix) without touching the store."""
+"""Process-local tier keys of blocks whose token ids are not known.
+
+A block gets one of these when its entry is created; once sealed with known token ids it moves
+to a content-addressed key (``prefix.block_key``). Process-local keys are wiped from L3 when a
+store opens it, since no later process can address them."""
 from __future__ import annotations
 
 

@@ -153,12 +153,5 @@ def chained_block_keys(token_ids: TokenIds, block_tokens: int, layer_count: int,
         see :func:`chained_block_hashes` for ``parent``.
     """
     layer_count = _positive_int("layer_count", layer_count)
-    return [[f"{fp}/{layer}/{h}" for layer in range(layer_count)]
+    return [[block_key(fp, layer, h) for layer in range(layer_count)]
             for h in chained_block_hashes(token_ids, block_tokens, fp, parent)]
-
-
-def full_blocks(n_tokens: int, block_tokens: int) -> int:
-    """Number of full blocks (the ones that get keys) in ``n_tokens`` tokens."""
-    if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)) or n_tokens < 0:
-        raise ValueError(f"n_tokens must be an int >= 0; got {n_tokens!r}")
-    return int(n_tokens) // _positive_int("block_tokens", block_tokens)

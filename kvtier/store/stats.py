@@ -1,6 +1,7 @@
 """Counters and latency samples of a store; percentiles are computed only when asked."""
 from __future__ import annotations
 
+import threading
 from collections import deque
 
 _SAMPLES = 2048  # recent samples the percentiles are taken over
@@ -41,3 +42,54 @@ def _pct(sorted_vals: list[float], q: float) -> float:
 
 def ratio(num: float, den: float) -> float | None:
     return (num / den) if den else None
+
+
+#: Event counters of a store (``stats()`` groups them). Copies and bytes held below L1 and the
+#: blocks per home tier are state, kept by the residency part, not counted here.
+COUNTERS = (
+    "hits_l1", "misses_l1", "hits_l2", "misses_l2", "hits_l3", "misses_l3", "hits_l4", "misses_l4",
+    "swap_in_l2_bytes", "swap_in_l3_bytes", "swap_in_l4_bytes", "swap_out_l2_bytes",
+    "swap_out_l3_bytes", "swap_in_blocks", "swap_out_blocks", "evicted_clean", "evicted_dirty",
+    "evict_failed", "sync_evictions", "scratch_uses", "pf_issued", "pf_errors", "pf_used",
+    "pf_wasted", "raw_l2", "enc_l2", "raw_l3", "enc_l3", "stage_in", "stage_out",
+    "pub_l3_blocks", "pub_l3_bytes", "pub_l3_failed", "pub_l4_blocks", "pub_l4_bytes",
+    "pub_l4_failed", "orphans_deleted", "prefix_lookups", "prefix_lookup_tokens",
+    "prefix_hit_tokens", "prefill_tokens_saved", "dedup_seals", "adopted_l3", "gather_views",
+    "gather_copies", "region_moves",
+)
+
+
+class Counters:
+    """The event counters and latency samples of one store, under their own lock.
+
+    The lock is a leaf: nothing else is taken while it is held, so any part may count from any
+    thread, holding whatever lock it holds.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._n = dict.fromkeys(COUNTERS, 0)
+        self._lat = {"swap_in": Latency(), "swap_out": Latency(), "step": Latency()}
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            n = self._n
+            for name, d in deltas.items():
+                n[name] += d
+
+    def sample(self, latency: str, seconds: float) -> None:
+        """One sample of ``latency`` (swap_in, swap_out or step)."""
+        with self._lock:
+            self._lat[latency].add(seconds)
+
+    def __getitem__(self, name: str) -> int:
+        with self._lock:
+            return self._n[name]
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._n)
+
+    def latency_summaries(self) -> dict[str, dict]:
+        with self._lock:
+            return {name: lat.summary() for name, lat in self._lat.items()}

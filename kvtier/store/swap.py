@@ -1,9 +1,10 @@
-"""Background workers: batched swap-out, and prefetch.
+"""A background worker thread that processes submitted items in batches.
 
-The swap-out worker is one thread fed with (table, entry) items; it processes them in batches
-of at most ``batch`` so encoding and the L2 writes happen off the decode path. ``drain`` is the
-only place the decode path ever waits for it (when L1 is truly full). An exception in the worker
-is kept and raised by the next ``drain``/``submit`` so it is never silently lost.
+The store runs two: swap-out (``evictor.py``: (table, entry) items, encoded and put to L2 off
+the decode path) and write-through (``writethrough.py``). Each is one thread that takes at most
+``batch`` items at a time. ``drain`` waits until everything submitted was processed: the decode
+path calls it only when L1 is truly full. An exception in the worker is kept and raised by the
+next ``drain``/``submit`` so it is never silently lost.
 """
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ class SwapOutWorker:
         self._busy = False
         self._closed = False
         self._error: BaseException | None = None
-        self.batches = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -40,15 +40,6 @@ class SwapOutWorker:
             self._cv.notify()
         self._raise_pending_error()
 
-    @property
-    def idle(self) -> bool:
-        with self._cv:
-            return not self._q and not self._busy
-
-    def queued(self) -> int:
-        with self._cv:
-            return len(self._q)
-
     def drain(self) -> None:
         """Block until every submitted item was processed."""
         with self._cv:
@@ -66,7 +57,6 @@ class SwapOutWorker:
                 self._busy = True
             try:
                 self._process(batch)
-                self.batches += 1
             except BaseException as e:  # kept for the caller's next drain/submit
                 self._error = e
             finally:

@@ -33,8 +33,11 @@ contiguous run of slots:
             └─── selected ────┘└ open ┘ └── other residents, free ──┘
    K view = storage[0, :, base:base+4] as [kv_heads, 4*bt, head_dim], narrowed to the length
 ``` The L1 budget stays per sequence: a shared block may be resident in the L1 of each
-sequence that attends it, but is stored once in each tier below. All fields are guarded by the
-store's lock.
+sequence that attends it, but is stored once in each tier below.
+
+The bookkeeping fields are written by ``Residency`` (residency.py) under the state lock. The
+read caches of a table (``gather_cache``, ``view_cache``, ``view_n``, ``run_kv``) are used only
+by the thread that reads that table.
 """
 from __future__ import annotations
 
@@ -49,7 +52,7 @@ class BlockCopies:
     ``content`` is True for content-addressed keys (shared across sequences and processes).
     """
 
-    __slots__ = ("key", "content", "l2", "l3", "l4", "wt", "l2_bytes", "l3_bytes", "entries")
+    __slots__ = ("key", "content", "l2", "l3", "l4", "written_through", "l2_bytes", "l3_bytes", "entries")
 
     def __init__(self, key: str, content: bool = False) -> None:
         self.key = key
@@ -57,9 +60,9 @@ class BlockCopies:
         self.l2 = False                # a valid copy in L2 (host codec record)
         self.l3 = False                # a valid copy in L3 (disk codec record, lz4 stage)
         self.l4 = False                # published to the remote tier (same bytes as L3)
-        self.wt = False                # the L3 copy was written through (or found on disk), not
-                                       # spilled from L2: it persists/shares the block, but an
-                                       # evicted block still goes to L2 (DRAM, host codec) first
+        # the L3 copy was written through (or found on disk), not spilled from L2: it persists
+        # and shares the block, but an evicted block still goes to L2 (DRAM, host codec) first
+        self.written_through = False
         self.l2_bytes = 0
         self.l3_bytes = 0
         self.entries: list[BlockEntry] = []
@@ -105,11 +108,6 @@ class BlockEntry:
     l3_bytes = _delegate("l3_bytes")
 
     @property
-    def tkey(self) -> str:
-        """Key of this block's content in L2/L3/L4."""
-        return self.rec.key
-
-    @property
     def home(self) -> str:
         if self.slot is not None:
             return "l1"
@@ -123,7 +121,7 @@ class BlockEntry:
     def clean(self) -> bool:
         """Leaving L1 needs no write: a copy exists in L2, or in L3 as the spill of one."""
         rec = self.rec
-        return rec.l2 or (rec.l3 and not rec.wt)
+        return rec.l2 or (rec.l3 and not rec.written_through)
 
     def __repr__(self) -> str:
         return (f"BlockEntry({self.key}, slot={self.slot}, pending={self.pending}, l2={self.l2}, "
@@ -143,7 +141,7 @@ class BlockTable:
     ``quest``: max | min (Quest's upper bound of q.k) -> ``[kv_heads, cap, 2 * head_dim]``.
     With ``digest_parts`` > 1 (centroid only) a row holds the means of that many equal sub-blocks
     side by side -> ``[kv_heads, cap, parts * head_dim]``.
-    Rows ``[0, n_sealed)`` are valid; ``cap`` grows by doubling.
+    Rows ``[0, n_sealed)`` are valid; the table's row capacity doubles when a seal needs more.
     """
 
     def __init__(self, seq: int, layer: int, kv_heads: int, head_dim: int, device: torch.device,
@@ -160,14 +158,15 @@ class BlockTable:
         self.slotted: dict[int, BlockEntry] = {}  # those blocks by index (the policy scans only these)
         self.pending = 0                       # of which queued for swap-out
         self.observed = 0                      # observe() calls so far (snapkv freezes after a few)
+        self.pinned: frozenset[int] = frozenset()  # blocks a read in progress needs: never evicted
         self.head_dim = head_dim
-        # (slots, blocks, index tensor, positions tensor) of the last gather_blocks (store.py)
+        # (slots, blocks, index tensor, positions tensor) of the last gather_blocks (reads.py)
         self.gather_cache: tuple | None = None
-        # (block order, positions tensor) of the last gather_view (store.py)
+        # (block order, positions tensor) of the last gather_view (reads.py)
         self.view_cache: tuple | None = None
         self.view_n = 0                        # blocks in the last gather_view run (positions [0, n))
-        self.run_kv: tuple | None = None       # the region as K, V runs [kv_heads, cap*bt, hd] (store.py)
-        self.open_view: torch.Tensor | None = None  # L1 slot of the open block (store.py)
+        self.run_kv: tuple | None = None       # the region as K, V runs [kv_heads, cap*bt, hd] (reads.py)
+        self.open_view: torch.Tensor | None = None  # L1 slot of the open block (append.py)
         self.open_np = None                    # the same slot as a numpy array (CPU store)
         self.select_score = select_score
         self.digest_parts = digest_parts
@@ -222,10 +221,6 @@ class BlockTable:
     @property
     def n_sealed(self) -> int:
         return max(0, len(self.entries) - 1)
-
-    @property
-    def open(self) -> BlockEntry | None:
-        return self.entries[-1] if self.entries else None
 
     def digest_row_bytes(self) -> int:
         """Bytes of one sealed block's digest (0 without digests)."""

@@ -147,6 +147,17 @@ class Tier(ABC):
             dev[:src.nbytes].copy_(torch.frombuffer(bytearray(src), dtype=torch.uint8))
         return src.nbytes
 
+    def value_size(self, key: str) -> int | None:
+        """Length in bytes of the value under ``key``, or None when absent. This default reads
+        the value; tiers override it with a lookup in their index (the value is not read, so
+        a damaged one is only found when it is read)."""
+        value = self.get(key)
+        return None if value is None else as_byte_view(value).nbytes
+
+    def value_sizes(self, keys: Iterable[str]) -> list[int | None]:
+        """:meth:`value_size` of every key (batched: one call per key unless overridden)."""
+        return [self.value_size(k) for k in keys]
+
     def put_many(self, items: Iterable[tuple[str, BytesLike]]) -> list[bool]:
         return [self.put(k, v) for k, v in items]
 

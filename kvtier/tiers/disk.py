@@ -667,6 +667,12 @@ class DiskTier(Tier):
                                             thread_name_prefix="kvtier-disk-crc")
         return self._pool
 
+    def value_size(self, key: str) -> int | None:
+        """Length of the value under ``key`` from the index (not read, not CRC-checked)."""
+        check_key(key)
+        loc = self._index.get(key)
+        return None if loc is None else loc[3]
+
     def contains(self, key: str) -> bool:
         check_key(key)
         return key in self._index

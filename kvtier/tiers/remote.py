@@ -479,6 +479,13 @@ class RemoteTier(Tier):
         skey = self._skey(key)
         return bool(self._round_trip(lambda: self._r.exists(skey), 0))
 
+    def value_size(self, key: str) -> int | None:
+        """Length of the value under ``key`` from the server (STRLEN: not fetched, not
+        CRC-checked); None when absent or the server is unreachable."""
+        skey = self._skey(key)
+        n = self._round_trip(lambda: self._r.strlen(skey), 0)
+        return n - HEADER_BYTES if n >= HEADER_BYTES else None
+
     def contains_many(self, keys: Iterable[str]) -> list[bool]:
         """Whether each key is on the server, in one round trip (a pipeline of EXISTS, one per
         key: a multi-key EXISTS only counts). False where absent or the server is unreachable.

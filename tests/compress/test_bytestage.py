@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from kvtier.compress import get_codec, pack_record
-from kvtier.compress.bytestage import LZ4, RAW, ZSTD, ByteStage, Lz4Stage
+from kvtier.compress.bytestage import LZ4, RAW, ZSTD, ByteStage
 
 
 def test_incompressible_stays_raw_and_compressible_uses_lz4():
-    s = Lz4Stage(0.05)
+    s = ByteStage("lz4", 0.05)
     rnd = os.urandom(20000)
     out = s.pack(rnd)
     assert out[0] == RAW and len(out) == len(rnd) + 1 and s.unpack(out) == rnd
@@ -24,27 +24,27 @@ def test_incompressible_stays_raw_and_compressible_uses_lz4():
 
 def test_min_saving_threshold():
     half = os.urandom(5000) + bytes(5000)  # lz4 saves about half
-    assert Lz4Stage(0.3).pack(half)[0] == LZ4
-    assert Lz4Stage(0.7).pack(half)[0] == RAW
-    assert Lz4Stage(0.0).pack(half)[0] == LZ4
+    assert ByteStage("lz4", 0.3).pack(half)[0] == LZ4
+    assert ByteStage("lz4", 0.7).pack(half)[0] == RAW
+    assert ByteStage("lz4", 0.0).pack(half)[0] == LZ4
 
 
 def test_quantized_kv_record_roundtrip():
     x = torch.randn(3, 64, 64).half()
     rec = pack_record(get_codec("int4", group_size=32, axis="channel").encode(x))
-    s = Lz4Stage()
+    s = ByteStage("lz4")
     assert s.unpack(s.pack(rec)) == rec
     assert s.unpack(s.pack(memoryview(rec))) == rec
     assert s.unpack(s.pack(b"")) == b""
 
 
 def test_stats_before_any_record():
-    assert Lz4Stage().stats() == {"algorithm": "lz4", "bytes_in": 0, "bytes_out": 0, "ratio": 1.0,
+    assert ByteStage("lz4").stats() == {"algorithm": "lz4", "bytes_in": 0, "bytes_out": 0, "ratio": 1.0,
                                   "records_compressed": 0, "records_lz4": 0, "records_raw": 0}
 
 
 def test_counters_are_thread_safe():
-    s = Lz4Stage()
+    s = ByteStage("lz4")
     blobs = [bytes(3000), os.urandom(3000)]
 
     def work():
@@ -64,11 +64,11 @@ def test_counters_are_thread_safe():
 @pytest.mark.parametrize("bad", [-0.1, 1.0, 2, "0.1", True, None])
 def test_bad_min_saving(bad):
     with pytest.raises(ValueError, match="min_saving"):
-        Lz4Stage(bad)
+        ByteStage("lz4", bad)
 
 
 def test_unpack_rejects_bad_frames():
-    s = Lz4Stage()
+    s = ByteStage("lz4")
     with pytest.raises(ValueError, match="flag"):
         s.unpack(b"")
     with pytest.raises(ValueError, match="flag"):
@@ -95,7 +95,7 @@ def _skewed(n: int, seed: int = 0) -> bytes:
 
 def test_zstd_pays_where_lz4_does_not():
     rec = _skewed(14000)
-    lz, zs = Lz4Stage(0.02), ByteStage("zstd", 0.02)
+    lz, zs = ByteStage("lz4", 0.02), ByteStage("zstd", 0.02)
     assert lz.pack(rec)[0] == RAW
     packed = zs.pack(rec)
     assert packed[0] == ZSTD and len(packed) < 0.95 * len(rec)

@@ -12,14 +12,14 @@ from .conftest import Ref, assert_reads_back, check_invariants, join_all, make_s
 
 def slow_swap_out(st, delay=0.002):
     """Widen the race windows: the worker's encode takes a while."""
-    encode = st._encode_pair
+    encode = st.io.encode_pair
 
     def slow(block, tier):
         if threading.current_thread().name.startswith("kvtier-swapout"):
             time.sleep(delay)
         return encode(block, tier)
 
-    st._encode_pair = slow
+    st.io.encode_pair = slow
 
 
 @pytest.mark.timeout(60)
@@ -37,7 +37,7 @@ def test_swap_out_racing_swap_in_of_the_same_block(tmp_path):
         st.append(s, 0, k, v)
         ref.add(s, 0, k, v)
         st.end_step()  # queues victims for the (slow) worker
-        t = st._tables[s][0]
+        t = st.residency.tables[s][0]
         pending = [e.idx for e in t.entries[:-1] if e.pending]
         ns = t.n_sealed
         if ns == 0:

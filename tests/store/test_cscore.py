@@ -1,4 +1,4 @@
-"""The compiled CPU block scoring (kvtier/store/cscore.py) against the torch math of KVStore._scores."""
+"""The compiled CPU block scoring (kvtier/store/cscore.py) against the torch math of Selector.scores."""
 import pytest
 import torch
 
@@ -9,7 +9,7 @@ pytestmark = pytest.mark.skipif(not cscore.available(), reason="no C compiler: s
 
 
 def _torch_scores(q, digest, lo, hi, quest, scale):
-    """The torch math of KVStore._scores: q [kvh, R, hd], digest [kvh, cap, width] -> [hi - lo]."""
+    """The torch math of Selector.scores: q [kvh, R, hd], digest [kvh, cap, width] -> [hi - lo]."""
     d = digest[:, lo:hi].transpose(1, 2).float()  # [kvh, width, m]
     if quest:
         qq = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)  # [kvh, R, 2*hd]
@@ -65,14 +65,14 @@ def test_extreme_logits_keep_the_softmax_finite():
 @pytest.mark.parametrize("score, digest_tokens", [("centroid", 4), ("quest", 4), ("centroid", 1), ("centroid", 2)])
 def test_store_selection_same_with_and_without_the_compiled_path(dtype, score, digest_tokens):
     """Also with sub-block centroids (digest_tokens < block_tokens): the C path scores every
-    sub-block in one softmax and a block as its best part, as KVStore._scores does."""
+    sub-block in one softmax and a block as its best part, as Selector.scores does."""
     bt, hd = 4, 16
     stores = [make_store(None, num_layers=1, kv_heads=2, head_dim=hd, dtype=dtype, block_tokens=bt,
                          hot_tokens=256 * bt, host_bytes=1 << 22, budget_tokens=24 * bt, sink_tokens=bt,
                          window_tokens=2 * bt, attention="sparse", select_score=score,
                          digest_tokens=digest_tokens) for _ in range(2)]
-    assert stores[0]._cscore, "CPU store with a float32/bf16 digest should take the compiled path"
-    stores[1]._cscore = False  # the torch path
+    assert stores[0].selector.cscore, "CPU store with a float32/bf16 digest should take the compiled path"
+    stores[1].selector.cscore = False  # the torch path
     g = torch.Generator().manual_seed(1)
     seqs = [st.add_sequence() for st in stores]
     k = torch.randn(2, 200 * bt + 1, hd, generator=g).to(dtype)
@@ -88,7 +88,7 @@ def test_store_selection_same_with_and_without_the_compiled_path(dtype, score, d
 
 def test_fp16_store_keeps_the_torch_path():
     st = make_store(None, attention="sparse")  # fp16 digests: no in-place read in C
-    assert not st._cscore
+    assert not st.selector.cscore
     st.close()
 
 
@@ -124,7 +124,7 @@ def test_top_blocks_ties_go_to_the_lower_index_and_nan_ranks_last():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("score", ["centroid", "quest"])
 def test_scores_match_the_store_torch_path(dtype, score):
-    """Against KVStore._scores itself (the specification), on a real digest table."""
+    """Against Selector.scores itself (the specification), on a real digest table."""
     bt, hd = 4, 16
     st = make_store(None, num_layers=1, kv_heads=2, head_dim=hd, dtype=dtype, block_tokens=bt,
                     hot_tokens=256 * bt, host_bytes=1 << 22, budget_tokens=24 * bt, sink_tokens=bt,
@@ -133,11 +133,11 @@ def test_scores_match_the_store_torch_path(dtype, score):
     seq = st.add_sequence()
     k = torch.randn(2, 100 * bt + 1, hd, generator=g).to(dtype)
     st.append(seq, 0, k, k)
-    t = st._table(seq, 0)
+    t = st.residency.table(seq, 0)
     for ql in (1, 3):
         q = torch.randn(4, ql, hd, generator=g)
-        ref = st._scores(t, q, 1, 97)
-        got = cscore.block_scores(st._query_rows(q), t.digest, 1, 97, score == "quest", hd ** -0.5)
+        ref = st.selector.scores(t, q, 1, 97)
+        got = cscore.block_scores(st.selector.query_rows(q), t.digest, 1, 97, score == "quest", hd ** -0.5)
         torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-6 * float(ref.abs().max()) + 1e-7)
     st.close()
 

@@ -18,7 +18,7 @@ def test_digest_bytes_are_counted_in_l1(score, width, dtype):
     s = st.add_sequence()
     st.append(s, 0, torch.randn(KVH, 37, HD).to(dtype), torch.randn(KVH, 37, HD).to(dtype))  # 9 sealed + 1
     st.append(s, 1, torch.randn(KVH, 8, HD).to(dtype), torch.randn(KVH, 8, HD).to(dtype))    # 1 sealed + 1
-    t = st._tables[s][0]
+    t = st.residency.tables[s][0]
     assert t.digest.dtype == dtype and tuple(t.digest.shape[::2]) == (KVH, width)
     elem = torch.empty((), dtype=dtype).element_size()
     want = (9 + 1) * KVH * width * elem
@@ -37,7 +37,7 @@ def test_centroid_digest_is_the_key_mean():
     s = st.add_sequence()
     k = torch.randn(KVH, 9, HD)
     st.append(s, 0, k, k)
-    t = st._tables[s][0]
+    t = st.residency.tables[s][0]
     assert torch.allclose(t.digest[:, :2], k[:, :8].view(KVH, 2, BT, HD).mean(2))
     st.close()
 
@@ -49,7 +49,7 @@ def test_quest_digest_is_max_then_min():
     k = torch.randn(KVH, 9, HD).half()
     st.append(s, 0, k, k)
     blocks = k[:, :8].view(KVH, 2, BT, HD)
-    t = st._tables[s][0]
+    t = st.residency.tables[s][0]
     assert torch.equal(t.digest[:, :2, :HD], blocks.amax(2))
     assert torch.equal(t.digest[:, :2, HD:], blocks.amin(2))
     st.close()
@@ -59,7 +59,7 @@ def test_dense_mode_keeps_no_digests_and_select_names_attention():
     st = make_store(None, num_layers=1, block_tokens=BT, hot_tokens=64, attention="dense")
     s = st.add_sequence()
     st.append(s, 0, torch.randn(KVH, 40, HD).half(), torch.randn(KVH, 40, HD).half())
-    assert st._tables[s][0].digest is None
+    assert st.residency.tables[s][0].digest is None
     stats = st.stats()
     assert stats["digest_bytes"] == 0 and stats["bytes"]["l1"] == stats["copies"]["l1"] * st.slot_bytes
     with pytest.raises(ValueError, match="attention"):
@@ -73,7 +73,7 @@ def test_sub_block_centroids_are_the_sub_block_means_and_counted():
     s = st.add_sequence()
     k = torch.randn(KVH, 9, HD)
     st.append(s, 0, k, k)
-    t = st._tables[s][0]
+    t = st.residency.tables[s][0]
     subs = k[:, :8].view(KVH, 2, 2, BT // 2, HD).mean(3)  # [kv_heads, block, sub-block, hd]
     assert torch.allclose(t.digest[:, :2], subs.reshape(KVH, 2, 2 * HD))
     assert st.stats()["digest_bytes"] == 2 * KVH * 2 * HD * 4

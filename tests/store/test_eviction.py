@@ -5,7 +5,7 @@ from .conftest import check_invariants, make_store
 
 
 def resident(st, s, layer=0):
-    return [e.idx for e in st._tables[s][layer].entries if e.slot is not None]
+    return [e.idx for e in st.residency.tables[s][layer].entries if e.slot is not None]
 
 
 def test_watermarks_and_exact_victims_sink_window():
@@ -17,7 +17,7 @@ def test_watermarks_and_exact_victims_sink_window():
     seen_max = 0
     for i in range(7 * 4 + 1):  # blocks 0..6 sealed, 7 open: 8 resident at the last step
         st.append(s, 0, tok * i, tok * i)
-        t = st._tables[s][0]
+        t = st.residency.tables[s][0]
         seen_max = max(seen_max, t.resident)
         if i < 7 * 4:
             st.end_step()
@@ -64,7 +64,7 @@ def test_h2o_keeps_blocks_with_most_mass():
     st.flush()
     # accumulated: 0:.1 1:5 2:.2 3:3 4:1.05 5:.3 (6 is the window, 7 open); 4 leave: 0, 2, 5, 4
     assert resident(st, s) == [1, 3, 6, 7]
-    assert abs(st._tables[s][0].entries[7].mass - 9.9) < 1e-5
+    assert abs(st.residency.tables[s][0].entries[7].mass - 9.9) < 1e-5
     check_invariants(st)
     st.close()
 

@@ -18,7 +18,7 @@ def check_view(st, ref, s, layer, blocks, K, V, pos, order):
     """Rows of K/V are the tokens ``pos`` names; ``order`` names the block of every bt rows; the
     content equals the copying gather's, block by block."""
     bt = st.block_tokens
-    ns = st._tables[s][layer].n_sealed
+    ns = st.residency.tables[s][layer].n_sealed
     assert sorted(order[:-1]) == sorted(blocks) and order[-1] == ns
     assert torch.equal(pos, (torch.tensor(order)[:, None] * bt + torch.arange(bt)).view(-1)[: pos.numel()])
     rk, rv = ref.kv(s, layer)
@@ -69,7 +69,7 @@ def test_view_equals_copying_gather_across_changing_selections(tmp_path, policy,
                 k, v = chunk(rng, dtype, (1, 1, 1, 2, 5))
                 st.append(s, layer, k, v)
                 ref.add(s, layer, k, v)
-                ns = st._tables[s][layer].n_sealed
+                ns = st.residency.tables[s][layer].n_sealed
                 old = [b for b in sels.get((s, layer), []) if b < ns]
                 r = rng.random()
                 if r < 0.6:  # persistent selection, one block swapped now and then
@@ -83,10 +83,10 @@ def test_view_equals_copying_gather_across_changing_selections(tmp_path, policy,
                 sel = list(dict.fromkeys(sel))[: st.hot_blocks - 1]
                 rng.shuffle(sel)
                 sels[(s, layer)] = sel
-                before = st.c["gather_views"]
+                before = st.counters["gather_views"]
                 K, V, pos, order = st.gather_view(s, layer, sel)
                 calls += 1
-                if st.c["gather_views"] > before:
+                if st.counters["gather_views"] > before:
                     views += 1
                     assert aliases_l1(st, K) and aliases_l1(st, V)
                 check_view(st, ref, s, layer, sel, K, V, pos, order)
@@ -112,9 +112,9 @@ def test_steady_selection_moves_nothing_and_returns_the_same_views():
     st, s, ref = filled(30, num_layers=1, block_tokens=4, hot_tokens=32, budget_tokens=32,
                         attention="sparse", policy="lru", high_watermark=1.0, low_watermark=0.9)
     K1, _, _, order1 = st.gather_view(s, 0, [5, 1, 3])
-    moved = st.c["region_moves"]
+    moved = st.counters["region_moves"]
     K2, V2, pos2, order2 = st.gather_view(s, 0, [3, 5, 1])  # the same blocks, another order
-    assert st.c["region_moves"] == moved and order2 == order1
+    assert st.counters["region_moves"] == moved and order2 == order1
     assert K2.data_ptr() == K1.data_ptr() and aliases_l1(st, K2)
     check_view(st, ref, s, 0, [1, 3, 5], K2, V2, pos2, order2)
     # one more token lands in the open block: the view grows by one row, nothing moves
@@ -122,7 +122,7 @@ def test_steady_selection_moves_nothing_and_returns_the_same_views():
     st.append(s, 0, k, v)
     ref.add(s, 0, k, v)
     K3, V3, pos3, order3 = st.gather_view(s, 0, [1, 3, 5])
-    assert st.c["region_moves"] == moved and K3.shape[1] == K2.shape[1] + 1
+    assert st.counters["region_moves"] == moved and K3.shape[1] == K2.shape[1] + 1
     check_view(st, ref, s, 0, [1, 3, 5], K3, V3, pos3, order3)
     st.close()
 
@@ -132,7 +132,7 @@ def test_open_block_moves_and_appends_follow_it():
     # 4 sealed + open with 2
     st, s, ref = filled(18, num_layers=1, block_tokens=4, hot_tokens=32, budget_tokens=32,
                         attention="sparse", policy="lru", high_watermark=1.0, low_watermark=0.9)
-    t = st._tables[s][0]
+    t = st.residency.tables[s][0]
     for sel in ([], [0, 1, 2], [2], [3, 0, 1, 2], [1]):
         K, V, pos, order = st.gather_view(s, 0, sel)
         check_view(st, ref, s, 0, sel, K, V, pos, order)
@@ -151,12 +151,12 @@ def test_full_region_without_free_position_swaps():
     # 3 sealed + open: region full
     st, s, ref = filled(14, num_layers=1, block_tokens=4, hot_tokens=16, budget_tokens=16,
                         attention="sparse", policy="lru", high_watermark=1.0, low_watermark=0.9)
-    t = st._tables[s][0]
+    t = st.residency.tables[s][0]
     assert t.resident == t.cap == 4
     for sel in ([0, 1], [2, 1], [0], [2, 0, 1], [1, 2]):
         K, V, pos, order = st.gather_view(s, 0, sel)
         check_view(st, ref, s, 0, sel, K, V, pos, order)
-    assert st.c["gather_copies"] == 0
+    assert st.counters["gather_copies"] == 0
     check_invariants(st)
     st.close()
 
@@ -169,7 +169,7 @@ def test_observe_gets_mass_in_the_view_order():
     st.gather_view(s, 0, [0, 1, 2, 3])
     _, _, _, order = st.gather_view(s, 0, [5, 1, 3])  # 5 replaces 0 and 2 in the run
     st.observe(s, 0, order, torch.tensor([float(b) + 0.5 for b in order]))
-    t = st._tables[s][0]
+    t = st.residency.tables[s][0]
     for b in order:
         assert t.entries[b].mass == pytest.approx(b + 0.5)
     assert t.entries[0].mass == 0 and t.entries[2].mass == 0
@@ -183,12 +183,12 @@ def test_scratch_slot_falls_back_to_a_copy(tmp_path):
     st, s, ref = filled(22, tmp_path, num_layers=1, block_tokens=4, hot_tokens=16, budget_tokens=16,
                         attention="sparse", policy="lru", high_watermark=1.0, low_watermark=0.9)
     st.flush()
-    t = st._tables[s][0]
+    t = st.residency.tables[s][0]
     gone = [e.idx for e in t.entries[:-1] if e.slot is None]
     assert gone and t.resident == t.cap
     sel = [gone[0], next(e.idx for e in t.entries[:-1] if e.slot is not None)]
     K, V, pos, order = st.gather_view(s, 0, sel)
-    assert st.c["scratch_uses"] == 1 and st.c["gather_copies"] == 1 and not aliases_l1(st, K)
+    assert st.counters["scratch_uses"] == 1 and st.counters["gather_copies"] == 1 and not aliases_l1(st, K)
     check_view(st, ref, s, 0, sel, K, V, pos, order)
     check_invariants(st)
     st.close()
@@ -211,7 +211,7 @@ def test_pending_block_is_never_moved_while_the_worker_reads_it(tmp_path):
         st.append(s, 0, k, v)
         ref.add(s, 0, k, v)
         st.end_step()  # victims to the (slow) worker
-        t = st._tables[s][0]
+        t = st.residency.tables[s][0]
         ns = t.n_sealed
         if ns == 0:
             continue
@@ -227,11 +227,11 @@ def test_pending_block_is_never_moved_while_the_worker_reads_it(tmp_path):
     check_invariants(st)
     st.flush()
     # every block's copy below L1 holds its own tokens
-    t = st._tables[s][0]
+    t = st.residency.tables[s][0]
     rk, rv = ref.kv(s, 0)
     for e in t.entries[:-1]:
         if e.l2:
-            d = st._load(e)
+            d = st.lower.load(e)
             assert torch.equal(d[0], rk[:, e.idx * 4:(e.idx + 1) * 4]), f"block {e.idx} written wrong"
     K, V = st.gather(s, 0)
     assert torch.equal(K, rk) and torch.equal(V, rv)
@@ -281,16 +281,16 @@ def test_sequences_on_threads_with_views(tmp_path):
 def test_regions_are_disjoint_and_reused_after_drop():
     st = make_store(num_layers=3, block_tokens=4, hot_tokens=16, max_sequences=2, attention="sparse")
     a, b = st.add_sequence(), st.add_sequence()
-    bases = sorted(t.base for s in (a, b) for t in st._tables[s])
+    bases = sorted(t.base for s in (a, b) for t in st.residency.tables[s])
     assert bases == [i * st.hot_blocks for i in range(6)]
-    freed = sorted(t.base for t in st._tables[a])
+    freed = sorted(t.base for t in st.residency.tables[a])
     st.drop_sequence(a)
     c = st.add_sequence()
-    assert sorted(t.base for t in st._tables[c]) == freed
+    assert sorted(t.base for t in st.residency.tables[c]) == freed
     for s in (b, c):
         for layer in range(3):
             st.append(s, layer, torch.randn(2, 9, 8).half(), torch.randn(2, 9, 8).half())
-            t = st._tables[s][layer]
+            t = st.residency.tables[s][layer]
             assert all(t.base <= e.slot < t.base + t.cap for e in t.entries if e.slot is not None)
     check_invariants(st)
     st.close()
@@ -318,7 +318,7 @@ def test_swapped_in_block_lands_inside_the_run(tmp_path):
                         attention="sparse", policy="lru")
     st.end_step()
     st.flush()
-    t = st._tables[s][0]
+    t = st.residency.tables[s][0]
     # what end_step left: [b6][open b7][ ][ ][b4][b5], blocks 0-3 below L1
     assert [e.idx if e else None for e in t.at] == [6, 7, None, None, 4, 5]
     K, V, pos, order = st.gather_view(s, 0, [4, 0])
@@ -333,27 +333,28 @@ def test_swapped_in_block_lands_inside_the_run(tmp_path):
 
 @pytest.mark.parametrize("method", ["gather_view", "gather_blocks"])
 def test_block_freed_by_another_thread_during_a_swap_in(tmp_path, method):
-    """Another thread's end_step frees a (clean) selected block while this gather swaps in
-    another one, whose install then takes the freed region slot: the gather notices and reads
-    the freed block again instead of returning the newcomer's data twice."""
+    """Another thread's end_step evicts while this gather swaps a block in: the (clean) selected
+    block already counted as a hit stays pinned in L1, so the install cannot take its region
+    slot and the gather never returns the newcomer's data twice."""
     st, s, ref = filled(30, tmp_path, num_layers=1, block_tokens=4, hot_tokens=24, budget_tokens=24,
                         attention="sparse", policy="lru")
     st.end_step()
     st.flush()
     st.gather_view(s, 0, [0, 1])  # 0 and 1 back in L1, clean (their copies stay in L2)
-    t = st._tables[s][0]
+    t = st.residency.table(s, 0)
     assert t.entries[0].slot is not None and t.entries[0].clean and t.entries[2].slot is None
-    fetch = st._fetch
+    fetch = st.prefetcher.fetch
     fired = []
 
     def fetch_racing(e):
         if not fired:
             fired.append(e.idx)
-            with st._lock:  # what a concurrent end_step does to a clean victim
-                st._free_clean(t, t.entries[0])
+            # what a concurrent end_step does: evict every clean block it may, block 0 first (lru)
+            st.residency.free_clean_victims(t, t.resident, frozenset(), force=True)
+            assert t.entries[0].slot is not None, "a pinned block was evicted during a read"
         return fetch(e)
 
-    st._fetch = fetch_racing
+    st.prefetcher.fetch = fetch_racing
     out = getattr(st, method)(s, 0, [0, 2])
     K, V, pos = out[:3]
     assert fired == [2]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvtier.store.prefix import (HASH_BYTES, block_key, chained_block_hashes, chained_block_keys,
-                                 full_blocks, model_fingerprint_key)
+                                 model_fingerprint_key)
 
 FP = model_fingerprint_key("llama-0123456789abcdef", "int4", 16,
                            codec_params={"group_size": 32}, dtype=torch.float16)
@@ -84,7 +84,7 @@ def test_partial_tail_block_gets_no_key():
     assert chained_block_keys(ids(15), 16, 2, FP) == []
     assert chained_block_keys([], 16, 2, FP) == []
     assert len(chained_block_keys(ids(47), 16, 2, FP)) == 2
-    assert full_blocks(47, 16) == 2 and full_blocks(0, 16) == 0 and full_blocks(48, 16) == 3
+    assert len(chained_block_hashes(ids(48), 16, FP)) == 3
 
 
 def test_continuing_a_chain_with_parent_matches_whole():
@@ -122,7 +122,6 @@ def test_stable_across_processes():
     (lambda: chained_block_keys([-1] * 16, 16, 2, FP), "token_ids"),
     (lambda: chained_block_hashes(ids(32), 16, FP, parent="abc"), "parent"),
     (lambda: block_key(FP, -1, "00"), "layer"),
-    (lambda: full_blocks(-1, 16), "n_tokens"),
 ])
 def test_bad_input_names_the_field(call, field):
     with pytest.raises(ValueError, match=field):

@@ -117,7 +117,7 @@ def test_shared_prefix_stored_once(tmp_path, how):
     check_invariants(store)
     s = store.stats()
     assert s["bytes"] == {"l1": 0, "l2": 0, "l3": 0}
-    assert len(store.l2) == 0 and len(store.l3) == 0 and not store._recs
+    assert len(store.l2) == 0 and len(store.l3) == 0 and not store.residency.copies
     assert store.match_prefix(PREFIX_IDS) == 0
     store.close()
 
@@ -171,7 +171,7 @@ def test_tokens_noted_after_append_and_without_ids(tmp_path):
     store.end_step()
     store.flush()
     check_invariants(store)
-    assert all(not r.content for r in store._recs.values() if r.key.startswith(f"{plain}/"))
+    assert all(not r.content for r in store.residency.copies.values() if r.key.startswith(f"{plain}/"))
     assert_reads(store, plain, PREFIX_KV)
     store.close()
 
@@ -304,8 +304,8 @@ def test_spill_partial_failure_accounting(tmp_path):
             store.end_step()
             store.flush()
     assert store.l2.stats()["spill_errors"] > 0
-    with store._lock:
-        recs = list(store._recs.values())
+    with store.residency.lock:
+        recs = list(store.residency.copies.values())
     assert {r.key for r in recs if r.l2} == set(store.l2.keys())
     assert {r.key for r in recs if r.l3} == set(store.l3.keys())
     s = store.stats()
@@ -397,8 +397,24 @@ def test_match_prefix_asks_redis_once(redis_server):
     assert reader.match_prefix(PREFIX_IDS) == PREFIX
     assert len(trips) == 1  # PREFIX // BT * L = 128 keys
     # drop layer 1 of block 10 from the server: the match stops at that block
-    _, hashes = reader._prefix_keys(PREFIX_IDS)
-    assert writer.l4.delete(reader._content_key(1, hashes[10]))
+    _, hashes = reader.content.prefix_hashes(PREFIX_IDS)
+    assert writer.l4.delete(reader.content.key(1, hashes[10]))
     assert reader.match_prefix(PREFIX_IDS) == 10 * BT
     writer.close()
     reader.close()
+
+
+def test_adopting_an_l3_record_does_not_read_it(tmp_path):
+    """A block sealed with a key L3 already holds adopts the record by its size from the disk
+    index (Tier.value_size): no record is read or CRC-checked for it."""
+    store = make(tmp_path)
+    a = fill(store, PREFIX_IDS, PREFIX_KV)
+    store.flush()
+    store.drop_sequence(a, keep_prefix=True)
+    gets = store.l3.stats()["gets"]
+    b = fill(store, PREFIX_IDS, PREFIX_KV)
+    assert store.stats()["prefix"]["adopted_l3"] == (PREFIX // BT - 1) * L
+    assert store.l3.stats()["gets"] == gets
+    assert_reads(store, b, PREFIX_KV)
+    check_invariants(store)
+    store.close()

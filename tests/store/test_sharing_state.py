@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from .conftest import check_invariants, make_store
+from .conftest import make_store
 
 LAYERS, KVH, HD = 2, 2, 8
 BASE = [random.Random(5).randrange(2) for _ in range(160)]  # the common "system prompt"
@@ -99,18 +99,12 @@ class SharingMachine(RuleBasedStateMachine):
         if not hasattr(self, "store"):
             return
         store = self.store
-        store.flush()
-        # reference counts: exactly the live entries holding each record
-        holders: dict[int, int] = {}
-        for seq in store.sequences():
-            for t in store._tables[seq]:
-                for e in t.entries:
-                    holders[id(e.rec)] = holders.get(id(e.rec), 0) + 1
-        for key, rec in store._recs.items():
-            assert rec.key == key and rec.refs == holders.get(id(rec), 0) > 0, rec
+        # reference counts (exactly the live entries holding each record), L3 holding the live
+        # records plus unreferenced content records (kept by drops), one home per block
+        store.check_invariants()
         if store.l3 is not None:
-            # L3 holds the live records, plus unreferenced content records (kept by drops)
-            live3 = {k for k, r in store._recs.items() if r.l3}
+            # the unreferenced records left in L3 are this model's content records
+            live3 = {k for k, r in store.residency.copies.items() if r.l3}
             extra = set(store.l3.keys()) - live3
             assert all(k.startswith(store.content_fp) for k in extra), extra
         for s, ids in self.ids.items():

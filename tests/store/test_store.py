@@ -105,7 +105,7 @@ def test_sparse_miss_swaps_in_from_any_tier(tmp_path):
         st.append(s, 0, k[:, i:i + 1], k[:, i:i + 1])
         st.end_step()
     st.flush()
-    e = st._tables[s][0].entries[2]
+    e = st.residency.tables[s][0].entries[2]
     assert e.slot is None and e.l3 and not e.l2
     q = torch.zeros(2, 1, 8)
     q[:, :, 5] = 1.0
@@ -188,7 +188,7 @@ def test_orders_expected_bytes_per_tier_with_lossy_codec(tmp_path, order, stage,
     bs = ByteStage(stage, st.cfg.lz4_min_saving)
     host = "int8" if order == "compress-then-tier" else "fp16"
     exp = {"l2": 0, "l3": 0}
-    ents = st._tables[s][0].entries
+    ents = st.residency.tables[s][0].entries
     for e in ents[:-1]:
         if e.l2:
             r = rec(host, e.idx)[0]
@@ -201,7 +201,7 @@ def test_orders_expected_bytes_per_tier_with_lossy_codec(tmp_path, order, stage,
     assert comp["byte_stage"] == stage and comp["byte_stage_l2"] == stage_l2
     assert (comp["lz4_ratio"] is None) == (stage != "lz4")
     assert stats["bytes"]["l2"] == exp["l2"] and stats["bytes"]["l3"] == exp["l3"]
-    assert stats["bytes"]["l1"] == st._tables[s][0].resident * st.slot_bytes
+    assert stats["bytes"]["l1"] == st.residency.tables[s][0].resident * st.slot_bytes
     # values: each block reads back as its home tier's codec round trip
     K, V = st.gather(s, 0)
     for e in ents[:-1]:
@@ -312,17 +312,17 @@ def test_wrong_prefetches_are_throttled(tmp_path):
     st.append(s, 0, torch.randn(2, 400, 8).half(), torch.randn(2, 400, 8).half())
     st.end_step()
     st.flush()
-    t = st._tables[s][0]
+    t = st.residency.tables[s][0]
     cold = [e.idx for e in t.entries[:-1] if e.slot is None]
     assert len(cold) > 90
     for b in cold:  # every prefetch is pushed out unused by the next ones
-        st._prefetch(t, [b], "next_layer")
+        st.prefetcher.prefetch(t, [b], "next_layer")
     by = st.stats()["prefetch"]["by_source"]["next_layer"]
     assert by["throttled"] > 0 and by["precision"] == 0.0
     assert by["issued"] < len(cold) - by["throttled"] // 2
     # a predictor that is right keeps issuing
     for b in cold[:40]:
-        st._prefetch(t, [b], "temporal")
+        st.prefetcher.prefetch(t, [b], "temporal")
         K, _, pos = st.gather_blocks(s, 0, [b])
         assert pos[0].item() == b * 4
     by = st.stats()["prefetch"]["by_source"]["temporal"]
@@ -345,12 +345,12 @@ def test_export_blocks_reuses_stored_records(tmp_path, stage):
     kc = get_codec("int4", group_size=32, axis="channel")
     vc = get_codec("int4", group_size=32, axis="token")
     encoded = []
-    orig = st._encode
-    st._encode = lambda block, tier: encoded.append(tier) or orig(block, tier)
+    orig = st.io.encode
+    st.io.encode = lambda block, tier: encoded.append(tier) or orig(block, tier)
     recs, tail = st.export_blocks(s, 0)
-    st._encode = orig
+    st.io.encode = orig
     assert len(recs) == 20 and torch.equal(tail, torch.stack((k[:, 20 * bt:], v[:, 20 * bt:])))
-    ents = st._tables[s][0].entries
+    ents = st.residency.tables[s][0].entries
     homes = {"l1": 0, "below": 0}
     for e, rec in zip(ents, recs):
         sl = slice(e.idx * bt, (e.idx + 1) * bt)

@@ -68,6 +68,18 @@ def test_batched_variants(tier):
     assert sorted(tier.keys()) == [f"k{i}" for i in range(2, 8)]
 
 
+def test_value_size_is_the_stored_length(tier):
+    """value_size: the length of the value under a key (None when absent); tiers that override
+    the reading default answer from their index, without a get."""
+    assert tier.put("a", b"abc") and tier.put("e", b"")
+    gets = tier.stats()["gets"]
+    assert tier.value_size("a") == 3 and tier.value_size("e") == 0 and tier.value_size("nope") is None
+    assert tier.value_sizes(["a", "nope", "e"]) == [3, None, 0]
+    assert tier.put("a", b"x" * 10) and tier.value_size("a") == 10
+    if type(tier).value_size is not Tier.value_size:
+        assert tier.stats()["gets"] == gets
+
+
 @pytest.mark.parametrize("key", BAD_KEYS, ids=repr)
 def test_bad_keys_raise_value_error(tier, key):
     for call in (lambda: tier.put(key, b"x"), lambda: tier.get(key), lambda: tier.contains(key),

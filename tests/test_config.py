@@ -77,7 +77,7 @@ def test_prefetch_auto_is_off_on_a_cpu_store_and_can_be_forced():
     for pf, on in (("auto", False), (True, True), (False, False)):
         st = KVStore(KVTierConfig(block_tokens=4, hot_tokens=16, prefetch=pf), num_layers=1, kv_heads=1,
                      head_dim=4, device="cpu")
-        assert st.prefetch is on and (st._pf_pool is not None) is on
+        assert st.prefetch is on and st.prefetcher.enabled is on
         pf = json.loads(json.dumps(st.stats()))["prefetch"]
         assert pf["enabled"] is on
         if not on:

@@ -1,0 +1,178 @@
+"""The content index: content-addressed block keys, prefix sharing across sequences and
+processes, and export of stored records.
+
+A sealed block whose token ids are known gets the key ``content_fp/layer/chained hash``
+(``prefix.py``, pure hashing): blocks with the same prefix share one record (reference counted),
+an L3 copy left by an earlier process is adopted, and a new record is written through.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .blockio import BlockIO
+from .layout import Layout
+from .lower import LowerTiers
+from .prefix import _token_bytes, block_key, chained_block_hashes, chained_block_keys
+from .residency import Residency
+from .stats import Counters
+from .table import BlockEntry, BlockTable
+from .writethrough import WriteThrough
+
+
+class ContentIndex:
+    def __init__(self, layout: Layout, content_fp: str | None, res: Residency, io: BlockIO,
+                 lower: LowerTiers, counters: Counters, publisher: WriteThrough | None) -> None:
+        self.layout = layout
+        self.content_fp = content_fp
+        self.res = res
+        self.io = io
+        self.lower = lower
+        self.counters = counters
+        self.publisher = publisher
+        self._tokens: dict[int, _SeqTokens] = {}  # token ids noted per sequence (state lock)
+
+    def key(self, layer: int, block_hash: str) -> str:
+        return block_key(self.content_fp, layer, block_hash)
+
+    # -- token ids -----------------------------------------------------------------------------
+
+    def note_tokens(self, seq: int, token_ids) -> None:
+        """Hash the full blocks of ``token_ids`` (the next tokens of ``seq``); blocks sealed
+        before their ids arrived get their content keys now."""
+        ids = _token_bytes(token_ids)
+        with self.res.lock:
+            st = self._tokens.setdefault(seq, _SeqTokens())
+        # hashed outside the lock: a sequence's token ids are noted by its own caller only
+        before = len(st.hashes)
+        st.add(ids, self.layout.block_tokens, self.content_fp)
+        after = len(st.hashes)
+        if after > before:
+            for t in self.res.tables_of(seq):
+                for e in t.entries[before:min(after, t.n_sealed)]:
+                    self.assign(t, e)
+
+    def tokens_noted(self, seq: int) -> int:
+        with self.res.lock:
+            st = self._tokens.get(seq)
+            return st.count if st is not None else 0
+
+    def forget(self, seq: int) -> None:
+        with self.res.lock:
+            self._tokens.pop(seq, None)
+
+    def _hash_of(self, t: BlockTable, e: BlockEntry) -> str | None:
+        with self.res.lock:
+            st = self._tokens.get(t.seq)
+            return st.hashes[e.idx] if st is not None and e.idx < len(st.hashes) else None
+
+    def assign(self, t: BlockTable, e: BlockEntry) -> None:
+        """Give sealed entry ``e`` its content-addressed record if its token ids are known: join
+        the existing record (dedup, refcount + 1) or create one, adopting an L3 copy left by an
+        earlier process; a new record is queued for write-through to L3/L4."""
+        h = self._hash_of(t, e)
+        if h is None or not self.res.may_get_content(e):
+            return
+        key = self.key(t.layer, h)
+        adopt = None
+        if self.res.record_of(key) is None:
+            adopt = self.lower.l3_size(key)
+        rec, data = self.res.join_content(e, key, adopt)
+        if data is not None:
+            self.publisher.submit(rec, data)
+
+    # -- prefixes ------------------------------------------------------------------------------
+
+    def prefix_hashes(self, token_ids) -> tuple[np.ndarray, list[str]]:
+        ids = _token_bytes(token_ids)
+        if self.content_fp is None:
+            return ids, []
+        return ids, chained_block_hashes(ids, self.layout.block_tokens, self.content_fp)
+
+    def match_prefix(self, token_ids) -> int:
+        """Leading tokens of ``token_ids`` available in some tier, in whole blocks (KVStore)."""
+        ids = _token_bytes(token_ids)
+        keys = [] if self.content_fp is None else \
+            chained_block_keys(ids, self.layout.block_tokens, self.layout.num_layers, self.content_fp)
+        n = 0
+        while n < len(keys) and all(self._available_locally(k) for k in keys[n]):
+            n += 1
+        if n < len(keys) and self.lower.l4 is not None:
+            # the rest: one round trip for every key no local tier has, up to the first block
+            # that lacks one everywhere
+            missing = [[k for k in block if not self._available_locally(k)] for block in keys[n:]]
+            found = iter(self.lower.l4.contains_many([k for block in missing for k in block]))
+            for block in missing:
+                if not all([next(found) for _ in block]):  # consume this block's answers in full
+                    break
+                n += 1
+        self.count_lookup(ids.size, n * self.layout.block_tokens)
+        return n * self.layout.block_tokens
+
+    def count_lookup(self, tokens: int, hit_tokens: int, attached: bool = False) -> None:
+        self.counters.add(prefix_lookups=1, prefix_lookup_tokens=int(tokens), prefix_hit_tokens=hit_tokens,
+                          prefill_tokens_saved=hit_tokens if attached else 0)
+
+    def _available_locally(self, key: str) -> bool:
+        # an entry always has a copy somewhere (its home)
+        return self.res.available(key) or self.lower.l3_holds(key)
+
+    def read_blocks(self, block_hash: str) -> list[torch.Tensor] | None:
+        """Decoded [2, kv_heads, block_tokens, head_dim] blocks of ``block_hash``, one per layer,
+        from the nearest tier holding each, L4 last in one batch; None as soon as one is missing."""
+        keys = [self.key(layer, block_hash) for layer in range(self.layout.num_layers)]
+        out: list[torch.Tensor | None] = []
+        for key in keys:
+            out.append(self._read_local(key))
+            if out[-1] is None and self.lower.l4 is None:
+                return None
+        missing = [i for i, d in enumerate(out) if d is None]
+        if missing:
+            got = self.lower.read_l4([keys[i] for i in missing])
+            if got is None:
+                return None
+            for i, d in zip(missing, got):
+                out[i] = d
+        return out
+
+    def _read_local(self, key: str) -> torch.Tensor | None:
+        rec, data = self.res.resident_copy(key)
+        if data is not None:
+            return data
+        if rec is not None:
+            data = self.lower.read_copies(rec, self.layout.device)
+            if data is not None:
+                return data
+        return self.lower.read_l3(key)
+
+    # -- export --------------------------------------------------------------------------------
+
+    def export_record(self, e: BlockEntry) -> bytes:
+        """The disk-codec record of sealed ``e``: the stored one if there is one, else encoded."""
+        l2, l3, key, data = self.res.export_state(e)
+        raw = self.lower.stored_record(key, l2, l3)
+        if raw is not None:
+            return raw
+        if data is None:
+            data = self.lower.load(e)  # [2, kv_heads, block_tokens, head_dim]
+        return self.io.encode(data.to("cpu"), "l3")
+
+
+class _SeqTokens:
+    """Token ids noted for one sequence: the chained hash of every full block, and the tail."""
+
+    __slots__ = ("hashes", "tail", "count")
+
+    def __init__(self) -> None:
+        self.hashes: list[str] = []
+        self.tail = np.empty(0, dtype="<i8")
+        self.count = 0
+
+    def add(self, ids: np.ndarray, block_tokens: int, fp: str) -> None:
+        tail = np.concatenate((self.tail, ids)) if self.tail.size else ids
+        n_full = tail.size // block_tokens
+        if n_full:
+            self.hashes += chained_block_hashes(tail[:n_full * block_tokens], block_tokens, fp,
+                                                parent=self.hashes[-1] if self.hashes else None)
+        self.tail = tail[n_full * block_tokens:].copy()
+        self.count += int(ids.size)

@@ -1,0 +1,116 @@
+"""Eviction: watermark victims at the step boundary, room for a new block, and the swap-out worker.
+
+Victims are chosen by the policy and marked by ``Residency``; dirty ones are encoded (host codec,
+byte stage if ``byte_stage_l2``) and put to L2 by the worker thread, off the decode path. The
+decode path waits for the worker only when a table's L1 region is truly full.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .blockio import BlockIO
+from .blockrecord import pack_block
+from .layout import Layout
+from .lower import LowerTiers
+from .residency import Residency
+from .stats import Counters
+from .swap import SwapOutWorker
+from .table import BlockTable
+
+
+class Evictor:
+    def __init__(self, layout: Layout, res: Residency, io: BlockIO, lower: LowerTiers,
+                 counters: Counters, batch_blocks: int) -> None:
+        self.layout = layout
+        self.res = res
+        self.io = io
+        self.lower = lower
+        self.counters = counters
+        self.l1 = res.l1
+        self._side = torch.cuda.Stream(device=layout.device) if layout.cuda else None
+        self.worker = SwapOutWorker(self._swap_out_batch, batch_blocks)
+
+    def end_step(self) -> None:
+        """Evict every touched table over the high watermark down to the low one (asynchronously)."""
+        self.worker.submit(self.res.watermark_victims())
+
+    def make_room(self, t: BlockTable, need: int, exclude=frozenset()) -> None:
+        """Ensure ``need`` more blocks of ``t`` fit in L1. Waits only when L1 is truly full."""
+        hot = self.layout.hot_blocks
+        while t.resident + need > hot:
+            over = t.resident + need - hot
+            self.res.free_clean_victims(t, over, exclude)
+            if t.resident + need <= hot:
+                return
+            self.counters.add(sync_evictions=1)
+            if t.pending:
+                self.worker.drain()
+                continue
+            items = self.res.mark_victims(t, max(over, t.resident - t.pending - self.layout.low),
+                                          exclude, force=True)
+            self.worker.submit(items)
+            if not items:
+                if t.resident + need <= hot:
+                    return  # the victims were clean: freed at once
+                raise AssertionError(f"L1 full for {t.seq}/{t.layer} with nothing evictable")
+            before = t.resident
+            self.worker.drain()
+            if t.resident >= before:
+                raise RuntimeError(
+                    "kvtier: L1 budget full and L2 refused the blocks (host_bytes full and no L3: "
+                    "raise host_bytes or set disk_path)")
+
+    def drain(self) -> None:
+        self.worker.drain()
+
+    def close(self) -> None:
+        self.worker.close()
+
+    # -- worker thread -------------------------------------------------------------------------
+
+    def _swap_out_batch(self, batch: list) -> None:
+        t0 = time.perf_counter()
+        done = 0
+        try:
+            if self._side is not None:
+                # quantize on the side stream, copy the encodings into pinned host memory
+                # asynchronously, wait once for the whole batch, then frame the records
+                with torch.cuda.stream(self._side):
+                    encs = [self._encode_slot(e) for _, e in batch]
+                    self._side.synchronize()
+            else:
+                encs = [self._encode_slot(e) for _, e in batch]
+            values = [None if enc is None else self.io.l2_record(pack_block(*enc)) for enc in encs]
+            with self.lower.lock:
+                for (t, e), value in zip(batch, values):
+                    self._put_l2(t, e, value)
+                    done += 1
+        finally:
+            self.res.release_pending(batch[done:])
+            if batch:
+                self.counters.sample("swap_out", (time.perf_counter() - t0) / len(batch))
+
+    def _put_l2(self, t: BlockTable, e, value: bytes | None) -> None:
+        """Put one encoded block to L2 and settle its state (tier lock held)."""
+        if value is None:  # dropped meanwhile
+            self.res.swapped_out(t, e, None, clean=False)
+            return
+        # another entry of the same content was copied below meanwhile (shared block, or its
+        # write-through to L3): nothing to write
+        clean = self.res.is_clean(e)
+        if clean or self.lower.l2.put(e.rec.key, value):
+            self.res.swapped_out(t, e, None if clean else len(value), clean)
+        else:
+            self.counters.add(evict_failed=1)
+            self.res.swapped_out(t, e, None, clean=False)
+
+    def _encode_slot(self, e):
+        """(K, V) encodings of a pending block's slot, on the host (pinned, copy in flight on CUDA)."""
+        slot = self.res.pending_slot(e)
+        if slot is None:
+            return None
+        if e.fence is not None:
+            self._side.wait_event(e.fence)
+        return self.io.encode_pair(self.l1.pool[slot], "l2")  # [2, kv_heads, block_tokens, head_dim]

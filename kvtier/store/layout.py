@@ -1,0 +1,113 @@
+"""Every size and codec name a store derives from its config and the model shape, computed once.
+
+The parts of the store read these and never derive them again.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.config import LOSSLESS_CODECS, KVTierConfig, lossless_codec
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The resolved layout of one store (see :meth:`resolve` for the checks)."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    block_tokens: int
+    slot_bytes: int          # one block (K and V) in L1, in the KV dtype
+    hot_blocks: int          # L1 region of one (sequence, layer), in blocks
+    budget_tokens: int       # default tokens a sparse step attends, the open block included
+    sink_blocks: int
+    window_blocks: int
+    high: int                # watermarks, in resident blocks per table
+    low: int
+    host_codec: str          # codec names with a 16-bit full precision one following the dtype
+    disk_codec: str
+    l2_staged: bool          # L2 records go through the byte stage too
+    digest_score: str | None  # what select() ranks by; None: no digests kept (dense attention)
+    digest_parts: int
+    scratch_slots: int       # L1 slots past the regions, for misses while a region is full
+    max_sequences: int
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def transcode(self) -> bool:
+        """L2 and L3 use different codecs: a spill decodes and encodes again."""
+        return self.host_codec != self.disk_codec
+
+    @property
+    def slot_shape(self) -> tuple[int, int, int, int]:
+        return (2, self.kv_heads, self.block_tokens, self.head_dim)  # [2, kv_heads, bt, head_dim]
+
+    @classmethod
+    def resolve(cls, cfg: KVTierConfig, num_layers: int, kv_heads: int, head_dim: int,
+                dtype: torch.dtype, device: torch.device | str | None) -> "Layout":
+        """Check the model shape against ``cfg`` and derive every size; ValueError naming the
+        field on a shape or budget that cannot work."""
+        if not isinstance(cfg, KVTierConfig):
+            raise ValueError(f"cfg must be a KVTierConfig, got {type(cfg).__name__}")
+        for name, v in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an int >= 1; got {v!r}")
+        if cfg.dtype is not None:
+            dtype = DTYPES[cfg.dtype]
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be one of torch.float16, torch.bfloat16, torch.float32; got {dtype}")
+        bt = cfg.block_tokens
+        slot_bytes = 2 * kv_heads * bt * head_dim * torch.empty((), dtype=dtype).element_size()
+        hot = _hot_blocks(cfg, slot_bytes, num_layers)
+        budget = cfg.budget_tokens if cfg.budget_tokens is not None else hot * bt
+        if budget > hot * bt:
+            raise ValueError(f"budget_tokens must be <= the L1 budget ({hot * bt} tokens); got {budget}")
+        sink, window = cfg.sink_window(budget)
+        sink_blocks, window_blocks = -(-sink // bt), -(-window // bt)
+        if sink_blocks + window_blocks + 1 > budget // bt:
+            raise ValueError(f"budget_tokens must be >= sink_tokens + window_tokens + one open block; "
+                             f"got budget {budget} with sink_tokens={sink}, window_tokens={window}, "
+                             f"block_tokens={bt} (L1 budget from hot_bytes: {hot} blocks)")
+        high = min(hot, max(1, math.ceil(cfg.high_watermark * hot)))
+        # A full-precision 16-bit tier codec follows the KV dtype (the config may be built before
+        # the model's dtype is known; fp16 <-> bf16 would not be lossless and the codecs refuse it).
+        lossless16 = lossless_codec(next(name for name, d in DTYPES.items() if d == dtype))
+
+        def follow(name: str) -> str:
+            return lossless16 if name in LOSSLESS_CODECS and dtype != torch.float32 else name
+
+        return cls(
+            num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+            device=torch.device(device if device is not None else "cpu"), block_tokens=bt,
+            slot_bytes=slot_bytes, hot_blocks=hot, budget_tokens=budget, sink_blocks=sink_blocks,
+            window_blocks=window_blocks, high=high,
+            low=min(high, hot - 1, max(0, math.floor(cfg.low_watermark * hot))),
+            host_codec=follow(cfg.host_codec), disk_codec=follow(cfg.disk_codec),
+            l2_staged=cfg.byte_stage_l2 and cfg.byte_stage != "none",
+            digest_score=cfg.select_score if cfg.attention == "sparse" else None,
+            digest_parts=bt // cfg.digest_tokens,
+            # a selection fits in the budget, so one read needs at most hot_blocks - 1 scratch
+            # slots; one read per live sequence may be in flight at a time
+            scratch_slots=max(1, hot - 1) * cfg.max_sequences, max_sequences=cfg.max_sequences,
+        )
+
+
+def _hot_blocks(cfg: KVTierConfig, slot_bytes: int, num_layers: int) -> int:
+    if cfg.hot_bytes is None:
+        return cfg.hot_tokens // cfg.block_tokens
+    per = slot_bytes * num_layers * cfg.max_sequences
+    hot = cfg.hot_bytes // per
+    if hot < 1:
+        raise ValueError(f"hot_bytes must hold at least one block per layer and sequence "
+                         f"(>= {per} bytes for this model and max_sequences); got {cfg.hot_bytes}")
+    return hot

@@ -1,0 +1,229 @@
+"""The tiers below L1: L2 (DRAM ring), L3 (SSD segments), L4 (remote), spill and orphan reclaim.
+
+Owns the tier lock (``lock``): every L2/L3 call runs under it, and it is always taken before the
+state lock (``Residency.lock``). L4 calls are network round trips and take no lock (the remote
+tier guards itself). A block's copy flags are read and its copy fetched in one hold of the tier
+lock, so a spill cannot move the copy in between.
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+
+import torch
+
+from kvtier.config import KVTierConfig
+
+from .blockio import BlockIO
+from .layout import Layout
+from .stats import Counters
+from .table import BlockCopies, BlockEntry
+
+#: Tier keys of content-addressed blocks (``kvtier.store.prefix``): ``m<32 hex>/<layer>/<32 hex>``.
+#: Only these survive a restart; process-local keys (``seq/layer/block``) are wiped on open.
+CONTENT_KEY = re.compile(r"m[0-9a-f]{32}/[0-9]+/[0-9a-f]{32}")
+
+
+class LowerTiers:
+    def __init__(self, cfg: KVTierConfig, layout: Layout, io: BlockIO, counters: Counters) -> None:
+        from kvtier.tiers import HostTier, RemoteTier
+
+        self.lock = threading.Lock()
+        self.layout = layout
+        self.io = io
+        self.counters = counters
+        self.res = None  # the residency part, attached once it exists (it needs L1 first)
+        # L3 first: an unwritable disk_path fails before anything is allocated.
+        self.l3 = open_disk(cfg) if cfg.disk_path is not None else None
+        self.l4 = RemoteTier(cfg.remote_url, key_prefix=cfg.remote_key_prefix) \
+            if cfg.remote_url is not None else None
+        self.l2 = HostTier(cfg.host_bytes, spill=self._spill if self.l3 is not None else None,
+                           pin_memory=layout.cuda)
+
+    # -- swap-in -------------------------------------------------------------------------------
+
+    def load(self, e: BlockEntry, device: torch.device | None = None) -> torch.Tensor:
+        """Read a non-resident block from L2, L3 or L4 and decode it on ``device``."""
+        device = self.layout.device if device is None else device
+        t0 = time.perf_counter()
+        out = self.read_copies(e.rec, device)
+        if out is None:
+            raise AssertionError(f"block {e.key} has no readable copy in any tier ({e}, {e.rec})")
+        self.counters.add(swap_in_blocks=1)
+        self.counters.sample("swap_in", time.perf_counter() - t0)
+        return out
+
+    def read_copies(self, rec: BlockCopies, device: torch.device) -> torch.Tensor | None:
+        """``rec``'s nearest readable copy decoded on ``device``; None when none could be read."""
+        with self.lock:
+            l2, l3, l4, key = self.res.flags(rec)
+            v2 = self.l2.get(key) if l2 else None
+            v3 = self.l3.get(key) if l3 and v2 is None else None
+        for tier, held, value in (("l2", l2, v2), ("l3", l3, v3)):
+            if not held:
+                continue
+            if value is not None:
+                out = self.io.decode_stored(value, tier, device)
+                self.counters.add(**{f"hits_{tier}": 1, f"swap_in_{tier}_bytes": len(value)})
+                return out
+            self.counters.add(**{f"misses_{tier}": 1})
+        if l4:
+            v4 = self.l4.get(key)
+            out = self.io.try_decode_l3(v4)
+            if out is not None:
+                self.counters.add(hits_l4=1, swap_in_l4_bytes=len(v4))
+                return out
+            self.counters.add(misses_l4=1)
+        return None
+
+    def read_l3(self, key: str) -> torch.Tensor | None:
+        """The L3 record under ``key`` decoded on the device (counted); None if absent/corrupt."""
+        if self.l3 is None:
+            return None
+        with self.lock:
+            value = self.l3.get(key)
+        out = self.io.try_decode_l3(value)
+        if out is not None:
+            self.counters.add(hits_l3=1, swap_in_l3_bytes=len(value))
+        return out
+
+    def read_l4(self, keys: list[str]) -> list[torch.Tensor] | None:
+        """The L4 records under ``keys`` (one round trip) decoded on the device; None as soon as
+        one is missing."""
+        t0 = time.perf_counter()
+        out = []
+        for value in self.l4.get_many(keys):
+            d = self.io.try_decode_l3(value)
+            if d is None:
+                self.counters.add(misses_l4=1)
+                return None
+            self.counters.add(hits_l4=1, swap_in_l4_bytes=len(value))
+            out.append(d)
+        self.res.note_l4(keys)
+        self.counters.sample("swap_in", (time.perf_counter() - t0) / len(keys))
+        return out
+
+    def stored_record(self, key: str, l2: bool, l3: bool) -> bytes | None:
+        """The disk-codec block record of ``key`` as stored (L3, or L2 when it uses the disk
+        codec), framing and CRCs checked; None when no such copy is stored."""
+        if l3:
+            with self.lock:
+                value = self.l3.get(key)
+            if value is not None:
+                return self.io.checked_raw(value, staged=True)
+        if l2 and not self.layout.transcode:
+            with self.lock:
+                value = self.l2.get(key)
+            if value is not None:
+                return self.io.checked_raw(value, staged=self.layout.l2_staged)
+        return None
+
+    # -- L3 ------------------------------------------------------------------------------------
+
+    def l3_holds(self, key: str) -> bool:
+        if self.l3 is None:
+            return False
+        with self.lock:
+            return self.l3.contains(key)
+
+    def l3_size(self, key: str) -> int | None:
+        """Bytes of the L3 value under ``key`` (from the index: nothing is read); None if absent."""
+        if self.l3 is None:
+            return None
+        with self.lock:
+            return self.l3.value_size(key)
+
+    def put_l3(self, items: list) -> list[bool]:
+        """``l3.put_many``; when L3 is full, unreferenced content records (left by drops with
+        ``keep_prefix`` or by earlier processes) are reclaimed and the refused puts retried once
+        (tier lock held)."""
+        oks = self.l3.put_many(items)
+        if not all(oks) and self._reclaim_orphans():
+            redo = [i for i, ok in enumerate(oks) if not ok]
+            for i, ok in zip(redo, self.l3.put_many([items[i] for i in redo])):
+                oks[i] = ok
+        return oks
+
+    def _reclaim_orphans(self) -> int:
+        """Delete L3 content records no live block references (tier lock held)."""
+        orphans = [k for k in self.res.unreferenced(self.l3.keys()) if CONTENT_KEY.fullmatch(k)]
+        if orphans:
+            self.l3.delete_many(orphans)
+            self.counters.add(orphans_deleted=len(orphans))
+        return len(orphans)
+
+    def _spill(self, items: list) -> None:
+        """HostTier callback, called under the tier lock: the oldest L2 records go to L3.
+
+        On success the ring drops every record of the batch. If L3 refuses some (full even after
+        reclaiming unreferenced content records) this raises and the ring keeps them all: the
+        ones that did land are then in both tiers, and the accounting says so.
+        """
+        out, already = [], []
+        for key, value in items:
+            rec = self.res.record_of(key)
+            if rec is None:
+                continue  # dropped meanwhile: nothing to keep
+            if rec.l3:
+                already.append(rec)  # written through (content key) or landed in a failed batch
+                continue
+            out.append((key, rec, self.io.spill_record(value)))
+        oks = self.put_l3([(k, p) for k, _, p in out]) if out else []
+        stale = []
+        for (key, rec, packed), ok in zip(out, oks):
+            if ok:
+                if self.res.landed_l3(rec, len(packed), written_through=False):
+                    self.counters.add(swap_out_l3_bytes=len(packed))
+                else:
+                    stale.append(key)
+        if stale:
+            self.l3.delete_many(stale)
+        if not all(oks):
+            raise RuntimeError(f"L3 refused {oks.count(False)} of {len(oks)} spilled blocks (disk_bytes full)")
+        self.res.spilled([r for _, r, _ in out] + already)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def delete(self, l2_keys: list[str], l3_keys: list[str]) -> None:
+        """Delete the copies of records whose last reference went, and recount what is held."""
+        with self.lock:
+            self.l2.delete_many(l2_keys)
+            if self.l3 is not None:
+                self.l3.delete_many(l3_keys)
+            self.res.recount()
+
+    def close(self) -> None:
+        try:
+            if self.l4 is not None:
+                self.l4.close()
+        finally:
+            if self.l3 is not None:
+                self.l3.close()
+            self.l2.close()
+
+
+def open_disk(cfg: KVTierConfig):
+    """The L3 tier at ``cfg.disk_path``, with process-local keys of an earlier store wiped."""
+    from kvtier.tiers import DiskTier
+
+    path = cfg.disk_path
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"disk_path must be a writable directory; cannot create {path!r}: {e}") from e
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"disk_path must be a writable directory; {path!r} is not")
+    try:
+        l3 = DiskTier(path, capacity_bytes=cfg.disk_bytes, segment_bytes=cfg.disk_segment_bytes,
+                      durability=cfg.durability)
+    except PermissionError as e:
+        raise ValueError(f"disk_path must be a writable directory; {path!r}: {e}") from e
+    # Process-local keys name (sequence, layer, block) of an earlier store: they cannot be
+    # addressed again and would only take capacity. Content-addressed records are kept: a
+    # later store of the same model and codecs finds them by key (reuse after restart).
+    stale = [k for k in l3.keys() if not CONTENT_KEY.fullmatch(k)]
+    if stale:
+        l3.delete_many(stale)
+    return l3

@@ -1,0 +1,167 @@
+"""The prefetcher: non-resident blocks a predictor expects decoded in the background.
+
+Predictors (sources): ``temporal`` (what a layer attended last step), ``next_layer`` (adjacent
+layers attend to similar blocks), ``dense_next_layer`` / ``dense_next_step`` (dense reads stream
+layer by layer). Wrong prefetches cost decode work and bandwidth: a source whose precision over
+its last outcomes is below a floor is cut down to one probe in ``_PROBE``. Its lock guards the
+buffer of futures, the predictor state and the outcome statistics; it is never held while waiting.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .lower import LowerTiers
+from .stats import Counters
+from .table import BlockEntry, BlockTable
+
+SOURCES = ("temporal", "next_layer", "dense_next_layer", "dense_next_step")
+_WINDOW = 128          # outcomes (used / wasted) remembered per predictor
+_MIN_PRECISION = 0.25  # below this a predictor only probes ...
+_PROBE = 8             # ... one block in this many
+
+
+class Prefetcher:
+    def __init__(self, lower: LowerTiers, counters: Counters, buffer_blocks: int, enabled: bool) -> None:
+        self.lower = lower
+        self.counters = counters
+        self.enabled = enabled
+        self._buffer_blocks = buffer_blocks
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-prefetch") if enabled else None
+        self._lock = threading.Lock()
+        self._futures: OrderedDict[str, Future] = OrderedDict()  # process-local key -> load
+        self._outcomes = {src: deque(maxlen=_WINDOW) for src in SOURCES}
+        self._skipped = dict.fromkeys(SOURCES, 0)
+        self._by_source = {src: {"issued": 0, "used": 0, "wasted": 0, "throttled": 0} for src in SOURCES}
+        self._last_sel: dict[tuple[int, int], list[int]] = {}
+        self._dense_seqs: set[int] = set()
+
+    # -- what the reads tell it ----------------------------------------------------------------
+
+    def selected(self, tables: list[BlockTable], layer: int, sel: list[int]) -> None:
+        """``select`` chose ``sel`` for ``layer``: remembered for next step, and the next layer's
+        copies of those blocks are fetched now."""
+        if self._pool is None:
+            return
+        with self._lock:
+            self._last_sel[(tables[0].seq, layer)] = sel
+        if layer + 1 < len(tables):
+            self.prefetch(tables[layer + 1], sel, "next_layer")
+
+    def dense_read(self, tables: list[BlockTable], layer: int, n: int) -> None:
+        """A dense read of ``layer``: the next layer's missing blocks decode while it computes."""
+        if self._pool is None:
+            return
+        if layer + 1 < len(tables):
+            self.prefetch(tables[layer + 1], range(n), "dense_next_layer")
+        with self._lock:
+            self._dense_seqs.add(tables[0].seq)
+
+    def end_step(self, tables_of) -> None:
+        """Step boundary: prefetch what each layer attended last step and, for dense sequences,
+        layer 0 again. ``tables_of(seq)``: the tables of a live sequence, None otherwise."""
+        if self._pool is None:
+            return
+        with self._lock:
+            last = list(self._last_sel.items())
+            dense = list(self._dense_seqs)
+            self._dense_seqs.clear()
+        for (seq, layer), sel in last:
+            tables = tables_of(seq)
+            if tables is not None:
+                self.prefetch(tables[layer], sel, "temporal")
+        for seq in dense:
+            tables = tables_of(seq)
+            if tables is not None:
+                self.prefetch(tables[0], range(len(tables[0].entries)), "dense_next_step")
+
+    # -- the buffer ----------------------------------------------------------------------------
+
+    def prefetch(self, t: BlockTable, blocks, src: str) -> None:
+        """Decode the non-resident ``blocks`` of ``t`` in the background (predictor ``src``)."""
+        ents = t.entries
+        n = len(ents) - 1
+        dropped = []
+        with self._lock:
+            for b in blocks:
+                if b >= n:
+                    continue
+                e = ents[b]
+                if e.slot is not None or e.key in self._futures:
+                    continue
+                if not self._allowed(src):
+                    self._by_source[src]["throttled"] += 1
+                    continue
+                while len(self._futures) >= self._buffer_blocks:
+                    dropped.append(self._futures.popitem(last=False)[1])
+                fut = self._pool.submit(self.lower.load, e)
+                fut.kvtier_source = src
+                self._futures[e.key] = fut
+                self._by_source[src]["issued"] += 1
+                self.counters.add(pf_issued=1)
+        for old in dropped:
+            self._discard(old)
+
+    def _allowed(self, src: str) -> bool:
+        """Whether predictor ``src`` may issue now (lock held)."""
+        out = self._outcomes[src]
+        if len(out) < _WINDOW // 2 or sum(out) >= _MIN_PRECISION * len(out):
+            return True
+        self._skipped[src] += 1
+        return self._skipped[src] % _PROBE == 0  # keep measuring it
+
+    def fetch(self, e: BlockEntry) -> torch.Tensor:
+        """A non-resident block's data: from the prefetch buffer if there, else a synchronous load."""
+        with self._lock:
+            fut = self._futures.pop(e.key, None)
+        if fut is not None:
+            try:
+                data = fut.result()
+            except Exception:  # a failed prefetch is retried synchronously, and counted
+                self.counters.add(pf_wasted=1, pf_errors=1)
+            else:
+                self.counters.add(pf_used=1)
+                self._outcome(fut, True)
+                return data
+        return self.lower.load(e)
+
+    def _outcome(self, fut: Future, used: bool) -> None:
+        src = fut.kvtier_source
+        with self._lock:
+            self._outcomes[src].append(used)
+            self._by_source[src]["used" if used else "wasted"] += 1
+
+    def _discard(self, fut: Future) -> None:
+        """An unused prefetch: cancel it, or wait for it so no load of a dropped block is in flight."""
+        self.counters.add(pf_wasted=1)
+        self._outcome(fut, False)
+        if not fut.cancel() and fut.exception() is not None:
+            self.counters.add(pf_errors=1)
+
+    def forget(self, seq: int) -> None:
+        """Drop ``seq``'s prefetches (waiting for any in flight) and its predictor state."""
+        prefix = f"{seq}/"
+        with self._lock:
+            mine = [self._futures.pop(k) for k in list(self._futures) if k.startswith(prefix)]
+            for key in [k for k in self._last_sel if k[0] == seq]:
+                del self._last_sel[key]
+            self._dense_seqs.discard(seq)
+        for fut in mine:
+            self._discard(fut)
+
+    def by_source(self) -> dict:
+        with self._lock:
+            return {src: dict(v) for src, v in self._by_source.items()}
+
+    def close(self) -> None:
+        if self._pool is None:
+            return
+        with self._lock:
+            futures = list(self._futures.values())
+            self._futures.clear()
+        for fut in futures:
+            fut.cancel()
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,167 @@
+"""Reads: dense ``gather``, ``gather_blocks`` (copied out of L1) and ``gather_view`` (views of L1).
+
+Blocks below L1 are swapped in through the prefetcher (its buffer, else a synchronous load) and
+installed by ``Residency``. The blocks a read needs are pinned for its duration, so another
+thread's step boundary cannot free one while this read swaps others in.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .layout import Layout
+from .prefetch import Prefetcher
+from .residency import Residency
+from .stats import Counters
+from .table import BlockTable
+
+
+class Reader:
+    def __init__(self, layout: Layout, res: Residency, prefetcher: Prefetcher, counters: Counters) -> None:
+        self.layout = layout
+        self.res = res
+        self.prefetcher = prefetcher
+        self.counters = counters
+        self.pool_kv = res.l1.storage  # [2, kv_heads, slots, block_tokens, head_dim]
+        self._arange_bt = np.arange(layout.block_tokens, dtype=np.int64)
+
+    def gather(self, tables: list[BlockTable], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token of ``tables[layer]`` in order: K, V [kv_heads, T, head_dim]."""
+        lay = self.layout
+        t = tables[layer]
+        n = len(t.entries)
+        kvh, bt, hd = lay.kv_heads, lay.block_tokens, lay.head_dim
+        if n == 0:
+            empty = torch.empty(kvh, 0, hd, dtype=lay.dtype, device=lay.device)
+            return empty, empty.clone()
+        res_i, res_s, miss = self.res.dense_reads(t)
+        self.counters.add(hits_l1=len(res_i), misses_l1=len(miss))
+        full = torch.empty(2, kvh, n, bt, hd, dtype=lay.dtype, device=lay.device)
+        # residents first: a swap-in below may take a slot just freed by the worker
+        if res_i:
+            full.index_copy_(2, torch.tensor(res_i, device=lay.device),
+                             self.pool_kv.index_select(2, torch.tensor(res_s, device=lay.device)))
+        for e in miss:
+            data = self.prefetcher.fetch(e)  # [2, kv_heads, block_tokens, head_dim]
+            full[:, :, e.idx] = data
+            self.res.keep_if_room(t, e, data)
+        self.prefetcher.dense_read(tables, layer, n)
+        kv = full.view(2, kvh, n * bt, hd)[:, :, : t.length]  # [2, kv_heads, T, head_dim]
+        return kv[0], kv[1]
+
+    def check_blocks(self, t: BlockTable, blocks: list[int]) -> None:
+        ns = len(t.entries) - 1
+        if ns < 0:
+            raise ValueError(f"sequence {t.seq} layer {t.layer} is empty")
+        hot = self.layout.hot_blocks
+        if len(blocks) >= hot:
+            raise ValueError(f"blocks must number at most {hot - 1} (the L1 budget less the "
+                             f"open block); got {len(blocks)}")
+        for b in blocks:
+            if not 0 <= b < ns:
+                raise ValueError(f"blocks must be sealed block indices in [0, {ns}); got {b}")
+
+    def _prepare(self, t: BlockTable, blocks: list[int], view: bool) -> tuple[list[int], list[str]]:
+        """Every block of ``blocks`` resident (a region slot, or a scratch slot listed in the
+        returned ``scratch`` when the region is full), counted as a hit or a miss, and pinned
+        (the caller unpins). Returns the L1 slot per block, the open block's last, and the
+        scratch keys."""
+        slots, miss = self.res.pin_reads(t, blocks)
+        self.counters.add(hits_l1=len(blocks) - len(miss), misses_l1=len(miss))
+        scratch: list[str] = []
+        if miss:
+            ents = t.entries
+            sel = frozenset(blocks)
+            run = frozenset([ents[b] for b in blocks] + [ents[-1]]) if view else None
+            for i, e in miss:
+                slots[i] = self.res.install(t, e, self.prefetcher.fetch(e), sel, scratch, run)
+        return slots, scratch
+
+    def gather_blocks(self, t: BlockTable, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.check_blocks(t, blocks)
+        try:
+            slots, scratch = self._prepare(t, blocks, view=False)
+            return self._gather_copy(t, slots, blocks + [len(t.entries) - 1], scratch)
+        finally:
+            self.res.unpin(t)
+
+    def _gather_copy(self, t: BlockTable, slots: list[int], blocks: list[int],
+                     scratch: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """K, V [kv_heads, n, head_dim] and pos [n] of ``blocks`` (the open block last) at
+        ``slots``, in that order, copied out of the pool; frees the ``scratch`` slots."""
+        lay = self.layout
+        idx, pos = self._gather_index(t, slots, blocks)
+        bt = lay.block_tokens
+        n = len(blocks)
+        total = (n - 1) * bt + (t.length - (len(t.entries) - 1) * bt)
+        g = self.pool_kv.index_select(2, idx)  # [2, kv_heads, n, bt, hd]
+        if scratch:
+            self.res.free_scratch(scratch)
+        kv = g.view(2, lay.kv_heads, n * bt, lay.head_dim)  # [2, kv_heads, n*bt, hd]
+        if total < n * bt:
+            kv = kv.narrow(2, 0, total)
+            pos = pos[:total]
+        k, v = kv.unbind(0)
+        return k, v, pos.clone()  # the cached positions stay untouched whatever the caller does
+
+    def gather_view(self, t: BlockTable, blocks: list[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        self.check_blocks(t, blocks)
+        try:
+            slots, scratch = self._prepare(t, blocks, view=True)
+            order = None if scratch else self.res.arrange(t, blocks)
+            if order is None:
+                self.counters.add(gather_copies=1)
+                blocks = blocks + [len(t.entries) - 1]
+                k, v, pos = self._gather_copy(t, slots, blocks, scratch)
+                return k, v, pos, blocks
+        finally:
+            self.res.unpin(t)
+        self.counters.add(gather_views=1)
+        return self._view(t, order)
+
+    def _view(self, t: BlockTable, order: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """K, V, pos of the run at the front of ``t``'s region, laid out as ``order``."""
+        lay = self.layout
+        bt = lay.block_tokens
+        n = len(order)
+        t.view_n = n
+        cached = t.view_cache
+        if cached is not None and cached[0] == order:
+            pos = cached[1]
+        else:
+            rows = np.asarray(order, dtype=np.int64)[:, None] * bt + self._arange_bt  # [n, bt]
+            pos = torch.from_numpy(rows.ravel()).to(lay.device)
+            t.view_cache = (order[:], pos)  # a copy: the caller owns the returned list
+        if t.run_kv is None:
+            # the whole region per plane and head as one run of tokens (the storage never moves)
+            t.run_kv = self.pool_kv[:, :, t.base:t.base + t.cap].view(
+                2, lay.kv_heads, t.cap * bt, lay.head_dim).unbind(0)  # 2 x [kv_heads, cap*bt, hd]
+        total = (n - 1) * bt + (t.length - (len(t.entries) - 1) * bt)  # the open block's tail is past the end
+        k_run, v_run = t.run_kv
+        return k_run.narrow(1, 0, total), v_run.narrow(1, 0, total), pos.narrow(0, 0, total), order
+
+    def _gather_index(self, t: BlockTable, slots: list[int], blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool slots as an index tensor [n] and the token positions of ``blocks`` [n * bt] (the
+        open block counted in full), both on the device.
+
+        Adjacent decode steps mostly attend to the same blocks (same slots: sealed blocks never
+        change), so the pair is kept per table and reused while the selection and slots stay the
+        same. Both are pure functions of the two lists.
+        """
+        cached = t.gather_cache
+        if cached is not None and cached[0] == slots and cached[1] == blocks:
+            return cached[2], cached[3]
+        # token positions: block b covers [b*bt, (b+1)*bt); built in numpy (one torch op less per
+        # index than torch.tensor + arithmetic), moved to the device in one copy
+        rows = np.asarray(blocks, dtype=np.int64)[:, None] * self.layout.block_tokens + self._arange_bt
+        if self.layout.device.type == "cpu":
+            idx = torch.from_numpy(np.array(slots, dtype=np.int64))
+            pos = torch.from_numpy(rows.ravel())
+        else:
+            n = len(slots)
+            both = torch.from_numpy(np.concatenate((np.array(slots, dtype=np.int64), rows.ravel())))
+            both = both.to(self.layout.device)
+            idx, pos = both[:n], both[n:]
+        t.gather_cache = (slots, blocks, idx, pos)
+        return idx, pos

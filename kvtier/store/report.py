@@ -1,0 +1,107 @@
+"""``KVStore.stats()``: the counters, the tables' footprint and the tiers' own numbers as one
+plain, JSON-serialisable dict."""
+from __future__ import annotations
+
+from .stats import ratio
+
+
+def store_stats(store) -> dict:
+    lay = store.layout
+    c = store.counters.snapshot()
+    fp = store.residency.footprint()
+    lat = store.counters.latency_summaries()
+    lower = store.lower
+    bt = lay.block_tokens
+    below = fp["below"]
+    # digests live on the L1 device next to the pool: they are part of L1's footprint
+    nbytes = {"l1": fp["resident"] * lay.slot_bytes + fp["digest_bytes"], "l2": below["bytes_l2"],
+              "l3": below["bytes_l3"]}
+    tok = {"l1": fp["l1_tokens"], "l2": below["copies_l2"] * bt, "l3": below["copies_l3"] * bt}
+    return {
+        "tokens": fp["tokens"],
+        "sequences": fp["sequences"],
+        "blocks": fp["home"],
+        "copies": {"l1": fp["resident"], "l2": below["copies_l2"], "l3": below["copies_l3"]},
+        "bytes": nbytes,
+        "digest_bytes": fp["digest_bytes"],
+        "digest_reserved_bytes": fp["digest_reserved"],
+        "bytes_per_token": {k: ratio(nbytes[k], tok[k]) for k in nbytes},
+        "tier_used_bytes": {"l1": store.l1.used_bytes, "l2": lower.l2.used_bytes,
+                            "l3": lower.l3.used_bytes if lower.l3 is not None else 0},
+        "hits": {"l1": c["hits_l1"], "l2": c["hits_l2"], "l3": c["hits_l3"], "prefetch": c["pf_used"]},
+        "misses": {"l1": c["misses_l1"], "l2": c["misses_l2"], "l3": c["misses_l3"]},
+        "swap_in_bytes": {"l2": c["swap_in_l2_bytes"], "l3": c["swap_in_l3_bytes"]},
+        "swap_out_bytes": {"l2": c["swap_out_l2_bytes"], "l3": c["swap_out_l3_bytes"]},
+        "swap_in_blocks": c["swap_in_blocks"],
+        "swap_out_blocks": c["swap_out_blocks"],
+        "evictions": {"clean": c["evicted_clean"], "dirty": c["evicted_dirty"],
+                      "failed": c["evict_failed"], "sync": c["sync_evictions"]},
+        "scratch_uses": c["scratch_uses"],
+        # gather_view: steps served as views of L1, steps that fell back to a copy, and block
+        # copies made to keep each table's attended run contiguous
+        "gather": {"views": c["gather_views"], "copies": c["gather_copies"],
+                   "moved_blocks": c["region_moves"]},
+        "swap_in_latency": lat["swap_in"],
+        "swap_out_latency": lat["swap_out"],
+        "step_time": lat["step"],
+        "prefetch": _prefetch_stats(store, c),
+        "compression": _compression_stats(store, c),
+        "config": {"order": store.cfg.order, "policy": store.cfg.policy, "attention": store.cfg.attention,
+                   "block_tokens": bt, "hot_blocks": lay.hot_blocks, "budget_tokens": lay.budget_tokens},
+        "fingerprint": store.fingerprint,
+        "prefix": _prefix_stats(fp["refs"], c),
+        "remote": _remote_stats(lower.l4, c),
+    }
+
+
+def _prefetch_stats(store, c: dict) -> dict:
+    on = store.prefetch
+    return {
+        "enabled": on,
+        "issued": c["pf_issued"], "used": c["pf_used"], "wasted": c["pf_wasted"],
+        "precision": ratio(c["pf_used"], c["pf_used"] + c["pf_wasted"]),
+        # None while off: no prefetch to have covered the misses (not a measured 0)
+        "coverage": ratio(c["pf_used"], c["misses_l1"]) if on else None,
+        "by_source": {src: dict(v, precision=ratio(v["used"], v["used"] + v["wasted"]))
+                      for src, v in store.prefetcher.by_source().items()},
+    }
+
+
+def _compression_stats(store, c: dict) -> dict:
+    lay = store.layout
+    stage = store.io.stage.algorithm
+    stage_ratio = ratio(c["stage_in"], c["stage_out"])
+    return {
+        "host_codec": lay.host_codec, "disk_codec": lay.disk_codec,
+        "l2_ratio": ratio(c["raw_l2"], c["enc_l2"]),
+        "l3_ratio": ratio(c["raw_l3"], c["enc_l3"]) if lay.transcode else ratio(c["raw_l2"], c["enc_l2"]),
+        # the lossless stage as achieved (flag bytes included; records kept raw count 1.0)
+        "byte_stage": stage, "byte_stage_l2": lay.l2_staged,
+        "byte_stage_ratio": stage_ratio,
+        # the same figure under its first name, kept for readers of lz4-only stats
+        "lz4_ratio": stage_ratio if stage == "lz4" else None,
+    }
+
+
+def _prefix_stats(refs: list[int], c: dict) -> dict:
+    shared = [n for n in refs if n > 1]
+    return {
+        "lookups": c["prefix_lookups"], "lookup_tokens": c["prefix_lookup_tokens"],
+        "hit_tokens": c["prefix_hit_tokens"], "prefill_tokens_saved": c["prefill_tokens_saved"],
+        "content_blocks": len(refs), "shared_blocks": len(shared), "shared_refs": sum(shared),
+        "max_refs": max(refs, default=0), "dedup_seals": c["dedup_seals"],
+        "adopted_l3": c["adopted_l3"], "orphans_deleted": c["orphans_deleted"],
+        "published_l3": {"blocks": c["pub_l3_blocks"], "bytes": c["pub_l3_bytes"],
+                         "failed": c["pub_l3_failed"]},
+    }
+
+
+def _remote_stats(l4, c: dict) -> dict | None:
+    if l4 is None:
+        return None
+    return {
+        "hits": c["hits_l4"], "misses": c["misses_l4"], "swap_in_bytes": c["swap_in_l4_bytes"],
+        "published_blocks": c["pub_l4_blocks"], "published_bytes": c["pub_l4_bytes"],
+        "publish_failed": c["pub_l4_failed"],
+        "tier": l4.stats(),  # puts, gets, bytes, errors, latency p50/p99 ms, connected
+    }

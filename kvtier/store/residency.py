@@ -1,0 +1,552 @@
+"""Residency: block tables, entries and their copies below L1, and L1 slot allocation.
+
+The only part that writes them, always under ``lock`` (the state lock). A block's state
+(``slot``, ``pending``, ``cancel``, ``fence``, the copy flags of its :class:`BlockCopies`) and the
+per-home-tier block counts change only in the methods below, so the counts follow every change.
+Methods that say "lock held" are called by another method of this part, or by a part that was
+handed the lock by one (``Regions``); every other method takes the lock itself.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+
+import torch
+
+from .keys import block_key
+from .layout import Layout
+from .regions import Regions
+from .stats import Counters
+from .table import BlockCopies, BlockEntry, BlockTable
+
+_HOMES = ("l1", "l2", "l3")
+
+
+class Residency:
+    def __init__(self, layout: Layout, l1, policy, counters: Counters) -> None:
+        self.lock = threading.Lock()
+        self.layout = layout
+        self.l1 = l1
+        # CPU: the pool as a numpy array for decode appends (16-bit floats viewed as int16)
+        self.np_view = torch.int16 if layout.dtype in (torch.float16, torch.bfloat16) else None
+        self._pool_np = None
+        if layout.device.type == "cpu":
+            self._pool_np = (l1.pool if self.np_view is None else l1.pool.view(self.np_view)).numpy()
+        self.policy = policy
+        self.counters = counters
+        self.regions = Regions(layout, l1, counters)
+        self.tables: dict[int, list[BlockTable]] = {}
+        self.by_key: dict[str, BlockEntry] = {}       # process-local key -> entry
+        self.copies: dict[str, BlockCopies] = {}      # tier key -> copies below L1 (refcounted)
+        self.home = dict.fromkeys(_HOMES, 0)          # blocks per home tier: stats() in O(tables)
+        self.below = dict(copies_l2=0, copies_l3=0, bytes_l2=0, bytes_l3=0)
+        self.touched: dict[int, BlockTable] = {}      # tables appended to or read since end_step
+        self.known_l4: set[str] = set()               # keys just read from L4 (no need to publish)
+        # (L3, L4) content records are written through to; None: no write-through
+        self.publish_to: tuple[bool, bool] | None = None
+        self.step = 0
+        self._next_seq = 0
+        self._free_groups = list(range(layout.max_sequences))  # region groups (one region per layer)
+        self._group: dict[int, int] = {}
+        self._scratch_ids = itertools.count()
+
+    # -- sequences -----------------------------------------------------------------------------
+
+    def add_sequence(self) -> int:
+        lay = self.layout
+        with self.lock:
+            if len(self.tables) >= lay.max_sequences:
+                raise ValueError(f"max_sequences ({lay.max_sequences}) live sequences already; "
+                                 f"raise max_sequences or drop a sequence first")
+            seq = self._next_seq
+            self._next_seq += 1
+            g = self._group[seq] = self._free_groups.pop(0)
+            c = lay.hot_blocks
+            self.tables[seq] = [BlockTable(seq, layer, lay.kv_heads, lay.head_dim, lay.device, lay.dtype,
+                                           lay.digest_score, lay.digest_parts,
+                                           base=(g * lay.num_layers + layer) * c, cap=c)
+                                for layer in range(lay.num_layers)]
+            return seq
+
+    def table(self, seq: int, layer: int) -> BlockTable:
+        tables = self.tables_of(seq)
+        try:
+            return tables[layer]
+        except (IndexError, TypeError):
+            raise ValueError(f"layer must be in [0, {self.layout.num_layers}); got {layer!r}") from None
+
+    def tables_of(self, seq: int) -> list[BlockTable]:
+        """The tables (one per layer) of live sequence ``seq``; ValueError otherwise."""
+        tables = self.live_tables(seq)
+        if tables is None:
+            raise ValueError(f"seq must be a live sequence id {self.sequences()}; got {seq!r}")
+        return tables
+
+    def live_tables(self, seq: int) -> list[BlockTable] | None:
+        try:
+            with self.lock:
+                return self.tables.get(seq)
+        except TypeError:  # unhashable
+            return None
+
+    def sequences(self) -> list[int]:
+        with self.lock:
+            return sorted(self.tables)
+
+    def drop(self, seq: int, keep_prefix: bool) -> tuple[list[str], list[str]]:
+        """Forget ``seq``'s tables and L1 slots; returns the tier keys whose last reference went
+        (L2 copies, L3 copies) for the caller to delete."""
+        drop2, drop3 = [], []
+        with self.lock:
+            for t in self.tables[seq]:
+                for e in t.entries:
+                    self._count_home(e.home, -1)
+                    if e.slot is not None:
+                        self.l1.delete(e.key)
+                        e.slot = None
+                    rec = e.rec
+                    rec.entries.remove(e)
+                    if not rec.entries:  # last reference: the copies below L1 go too
+                        if self.copies.get(rec.key) is rec:
+                            del self.copies[rec.key]
+                        if rec.l2:
+                            drop2.append(rec.key)
+                        if rec.l3 and not (keep_prefix and rec.content):
+                            drop3.append(rec.key)
+                    self.by_key.pop(e.key, None)
+                self.touched.pop(id(t), None)
+            del self.tables[seq]
+            self._free_groups.append(self._group.pop(seq))
+        return drop2, drop3
+
+    def recount(self) -> None:
+        """Copies and bytes below L1 from the live records (after tier deletes)."""
+        with self.lock:
+            live = self.copies.values()
+            self.below.update(copies_l2=sum(1 for r in live if r.l2), copies_l3=sum(1 for r in live if r.l3),
+                              bytes_l2=sum(r.l2_bytes for r in live if r.l2),
+                              bytes_l3=sum(r.l3_bytes for r in live if r.l3))
+
+    def _count_home(self, home: str, d: int) -> None:
+        if home != "none":
+            self.home[home] += d
+
+    def _rehome(self, before: str, e: BlockEntry) -> None:
+        """``e``'s home changed from ``before`` to what it is now (lock held)."""
+        after = e.home
+        if after != before:
+            self._count_home(before, -1)
+            self._count_home(after, 1)
+
+    # -- append --------------------------------------------------------------------------------
+
+    def appended(self, t: BlockTable, e: BlockEntry, length: int) -> None:
+        """Tokens were written into ``e`` (the open block): ``t`` now holds ``length`` tokens."""
+        with self.lock:
+            t.length = length
+            e.last_used = self.step
+            self.touched[id(t)] = t
+
+    def new_block(self, t: BlockTable) -> BlockEntry:
+        """Append an entry for a new open block (no slot yet) to ``t``; first, so that the
+        block sealed just before is an eviction candidate."""
+        e = BlockEntry(len(t.entries), block_key(t.seq, t.layer, len(t.entries)))
+        with self.lock:
+            t.entries.append(e)
+            self.by_key[e.key] = e
+            self.copies[e.rec.key] = e.rec
+        return e
+
+    def place_open(self, t: BlockTable, e: BlockEntry) -> None:
+        """Give the new open block a region slot, past the last attended run (gather_view moves
+        it to the end of that run). No copy: a slot's tokens past ``t.length`` are never read."""
+        with self.lock:
+            self._place(t, e, None, lo=t.view_n)
+            self._open_views(t)
+
+    def _open_views(self, t: BlockTable) -> None:
+        """Point the append views at the open block's slot (after it was placed or moved)."""
+        slot = t.entries[-1].slot
+        t.open_view = self.l1.pool[slot]  # [2, kv_heads, block_tokens, head_dim] (strided)
+        if self._pool_np is not None:
+            t.open_np = self._pool_np[slot]  # the same slot as a numpy view (CPU)
+
+    def seal(self, t: BlockTable, e: BlockEntry) -> None:
+        with self.lock:
+            t.set_digest(e.idx, self.l1.pool[e.slot, 0])  # keys: [kv_heads, block_tokens, head_dim]
+            e.last_used = self.step
+
+    def _place(self, t: BlockTable, e: BlockEntry, data: torch.Tensor | None, lo: int = 0,
+               pos: int | None = None) -> None:
+        """Give ``e`` a free position of ``t``'s region (``pos`` if given, else the first at or
+        after ``lo`` if any, else the first) and copy ``data`` [2, kv_heads, block_tokens,
+        head_dim] there; ``None`` leaves the slot as it is. Lock held."""
+        p = pos if pos is not None else t.free_position(min(lo, t.cap))
+        if p is None:
+            p = t.free_position(0)
+        assert p is not None, f"region of {t.seq}/{t.layer} full although resident {t.resident} < {t.cap}"
+        if not self.l1.put_at(e.key, t.base + p, data):
+            raise RuntimeError(f"kvtier: L1 refused region slot {t.base + p} of {t.seq}/{t.layer} although "
+                               f"it is free")
+        before = e.home
+        t.take_slot(e, t.base + p)
+        self._rehome(before, e)
+
+    # -- eviction ------------------------------------------------------------------------------
+
+    def free_clean(self, t: BlockTable, e: BlockEntry) -> None:
+        """Drop the L1 copy of a clean block (lock held)."""
+        assert e.clean and e.slot is not None and not e.pending, f"not a clean resident block: {e}"
+        self.l1.delete(e.key)
+        t.free_slot(e)
+        self._rehome("l1", e)
+        self.counters.add(evicted_clean=1)
+
+    def free_clean_victims(self, t: BlockTable, n: int, exclude, force: bool = True) -> None:
+        """Free up to ``n`` clean blocks of ``t`` outside ``exclude``."""
+        with self.lock:
+            for b in self.policy.victims(t, n, exclude | t.pinned, only_clean=True, force=force):
+                self.free_clean(t, t.entries[b])
+
+    def mark_victims(self, t: BlockTable, n: int, exclude=frozenset(), force: bool = False) -> list:
+        """Choose ``n`` victims of ``t``: clean ones are freed now, dirty ones marked pending and
+        returned as (table, entry) items for the swap-out worker."""
+        with self.lock:
+            return self._mark(t, self.policy.victims(t, n, exclude | t.pinned, force=force))
+
+    def watermark_victims(self) -> list:
+        """Step boundary: every table touched since the last one and over the high watermark
+        gives victims down to the low one. Returns the items for the swap-out worker."""
+        lay = self.layout
+        items = []
+        with self.lock:
+            touched = list(self.touched.values())
+            self.touched.clear()
+            self.step += 1
+            for t in touched:
+                live = t.resident - t.pending
+                if live >= lay.high:
+                    items += self._mark(t, self.policy.victims(t, live - lay.low, t.pinned))
+        return items
+
+    def _mark(self, t: BlockTable, victims: list[int]) -> list:
+        items = []
+        for b in victims:
+            e = t.entries[b]
+            if e.clean:
+                self.free_clean(t, e)
+                continue
+            e.pending = True
+            e.cancel = False
+            t.pending += 1
+            if self.layout.cuda:
+                e.fence = torch.cuda.Event()  # after the last write into the slot
+                e.fence.record()
+            items.append((t, e))
+        return items
+
+    def pending_slot(self, e: BlockEntry) -> int | None:
+        """The slot the worker encodes ``e`` from; None when the block is gone. A pending block's
+        slot is never moved nor written, so it can be read after the lock is released."""
+        with self.lock:
+            return e.slot if e.key in self.by_key else None
+
+    def is_clean(self, e: BlockEntry) -> bool:
+        with self.lock:
+            return e.clean
+
+    def swapped_out(self, t: BlockTable, e: BlockEntry, nbytes: int | None, clean: bool) -> None:
+        """The worker is done with pending ``e``: ``nbytes`` is the size of the L2 copy it put
+        (None: L2 refused it, or the block was gone). ``clean``: another entry of the same
+        content was copied below meanwhile, nothing was written. The slot is freed unless a
+        reader marked the block meanwhile (``cancel``: it stays resident, now clean)."""
+        with self.lock:
+            if nbytes is not None or clean:
+                if clean:
+                    self.counters.add(evicted_clean=1)
+                else:
+                    e.l2 = True
+                    e.l2_bytes = nbytes
+                    self.below["copies_l2"] += 1
+                    self.below["bytes_l2"] += nbytes
+                    self.counters.add(swap_out_l2_bytes=nbytes, swap_out_blocks=1, evicted_dirty=1)
+                if not e.cancel and e.slot is not None:
+                    self.l1.delete(e.key)
+                    t.free_slot(e)
+                    self._rehome("l1", e)  # to l2, or l3 for a block clean there
+            self._unpend(t, e)
+
+    def release_pending(self, items: list) -> None:
+        """Items the worker could not process (an exception): no longer pending."""
+        with self.lock:
+            for t, e in items:
+                if e.pending:
+                    self._unpend(t, e)
+
+    def _unpend(self, t: BlockTable, e: BlockEntry) -> None:
+        e.pending = False
+        e.cancel = False
+        t.pending -= 1
+
+    # -- reads ---------------------------------------------------------------------------------
+
+    def pin_reads(self, t: BlockTable, blocks: list[int]) -> tuple[list[int], list]:
+        """Start a read of sealed ``blocks`` and the open block of ``t``: they are marked used and
+        pinned (no eviction frees them until :meth:`unpin`), a pending one is told to keep its slot
+        after its copy. Returns the slot per block (the open block's last; 0 for a miss) and the
+        misses as (position in ``blocks``, entry)."""
+        ents = t.entries
+        slots = [0] * (len(blocks) + 1)
+        miss = []
+        with self.lock:
+            step = self.step
+            t.pinned = frozenset(blocks)
+            for i, b in enumerate(blocks):
+                e = ents[b]
+                e.last_used = step
+                if e.slot is None:
+                    miss.append((i, e))
+                else:
+                    slots[i] = e.slot
+                    e.cancel = e.cancel or e.pending
+            e = ents[-1]
+            slots[-1] = e.slot
+            e.last_used = step
+            self.touched[id(t)] = t
+        return slots, miss
+
+    def unpin(self, t: BlockTable) -> None:
+        with self.lock:
+            t.pinned = frozenset()
+
+    def dense_reads(self, t: BlockTable) -> tuple[list[int], list[int], list[BlockEntry]]:
+        """Start a dense read of every block of ``t``: (resident indices, their slots, misses)."""
+        res_i, res_s, miss = [], [], []
+        with self.lock:
+            step = self.step
+            for e in t.entries:
+                e.last_used = step
+                if e.slot is None:
+                    miss.append(e)
+                else:
+                    res_i.append(e.idx)
+                    res_s.append(e.slot)
+                    # being read: the worker keeps the slot after its copy (it is then clean,
+                    # and the next end_step frees it without a write)
+                    e.cancel = e.cancel or e.pending
+            self.touched[id(t)] = t
+        return res_i, res_s, miss
+
+    def keep_if_room(self, t: BlockTable, e: BlockEntry, data: torch.Tensor) -> None:
+        """A dense read swapped ``e`` in: make it resident while the region has room."""
+        with self.lock:
+            if e.slot is None and t.resident < self.layout.hot_blocks:
+                self._place(t, e, data)
+
+    def install(self, t: BlockTable, e: BlockEntry, data: torch.Tensor, exclude, scratch: list,
+                run: frozenset | None = None) -> int:
+        """Give a swapped-in block an L1 slot: its own if the budget allows (dropping a clean
+        block outside ``exclude`` if needed), else a scratch slot listed in ``scratch``.
+        ``run``: the entries of a gather_view (the open block included): the block is placed
+        straight into that run's span of the region when possible."""
+        hot = self.layout.hot_blocks
+        with self.lock:
+            if e.slot is not None:
+                return e.slot
+            if t.resident >= hot:
+                for b in self.policy.victims(t, 1, exclude | t.pinned, only_clean=True):
+                    self.free_clean(t, t.entries[b])
+            if t.resident < hot:
+                pos = self.regions.run_position(t, run) if run is not None else None
+                self._place(t, e, data, pos=pos)
+                return e.slot
+            assert len(scratch) < max(1, hot - 1), "more scratch blocks than the L1 budget"
+            key = f"scratch/{next(self._scratch_ids)}"
+            if not self.l1.put(key, data):
+                raise RuntimeError("kvtier: L1 scratch slots exhausted although every read stays "
+                                   "within its budget")
+            scratch.append(key)
+            self.counters.add(scratch_uses=1)
+            return self.l1.slot_of(key)
+
+    def free_scratch(self, keys: list[str]) -> None:
+        with self.lock:
+            for key in keys:
+                self.l1.delete(key)
+
+    def arrange(self, t: BlockTable, blocks: list[int]) -> list[int] | None:
+        """Lay out ``t``'s region for a view of ``blocks`` and the open block (``Regions``);
+        returns the block order of the run, or None where it cannot be done this step."""
+        ents = t.entries
+        with self.lock:
+            open_slot = ents[-1].slot
+            if not self.regions.arrange(t, [ents[b] for b in blocks], ents[-1]):
+                return None
+            if ents[-1].slot != open_slot:
+                self._open_views(t)  # appends write through views of the open block's slot
+            return [e.idx for e in t.at[:len(blocks) + 1]]
+
+    def observe(self, t: BlockTable, blocks: list[int], mass: list[float], snap_steps: int) -> None:
+        with self.lock:
+            ents = t.entries
+            t.observed += 1
+            snap = t.observed <= snap_steps
+            for b, x in zip(blocks, mass):
+                e = ents[b]
+                e.mass += x
+                if snap:
+                    e.importance += x
+
+    # -- copies below L1 -----------------------------------------------------------------------
+
+    def flags(self, rec: BlockCopies) -> tuple[bool, bool, bool, str]:
+        with self.lock:
+            return rec.l2, rec.l3, rec.l4, rec.key
+
+    def record_of(self, key: str) -> BlockCopies | None:
+        with self.lock:
+            return self.copies.get(key)
+
+    def landed_l3(self, rec: BlockCopies, nbytes: int, written_through: bool) -> bool:
+        """An L3 copy of ``rec`` landed (a spill, or a write-through). False, changing nothing,
+        when ``rec`` was dropped meanwhile (the caller deletes the copy)."""
+        with self.lock:
+            if self.copies.get(rec.key) is not rec:
+                return False
+            rec.l3 = True
+            rec.written_through = written_through
+            rec.l3_bytes = nbytes
+            self.below["copies_l3"] += 1
+            self.below["bytes_l3"] += nbytes
+            return True
+
+    def spilled(self, recs: list[BlockCopies]) -> None:
+        """The ring dropped these records' L2 copies after spilling them: L3 now holds each
+        block's copy below L1 and is the home of its non-resident entries."""
+        with self.lock:
+            for rec in recs:
+                rec.written_through = False
+                if not rec.l2:
+                    continue
+                before = [e.home for e in rec.entries]
+                rec.l2 = False
+                for h, e in zip(before, rec.entries):
+                    self._rehome(h, e)
+                self.below["copies_l2"] -= 1
+                self.below["bytes_l2"] -= rec.l2_bytes
+                rec.l2_bytes = 0
+
+    def published_l4(self, rec: BlockCopies) -> None:
+        with self.lock:
+            rec.l4 = True
+
+    def unreferenced(self, keys) -> list[str]:
+        with self.lock:
+            return [k for k in keys if k not in self.copies]
+
+    def _lacks(self, rec: BlockCopies) -> bool:
+        """Whether ``rec`` lacks a copy in a tier it is written through to (lock held)."""
+        to3, to4 = self.publish_to or (False, False)
+        return (to3 and not rec.l3) or (to4 and not rec.l4)
+
+    def needs_publish(self, rec: BlockCopies) -> bool:
+        with self.lock:
+            return self.copies.get(rec.key) is rec and self._lacks(rec)
+
+    def needs_l3(self, rec: BlockCopies) -> bool:
+        """Live and without an L3 copy (a spill may have put one meanwhile)."""
+        with self.lock:
+            return self.copies.get(rec.key) is rec and not rec.l3
+
+    def resident_copy(self, key: str) -> tuple[BlockCopies | None, torch.Tensor | None]:
+        """The record under ``key`` and a copy of one resident entry's block (None if none)."""
+        with self.lock:
+            rec = self.copies.get(key)
+            if rec is not None:
+                for e in rec.entries:
+                    if e.slot is not None:  # slots are freed under this lock: safe to copy
+                        return rec, self.l1.pool[e.slot].clone()  # [2, kv_heads, bt, head_dim]
+        return rec, None
+
+    def open_tokens(self, t: BlockTable, n: int) -> torch.Tensor:
+        """A copy of the first ``n`` tokens of ``t``'s open block: [2, kv_heads, n, head_dim]."""
+        lay = self.layout
+        with self.lock:
+            if n:
+                return self.l1.pool[t.entries[-1].slot, :, :, :n].clone()
+        return torch.empty(2, lay.kv_heads, 0, lay.head_dim, dtype=lay.dtype, device=lay.device)
+
+    def export_state(self, e: BlockEntry) -> tuple[bool, bool, str, torch.Tensor | None]:
+        """(has L2 copy, has L3 copy, tier key, a copy of its L1 data or None)."""
+        with self.lock:
+            rec = e.rec
+            data = self.l1.pool[e.slot].clone() if e.slot is not None else None
+            return rec.l2, rec.l3, rec.key, data
+
+    def may_get_content(self, e: BlockEntry) -> bool:
+        """Whether sealed ``e`` may still switch to a content-addressed record: resident, never
+        copied below L1, not pending."""
+        with self.lock:
+            old = e.rec
+            return not (old.content or old.l2 or old.l3 or e.pending or e.slot is None)
+
+    def join_content(self, e: BlockEntry, key: str,
+                     adopt_bytes: int | None) -> tuple[BlockCopies, torch.Tensor | None]:
+        """Move ``e`` to the content-addressed record ``key``: the existing one (dedup), or a new
+        one adopting an L3 copy of ``adopt_bytes`` left by an earlier process. Returns the
+        record and, when a new record needs a write-through, a copy of the block for it."""
+        with self.lock:
+            rec = self.copies.get(key)
+            new = rec is None
+            if new:
+                rec = self.copies[key] = BlockCopies(key, content=True)
+                rec.l4 = key in self.known_l4
+                if adopt_bytes is not None:
+                    rec.l3 = rec.written_through = True
+                    rec.l3_bytes = adopt_bytes
+                    self.below["copies_l3"] += 1
+                    self.below["bytes_l3"] += adopt_bytes
+                    self.counters.add(adopted_l3=1)
+            else:
+                self.counters.add(dedup_seals=1)
+            self.known_l4.discard(key)
+            old = e.rec
+            old.entries.remove(e)
+            if not old.entries and self.copies.get(old.key) is old:
+                del self.copies[old.key]
+            e.rec = rec
+            rec.entries.append(e)
+            if new and self._lacks(rec):
+                return rec, self.l1.pool[e.slot].clone()  # [2, kv_heads, bt, head_dim]
+            return rec, None
+
+    def available(self, key: str) -> bool:
+        with self.lock:
+            rec = self.copies.get(key)
+            return rec is not None and bool(rec.entries or rec.l2 or rec.l3 or rec.l4)
+
+    def note_l4(self, keys) -> None:
+        with self.lock:
+            self.known_l4.update(keys)
+
+    # -- reporting -----------------------------------------------------------------------------
+
+    def footprint(self) -> dict:
+        """What the tables hold, for ``stats()``: tokens, resident blocks and the tokens they
+        hold, digest bytes, blocks per home tier, copies and bytes below L1, references per
+        content record."""
+        bt = self.layout.block_tokens
+        out = dict(tokens=0, resident=0, l1_tokens=0, digest_bytes=0, digest_reserved=0)
+        with self.lock:
+            for tables in self.tables.values():
+                for t in tables:
+                    out["tokens"] += t.length
+                    out["resident"] += t.resident
+                    if t.entries:  # the open block holds length - sealed tokens, not block_tokens
+                        out["l1_tokens"] += t.resident * bt - (len(t.entries) * bt - t.length)
+                    if t.digest is not None:
+                        out["digest_bytes"] += t.n_sealed * t.digest_row_bytes()
+                        out["digest_reserved"] += t.digest.numel() * t.digest.element_size()
+            out.update(sequences=len(self.tables), home=dict(self.home), below=dict(self.below),
+                       refs=[len(r.entries) for r in self.copies.values() if r.content])
+        return out

@@ -1,0 +1,106 @@
+"""Selection and attention feedback: which sealed blocks a sparse step attends (sinks, recent
+window, top-k by key digest), and the attention mass observed per block (h2o, snapkv)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import cscore
+from .layout import Layout
+from .residency import Residency
+from .table import BlockTable
+
+
+class Selector:
+    def __init__(self, layout: Layout, res: Residency) -> None:
+        self.layout = layout
+        self.res = res
+        # CPU: block scores in one compiled call, read from the digest table in place (cscore.py)
+        self.cscore = (layout.digest_score is not None and layout.device.type == "cpu"
+                       and layout.dtype in cscore.DTYPES and cscore.available())
+        self._zeros = torch.zeros(1, 1, 1, device=layout.device)  # baddbmm's unread input (beta=0)
+
+    def select(self, t: BlockTable, query: torch.Tensor, budget: int) -> list[int]:
+        """Sorted sealed block indices to attend within ``budget`` tokens (open block included)."""
+        lay = self.layout
+        ns = t.n_sealed
+        nb = budget // lay.block_tokens - 1
+        if ns <= nb:
+            return list(range(ns))
+        s_end = min(lay.sink_blocks, nb)
+        w_start = max(s_end, ns - min(lay.window_blocks, nb - s_end))
+        k = nb - s_end - (ns - w_start)
+        sel = list(range(s_end))
+        if k > 0:
+            if self.cscore:
+                # scores and selection in one compiled call, already ascending
+                top = cscore.top_blocks(self.query_f32(query), t.digest, s_end, w_start,
+                                        lay.digest_score == "quest", lay.head_dim ** -0.5, k,
+                                        lay.digest_parts)
+                sel += [b + s_end for b in top]
+            else:
+                scores = self.scores(t, query, s_end, w_start)
+                top = torch.topk(scores, k, sorted=False).indices.tolist()
+                sel += sorted(b + s_end for b in top)
+        sel += range(w_start, ns)
+        return sel
+
+    def query_f32(self, query: torch.Tensor) -> torch.Tensor:
+        """Checked query [q_heads, q_len, head_dim] as contiguous float32 on the device."""
+        lay = self.layout
+        qh, ql, hd = query.shape
+        if qh % lay.kv_heads or hd != lay.head_dim:
+            raise ValueError(f"query must be [q_heads (multiple of {lay.kv_heads}), q_len, {lay.head_dim}]; "
+                             f"got {tuple(query.shape)}")
+        if query.dtype != torch.float32 or query.device != lay.device:
+            query = query.to(lay.device, torch.float32)
+        return query if query.is_contiguous() else query.contiguous()
+
+    def query_rows(self, query: torch.Tensor) -> torch.Tensor:
+        """Checked query -> float32 [kv_heads, G*q_len, head_dim]: GQA groups consecutive query
+        heads per kv head, so the rows of one kv head are adjacent (a view, no copy)."""
+        return self.query_f32(query).view(self.layout.kv_heads, -1, self.layout.head_dim)
+
+    def scores(self, t: BlockTable, query: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Score of each sealed block in [lo, hi) against ``query`` (higher = attend); see
+        ``KVTierConfig.select_score``. The torch math: the specification of cscore.py's CPU path."""
+        q = self.query_rows(query)  # [kv_heads, G*q_len, hd]
+        hd = self.layout.head_dim
+        dig_t = t.digest_t(lo, hi)  # [kv_heads, hd, m] (mean) or [kv_heads, 2*hd, m] (max | min)
+        if dig_t.dtype != torch.float32:
+            dig_t = dig_t.float()
+        if self.layout.digest_score == "centroid":
+            # bmm and scale in one op (beta=0: the [1, 1, 1] zeros are never read)
+            s = torch.baddbmm(self._zeros, q, dig_t, beta=0.0, alpha=hd ** -0.5)  # [kv_heads, G*q_len, m*parts]
+            best = torch.softmax(s, dim=-1).amax(dim=(0, 1))  # [m*parts]: best query of the best head
+            p = self.layout.digest_parts
+            return best if p == 1 else best.view(-1, p).amax(dim=1)  # [m]: the block's best sub-block
+        # Quest: q_d*max_d where q_d >= 0, q_d*min_d where q_d < 0: one bmm against [max | min]
+        qq = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)  # [kv_heads, G*q_len, 2*hd]
+        s = torch.bmm(qq, dig_t)  # [kv_heads, G*q_len, m]
+        return s.amax(dim=1).sum(dim=0)  # [m]
+
+    def observe(self, t: BlockTable, blocks, mass, snap_steps: int) -> None:
+        """Accumulate ``mass`` per block of ``blocks`` (a trailing extra one: the open block)."""
+        m = mass.tolist() if isinstance(mass, torch.Tensor) else list(mass)
+        blocks = list(blocks)
+        if len(m) not in (len(blocks), len(blocks) + 1):
+            raise ValueError(f"mass must have len(blocks) or len(blocks)+1 entries; got {len(m)} for "
+                             f"{len(blocks)} blocks")
+        if len(m) == len(blocks) + 1:
+            blocks.append(len(t.entries) - 1)
+        self.res.observe(t, blocks, m, snap_steps)
+
+    def block_mass(self, t: BlockTable, k: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
+        """SnapKV voting: attention of ``query`` [q_heads, w, head_dim] over every token of
+        ``k`` [kv_heads, T, head_dim], pooled per block -> [blocks of t]."""
+        lay = self.layout
+        qh, w, hd = query.shape
+        g = qh // lay.kv_heads
+        q = query.to(k.device, torch.float32).reshape(lay.kv_heads, g * w, hd)
+        att = torch.softmax(q @ k.float().transpose(1, 2) / math.sqrt(hd), dim=-1)  # [kv_heads, g*w, T]
+        per_tok = att.sum(dim=(0, 1))  # [T]
+        nb = len(t.entries)
+        pad = nb * lay.block_tokens - per_tok.shape[0]
+        return torch.nn.functional.pad(per_tok, (0, pad)).view(nb, lay.block_tokens).sum(1)

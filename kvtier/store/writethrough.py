@@ -1,0 +1,67 @@
+"""Write-through of content-addressed blocks to L3 (reuse after restart) and L4 (sharing across
+processes): encoded in the disk format, batched, on the publisher thread off the decode path."""
+from __future__ import annotations
+
+from .blockio import BlockIO
+from .lower import LowerTiers
+from .residency import Residency
+from .stats import Counters
+from .swap import SwapOutWorker
+from .table import BlockCopies
+
+
+class WriteThrough:
+    def __init__(self, res: Residency, io: BlockIO, lower: LowerTiers, counters: Counters,
+                 batch_blocks: int) -> None:
+        self.res = res
+        self.io = io
+        self.lower = lower
+        self.counters = counters
+        self._worker = SwapOutWorker(self._publish_batch, max(batch_blocks, 64), name="kvtier-publish")
+
+    def submit(self, rec: BlockCopies, data) -> None:
+        """Publish ``data`` [2, kv_heads, block_tokens, head_dim] (owned) as ``rec``."""
+        self._worker.submit([(rec, data)])
+
+    def drain(self) -> None:
+        self._worker.drain()
+
+    def close(self) -> None:
+        self._worker.close()
+
+    def _publish_batch(self, batch: list) -> None:
+        todo = []
+        for rec, data in batch:
+            if self.res.needs_publish(rec):
+                todo.append((rec, self.io.disk_record(data)))
+        if todo and self.lower.l3 is not None:
+            self._put_l3(todo)
+        if todo and self.lower.l4 is not None:
+            self._put_l4(todo)
+
+    def _put_l3(self, todo: list) -> None:
+        lower = self.lower
+        with lower.lock:
+            # a spill may have put some meanwhile
+            put3 = [(r, p) for r, p in todo if self.res.needs_l3(r)]
+            oks = lower.put_l3([(r.key, p) for r, p in put3]) if put3 else []
+            stale = []
+            for (rec, packed), ok in zip(put3, oks):
+                if not ok:
+                    self.counters.add(pub_l3_failed=1)
+                elif self.res.landed_l3(rec, len(packed), written_through=True):
+                    self.counters.add(pub_l3_blocks=1, pub_l3_bytes=len(packed))
+                else:
+                    stale.append(rec.key)  # dropped while being written
+            if stale:
+                lower.l3.delete_many(stale)
+
+    def _put_l4(self, todo: list) -> None:
+        put4 = [(r, p) for r, p in todo if not self.res.flags(r)[2]]
+        oks = self.lower.l4.put_many([(r.key, p) for r, p in put4])  # a dead server: all False
+        for (rec, packed), ok in zip(put4, oks):
+            if ok:
+                self.res.published_l4(rec)
+                self.counters.add(pub_l4_blocks=1, pub_l4_bytes=len(packed))
+            else:
+                self.counters.add(pub_l4_failed=1)
