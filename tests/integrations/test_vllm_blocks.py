@@ -1,0 +1,136 @@
+"""The vLLM connector's engine-free parts: configuration, the worker's block store, the lookup
+socket. (The connector on a real engine is tested in tests_vllm/, in the vLLM venv.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.integrations.vllm import kv_transfer_config
+from kvtier.integrations.vllm.blocks import BlockShape, BlockStore, connector_config
+from kvtier.integrations.vllm.lookup import LookupClient, LookupServer
+from kvtier.store.prefix import chained_block_hashes
+
+SHAPE = BlockShape(num_layers=3, kv_heads=2, block_tokens=32, head_dim=16, dtype=torch.float32)
+
+
+def staged_blocks(n: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, SHAPE.kv_heads, 2, SHAPE.block_tokens, SHAPE.head_dim, generator=g)
+            for _ in range(SHAPE.num_layers)]  # per layer: [n, kv_heads, 2, block_tokens, head_dim]
+
+
+def hashes(n: int, start: int = 0) -> list[str]:
+    return chained_block_hashes(list(range(start, start + n * SHAPE.block_tokens)), SHAPE.block_tokens, "mtest")
+
+
+def make_store(tmp_path, codec="raw", **fields) -> BlockStore:
+    cfg, codec = connector_config({"codec": codec, "host_bytes": 1 << 20, "disk_segment_bytes": 1 << 20,
+                                   "disk_bytes": 8 << 20, **fields}, SHAPE.block_tokens)
+    return BlockStore(cfg, codec, SHAPE, "model-a")
+
+
+def pages_of(n_pages: int) -> torch.Tensor:
+    return torch.zeros(n_pages, SHAPE.kv_heads, 2, SHAPE.block_tokens, SHAPE.head_dim)
+
+
+def test_config_names_bad_fields(tmp_path):
+    with pytest.raises(ValueError, match="policy"):
+        connector_config({"policy": "lru"}, 128)  # a kvtier-cache field with no meaning under vLLM
+    with pytest.raises(ValueError, match="codec must be one of"):
+        connector_config({"codec": "int3"}, 128)
+    with pytest.raises(ValueError, match="failure_policy"):
+        kv_transfer_config(failure_policy="ignore")
+    toml = tmp_path / "kvtier.toml"
+    toml.write_text('[kvtier]\ncodec = "int8"\ngroup_size = 64\nhost_bytes = 1048576\n')
+    cfg, codec = connector_config({"config": str(toml), "host_bytes": 2 << 20}, 128)
+    assert (codec, cfg.group_size, cfg.host_bytes, cfg.block_tokens) == ("int8", 64, 2 << 20, 128)
+
+
+@pytest.mark.parametrize("codec", ["raw", "int8"])
+def test_save_lookup_load_round_trip(tmp_path, codec):
+    store = make_store(tmp_path, codec, disk_path=str(tmp_path / "l3"))
+    try:
+        hs, staged = hashes(3), staged_blocks(3)
+        store.save(hs, [t.clone() for t in staged])
+        assert store.lookup(hs) == 3  # counted while queued, too
+        assert store.lookup(hs[:1] + hashes(1, start=999)) == 1
+        pages = pages_of(8)
+        counts = {"l2": 0, "l3": 0, "l4": 0}
+        store.flush_hashes(hs)
+        for layer in range(SHAPE.num_layers):
+            recs = store.fetch_layer(layer, hs, counts)
+            assert store.write_layer(recs, pages, [5, 1, 6]) is None
+            got = pages[[5, 1, 6]]
+            if codec == "raw":
+                assert torch.equal(got, staged[layer])
+            else:
+                assert (got - staged[layer]).abs().max() < 0.05
+        assert counts == {"l2": 9, "l3": 0, "l4": 0}
+        assert store.stats()["saved_blocks"] == 3
+    finally:
+        store.close()
+
+
+def test_a_restarted_store_finds_l3_and_forgets_corrupt_blocks(tmp_path):
+    hs, staged = hashes(2), staged_blocks(2)
+    store = make_store(tmp_path, disk_path=str(tmp_path / "l3"))
+    store.save(hs, staged)
+    store.close()
+    store = make_store(tmp_path, disk_path=str(tmp_path / "l3"))
+    try:
+        assert store.lookup(hs) == 2
+        counts = {"l2": 0, "l3": 0, "l4": 0}
+        assert None not in store.fetch_layer(1, hs, counts) and counts["l3"] == 2
+        store.forget(hs[1:])
+        assert store.lookup(hs) == 1
+    finally:
+        store.close()
+    other = make_store(tmp_path, codec="int4", disk_path=str(tmp_path / "l3"))
+    try:
+        assert other.lookup(hs) == 0, "another codec's keys never match"
+    finally:
+        other.close()
+
+
+def test_a_record_of_another_layout_is_a_failed_block(tmp_path):
+    store = make_store(tmp_path)
+    try:
+        assert store.write_layer([b"not a record"], pages_of(2), [0]) == 0
+    finally:
+        store.close()
+
+
+def test_lookup_socket(tmp_path):
+    path = str(tmp_path / "s.sock")
+    server = LookupServer(path, {"lookup": lambda req: {"n": len(req["hashes"]) - 1},
+                                 "stats": lambda req: 1 / 0})
+    client = LookupClient(path, connect_timeout_s=2.0)
+    try:
+        assert client.lookup(["a", "b", "c"]) == 2
+        assert client.lookup([]) == 0
+        with pytest.raises(OSError, match="ZeroDivisionError"):
+            client.call({"op": "stats"})
+        assert client.lookup(["a", "b"]) == 1, "an error reply leaves the connection usable"
+    finally:
+        client.close()
+        server.close()
+    dead = LookupClient(path, connect_timeout_s=0.1)
+    assert dead.lookup(["a"]) == 0, "an unreachable worker holds nothing"
+
+
+def test_another_store_finds_blocks_through_redis(tmp_path, redis_server):
+    hs, staged = hashes(2), staged_blocks(2)
+    writer = make_store(tmp_path, remote_url=redis_server.url)
+    writer.save(hs, [t.clone() for t in staged])
+    writer.close()  # writes what is queued
+    reader = make_store(tmp_path, remote_url=redis_server.url)
+    try:
+        assert reader.lookup(hs) == 2
+        counts = {"l2": 0, "l3": 0, "l4": 0}
+        pages = pages_of(2)
+        assert reader.write_layer(reader.fetch_layer(2, hs, counts), pages, [1, 0]) is None
+        assert counts["l4"] == 2 and torch.equal(pages[[1, 0]], staged[2])
+        redis_server.kill()
+        assert reader.lookup(hs) == 0, "a dead server holds nothing"
+    finally:
+        reader.close()
