@@ -13,6 +13,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 import kvtier.integrations.attention as attn
+from kvtier.integrations.sparse import attend_blocks
 from kvtier.integrations.model import text_ids
 
 CAPTURE = "kvtier-test-capture"
@@ -71,7 +72,7 @@ def _as_close(pairs):
 @pytest.mark.parametrize("fixture", ["model", "model_fp16", "model_bf16"])
 def test_sparse_full_budget_and_split_prefill_are_as_close_to_float64_as_sdpa(fixture, tokenizer, request):
     model = request.getfixturevalue(fixture)
-    sparse = [errors(m, q, k, v, mask, sc, attn.attend_blocks(q, k, v, None, sc)[0])  # every key attended
+    sparse = [errors(m, q, k, v, mask, sc, attend_blocks(q, k, v, None, sc)[0])  # every key attended
               for m, q, k, v, mask, sc in _capture(model, tokenizer, past=320, new=1)]
     ok, figures = _as_close(sparse)
     assert ok, ("sparse", fixture, figures)
