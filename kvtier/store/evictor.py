@@ -59,9 +59,11 @@ class Evictor:
                 raise AssertionError(f"L1 full for {t.seq}/{t.layer} with nothing evictable")
             self.worker.drain()
             if t.resident >= before:
-                raise RuntimeError(
-                    "kvtier: L1 budget full and L2 refused the blocks (host_bytes full and no L3: "
-                    "raise host_bytes or set disk_path)")
+                why = ("host_bytes full and L3 full or refusing records (see the warning above): raise "
+                       "host_bytes or disk_bytes, or free space under disk_path"
+                       if self.lower.l3 is not None else
+                       "host_bytes full and no L3: raise host_bytes or set disk_path")
+                raise RuntimeError(f"kvtier: L1 budget full and L2 refused the blocks ({why})")
 
     def drain(self) -> None:
         self.worker.drain()
