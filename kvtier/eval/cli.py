@@ -164,13 +164,31 @@ class _Plan:
 
 
 def _positions_of(path: str) -> int | None:
-    """max_position_embeddings of a local transformers directory (None for a .gguf: known after load)."""
+    """The positions a local model takes, read before it loads: max_position_embeddings of a
+    transformers directory, or ``<architecture>.context_length`` of a .gguf file's metadata
+    (memory-mapped, no tensor read). None when neither says."""
     import json
 
-    cfg = Path(path).expanduser() / "config.json"
+    p = Path(path).expanduser()
+    cfg = p / "config.json"
     if cfg.is_file():
         return json.loads(cfg.read_text()).get("max_position_embeddings")
+    if p.is_file() and p.suffix == ".gguf":
+        return _gguf_context_length(p)
     return None
+
+
+def _gguf_context_length(path: Path) -> int | None:
+    from gguf import GGUFReader
+
+    try:
+        fields = GGUFReader(str(path)).fields
+        arch_field = fields["general.architecture"]
+        arch = bytes(arch_field.parts[arch_field.data[0]]).decode()
+        ctx = fields.get(f"{arch}.context_length")
+        return int(ctx.parts[ctx.data[0]][0]) if ctx is not None else None
+    except (KeyError, ValueError, OSError, IndexError) as e:
+        raise ValueError(f"--model {path}: cannot read it as a GGUF file ({type(e).__name__}: {e})") from None
 
 
 def _load_text(name: str | None) -> str:

@@ -68,3 +68,12 @@ def test_model_names_and_paths():
     assert resolve_model("qwen2.5-coder-0.5b") == (None, MODELS["qwen2.5-coder-0.5b"])
     assert MODELS["qwen2.5-coder-0.5b"].max_positions == 32768
     assert resolve_model("/some/dir") == ("/some/dir", None)
+
+
+def test_gguf_path_positions_read_before_the_model_loads(capsys, tmp_path):
+    from kvtier.integrations.model import find_gguf
+
+    assert "8,192 positions" in _err(capsys, "--model", str(find_gguf()), "--contexts", "16384")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf file" * 16)
+    assert "cannot read it as a GGUF file" in _err(capsys, "--model", str(bad))
