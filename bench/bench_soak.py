@@ -116,7 +116,8 @@ def _worker(path: str, wfd: int, seed: int, synced: list, redis: tuple[str, str]
     say("V %d %d %d" % verify(st, synced[-40:]))  # the most recent: each restart checks a window
     if redis is not None:
         with open_store(None, redis) as only_l4:  # nothing local: every block comes from Redis
-            say("W %d %d %d" % verify(only_l4, synced_l4[-40:]))
+            checked = verify(only_l4, synced_l4[-40:])
+            say("W %d %d %d %d" % (*checked, only_l4.l4.stats()["bytes_out"]))
     live: dict[int, tuple] = {}  # seq -> (family, conv, ids, target blocks, prefix blocks)
     conv_n, step = seed * 1000, 0
     while True:
@@ -153,11 +154,16 @@ def _worker(path: str, wfd: int, seed: int, synced: list, redis: tuple[str, str]
             st.flush()
             st.l3.sync()
             l3 = st.l3.stats()
+            # L4 took every publish of this process (a failed or skipped round trip is a miss, not
+            # an error): only then do its blocks count as synced to L4 too
+            l4 = st.l4.stats() if st.l4 is not None else None
+            l4_ok = int(l4 is not None and l4["errors"] + l4["skipped"] + l4["rejected"] == 0)
             for s, (fam, conv, ids, nb, pb) in live.items():
                 full = (st.seq_len(s, 0) - 1) // BT  # sealed blocks: the open one is not written through yet
                 if full > 0:
-                    say(f"S {fam} {conv} {full} {pb}")
-            say(f"M {l3['bytes_in']} {l3['bytes_out']} {conv_n - seed * 1000} {l3['disk_bytes']}")
+                    say(f"S {fam} {conv} {full} {pb} {l4_ok}")
+            say(f"M {l3['bytes_in']} {l3['bytes_out']} {conv_n - seed * 1000} {l3['disk_bytes']} "
+                f"{l4['bytes_in'] if l4 else 0} {l4['bytes_out'] if l4 else 0}")
 
 
 def soak(path: str, seconds: float, seed: int = 0, min_delay: float = 0.3, max_delay: float = 2.5,
@@ -172,7 +178,8 @@ def soak(path: str, seconds: float, seed: int = 0, min_delay: float = 0.3, max_d
     synced_l4: dict[tuple, tuple] = {}
     res = dict(rounds=0, kills=0, lock_takeovers=0, conversations=0, blocks_verified=0, blocks_lost=0,
                corrupt_served=0, l3_bytes_written=0, l3_bytes_read=0, max_disk_bytes=0, l4=redis is not None,
-               l4_blocks_verified=0, l4_blocks_lost=0, l4_corrupt_served=0, redis_restarts=0)
+               l4_blocks_verified=0, l4_blocks_lost=0, l4_corrupt_served=0, redis_restarts=0,
+               l4_bytes_written=0, l4_bytes_read=0)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
         if restart_redis is not None and redis_kill_every and res["rounds"] and res["rounds"] % redis_kill_every == 0:
@@ -184,7 +191,7 @@ def soak(path: str, seconds: float, seed: int = 0, min_delay: float = 0.3, max_d
                                                list(synced_l4.values())))
         p.start()
         os.close(w)
-        buf, seen_m = b"", (0, 0, 0)
+        buf, seen_m = b"", (0, 0, 0, 0, 0)
         deadline = None
         with os.fdopen(r, "rb", buffering=0) as f:
             os.set_blocking(r, False)
@@ -216,15 +223,16 @@ def soak(path: str, seconds: float, seed: int = 0, min_delay: float = 0.3, max_d
                             res["l4_blocks_verified"] += int(vals[0])
                             res["l4_blocks_lost"] += int(vals[1])
                             res["l4_corrupt_served"] += int(vals[2])
+                            res["l4_bytes_read"] += int(vals[3])
                             deadline = time.monotonic() + rng.uniform(min_delay, max_delay)
                         elif kind == "S":
-                            fam, conv, nb, pb = map(int, vals)
-                            for book in (synced, synced_l4) if redis is not None else (synced,):
+                            fam, conv, nb, pb, l4_ok = map(int, vals)
+                            for book in (synced, synced_l4) if l4_ok else (synced,):
                                 prev = book.get((fam, conv))
                                 if prev is None or prev[2] < nb:
                                     book[(fam, conv)] = (fam, conv, nb, pb)
                         elif kind == "M":
-                            seen_m = (int(vals[0]), int(vals[1]), int(vals[2]))
+                            seen_m = (int(vals[0]), int(vals[1]), int(vals[2]), int(vals[4]), int(vals[5]))
                             res["max_disk_bytes"] = max(res["max_disk_bytes"], int(vals[3]))
                         elif kind == "C":
                             res["corrupt_served"] += 1
@@ -240,6 +248,8 @@ def soak(path: str, seconds: float, seed: int = 0, min_delay: float = 0.3, max_d
         res["l3_bytes_written"] += seen_m[0]
         res["l3_bytes_read"] += seen_m[1]
         res["conversations"] += seen_m[2]
+        res["l4_bytes_written"] += seen_m[3]
+        res["l4_bytes_read"] += seen_m[4]
     # the last check: every synced conversation, then give the disk back
     final = _CTX.Process(target=_verify_all, args=(path, list(synced.values()), w2 := os.pipe(), redis,
                                                    list(synced_l4.values())))
@@ -262,7 +272,8 @@ def soak(path: str, seconds: float, seed: int = 0, min_delay: float = 0.3, max_d
         res["disk_bytes_after_reclaim"] = t.disk_bytes
         res["records_after_reclaim"] = len(t)
     res["bytes_lost"] = (res["blocks_lost"] + res["final_blocks_lost"]) * BLOCK_BYTES
-    res["GB_moved"] = (res["l3_bytes_written"] + res["l3_bytes_read"]) / 1e9
+    res["GB_moved"] = (res["l3_bytes_written"] + res["l3_bytes_read"] + res["l4_bytes_written"]
+                       + res["l4_bytes_read"]) / 1e9
     return res
 
 
