@@ -3,8 +3,13 @@
 Workloads, with synthetic KV of the shape (Llama-3-8B by default: 32 layers, 8 KV heads,
 head_dim 128, bf16; ``--shape`` for others) and int4 below L1:
   grow      one sequence growing to --max-tokens (128k): prefill in chunks, and at each
-            checkpoint (8k, 16k, ... 128k) a few sparse decode steps (budget 3% of the context:
-            select + gather_view + a one-token append per layer, then end_step)
+            checkpoint (8k, 16k, ... 128k) sparse decode steps (budget 3% of the context:
+            select + gather_view + a one-token append per layer, then end_step). The first steps
+            after a prefill bring the chosen blocks into L1 while the swap-out worker writes the
+            blocks they displace: they run until one swaps nothing in and are reported apart
+            ("transient": steps, total ms, swap-ins); the worker is drained, then --steps steady
+            steps are timed. --base REV runs the same workload with the store of git revision REV
+            first, in a child process: old and new side by side, same machine, same run.
   convs     --convs (8) conversations of --conv-tokens (32k) sharing a --prefix-tokens (4k)
             prefix (content-addressed blocks: one copy per tier), stored once; then decode
             steps with 1, 2, 4, ... of them active at once (round-robin)
@@ -21,11 +26,14 @@ Reported (JSON, and PNG curves next to it in --out):
   tombstones and checkpoints included / record payload); RSS against tokens stored, its
   exponent, and bytes per L3 record; reopen seconds, microseconds per record and RSS.
 
-Default (full) run: about 12 GB of RAM (L1 2 GiB + L2 8 GiB + the process) and, with int4 below
+Default (full) run: about 12 GB of RAM (L1 2 GiB + L2 8 GiB + about 2 GiB for the process: digests,
+index, gather copies, decoded blocks kept for the next step) and, with int4 below
 L1 (about 36 KiB a token at this shape), 4.6 GiB for the 128k sequence and 8 GiB for the
 conversations (the prefix stored once), of which what L2 cannot hold goes to L3: a few GB on disk.
 ``--codec bf16`` stores 128 KiB a token: 16 + 28 GiB written, about 30 GB on L3 at its peak.
-Either stays within 40 GB of disk and 16 GB of RAM. --smoke: 4 of the 32 layers, contexts to
+Either stays within 40 GB of disk and 16 GB of RAM. On a shared machine: --l1-gib 1 --l2-gib 4
+keeps the process under about 8 GiB (measured: 7.2 GiB growth at 128k with --codec bf16), the
+same shapes, more of the KV on L3. --smoke: 4 of the 32 layers, contexts to
 4k, 2 conversations of 1k, 20k records reopened; under 30 s, a few hundred MB.
 
     python bench/bench_scale.py --smoke
