@@ -306,6 +306,10 @@ def run_convs(a, shape, root: str) -> dict:
     hot = max(budget, (int(a.l1_gib * (1 << 30)) // (per_tok * a.convs)) // a.block_tokens * a.block_tokens)
     d = os.path.join(root, "convs")
     st = make_store(a, shape, d, hot, budget, a.convs)
+    if budget // a.block_tokens + 1 > st.layout.low:
+        # the watermarks evict part of every step's selection: each step swaps it back in
+        print(f"  note: each conversation's L1 ({hot} tokens, {st.layout.low} blocks kept at the low "
+              f"watermark) barely holds its budget ({budget} tokens): raise --l1-gib", flush=True)
     timed = Timed(st.l3)
     src = KVSource(shape, 1024, seed=1)
     prefix_ids = np.arange(a.prefix_tokens, dtype=np.int64)
@@ -342,7 +346,8 @@ def run_convs(a, shape, root: str) -> dict:
     st.close()
     shutil.rmtree(d, ignore_errors=True)
     tokens = a.convs * a.conv_tokens
-    return {"points": out, "budget_tokens": budget, "hot_tokens": hot, "fill_s": fill_s, "tokens": tokens,
+    return {"points": out, "budget_tokens": budget, "hot_tokens": hot, "low_watermark_blocks": st.layout.low,
+            "fill_s": fill_s, "tokens": tokens,
             "dedup_seals": stats.get("prefix", {}).get("dedup_seals"), "l3_disk_bytes": l3["disk_bytes"],
             "l3_bytes_written_per_token": l3["bytes_written"] / tokens,
             "swap_out_GBps": timed.put_b / timed.put_s / 1e9 if timed.put_s else None,
