@@ -495,7 +495,8 @@ def plot(out: dict, path: str) -> None:
         ax[0].legend()
         ax[2].loglog(x, [max(1, p["rss_delta_bytes"]) / 2**20 for p in g], "o-", label="RSS growth")
         ax[2].loglog(x, [max(1, p["rss_beyond_l2_bytes"]) / 2**20 for p in g], "^-", label="RSS beyond the L2 arena")
-        ax[2].loglog(x, [max(1, p["l3_disk_bytes"]) / 2**20 for p in g], "s--", label="L3 on disk")
+        on_disk = [(p["context"], p["l3_disk_bytes"] / 2**20) for p in g if p["l3_disk_bytes"]]  # log axis: no zeros
+        ax[2].loglog([c for c, _ in on_disk], [b for _, b in on_disk], "s--", label="L3 on disk")
         ax[2].set(xlabel="tokens stored", ylabel="MiB", title="memory and disk against tokens")
         ax[2].legend()
     c = out.get("convs", {}).get("points", [])
