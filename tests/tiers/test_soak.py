@@ -25,7 +25,8 @@ def test_kill_and_restart_loses_nothing_synced(tmp_path):
                        capture_output=True, text=True, env=env, timeout=240)
     assert r.returncode in (0, 1), r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
-    assert res["kills"] >= 8 and res["lock_takeovers"] == res["rounds"] - 1
+    # each restart checks from L3 and, with Redis, from L4 too: fewer rounds fit in the time
+    assert res["kills"] >= (6 if redis else 8) and res["lock_takeovers"] == res["rounds"] - 1, res
     assert res["bytes_lost"] == 0 and res["blocks_lost"] == res["final_blocks_lost"] == 0, res
     assert res["corrupt_served"] == 0 and res["final_corrupt"] == 0, res
     assert res["final_blocks_verified"] > 500 and res["blocks_verified"] > 0
