@@ -24,6 +24,7 @@ Order = Literal["compress-then-tier", "tier-then-compress"]
 Policy = Literal["lru", "sink-window", "h2o", "snapkv"]
 Attention = Literal["dense", "sparse"]
 SelectScore = Literal["centroid", "quest"]
+AttentionMath = Literal["float32", "sdpa"]
 Axis = Literal["channel", "token"]
 Durability = Literal["never", "close", "batch"]
 DType = Literal["float16", "bfloat16", "float32"]
@@ -287,6 +288,21 @@ class KVTierConfig:
     reference's accuracy with 4-token centroids against 0.65 with one centroid per block, at
     ``block_tokens / digest_tokens`` times the digest bytes (1/8 of a 16-bit KV cache at 4 tokens)."""
 
+    attention_math: AttentionMath = "float32"
+    """How kvtier's own attention computes, where it replaces SDPA (sparse decode steps, and
+    multi-token steps over cached tokens, e.g. a chat's next turn, in either mode).
+    ``float32``: products and softmax accumulate in float32 and round once, at the end (sparse
+    decode: one packed-GQA matmul; multi-token steps: two unmasked passes over the prefix and the
+    new tokens merged by log-sum-exp, no ``[q, past + q]`` mask): at least as close to a float64
+    reference as SDPA in every dtype (tests/integrations/test_attention_exact.py), but in
+    fp16/bf16 not bit-equal to SDPA, so greedy tokens can part from ``DynamicCache``'s after a
+    few turns. ``sdpa``: the same steps call transformers' SDPA attention on the gathered K/V in
+    the KV dtype, with the model's mask and scale: with a lossless codec (``fp16``/``bf16``/``fp32``
+    on every tier, or nothing evicted) and a budget covering the context, every step computes
+    what SDPA over ``DynamicCache`` computes, and tokens are identical to it. Costs: a
+    multi-token step over cached tokens builds the explicit mask SDPA takes, and with ``h2o``/
+    ``snapkv`` a sparse step computes the attention mass per block in a second pass."""
+
     prefetch: bool | Literal["auto"] = "auto"
     """Asynchronously decode blocks predicted to be needed (last selection, next layer), on a
     background thread. ``"auto"``: on when the store's device is a GPU, off on a CPU store. On a
@@ -392,6 +408,7 @@ class KVTierConfig:
         _choice("policy", self.policy, get_args(Policy))
         _choice("attention", self.attention, get_args(Attention))
         _choice("select_score", self.select_score, get_args(SelectScore))
+        _choice("attention_math", self.attention_math, get_args(AttentionMath))
         if self.digest_tokens is None:
             _derive(self, "digest_tokens", self.block_tokens)
         _int("digest_tokens", self.digest_tokens, 1, self.block_tokens)
