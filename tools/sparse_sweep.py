@@ -108,7 +108,7 @@ def report(records: list[dict], seed: int = 0) -> str:
     settings = list(dict.fromkeys(r["setting"] for r in records if r["setting"] != REFERENCE.name))
     texts = list(dict.fromkeys(r["text"] for r in records))
     contexts = sorted({r["context"] for r in records})
-    header = ["setting"] + [str(c) for c in contexts] + ["all"] + texts + ["windows"]
+    header = ["setting"] + [str(c) for c in contexts] + ["all"] + texts + ["windows", "L1 B/token"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
 
     def cell(pairs, ci=True):
@@ -122,7 +122,8 @@ def report(records: list[dict], seed: int = 0) -> str:
                   + [lambda k, t=t: k[0] == t for t in texts]):
         vals = [a for k, a in ref.items() if group(k)]
         refrow.append(f"{statistics.fmean(vals):.2f}" if vals else "-")
-    lines.append("| " + " | ".join(refrow + [str(len(ref))]) + " |")
+    kv16 = [r["l1_bytes_per_token"] for r in records if r["setting"] == REFERENCE.name and r.get("l1_bytes_per_token")]
+    lines.append("| " + " | ".join(refrow + [str(len(ref)), f"{statistics.fmean(kv16):.0f}" if kv16 else "-"]) + " |")
     for s in settings:
         got = {key(r): r["acc"] for r in records if r["setting"] == s and key(r) in ref}
         row = [s]
@@ -130,6 +131,8 @@ def report(records: list[dict], seed: int = 0) -> str:
         row.append("**" + cell([(ref[k], a) for k, a in got.items()]) + "**")
         row += [cell([(ref[k], a) for k, a in got.items() if k[0] == t], ci=False) for t in texts]
         row.append(str(len(got)))
+        l1 = [r["l1_bytes_per_token"] for r in records if r["setting"] == s and r.get("l1_bytes_per_token")]
+        row.append(f"{statistics.fmean(l1):.0f}" if l1 else "-")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
 
@@ -208,7 +211,8 @@ def main(argv=None) -> int:
                                 raise SystemExit(f"a setting could not run: {r}")
                             rec = {"setting": r.spec.name, "params": r.spec.params, "text": text_name,
                                    "context": ctx, "window": i, "seed": args.seed, "depth": w.depth,
-                                   "acc": top1_accuracy(r.logp, w.continuation)}
+                                   "acc": top1_accuracy(r.logp, w.continuation),
+                                   "l1_bytes_per_token": r.footprint.get("l1_bytes_per_token")}
                             records.append(rec)
                             if out:
                                 out.write(json.dumps(rec) + "\n")
