@@ -65,11 +65,17 @@ def grids() -> dict[str, list[tuple[str, dict]]]:
             _row("b16 d4 snapkv", block_tokens=16, digest_tokens=4, policy="snapkv"),
             _row("b16 d4 sink-window", block_tokens=16, digest_tokens=4, policy="sink-window"),
         ],
+        # what the probe loses to: the codec of recalled blocks, the policy, the fixed parts
+        "diag": [
+            _row("b16 d4 bf16", block_tokens=16, digest_tokens=4, codec="bf16"),
+            _row("b16 d4 int8", block_tokens=16, digest_tokens=4, codec="int8"),
+            _row("b16 d4 h2o", block_tokens=16, digest_tokens=4, policy="h2o"),
+            _row("b16 d4 w0", block_tokens=16, digest_tokens=4, window_tokens=0),
+            _row("b16 d4 s0", block_tokens=16, digest_tokens=4, sink_tokens=0),
+        ],
         # the configuration defaults against the settings the issue compared
         "defaults": [
             _row("default"),
-            _row("b32 d32 (issue)", block_tokens=32, digest_tokens=32),
-            _row("b16 d4", block_tokens=16, digest_tokens=4),
         ],
     }
 
@@ -173,7 +179,7 @@ def main(argv=None) -> int:
     all_grids = grids()
     if args.smoke:
         args.texts, args.contexts, args.windows, args.l1 = "pydoc", "512", 1, "0.25"
-        rows = all_grids["defaults"][:2]
+        rows = all_grids["defaults"] + all_grids["digest"][1:2]
     else:
         rows = []
         for g in args.grid.split(","):
