@@ -202,3 +202,13 @@ def test_derived_values_survive_pickle_and_deepcopy():
     for c in (pickle.loads(pickle.dumps(cfg)), copy.deepcopy(cfg)):
         assert c == cfg and c.is_derived("host_codec") and c.is_derived("budget_tokens")
         assert dataclasses.replace(c, codec="int8").host_codec == "int8"
+
+
+def test_default_split_leaves_small_sparse_budgets_room_to_select():
+    # 48 tokens of 16-token blocks: sink, one block chosen by query, the open block
+    cfg = KVTierConfig(attention="sparse", hot_tokens=48)
+    assert (cfg.sink_tokens, cfg.window_tokens) == (16, 0)
+    # larger budgets keep the two-block window
+    cfg = KVTierConfig(attention="sparse", hot_tokens=256)
+    assert (cfg.sink_tokens, cfg.window_tokens) == (16, 32)
+    assert KVTierConfig(attention="sparse", hot_tokens=64).window_tokens == 16
