@@ -191,9 +191,9 @@ class KVTierConfig:
     """Tokens per block: the unit of eviction, swap, compression and (sparse mode) selection.
     Default (derived, see ``default_block_tokens``): 64 for ``attention="dense"``, where every
     step swaps in every block outside L1 and the per-block cost dominates; 16 for ``"sparse"``,
-    where a block is what a step selects (sparse_sweep below ``digest_tokens``: 64-token blocks
-    leave a 12.5% budget at 2k context no room to select anything, 32-token ones lost 40% of the
-    recall probe)."""
+    where a block is what a step selects (recall probe, figures under ``digest_tokens``: 64-token
+    blocks leave a 12.5% budget at 2k context no room to select anything, 32-token ones kept
+    0.47-0.78 of the reference's accuracy where 16-token ones kept 0.79-0.87)."""
 
     hot_tokens: Optional[int] = 512
     """L1 budget per sequence and layer, in tokens (rounded down to whole blocks; the open block
@@ -304,10 +304,10 @@ class KVTierConfig:
 
     digest_tokens: Optional[int] = None
     """``centroid`` only: tokens summarised by one key centroid; a block's score is its best
-    sub-block's. A divisor of ``block_tokens``; default (derived) 4, or the largest divisor of
-    ``block_tokens`` below it; ``block_tokens`` with ``quest``. One key that matches the query
-    stands out of the mean of 4 keys, not of 16. Recall probe as in ``select_score``, ratio to the
-    reference [95% CI]: 16-token blocks, 4-token centroids 0.87 [0.79, 0.95], 8-token 0.78
+    sub-block's. A divisor of ``block_tokens``; default (derived) 4, or gcd(``block_tokens``, 4)
+    when 4 does not divide it; ``block_tokens`` with ``quest``. One key that matches the query
+    stands out of the mean of 4 keys, not of 16. Recall probe as in ``select_score`` (lru, 9
+    windows), ratio to the reference [95% CI]: 16-token blocks, 4-token centroids 0.87 [0.79, 0.95], 8-token 0.78
     [0.67, 0.87], 16-token 0.79 [0.62, 0.93]; 32-token blocks 0.78, 0.65, 0.47 with 4-, 8-, 32-token
     centroids; 64-token blocks 0.09 (a 256-token budget leaves no room for any selected block).
     Costs ``block_tokens / digest_tokens`` digest rows per block in L1: at 4 tokens 1/8 of a
@@ -665,4 +665,4 @@ def _round_up(x: int, m: int) -> int:
 
 
 __all__ = ["KVTierConfig", "CODECS", "LOSSLESS_CODECS", "GROUP_SIZES", "DERIVED_FIELDS", "DEFAULT_BLOCK_TOKENS",
-           "default_block_tokens", "lossless_codec"]
+           "DEFAULT_DIGEST_TOKENS", "default_block_tokens", "lossless_codec"]
