@@ -30,6 +30,7 @@ import json
 import mmap
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -340,6 +341,149 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int) ->
             "delete_call_ms": delete_s * 1e3, "inline_compaction_call_ms": inline_s * 1e3}
 
 
+SECTIONS = ("L1", "L2", "L3", "compaction", "reopen")
+REOPEN_BASE = "d8a714b"  # the DiskTier whose checkpoint loads into a dict of tuples (one object per record)
+
+_REOPEN_CHILD = r"""
+import json, os, sys, time
+which, path, pkgdir, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+if which == "base":
+    sys.path.insert(0, pkgdir)
+    import kvtier_tiers_base as tiers
+else:
+    from kvtier import tiers
+def reopen_key(j):
+    return f"m{j:032x}/0/{j:032x}"[:40]
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+r0 = rss()
+t0 = time.perf_counter()
+t = tiers.DiskTier(path, capacity_bytes=64 << 30, durability="never")
+dt = time.perf_counter() - t0
+r1 = rss()
+keys = [reopen_key(j) for j in range(0, n, max(1, n // 10_000))]
+t1 = time.perf_counter()
+assert all(t.get(k) is not None for k in keys)
+first = (time.perf_counter() - t1) / len(keys)
+print(json.dumps({"seconds": dt, "records": len(t), "rss_delta_bytes": r1 - r0, "first_get_s": first,
+                  "checkpoint_loaded": t.stats()["checkpoint_loaded"]}), flush=True)
+os._exit(0)  # no close: the INDEX stays the one written for these runs
+"""
+
+
+def reopen_key(j: int) -> str:
+    return f"m{j:032x}/0/{j:032x}"[:40]  # a store key's length and shape
+
+
+def _tiers_at(rev: str, root: str) -> str | None:
+    """kvtier/tiers as of git ``rev``, copied into ``root``/kvtier_tiers_base (importable beside
+    the current one); None when there is no git history to take it from."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ls = subprocess.run(["git", "-C", here, "ls-tree", "--name-only", rev, "kvtier/tiers/"], capture_output=True,
+                        text=True)
+    if ls.returncode != 0 or not ls.stdout.strip():
+        return None
+    pkg = os.path.join(root, "kvtier_tiers_base")
+    os.makedirs(pkg, exist_ok=True)
+    for path in ls.stdout.split():
+        if path.endswith(".py"):
+            src = subprocess.run(["git", "-C", here, "show", f"{rev}:{path}"], capture_output=True, text=True,
+                                 check=True).stdout
+            with open(os.path.join(pkg, os.path.basename(path)), "w") as f:
+                f.write(src)
+    return root
+
+
+def bench_reopen(root: str, n: int, repeat: int, in_process: bool) -> dict:
+    """Reopening a directory of ``n`` small records from its checkpoint: this tree against
+    ``REOPEN_BASE``, alternated, each with its own INDEX over the same (hard-linked) segment
+    files; seconds, microseconds a record, RSS growth and the first get of 10k keys after it.
+    Each open runs in a fresh interpreter (RSS is its own), except in --smoke."""
+    new_dir, base_dir = os.path.join(root, "reopen-new"), os.path.join(root, "reopen-base")
+    t = DiskTier(new_dir, capacity_bytes=64 << 30, durability="never")
+    v = os.urandom(40)
+    for i in range(0, n, 20_000):
+        t.put_many([(reopen_key(j), v) for j in range(i, min(n, i + 20_000))])
+    t.close()  # writes this tree's INDEX
+    pkgdir = _tiers_at(REOPEN_BASE, root)
+    order = ["new"]
+    if pkgdir is not None:
+        os.makedirs(base_dir)
+        for name in os.listdir(new_dir):
+            if name.startswith("seg-"):
+                os.link(os.path.join(new_dir, name), os.path.join(base_dir, name))
+        sys.path.insert(0, pkgdir)
+        try:
+            import kvtier_tiers_base
+            kvtier_tiers_base.DiskTier(base_dir, capacity_bytes=64 << 30, durability="never").close()  # its INDEX
+        finally:
+            sys.path.remove(pkgdir)
+        order = ["base", "new"]
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    runs: dict = {w: [] for w in order}
+    for _ in range(repeat):
+        for which in order:
+            path = new_dir if which == "new" else base_dir
+            if in_process:
+                out = _reopen_in_process(which, path, n)
+            else:
+                r = subprocess.run([sys.executable, "-c", _REOPEN_CHILD, which, path, pkgdir or "", str(n)],
+                                   capture_output=True, text=True, env=env)
+                if r.returncode != 0:
+                    raise RuntimeError(f"reopen child ({which}) failed: {r.stderr[-2000:]}")
+                out = json.loads(r.stdout.strip().splitlines()[-1])
+            assert out["records"] == n and out["checkpoint_loaded"] == 1, out
+            runs[which].append(out)
+    res: dict = {"records": n, "base_commit": REOPEN_BASE if pkgdir else None, "fresh_process": not in_process}
+    for which, outs in runs.items():
+        best = min(outs, key=lambda o: o["seconds"])
+        res[which] = {"seconds": best["seconds"], "us_per_record": best["seconds"] / n * 1e6,
+                      "rss_delta_MiB": best["rss_delta_bytes"] / 2**20,
+                      "rss_bytes_per_record": best["rss_delta_bytes"] / n,
+                      "first_get_us": min(o["first_get_s"] for o in outs) * 1e6}
+    if "base" in res:
+        res["speedup_vs_base"] = res["base"]["seconds"] / res["new"]["seconds"]
+        res["rss_ratio_vs_base"] = res["new"]["rss_delta_MiB"] / max(1e-9, res["base"]["rss_delta_MiB"])
+    shutil.rmtree(new_dir, ignore_errors=True)
+    shutil.rmtree(base_dir, ignore_errors=True)
+    return res
+
+
+def _reopen_in_process(which: str, path: str, n: int) -> dict:
+    if which == "base":
+        import kvtier_tiers_base as tiers  # noqa: F401 (imported by bench_reopen)
+    else:
+        from kvtier import tiers
+    r0 = rss_bytes()
+    t0 = time.perf_counter()
+    t = tiers.DiskTier(path, capacity_bytes=64 << 30, durability="never")
+    dt = time.perf_counter() - t0
+    r1 = rss_bytes()
+    keys = [reopen_key(j) for j in range(0, n, max(1, n // 10_000))]
+    t1 = time.perf_counter()
+    assert all(t.get(k) is not None for k in keys)
+    first = (time.perf_counter() - t1) / len(keys)
+    out = {"seconds": dt, "records": len(t), "rss_delta_bytes": r1 - r0, "first_get_s": first,
+           "checkpoint_loaded": t.stats()["checkpoint_loaded"]}
+    t.close()
+    return out
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    if isinstance(v, dict):
+        return "{" + " ".join(f"{k}={fmt(x)}" for k, x in v.items()) + "}"
+    return str(v)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds (CI)")
@@ -354,11 +498,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="torch intra-op threads for the copy_ references (the tiers copy host bytes on one "
                          "thread; on a loaded machine threaded copies also stall); 0 = torch's default")
+    ap.add_argument("--only", choices=SECTIONS, action="append", help="run only these sections (repeatable)")
+    ap.add_argument("--reopen-records", type=int, default=1_000_000, help="records in the reopened directory")
+    ap.add_argument("--reopen-repeat", type=int, default=3, help="reopens of each version (alternated)")
     a = ap.parse_args(argv)
     if a.smoke:
-        a.block_kib, a.total_mib, a.repeat = 64, 8, 2
-    if a.block_kib < 1 or a.small_kib < 1 or a.total_mib < 1 or a.batch < 1 or a.repeat < 1:
-        raise SystemExit("--block-kib, --small-kib, --total-mib, --batch and --repeat must be >= 1")
+        a.block_kib, a.total_mib, a.repeat, a.reopen_records = 64, 8, 2, 20_000
+    if min(a.block_kib, a.small_kib, a.total_mib, a.batch, a.repeat, a.reopen_records, a.reopen_repeat) < 1:
+        raise SystemExit("--block-kib, --small-kib, --total-mib, --batch, --repeat, --reopen-records and "
+                         "--reopen-repeat must be >= 1")
     if a.torch_threads > 0:
         torch.set_num_threads(a.torch_threads)
     bs = a.block_kib << 10
@@ -369,44 +517,55 @@ def main(argv: list[str] | None = None) -> int:
     kv_blocks = [torch.randn(bs // 2, generator=g).half().numpy().tobytes() for _ in range(n)]
     l1_blocks = [torch.randn(bs // 2, generator=g).half() for _ in range(n)]
 
+    todo = set(a.only or SECTIONS)
     out: dict = {"block_bytes": bs, "blocks": n, "batch": a.batch, "torch_threads": torch.get_num_threads()}
-    out["L1_cpu"] = bench_l1(l1_blocks, "cpu", a.repeat)
-    if torch.cuda.is_available():
-        out["L1_cuda"] = bench_l1(l1_blocks, "cuda", a.repeat)
-    out["L2"] = bench_l2(raw_blocks, a.repeat)
+    if "L1" in todo:
+        out["L1_cpu"] = bench_l1(l1_blocks, "cpu", a.repeat)
+        if torch.cuda.is_available():
+            out["L1_cuda"] = bench_l1(l1_blocks, "cuda", a.repeat)
+    if "L2" in todo:
+        out["L2"] = bench_l2(raw_blocks, a.repeat)
     root = tempfile.mkdtemp(prefix="kvtier-bench-", dir=a.dir)
     try:
-        out["L3_raw"] = bench_l3(root, raw_blocks, a.batch, False, a.repeat)
-        out["L3_lz4"] = bench_l3(root, kv_blocks, a.batch, True, a.repeat)
-        sb = a.small_kib << 10
-        small = [torch.randint(0, 256, (sb,), dtype=torch.uint8, generator=g).numpy().tobytes()
-                 for _ in range(max(2, min(4096, (a.total_mib << 20) // sb)))]
-        out["L3_small"] = bench_l3(root, small, a.batch, False, a.repeat)
-        out["L3_compaction"] = bench_compaction(root, sb * 2, (16 if a.smoke else 128) << 20, 300 if a.smoke else 2000)
+        if "L3" in todo:
+            out["L3_raw"] = bench_l3(root, raw_blocks, a.batch, False, a.repeat)
+            out["L3_lz4"] = bench_l3(root, kv_blocks, a.batch, True, a.repeat)
+            sb = a.small_kib << 10
+            small = [torch.randint(0, 256, (sb,), dtype=torch.uint8, generator=g).numpy().tobytes()
+                     for _ in range(max(2, min(4096, (a.total_mib << 20) // sb)))]
+            out["L3_small"] = bench_l3(root, small, a.batch, False, a.repeat)
+        if "compaction" in todo:
+            out["L3_compaction"] = bench_compaction(root, (a.small_kib << 10) * 2, (16 if a.smoke else 128) << 20,
+                                                    300 if a.smoke else 2000)
+        if "reopen" in todo:
+            out["L3_reopen"] = bench_reopen(root, a.reopen_records, 1 if a.smoke else a.reopen_repeat,
+                                            in_process=a.smoke)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    l2 = min(out["L2"]["put_tensor_ratio"], out["L2"]["put_bytes_ratio"], out["L2"]["get_into_ratio"])
-    l3 = out["L3_raw"]
-    out["targets"] = {
-        "L2>=0.5x_copy": "PASS" if l2 >= 0.5 else "MISS",
-        "L3_write>=0.7x_raw": "PASS" if l3["write_ratio"] >= 0.7 else "MISS",
-        "L3_read_warm>=0.7x_raw": "PASS" if l3["read_warm_ratio"] >= 0.7 else "MISS",
-    }
-    if "read_cold_ratio" in l3:
-        out["targets"]["L3_read_cold>=0.7x_raw"] = "PASS" if l3["read_cold_ratio"] >= 0.7 else "MISS"
-    small = out["L3_small"]
-    out["targets"]["L3_step_p99<=2x_p50_while_compacting"] = \
-        "PASS" if out["L3_compaction"]["p99_over_p50_during"] <= 2.0 else "MISS"
-    out["targets"]["L3_small_read_warm>=0.7x_raw"] = "PASS" if small["read_warm_ratio"] >= 0.7 else "MISS"
+    tg = out["targets"] = {}
+    if "L2" in out:
+        l2 = min(out["L2"]["put_tensor_ratio"], out["L2"]["put_bytes_ratio"], out["L2"]["get_into_ratio"])
+        tg["L2>=0.5x_copy"] = "PASS" if l2 >= 0.5 else "MISS"
+    if "L3_raw" in out:
+        l3, small = out["L3_raw"], out["L3_small"]
+        tg["L3_write>=0.7x_raw"] = "PASS" if l3["write_ratio"] >= 0.7 else "MISS"
+        tg["L3_read_warm>=0.7x_raw"] = "PASS" if l3["read_warm_ratio"] >= 0.7 else "MISS"
+        if "read_cold_ratio" in l3:
+            tg["L3_read_cold>=0.7x_raw"] = "PASS" if l3["read_cold_ratio"] >= 0.7 else "MISS"
+        tg["L3_small_read_warm>=0.7x_raw"] = "PASS" if small["read_warm_ratio"] >= 0.7 else "MISS"
+    if "L3_compaction" in out:
+        tg["L3_step_p99<=2x_p50_while_compacting"] = \
+            "PASS" if out["L3_compaction"]["p99_over_p50_during"] <= 2.0 else "MISS"
+    if "L3_reopen" in out:
+        tg["L3_reopen<1us_per_record"] = "PASS" if out["L3_reopen"]["new"]["us_per_record"] < 1.0 else "MISS"
     if a.json:
         print(json.dumps(out, indent=1))
         return 0
     print(f"block {bs >> 10} KiB x {n} records, batch {a.batch}{'  (smoke)' if a.smoke else ''}")
     for sect, vals in out.items():
         if isinstance(vals, dict):
-            print(f"  {sect:8s} " + "  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                                             for k, v in vals.items()))
+            print(f"  {sect:8s} " + "  ".join(f"{k}={fmt(v)}" for k, v in vals.items()))
     return 0
 
 

@@ -100,7 +100,7 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
                        compact_bytes_written=0, checkpoint_bytes_written=0, disk_full_errors=0)
         self.open_seconds = 0.0
         self._corrupt_keys: set[str] = set()
-        self._index: dict[str, tuple[int, int, int, int]] = {}  # key -> (seg id, offset, size, vlen)
+        self._index = diskindex.RecordIndex()  # key -> (seg id, offset, size, vlen)
         self._segs: dict[int, Segment] = {}
         self._head: Segment | None = None
         self._next_id = 1
@@ -221,7 +221,8 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
 
     def _adopt(self, cp: diskindex.Checkpoint) -> None:
         gone = {r.id for r in cp.segments} - set(self._segs)  # compacted after the checkpoint
-        self._index = cp.index if not gone else {k: v for k, v in cp.index.items() if v[0] not in gone}
+        self._index = cp.index
+        self._index.drop_segments(gone)
         for r in cp.segments:
             seg = self._segs.get(r.id)
             if seg is not None:
@@ -285,8 +286,9 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
 
     # -- index bookkeeping ------------------------------------------------------------------
     def _set(self, key: str, loc: tuple[int, int, int, int]) -> None:
-        self._unset(key)
-        self._index[key] = loc
+        old = self._index.replace(key, loc)
+        if old is not None:
+            self._segs[old[0]].live -= old[2]
         self._segs[loc[0]].live += loc[2]
         self._corrupt_keys.discard(key)
 
@@ -466,7 +468,7 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
             recs.append((key, kb, size, parts, n))
         with self._lock:
             self._check_open()
-            touched = {self._index[k][0] for k, *_ in recs if k in self._index}
+            touched = {loc[0] for k, *_ in recs if (loc := self._index.get(k)) is not None}
             res = self._append(recs)
             for rec, ok in zip(recs, res):
                 if ok:
@@ -485,11 +487,11 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
             self._check_open()
             out, recs, touched = [], [], set()
             for k in keys:
-                present = k in self._index
+                loc = self._index.get(k)
                 self._corrupt_keys.discard(k)
-                out.append(present)
-                if present:
-                    touched.add(self._index[k][0])
+                out.append(loc is not None)
+                if loc is not None:
+                    touched.add(loc[0])
                     recs.append((k, *self._image(k, None)))
             if recs:
                 res = self._append(recs)

@@ -92,7 +92,7 @@ class DiskReads:
         """(segment, value offset, value length, crc32 of the key, expected crc32 of key+value)
         after checking the record's header against the index; None when absent or when the
         header/bounds are already wrong (that is counted as corrupt)."""
-        loc = self._index.get(key)
+        loc = self._index.lookup(key)
         if loc is None:
             return None
         sid, off, size, vlen = loc
@@ -139,12 +139,13 @@ class DiskReads:
 
     def get(self, key: str) -> bytes | None:
         """CRC-verified owned bytes, or None when absent or corrupt (counted in stats()["corrupt"])."""
-        index = self._index
-        if type(key) is not str or key not in index:  # an indexed key was checked when put
+        if type(key) is not str:
             check_key(key)
         with self._lock:
             self._check_open()
-            loc = index.get(key)
+            loc = self._index.lookup(key)
+            if loc is None:
+                check_key(key)  # an indexed key was checked when put
             if loc is None or loc[3] >= _PREAD_MAX:
                 return self._get_mapped(key)
             # a small record: one pread of its whole image, checked here (at these sizes a call
@@ -179,7 +180,7 @@ class DiskReads:
             return Tier.get_into(self, key, out)  # staged through host memory
         with self._lock:
             self._check_open()
-            loc = self._index.get(key)
+            loc = self._index.lookup(key)
             mv, _ = out_view(out, loc[3] if loc is not None else 0)  # checked before counting
             r = self._locate(key)
             if r is None:
@@ -193,13 +194,16 @@ class DiskReads:
     def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
         """Batched get: readahead for the whole batch first, and the CRC checks of large values
         run on worker threads (the CRC releases the GIL) while the next values are copied."""
-        index = self._index
-        keys = [k if type(k) is str and k in index else check_key(k) for k in keys]
+        keys = [k if type(k) is str else check_key(k) for k in keys]
         with self._lock:
             self._check_open()
+            lookup = self._index.lookup
+            locs = [lookup(k) for k in keys]
+            for k, loc in zip(keys, locs):
+                if loc is None:
+                    check_key(k)  # an indexed key was checked when put
             spans: dict[int, list[int]] = {}  # segment id -> [first byte, end, bytes wanted] of the large ones
-            for k in keys:
-                loc = index.get(k)
+            for loc in locs:
                 if loc is not None and loc[3] >= _PREAD_MAX:
                     sp = spans.setdefault(loc[0], [loc[1], 0, 0])
                     sp[0], sp[1], sp[2] = min(sp[0], loc[1]), max(sp[1], loc[1] + loc[2]), sp[2] + loc[2]
@@ -213,8 +217,7 @@ class DiskReads:
                         pass  # advice only
             out: list[bytes | None] = [None] * len(keys)
             small, rest = [], []
-            for i, k in enumerate(keys):
-                loc = index.get(k)
+            for i, (k, loc) in enumerate(zip(keys, locs)):
                 (small if loc is not None and loc[3] < _PREAD_MAX else rest).append((i, k, loc))
             if small:
                 self._read_small_runs(small, out)
