@@ -33,7 +33,6 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 from kvtier._crc import crc32
@@ -113,7 +112,6 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
         self._failed: BaseException | None = None  # the last environment failure reported to a caller
         self._closed = True
         self._lock_fd = -1
-        self._pool: ThreadPoolExecutor | None = None
         self._rfds: dict[int, int] = {}  # segment id -> read-only fd, least recently used first
         self._worker: Compactor | None = None
         self._share = float(compact_share)
@@ -626,9 +624,6 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)  # releases the flock
                 self._lock_fd = -1
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
         if err is not None:
             if self._failed is None:
                 raise err
