@@ -10,6 +10,7 @@ inline: handing it to a thread cost more than it saved.
 from __future__ import annotations
 
 import mmap
+import operator
 import os
 from collections.abc import Iterable
 
@@ -20,6 +21,7 @@ from .base import Tier, check_key, out_view
 from .segfile import REC, REC_HEADER_BYTES, REC_MAGIC, Segment
 
 _READ_FDS = 128  # read-only fds kept open for sealed segments (LRU)
+_by_loc = operator.itemgetter(2)  # (segment id, offset, ...): file order
 
 
 class DiskReads:
@@ -44,30 +46,64 @@ class DiskReads:
         if fd is not None:
             os.close(fd)
 
-    def _read_batch(self, todo: list[tuple[int, str, tuple]], out: list) -> None:
+    def _read_batch(self, todo: list[tuple[int, str, tuple]], out: list, readahead: bool = False) -> None:
         """Records [(position in the batch, key, loc)]: each value (None if corrupt) goes to
-        ``out[position]`` and the counters are updated. Read in segment order, with one fstat
-        per segment for the bounds check."""
-        todo.sort(key=lambda t: (t[2][0], t[2][1]))
+        ``out[position]`` and the counters are updated. In file order, one fstat per segment
+        for the bounds check; a value is copied out of the mapping once, after its header
+        matched the index, and its CRC is checked on that copy. ``readahead``: first ask the
+        kernel for each segment's span of the batch in one call (when not too sparse)."""
+        todo.sort(key=_by_loc)
+        if readahead:
+            self._readahead(todo)
+        unpack, hdr = REC.unpack_from, REC_HEADER_BYTES
         hits = nbytes = 0
-        sid, seg, limit = -1, None, 0
-        for pos, key, loc in todo:
-            if loc[0] != sid:
-                sid = loc[0]
-                seg = self._segs[sid]
-                limit = self._mapped_bytes(seg)
-            value = self._copy_checked(seg, limit, key, loc)
-            if value is None:
-                self._mark_corrupt(key)
-                continue
-            out[pos] = value
-            hits += 1
-            nbytes += loc[3]
+        sid, mm, limit = -1, None, 0
+        bad = []
+        for pos, key, (s, off, _, vlen) in todo:  # (this loop is the per-record cost of a read)
+            if s != sid:
+                sid = s
+                seg = self._segs[s]
+                mm, limit = seg.mm, self._mapped_bytes(seg)
+            kb = key.encode("utf-8")
+            v0 = off + hdr + len(kb)
+            if v0 + vlen <= limit:
+                magic, _, _, klen, vl, dcrc, _ = unpack(mm, off)
+                if magic == REC_MAGIC and klen == len(kb) and vl == vlen and mm[off + hdr:v0] == kb:
+                    value = mm[v0:v0 + vlen]
+                    if crc32(value, crc32(kb)) == dcrc:
+                        out[pos] = value
+                        hits += 1
+                        nbytes += vlen
+                        continue
+            bad.append(key)
+        for key in bad:
+            self._mark_corrupt(key)
         st = self._stats
         st.gets += len(todo)
         st.hits += hits
         st.misses += len(todo) - hits
         st.bytes_out += nbytes
+
+    def _readahead(self, todo: list[tuple[int, str, tuple]]) -> None:
+        """MADV_WILLNEED over each segment's records in ``todo`` (sorted by location), when
+        they cover at least a quarter of the span (advice only: errors are ignored)."""
+        i = 0
+        while i < len(todo):
+            sid, a, _, _ = todo[i][2]
+            j, want = i, 0
+            while j < len(todo) and todo[j][2][0] == sid:
+                want += todo[j][2][2]
+                j += 1
+            last = todo[j - 1][2]
+            seg = self._segs[sid]
+            a &= ~(mmap.PAGESIZE - 1)
+            b = min(last[1] + last[2], seg.size)
+            if a < b <= a + 4 * want:
+                try:
+                    seg.mm.madvise(mmap.MADV_WILLNEED, a, b - a)
+                except (OSError, ValueError):
+                    pass
+            i = j
 
     def _mapped_bytes(self, seg: Segment) -> int:
         """Bytes of ``seg``'s mapping that can be touched: a file truncated under us would SIGBUS."""
@@ -75,23 +111,6 @@ class DiskReads:
             return min(seg.size, os.fstat(self._rfd(seg)).st_size)  # an fstat is cheaper than a stat by path
         except OSError:  # deleted under us: nothing in it is readable
             return 0
-
-    @staticmethod
-    def _copy_checked(seg: Segment, limit: int, key: str, loc: tuple) -> bytes | None:
-        """The value at ``loc`` copied out of the mapping (one copy), if its header matches the
-        index and its data CRC checks out on the copy; None otherwise."""
-        _, off, _, vlen = loc
-        kb = key.encode("utf-8")
-        k0 = off + REC_HEADER_BYTES
-        v0 = k0 + len(kb)
-        if v0 + vlen > limit:
-            return None
-        mm = seg.mm
-        magic, _, _, klen, vl, dcrc, _ = REC.unpack_from(mm, off)
-        if magic != REC_MAGIC or klen != len(kb) or vl != vlen or mm[k0:v0] != kb:
-            return None
-        value = mm[v0:v0 + vlen]
-        return value if crc32(value, crc32(kb)) == dcrc else None
 
     def _locate(self, key: str) -> tuple[Segment, int, int, int, int] | None:
         """(segment, value offset, value length, crc32 of the key, expected crc32 of key+value)
@@ -136,11 +155,9 @@ class DiskReads:
             if loc is None:
                 check_key(key)  # an indexed key was checked when put
                 return self._count(key, None, False)
-            seg = self._segs[loc[0]]
-            value = self._copy_checked(seg, self._mapped_bytes(seg), key, loc)
-            if value is None:
-                self._mark_corrupt(key)
-            return self._count(key, value, value is not None)
+            out = [None]
+            self._read_batch([(0, key, loc)], out)
+            return out[0]
 
     def get_into(self, key: str, out: memoryview | bytearray | torch.Tensor) -> int | None:
         """Copy the value straight from the mapping into ``out`` (a writable buffer or contiguous
@@ -168,27 +185,16 @@ class DiskReads:
         with self._lock:
             self._check_open()
             lookup = self._index.lookup
-            locs = [lookup(k) for k in keys]
-            for k, loc in zip(keys, locs):
+            todo = []
+            for i, k in enumerate(keys):
+                loc = lookup(k)
                 if loc is None:
                     check_key(k)  # an indexed key was checked when put
-            spans: dict[int, list[int]] = {}  # segment id -> [first byte, end, bytes wanted]
-            for loc in locs:
-                if loc is not None:
-                    sp = spans.setdefault(loc[0], [loc[1], 0, 0])
-                    sp[0], sp[1], sp[2] = min(sp[0], loc[1]), max(sp[1], loc[1] + loc[2]), sp[2] + loc[2]
-            for sid, (a, b, want) in spans.items():  # readahead: one call per segment, if not too sparse
-                seg = self._segs[sid]
-                a &= ~(mmap.PAGESIZE - 1)
-                if b - a <= 4 * want:
-                    try:
-                        seg.mm.madvise(mmap.MADV_WILLNEED, a, min(b, seg.size) - a)
-                    except (OSError, ValueError):
-                        pass  # advice only
+                else:
+                    todo.append((i, k, loc))
             out: list[bytes | None] = [None] * len(keys)
-            todo = [(i, k, loc) for i, (k, loc) in enumerate(zip(keys, locs)) if loc is not None]
             if todo:
-                self._read_batch(todo, out)
+                self._read_batch(todo, out, readahead=True)
             st = self._stats
             st.gets += len(keys) - len(todo)
             st.misses += len(keys) - len(todo)
