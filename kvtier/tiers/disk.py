@@ -21,8 +21,11 @@ by a background thread (``compactor.py``): its live records (and still-needed to
 copied to the head in small steps, made durable, and the file is deleted. At capacity, a put
 compacts inline to make room.
 
-Locks: ``_cp_lock`` (one checkpoint written at a time) is taken before ``_lock`` (all index,
-segment and file state). Ownership: ``put`` copies (the bytes go to the page cache before it
+Locks: ``_cp_lock`` (one checkpoint written at a time) and ``_sync_lock`` (one batch of
+fdatasyncs at a time, so a ``sync`` returns only after those begun before it) are each taken
+before ``_lock`` (all index, segment and file state), never together. The fdatasyncs of
+``put_many``/``delete_many``/``sync`` run on duplicated fds outside ``_lock``: reads and
+appends go on while the disk flushes. Ownership: ``put`` copies (the bytes go to the page cache before it
 returns); ``get`` returns an owned ``bytes``.
 """
 from __future__ import annotations
@@ -93,6 +96,7 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
         self.checkpoint_records = checkpoint_records
         self._lock = threading.RLock()
         self._cp_lock = threading.Lock()
+        self._sync_lock = threading.Lock()
         self._stats = TierStats()
         self._n = dict(compactions=0, corrupt=0, scan_corrupt=0, torn=0, syncs=0, recovered=0, tail_records=0,
                        checkpoints=0, checkpoint_loaded=0, checkpoint_rejected=0, bytes_written=0,
@@ -473,7 +477,9 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
                     self._stats.puts += 1
                     self._stats.bytes_in += rec[4]
             self._after_batch(touched)
-            return res
+        if self.durability == "batch":
+            self._sync_unlocked()
+        return res
 
     def delete(self, key: str) -> bool:
         return self.delete_many([key])[0]
@@ -497,11 +503,11 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
                     if not ok:  # no room even for a tombstone: forget it now, it comes back on reopen
                         self._unset(k)
                 self._after_batch(touched)
-            return out
+        if recs and self.durability == "batch":
+            self._sync_unlocked()
+        return out
 
     def _after_batch(self, touched: set[int]) -> None:
-        if self.durability == "batch":
-            self._sync_locked()
         self._stuck -= touched
         if self._worker is not None and (
                 any(self._compactable(self._segs.get(sid)) for sid in touched) or self._head_mostly_dead()
@@ -568,10 +574,34 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
             self._dir_dirty = False
         self._n["syncs"] += 1
 
+    def _sync_unlocked(self) -> None:
+        """Make every append so far durable, flushing outside ``_lock``. What a failed flush
+        covered stays marked dirty, so a later sync retries it."""
+        with self._sync_lock:
+            with self._lock:
+                sids = set(self._dirty)
+                fds = self._dup_dirty_fds()
+                dir_dirty, self._dir_dirty = self._dir_dirty, False
+                self._dirty.clear()
+                self._n["syncs"] += 1
+            try:
+                self._sync_fds(fds)
+                if dir_dirty:
+                    dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+                    try:
+                        os.fsync(dfd)
+                    finally:
+                        os.close(dfd)
+            except BaseException:
+                with self._lock:
+                    self._dirty |= {sid for sid in sids if sid in self._segs}
+                    self._dir_dirty |= dir_dirty
+                raise
+
     def sync(self) -> None:
         with self._lock:
             self._check_open()
-            self._sync_locked()
+        self._sync_unlocked()
 
     def stats(self) -> dict:
         with self._lock:
