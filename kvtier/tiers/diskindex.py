@@ -181,6 +181,13 @@ class RecordIndex:
                 self._kill(r)
         return loc
 
+    def lookup_many(self, keys: list[str]) -> list[Loc | None]:
+        """``lookup`` of each key (caller holds the tier lock)."""
+        if self._base is None:
+            get = self._hot.get
+            return [get(k) for k in keys]
+        return [self.lookup(k) for k in keys]
+
     def replace(self, key: str, loc: Loc) -> Loc | None:
         """Map ``key`` to ``loc``; returns the location it had, or None."""
         old = self._hot.get(key)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import mmap
 import operator
 import os
+import struct
 from collections.abc import Iterable
 
 import torch
@@ -22,6 +23,8 @@ from .segfile import REC, REC_HEADER_BYTES, REC_MAGIC, Segment
 
 _READ_FDS = 128  # read-only fds kept open for sealed segments (LRU)
 _by_loc = operator.itemgetter(2)  # (segment id, offset, ...): file order
+_CHECK = struct.Struct("<I4x2xHII")  # of a record header: magic, key length, value length, data crc
+_READAHEAD_MIN = 256 << 10  # a span below this is read around by the first page fault anyway
 
 
 class DiskReads:
@@ -55,7 +58,7 @@ class DiskReads:
         todo.sort(key=_by_loc)
         if readahead:
             self._readahead(todo)
-        unpack, hdr = REC.unpack_from, REC_HEADER_BYTES
+        unpack, hdr = _CHECK.unpack_from, REC_HEADER_BYTES
         hits = nbytes = 0
         sid, mm, limit = -1, None, 0
         bad = []
@@ -67,7 +70,7 @@ class DiskReads:
             kb = key.encode("utf-8")
             v0 = off + hdr + len(kb)
             if v0 + vlen <= limit:
-                magic, _, _, klen, vl, dcrc, _ = unpack(mm, off)
+                magic, klen, vl, dcrc = unpack(mm, off)
                 if magic == REC_MAGIC and klen == len(kb) and vl == vlen and mm[off + hdr:v0] == kb:
                     value = mm[v0:v0 + vlen]
                     if crc32(value, crc32(kb)) == dcrc:
@@ -86,7 +89,11 @@ class DiskReads:
 
     def _readahead(self, todo: list[tuple[int, str, tuple]]) -> None:
         """MADV_WILLNEED over each segment's records in ``todo`` (sorted by location), when
-        they cover at least a quarter of the span (advice only: errors are ignored)."""
+        the span is large enough to gain from it and they cover at least a quarter of it
+        (advice only: errors are ignored). On cached pages it costs a few microseconds a call."""
+        first, last = todo[0][2], todo[-1][2]
+        if first[0] == last[0] and last[1] + last[2] - first[1] < _READAHEAD_MIN:
+            return  # one segment, a short span: the common case of a batch of small records
         i = 0
         while i < len(todo):
             sid, a, _, _ = todo[i][2]
@@ -98,7 +105,7 @@ class DiskReads:
             seg = self._segs[sid]
             a &= ~(mmap.PAGESIZE - 1)
             b = min(last[1] + last[2], seg.size)
-            if a < b <= a + 4 * want:
+            if a + _READAHEAD_MIN <= b <= a + 4 * want:
                 try:
                     seg.mm.madvise(mmap.MADV_WILLNEED, a, b - a)
                 except (OSError, ValueError):
@@ -184,10 +191,8 @@ class DiskReads:
         keys = [k if type(k) is str else check_key(k) for k in keys]
         with self._lock:
             self._check_open()
-            lookup = self._index.lookup
             todo = []
-            for i, k in enumerate(keys):
-                loc = lookup(k)
+            for i, (k, loc) in enumerate(zip(keys, self._index.lookup_many(keys))):
                 if loc is None:
                     check_key(k)  # an indexed key was checked when put
                 else:
