@@ -11,7 +11,10 @@
      DiskTier get_into        vs  raw sequential readinto, both into one preallocated buffer
      warm reads also as a ratio of the reading thread's CPU time (_cpu: what a loaded machine's
      scheduling does not inflate), and with a writer thread appending meanwhile (_with_writer:
-     the tier written through put_many, the raw reference to another file)
+     the tier written through put_many, the raw reference to another file); base_read_*: the
+     same reads through the DiskTier of REOPEN_BASE (the previous read path), same run
+     L3_reopen: a directory of 1M small records reopened from its checkpoint, this tree against
+     REOPEN_BASE alternated, each in a fresh interpreter: seconds, us a record, RSS growth
      with lz4: blocks compressed before put and decompressed after get (the store's byte
      stage), GB/s of uncompressed bytes, against the same raw references.
      L3_small: the same for small records (--small-kib, one layer's quantized block), where
@@ -22,7 +25,7 @@
 
 Targets (printed as PASS/MISS, never asserted: timing depends on the machine):
   L2 >= 0.5x copy bandwidth; L3 >= 0.7x raw file write and read when records go raw, small
-  records too; a step's p99 <= 2x its p50 while compaction runs.
+  records too; a step's p99 <= 2x its p50 while compaction runs; reopen < 1 us a record.
 
 Usage: python bench/bench_tiers.py [--smoke] [--block-kib 256] [--total-mib 256] [--dir PATH]
 """
@@ -244,7 +247,7 @@ def read_under_writes(root: str, t: DiskTier, blocks: list[bytes], keys: list[st
     return best[False], best[True]
 
 
-def bench_l3(root: str, blocks: list[bytes], batch: int, compress: bool, repeat: int) -> dict:
+def bench_l3(root: str, blocks: list[bytes], batch: int, compress: bool, repeat: int, base=None) -> dict:
     n, bs = len(blocks), len(blocks[0])
     nbytes = n * bs
     seg = 64 << 20  # DiskTier's default segment size
@@ -297,20 +300,38 @@ def bench_l3(root: str, blocks: list[bytes], batch: int, compress: bool, repeat:
             assert t.get_into(k, mv[(i % 16) * bs:(i % 16 + 1) * bs]) == len(payload[i])
         return time.perf_counter() - t0
 
-    r_raw = r_tier = r_raw_into = r_tier_into = float("inf")
-    c_raw = c_tier = float("inf")
+    tb = None  # the same records read through REOPEN_BASE's DiskTier (hard links to the same files)
+    if base is not None and not compress:
+        bdir = os.path.join(root, "tier-base")
+        shutil.rmtree(bdir, ignore_errors=True)
+        os.makedirs(bdir)
+        for name in os.listdir(os.path.join(root, "tier")):
+            if name.startswith("seg-"):
+                os.link(os.path.join(root, "tier", name), os.path.join(bdir, name))
+        tb = base.DiskTier(bdir, capacity_bytes=4 * nbytes + 16 * seg, segment_bytes=seg)
+        tier_read(tb)
+    r_raw = r_tier = r_raw_into = r_tier_into = r_base = float("inf")
+    c_raw = c_tier = c_base = float("inf")
     for _ in range(repeat):
         c0 = time.thread_time()
         r_raw = min(r_raw, raw_read(rawp, bs, n, batch))
         c1 = time.thread_time()
         r_tier = min(r_tier, tier_read(t))
-        c_raw, c_tier = min(c_raw, c1 - c0), min(c_tier, time.thread_time() - c1)
+        c2 = time.thread_time()
+        c_raw, c_tier = min(c_raw, c1 - c0), min(c_tier, c2 - c1)
+        if tb is not None:
+            r_base = min(r_base, tier_read(tb))
+            c_base = min(c_base, time.thread_time() - c2)
         if not compress:
             r_raw_into = min(r_raw_into, raw_readinto(rawp, bs, n, buf))
             r_tier_into = min(r_tier_into, tier_read_into())
     # cpu: the reading thread's CPU time, which a loaded machine's scheduling does not inflate
     res.update(raw_read_warm_GBps=gbps(nbytes, r_raw), read_warm_ratio=r_raw / r_tier,
                read_warm_ratio_cpu=c_raw / c_tier)
+    if tb is not None:
+        res.update(base_read_warm_ratio=r_raw / r_base, base_read_warm_ratio_cpu=c_raw / c_base)
+        tb.close()
+        shutil.rmtree(os.path.join(root, "tier-base"), ignore_errors=True)
     if not compress:
         res.update(read_into_warm_ratio=r_raw_into / r_tier_into)
         w_raw, w_tier = read_under_writes(root, t, blocks, keys, rawp, batch, repeat, raw_read, tier_read)
@@ -346,13 +367,14 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
 
     rng = random.Random(0)
     n = max(64, total_bytes // rec_bytes)
+    seg_bytes = max(1 << 20, min(4 << 20, total_bytes // 8))  # at least a few sealed segments
     vals = [os.urandom(rec_bytes) for _ in range(64)]
     dead = [f"r{j}" for j in range(n) if j % 4]
     live = [f"r{j}" for j in range(0, n, 4)]
 
     def fill(path: str, threshold: float) -> DiskTier:
         shutil.rmtree(path, ignore_errors=True)
-        t = DiskTier(path, capacity_bytes=8 * total_bytes + (64 << 20), segment_bytes=4 << 20,
+        t = DiskTier(path, capacity_bytes=8 * total_bytes + (64 << 20), segment_bytes=seg_bytes,
                      durability="never", compact_threshold=threshold)
         for i in range(0, n, 64):
             t.put_many([(f"r{j}", vals[j % 64]) for j in range(i, min(n, i + 64))])
@@ -384,7 +406,7 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
         t = fill(path, 0.5)
         t0 = time.perf_counter()
         t.delete_many(dead)  # wakes the compactor
-        lat = run(t, 50 * steps, until_done=True)
+        lat = run(t, 10 * steps, until_done=True)
         window += time.perf_counter() - t0
         s = t.stats()
         busy += s["compact_busy_seconds"]
@@ -437,7 +459,7 @@ def rss():
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 r0 = rss()
 t0 = time.perf_counter()
-t = tiers.DiskTier(path, capacity_bytes=64 << 30, durability="never")
+t = tiers.DiskTier(path, capacity_bytes=8 << 30, durability="never")
 dt = time.perf_counter() - t0
 r1 = rss()
 keys = [reopen_key(j) for j in range(0, n, max(1, n // 10_000))]
@@ -473,13 +495,26 @@ def _tiers_at(rev: str, root: str) -> str | None:
     return root
 
 
+def _import_base(root: str):
+    """kvtier.tiers as of REOPEN_BASE (a module), or None without the git history."""
+    pkgdir = _tiers_at(REOPEN_BASE, root)
+    if pkgdir is None:
+        return None
+    sys.path.insert(0, pkgdir)
+    try:
+        import kvtier_tiers_base
+    finally:
+        sys.path.remove(pkgdir)
+    return kvtier_tiers_base
+
+
 def bench_reopen(root: str, n: int, repeat: int, in_process: bool) -> dict:
     """Reopening a directory of ``n`` small records from its checkpoint: this tree against
     ``REOPEN_BASE``, alternated, each with its own INDEX over the same (hard-linked) segment
     files; seconds, microseconds a record, RSS growth and the first get of 10k keys after it.
     Each open runs in a fresh interpreter (RSS is its own), except in --smoke."""
     new_dir, base_dir = os.path.join(root, "reopen-new"), os.path.join(root, "reopen-base")
-    t = DiskTier(new_dir, capacity_bytes=64 << 30, durability="never")
+    t = DiskTier(new_dir, capacity_bytes=8 << 30, durability="never")
     v = os.urandom(40)
     for i in range(0, n, 20_000):
         t.put_many([(reopen_key(j), v) for j in range(i, min(n, i + 20_000))])
@@ -494,7 +529,7 @@ def bench_reopen(root: str, n: int, repeat: int, in_process: bool) -> dict:
         sys.path.insert(0, pkgdir)
         try:
             import kvtier_tiers_base
-            kvtier_tiers_base.DiskTier(base_dir, capacity_bytes=64 << 30, durability="never").close()  # its INDEX
+            kvtier_tiers_base.DiskTier(base_dir, capacity_bytes=8 << 30, durability="never").close()  # its INDEX
         finally:
             sys.path.remove(pkgdir)
         order = ["base", "new"]
@@ -536,7 +571,7 @@ def _reopen_in_process(which: str, path: str, n: int) -> dict:
         from kvtier import tiers
     r0 = rss_bytes()
     t0 = time.perf_counter()
-    t = tiers.DiskTier(path, capacity_bytes=64 << 30, durability="never")
+    t = tiers.DiskTier(path, capacity_bytes=8 << 30, durability="never")
     dt = time.perf_counter() - t0
     r1 = rss_bytes()
     keys = [reopen_key(j) for j in range(0, n, max(1, n // 10_000))]
@@ -606,14 +641,15 @@ def main(argv: list[str] | None = None) -> int:
     root = tempfile.mkdtemp(prefix="kvtier-bench-", dir=a.dir)
     try:
         if "L3" in todo:
-            out["L3_raw"] = bench_l3(root, raw_blocks, a.batch, False, a.repeat)
+            base = _import_base(root)
+            out["L3_raw"] = bench_l3(root, raw_blocks, a.batch, False, a.repeat, base)
             out["L3_lz4"] = bench_l3(root, kv_blocks, a.batch, True, a.repeat)
             sb = a.small_kib << 10
             small = [torch.randint(0, 256, (sb,), dtype=torch.uint8, generator=g).numpy().tobytes()
                      for _ in range(max(2, min(4096, (a.total_mib << 20) // sb)))]
-            out["L3_small"] = bench_l3(root, small, a.batch, False, a.repeat)
+            out["L3_small"] = bench_l3(root, small, a.batch, False, a.repeat, base)
         if "compaction" in todo:
-            out["L3_compaction"] = bench_compaction(root, (a.small_kib << 10) * 2, (8 if a.smoke else 128) << 20,
+            out["L3_compaction"] = bench_compaction(root, (a.small_kib << 10) * 2, (4 if a.smoke else 128) << 20,
                                                     300 if a.smoke else 2000, 2 if a.smoke else a.repeat)
         if "reopen" in todo:
             out["L3_reopen"] = bench_reopen(root, a.reopen_records, 1 if a.smoke else a.reopen_repeat,
