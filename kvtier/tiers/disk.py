@@ -25,8 +25,8 @@ Locks: ``_cp_lock`` (one checkpoint written at a time) and ``_sync_lock`` (one b
 fdatasyncs at a time, so a ``sync`` returns only after those begun before it) are each taken
 before ``_lock`` (all index, segment and file state), never together. The fdatasyncs of
 ``put_many``/``delete_many``/``sync`` run on duplicated fds outside ``_lock``: reads and
-appends go on while the disk flushes. Ownership: ``put`` copies (the bytes go to the page cache before it
-returns); ``get`` returns an owned ``bytes``.
+appends go on while the disk flushes. Ownership: ``put`` copies (the bytes go to the page
+cache before it returns); ``get`` returns an owned ``bytes``.
 """
 from __future__ import annotations
 
