@@ -13,6 +13,7 @@
      scheduling does not inflate), and with a writer thread appending meanwhile (_with_writer:
      the tier written through put_many, the raw reference to another file); base_read_*: the
      same reads through the DiskTier of REOPEN_BASE (the previous read path), same run
+     crc: GB/s of the record CRC beside zlib's and CRC32C packages' (when installed) and a copy
      L3_reopen: a directory of 1M small records reopened from its checkpoint, this tree against
      REOPEN_BASE alternated, each in a fresh interpreter: seconds, us a record, RSS growth
      with lz4: blocks compressed before put and decompressed after get (the store's byte
@@ -441,7 +442,7 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
             "compact_max_step_ms": max_step * 1e3, "inline_compaction_call_ms": inline_s * 1e3}
 
 
-SECTIONS = ("L1", "L2", "L3", "compaction", "reopen")
+SECTIONS = ("L1", "L2", "L3", "compaction", "reopen", "crc")
 REOPEN_BASE = "d8a714b"  # the DiskTier whose checkpoint loads into a dict of tuples (one object per record)
 
 _REOPEN_CHILD = r"""
@@ -458,15 +459,16 @@ def rss():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 r0 = rss()
-t0 = time.perf_counter()
+t0, c0 = time.perf_counter(), time.thread_time()
 t = tiers.DiskTier(path, capacity_bytes=8 << 30, durability="never")
-dt = time.perf_counter() - t0
+dt, dc = time.perf_counter() - t0, time.thread_time() - c0
 r1 = rss()
 keys = [reopen_key(j) for j in range(0, n, max(1, n // 10_000))]
-t1 = time.perf_counter()
+t1, c1 = time.perf_counter(), time.thread_time()
 assert all(t.get(k) is not None for k in keys)
-first = (time.perf_counter() - t1) / len(keys)
-print(json.dumps({"seconds": dt, "records": len(t), "rss_delta_bytes": r1 - r0, "first_get_s": first,
+first, first_cpu = (time.perf_counter() - t1) / len(keys), (time.thread_time() - c1) / len(keys)
+print(json.dumps({"seconds": dt, "cpu_seconds": dc, "records": len(t), "rss_delta_bytes": r1 - r0,
+                  "first_get_s": first, "first_get_cpu_s": first_cpu,
                   "checkpoint_loaded": t.stats()["checkpoint_loaded"]}), flush=True)
 os._exit(0)  # no close: the INDEX stays the one written for these runs
 """
@@ -493,6 +495,39 @@ def _tiers_at(rev: str, root: str) -> str | None:
             with open(os.path.join(pkg, os.path.basename(path)), "w") as f:
                 f.write(src)
     return root
+
+
+def bench_crc(repeat: int, smoke: bool) -> dict:
+    """GB/s of the record CRC (kvtier._crc) beside zlib's and the CRC32C packages' when
+    installed, and of a bytes copy of the same buffer (what a read costs anyway), at one
+    small and one large record size: the CRC is worth changing only if another is faster."""
+    import importlib
+    import zlib
+
+    from kvtier import _crc
+
+    impls = {f"kvtier_{_crc.IMPLEMENTATION}": _crc.crc32, "zlib": zlib.crc32}
+    for mod, fn in (("crc32c", "crc32c"), ("google_crc32c", "value")):
+        try:
+            impls[mod] = getattr(importlib.import_module(mod), fn)
+        except ImportError:
+            pass
+    res: dict = {}
+    for size in (4 << 10, 256 << 10):
+        buf = os.urandom(size)
+        reps = max(1, (8 << 20 if smoke else 256 << 20) // size)
+
+        def loop(f):
+            def run() -> None:
+                for _ in range(reps):
+                    f(buf)  # (each result dropped at once, as a read's check does)
+            return run
+
+        fns = {name: loop(f) for name, f in impls.items()}
+        fns["bytes_copy"] = loop(lambda b: b[1:])
+        t = best_of(fns, repeat)
+        res[f"{size >> 10}KiB_GBps"] = {name: gbps(size * reps, sec) for name, sec in t.items()}
+    return res
 
 
 def _import_base(root: str):
@@ -553,11 +588,14 @@ def bench_reopen(root: str, n: int, repeat: int, in_process: bool) -> dict:
     for which, outs in runs.items():
         best = min(outs, key=lambda o: o["seconds"])
         res[which] = {"seconds": best["seconds"], "us_per_record": best["seconds"] / n * 1e6,
+                      "cpu_us_per_record": min(o["cpu_seconds"] for o in outs) / n * 1e6,
                       "rss_delta_MiB": best["rss_delta_bytes"] / 2**20,
                       "rss_bytes_per_record": best["rss_delta_bytes"] / n,
-                      "first_get_us": min(o["first_get_s"] for o in outs) * 1e6}
+                      "first_get_us": min(o["first_get_s"] for o in outs) * 1e6,
+                      "first_get_cpu_us": min(o["first_get_cpu_s"] for o in outs) * 1e6}
     if "base" in res:
         res["speedup_vs_base"] = res["base"]["seconds"] / res["new"]["seconds"]
+        res["cpu_speedup_vs_base"] = res["base"]["cpu_us_per_record"] / res["new"]["cpu_us_per_record"]
         res["rss_ratio_vs_base"] = res["new"]["rss_delta_MiB"] / max(1e-9, res["base"]["rss_delta_MiB"])
     shutil.rmtree(new_dir, ignore_errors=True)
     shutil.rmtree(base_dir, ignore_errors=True)
@@ -570,16 +608,16 @@ def _reopen_in_process(which: str, path: str, n: int) -> dict:
     else:
         from kvtier import tiers
     r0 = rss_bytes()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     t = tiers.DiskTier(path, capacity_bytes=8 << 30, durability="never")
-    dt = time.perf_counter() - t0
+    dt, dc = time.perf_counter() - t0, time.thread_time() - c0
     r1 = rss_bytes()
     keys = [reopen_key(j) for j in range(0, n, max(1, n // 10_000))]
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.thread_time()
     assert all(t.get(k) is not None for k in keys)
-    first = (time.perf_counter() - t1) / len(keys)
-    out = {"seconds": dt, "records": len(t), "rss_delta_bytes": r1 - r0, "first_get_s": first,
-           "checkpoint_loaded": t.stats()["checkpoint_loaded"]}
+    first, first_cpu = (time.perf_counter() - t1) / len(keys), (time.thread_time() - c1) / len(keys)
+    out = {"seconds": dt, "cpu_seconds": dc, "records": len(t), "rss_delta_bytes": r1 - r0,
+           "first_get_s": first, "first_get_cpu_s": first_cpu, "checkpoint_loaded": t.stats()["checkpoint_loaded"]}
     t.close()
     return out
 
@@ -638,6 +676,8 @@ def main(argv: list[str] | None = None) -> int:
             out["L1_cuda"] = bench_l1(l1_blocks, "cuda", a.repeat)
     if "L2" in todo:
         out["L2"] = bench_l2(raw_blocks, a.repeat)
+    if "crc" in todo:
+        out["crc"] = bench_crc(a.repeat, a.smoke)
     root = tempfile.mkdtemp(prefix="kvtier-bench-", dir=a.dir)
     try:
         if "L3" in todo:
