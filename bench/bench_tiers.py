@@ -431,7 +431,7 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
     p50, p99 = pct(with_lat, 0.5), pct(with_lat, 0.99)
     q50, q99 = pct(without_lat, 0.5), pct(without_lat, 0.99)
     p90, q90 = pct(with_lat, 0.9), pct(without_lat, 0.9)
-    return {"records": n, "record_bytes": rec_bytes, "rounds": rounds, "steps_each": len(with_lat),
+    return {"records": n, "record_bytes": rec_bytes, "rounds": rounds, "steps_with": len(with_lat),
             "step_p50_us_with": p50 * 1e6, "step_p99_us_with": p99 * 1e6,
             "step_p50_us_without": q50 * 1e6, "step_p99_us_without": q99 * 1e6,
             "p99_over_p50_with": p99 / p50, "p99_over_p50_without": q99 / q50,

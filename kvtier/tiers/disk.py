@@ -50,6 +50,7 @@ from .segfile import (FLAG_TOMB, IOV_MAX, REC_HEADER_BYTES, SEG_HDR, SEG_HEADER_
 
 __all__ = ["DiskTier", "record_size", "REC_HEADER_BYTES", "SEG_HEADER_BYTES", "purge_directory"]
 
+_LOCKED_BYTES = 1 << 20  # put_many appends at most about this much per hold of the tier lock
 Durability = Literal["batch", "close", "never"]
 DURABILITY = ("batch", "close", "never")
 
@@ -457,7 +458,8 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
 
     def put_many(self, items: Iterable[tuple[str, BytesLike]]) -> list[bool]:
         """Append a batch; with durability="batch" one fdatasync at the end. False per record that
-        does not fit. Raises DiskFullError when the filesystem is full (earlier records stay)."""
+        does not fit. Raises DiskFullError when the filesystem is full (earlier records stay).
+        Gets of other keys may be served between its records (each is indexed once written)."""
         limit = self.segment_bytes - SEG_HEADER_BYTES
         recs = []
         for key, value in items:
@@ -468,15 +470,25 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
                 raise ValueError(f"value is {mv.nbytes} bytes; a record must fit one segment "
                                  f"(value limit {limit - record_size(len(kb), 0)} bytes, segment_bytes={self.segment_bytes})")
             recs.append((key, kb, size, parts, n))
-        with self._lock:
-            self._check_open()
-            touched = {loc[0] for k, *_ in recs if (loc := self._index.get(k)) is not None}
-            res = self._append(recs)
-            for rec, ok in zip(recs, res):
-                if ok:
-                    self._stats.puts += 1
-                    self._stats.bytes_in += rec[4]
-            self._after_batch(touched)
+        res: list[bool] = []
+        i = 0
+        while i < len(recs):  # the lock is let go every _LOCKED_BYTES: a get waits for one such write
+            j, nbytes = i, 0
+            while j < len(recs) and (j == i or nbytes + recs[j][2] <= _LOCKED_BYTES):
+                nbytes += recs[j][2]
+                j += 1
+            chunk = recs[i:j]
+            with self._lock:
+                self._check_open()
+                touched = {loc[0] for k, *_ in chunk if (loc := self._index.get(k)) is not None}
+                got = self._append(chunk)
+                for rec, ok in zip(chunk, got):
+                    if ok:
+                        self._stats.puts += 1
+                        self._stats.bytes_in += rec[4]
+                self._after_batch(touched)
+            res += got
+            i = j
         if self.durability == "batch":
             self._sync_unlocked()
         return res
