@@ -25,6 +25,7 @@ def _ruler_metric(kind):
     ("niah", ["09e9db0a-df46-4290-a1ee-411a1bac27a7"], "09E9DB0A-DF46-4290-A1EE-411A1BAC27A7"),
     ("variable_tracking", ["ABCDE", "FGHIJ"], "ABCDE FGHI"),
     ("common_words_extraction", ["apple", "pear"], "1. apple 2. plum"),
+    ("freq_words_extraction", ["rczbnn", "rhrmlh", "hmcxdl"], "rczbnn, HMCXDL and rhrmlh"),
     ("qa", ["France", "the French Republic"], "\x01 france\x1f"),
     ("qa", ["yes"], "no"),
     ("niah", ["123"], ""),
