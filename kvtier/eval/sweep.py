@@ -90,6 +90,11 @@ def ruler_configs(l1_fractions=SPARSE_L1) -> list[CacheSpec]:
     for f in l1_fractions:
         out.append(_kv(f"kvtier int4 sparse L1={f:.1%}", codec="int4", attention="sparse", hot_fraction=f,
                        host_fraction=0.02, policy="lru"))
+        if f == 0.03:
+            # one key centroid per 4 tokens (the block scores as its best quarter): a needle that
+            # straddles two 16-token blocks is a few tokens of each, averaged away among 16
+            out.append(_kv(f"kvtier int4 sparse L1={f:.1%} c4", codec="int4", attention="sparse", hot_fraction=f,
+                           host_fraction=0.02, policy="lru", digest_tokens=4))
     out.append(_kv("kvtier int4 dense", codec="int4", attention="dense", hot_fraction=0.03, host_fraction=0.02,
                    policy="lru"))
     return out
