@@ -61,6 +61,24 @@ def test_generate_builds_rulers_prompt_and_answers(tokenizer, tmp_path):
         assert ruler.score(s, f"The number is {s.outputs[0]}.") == 1.0
 
 
+def test_missing_data_names_the_task_before_anything_runs(monkeypatch, tmp_path):
+    import shutil
+
+    real = ruler.package_dir()
+    (tmp_path / "data" / "synthetic" / "json").mkdir(parents=True)
+    shutil.copy(real / "synthetic.yaml", tmp_path / "synthetic.yaml")
+    for script in ("niah.py", "qa.py"):
+        shutil.copy(real / "data" / "synthetic" / script, tmp_path / "data" / "synthetic" / script)
+    monkeypatch.setattr(ruler, "package_dir", lambda: tmp_path)
+    assert ruler.check_tasks(["niah_single_1"]) == ["niah_single_1"]   # noise haystack: no data file
+    with pytest.raises(ValueError, match=r"--tasks niah_single_2: RULER's PaulGrahamEssays.json is missing"):
+        ruler.check_tasks(["niah_single_1", "niah_single_2"])
+    with pytest.raises(ValueError, match=r"--tasks qa_2: RULER's hotpotqa.json is missing"):
+        ruler.check_tasks(["qa_2"])
+    with pytest.raises(ValueError, match=r"--tasks vt: RULER's variable_tracking.py is missing"):
+        ruler.check_tasks(["vt"])
+
+
 def test_unknown_task_and_missing_package_name_the_option(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match=r"--tasks: unknown RULER task\(s\) \['niah_single_9'\]"):
         ruler.check_tasks(["niah_single_1", "niah_single_9"])
