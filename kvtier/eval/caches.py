@@ -260,7 +260,7 @@ def prefill(model, ids: torch.Tensor, snapkv_window: int = 0, cache_dir: Path | 
     path = None
     if cache_dir is not None:
         path = _prefill_path(model, ids, cache_dir)
-        kept = _read_prefill(path, model.config.num_hidden_layers) if path.is_file() else None
+        kept = _read_prefill(path, model.config.num_hidden_layers, ids.numel()) if path.is_file() else None
         if kept is not None and (not snapkv_window or (kept.queries is not None
                                                       and kept.queries[0].shape[-2] >= snapkv_window)):
             return kept
@@ -292,7 +292,7 @@ def _prefill_path(model, ids: torch.Tensor, cache_dir: Path) -> Path:
 
 
 def _write_prefill(pre: Prefill, path: Path) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     tensors = {"logits": pre.logits.contiguous()}
     for l, (k, v) in enumerate(pre.kv):
@@ -300,17 +300,19 @@ def _write_prefill(pre: Prefill, path: Path) -> None:
         if pre.queries is not None:
             tensors[f"q.{l}"] = pre.queries[l].contiguous()
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    data = save(tensors, metadata={"seconds": repr(pre.seconds), "layers": str(len(pre.kv))})
     tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata={"seconds": repr(pre.seconds), "layers": str(len(pre.kv))})
-    os.chmod(tmp, 0o600)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # owner-only from the start
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
     os.replace(tmp, path)
 
 
-def _read_prefill(path: Path, layers: int) -> Prefill | None:
-    """A kept prefill, or None when the file is unreadable or incomplete (it is then recomputed)."""
-    from safetensors import SafetensorError
+def _read_prefill(path: Path, layers: int, tokens: int) -> Prefill | None:
+    """A kept prefill, or None when the file is unreadable or does not hold ``layers`` layers of
+    ``tokens`` tokens (it is then recomputed)."""
+    from safetensors import SafetensorError, safe_open
     from safetensors.torch import load_file
-    from safetensors import safe_open
 
     try:
         with safe_open(str(path), framework="pt") as f:
@@ -319,6 +321,8 @@ def _read_prefill(path: Path, layers: int) -> Prefill | None:
         if int(meta.get("layers", -1)) != layers:
             return None
         kv = [(t[f"k.{l}"], t[f"v.{l}"]) for l in range(layers)]
+        if any(k.shape[-2] != tokens or v.shape[-2] != tokens for k, v in kv):
+            return None
         queries = [t[f"q.{l}"] for l in range(layers)] if "q.0" in t else None
         return Prefill(kv, t["logits"], float(meta["seconds"]), queries)
     except (OSError, KeyError, ValueError, SafetensorError):
