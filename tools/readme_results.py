@@ -60,7 +60,12 @@ def main(argv: list[str]) -> int:
     if len(docs) == 1 and (dirs[0] / "eval.png").is_file():
         shutil.copyfile(dirs[0] / "eval.png", root / "docs" / "eval.png")
     else:  # several runs (one panel per context), or a run stopped early that wrote no plot
-        merged = dict(docs[0], results=[r for doc in docs for r in doc["results"]])
+        seen, rows = set(), []
+        for r in (r for doc in docs for r in doc["results"]):
+            if (r["config"], r["context"]) not in seen:  # a row rerun with the same samples: the first
+                seen.add((r["config"], r["context"]))
+                rows.append(r)
+        merged = dict(docs[0], results=rows)
         report.plot(merged, root / "docs" / "eval.png")
     print(f"README.md and docs/eval.png updated from {', '.join(str(d / 'eval.json') for d in dirs)}")
     return 0
