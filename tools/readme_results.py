@@ -1,8 +1,8 @@
-"""Copy a real `kvtier eval` run into the README: the table between the eval markers and the
-plot as docs/eval.png. Nothing is hand-edited; rerun after `kvtier eval`:
+"""Copy real `kvtier eval` runs into the README: their tables between the eval markers and the
+runs' plot as docs/eval.png (one panel per context). Nothing is hand-edited; rerun after `kvtier eval`:
 
     .venv/bin/kvtier eval --suite ruler --model qwen2.5-coder-0.5b --out results
-    .venv/bin/python tools/readme_results.py results
+    .venv/bin/python tools/readme_results.py results [more result directories...]
 """
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from pathlib import Path
 from kvtier.eval import report
 
 BEGIN, END = "<!-- eval:begin -->", "<!-- eval:end -->"
+LEGEND = ("`*` marks anchors; `[lo, hi]` is the 95% bootstrap interval over samples; the Δ column is the paired "
+          "difference to the reference, `≈` where its interval holds zero; recalled L2/L3: blocks attended at "
+          "decode that came from DRAM / SSD.")
 
 
-def main(argv: list[str]) -> int:
-    results = Path(argv[0] if argv else "results")
-    root = Path(__file__).resolve().parent.parent
-    doc = json.loads((results / "eval.json").read_text())
-    report.validate(doc)
+def describe(doc: dict) -> str:
+    """One sentence on what a run measured and how long it took."""
     s = doc["settings"]
     if s.get("suite") == "ruler":
         what = (f"RULER tasks {', '.join(s['tasks'])}, {s['samples']} samples each"
@@ -28,29 +28,46 @@ def main(argv: list[str]) -> int:
     else:
         what = (f"continuation {s['continuation']}, {s['windows']} text + "
                 f"{s['windows'] if s.get('probe', True) else 0} probe windows")
-    block = "\n".join([
-        BEGIN,
-        f"Run of `kvtier eval` on {doc['created']} ({doc['model']['name']}, {doc['model']['dtype']}, "
-        f"{doc['model'].get('threads', '?')} threads; contexts {s['contexts']}; {what}; seed {s['seed']}; "
-        f"{doc['elapsed_s']:.0f} s on this machine). `*` marks anchors; `[lo, hi]` is the 95% bootstrap "
-        "interval over samples; the Δ column is the paired difference to the reference, `≈` where its "
-        "interval holds zero; recalled L2/L3: blocks attended at decode that came from DRAM / SSD.",
-        "",
-        report.markdown_table(doc),
-        "",
-        "![accuracy vs footprint](docs/eval.png)",
-        END,
-    ])
+    partial = doc.get("partial")
+    stopped = (f"; stopped after {partial['samples_done']} of its {partial['samples']} samples at context "
+               f"{partial['context']}" if partial else "")
+    return (f"Run of `kvtier eval` on {doc['created']} ({doc['model']['name']}, {doc['model']['dtype']}, "
+            f"{doc['model'].get('threads', '?')} threads; contexts {s['contexts']}; {what}; seed {s['seed']}; "
+            f"{doc['elapsed_s']:.0f} s on this machine{stopped}).")
+
+
+def main(argv: list[str]) -> int:
+    dirs = [Path(a) for a in argv] or [Path("results")]
+    root = Path(__file__).resolve().parent.parent
+    docs = []
+    for d in dirs:
+        doc = json.loads((d / "eval.json").read_text())
+        report.validate(doc)
+        docs.append(doc)
+    parts = [BEGIN]
+    for doc in docs:
+        parts += [describe(doc), "", report.markdown_table(doc), ""]
+    parts[1] += " " + LEGEND
+    parts += ["![accuracy vs footprint](docs/eval.png)", END]
     readme = root / "README.md"
     text = readme.read_text()
     if BEGIN not in text or END not in text:
         raise SystemExit(f"README.md has no {BEGIN} ... {END} block")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    readme.write_text(head + block + tail)
+    readme.write_text(head + "\n".join(parts) + tail)
     (root / "docs").mkdir(exist_ok=True)
-    shutil.copyfile(results / "eval.png", root / "docs" / "eval.png")
-    print(f"README.md and docs/eval.png updated from {results / 'eval.json'}")
+    if len(docs) == 1 and (dirs[0] / "eval.png").is_file():
+        shutil.copyfile(dirs[0] / "eval.png", root / "docs" / "eval.png")
+    else:  # several runs (one panel per context), or a run stopped early that wrote no plot
+        seen, rows = set(), []
+        for r in (r for doc in docs for r in doc["results"]):
+            if (r["config"], r["context"]) not in seen:  # a row rerun with the same samples: the first
+                seen.add((r["config"], r["context"]))
+                rows.append(r)
+        merged = dict(docs[0], results=rows)
+        report.plot(merged, root / "docs" / "eval.png")
+    print(f"README.md and docs/eval.png updated from {', '.join(str(d / 'eval.json') for d in dirs)}")
     return 0
 
 

@@ -17,7 +17,10 @@ prefill's attention: those configurations are prefilled directly instead (:attr:
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
+import os
 import shutil
 import tempfile
 import time
@@ -238,12 +241,30 @@ class QueryTap:
         self._hooks.clear()
 
 
+KEPT_QUERIES = 32  # queries a kept prefill holds: snapkv's default observation window
+
+
 @torch.inference_mode()
-def prefill(model, ids: torch.Tensor, snapkv_window: int = 0) -> Prefill:
+def prefill(model, ids: torch.Tensor, snapkv_window: int = 0, cache_dir: Path | None = None) -> Prefill:
     """Prefill ``ids`` ([T]) once into a DynamicCache. Only the last position's logits are
-    computed (``logits_to_keep=1``: a 16k prefill would otherwise materialise GBs of logits)."""
+    computed (``logits_to_keep=1``: a 16k prefill would otherwise materialise GBs of logits).
+
+    With ``cache_dir``, the result is kept there as a safetensors file keyed by the model, its
+    dtype and the token ids, and read back instead of recomputed: a 32k prefill costs tens of
+    CPU-minutes and is the same for every rerun of a sample. ``seconds`` is then the time the
+    prefill took when it was computed. A kept prefill holds the queries of a window of at least
+    :data:`KEPT_QUERIES` (so runs with and without a snapkv row share it).
+    """
     from transformers import DynamicCache
 
+    path = None
+    if cache_dir is not None:
+        path = _prefill_path(model, ids, cache_dir)
+        kept = _read_prefill(path, model.config.num_hidden_layers, ids.numel()) if path.is_file() else None
+        if kept is not None and (not snapkv_window or (kept.queries is not None
+                                                      and kept.queries[0].shape[-2] >= snapkv_window)):
+            return kept
+        snapkv_window = max(snapkv_window, KEPT_QUERIES)
     cache = DynamicCache(config=model.config)
     tap = QueryTap(model, snapkv_window) if snapkv_window else None
     try:
@@ -255,7 +276,57 @@ def prefill(model, ids: torch.Tensor, snapkv_window: int = 0) -> Prefill:
             tap.close()
     kv = [(ly.keys, ly.values) for ly in cache.layers]
     queries = [tap.queries[i] for i in range(len(kv))] if tap is not None else None
-    return Prefill(kv, out.logits[0, -1].float(), seconds, queries)
+    pre = Prefill(kv, out.logits[0, -1].float(), seconds, queries)
+    if path is not None:
+        _write_prefill(pre, path)
+    return pre
+
+
+def _prefill_path(model, ids: torch.Tensor, cache_dir: Path) -> Path:
+    c = model.config
+    h = hashlib.sha256()
+    h.update(json.dumps([getattr(c, "_name_or_path", ""), c.model_type, c.num_hidden_layers, c.hidden_size,
+                         str(next(model.parameters()).dtype), ids.numel()]).encode())
+    h.update(ids.to(torch.int64).contiguous().numpy().tobytes())
+    return Path(cache_dir) / f"prefill-{ids.numel()}-{h.hexdigest()[:24]}.safetensors"
+
+
+def _write_prefill(pre: Prefill, path: Path) -> None:
+    from safetensors.torch import save
+
+    tensors = {"logits": pre.logits.contiguous()}
+    for l, (k, v) in enumerate(pre.kv):
+        tensors[f"k.{l}"], tensors[f"v.{l}"] = k.contiguous(), v.contiguous()
+        if pre.queries is not None:
+            tensors[f"q.{l}"] = pre.queries[l].contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    data = save(tensors, metadata={"seconds": repr(pre.seconds), "layers": str(len(pre.kv))})
+    tmp = path.with_suffix(".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # owner-only from the start
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _read_prefill(path: Path, layers: int, tokens: int) -> Prefill | None:
+    """A kept prefill, or None when the file is unreadable or does not hold ``layers`` layers of
+    ``tokens`` tokens (it is then recomputed)."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load_file
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+        t = load_file(str(path))
+        if int(meta.get("layers", -1)) != layers:
+            return None
+        kv = [(t[f"k.{l}"], t[f"v.{l}"]) for l in range(layers)]
+        if any(k.shape[-2] != tokens or v.shape[-2] != tokens for k, v in kv):
+            return None
+        queries = [t[f"q.{l}"] for l in range(layers)] if "q.0" in t else None
+        return Prefill(kv, t["logits"], float(meta["seconds"]), queries)
+    except (OSError, KeyError, ValueError, SafetensorError):
+        return None
 
 
 def _dynamic_from(model, kv) -> "DynamicCache":  # noqa: F821

@@ -88,6 +88,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="model and KV dtype (bfloat16: the fast one on CPUs with AVX-512/AMX)")
     p.add_argument("--threads", type=_positive("--threads", 1, 1024), default=None,
                    help="torch threads (default: torch's choice, the physical cores)")
+    p.add_argument("--prefill-cache", default=None, metavar="DIR",
+                   help="keep each sample's shared prefill in DIR (safetensors) and reuse it on later runs "
+                        "of the same model, dtype and sample (a 32k prefill is tens of CPU-minutes); "
+                        "TTFT then reports the prefill's time when it was computed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="results", help="output directory for eval.json, eval.png and eval.md")
 
@@ -133,6 +137,9 @@ class _Plan:
             raise ValueError(f"--out {args.out}: exists and is not a directory (eval writes eval.json, eval.png and "
                              "eval.md into a directory)")
         self.out = out
+        self.prefill_cache = Path(args.prefill_cache) if args.prefill_cache else None
+        if self.prefill_cache is not None and self.prefill_cache.exists() and not self.prefill_cache.is_dir():
+            raise ValueError(f"--prefill-cache {args.prefill_cache}: exists and is not a directory")
         if args.configs:
             specs = load_configs(args.configs)
         elif self.suite == "ruler":
@@ -260,6 +267,21 @@ def run(args: argparse.Namespace) -> int:
                      f"{0 if args.no_probe else plan.windows} probe windows")
                   + f"; {len(plan.specs)} configurations + reference, one shared prefill per sample")
 
+    settings = {"suite": plan.suite, "contexts": plan.contexts, "seed": args.seed, "quick": bool(args.quick),
+                "demo": bool(args.demo)}
+    if plan.suite == "text":
+        settings.update({"continuation": plan.continuation, "windows": plan.windows, "probe": not args.no_probe,
+                         "text": plan.text or "pydoc"})
+    else:
+        settings.update({"tasks": plan.tasks, "samples": plan.samples, "max_new_tokens": args.max_new_tokens})
+    settings["prefill_cache"] = plan.prefill_cache is not None
+    doc = {
+        "schema": report.SCHEMA, "kvtier_version": __version__,
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "model": model_info, "settings": settings, "reference": plan.ref.name,
+    }
+    plan.out.mkdir(parents=True, exist_ok=True)
+
     rows, skipped = [], []
     with tempfile.TemporaryDirectory(prefix="kvtier-eval-") as tmp, Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -273,44 +295,68 @@ def run(args: argparse.Namespace) -> int:
             def tick(r, bar=bar, ctx=ctx):
                 progress.update(bar, advance=1, description=f"context {ctx}: {getattr(r, 'spec', None) and r.spec.name}")
 
-            for sample in samples:
+            for done, sample in enumerate(samples, 1):
                 results = run_all(model, specs, sample, Path(tmp), tokenizer=tok,
-                                  max_new_tokens=args.max_new_tokens, on_result=tick)
+                                  max_new_tokens=args.max_new_tokens, on_result=tick,
+                                  prefill_cache=plan.prefill_cache)
                 for i, r in enumerate(results):
                     per_spec[i].append(r)
-            ref = per_spec[0]
-            if any(not hasattr(r, "spec") for r in ref):
-                raise RuntimeError(f"the reference {plan.ref.name!r} could not run: {ref[0]}")
-            for spec, got in zip(specs, per_spec):
-                bad = [r for r in got if not hasattr(r, "spec")]
-                if bad:
-                    skipped.append({"config": spec.name, "context": ctx, "reason": str(bad[0])})
-                    console.print(f"[yellow]skipped {spec.name}: {bad[0]}")
-                    continue
-                rows.append(summarise(spec, ctx, ref, got, seed=args.seed))
+                ref = per_spec[0]
+                if any(not hasattr(r, "spec") for r in ref):
+                    raise RuntimeError(f"the reference {plan.ref.name!r} could not run: {ref[0]}")
+                ctx_rows, ctx_skipped = _rows(specs, per_spec, ctx, args.seed)
+                line = "; ".join(f"{r.spec.name} {r.score if r.score is not None else '-'}" for r in results
+                                 if hasattr(r, "spec"))
+                progress.console.print(f"context {ctx}: sample {done}/{len(samples)} "
+                                       f"({getattr(sample, 'task', 'text')}) at {time.perf_counter() - t_start:.0f} s, "
+                                       f"prefill {ref[-1].prefill_s:.0f} s: {line}")
+                if done < len(samples):
+                    # a long run keeps what it has measured: eval.json and eval.md after every
+                    # sample, marked partial, so a run stopped early still leaves its figures
+                    doc.update(partial={"context": ctx, "samples_done": done, "samples": len(samples)},
+                               elapsed_s=time.perf_counter() - t_start, results=rows + ctx_rows,
+                               skipped=skipped + ctx_skipped)
+                    _write(doc, plan.out, plot=False)
+            for s in ctx_skipped:
+                console.print(f"[yellow]skipped {s['config']}: {s['reason']}")
+            rows += ctx_rows
+            skipped += ctx_skipped
 
-    settings = {"suite": plan.suite, "contexts": plan.contexts, "seed": args.seed, "quick": bool(args.quick),
-                "demo": bool(args.demo)}
-    if plan.suite == "text":
-        settings.update({"continuation": plan.continuation, "windows": plan.windows, "probe": not args.no_probe,
-                         "text": plan.text or "pydoc"})
-    else:
-        settings.update({"tasks": plan.tasks, "samples": plan.samples, "max_new_tokens": args.max_new_tokens})
-    doc = {
-        "schema": report.SCHEMA, "kvtier_version": __version__,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "model": model_info, "settings": settings,
-        "reference": plan.ref.name, "elapsed_s": time.perf_counter() - t_start, "results": rows,
-        "skipped": skipped,
-    }
-    plan.out.mkdir(parents=True, exist_ok=True)
+    doc.pop("partial", None)
+    doc.update(elapsed_s=time.perf_counter() - t_start, results=rows, skipped=skipped)
     report.print_table(doc, console)
-    report.write_json(doc, plan.out / "eval.json")
-    report.plot(doc, plan.out / "eval.png")
-    (plan.out / "eval.md").write_text(report.markdown_table(doc) + "\n")
+    _write(doc, plan.out)
     console.print(f"wrote {plan.out / 'eval.json'}, {plan.out / 'eval.png'}, {plan.out / 'eval.md'} "
                   f"in {doc['elapsed_s']:.0f} s")
     return 0
+
+
+def _rows(specs, per_spec: list[list], ctx: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """One context's rows from the results so far, and the configurations this machine skipped."""
+    rows, skipped = [], []
+    ref = per_spec[0]
+    for spec, got in zip(specs, per_spec):
+        bad = [r for r in got if not hasattr(r, "spec")]
+        if bad:
+            skipped.append({"config": spec.name, "context": ctx, "reason": str(bad[0])})
+            continue
+        rows.append(summarise(spec, ctx, ref, got, seed=seed))
+    return rows, skipped
+
+
+def _write(doc: dict, out: Path, plot: bool = True) -> None:
+    """eval.json and eval.md (and eval.png) into ``out``; each file replaced whole, never half written."""
+    import os
+
+    from kvtier.eval import report
+
+    tmp_json, tmp_md = out / ".eval.json.tmp", out / ".eval.md.tmp"
+    report.write_json(doc, tmp_json)
+    tmp_md.write_text(report.markdown_table(doc) + "\n")
+    os.replace(tmp_json, out / "eval.json")
+    os.replace(tmp_md, out / "eval.md")
+    if plot:
+        report.plot(doc, out / "eval.png")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -136,9 +136,20 @@ def print_table(doc: dict, console=None) -> None:
 
 
 def markdown_table(doc: dict) -> str:
+    """The table as markdown; for a RULER run of several tasks, a second table of the score per
+    task (mean over that task's samples)."""
     head, rows = table_rows(doc)
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
+    tasks = doc.get("settings", {}).get("tasks") or []
+    if doc.get("settings", {}).get("suite") == "ruler" and len(tasks) > 1:
+        lines += ["", "RULER % per task:", "", "| context | config | " + " | ".join(tasks) + " |",
+                  "|" + "---|" * (len(tasks) + 2)]
+        for r in doc["results"]:
+            per = r["accuracy"].get("ruler_tasks", {})
+            name = ("* " if r["anchor"] else "  ") + r["config"]
+            lines.append(f"| {r['context']} | {name} | "
+                         + " | ".join(_fmt(per.get(t), ".0f", 100) for t in tasks) + " |")
     return "\n".join(lines)
 
 

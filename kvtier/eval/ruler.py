@@ -61,7 +61,27 @@ def check_tasks(names: list[str]) -> list[str]:
         raise ValueError(f"--tasks: unknown RULER task(s) {bad}; RULER defines {sorted(table)}")
     if not names:
         raise ValueError(f"--tasks must name at least one RULER task of {sorted(table)}")
+    for name in names:
+        for need in _needs(table[name]):
+            if not need.is_file():
+                raise ValueError(f"--tasks {name}: RULER's {need.name} is missing ({need}); "
+                                 f"reinstall RULER's package (`{_INSTALL}`)")
     return names
+
+
+_DATASETS = {"squad": "squad.json", "hotpotqa": "hotpotqa.json"}
+
+
+def _needs(config: dict) -> list[Path]:
+    """The files a task's generator reads: its script, and the essays or QA set it draws from."""
+    synthetic = package_dir() / "data" / "synthetic"
+    args = config.get("args", {})
+    needs = [synthetic / f"{config['task']}.py"]
+    if args.get("type_haystack") == "essay":
+        needs.append(synthetic / "json" / "PaulGrahamEssays.json")
+    if args.get("dataset") in _DATASETS:
+        needs.append(synthetic / "json" / _DATASETS[args["dataset"]])
+    return needs
 
 
 _SENTENCE_END = re.compile(r"(?:(?<=[.!?])|(?<=[.!?][\"')\]]))\s+(?=[\"'(\[A-Z0-9])")

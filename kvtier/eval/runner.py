@@ -52,14 +52,16 @@ def snapkv_window(specs: list[CacheSpec]) -> int:
 
 @torch.inference_mode()
 def run_all(model, specs: list[CacheSpec], sample, workdir: Path, tokenizer=None, max_new_tokens=None,
-            on_result=None) -> list[Result]:
+            on_result=None, prefill_cache: Path | None = None) -> list[Result]:
     """Every spec on ``sample`` (a text :class:`Window` or a :class:`ruler.Sample`).
+
+    ``prefill_cache``: a directory where the shared prefill is kept and reused (see :func:`prefill`).
 
     Returns one entry per spec: its :class:`Result`, or the :class:`Unavailable` it raised
     (a configuration this machine cannot run).
     """
     ids = sample.context if isinstance(sample, Window) else sample.input_ids
-    pre = prefill(model, ids, snapkv_window(specs))
+    pre = prefill(model, ids, snapkv_window(specs), cache_dir=prefill_cache)
     out = []
     for spec in specs:
         try:

@@ -25,6 +25,7 @@ def _ruler_metric(kind):
     ("niah", ["09e9db0a-df46-4290-a1ee-411a1bac27a7"], "09E9DB0A-DF46-4290-A1EE-411A1BAC27A7"),
     ("variable_tracking", ["ABCDE", "FGHIJ"], "ABCDE FGHI"),
     ("common_words_extraction", ["apple", "pear"], "1. apple 2. plum"),
+    ("freq_words_extraction", ["rczbnn", "rhrmlh", "hmcxdl"], "rczbnn, HMCXDL and rhrmlh"),
     ("qa", ["France", "the French Republic"], "\x01 france\x1f"),
     ("qa", ["yes"], "no"),
     ("niah", ["123"], ""),
@@ -58,6 +59,24 @@ def test_generate_builds_rulers_prompt_and_answers(tokenizer, tmp_path):
         assert "special magic number" in s.prompt
         assert s.input_ids.numel() + s.max_new_tokens <= 512         # RULER's length budget
         assert ruler.score(s, f"The number is {s.outputs[0]}.") == 1.0
+
+
+def test_missing_data_names_the_task_before_anything_runs(monkeypatch, tmp_path):
+    import shutil
+
+    real = ruler.package_dir()
+    (tmp_path / "data" / "synthetic" / "json").mkdir(parents=True)
+    shutil.copy(real / "synthetic.yaml", tmp_path / "synthetic.yaml")
+    for script in ("niah.py", "qa.py"):
+        shutil.copy(real / "data" / "synthetic" / script, tmp_path / "data" / "synthetic" / script)
+    monkeypatch.setattr(ruler, "package_dir", lambda: tmp_path)
+    assert ruler.check_tasks(["niah_single_1"]) == ["niah_single_1"]   # noise haystack: no data file
+    with pytest.raises(ValueError, match=r"--tasks niah_single_2: RULER's PaulGrahamEssays.json is missing"):
+        ruler.check_tasks(["niah_single_1", "niah_single_2"])
+    with pytest.raises(ValueError, match=r"--tasks qa_2: RULER's hotpotqa.json is missing"):
+        ruler.check_tasks(["qa_2"])
+    with pytest.raises(ValueError, match=r"--tasks vt: RULER's variable_tracking.py is missing"):
+        ruler.check_tasks(["vt"])
 
 
 def test_unknown_task_and_missing_package_name_the_option(monkeypatch, tmp_path):

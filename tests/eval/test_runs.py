@@ -81,3 +81,20 @@ def test_same_seed_same_accuracy(tmp_path):
     acc = [[(r["config"], r["accuracy"]) for r in d["results"]] for d in docs]
     assert acc[0] == acc[1]
     assert all("ci" in a for _, a in acc[0])
+
+
+@torch.inference_mode()
+def test_kept_prefill_is_read_back_exactly_and_a_broken_one_recomputed(model_bf16, tokenizer, tmp_path):
+    ids = text_ids(tokenizer, 48)[0]
+    first = prefill(model_bf16, ids, 8, cache_dir=tmp_path)
+    files = list(tmp_path.glob("prefill-48-*.safetensors"))
+    assert len(files) == 1 and (files[0].stat().st_mode & 0o077) == 0   # owner-only
+    again = prefill(model_bf16, ids, 8, cache_dir=tmp_path)
+    assert again.seconds == first.seconds                               # read back, not recomputed
+    assert torch.equal(again.logits, first.logits)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(again.kv, first.kv))
+    assert all(torch.equal(a, b) for a, b in zip(again.queries, first.queries))
+    assert again.queries[0].shape[-2] >= 32                              # kept with snapkv's default window
+    files[0].write_bytes(b"not a safetensors file")
+    fresh = prefill(model_bf16, ids, 8, cache_dir=tmp_path)
+    assert torch.equal(fresh.logits, first.logits) and fresh.seconds != first.seconds
