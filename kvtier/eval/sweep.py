@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from kvtier.config import default_block_tokens
 from kvtier.eval import metrics
 from kvtier.eval.caches import KINDS, CacheSpec
 from kvtier.eval.runner import Result
@@ -36,7 +37,7 @@ def _kv(name: str, **params) -> CacheSpec:
     # recall probe at the same budget); dense: 64-token blocks, since every step swaps in every
     # block outside L1 and the per-block cost dominates (int8, 4k, L1 25%: 0.9 tok/s at 16 tokens),
     # and keys' per-channel groups span the block. L2 holds a quarter of the context's 16-bit KV.
-    params.setdefault("block_tokens", 16 if params.get("attention") == "sparse" else 64)
+    params.setdefault("block_tokens", default_block_tokens(params.get("attention", "dense")))
     params.setdefault("host_fraction", 0.25)
     params.setdefault("write_through", False)  # measure tiering alone, no prefix-sharing copies
     return CacheSpec(name, "kvtier", params)
@@ -51,10 +52,10 @@ def quick_configs() -> list[CacheSpec]:
         _kv("kvtier int4 dense L1=25%", codec="int4", attention="dense", hot_fraction=0.25, policy="lru"),
         _kv("kvtier int4 sparse L1=25%", codec="int4", attention="sparse", hot_fraction=0.25, policy="h2o"),
         _kv("kvtier int4 sparse L1=10%", codec="int4", attention="sparse", hot_fraction=0.10, policy="h2o"),
-        # one key centroid per 4 tokens instead of per 16-token block: 4x the digest bytes, for
-        # the recall probe at long context (one matching key is not averaged away by 15 others)
-        _kv("kvtier int4 sparse L1=10% c4", codec="int4", attention="sparse", hot_fraction=0.10, policy="h2o",
-            digest_tokens=4),
+        # one key centroid per 16-token block instead of the default one per 4 tokens: a quarter
+        # of the digest bytes, and a matching key averaged away by 15 others
+        _kv("kvtier int4 sparse L1=10% d16", codec="int4", attention="sparse", hot_fraction=0.10, policy="h2o",
+            digest_tokens=16),
         _kv("kvtier int4 t2c sparse L1=25%", codec="int4", order="tier-then-compress", attention="sparse",
             hot_fraction=0.25, policy="h2o"),
         _kv("sink-window int4 (no recall)", codec="int4", attention="sparse", hot_fraction=0.10,
@@ -75,7 +76,8 @@ def ruler_configs(l1_fractions=SPARSE_L1) -> list[CacheSpec]:
     """The long-context sweep: full attention, eviction-only anchors at kvtier's smallest
     sparse budget but one (3%), transformers' quantized caches, and kvtier int4 sparse at each
     L1 fraction with a small L2 (2% of the 16-bit KV), so most blocks live on L3 and come back
-    by query, each with a key digest per block and per 4 tokens (``c4``); plus kvtier int4 dense.
+    by query, with the default key digest (a centroid per 4 tokens) and, at 3%, one centroid per
+    16-token block (``d16``) to show what the finer digest buys; plus kvtier int4 dense.
 
     The sparse rows use the lru policy: blocks are selected by query at every step wherever they
     lie, so the policy only decides which tier holds them, and a non-observing policy lets the
@@ -90,13 +92,11 @@ def ruler_configs(l1_fractions=SPARSE_L1) -> list[CacheSpec]:
     for f in l1_fractions:
         out.append(_kv(f"kvtier int4 sparse L1={f:.1%}", codec="int4", attention="sparse", hot_fraction=f,
                        host_fraction=0.02, policy="lru"))
-    for f in l1_fractions:
-        # one key centroid per 4 tokens (a block scores as its best quarter, 4x the digest
-        # bytes): a needle that straddles two 16-token blocks is a few tokens of each, averaged
-        # away among 16 (RULER niah_single_2 at 32k: the 16-token digest read 4 of its 7 digits
-        # at L1 = 3% and 6 at 12.5%; per 4 tokens, all 7 at 3%)
-        out.append(_kv(f"kvtier int4 sparse L1={f:.1%} c4", codec="int4", attention="sparse", hot_fraction=f,
-                       host_fraction=0.02, policy="lru", digest_tokens=4))
+    # one centroid per 16-token block: a needle that straddles two blocks is a few tokens of
+    # each, averaged away among 16 (RULER niah_single_2 at 32k: the 16-token digest read 4 of its
+    # 7 digits at L1 = 3% and 6 at 12.5%; per 4 tokens, all 7 at 3%)
+    out.append(_kv("kvtier int4 sparse L1=3.0% d16", codec="int4", attention="sparse", hot_fraction=0.03,
+                   host_fraction=0.02, policy="lru", digest_tokens=16))
     out.append(_kv("kvtier int4 dense", codec="int4", attention="dense", hot_fraction=0.03, host_fraction=0.02,
                    policy="lru"))
     return out
@@ -105,7 +105,7 @@ def ruler_configs(l1_fractions=SPARSE_L1) -> list[CacheSpec]:
 def demo_configs() -> list[CacheSpec]:
     """`make demo`: full attention, StreamingLLM and kvtier sparse (a centroid per 4 tokens) at the
     same 3% budget."""
-    keep = ("dynamic (ref)", "StreamingLLM 3.0%", "kvtier int4 sparse L1=3.0% c4")
+    keep = ("dynamic (ref)", "StreamingLLM 3.0%", "kvtier int4 sparse L1=3.0%")
     return [s for s in ruler_configs() if s.name in keep]
 
 
