@@ -236,9 +236,9 @@ class KVTierConfig:
 
     precision: Precision = "fixed"
     """``fixed``: every block below L1 is stored in its tier's codec. ``importance``: a block's
-    codec is chosen when it is evicted, by where its attention statistic (``policy``: ``h2o``
-    accumulated mass, ``snapkv`` importance) ranks among the sealed blocks of its (sequence,
-    layer): the heaviest ``heavy_fraction`` in ``heavy_codec``, the lightest ``cold_fraction`` in
+    codec is chosen when it is evicted, by where its attention statistic (the mean, over the
+    observations that saw it, of its mass over the mean mass per block; observed as for ``h2o``
+    and ``snapkv``) ranks among the sealed blocks of its (sequence, layer): the heaviest ``heavy_fraction`` in ``heavy_codec``, the lightest ``cold_fraction`` in
     ``cold_codec``, the rest in ``codec``, so the records of one sequence carry different codecs.
     A block stored in fewer bits than ``codec`` also gets a ``codec`` copy in L3 when there is an
     L3 (written by the swap-out worker, off the decode path; a content block written through

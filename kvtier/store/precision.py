@@ -1,8 +1,11 @@
 """Precision that follows importance: which codec an evicted block is stored in, and when a
 recalled low-precision block is read from its higher-precision copy instead.
 
-At eviction a block's attention statistic (h2o: accumulated mass; snapkv: importance voted at
-the end of prefill) is ranked among the sealed blocks of its (sequence, layer)::
+Every observation (``KVStore.observe``: h2o/snapkv statistics) gives each observed block its
+mass relative to the observation's mean mass per block (1.0: an even share); a block's
+statistic is the mean of those over the observations it had, so that old blocks, observed
+more often and when the context was shorter, do not outrank new ones by age alone. At eviction
+it is ranked among the sealed blocks of its (sequence, layer)::
 
     mid-rank r = (blocks below it + half the blocks tied with it) / sealed blocks
       r >= 1 - heavy_fraction   -> heavy_codec   (e.g. int8)
@@ -10,6 +13,7 @@ the end of prefill) is ranked among the sealed blocks of its (sequence, layer)::
       otherwise                 -> codec         (e.g. int4)
 
 Ties share their mid-rank, so a table never observed (every statistic 0) stores ``codec``.
+A block never observed itself has statistic 0 (it ranks with the lightest).
 
 A block stored in fewer bits than ``codec`` is *below base*: the swap-out worker also writes
 its ``codec`` record to L3 (when there is an L3 and no copy there yet), the backup. When one
@@ -35,7 +39,6 @@ class PrecisionPlan:
     heavy_fraction: float
     cold_fraction: float
     recall_mass: float
-    statistic: str  # the BlockEntry attribute ranked: "mass" (h2o) or "importance" (snapkv)
 
     @classmethod
     def of(cls, cfg: KVTierConfig) -> "PrecisionPlan | None":
@@ -43,8 +46,7 @@ class PrecisionPlan:
         if cfg.precision != "importance":
             return None
         return cls(cfg.heavy_codec, cfg.codec, cfg.cold_codec, float(cfg.heavy_fraction),
-                   float(cfg.cold_fraction), float(cfg.recall_mass),
-                   "importance" if cfg.policy == "snapkv" else "mass")
+                   float(cfg.cold_fraction), float(cfg.recall_mass))
 
     @property
     def codecs(self) -> tuple[str, ...]:
@@ -54,9 +56,14 @@ class PrecisionPlan:
     def below_base(self, codec: str) -> bool:
         return _BITS[codec] < _BITS[self.base]
 
+    @staticmethod
+    def statistic(e) -> float:
+        """A block's mean share of the attention mass per observation (0 if never observed)."""
+        return e.rel_mass / e.seen if e.seen else 0.0
+
     def ranking(self, entries) -> list[float]:
         """The sorted statistics of ``entries`` (a table's sealed blocks)."""
-        return sorted(getattr(e, self.statistic) for e in entries)
+        return sorted(self.statistic(e) for e in entries)
 
     def choose(self, ranking: list[float], value: float) -> str:
         """The codec of a block whose statistic is ``value`` among ``ranking`` (sorted)."""

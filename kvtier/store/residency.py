@@ -248,7 +248,7 @@ class Residency:
             if plan is not None:
                 if ranking is None:  # once per table and batch: the statistics of its sealed blocks
                     ranking = plan.ranking(t.entries[:t.n_sealed])
-                e.evict_codec = plan.choose(ranking, getattr(e, plan.statistic))
+                e.evict_codec = plan.choose(ranking, plan.statistic(e))
             e.pending = True
             e.cancel = False
             t.pending += 1
@@ -412,10 +412,13 @@ class Residency:
                 if snap:
                     e.importance += x
             plan = self.layout.precision
-            if plan is not None and mass:
-                mean = sum(mass) / len(mass)
+            mean = sum(mass) / len(mass) if mass else 0.0
+            if plan is not None and mean > 0:
                 for b, x in zip(blocks, mass):
-                    rec = ents[b].rec
+                    e = ents[b]
+                    e.rel_mass += x / mean
+                    e.seen += 1
+                    rec = e.rec
                     if rec.l2 and rec.l2_codec is not None and plan.below_base(rec.l2_codec) \
                             and plan.recalled_heavy(x, mean):
                         rec.upgrade = True

@@ -92,7 +92,7 @@ def _delegate(name: str) -> property:
 
 class BlockEntry:
     __slots__ = ("idx", "key", "rec", "slot", "pending", "cancel",
-                 "last_used", "mass", "importance", "fence", "evict_codec")
+                 "last_used", "mass", "importance", "fence", "evict_codec", "rel_mass", "seen")
 
     def __init__(self, idx: int, key: str) -> None:
         self.idx = idx
@@ -107,6 +107,8 @@ class BlockEntry:
         self.importance = 0.0          # mass observed at the end of prefill (snapkv)
         self.fence = None              # CUDA event after the last write into the slot
         self.evict_codec: str | None = None  # precision="importance": codec chosen when marked pending
+        self.rel_mass = 0.0            # precision="importance": sum over observations of mass / mean mass
+        self.seen = 0                  # observations of this block (rel_mass / seen: its mean share)
 
     l2 = _delegate("l2")
     l3 = _delegate("l3")
