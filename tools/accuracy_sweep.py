@@ -228,7 +228,7 @@ def run_store_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[S
     for spec in specs:
         with tempfile.TemporaryDirectory(dir=scratch) as d:
             cfg = KVTierConfig(block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
-                               disk_path=d, codec=spec.codec, group_size=spec.group_size, policy="h2o",
+                               disk_path=d, disk_bytes=4 << 30, codec=spec.codec, group_size=spec.group_size, policy="h2o",
                                attention="dense", write_through=False, sink_tokens=spec.sink_tokens,
                                window_tokens=spec.window_tokens, precision=spec.precision,
                                heavy_fraction=spec.heavy_fraction, cold_fraction=spec.cold_fraction,
@@ -271,6 +271,34 @@ def bootstrap_ci(ref: list[torch.Tensor], got: list[torch.Tensor], n_boot: int, 
     return delta, lo, hi
 
 
+def plot(doc: dict, path: str) -> None:
+    """Δppl (95% CI) against bytes per token held at the end of the window, one panel per text:
+    fixed-precision and importance rows of the real store, simulated rows, anchors."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    srcs = list(doc["sources"])
+    fig, axes = plt.subplots(1, len(srcs), figsize=(6 * len(srcs), 4.5), squeeze=False)
+    style = {"store importance": ("tab:red", "*"), "store": ("tab:blue", "o"), "kvtier": ("tab:gray", "s"),
+             "hqq": ("tab:green", "^"), "quanto": ("tab:olive", "v")}
+    for ax, src in zip(axes[0], srcs):
+        for name, r in doc["sources"][src]["rows"].items():
+            color, marker = next(v for k, v in style.items() if name.startswith(k))
+            d, (lo, hi) = 100 * r["delta_ppl"], r["ci95"]
+            ax.errorbar(r["bytes_per_token_end"], d, yerr=[[d - 100 * lo], [100 * hi - d]], fmt=marker,
+                        color=color, capsize=3)
+            ax.annotate(name.replace("store ", "").replace("kvtier ", "sim "), (r["bytes_per_token_end"], d),
+                        fontsize=6, xytext=(3, 3), textcoords="offset points")
+        ax.axhline(0, color="k", lw=0.5)
+        ax.set_title(f"{src} ({doc['sources'][src]['windows']} windows)")
+        ax.set_xlabel("bytes per token held at the end (all tiers)")
+        ax.set_ylabel("Δppl, % (95% CI)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--texts", default="pydoc,essays,squad", help="comma-separated: pydoc, essays, squad or files")
@@ -294,8 +322,20 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-chunk", type=int, default=16,
                     help="--store: continuation tokens per forward (1: one decode step per token)")
     ap.add_argument("--scratch", default="/tmp", help="--store: where the L3 directories are made")
+    ap.add_argument("--plot", default=None, help="write the Pareto plot (PNG) here")
+    ap.add_argument("--from-json", default=None, nargs="+",
+                    help="no measuring: merge these --json outputs (their sources) and plot them")
     ap.add_argument("--smoke", action="store_true", help="one 256-token window of pydoc, three configs")
     args = ap.parse_args(argv)
+    if args.from_json:
+        doc = {"sources": {}}
+        for f in args.from_json:
+            doc["sources"].update(json.loads(Path(f).read_text())["sources"])
+        if args.plot:
+            plot(doc, args.plot)
+        if args.json:
+            Path(args.json).write_text(json.dumps(doc, indent=1))
+        return 0
     specs = default_specs()
     store_specs = default_store_specs() if args.store or args.store_only else []
     if args.smoke:
@@ -374,6 +414,8 @@ def main(argv=None) -> int:
         doc["sources"][src] = {"ppl_ref": ppl_ref, "windows": len(offsets), "offsets": offsets, "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
+    if args.plot:
+        plot(doc, args.plot)
     return 0
 
 
