@@ -84,9 +84,7 @@ def default_store_specs() -> list[StoreSpec]:
         StoreSpec("store int2 g32", codec="int2"),
         imp("store importance 10/50", heavy_fraction=0.1, cold_fraction=0.5),
         imp("store importance 5/75", heavy_fraction=0.05, cold_fraction=0.75),
-        imp("store importance 10/50 no-upgrade", heavy_fraction=0.1, cold_fraction=0.5, recall_mass=math.inf),
         StoreSpec("store int4 g64 L1=1 block", group_size=64, hot_tokens=64, sink_tokens=0, window_tokens=0),
-        StoreSpec("store int4 g64 L1=2 blocks", group_size=64, hot_tokens=128, sink_tokens=0, window_tokens=64),
     ]
 
 
@@ -319,7 +317,7 @@ def main(argv=None) -> int:
                     help="also run the store rows (default_store_specs) through the real store")
     ap.add_argument("--store-only", action="store_true", help="the store rows only (no simulated rows, no anchors)")
     ap.add_argument("--chunk", type=int, default=256, help="--store: prefill chunk, tokens")
-    ap.add_argument("--decode-chunk", type=int, default=16,
+    ap.add_argument("--decode-chunk", type=int, default=32,
                     help="--store: continuation tokens per forward (1: one decode step per token)")
     ap.add_argument("--scratch", default="/tmp", help="--store: where the L3 directories are made")
     ap.add_argument("--plot", default=None, help="write the Pareto plot (PNG) here")

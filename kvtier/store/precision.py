@@ -12,8 +12,9 @@ it is ranked among the sealed blocks of its (sequence, layer)::
       r <  cold_fraction        -> cold_codec    (e.g. int2)
       otherwise                 -> codec         (e.g. int4)
 
-Ties share their mid-rank, so a table never observed (every statistic 0) stores ``codec``.
-A block never observed itself has statistic 0 (it ranks with the lightest).
+Ties share their mid-rank. A block evicted before any observation saw it (a prefill chunk
+longer than L1 evicts some of its own blocks before its attention runs) has no evidence either
+way and is stored in ``codec``; it does not enter the ranking of the others either.
 
 A block stored in fewer bits than ``codec`` is *below base*: the swap-out worker also writes
 its ``codec`` record to L3 (when there is an L3 and no copy there yet), the backup. When one
@@ -58,12 +59,12 @@ class PrecisionPlan:
 
     @staticmethod
     def statistic(e) -> float:
-        """A block's mean share of the attention mass per observation (0 if never observed)."""
-        return e.rel_mass / e.seen if e.seen else 0.0
+        """An observed block's mean share of the attention mass per observation."""
+        return e.rel_mass / e.seen
 
     def ranking(self, entries) -> list[float]:
-        """The sorted statistics of ``entries`` (a table's sealed blocks)."""
-        return sorted(self.statistic(e) for e in entries)
+        """The sorted statistics of the observed ones of ``entries`` (a table's sealed blocks)."""
+        return sorted(self.statistic(e) for e in entries if e.seen)
 
     def choose(self, ranking: list[float], value: float) -> str:
         """The codec of a block whose statistic is ``value`` among ``ranking`` (sorted)."""

@@ -248,7 +248,7 @@ class Residency:
             if plan is not None:
                 if ranking is None:  # once per table and batch: the statistics of its sealed blocks
                     ranking = plan.ranking(t.entries[:t.n_sealed])
-                e.evict_codec = plan.choose(ranking, plan.statistic(e))
+                e.evict_codec = plan.choose(ranking, plan.statistic(e)) if e.seen else plan.base
             e.pending = True
             e.cancel = False
             t.pending += 1
