@@ -127,3 +127,16 @@ def test_without_l3_cold_blocks_stay_low():
 def test_bad_precision_fields_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         KVTierConfig(**kw)
+
+
+def test_blocks_never_observed_keep_the_base_codec(tmp_path):
+    st = _store(tmp_path)
+    s, _, _ = _fill(st, 8)
+    st.observe(s, 0, [0, 1], [5.0, 0.1])  # only two blocks were ever seen
+    st.end_step()
+    st.flush()
+    t = st.residency.tables[s][0]
+    got = {e.idx: e.rec.l2_codec for e in t.entries[:-1] if e.l2}
+    assert got[1] == "int2" and all(got[b] == "int4" for b in got if b > 1), got
+    st.check_invariants()
+    st.close()
