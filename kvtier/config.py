@@ -244,8 +244,9 @@ class KVTierConfig:
     L3 (written by the swap-out worker, off the decode path; a content block written through
     already has it), and when one observation gives such a block ``recall_mass`` times the mean
     mass per block or more, the low copy leaves L2 and later reads decode the L3 copy. Needs
-    ``policy`` ``h2o`` or ``snapkv`` (dense attention then observes every step: one extra
-    attention pass over the keys per layer), ``order="compress-then-tier"``, integer codecs and
+    ``policy`` ``h2o`` or ``snapkv`` (dense attention then observes every step, one extra
+    attention pass over the keys per layer, where the model attends through kvtier's attention:
+    ``kvtier.attach``; without statistics every block is stored in ``codec``), ``order="compress-then-tier"``, integer codecs and
     no per-tier codec override."""
 
     heavy_codec: str = "int8"

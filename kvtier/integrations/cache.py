@@ -154,9 +154,11 @@ class TieredCache(Cache):
         super().__init__(layers=[TieredLayer(self, i) for i in range(num_layers)])
         self._sparse = config.attention == "sparse"
         # dense attention observes only for precision="importance" (its codec choice and recall
-        # upgrades rank blocks by these statistics): one more attention pass per layer and step
+        # upgrades rank blocks by these statistics), and only where the model attends through
+        # kvtier's attention (built with the model): one more attention pass per layer and step.
+        # Without it every evicted block is stored in the base codec.
         self._observe = config.policy in _OBSERVING_POLICIES and (
-            self._sparse or config.precision == "importance")
+            self._sparse or (config.precision == "importance" and model is not None))
         self._budget = self.store.budget_tokens
         self._step: Step | None = None
         # token ids of the forward in flight (set by the pre-hook), noted at its layer-0 update
