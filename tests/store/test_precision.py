@@ -140,3 +140,14 @@ def test_blocks_never_observed_keep_the_base_codec(tmp_path):
     assert got[1] == "int2" and all(got[b] == "int4" for b in got if b > 1), got
     st.check_invariants()
     st.close()
+
+
+def test_export_gives_one_codec(tmp_path):
+    st = _store(tmp_path)
+    s, _, _ = _fill(st, 8)
+    st.observe(s, 0, list(range(8)), [5.0, 0.1, 9.0, 0.2, 0.3, 7.0, 0.4, 8.0, 1.0])
+    st.end_step()
+    st.flush()
+    records, _ = st.export_blocks(s, 0)
+    assert len(records) == 8 and {unpack_block(r)[0].codec for r in records} == {"int4"}  # what save() writes
+    st.close()
