@@ -72,8 +72,11 @@ class KVStore:
         self.lower = LowerTiers(cfg, lay, self.io, self.counters)
         # content-addressed keys: the chain seed names the model, both codecs and their parameters,
         # the dtype and block_tokens, so blocks of another model or encoding never match
+        # (with precision="importance" the records of one key may carry any of its codecs)
+        codecs = f"{lay.host_codec}|{lay.disk_codec}" + (
+            "" if lay.precision is None else f"|importance:{'/'.join(lay.precision.codecs)}")
         self.content_fp = model_fingerprint_key(
-            fingerprint, f"{lay.host_codec}|{lay.disk_codec}", lay.block_tokens,
+            fingerprint, codecs, lay.block_tokens,
             codec_params={"group_size": cfg.group_size, "key_axis": cfg.key_axis,
                           "value_axis": cfg.value_axis},
             dtype=lay.dtype, extra={"kv_heads": kv_heads, "head_dim": head_dim, "num_layers": num_layers},
