@@ -88,6 +88,14 @@ def default_store_specs() -> list[StoreSpec]:
     ]
 
 
+def mix_store_specs() -> list[StoreSpec]:
+    """int4/int2 mixes by importance (no int8), the region between the int4 and int2 rows."""
+    imp = lambda name, **p: StoreSpec(name, precision="importance", heavy_fraction=0.0, **p)  # noqa: E731
+    return [imp("store importance 0/50", cold_fraction=0.5),
+            imp("store importance 0/50 recall 1", cold_fraction=0.5, recall_mass=1.0),
+            imp("store importance 0/75", cold_fraction=0.75)]
+
+
 @dataclass(frozen=True)
 class Spec:
     """One cache configuration: a kvtier codec per role, or an anchor backend."""
@@ -316,6 +324,7 @@ def main(argv=None) -> int:
     ap.add_argument("--store", action="store_true",
                     help="also run the store rows (default_store_specs) through the real store")
     ap.add_argument("--store-only", action="store_true", help="the store rows only (no simulated rows, no anchors)")
+    ap.add_argument("--mixes", action="store_true", help="--store: the int4/int2 mix rows (mix_store_specs) instead")
     ap.add_argument("--chunk", type=int, default=256, help="--store: prefill chunk, tokens")
     ap.add_argument("--decode-chunk", type=int, default=32,
                     help="--store: continuation tokens per forward (1: one decode step per token)")
@@ -335,7 +344,8 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps(doc, indent=1))
         return 0
     specs = default_specs()
-    store_specs = default_store_specs() if args.store or args.store_only else []
+    store_specs = (mix_store_specs() if args.mixes else default_store_specs()) \
+        if args.store or args.store_only else []
     if args.smoke:
         args.texts, args.context, args.continuation, args.windows, args.recent, args.sink = "pydoc", 256, 16, 2, 64, 0
         specs = [s for s in specs if s.name in ("kvtier int8 g32", "kvtier int4 g32 mse", "kvtier int2 g32 minmax")]
