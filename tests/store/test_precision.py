@@ -151,3 +151,19 @@ def test_export_gives_one_codec(tmp_path):
     records, _ = st.export_blocks(s, 0)
     assert len(records) == 8 and {unpack_block(r)[0].codec for r in records} == {"int4"}  # what save() writes
     st.close()
+
+
+def test_observe_queries_with_the_callers_keys_equals_its_own_gather():
+    a, b = _store(None), _store(None)
+    sa, k, v = _fill(a, 3)
+    sb, _, _ = _fill(b, 3)
+    q = torch.randn(4, 2, HD, generator=torch.Generator().manual_seed(1))  # [q_heads, w, head_dim]
+    a.observe_queries(sa, 0, q)
+    keys, _ = b.gather(sb, 0)
+    b.observe_queries(sb, 0, q, keys)
+    ea, eb = a.residency.tables[sa][0].entries, b.residency.tables[sb][0].entries
+    assert [e.mass for e in ea] == [e.mass for e in eb] and eb[0].seen == 1
+    with pytest.raises(ValueError, match="keys must be"):
+        b.observe_queries(sb, 0, q, keys[:, :-1])
+    a.close()
+    b.close()
