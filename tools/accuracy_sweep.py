@@ -297,9 +297,13 @@ def plot(doc: dict, path: str) -> None:
                         color=color, capsize=3)
             ax.annotate(name.replace("store ", "").replace("kvtier ", "sim "), (r["bytes_per_token_end"], d),
                         fontsize=6, xytext=(3, 3), textcoords="offset points")
+            if r.get("tiers", {}).get("l3"):  # its L3 backups left out: the bytes L1 and L2 hold
+                read = r["tiers"]["l1"] + r["tiers"]["l2"]
+                ax.plot([read, r["bytes_per_token_end"]], [d, d], ":", color=color, lw=0.8)
+                ax.plot(read, d, marker, mfc="none", color=color)
         ax.axhline(0, color="k", lw=0.5)
         ax.set_title(f"{src} ({doc['sources'][src]['windows']} windows)")
-        ax.set_xlabel("bytes per token held at the end (all tiers)")
+        ax.set_xlabel("bytes per token held at the end (all tiers; hollow: L1 + L2 only)")
         ax.set_ylabel("Δppl, % (95% CI)")
     fig.tight_layout()
     fig.savefig(path, dpi=130)
