@@ -7,7 +7,7 @@ statistic is the mean of those over the observations it had, so that old blocks,
 more often and when the context was shorter, do not outrank new ones by age alone. At eviction
 it is ranked among the sealed blocks of its (sequence, layer)::
 
-    mid-rank r = (blocks below it + half the blocks tied with it) / sealed blocks
+    mid-rank r = (blocks below it + half the blocks tied with it) / observed sealed blocks
       r >= 1 - heavy_fraction   -> heavy_codec   (e.g. int8)
       r <  cold_fraction        -> cold_codec    (e.g. int2)
       otherwise                 -> codec         (e.g. int4)
