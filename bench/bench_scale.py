@@ -3,8 +3,13 @@
 Workloads, with synthetic KV of the shape (Llama-3-8B by default: 32 layers, 8 KV heads,
 head_dim 128, bf16; ``--shape`` for others) and int4 below L1:
   grow      one sequence growing to --max-tokens (128k): prefill in chunks, and at each
-            checkpoint (8k, 16k, ... 128k) a few sparse decode steps (budget 3% of the context:
-            select + gather_view + a one-token append per layer, then end_step)
+            checkpoint (8k, 16k, ... 128k) sparse decode steps (budget 3% of the context:
+            select + gather_view + a one-token append per layer, then end_step). The first steps
+            after a prefill bring the chosen blocks into L1 while the swap-out worker writes the
+            blocks they displace: they run until one swaps nothing in and are reported apart
+            ("transient": steps, total ms, swap-ins); the worker is drained, then --steps steady
+            steps are timed. --base REV runs the same workload with the store of git revision REV
+            first, in a child process: old and new side by side, same machine, same run.
   convs     --convs (8) conversations of --conv-tokens (32k) sharing a --prefix-tokens (4k)
             prefix (content-addressed blocks: one copy per tier), stored once; then decode
             steps with 1, 2, 4, ... of them active at once (round-robin)
@@ -21,11 +26,14 @@ Reported (JSON, and PNG curves next to it in --out):
   tombstones and checkpoints included / record payload); RSS against tokens stored, its
   exponent, and bytes per L3 record; reopen seconds, microseconds per record and RSS.
 
-Default (full) run: about 12 GB of RAM (L1 2 GiB + L2 8 GiB + the process) and, with int4 below
+Default (full) run: about 12 GB of RAM (L1 2 GiB + L2 8 GiB + about 2 GiB for the process: digests,
+index, gather copies, decoded blocks kept for the next step) and, with int4 below
 L1 (about 36 KiB a token at this shape), 4.6 GiB for the 128k sequence and 8 GiB for the
 conversations (the prefix stored once), of which what L2 cannot hold goes to L3: a few GB on disk.
 ``--codec bf16`` stores 128 KiB a token: 16 + 28 GiB written, about 30 GB on L3 at its peak.
-Either stays within 40 GB of disk and 16 GB of RAM. --smoke: 4 of the 32 layers, contexts to
+Either stays within 40 GB of disk and 16 GB of RAM. On a shared machine: --l1-gib 1 --l2-gib 4
+keeps the process under about 8 GiB (measured: 7.2 GiB growth at 128k with --codec bf16), the
+same shapes, more of the KV on L3. --smoke: 4 of the 32 layers, contexts to
 4k, 2 conversations of 1k, 20k records reopened; under 30 s, a few hundred MB.
 
     python bench/bench_scale.py --smoke
@@ -138,7 +146,8 @@ def make_store(a, shape, dirpath: str, hot_tokens: int, budget: int, max_seqs: i
     layers, kvh, _, hd = shape
     cfg = KVTierConfig(block_tokens=a.block_tokens, hot_tokens=hot_tokens, budget_tokens=budget,
                        host_bytes=int(a.l2_gib * (1 << 30)), disk_path=dirpath, disk_bytes=a.disk_gib << 30,
-                       codec=a.codec, policy="lru", attention="sparse", max_sequences=max_seqs, write_through=False)
+                       codec=a.codec, policy="lru", attention="sparse", max_sequences=max_seqs, write_through=False,
+                       prefetch_blocks=a.prefetch_blocks)
     return KVStore(cfg, num_layers=layers, kv_heads=kvh, head_dim=hd, dtype=torch.bfloat16,
                    fingerprint="bench-scale")
 
@@ -171,6 +180,29 @@ def decode_step(st: KVStore, seqs, layers: int, src: KVSource, budget: int) -> f
     return time.perf_counter() - t0
 
 
+def settle(st: KVStore, seqs, layers: int, src: KVSource, budget: int, max_steps: int = 32) -> dict:
+    """The first decode steps after a prefill, until one swaps nothing in: they bring the chosen
+    blocks into L1 while the swap-out worker writes the prefill's evicted blocks. Then the worker
+    is drained, so the measured steps that follow are the steady state (reported apart)."""
+    sw0 = st.counters["swap_in_blocks"]
+    times = []
+    while len(times) < max_steps:
+        before = st.counters["swap_in_blocks"]
+        times.append(decode_step(st, seqs, layers, src, budget))
+        if st.counters["swap_in_blocks"] == before and len(times) > 1:
+            break
+    st.flush()
+    return {"steps": len(times), "first_ms": times[0] * 1e3, "ms": sum(times) * 1e3,
+            "swap_in_blocks": st.counters["swap_in_blocks"] - sw0, "times_ms": [x * 1e3 for x in times]}
+
+
+def p50_as_before(transient_ms: list[float], steady_ms: list[float], steps: int) -> float:
+    """The measure of this script's earlier version: the first 2 steps after the prefill skipped,
+    the next ``steps`` timed, transient or not (here with the worker drained where it ended)."""
+    window = sorted((transient_ms[2:] + steady_ms)[:steps])
+    return window[len(window) // 2]
+
+
 def prefill(st: KVStore, s: int, layers: int, src: KVSource, n: int, offset: int = 0) -> None:
     done = 0
     while done < n:
@@ -201,12 +233,12 @@ def run_grow(a, shape, root: str) -> dict:
         bud = max(a.block_tokens * 4, int(0.03 * m) // a.block_tokens * a.block_tokens)
         bud = min(bud, hot)
         st.flush()  # the prefill's swap-outs are not the decode steps' cost
-        for _ in range(2):  # warm: the first steps after a prefill swap the chosen blocks in
-            decode_step(st, [s], layers, src, bud)
+        tr = settle(st, [s], layers, src, bud)
         sw0 = st.counters["swap_in_blocks"]
-        times = sorted(decode_step(st, [s], layers, src, bud) for _ in range(a.steps))
+        steady = [decode_step(st, [s], layers, src, bud) * 1e3 for _ in range(a.steps)]
+        times = sorted(x / 1e3 for x in steady)
         swaps = (st.counters["swap_in_blocks"] - sw0) / a.steps
-        have += 2 + a.steps
+        have += tr["steps"] + a.steps
         st.flush()
         l3 = st.l3.stats()
         # the L2 arena's pages count in RSS once written: what grows beyond them is the rest
@@ -216,6 +248,12 @@ def run_grow(a, shape, root: str) -> dict:
                        "step_ms_p99": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3,
                        "rss_bytes": rss_bytes(), "rss_delta_bytes": rss_delta, "l2_touched_bytes": l2_touched,
                        "rss_beyond_l2_bytes": rss_delta - l2_touched, "swap_in_blocks_per_step": swaps,
+                       "budget_tokens": bud, "top_k": max(0, bud // a.block_tokens - 1 - st.layout.sink_blocks
+                                                           - st.layout.window_blocks),
+                       "first_step_ms": tr["first_ms"], "transient_steps": tr["steps"],
+                       "transient_ms": tr["ms"], "transient_swap_in_blocks": tr["swap_in_blocks"],
+                       "step_ms_p50_as_before": p50_as_before(tr["times_ms"], steady, a.steps),
+                       "transient_times_ms": tr["times_ms"], "steady_times_ms": steady,
                        "l3_records": l3["records"], "l3_disk_bytes": l3["disk_bytes"],
                        "l3_bytes_written": l3["bytes_written"]})
         print(f"  grow {have:>7} tokens: step p50 {points[-1]['step_ms_p50']:.1f} ms, "
@@ -235,6 +273,14 @@ def run_grow(a, shape, root: str) -> dict:
     payload = stats.get("swap_out_l3_bytes", 0) or timed.put_b
     return {"points": points, "wall_s": wall, "budget_fraction": 0.03, "hot_tokens": hot,
             "step_time_exponent": fit_exponent([p["context"] for p in points], [p["step_ms_p50"] for p in points]),
+            # where the budget holds only sinks and window nothing is scored: a different regime
+            "step_time_exponent_scored": fit_exponent([p["context"] for p in points if p["top_k"]],
+                                                      [p["step_ms_p50"] for p in points if p["top_k"]]),
+            "step_time_exponent_as_before": fit_exponent([p["context"] for p in points if p["top_k"]],
+                                                         [p["step_ms_p50_as_before"] for p in points if p["top_k"]]),
+            "transient_ms_exponent": fit_exponent([p["context"] for p in points], [p["transient_ms"] for p in points]),
+            "transient_swap_in_exponent": fit_exponent([p["context"] for p in points],
+                                                       [p["transient_swap_in_blocks"] for p in points]),
             "rss_exponent": fit_exponent([p["context"] for p in points], [max(1, p["rss_delta_bytes"]) for p in points]),
             "rss_beyond_l2_exponent": fit_exponent([p["context"] for p in points],
                                                    [max(1, p["rss_beyond_l2_bytes"]) for p in points]),
@@ -260,6 +306,10 @@ def run_convs(a, shape, root: str) -> dict:
     hot = max(budget, (int(a.l1_gib * (1 << 30)) // (per_tok * a.convs)) // a.block_tokens * a.block_tokens)
     d = os.path.join(root, "convs")
     st = make_store(a, shape, d, hot, budget, a.convs)
+    if budget // a.block_tokens + 1 > st.layout.low:
+        # the watermarks evict part of every step's selection: each step swaps it back in
+        print(f"  note: each conversation's L1 ({hot} tokens, {st.layout.low} blocks kept at the low "
+              f"watermark) barely holds its budget ({budget} tokens): raise --l1-gib", flush=True)
     timed = Timed(st.l3)
     src = KVSource(shape, 1024, seed=1)
     prefix_ids = np.arange(a.prefix_tokens, dtype=np.int64)
@@ -277,8 +327,7 @@ def run_convs(a, shape, root: str) -> dict:
     counts = [c for c in (1, 2, 4, 8, 16, 32) if c < a.convs] + [a.convs]
     for c in counts:
         active = seqs[:c]
-        for _ in range(2):
-            decode_step(st, active, layers, src, budget)
+        tr = settle(st, active, layers, src, budget)
         sw0, cp0, mv0 = st.counters["swap_in_blocks"], st.counters["gather_copies"], st.counters["region_moves"]
         times = sorted(decode_step(st, active, layers, src, budget) / c for _ in range(a.steps))
         swaps = (st.counters["swap_in_blocks"] - sw0) / a.steps / c
@@ -287,7 +336,8 @@ def run_convs(a, shape, root: str) -> dict:
         out.append({"conversations": c, "step_ms_p50_per_conv": times[len(times) // 2] * 1e3,
                     "step_ms_p99_per_conv": times[min(len(times) - 1, int(0.99 * len(times)))] * 1e3,
                     "swap_in_blocks_per_step_per_conv": swaps, "gather_copies_per_step_per_conv": copies,
-                    "region_moves_per_step_per_conv": moves})
+                    "region_moves_per_step_per_conv": moves, "transient_steps": tr["steps"],
+                    "transient_swap_in_blocks_per_conv": tr["swap_in_blocks"] / c})
         print(f"  {c} conversation(s): step p50 {out[-1]['step_ms_p50_per_conv']:.1f} ms per conversation",
               flush=True)
     st.flush()
@@ -296,7 +346,8 @@ def run_convs(a, shape, root: str) -> dict:
     st.close()
     shutil.rmtree(d, ignore_errors=True)
     tokens = a.convs * a.conv_tokens
-    return {"points": out, "budget_tokens": budget, "hot_tokens": hot, "fill_s": fill_s, "tokens": tokens,
+    return {"points": out, "budget_tokens": budget, "hot_tokens": hot, "low_watermark_blocks": st.layout.low,
+            "fill_s": fill_s, "tokens": tokens,
             "dedup_seals": stats.get("prefix", {}).get("dedup_seals"), "l3_disk_bytes": l3["disk_bytes"],
             "l3_bytes_written_per_token": l3["bytes_written"] / tokens,
             "swap_out_GBps": timed.put_b / timed.put_s / 1e9 if timed.put_s else None,
@@ -392,6 +443,32 @@ def run_reopen(a, root: str) -> dict:
     return res
 
 
+def run_grow_base(a, root: str) -> dict:
+    """The grow workload with the store of git revision ``a.base`` (its kvtier package exported
+    next to the run, this script's workload and measurement), in a child process: old and new
+    store side by side in one run, on the same machine and disk."""
+    src = os.path.join(root, "base-src")
+    os.makedirs(src)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", a.base], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    archive = subprocess.run(["git", "-C", here, "archive", commit, "kvtier"], capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", src], input=archive.stdout, check=True)
+    out_dir = os.path.join(root, "base-out")
+    args = ["--only", "grow", "--out", out_dir, "--dir", root, "--shape", a.shape, "--block-tokens",
+            str(a.block_tokens), "--max-tokens", str(a.max_tokens), "--steps", str(a.steps), "--codec", a.codec,
+            "--l1-gib", str(a.l1_gib), "--l2-gib", str(a.l2_gib), "--disk-gib", str(a.disk_gib),
+            "--prefetch-blocks", str(a.prefetch_blocks)] + (["--layers", str(a.layers)] if a.layers else [])
+    env = dict(os.environ, PYTHONPATH=src)
+    r = subprocess.run([sys.executable, os.path.abspath(__file__)] + args, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"the base run ({commit}) failed: {r.stderr[-2000:]}")
+    with open(os.path.join(out_dir, "bench_scale.json")) as f:
+        got = json.load(f)["grow"]
+    got["commit"] = commit
+    return got
+
+
 def plot(out: dict, path: str) -> None:
     import matplotlib
 
@@ -404,12 +481,22 @@ def plot(out: dict, path: str) -> None:
         x = [p["context"] for p in g]
         ax[0].loglog(x, [p["step_ms_p50"] for p in g], "o-", label="p50")
         ax[0].loglog(x, [p["step_ms_p99"] for p in g], "s--", label="p99")
+        ax[0].loglog(x, [p["transient_ms"] for p in g], "^:", label="steps after the prefill, total")
+        gb = out.get("grow_base", {}).get("points", [])
+        if gb:
+            xb = [p["context"] for p in gb]
+            ax[0].loglog(xb, [p["step_ms_p50"] for p in gb], "o-", alpha=0.5,
+                         label=f"p50, {out['grow_base']['commit']}")
+            ax[0].loglog(xb, [p["transient_ms"] for p in gb], "^:", alpha=0.5,
+                         label=f"after the prefill, {out['grow_base']['commit']}")
         ax[0].set(xlabel="context (tokens)", ylabel="store ms per decode step",
-                  title=f"one sequence (k={fmt(out['grow']['step_time_exponent'])})")
+                  title=f"one sequence (steady k={fmt(out['grow']['step_time_exponent_scored'])}, "
+                        f"after prefill k={fmt(out['grow']['transient_ms_exponent'])})")
         ax[0].legend()
         ax[2].loglog(x, [max(1, p["rss_delta_bytes"]) / 2**20 for p in g], "o-", label="RSS growth")
         ax[2].loglog(x, [max(1, p["rss_beyond_l2_bytes"]) / 2**20 for p in g], "^-", label="RSS beyond the L2 arena")
-        ax[2].loglog(x, [max(1, p["l3_disk_bytes"]) / 2**20 for p in g], "s--", label="L3 on disk")
+        on_disk = [(p["context"], p["l3_disk_bytes"] / 2**20) for p in g if p["l3_disk_bytes"]]  # log axis: no zeros
+        ax[2].loglog([c for c, _ in on_disk], [b for _, b in on_disk], "s--", label="L3 on disk")
         ax[2].set(xlabel="tokens stored", ylabel="MiB", title="memory and disk against tokens")
         ax[2].legend()
     c = out.get("convs", {}).get("points", [])
@@ -434,11 +521,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefix-tokens", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=8, help="decode steps measured per point")
     ap.add_argument("--codec", default="int4", help="codec below L1 (bf16 = lossless: about 3.5x the bytes on L3)")
+    ap.add_argument("--prefetch-blocks", type=int, default=64,
+                    help="decoded blocks the store may hold for the next step (prefetches, and blocks read "
+                         "into scratch slots while a region is full)")
     ap.add_argument("--l1-gib", type=float, default=2.0)
     ap.add_argument("--l2-gib", type=float, default=8.0)
     ap.add_argument("--disk-gib", type=int, default=40)
     ap.add_argument("--reopen-records", type=int, default=1_000_000)
     ap.add_argument("--only", choices=("grow", "convs", "reopen"), action="append")
+    ap.add_argument("--base", default=None, metavar="REV",
+                    help="also run the grow workload with the store of this git revision (side by side)")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--out", default="results/bench_scale", help="where the JSON and PNG go")
     a = ap.parse_args(argv)
@@ -462,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
         out["raw_disk"] = raw_disk(root, (64 if a.smoke else 1024) << 20)
         todo = a.only or ["grow", "convs", "reopen"]
         if "grow" in todo:
+            if a.base:  # first: the child's memory must not add to what this process holds after its run
+                out["grow_base"] = run_grow_base(a, root)
             out["grow"] = run_grow(a, shape, root)
             for k in ("swap_out_GBps", "swap_in_GBps"):
                 v = out["grow"][k]
@@ -480,8 +574,8 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(a.out, "bench_scale.json"), "w") as f:
         json.dump(out, f, indent=1)
     plot(out, os.path.join(a.out, "bench_scale.png"))
-    print(json.dumps({k: v for k, v in out.items() if k not in ("grow", "convs")}, indent=1))
-    for k in ("grow", "convs"):
+    print(json.dumps({k: v for k, v in out.items() if k not in ("grow", "grow_base", "convs")}, indent=1))
+    for k in ("grow", "grow_base", "convs"):
         if k in out:
             print(k, json.dumps({kk: vv for kk, vv in out[k].items() if kk != "points"}, indent=1))
     print(f"wrote {a.out}/bench_scale.json and bench_scale.png")

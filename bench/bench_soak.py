@@ -17,10 +17,18 @@ use returns to what live conversations need (none).
 
 Reported (JSON): rounds, kills, conversations, blocks verified, blocks lost and corrupt blocks
 served (both must be 0), bytes lost, GB written to and read from L3, lock takeovers, disk bytes
-before and after reclaiming. Redis (L4) is not part of this run.
+before and after reclaiming.
+
+With --redis URL (a redis-server on loopback; --redis auto starts one when `redis-server` is
+installed) the store also writes its content blocks through to L4, and each worker checks every
+conversation reported synced a second time from L4 alone (a store without L3 attaching the
+prefix from Redis), bit-exact; --redis-kill-every N SIGKILLs and restarts the server (started
+here, no persistence: it comes back empty, as a crashed cache node) every N rounds, so L4 goes
+away under the store and comes back. Reported too: L4 blocks verified, lost and corrupt (a
+block lost from L4 is expected only across a Redis restart; none may be corrupt), Redis restarts.
 
     python bench/bench_soak.py --smoke          # ~15 s (CI)
-    python bench/bench_soak.py --seconds 600    # the long run
+    python bench/bench_soak.py --seconds 600 --redis auto --redis-kill-every 5   # the long run
 """
 from __future__ import annotations
 
@@ -32,6 +40,8 @@ import os
 import random
 import shutil
 import signal
+import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -58,42 +68,56 @@ def block_kv(ids: np.ndarray, b: int, layer: int) -> torch.Tensor:
     return torch.randn(2, KV_HEADS, BT, HEAD_DIM, generator=g).half()
 
 
-def open_store(path: str):
+def open_store(path: str | None, redis: tuple[str, str] | None = None):
+    """The soak's store: L3 on ``path`` (None: no L3), L4 at ``redis`` = (url, key prefix) if given."""
     from kvtier.config import KVTierConfig
     from kvtier.store import KVStore
 
-    cfg = KVTierConfig(block_tokens=BT, hot_tokens=4 * BT, host_bytes=96 << 10, codec="fp16", policy="lru",
+    url, prefix = redis or (None, "kvtier:")
+    # small L2 so that blocks keep moving to L3; without L3 (the L4 check) L2 holds what it reads
+    cfg = KVTierConfig(block_tokens=BT, hot_tokens=4 * BT, host_bytes=(96 << 10) if path else (64 << 20), codec="fp16", policy="lru",
                        max_sequences=8, disk_path=path, disk_bytes=512 << 20, disk_segment_bytes=1 << 20,
-                       write_through=True, durability="close")
+                       write_through=True, durability="close", remote_url=url, remote_key_prefix=prefix)
     return KVStore(cfg, num_layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float16,
                    fingerprint="soak-model")
 
 
-def _worker(path: str, wfd: int, seed: int, synced: list) -> None:
+def verify(st, synced: list) -> tuple[int, int, int]:
+    """Attach each synced conversation's blocks into a fresh sequence of ``st`` and compare every
+    block bit-exact with the KV it was built from: (blocks verified, lost, corrupt), per layer."""
+    verified = lost = corrupt = 0
+    for fam, conv, nb, pb in synced:
+        ids = conv_ids(fam, conv, nb, pb)[:nb * BT]
+        s = st.add_sequence()
+        got = st.attach_prefix(s, ids) // BT
+        lost += max(0, nb - got) * LAYERS
+        for layer in range(LAYERS):
+            if got:
+                K, V = st.gather(s, layer)  # every block, from whichever tier holds it
+                exp = torch.cat([block_kv(ids, b, layer) for b in range(got)], dim=2)
+                corrupt += 0 if (torch.equal(K, exp[0]) and torch.equal(V, exp[1])) else 1
+                verified += got
+        st.drop_sequence(s, keep_prefix=True)
+    return verified, lost, corrupt
+
+
+def _worker(path: str, wfd: int, seed: int, synced: list, redis: tuple[str, str] | None,
+            synced_l4: list) -> None:
     """One process lifetime (runs until killed). Reports lines on ``wfd``:
-    R pid | V verified lost corrupt | S family conv blocks prefix | M l3_written l3_read convs."""
+    R pid | V verified lost corrupt | W l4 verified lost corrupt | S family conv blocks prefix |
+    M l3_written l3_read convs disk_bytes."""
     rng = random.Random(seed)
 
     def say(line: str) -> None:
         os.write(wfd, (line + "\n").encode())
 
-    st = open_store(path)
+    st = open_store(path, redis)
     say(f"R {os.getpid()}")
-    verified = lost = corrupt = 0
-    for fam, conv, nb, pb in synced[-40:]:  # the most recent: each restart checks a window
-        ids = conv_ids(fam, conv, nb, pb)[:nb * BT]
-        s = st.add_sequence()
-        got = st.attach_prefix(s, ids) // BT
-        lost += max(0, nb - got)
-        for layer in range(LAYERS):
-            if got:
-                K, V = st.gather(s, layer)  # every block, from whichever tier holds it
-                exp = torch.cat([block_kv(ids, b, layer) for b in range(got)], dim=2)
-                ok = torch.equal(K, exp[0]) and torch.equal(V, exp[1])
-                corrupt += 0 if ok else 1
-                verified += got
-        st.drop_sequence(s, keep_prefix=True)
-    say(f"V {verified} {lost} {corrupt}")
+    say("V %d %d %d" % verify(st, synced[-40:]))  # the most recent: each restart checks a window
+    if redis is not None:
+        with open_store(None, redis) as only_l4:  # nothing local: every block comes from Redis
+            checked = verify(only_l4, synced_l4[-16:])  # a smaller window: each restart pays both
+            say("W %d %d %d %d" % (*checked, only_l4.l4.stats()["bytes_out"]))
     live: dict[int, tuple] = {}  # seq -> (family, conv, ids, target blocks, prefix blocks)
     conv_n, step = seed * 1000, 0
     while True:
@@ -130,27 +154,44 @@ def _worker(path: str, wfd: int, seed: int, synced: list) -> None:
             st.flush()
             st.l3.sync()
             l3 = st.l3.stats()
+            # L4 took every publish of this process (a failed or skipped round trip is a miss, not
+            # an error): only then do its blocks count as synced to L4 too
+            l4 = st.l4.stats() if st.l4 is not None else None
+            l4_ok = int(l4 is not None and l4["errors"] + l4["skipped"] + l4["rejected"] == 0)
             for s, (fam, conv, ids, nb, pb) in live.items():
                 full = (st.seq_len(s, 0) - 1) // BT  # sealed blocks: the open one is not written through yet
                 if full > 0:
-                    say(f"S {fam} {conv} {full} {pb}")
-            say(f"M {l3['bytes_in']} {l3['bytes_out']} {conv_n - seed * 1000} {l3['disk_bytes']}")
+                    say(f"S {fam} {conv} {full} {pb} {l4_ok}")
+            say(f"M {l3['bytes_in']} {l3['bytes_out']} {conv_n - seed * 1000} {l3['disk_bytes']} "
+                f"{l4['bytes_in'] if l4 else 0} {l4['bytes_out'] if l4 else 0}")
 
 
-def soak(path: str, seconds: float, seed: int = 0, min_delay: float = 0.3, max_delay: float = 2.5) -> dict:
+def soak(path: str, seconds: float, seed: int = 0, min_delay: float = 0.3, max_delay: float = 2.5,
+         redis: tuple[str, str] | None = None, restart_redis=None, redis_kill_every: int = 0) -> dict:
+    """The kill-and-restart loop (see the module docstring). ``redis``: (url, key prefix) of L4;
+    ``restart_redis()``: SIGKILL and restart that server (empty), every ``redis_kill_every`` rounds."""
     from kvtier.tiers import DiskTier
 
     rng = random.Random(seed)
     synced: dict[tuple, tuple] = {}  # (family, conv) -> (family, conv, blocks, prefix blocks)
+    # the same, for what was published to the Redis running now (a restart empties it)
+    synced_l4: dict[tuple, tuple] = {}
     res = dict(rounds=0, kills=0, lock_takeovers=0, conversations=0, blocks_verified=0, blocks_lost=0,
-               corrupt_served=0, l3_bytes_written=0, l3_bytes_read=0, max_disk_bytes=0)
+               corrupt_served=0, l3_bytes_written=0, l3_bytes_read=0, max_disk_bytes=0, l4=redis is not None,
+               l4_blocks_verified=0, l4_blocks_lost=0, l4_corrupt_served=0, redis_restarts=0,
+               l4_bytes_written=0, l4_bytes_read=0)
     end = time.monotonic() + seconds
     while time.monotonic() < end:
+        if restart_redis is not None and redis_kill_every and res["rounds"] and res["rounds"] % redis_kill_every == 0:
+            restart_redis()
+            res["redis_restarts"] += 1
+            synced_l4.clear()
         r, w = os.pipe()
-        p = _CTX.Process(target=_worker, args=(path, w, rng.randrange(1 << 30), list(synced.values())))
+        p = _CTX.Process(target=_worker, args=(path, w, rng.randrange(1 << 30), list(synced.values()), redis,
+                                               list(synced_l4.values())))
         p.start()
         os.close(w)
-        buf, seen_m = b"", (0, 0, 0)
+        buf, seen_m = b"", (0, 0, 0, 0, 0)
         deadline = None
         with os.fdopen(r, "rb", buffering=0) as f:
             os.set_blocking(r, False)
@@ -173,17 +214,25 @@ def soak(path: str, seconds: float, seed: int = 0, min_delay: float = 0.3, max_d
                             with open(os.path.join(path, "LOCK")) as lf:
                                 assert lf.read().strip() == vals[0], "lock file names another process"
                         elif kind == "V":
-                            res["blocks_verified"] += int(vals[0]) * LAYERS
-                            res["blocks_lost"] += int(vals[1]) * LAYERS
+                            res["blocks_verified"] += int(vals[0])  # per layer, as lost
+                            res["blocks_lost"] += int(vals[1])
                             res["corrupt_served"] += int(vals[2])
+                            if redis is None:
+                                deadline = time.monotonic() + rng.uniform(min_delay, max_delay)
+                        elif kind == "W":
+                            res["l4_blocks_verified"] += int(vals[0])
+                            res["l4_blocks_lost"] += int(vals[1])
+                            res["l4_corrupt_served"] += int(vals[2])
+                            res["l4_bytes_read"] += int(vals[3])
                             deadline = time.monotonic() + rng.uniform(min_delay, max_delay)
                         elif kind == "S":
-                            fam, conv, nb, pb = map(int, vals)
-                            prev = synced.get((fam, conv))
-                            if prev is None or prev[2] < nb:
-                                synced[(fam, conv)] = (fam, conv, nb, pb)
+                            fam, conv, nb, pb, l4_ok = map(int, vals)
+                            for book in (synced, synced_l4) if l4_ok else (synced,):
+                                prev = book.get((fam, conv))
+                                if prev is None or prev[2] < nb:
+                                    book[(fam, conv)] = (fam, conv, nb, pb)
                         elif kind == "M":
-                            seen_m = (int(vals[0]), int(vals[1]), int(vals[2]))
+                            seen_m = (int(vals[0]), int(vals[1]), int(vals[2]), int(vals[4]), int(vals[5]))
                             res["max_disk_bytes"] = max(res["max_disk_bytes"], int(vals[3]))
                         elif kind == "C":
                             res["corrupt_served"] += 1
@@ -199,17 +248,21 @@ def soak(path: str, seconds: float, seed: int = 0, min_delay: float = 0.3, max_d
         res["l3_bytes_written"] += seen_m[0]
         res["l3_bytes_read"] += seen_m[1]
         res["conversations"] += seen_m[2]
+        res["l4_bytes_written"] += seen_m[3]
+        res["l4_bytes_read"] += seen_m[4]
     # the last check: every synced conversation, then give the disk back
-    final = _CTX.Process(target=_verify_all, args=(path, list(synced.values()), w2 := os.pipe()))
+    final = _CTX.Process(target=_verify_all, args=(path, list(synced.values()), w2 := os.pipe(), redis,
+                                                   list(synced_l4.values())))
     r2, wfd = w2
     final.start()
     os.close(wfd)
     with os.fdopen(r2, "rb") as f:
         out = f.read().decode().split()
     final.join()
-    if final.exitcode != 0 or len(out) != 3:
+    if final.exitcode != 0 or len(out) != 6:
         raise RuntimeError(f"final verification failed ({final.exitcode}): {out}")
-    res["final_blocks_verified"], res["final_blocks_lost"], res["final_corrupt"] = map(int, out)
+    (res["final_blocks_verified"], res["final_blocks_lost"], res["final_corrupt"], res["final_l4_blocks_verified"],
+     res["final_l4_blocks_lost"], res["final_l4_corrupt"]) = map(int, out)
     res["synced_conversations"] = len(synced)
     with DiskTier(path, capacity_bytes=512 << 20, segment_bytes=1 << 20) as t:
         res["disk_bytes_before_reclaim"] = t.disk_bytes
@@ -219,30 +272,70 @@ def soak(path: str, seconds: float, seed: int = 0, min_delay: float = 0.3, max_d
         res["disk_bytes_after_reclaim"] = t.disk_bytes
         res["records_after_reclaim"] = len(t)
     res["bytes_lost"] = (res["blocks_lost"] + res["final_blocks_lost"]) * BLOCK_BYTES
-    res["GB_moved"] = (res["l3_bytes_written"] + res["l3_bytes_read"]) / 1e9
+    res["GB_moved"] = (res["l3_bytes_written"] + res["l3_bytes_read"] + res["l4_bytes_written"]
+                       + res["l4_bytes_read"]) / 1e9
     return res
 
 
-def _verify_all(path: str, synced: list, pipe) -> None:
+def _verify_all(path: str, synced: list, pipe, redis: tuple[str, str] | None, synced_l4: list) -> None:
     r, w = pipe
     os.close(r)
-    st = open_store(path)
-    verified = lost = corrupt = 0
-    for fam, conv, nb, pb in synced:
-        ids = conv_ids(fam, conv, nb, pb)[:nb * BT]
-        s = st.add_sequence()
-        got = st.attach_prefix(s, ids) // BT
-        lost += max(0, nb - got) * LAYERS
-        for layer in range(LAYERS):
-            if got:
-                K, V = st.gather(s, layer)
-                exp = torch.cat([block_kv(ids, b, layer) for b in range(got)], dim=2)
-                corrupt += 0 if (torch.equal(K, exp[0]) and torch.equal(V, exp[1])) else 1
-                verified += got
-        st.drop_sequence(s, keep_prefix=True)
-    st.close()
-    os.write(w, f"{verified} {lost} {corrupt}".encode())
+    with open_store(path) as st:  # L3 alone: what the directory holds
+        out = verify(st, synced)
+    l4 = (0, 0, 0)
+    if redis is not None:
+        with open_store(None, redis) as st:  # L4 alone
+            l4 = verify(st, synced_l4)
+            st.l4.delete_many(list(st.l4.keys()))  # the run's keys (its own prefix) go
+    os.write(w, " ".join(map(str, out + l4)).encode())
     os.close(w)
+
+
+class LoopbackRedis:
+    """A redis-server on a free loopback port without persistence (a restart comes back empty)."""
+
+    def __init__(self, workdir: str) -> None:
+        import shutil as _sh
+
+        self.binary = _sh.which("redis-server")
+        if self.binary is None:
+            raise SystemExit("--redis auto needs redis-server (Debian package redis-server)")
+        os.makedirs(workdir, exist_ok=True)
+        self.workdir = workdir
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+        self.start()
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", self.workdir, "--protected-mode", "yes"],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as c:
+                    c.sendall(b"PING\r\n")
+                    if c.recv(64).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"redis-server did not start on port {self.port}")
+            time.sleep(0.01)
+
+    def kill(self) -> None:
+        """SIGKILL (a crash) and wait for it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -252,21 +345,39 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dir", default=None, help="directory for L3 (default: a temp dir, removed after)")
     ap.add_argument("--json", action="store_true", help="print only the JSON")
+    ap.add_argument("--redis", default=None, metavar="URL",
+                    help="L4: a Redis URL, or 'auto' to start a redis-server on loopback here (if installed)")
+    ap.add_argument("--redis-kill-every", type=int, default=0, metavar="N",
+                    help="with --redis auto: SIGKILL and restart the server every N rounds (0: never)")
     a = ap.parse_args(argv)
     if a.smoke:
         a.seconds = 8.0
     if a.seconds <= 0:
         raise SystemExit("--seconds must be > 0")
+    if a.redis_kill_every < 0 or (a.redis_kill_every and a.redis != "auto"):
+        raise SystemExit("--redis-kill-every must be >= 0, and needs --redis auto (a server this run owns)")
     torch.set_num_threads(1)
     root = tempfile.mkdtemp(prefix="kvtier-soak-", dir=a.dir)
+    server = None
     try:
+        redis = None
+        if a.redis == "auto":
+            server = LoopbackRedis(os.path.join(root, "redis"))
+            redis = (server.url, f"soak{a.seed}:")
+        elif a.redis is not None:
+            redis = (a.redis, f"soak{a.seed}-{os.getpid()}:")
         t0 = time.perf_counter()
-        res = soak(os.path.join(root, "l3"), a.seconds, a.seed)
+        res = soak(os.path.join(root, "l3"), a.seconds, a.seed, redis=redis,
+                   restart_redis=server.restart if server is not None else None,
+                   redis_kill_every=a.redis_kill_every)
         res["wall_s"] = time.perf_counter() - t0
     finally:
+        if server is not None:
+            server.kill()
         shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(res, indent=None if a.json else 1))
-    ok = res["bytes_lost"] == 0 and res["corrupt_served"] == 0 and res["final_corrupt"] == 0
+    ok = (res["bytes_lost"] == 0 and res["corrupt_served"] == 0 and res["final_corrupt"] == 0
+          and res["l4_corrupt_served"] == 0 and res["final_l4_corrupt"] == 0)
     if not a.json:
         print(("PASS" if ok else "FAIL") + f": {res['kills']} kills, {res['final_blocks_verified']} blocks verified "
               f"at the end, {res['bytes_lost']} bytes lost")

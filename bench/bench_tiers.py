@@ -9,17 +9,24 @@
                                   warm (page cache) and cold (pages dropped with
                                   posix_fadvise(DONTNEED) after fdatasync, or O_DIRECT)
      DiskTier get_into        vs  raw sequential readinto, both into one preallocated buffer
+     warm reads also as a ratio of the reading thread's CPU time (_cpu: what a loaded machine's
+     scheduling does not inflate), and with a writer thread appending meanwhile (_with_writer:
+     the tier written through put_many, the raw reference to another file); base_read_*: the
+     same reads through the DiskTier of REOPEN_BASE (the previous read path), same run
+     crc: GB/s of the record CRC beside zlib's and CRC32C packages' (when installed) and a copy
+     L3_reopen: a directory of 1M small records reopened from its checkpoint, this tree against
+     REOPEN_BASE alternated, each in a fresh interpreter: seconds, us a record, RSS growth
      with lz4: blocks compressed before put and decompressed after get (the store's byte
      stage), GB/s of uncompressed bytes, against the same raw references.
      L3_small: the same for small records (--small-kib, one layer's quantized block), where
      the per-call cost rather than the copy decides.
-     L3_compaction: p50/p99 of a decode-like step (one put, three gets) before and while
-     background compaction empties segments 3/4 dead, beside the time the same compaction
-     takes as one inline call (what a put or delete used to absorb).
+     L3_compaction: p50/p99 of a decode-like step (one put, three gets) while background
+     compaction empties segments 3/4 dead and, alternated with it, on the same tier without
+     compaction; the compactor's share of that time; the same compaction as one inline call.
 
 Targets (printed as PASS/MISS, never asserted: timing depends on the machine):
   L2 >= 0.5x copy bandwidth; L3 >= 0.7x raw file write and read when records go raw, small
-  records too; a step's p99 <= 2x its p50 while compaction runs.
+  records too; a step's p99 <= 2x its p50 while compaction runs; reopen < 1 us a record.
 
 Usage: python bench/bench_tiers.py [--smoke] [--block-kib 256] [--total-mib 256] [--dir PATH]
 """
@@ -30,6 +37,7 @@ import json
 import mmap
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -198,7 +206,49 @@ def raw_read_direct(path: str, bs: int, n: int) -> float | None:
         buf.close()
 
 
-def bench_l3(root: str, blocks: list[bytes], batch: int, compress: bool, repeat: int) -> dict:
+def read_under_writes(root: str, t: DiskTier, blocks: list[bytes], keys: list[str], rawp: str, batch: int,
+                      repeat: int, raw_read, tier_read) -> tuple[float, float]:
+    """Best warm-read seconds of the raw file and of the tier while a writer thread appends the
+    same kind of records (raw: os.write + fdatasync per batch to another file; tier: put_many
+    of a quarter as many keys over and over, so that compaction runs too), alternated."""
+    import threading
+
+    n, bs = len(blocks), len(blocks[0])
+
+    def writer(stop: threading.Event, tier: bool) -> None:
+        fd = -1 if tier else os.open(os.path.join(root, "raw-w.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        i = 0
+        while not stop.is_set():
+            chunk = [blocks[(i + j) % n] for j in range(batch)]
+            if tier:
+                t.put_many([(f"w{(i + j) % max(1, n // 4)}", c) for j, c in enumerate(chunk)])
+                t.sync()
+            else:
+                for c in chunk:
+                    os.write(fd, c)
+                os.fdatasync(fd)
+                if i * bs > (64 << 20):
+                    os.lseek(fd, 0, os.SEEK_SET)
+            i += batch
+        if fd >= 0:
+            os.close(fd)
+
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(repeat):
+        for tier in (False, True):
+            stop = threading.Event()
+            w = threading.Thread(target=writer, args=(stop, tier), daemon=True)
+            w.start()
+            try:
+                best[tier] = min(best[tier], tier_read(t) if tier else raw_read(rawp, bs, n, batch))
+            finally:
+                stop.set()
+                w.join()
+    t.delete_many([f"w{i}" for i in range(max(1, n // 4))])
+    return best[False], best[True]
+
+
+def bench_l3(root: str, blocks: list[bytes], batch: int, compress: bool, repeat: int, base=None) -> dict:
     n, bs = len(blocks), len(blocks[0])
     nbytes = n * bs
     seg = 64 << 20  # DiskTier's default segment size
@@ -251,16 +301,42 @@ def bench_l3(root: str, blocks: list[bytes], batch: int, compress: bool, repeat:
             assert t.get_into(k, mv[(i % 16) * bs:(i % 16 + 1) * bs]) == len(payload[i])
         return time.perf_counter() - t0
 
-    r_raw = r_tier = r_raw_into = r_tier_into = float("inf")
+    tb = None  # the same records read through REOPEN_BASE's DiskTier (hard links to the same files)
+    if base is not None and not compress:
+        bdir = os.path.join(root, "tier-base")
+        shutil.rmtree(bdir, ignore_errors=True)
+        os.makedirs(bdir)
+        for name in os.listdir(os.path.join(root, "tier")):
+            if name.startswith("seg-"):
+                os.link(os.path.join(root, "tier", name), os.path.join(bdir, name))
+        tb = base.DiskTier(bdir, capacity_bytes=4 * nbytes + 16 * seg, segment_bytes=seg)
+        tier_read(tb)
+    r_raw = r_tier = r_raw_into = r_tier_into = r_base = float("inf")
+    c_raw = c_tier = c_base = float("inf")
     for _ in range(repeat):
+        c0 = time.thread_time()
         r_raw = min(r_raw, raw_read(rawp, bs, n, batch))
+        c1 = time.thread_time()
         r_tier = min(r_tier, tier_read(t))
+        c2 = time.thread_time()
+        c_raw, c_tier = min(c_raw, c1 - c0), min(c_tier, c2 - c1)
+        if tb is not None:
+            r_base = min(r_base, tier_read(tb))
+            c_base = min(c_base, time.thread_time() - c2)
         if not compress:
             r_raw_into = min(r_raw_into, raw_readinto(rawp, bs, n, buf))
             r_tier_into = min(r_tier_into, tier_read_into())
-    res.update(raw_read_warm_GBps=gbps(nbytes, r_raw), read_warm_ratio=r_raw / r_tier)
+    # cpu: the reading thread's CPU time, which a loaded machine's scheduling does not inflate
+    res.update(raw_read_warm_GBps=gbps(nbytes, r_raw), read_warm_ratio=r_raw / r_tier,
+               read_warm_ratio_cpu=c_raw / c_tier)
+    if tb is not None:
+        res.update(base_read_warm_ratio=r_raw / r_base, base_read_warm_ratio_cpu=c_raw / c_base)
+        tb.close()
+        shutil.rmtree(os.path.join(root, "tier-base"), ignore_errors=True)
     if not compress:
         res.update(read_into_warm_ratio=r_raw_into / r_tier_into)
+        w_raw, w_tier = read_under_writes(root, t, blocks, keys, rawp, batch, repeat, raw_read, tier_read)
+        res.update(read_warm_ratio_with_writer=w_raw / w_tier)
     t.close()
 
     segs = [os.path.join(root, "tier", f) for f in os.listdir(os.path.join(root, "tier")) if f.startswith("seg-")]
@@ -281,63 +357,282 @@ def bench_l3(root: str, blocks: list[bytes], batch: int, compress: bool, repeat:
     return res
 
 
-def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int) -> dict:
-    """Latency of a decode-like step on L3 (one put, three gets of earlier records) before and
-    while background compaction runs, and what the same compaction costs done inline (the one
-    call that does it all, as puts and deletes did before compaction moved off their path)."""
+def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, rounds: int) -> dict:
+    """Latency of a decode-like step on L3 (one put, three gets of earlier records) with
+    background compaction running and without it, alternated: each round fills a tier, kills
+    3 in 4 records (every sealed segment compactable) and runs steps on it, once with
+    compaction on (steps run until it has emptied every candidate) and once with it off (as
+    many steps). Also the compactor's share of that time (its I/O share, bounded by
+    ``compact_share``) and what the same compaction costs as one inline call."""
     import random
 
     rng = random.Random(0)
     n = max(64, total_bytes // rec_bytes)
+    seg_bytes = max(1 << 20, min(4 << 20, total_bytes // 8))  # at least a few sealed segments
     vals = [os.urandom(rec_bytes) for _ in range(64)]
+    dead = [f"r{j}" for j in range(n) if j % 4]
+    live = [f"r{j}" for j in range(0, n, 4)]
 
     def fill(path: str, threshold: float) -> DiskTier:
-        t = DiskTier(path, capacity_bytes=8 * total_bytes + (64 << 20), segment_bytes=4 << 20,
+        shutil.rmtree(path, ignore_errors=True)
+        t = DiskTier(path, capacity_bytes=8 * total_bytes + (64 << 20), segment_bytes=seg_bytes,
                      durability="never", compact_threshold=threshold)
         for i in range(0, n, 64):
             t.put_many([(f"r{j}", vals[j % 64]) for j in range(i, min(n, i + 64))])
         return t
 
-    def run(t: DiskTier, live: list[str], count: int, stop=None) -> list[float]:
+    def run(t: DiskTier, count: int, until_done: bool) -> list[float]:
         lat = []
         for i in range(count):
             t0 = time.perf_counter()
-            t.put(f"new{len(lat)}-{i}", vals[i % 64])
+            t.put(f"new{i}", vals[i % 64])
             for k in rng.sample(live, 3):
                 assert t.get(k) is not None
             lat.append(time.perf_counter() - t0)
-            if stop is not None and stop():
+            if until_done and i >= steps and t._job is None and not t._candidates():
                 break
-        return sorted(lat)
+        return lat
 
     def pct(lat: list[float], q: float) -> float:
+        lat = sorted(lat)
         return lat[min(len(lat) - 1, int(q * len(lat)))]
 
-    dead = [f"r{j}" for j in range(n) if j % 4]  # 3 in 4 die: every sealed segment compactable
-    live = [f"r{j}" for j in range(0, n, 4)]
-    t = fill(os.path.join(root, "bg"), 0.5)
-    before = run(t, live, steps)
-    t0 = time.perf_counter()
-    t.delete_many(dead)
-    delete_s = time.perf_counter() - t0
-    c0 = t.stats()["compactions"]
-    during = run(t, live, 50 * steps, stop=lambda: t._job is None and not t._candidates())
-    s = t.stats()
-    t.close()
-    ti = fill(os.path.join(root, "inline"), 0.0)
+    path = os.path.join(root, "compact")
+    with_lat: list[float] = []
+    without_lat: list[float] = []
+    busy = window = 0.0
+    compactions = 0
+    share = max_step = 0.0
+    for _ in range(rounds):
+        t = fill(path, 0.5)
+        t0 = time.perf_counter()
+        t.delete_many(dead)  # wakes the compactor
+        lat = run(t, 10 * steps, until_done=True)
+        window += time.perf_counter() - t0
+        s = t.stats()
+        busy += s["compact_busy_seconds"]
+        compactions += s["compactions"]
+        max_step = max(max_step, s["compact_max_step_seconds"])
+        share = t._share
+        t.close()
+        with_lat += lat
+        t = fill(path, 0.0)
+        t.delete_many(dead)
+        without_lat += run(t, len(lat), until_done=False)
+        t.close()
+    ti = fill(path, 0.0)
     ti.delete_many(dead)
     ti.compact_threshold = 0.5
     t0 = time.perf_counter()
-    ti.compact()  # all of it in one call
+    ti.compact()  # all of it in one call, as a put at capacity would
     inline_s = time.perf_counter() - t0
     ti.close()
-    p50, p99 = pct(during, 0.5), pct(during, 0.99)
-    return {"records": n, "record_bytes": rec_bytes, "step_p50_us_before": pct(before, 0.5) * 1e6,
-            "step_p99_us_before": pct(before, 0.99) * 1e6, "step_p50_us_during": p50 * 1e6,
-            "step_p99_us_during": p99 * 1e6, "p99_over_p50_during": p99 / p50,
-            "p99_over_p50_before": pct(before, 0.99) / pct(before, 0.5), "steps_during": len(during),
-            "compactions": s["compactions"] - c0, "compact_max_step_ms": s["compact_max_step_seconds"] * 1e3,
-            "delete_call_ms": delete_s * 1e3, "inline_compaction_call_ms": inline_s * 1e3}
+    shutil.rmtree(path, ignore_errors=True)
+    p50, p99 = pct(with_lat, 0.5), pct(with_lat, 0.99)
+    q50, q99 = pct(without_lat, 0.5), pct(without_lat, 0.99)
+    p90, q90 = pct(with_lat, 0.9), pct(without_lat, 0.9)
+    return {"records": n, "record_bytes": rec_bytes, "rounds": rounds, "steps_with": len(with_lat),
+            "step_p50_us_with": p50 * 1e6, "step_p99_us_with": p99 * 1e6,
+            "step_p50_us_without": q50 * 1e6, "step_p99_us_without": q99 * 1e6,
+            "p99_over_p50_with": p99 / p50, "p99_over_p50_without": q99 / q50,
+            "step_p90_us_with": p90 * 1e6, "step_p90_us_without": q90 * 1e6,
+            "p50_ratio_with_vs_without": p50 / q50, "p90_ratio_with_vs_without": p90 / q90,
+            "p99_ratio_with_vs_without": p99 / q99,
+            "compactions": compactions, "compactor_time_share": busy / window, "compact_share": share,
+            "compact_max_step_ms": max_step * 1e3, "inline_compaction_call_ms": inline_s * 1e3}
+
+
+SECTIONS = ("L1", "L2", "L3", "compaction", "reopen", "crc")
+REOPEN_BASE = "d8a714b"  # the DiskTier whose checkpoint loads into a dict of tuples (one object per record)
+
+_REOPEN_CHILD = r"""
+import json, os, sys, time
+which, path, pkgdir, n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+if which == "base":
+    sys.path.insert(0, pkgdir)
+    import kvtier_tiers_base as tiers
+else:
+    from kvtier import tiers
+def reopen_key(j):
+    return f"m{j:032x}/0/{j:032x}"[:40]
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+r0 = rss()
+t0, c0 = time.perf_counter(), time.thread_time()
+t = tiers.DiskTier(path, capacity_bytes=8 << 30, durability="never")
+dt, dc = time.perf_counter() - t0, time.thread_time() - c0
+r1 = rss()
+keys = [reopen_key(j) for j in range(0, n, max(1, n // 10_000))]
+t1, c1 = time.perf_counter(), time.thread_time()
+assert all(t.get(k) is not None for k in keys)
+first, first_cpu = (time.perf_counter() - t1) / len(keys), (time.thread_time() - c1) / len(keys)
+print(json.dumps({"seconds": dt, "cpu_seconds": dc, "records": len(t), "rss_delta_bytes": r1 - r0,
+                  "first_get_s": first, "first_get_cpu_s": first_cpu,
+                  "checkpoint_loaded": t.stats()["checkpoint_loaded"]}), flush=True)
+os._exit(0)  # no close: the INDEX stays the one written for these runs
+"""
+
+
+def reopen_key(j: int) -> str:
+    return f"m{j:032x}/0/{j:032x}"[:40]  # a store key's length and shape
+
+
+def _tiers_at(rev: str, root: str) -> str | None:
+    """kvtier/tiers as of git ``rev``, copied into ``root``/kvtier_tiers_base (importable beside
+    the current one); None when there is no git history to take it from."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ls = subprocess.run(["git", "-C", here, "ls-tree", "--name-only", rev, "kvtier/tiers/"], capture_output=True,
+                        text=True)
+    if ls.returncode != 0 or not ls.stdout.strip():
+        return None
+    pkg = os.path.join(root, "kvtier_tiers_base")
+    os.makedirs(pkg, exist_ok=True)
+    for path in ls.stdout.split():
+        if path.endswith(".py"):
+            src = subprocess.run(["git", "-C", here, "show", f"{rev}:{path}"], capture_output=True, text=True,
+                                 check=True).stdout
+            with open(os.path.join(pkg, os.path.basename(path)), "w") as f:
+                f.write(src)
+    return root
+
+
+def bench_crc(repeat: int, smoke: bool) -> dict:
+    """GB/s of the record CRC (kvtier._crc) beside zlib's and the CRC32C packages' when
+    installed, and of a bytes copy of the same buffer (what a read costs anyway), at one
+    small and one large record size: the CRC is worth changing only if another is faster."""
+    import importlib
+    import zlib
+
+    from kvtier import _crc
+
+    impls = {f"kvtier_{_crc.IMPLEMENTATION}": _crc.crc32, "zlib": zlib.crc32}
+    for mod, fn in (("crc32c", "crc32c"), ("google_crc32c", "value")):
+        try:
+            impls[mod] = getattr(importlib.import_module(mod), fn)
+        except ImportError:
+            pass
+    res: dict = {}
+    for size in (4 << 10, 256 << 10):
+        buf = os.urandom(size)
+        reps = max(1, (8 << 20 if smoke else 256 << 20) // size)
+
+        def loop(f):
+            def run() -> None:
+                for _ in range(reps):
+                    f(buf)  # (each result dropped at once, as a read's check does)
+            return run
+
+        fns = {name: loop(f) for name, f in impls.items()}
+        fns["bytes_copy"] = loop(lambda b: b[1:])
+        t = best_of(fns, repeat)
+        res[f"{size >> 10}KiB_GBps"] = {name: gbps(size * reps, sec) for name, sec in t.items()}
+    return res
+
+
+def _import_base(root: str):
+    """kvtier.tiers as of REOPEN_BASE (a module), or None without the git history."""
+    pkgdir = _tiers_at(REOPEN_BASE, root)
+    if pkgdir is None:
+        return None
+    sys.path.insert(0, pkgdir)
+    try:
+        import kvtier_tiers_base
+    finally:
+        sys.path.remove(pkgdir)
+    return kvtier_tiers_base
+
+
+def bench_reopen(root: str, n: int, repeat: int, in_process: bool) -> dict:
+    """Reopening a directory of ``n`` small records from its checkpoint: this tree against
+    ``REOPEN_BASE``, alternated, each with its own INDEX over the same (hard-linked) segment
+    files; seconds, microseconds a record, RSS growth and the first get of 10k keys after it.
+    Each open runs in a fresh interpreter (RSS is its own), except in --smoke."""
+    new_dir, base_dir = os.path.join(root, "reopen-new"), os.path.join(root, "reopen-base")
+    t = DiskTier(new_dir, capacity_bytes=8 << 30, durability="never")
+    v = os.urandom(40)
+    for i in range(0, n, 20_000):
+        t.put_many([(reopen_key(j), v) for j in range(i, min(n, i + 20_000))])
+    t.close()  # writes this tree's INDEX
+    pkgdir = _tiers_at(REOPEN_BASE, root)
+    order = ["new"]
+    if pkgdir is not None:
+        os.makedirs(base_dir)
+        for name in os.listdir(new_dir):
+            if name.startswith("seg-"):
+                os.link(os.path.join(new_dir, name), os.path.join(base_dir, name))
+        sys.path.insert(0, pkgdir)
+        try:
+            import kvtier_tiers_base
+            kvtier_tiers_base.DiskTier(base_dir, capacity_bytes=8 << 30, durability="never").close()  # its INDEX
+        finally:
+            sys.path.remove(pkgdir)
+        order = ["base", "new"]
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    runs: dict = {w: [] for w in order}
+    for _ in range(repeat):
+        for which in order:
+            path = new_dir if which == "new" else base_dir
+            if in_process:
+                out = _reopen_in_process(which, path, n)
+            else:
+                r = subprocess.run([sys.executable, "-c", _REOPEN_CHILD, which, path, pkgdir or "", str(n)],
+                                   capture_output=True, text=True, env=env)
+                if r.returncode != 0:
+                    raise RuntimeError(f"reopen child ({which}) failed: {r.stderr[-2000:]}")
+                out = json.loads(r.stdout.strip().splitlines()[-1])
+            assert out["records"] == n and out["checkpoint_loaded"] == 1, out
+            runs[which].append(out)
+    res: dict = {"records": n, "base_commit": REOPEN_BASE if pkgdir else None, "fresh_process": not in_process}
+    for which, outs in runs.items():
+        best = min(outs, key=lambda o: o["seconds"])
+        res[which] = {"seconds": best["seconds"], "us_per_record": best["seconds"] / n * 1e6,
+                      "cpu_us_per_record": min(o["cpu_seconds"] for o in outs) / n * 1e6,
+                      "rss_delta_MiB": best["rss_delta_bytes"] / 2**20,
+                      "rss_bytes_per_record": best["rss_delta_bytes"] / n,
+                      "first_get_us": min(o["first_get_s"] for o in outs) * 1e6,
+                      "first_get_cpu_us": min(o["first_get_cpu_s"] for o in outs) * 1e6}
+    if "base" in res:
+        res["speedup_vs_base"] = res["base"]["seconds"] / res["new"]["seconds"]
+        res["cpu_speedup_vs_base"] = res["base"]["cpu_us_per_record"] / res["new"]["cpu_us_per_record"]
+        res["rss_ratio_vs_base"] = res["new"]["rss_delta_MiB"] / max(1e-9, res["base"]["rss_delta_MiB"])
+    shutil.rmtree(new_dir, ignore_errors=True)
+    shutil.rmtree(base_dir, ignore_errors=True)
+    return res
+
+
+def _reopen_in_process(which: str, path: str, n: int) -> dict:
+    if which == "base":
+        import kvtier_tiers_base as tiers  # noqa: F401 (imported by bench_reopen)
+    else:
+        from kvtier import tiers
+    r0 = rss_bytes()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    t = tiers.DiskTier(path, capacity_bytes=8 << 30, durability="never")
+    dt, dc = time.perf_counter() - t0, time.thread_time() - c0
+    r1 = rss_bytes()
+    keys = [reopen_key(j) for j in range(0, n, max(1, n // 10_000))]
+    t1, c1 = time.perf_counter(), time.thread_time()
+    assert all(t.get(k) is not None for k in keys)
+    first, first_cpu = (time.perf_counter() - t1) / len(keys), (time.thread_time() - c1) / len(keys)
+    out = {"seconds": dt, "cpu_seconds": dc, "records": len(t), "rss_delta_bytes": r1 - r0,
+           "first_get_s": first, "first_get_cpu_s": first_cpu, "checkpoint_loaded": t.stats()["checkpoint_loaded"]}
+    t.close()
+    return out
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.2f}"
+    if isinstance(v, dict):
+        return "{" + " ".join(f"{k}={fmt(x)}" for k, x in v.items()) + "}"
+    return str(v)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -354,11 +649,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="torch intra-op threads for the copy_ references (the tiers copy host bytes on one "
                          "thread; on a loaded machine threaded copies also stall); 0 = torch's default")
+    ap.add_argument("--only", choices=SECTIONS, action="append", help="run only these sections (repeatable)")
+    ap.add_argument("--reopen-records", type=int, default=1_000_000, help="records in the reopened directory")
+    ap.add_argument("--reopen-repeat", type=int, default=3, help="reopens of each version (alternated)")
     a = ap.parse_args(argv)
     if a.smoke:
-        a.block_kib, a.total_mib, a.repeat = 64, 8, 2
-    if a.block_kib < 1 or a.small_kib < 1 or a.total_mib < 1 or a.batch < 1 or a.repeat < 1:
-        raise SystemExit("--block-kib, --small-kib, --total-mib, --batch and --repeat must be >= 1")
+        a.block_kib, a.total_mib, a.repeat, a.reopen_records = 64, 8, 2, 20_000
+    if min(a.block_kib, a.small_kib, a.total_mib, a.batch, a.repeat, a.reopen_records, a.reopen_repeat) < 1:
+        raise SystemExit("--block-kib, --small-kib, --total-mib, --batch, --repeat, --reopen-records and "
+                         "--reopen-repeat must be >= 1")
     if a.torch_threads > 0:
         torch.set_num_threads(a.torch_threads)
     bs = a.block_kib << 10
@@ -369,44 +668,58 @@ def main(argv: list[str] | None = None) -> int:
     kv_blocks = [torch.randn(bs // 2, generator=g).half().numpy().tobytes() for _ in range(n)]
     l1_blocks = [torch.randn(bs // 2, generator=g).half() for _ in range(n)]
 
+    todo = set(a.only or SECTIONS)
     out: dict = {"block_bytes": bs, "blocks": n, "batch": a.batch, "torch_threads": torch.get_num_threads()}
-    out["L1_cpu"] = bench_l1(l1_blocks, "cpu", a.repeat)
-    if torch.cuda.is_available():
-        out["L1_cuda"] = bench_l1(l1_blocks, "cuda", a.repeat)
-    out["L2"] = bench_l2(raw_blocks, a.repeat)
+    if "L1" in todo:
+        out["L1_cpu"] = bench_l1(l1_blocks, "cpu", a.repeat)
+        if torch.cuda.is_available():
+            out["L1_cuda"] = bench_l1(l1_blocks, "cuda", a.repeat)
+    if "L2" in todo:
+        out["L2"] = bench_l2(raw_blocks, a.repeat)
+    if "crc" in todo:
+        out["crc"] = bench_crc(a.repeat, a.smoke)
     root = tempfile.mkdtemp(prefix="kvtier-bench-", dir=a.dir)
     try:
-        out["L3_raw"] = bench_l3(root, raw_blocks, a.batch, False, a.repeat)
-        out["L3_lz4"] = bench_l3(root, kv_blocks, a.batch, True, a.repeat)
-        sb = a.small_kib << 10
-        small = [torch.randint(0, 256, (sb,), dtype=torch.uint8, generator=g).numpy().tobytes()
-                 for _ in range(max(2, min(4096, (a.total_mib << 20) // sb)))]
-        out["L3_small"] = bench_l3(root, small, a.batch, False, a.repeat)
-        out["L3_compaction"] = bench_compaction(root, sb * 2, (16 if a.smoke else 128) << 20, 300 if a.smoke else 2000)
+        if "L3" in todo:
+            base = _import_base(root)
+            out["L3_raw"] = bench_l3(root, raw_blocks, a.batch, False, a.repeat, base)
+            out["L3_lz4"] = bench_l3(root, kv_blocks, a.batch, True, a.repeat)
+            sb = a.small_kib << 10
+            small = [torch.randint(0, 256, (sb,), dtype=torch.uint8, generator=g).numpy().tobytes()
+                     for _ in range(max(2, min(4096, (a.total_mib << 20) // sb)))]
+            out["L3_small"] = bench_l3(root, small, a.batch, False, a.repeat, base)
+        if "compaction" in todo:
+            out["L3_compaction"] = bench_compaction(root, (a.small_kib << 10) * 2, (4 if a.smoke else 128) << 20,
+                                                    300 if a.smoke else 2000, 2 if a.smoke else a.repeat)
+        if "reopen" in todo:
+            out["L3_reopen"] = bench_reopen(root, a.reopen_records, 1 if a.smoke else a.reopen_repeat,
+                                            in_process=a.smoke)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    l2 = min(out["L2"]["put_tensor_ratio"], out["L2"]["put_bytes_ratio"], out["L2"]["get_into_ratio"])
-    l3 = out["L3_raw"]
-    out["targets"] = {
-        "L2>=0.5x_copy": "PASS" if l2 >= 0.5 else "MISS",
-        "L3_write>=0.7x_raw": "PASS" if l3["write_ratio"] >= 0.7 else "MISS",
-        "L3_read_warm>=0.7x_raw": "PASS" if l3["read_warm_ratio"] >= 0.7 else "MISS",
-    }
-    if "read_cold_ratio" in l3:
-        out["targets"]["L3_read_cold>=0.7x_raw"] = "PASS" if l3["read_cold_ratio"] >= 0.7 else "MISS"
-    small = out["L3_small"]
-    out["targets"]["L3_step_p99<=2x_p50_while_compacting"] = \
-        "PASS" if out["L3_compaction"]["p99_over_p50_during"] <= 2.0 else "MISS"
-    out["targets"]["L3_small_read_warm>=0.7x_raw"] = "PASS" if small["read_warm_ratio"] >= 0.7 else "MISS"
+    tg = out["targets"] = {}
+    if "L2" in out:
+        l2 = min(out["L2"]["put_tensor_ratio"], out["L2"]["put_bytes_ratio"], out["L2"]["get_into_ratio"])
+        tg["L2>=0.5x_copy"] = "PASS" if l2 >= 0.5 else "MISS"
+    if "L3_raw" in out:
+        l3, small = out["L3_raw"], out["L3_small"]
+        tg["L3_write>=0.7x_raw"] = "PASS" if l3["write_ratio"] >= 0.7 else "MISS"
+        tg["L3_read_warm>=0.7x_raw"] = "PASS" if l3["read_warm_ratio"] >= 0.7 else "MISS"
+        if "read_cold_ratio" in l3:
+            tg["L3_read_cold>=0.7x_raw"] = "PASS" if l3["read_cold_ratio"] >= 0.7 else "MISS"
+        tg["L3_small_read_warm>=0.7x_raw"] = "PASS" if small["read_warm_ratio"] >= 0.7 else "MISS"
+    if "L3_compaction" in out:
+        tg["L3_step_p99<=2x_p50_while_compacting"] = \
+            "PASS" if out["L3_compaction"]["p99_over_p50_with"] <= 2.0 else "MISS"
+    if "L3_reopen" in out:
+        tg["L3_reopen<1us_per_record"] = "PASS" if out["L3_reopen"]["new"]["us_per_record"] < 1.0 else "MISS"
     if a.json:
         print(json.dumps(out, indent=1))
         return 0
     print(f"block {bs >> 10} KiB x {n} records, batch {a.batch}{'  (smoke)' if a.smoke else ''}")
     for sect, vals in out.items():
         if isinstance(vals, dict):
-            print(f"  {sect:8s} " + "  ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
-                                             for k, v in vals.items()))
+            print(f"  {sect:8s} " + "  ".join(f"{k}={fmt(v)}" for k, v in vals.items()))
     return 0
 
 

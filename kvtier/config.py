@@ -14,6 +14,7 @@ again from what the user set instead of pinning the old ones.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tomllib
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ Order = Literal["compress-then-tier", "tier-then-compress"]
 Policy = Literal["lru", "sink-window", "h2o", "snapkv"]
 Attention = Literal["dense", "sparse"]
 SelectScore = Literal["centroid", "quest"]
+AttentionMath = Literal["float32", "sdpa"]
 Axis = Literal["channel", "token"]
 Durability = Literal["never", "close", "batch"]
 DType = Literal["float16", "bfloat16", "float32"]
@@ -42,7 +44,7 @@ PRECISION_CODECS = ("int8", "int4", "int2")
 #: Quantization group sizes the codecs implement.
 GROUP_SIZES = (32, 64, 128)
 #: Fields computed from the others unless the user sets them.
-DERIVED_FIELDS = ("host_codec", "disk_codec", "digest_tokens", "budget_tokens", "sink_tokens", "window_tokens",
+DERIVED_FIELDS = ("block_tokens", "host_codec", "disk_codec", "digest_tokens", "budget_tokens", "sink_tokens", "window_tokens",
                   "disk_segment_bytes")
 #: Segment size when ``disk_bytes`` leaves room for two of them (else half of ``disk_bytes``).
 DEFAULT_SEGMENT_BYTES = 64 << 20
@@ -76,6 +78,19 @@ class _DerivedInt(_Derived, int):
 
 def _derive(cfg: "KVTierConfig", name: str, value: Any) -> None:
     object.__setattr__(cfg, name, _DerivedStr(value) if isinstance(value, str) else _DerivedInt(value))
+
+
+#: ``block_tokens`` by attention mode when the user sets none (see ``KVTierConfig.block_tokens``).
+DEFAULT_BLOCK_TOKENS = {"dense": 64, "sparse": 16}
+
+
+#: ``digest_tokens`` of the centroid score when the user sets none (see ``KVTierConfig.digest_tokens``).
+DEFAULT_DIGEST_TOKENS = 4
+
+
+def default_block_tokens(attention: str) -> int:
+    """The block size a config with ``attention`` (``"dense"``/``"sparse"``) gets by default."""
+    return DEFAULT_BLOCK_TOKENS[attention]
 
 
 def lossless_codec(dtype: str | None) -> str:
@@ -175,8 +190,13 @@ def block_record_bytes(cfg: "KVTierConfig", num_layers: int, kv_heads: int, head
 class KVTierConfig:
     """Configuration of a tiered KV store (L1 device pool, L2 DRAM ring, L3 SSD segments)."""
 
-    block_tokens: int = 64
-    """Tokens per block: the unit of eviction, swap and compression."""
+    block_tokens: Optional[int] = None
+    """Tokens per block: the unit of eviction, swap, compression and (sparse mode) selection.
+    Default (derived, see ``default_block_tokens``): 64 for ``attention="dense"``, where every
+    step swaps in every block outside L1 and the per-block cost dominates; 16 for ``"sparse"``,
+    where a block is what a step selects (recall probe, figures under ``digest_tokens``: 64-token
+    blocks leave a 12.5% budget at 2k context no room to select anything, 32-token ones kept
+    0.47-0.78 of the reference's accuracy where 16-token ones kept 0.79-0.87)."""
 
     hot_tokens: Optional[int] = 512
     """L1 budget per sequence and layer, in tokens (rounded down to whole blocks; the open block
@@ -286,7 +306,8 @@ class KVTierConfig:
 
     window_tokens: Optional[int] = None
     """Recent sealed tokens (before the open block) always kept and attended (rounded up to blocks).
-    Default: up to two blocks, as far as the budget allows."""
+    Default: up to two blocks, at most half of the budget left after the sink and open blocks
+    (the rest is selected by query; see ``sink_window``)."""
 
     snapkv_observe_steps: int = 1
     """``snapkv``: number of ``observe`` calls (from the end of prefill on) whose attention mass
@@ -311,20 +332,41 @@ class KVTierConfig:
 
     select_score: SelectScore = "centroid"
     """Sparse mode: how blocks are ranked against the query. ``centroid``: q.mean(keys of the
-    block), softmax-normalised over the candidate blocks per head, best head wins (ArkVale's
-    centre; one dominant head, e.g. an induction head, can claim a block). ``quest``: Quest's
-    upper bound sum_d max(q_d*min_d, q_d*max_d), summed over heads. On SmolLM2 at 2k context
-    with a 10% budget the centroid kept the recall probe at the reference's accuracy where the
-    bound lost half of it (kvtier eval). The digest kept per sealed block and kv head is what the
-    score reads, in the KV dtype: the mean (``head_dim`` values) or max | min (``2 * head_dim``)."""
+    block, or of each ``digest_tokens`` sub-block), softmax-normalised over the candidate blocks
+    per head, best head wins (ArkVale's centre; one dominant head, e.g. an induction head, can
+    claim a block). ``quest``: Quest's upper bound sum_d max(q_d*min_d, q_d*max_d), summed over
+    heads. The digest kept per sealed block and kv head is what the score reads, in the KV dtype:
+    the means (``head_dim`` values each) or max | min (``2 * head_dim``). Recall probe
+    (tools/sparse_sweep.py, SmolLM2, int4, 2k context, L1 = budget = 12.5%, 16-token blocks,
+    pydoc + essays + SQuAD x 3 windows): centroid 0.79 of the reference's accuracy with one
+    centroid per block, 0.87 with 4-token ones; quest 0.29."""
 
     digest_tokens: Optional[int] = None
     """``centroid`` only: tokens summarised by one key centroid; a block's score is its best
-    sub-block's. A divisor of ``block_tokens``; default ``block_tokens`` (one centroid per block).
-    One key that matches the query stands out of the mean of 4 keys, not of 16: on SmolLM2 at 4k
-    context, int4, 16-token blocks and a 10% budget, the recall probe (8 windows) kept 0.92 of the
-    reference's accuracy with 4-token centroids against 0.65 with one centroid per block, at
-    ``block_tokens / digest_tokens`` times the digest bytes (1/8 of a 16-bit KV cache at 4 tokens)."""
+    sub-block's. A divisor of ``block_tokens``; default (derived) 4, or gcd(``block_tokens``, 4)
+    when 4 does not divide it; ``block_tokens`` with ``quest``. One key that matches the query
+    stands out of the mean of 4 keys, not of 16. Recall probe as in ``select_score`` (lru, 9
+    windows), ratio to the reference [95% CI]: 16-token blocks, 4-token centroids 0.87 [0.79, 0.95], 8-token 0.78
+    [0.67, 0.87], 16-token 0.79 [0.62, 0.93]; 32-token blocks 0.78, 0.65, 0.47 with 4-, 8-, 32-token
+    centroids; 64-token blocks 0.09 (a 256-token budget leaves no room for any selected block).
+    Costs ``block_tokens / digest_tokens`` digest rows per block in L1: at 4 tokens 1/8 of a
+    16-bit KV cache per token (on the probe above L1 held 5.0 kB per token against 2.9 kB with
+    one centroid per 16-token block, of the reference's 23 kB)."""
+
+    attention_math: AttentionMath = "float32"
+    """How kvtier's own attention computes, where it replaces SDPA (sparse decode steps, and
+    multi-token steps over cached tokens, e.g. a chat's next turn, in either mode).
+    ``float32``: products and softmax accumulate in float32 and round once, at the end (sparse
+    decode: one packed-GQA matmul; multi-token steps: two unmasked passes over the prefix and the
+    new tokens merged by log-sum-exp, no ``[q, past + q]`` mask): at least as close to a float64
+    reference as SDPA in every dtype (tests/integrations/test_attention_exact.py), but in
+    fp16/bf16 not bit-equal to SDPA, so greedy tokens can part from ``DynamicCache``'s after a
+    few turns. ``sdpa``: the same steps call transformers' SDPA attention on the gathered K/V in
+    the KV dtype, with the model's mask and scale: with a lossless codec (``fp16``/``bf16``/``fp32``
+    on every tier, or nothing evicted) and a budget covering the context, every step computes
+    what SDPA over ``DynamicCache`` computes, and tokens are identical to it. Costs: a
+    multi-token step over cached tokens builds the explicit mask SDPA takes, and with ``h2o``/
+    ``snapkv`` a sparse step computes the attention mass per block in a second pass."""
 
     prefetch: bool | Literal["auto"] = "auto"
     """Asynchronously decode blocks predicted to be needed (last selection, next layer), on a
@@ -381,6 +423,9 @@ class KVTierConfig:
             if isinstance(getattr(self, name), _Derived):
                 object.__setattr__(self, name, None)
 
+        _choice("attention", self.attention, get_args(Attention))
+        if self.block_tokens is None:
+            _derive(self, "block_tokens", default_block_tokens(self.attention))
         _int("block_tokens", self.block_tokens, 1, _MAX_TOKENS)
         if self.hot_bytes is None:
             if self.hot_tokens is None:
@@ -430,10 +475,11 @@ class KVTierConfig:
         _choice("key_axis", self.key_axis, get_args(Axis))
         _choice("value_axis", self.value_axis, get_args(Axis))
         _choice("policy", self.policy, get_args(Policy))
-        _choice("attention", self.attention, get_args(Attention))
         _choice("select_score", self.select_score, get_args(SelectScore))
+        _choice("attention_math", self.attention_math, get_args(AttentionMath))
         if self.digest_tokens is None:
-            _derive(self, "digest_tokens", self.block_tokens)
+            _derive(self, "digest_tokens", self.block_tokens if self.select_score != "centroid"
+                    else math.gcd(self.block_tokens, DEFAULT_DIGEST_TOKENS))
         _int("digest_tokens", self.digest_tokens, 1, self.block_tokens)
         if self.block_tokens % self.digest_tokens:
             raise ValueError(f"digest_tokens must divide block_tokens ({self.block_tokens}); "
@@ -621,7 +667,10 @@ class KVTierConfig:
 
     def sink_window(self, budget_tokens: int) -> tuple[int, int]:
         """(sink_tokens, window_tokens) for a sparse budget: the configured values, or the
-        defaults (one sink block if the budget has room for it, then up to two window blocks)."""
+        defaults: one sink block if the budget has room for it, then up to two window blocks
+        but never more than half of what the sink and the open block leave, so that a small
+        budget still selects by query (a 48-token budget of 16-token blocks: sink, one block
+        chosen by query, open block; with the window taking the rest, recall would be nil)."""
         bt = self.block_tokens
         sink = self.sink_tokens
         if sink is None:
@@ -629,7 +678,7 @@ class KVTierConfig:
         window = self.window_tokens
         if window is None:
             room = max(0, budget_tokens - bt - _round_up(sink, bt))
-            window = min(2 * bt, (room // bt) * bt)
+            window = min(2 * bt, (room // 2 // bt) * bt)
         return sink, window
 
     # -- (de)serialisation --------------------------------------------------------------------
@@ -689,4 +738,5 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-__all__ = ["KVTierConfig", "CODECS", "LOSSLESS_CODECS", "PRECISION_CODECS", "GROUP_SIZES", "DERIVED_FIELDS", "lossless_codec"]
+__all__ = ["KVTierConfig", "CODECS", "LOSSLESS_CODECS", "PRECISION_CODECS", "GROUP_SIZES", "DERIVED_FIELDS",
+           "DEFAULT_BLOCK_TOKENS", "DEFAULT_DIGEST_TOKENS", "default_block_tokens", "lossless_codec"]

@@ -41,8 +41,13 @@ def test_a_value_the_user_set_is_kept_even_if_equal_to_the_derived_one():
 
 def test_replace_of_block_tokens_and_hot_tokens_derives_digest_and_budget():
     cfg = KVTierConfig(attention="sparse")
-    r = dataclasses.replace(cfg, block_tokens=16)
-    assert r.digest_tokens == 16
+    assert (cfg.block_tokens, cfg.digest_tokens) == (16, 4)  # the sparse defaults
+    r = dataclasses.replace(cfg, block_tokens=6)
+    assert r.digest_tokens == 2  # the largest divisor of block_tokens up to 4
+    assert dataclasses.replace(cfg, select_score="quest").digest_tokens == 16
+    # the block size follows the attention mode unless set
+    assert KVTierConfig().block_tokens == 64 and dataclasses.replace(KVTierConfig(), attention="sparse").block_tokens == 16
+    assert dataclasses.replace(KVTierConfig(block_tokens=32), attention="sparse").block_tokens == 32
     r = dataclasses.replace(cfg, hot_tokens=128)
     assert r.budget_tokens == 128
     assert r.sink_tokens + r.window_tokens + r.block_tokens <= r.budget_tokens
@@ -59,7 +64,7 @@ def test_to_dict_gives_what_the_user_set_and_from_dict_derives_the_rest():
     assert KVTierConfig.from_dict(d) == cfg
     changed = KVTierConfig.from_dict(d | {"codec": "int8", "block_tokens": 16, "hot_tokens": 64})
     assert (changed.host_codec, changed.disk_codec, changed.digest_tokens, changed.budget_tokens) == \
-        ("int8", "int8", 16, 64)
+        ("int8", "int8", 4, 64)
     # resolved: the values in effect, plain JSON types
     r = json.loads(json.dumps(cfg.to_dict(resolved=True)))
     assert r["host_codec"] == "int4" and r["budget_tokens"] == 256 and type(r["budget_tokens"]) is int
@@ -197,3 +202,13 @@ def test_derived_values_survive_pickle_and_deepcopy():
     for c in (pickle.loads(pickle.dumps(cfg)), copy.deepcopy(cfg)):
         assert c == cfg and c.is_derived("host_codec") and c.is_derived("budget_tokens")
         assert dataclasses.replace(c, codec="int8").host_codec == "int8"
+
+
+def test_default_split_leaves_small_sparse_budgets_room_to_select():
+    # 48 tokens of 16-token blocks: sink, one block chosen by query, the open block
+    cfg = KVTierConfig(attention="sparse", hot_tokens=48)
+    assert (cfg.sink_tokens, cfg.window_tokens) == (16, 0)
+    # larger budgets keep the two-block window
+    cfg = KVTierConfig(attention="sparse", hot_tokens=256)
+    assert (cfg.sink_tokens, cfg.window_tokens) == (16, 32)
+    assert KVTierConfig(attention="sparse", hot_tokens=64).window_tokens == 16

@@ -132,13 +132,13 @@ def snapkv_window_tokens(spec: CacheSpec, context: int) -> int:
 
 def kvtier_config(spec: CacheSpec, context: int, model_config=None, disk_path: str | None = None):
     """The KVTierConfig of a kvtier row at ``context`` tokens (sweep fractions resolved)."""
-    from kvtier.config import KVTierConfig
+    from kvtier.config import KVTierConfig, default_block_tokens
 
     p = dict(spec.params)
     hot_fraction = p.pop("hot_fraction", None)
     host_fraction = p.pop("host_fraction", None)
     streaming = p.pop("streaming", False)
-    block = p.get("block_tokens", KVTierConfig.block_tokens)
+    block = p.get("block_tokens") or default_block_tokens(p.get("attention", KVTierConfig.attention))
     if host_fraction is not None:
         # L2 sized as a fraction of the context's KV at 16 bits: the rest spills to L3
         per_token = _kv_bytes_per_token(model_config) if model_config is not None else 2 * 30 * 3 * 64 * 2

@@ -31,6 +31,9 @@ are merged exactly with their log-sum-exp:
 ```
 Everything else (another cache, a first prefill, padding, any other mask, decode) runs
 transformers' own SDPA attention, so a model switched to ``"kvtier"`` still works with any cache.
+With ``attention_math="sdpa"`` nothing is split and the sparse step calls that SDPA too (on the
+blocks it selected), so a lossless cache attending everything reproduces ``DynamicCache``'s
+rounding exactly (see ``KVTierConfig.attention_math``).
 """
 from __future__ import annotations
 
@@ -92,8 +95,9 @@ def kvtier_attention(
         scaling = 1.0 / math.sqrt(query.shape[-1])
     cache = hand.cache
     if kind is StepKind.SPARSE:
-        return cache.sparse_attention(hand.layer, query, attention_mask, scaling), None
-    if _splittable(module, query, key, value, attention_mask, dropout, kwargs):
+        return cache.sparse_attention(hand.layer, query, attention_mask, scaling, module), None
+    if cache.config.attention_math != "sdpa" and _splittable(module, query, key, value, attention_mask,
+                                                              dropout, kwargs):
         out = split_prefix_attention(query, key, value, key.shape[2] - query.shape[2], scaling), None
     else:
         out = sdpa_attention_forward(module, query, key, value, attention_mask,

@@ -240,7 +240,7 @@ class TieredCache(Cache):
         if (self._sparse or self._observe) and attn_kwargs is not None:
             self._offer(StepKind.DENSE, l, out[0], attn_kwargs)  # finished by after_dense_attention
             return out
-        if t > 1 and past > 0 and attn_kwargs is not None:
+        if t > 1 and past > 0 and attn_kwargs is not None and self.config.attention_math != "sdpa":
             self._offer(StepKind.SPLIT, l, out[0], attn_kwargs)  # a hint: SDPA is as right
         self._layer_done(l, self.layers[l].length)
         return out
@@ -426,16 +426,18 @@ class TieredCache(Cache):
         self._layer_done(l, self.layers[l].length)
 
     def sparse_attention(self, l: int, query: torch.Tensor, attention_mask: torch.Tensor | None,
-                         scaling: float) -> torch.Tensor:
+                         scaling: float, module: torch.nn.Module | None = None) -> torch.Tensor:
         """Budgeted attention of a one-token step (:func:`.sparse.budgeted_attention`).
 
         Args:
             query: [batch, q_heads, 1, head_dim]; attention_mask: bool [batch|1, 1, 1, T] or None.
+            module: the model's attention module (``attention_math="sdpa"`` calls SDPA as it would).
         Returns:
             [batch, 1, q_heads, head_dim].
         """
+        sdpa = module if self.config.attention_math == "sdpa" else None
         r = budgeted_attention(self.store, self._rows.seqs, l, query, attention_mask, scaling,
-                               self._budget, self._observe)
+                               self._budget, self._observe, sdpa_module=sdpa)
         self._observed += r.observed
         if l == 0:
             self._counters["sparse_steps"] += 1

@@ -4,7 +4,8 @@
  per batch row:  store.select(seq, l, q)        sinks + window + top-k by key digest
                  store.gather_view(seq, l, sel)  swap-in from L2/L3 if needed; views of L1
  all rows:       stack (pad rows that attend fewer tokens, masked out)
-                 softmax(q K^T) V                one batched matmul, GQA packed
+                 softmax(q K^T) V                one batched matmul, GQA packed, float32
+                                                 (attention_math="sdpa": transformers' SDPA call)
                  attention mass per block        for H2O (handed to the store at the step's end)
 ```
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kvtier.store import KVStore
 
@@ -27,12 +29,14 @@ class SparseResult:
 
 def budgeted_attention(store: KVStore, seqs: list[int], layer: int, query: torch.Tensor,
                        attention_mask: torch.Tensor | None, scaling: float, budget_tokens: int,
-                       observe: bool) -> SparseResult:
+                       observe: bool, sdpa_module: torch.nn.Module | None = None) -> SparseResult:
     """Attend each row's selected blocks.
 
     Args:
         query: [batch, q_heads, 1, head_dim]; attention_mask: bool [batch|1, 1, 1, T] or None.
         observe: collect the attention mass per block (H2O/SnapKV policies).
+        sdpa_module: attend with transformers' SDPA attention of this attention module, in the
+            KV dtype (``attention_math="sdpa"``), instead of :func:`attend_blocks`' float32.
     """
     sels, ks, vs, ps = [], [], [], []
     for row, seq in enumerate(seqs):
@@ -71,7 +75,14 @@ def budgeted_attention(store: KVStore, seqs: list[int], layer: int, query: torch
         valid = torch.arange(n, device=k.device)[None, :] < torch.tensor(lens, device=k.device)[:, None]
         valid = valid[:, None, None, :]  # [B, 1, 1, n]
         mask = valid if mask is None else mask & valid
-    out, mass = attend_blocks(query, k, v, mask, scaling)  # out [B, 1, q_heads, D], mass [B, n]
+    if sdpa_module is None:
+        out, mass = attend_blocks(query, k, v, mask, scaling)  # out [B, 1, q_heads, D], mass [B, n]
+    else:
+        # the call SDPA over DynamicCache makes: with every block selected (in order, so the
+        # gathered mask is the model's own; None stays None) the same kernel sees the same inputs
+        out = sdpa_attention_forward(sdpa_module, query, k.contiguous(), v.contiguous(), mask,
+                                     scaling=scaling)[0]  # [B, 1, q_heads, D]
+        mass = attention_probs(query, k, mask, scaling).sum(dim=(1, 2)) if observe else None
     observed = []
     if observe:
         bt = store.block_tokens
@@ -104,6 +115,21 @@ def attend_blocks(
         mass: float32 [B, n], attention weight per key summed over heads and queries.
     """
     b, qh, ql, d = query.shape
+    probs = attention_probs(query, keys, mask, scaling)  # [B, kv_heads, G*q_len, n]
+    out = torch.matmul(probs, values.float())  # [B, kv_heads, G*q_len, D]
+    out = out.view(b, qh, ql, d).transpose(1, 2).to(query.dtype).contiguous()  # [B, q_len, q_heads, D]
+    return out, probs.sum(dim=(1, 2))  # mass: [B, n]
+
+
+def attention_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None,
+                    scaling: float) -> torch.Tensor:
+    """float32 softmax(q K^T * scaling) with grouped KV heads (shapes as in :func:`attend_blocks`).
+
+    Returns:
+        [B, kv_heads, G*q_len, n]: row ``g * q_len + i`` of kv head h is query head ``h * G + g``
+        (GQA groups consecutive query heads), query ``i``.
+    """
+    b, qh, ql, d = query.shape
     kvh = keys.shape[1]
     g = qh // kvh
     # fp32 throughout: the budget keeps n small, and half-precision products lose logits' digits
@@ -113,7 +139,4 @@ def attend_blocks(
         bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
         bias.masked_fill_(~mask, torch.finfo(torch.float32).min)  # [B, 1, q_len, n]
         scores = (scores.view(b, kvh, g, ql, -1) + bias.unsqueeze(2)).view(b, kvh, g * ql, -1)
-    probs = torch.softmax(scores, dim=-1)  # [B, kv_heads, G*q_len, n]
-    out = torch.matmul(probs, values.float())  # [B, kv_heads, G*q_len, D]
-    out = out.view(b, qh, ql, d).transpose(1, 2).to(query.dtype).contiguous()  # [B, q_len, q_heads, D]
-    return out, probs.sum(dim=(1, 2))  # mass: [B, n]
+    return torch.softmax(scores, dim=-1)

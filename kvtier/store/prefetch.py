@@ -3,8 +3,15 @@
 Predictors (sources): ``temporal`` (what a layer attended last step), ``next_layer`` (adjacent
 layers attend to similar blocks), ``dense_next_layer`` / ``dense_next_step`` (dense reads stream
 layer by layer). Wrong prefetches cost decode work and bandwidth: a source whose precision over
-its last outcomes is below a floor is cut down to one probe in ``_PROBE``. Its lock guards the
-buffer of futures, the predictor state and the outcome statistics; it is never held while waiting.
+its last outcomes is below a floor is cut down to one probe in ``_PROBE``.
+
+``scratch`` is no predictor and issues no work: a block a read swapped into a scratch slot (its
+table's region full of blocks still being written out) leaves L1 when that read ends, and the
+next step attends it again, so its decoded data is kept (oldest out, within ``buffer_blocks``)
+and that read is a copy instead of a tier read and a decode. It works with prefetch off.
+
+Its lock guards the buffer of futures, the kept blocks, the predictor state and the outcome
+statistics; it is never held while waiting.
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ from .lower import LowerTiers
 from .stats import Counters
 from .table import BlockEntry, BlockTable
 
-SOURCES = ("temporal", "next_layer", "dense_next_layer", "dense_next_step")
+SOURCES = ("temporal", "next_layer", "dense_next_layer", "dense_next_step", "scratch")
 _WINDOW = 128          # outcomes (used / wasted) remembered per predictor
 _MIN_PRECISION = 0.25  # below this a predictor only probes ...
 _PROBE = 8             # ... one block in this many
@@ -33,6 +40,8 @@ class Prefetcher:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-prefetch") if enabled else None
         self._lock = threading.Lock()
         self._futures: OrderedDict[str, Future] = OrderedDict()  # process-local key -> load
+        # process-local key -> decoded block [2, kv_heads, block_tokens, head_dim] of a scratch read
+        self._kept: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._outcomes = {src: deque(maxlen=_WINDOW) for src in SOURCES}
         self._skipped = dict.fromkeys(SOURCES, 0)
         self._by_source = {src: {"issued": 0, "used": 0, "wasted": 0, "throttled": 0} for src in SOURCES}
@@ -113,10 +122,33 @@ class Prefetcher:
         self._skipped[src] += 1
         return self._skipped[src] % _PROBE == 0  # keep measuring it
 
-    def fetch(self, e: BlockEntry) -> torch.Tensor:
-        """A non-resident block's data: from the prefetch buffer if there, else a synchronous load."""
+    def keep(self, e: BlockEntry, data: torch.Tensor) -> None:
+        """``data`` (decoded ``e``, owned: nobody writes it) went to a scratch slot: hold it for
+        the next read of ``e`` (the ``scratch`` source)."""
+        stats = self._by_source["scratch"]
         with self._lock:
-            fut = self._futures.pop(e.key, None)
+            if e.key in self._kept:
+                return
+            dropped = 0
+            while len(self._kept) >= self._buffer_blocks:
+                self._kept.popitem(last=False)
+                dropped += 1
+            self._kept[e.key] = data
+            stats["issued"] += 1
+            stats["wasted"] += dropped
+        self.counters.add(pf_issued=1, pf_wasted=dropped)
+
+    def fetch(self, e: BlockEntry) -> torch.Tensor:
+        """A non-resident block's data: kept from a scratch read, or from the prefetch buffer if
+        there, else a synchronous load."""
+        with self._lock:
+            data = self._kept.pop(e.key, None)
+            if data is not None:
+                self._by_source["scratch"]["used"] += 1
+            fut = self._futures.pop(e.key, None) if data is None else None
+        if data is not None:
+            self.counters.add(pf_used=1)
+            return data
         if fut is not None:
             try:
                 data = fut.result()
@@ -146,9 +178,14 @@ class Prefetcher:
         prefix = f"{seq}/"
         with self._lock:
             mine = [self._futures.pop(k) for k in list(self._futures) if k.startswith(prefix)]
+            kept = [k for k in self._kept if k.startswith(prefix)]
+            for k in kept:
+                del self._kept[k]
+            self._by_source["scratch"]["wasted"] += len(kept)
             for key in [k for k in self._last_sel if k[0] == seq]:
                 del self._last_sel[key]
             self._dense_seqs.discard(seq)
+        self.counters.add(pf_wasted=len(kept))
         for fut in mine:
             self._discard(fut)
 
@@ -157,6 +194,8 @@ class Prefetcher:
             return {src: dict(v) for src, v in self._by_source.items()}
 
     def close(self) -> None:
+        with self._lock:
+            self._kept.clear()
         if self._pool is None:
             return
         with self._lock:

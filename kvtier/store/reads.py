@@ -74,7 +74,11 @@ class Reader:
             sel = frozenset(blocks)
             run = frozenset([ents[b] for b in blocks] + [ents[-1]]) if view else None
             for i, e in miss:
-                slots[i] = self.res.install(t, e, self.prefetcher.fetch(e), sel, scratch, run)
+                data = self.prefetcher.fetch(e)
+                n_scratch = len(scratch)
+                slots[i] = self.res.install(t, e, data, sel, scratch, run)
+                if len(scratch) > n_scratch:  # leaves L1 after this read: wanted again next step
+                    self.prefetcher.keep(e, data)
         return slots, scratch
 
     def gather_blocks(self, t: BlockTable, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -353,7 +353,7 @@ class DiskCompaction:
         wm = (head.id, head.used) if head is not None else (self._next_id, SEG_HEADER_BYTES)
         rows = [diskindex.SegmentRow(s.id, s.size, s.used, s.mtime_ns, s.tomb_bytes)
                 for s in sorted(self._segs.values(), key=lambda s: s.id)]
-        return diskindex.Checkpoint(dict(self._index), {}, rows, sorted(self._corrupt_keys), self._next_id, wm)
+        return diskindex.Checkpoint(self._index.snapshot(), {}, rows, sorted(self._corrupt_keys), self._next_id, wm)
 
     def expire(self, max_age_s: float | None = None, max_bytes: int | None = None,
                keep=lambda key: False) -> int:

@@ -21,9 +21,12 @@ by a background thread (``compactor.py``): its live records (and still-needed to
 copied to the head in small steps, made durable, and the file is deleted. At capacity, a put
 compacts inline to make room.
 
-Locks: ``_cp_lock`` (one checkpoint written at a time) is taken before ``_lock`` (all index,
-segment and file state). Ownership: ``put`` copies (the bytes go to the page cache before it
-returns); ``get`` returns an owned ``bytes``.
+Locks: ``_cp_lock`` (one checkpoint written at a time) and ``_sync_lock`` (one batch of
+fdatasyncs at a time, so a ``sync`` returns only after those begun before it) are each taken
+before ``_lock`` (all index, segment and file state), never together. The fdatasyncs of
+``put_many``/``delete_many``/``sync`` run on duplicated fds outside ``_lock``: reads and
+appends go on while the disk flushes. Ownership: ``put`` copies (the bytes go to the page
+cache before it returns); ``get`` returns an owned ``bytes``.
 """
 from __future__ import annotations
 
@@ -33,7 +36,6 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Literal
 
 from kvtier._crc import crc32
@@ -48,6 +50,7 @@ from .segfile import (FLAG_TOMB, IOV_MAX, REC_HEADER_BYTES, SEG_HDR, SEG_HEADER_
 
 __all__ = ["DiskTier", "record_size", "REC_HEADER_BYTES", "SEG_HEADER_BYTES", "purge_directory"]
 
+_LOCKED_BYTES = 1 << 20  # put_many appends at most about this much per hold of the tier lock
 Durability = Literal["batch", "close", "never"]
 DURABILITY = ("batch", "close", "never")
 
@@ -94,13 +97,14 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
         self.checkpoint_records = checkpoint_records
         self._lock = threading.RLock()
         self._cp_lock = threading.Lock()
+        self._sync_lock = threading.Lock()
         self._stats = TierStats()
         self._n = dict(compactions=0, corrupt=0, scan_corrupt=0, torn=0, syncs=0, recovered=0, tail_records=0,
                        checkpoints=0, checkpoint_loaded=0, checkpoint_rejected=0, bytes_written=0,
                        compact_bytes_written=0, checkpoint_bytes_written=0, disk_full_errors=0)
         self.open_seconds = 0.0
         self._corrupt_keys: set[str] = set()
-        self._index: dict[str, tuple[int, int, int, int]] = {}  # key -> (seg id, offset, size, vlen)
+        self._index = diskindex.RecordIndex()  # key -> (seg id, offset, size, vlen)
         self._segs: dict[int, Segment] = {}
         self._head: Segment | None = None
         self._next_id = 1
@@ -113,7 +117,6 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
         self._failed: BaseException | None = None  # the last environment failure reported to a caller
         self._closed = True
         self._lock_fd = -1
-        self._pool: ThreadPoolExecutor | None = None
         self._rfds: dict[int, int] = {}  # segment id -> read-only fd, least recently used first
         self._worker: Compactor | None = None
         self._share = float(compact_share)
@@ -221,7 +224,8 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
 
     def _adopt(self, cp: diskindex.Checkpoint) -> None:
         gone = {r.id for r in cp.segments} - set(self._segs)  # compacted after the checkpoint
-        self._index = cp.index if not gone else {k: v for k, v in cp.index.items() if v[0] not in gone}
+        self._index = cp.index
+        self._index.drop_segments(gone)
         for r in cp.segments:
             seg = self._segs.get(r.id)
             if seg is not None:
@@ -285,8 +289,9 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
 
     # -- index bookkeeping ------------------------------------------------------------------
     def _set(self, key: str, loc: tuple[int, int, int, int]) -> None:
-        self._unset(key)
-        self._index[key] = loc
+        old = self._index.replace(key, loc)
+        if old is not None:
+            self._segs[old[0]].live -= old[2]
         self._segs[loc[0]].live += loc[2]
         self._corrupt_keys.discard(key)
 
@@ -453,7 +458,8 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
 
     def put_many(self, items: Iterable[tuple[str, BytesLike]]) -> list[bool]:
         """Append a batch; with durability="batch" one fdatasync at the end. False per record that
-        does not fit. Raises DiskFullError when the filesystem is full (earlier records stay)."""
+        does not fit. Raises DiskFullError when the filesystem is full (earlier records stay).
+        Gets of other keys may be served between its records (each is indexed once written)."""
         limit = self.segment_bytes - SEG_HEADER_BYTES
         recs = []
         for key, value in items:
@@ -464,16 +470,28 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
                 raise ValueError(f"value is {mv.nbytes} bytes; a record must fit one segment "
                                  f"(value limit {limit - record_size(len(kb), 0)} bytes, segment_bytes={self.segment_bytes})")
             recs.append((key, kb, size, parts, n))
-        with self._lock:
-            self._check_open()
-            touched = {self._index[k][0] for k, *_ in recs if k in self._index}
-            res = self._append(recs)
-            for rec, ok in zip(recs, res):
-                if ok:
-                    self._stats.puts += 1
-                    self._stats.bytes_in += rec[4]
-            self._after_batch(touched)
-            return res
+        res: list[bool] = []
+        i = 0
+        while i < len(recs):  # the lock is let go every _LOCKED_BYTES: a get waits for one such write
+            j, nbytes = i, 0
+            while j < len(recs) and (j == i or nbytes + recs[j][2] <= _LOCKED_BYTES):
+                nbytes += recs[j][2]
+                j += 1
+            chunk = recs[i:j]
+            with self._lock:
+                self._check_open()
+                touched = {loc[0] for k, *_ in chunk if (loc := self._index.get(k)) is not None}
+                got = self._append(chunk)
+                for rec, ok in zip(chunk, got):
+                    if ok:
+                        self._stats.puts += 1
+                        self._stats.bytes_in += rec[4]
+                self._after_batch(touched)
+            res += got
+            i = j
+        if self.durability == "batch":
+            self._sync_unlocked()
+        return res
 
     def delete(self, key: str) -> bool:
         return self.delete_many([key])[0]
@@ -485,11 +503,11 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
             self._check_open()
             out, recs, touched = [], [], set()
             for k in keys:
-                present = k in self._index
+                loc = self._index.get(k)
                 self._corrupt_keys.discard(k)
-                out.append(present)
-                if present:
-                    touched.add(self._index[k][0])
+                out.append(loc is not None)
+                if loc is not None:
+                    touched.add(loc[0])
                     recs.append((k, *self._image(k, None)))
             if recs:
                 res = self._append(recs)
@@ -497,11 +515,11 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
                     if not ok:  # no room even for a tombstone: forget it now, it comes back on reopen
                         self._unset(k)
                 self._after_batch(touched)
-            return out
+        if recs and self.durability == "batch":
+            self._sync_unlocked()
+        return out
 
     def _after_batch(self, touched: set[int]) -> None:
-        if self.durability == "batch":
-            self._sync_locked()
         self._stuck -= touched
         if self._worker is not None and (
                 any(self._compactable(self._segs.get(sid)) for sid in touched) or self._head_mostly_dead()
@@ -568,10 +586,34 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
             self._dir_dirty = False
         self._n["syncs"] += 1
 
+    def _sync_unlocked(self) -> None:
+        """Make every append so far durable, flushing outside ``_lock``. What a failed flush
+        covered stays marked dirty, so a later sync retries it."""
+        with self._sync_lock:
+            with self._lock:
+                sids = set(self._dirty)
+                fds = self._dup_dirty_fds()
+                dir_dirty, self._dir_dirty = self._dir_dirty, False
+                self._dirty.clear()
+                self._n["syncs"] += 1
+            try:
+                self._sync_fds(fds)
+                if dir_dirty:
+                    dfd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+                    try:
+                        os.fsync(dfd)
+                    finally:
+                        os.close(dfd)
+            except BaseException:
+                with self._lock:
+                    self._dirty |= {sid for sid in sids if sid in self._segs}
+                    self._dir_dirty |= dir_dirty
+                raise
+
     def sync(self) -> None:
         with self._lock:
             self._check_open()
-            self._sync_locked()
+        self._sync_unlocked()
 
     def stats(self) -> dict:
         with self._lock:
@@ -624,9 +666,6 @@ class DiskTier(DiskReads, DiskCompaction, Tier):
             if self._lock_fd >= 0:
                 os.close(self._lock_fd)  # releases the flock
                 self._lock_fd = -1
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-                self._pool = None
         if err is not None:
             if self._failed is None:
                 raise err

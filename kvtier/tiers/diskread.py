@@ -1,17 +1,19 @@
 """DiskTier's read path (a mixin: the state it reads lives in ``DiskTier.__init__``).
 
-Small records are read with one pread of the whole record image: a file truncated under us
-then gives a short read, where touching the mapping would SIGBUS, and no fstat is needed per
-read (it costs more than the copy at these sizes). Larger ones are copied out of the mapping
-after one fstat bounds check. Either way the header is checked against the index and the data
-CRC is verified on the bytes handed back.
+A value is copied out of its segment's mapping once (into the ``bytes`` handed back), after
+the record's header is checked against the index, and its data CRC is verified on that copy.
+Slicing the mapping costs no system call, so a small record costs about what one ``read`` of
+it would; the one call made is an fstat per segment (per batch in ``get_many``) bounding what
+may be touched, as a file truncated under us would SIGBUS. The CRC (ISA-L, tens of GB/s) runs
+inline: handing it to a thread cost more than it saved.
 """
 from __future__ import annotations
 
 import mmap
+import operator
 import os
+import struct
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -19,11 +21,10 @@ from kvtier._crc import crc32
 from .base import Tier, check_key, out_view
 from .segfile import REC, REC_HEADER_BYTES, REC_MAGIC, Segment
 
-_PREAD_MAX = 16 << 10  # values below this are read with pread, larger ones from the mapping
 _READ_FDS = 128  # read-only fds kept open for sealed segments (LRU)
-_PARALLEL_CRC_BYTES = 256 << 10  # below this a CRC is cheaper than handing it to a thread
-_RUN_GAP = 16 << 10  # get_many reads small records this close together with one pread ...
-_RUN_MAX = 1 << 20  # ... of at most this many bytes
+_by_loc = operator.itemgetter(2)  # (segment id, offset, ...): file order
+_CHECK = struct.Struct("<I4x2xHII")  # of a record header: magic, key length, value length, data crc
+_READAHEAD_MIN = 256 << 10  # a span below this is read around by the first page fault anyway
 
 
 class DiskReads:
@@ -48,51 +49,81 @@ class DiskReads:
         if fd is not None:
             os.close(fd)
 
-    def _read_small_runs(self, todo: list[tuple[int, str, tuple]], out: list) -> None:
-        """Small records [(position in the batch, key, loc)], read with one pread per run of
-        records near each other in one segment (a spill batch lands as one such run), each
-        checked as in ``get``; their values (None if corrupt) go to ``out[position]``,
-        and the counters are updated."""
-        todo.sort(key=lambda t: (t[2][0], t[2][1]))
-        hits = nbytes = i = 0
-        unpack, hdr = REC.unpack_from, REC_HEADER_BYTES
-        while i < len(todo):
-            sid, start = todo[i][2][0], todo[i][2][1]
-            j, end = i, start
-            while j < len(todo) and todo[j][2][0] == sid and todo[j][2][1] - end <= _RUN_GAP \
-                    and todo[j][2][1] + todo[j][2][2] - start <= _RUN_MAX:
-                end = max(end, todo[j][2][1] + todo[j][2][2])
-                j += 1
-            try:
-                buf = os.pread(self._rfd(self._segs[sid]), end - start, start)
-            except OSError:
-                buf = b""
-            with memoryview(buf) as mv:
-                for pos, key, (_, off, _, vlen) in todo[i:j]:
-                    o = off - start
-                    kb = key.encode("utf-8")
-                    k0 = o + hdr + len(kb)
-                    if k0 + vlen <= len(buf):
-                        magic, _, _, klen, vl, dcrc, _ = unpack(buf, o)
-                        if (magic == REC_MAGIC and klen == len(kb) and vl == vlen and buf[o + hdr:k0] == kb
-                                and crc32(mv[o + hdr:k0 + vlen]) == dcrc):
-                            out[pos] = buf[k0:k0 + vlen]
-                            hits += 1
-                            nbytes += vlen
-                            continue
-                    self._mark_corrupt(key)
-            i = j
+    def _read_batch(self, todo: list[tuple[int, str, tuple]], out: list, readahead: bool = False) -> None:
+        """Records [(position in the batch, key, loc)]: each value (None if corrupt) goes to
+        ``out[position]`` and the counters are updated. In file order, one fstat per segment
+        for the bounds check; a value is copied out of the mapping once, after its header
+        matched the index, and its CRC is checked on that copy. ``readahead``: first ask the
+        kernel for each segment's span of the batch in one call (when not too sparse)."""
+        todo.sort(key=_by_loc)
+        if readahead:
+            self._readahead(todo)
+        unpack, hdr = _CHECK.unpack_from, REC_HEADER_BYTES
+        hits = nbytes = 0
+        sid, mm, limit = -1, None, 0
+        bad = []
+        for pos, key, (s, off, _, vlen) in todo:  # (this loop is the per-record cost of a read)
+            if s != sid:
+                sid = s
+                seg = self._segs[s]
+                mm, limit = seg.mm, self._mapped_bytes(seg)
+            kb = key.encode("utf-8")
+            v0 = off + hdr + len(kb)
+            if v0 + vlen <= limit:
+                magic, klen, vl, dcrc = unpack(mm, off)
+                if magic == REC_MAGIC and klen == len(kb) and vl == vlen and mm[off + hdr:v0] == kb:
+                    value = mm[v0:v0 + vlen]
+                    if crc32(value, crc32(kb)) == dcrc:
+                        out[pos] = value
+                        hits += 1
+                        nbytes += vlen
+                        continue
+            bad.append(key)
+        for key in bad:
+            self._mark_corrupt(key)
         st = self._stats
         st.gets += len(todo)
         st.hits += hits
         st.misses += len(todo) - hits
         st.bytes_out += nbytes
 
+    def _readahead(self, todo: list[tuple[int, str, tuple]]) -> None:
+        """MADV_WILLNEED over each segment's records in ``todo`` (sorted by location), when
+        the span is large enough to gain from it and they cover at least a quarter of it
+        (advice only: errors are ignored). On cached pages it costs a few microseconds a call."""
+        first, last = todo[0][2], todo[-1][2]
+        if first[0] == last[0] and last[1] + last[2] - first[1] < _READAHEAD_MIN:
+            return  # one segment, a short span: the common case of a batch of small records
+        i = 0
+        while i < len(todo):
+            sid, a, _, _ = todo[i][2]
+            j, want = i, 0
+            while j < len(todo) and todo[j][2][0] == sid:
+                want += todo[j][2][2]
+                j += 1
+            last = todo[j - 1][2]
+            seg = self._segs[sid]
+            a &= ~(mmap.PAGESIZE - 1)
+            b = min(last[1] + last[2], seg.size)
+            if a + _READAHEAD_MIN <= b <= a + 4 * want:
+                try:
+                    seg.mm.madvise(mmap.MADV_WILLNEED, a, b - a)
+                except (OSError, ValueError):
+                    pass
+            i = j
+
+    def _mapped_bytes(self, seg: Segment) -> int:
+        """Bytes of ``seg``'s mapping that can be touched: a file truncated under us would SIGBUS."""
+        try:
+            return min(seg.size, os.fstat(self._rfd(seg)).st_size)  # an fstat is cheaper than a stat by path
+        except OSError:  # deleted under us: nothing in it is readable
+            return 0
+
     def _locate(self, key: str) -> tuple[Segment, int, int, int, int] | None:
         """(segment, value offset, value length, crc32 of the key, expected crc32 of key+value)
         after checking the record's header against the index; None when absent or when the
         header/bounds are already wrong (that is counted as corrupt)."""
-        loc = self._index.get(key)
+        loc = self._index.lookup(key)
         if loc is None:
             return None
         sid, off, size, vlen = loc
@@ -110,14 +141,6 @@ class DiskReads:
         self._mark_corrupt(key)
         return None
 
-    def _fetch(self, key: str) -> tuple[bytes, int, int] | None:
-        """(value copied out of the mapping, crc32 of the key, expected crc32), or None."""
-        r = self._locate(key)
-        if r is None:
-            return None
-        seg, voff, vlen, kcrc, dcrc = r
-        return seg.mm[voff:voff + vlen], kcrc, dcrc
-
     def _count(self, key: str, value: bytes | None, ok: bool) -> bytes | None:
         self._stats.gets += 1
         if value is None or not ok:
@@ -129,46 +152,19 @@ class DiskReads:
         self._stats.bytes_out += len(value)
         return value
 
-    def _get_mapped(self, key: str) -> bytes | None:
-        """get() of a large (or absent) record: copied out of the mapping, then CRC-checked."""
-        r = self._fetch(key)
-        if r is None:
-            return self._count(key, None, False)
-        value, kcrc, dcrc = r
-        return self._count(key, value, crc32(value, kcrc) == dcrc)
-
     def get(self, key: str) -> bytes | None:
         """CRC-verified owned bytes, or None when absent or corrupt (counted in stats()["corrupt"])."""
-        index = self._index
-        if type(key) is not str or key not in index:  # an indexed key was checked when put
+        if type(key) is not str:
             check_key(key)
         with self._lock:
             self._check_open()
-            loc = index.get(key)
-            if loc is None or loc[3] >= _PREAD_MAX:
-                return self._get_mapped(key)
-            # a small record: one pread of its whole image, checked here (at these sizes a call
-            # more costs about as much as the copy)
-            sid, off, _, vlen = loc
-            seg = self._segs[sid]
-            kb = key.encode("utf-8")
-            k0 = REC_HEADER_BYTES + len(kb)
-            try:
-                rec = os.pread(seg.fd if seg.fd >= 0 else self._rfd(seg), k0 + vlen, off)
-            except OSError:  # the file went away under us
-                rec = b""
-            st = self._stats
-            st.gets += 1
-            if len(rec) == k0 + vlen:
-                magic, _, _, klen, vl, dcrc, _ = REC.unpack_from(rec)
-                if magic == REC_MAGIC and klen == len(kb) and vl == vlen and rec[REC_HEADER_BYTES:k0] == kb \
-                        and crc32(memoryview(rec)[REC_HEADER_BYTES:]) == dcrc:
-                    st.hits += 1
-                    st.bytes_out += vlen
-                    return rec[k0:]
-            self._mark_corrupt(key)
-            st.misses += 1
-            return None
+            loc = self._index.lookup(key)
+            if loc is None:
+                check_key(key)  # an indexed key was checked when put
+                return self._count(key, None, False)
+            out = [None]
+            self._read_batch([(0, key, loc)], out)
+            return out[0]
 
     def get_into(self, key: str, out: memoryview | bytearray | torch.Tensor) -> int | None:
         """Copy the value straight from the mapping into ``out`` (a writable buffer or contiguous
@@ -179,7 +175,7 @@ class DiskReads:
             return Tier.get_into(self, key, out)  # staged through host memory
         with self._lock:
             self._check_open()
-            loc = self._index.get(key)
+            loc = self._index.lookup(key)
             mv, _ = out_view(out, loc[3] if loc is not None else 0)  # checked before counting
             r = self._locate(key)
             if r is None:
@@ -191,53 +187,20 @@ class DiskReads:
             return vlen if self._count(key, mv[:vlen], ok) is not None else None
 
     def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
-        """Batched get: readahead for the whole batch first, and the CRC checks of large values
-        run on worker threads (the CRC releases the GIL) while the next values are copied."""
-        index = self._index
-        keys = [k if type(k) is str and k in index else check_key(k) for k in keys]
+        """Batched get: readahead for the whole batch first, then the records in file order."""
+        keys = [k if type(k) is str else check_key(k) for k in keys]
         with self._lock:
             self._check_open()
-            spans: dict[int, list[int]] = {}  # segment id -> [first byte, end, bytes wanted] of the large ones
-            for k in keys:
-                loc = index.get(k)
-                if loc is not None and loc[3] >= _PREAD_MAX:
-                    sp = spans.setdefault(loc[0], [loc[1], 0, 0])
-                    sp[0], sp[1], sp[2] = min(sp[0], loc[1]), max(sp[1], loc[1] + loc[2]), sp[2] + loc[2]
-            for sid, (a, b, want) in spans.items():  # readahead: one call per segment, if not too sparse
-                seg = self._segs[sid]
-                a &= ~(mmap.PAGESIZE - 1)
-                if b - a <= 4 * want:
-                    try:
-                        seg.mm.madvise(mmap.MADV_WILLNEED, a, min(b, seg.size) - a)
-                    except (OSError, ValueError):
-                        pass  # advice only
-            out: list[bytes | None] = [None] * len(keys)
-            small, rest = [], []
-            for i, k in enumerate(keys):
-                loc = index.get(k)
-                (small if loc is not None and loc[3] < _PREAD_MAX else rest).append((i, k, loc))
-            if small:
-                self._read_small_runs(small, out)
-            pending = []
-            for i, k, _ in rest:
-                r = self._fetch(k)
-                if r is None:
-                    pending.append((i, k, None, None, 0))
-                    continue
-                value, kcrc, dcrc = r
-                if len(value) >= _PARALLEL_CRC_BYTES and len(keys) > 1:
-                    crc = self._crc_pool().submit(crc32, value, kcrc)
+            todo = []
+            for i, (k, loc) in enumerate(zip(keys, self._index.lookup_many(keys))):
+                if loc is None:
+                    check_key(k)  # an indexed key was checked when put
                 else:
-                    crc = crc32(value, kcrc)
-                pending.append((i, k, value, crc, dcrc))
-            for i, k, value, crc, dcrc in pending:
-                if value is not None and not isinstance(crc, int):
-                    crc = crc.result()
-                out[i] = self._count(k, value, value is not None and crc == dcrc)
+                    todo.append((i, k, loc))
+            out: list[bytes | None] = [None] * len(keys)
+            if todo:
+                self._read_batch(todo, out, readahead=True)
+            st = self._stats
+            st.gets += len(keys) - len(todo)
+            st.misses += len(keys) - len(todo)
             return out
-
-    def _crc_pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1),
-                                            thread_name_prefix="kvtier-disk-crc")
-        return self._pool

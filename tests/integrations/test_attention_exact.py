@@ -20,9 +20,10 @@ CAPTURE = "kvtier-test-capture"
 LAYERS = (0, 7, 15, 29)
 
 
-def _capture(model, tokenizer, past: int, new: int):
-    """(module, query, key, value, mask, scaling) of the step that feeds ``new`` tokens after
-    ``past`` cached ones, for the layers in LAYERS (the inputs SDPA saw in the real model)."""
+def _capture(model, tokenizer, past: int, steps: tuple[int, ...]):
+    """Per step of ``steps`` new tokens fed after ``past`` cached ones (and the earlier steps):
+    (module, query, key, value, mask, scaling) for the layers in LAYERS, the inputs SDPA saw in
+    the real model. One prefill serves every step (the fp16 model is slow on CPU)."""
     seen = {}
 
     def fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
@@ -33,17 +34,22 @@ def _capture(model, tokenizer, past: int, new: int):
 
     AttentionInterface.register(CAPTURE, fn)
     ALL_MASK_ATTENTION_FUNCTIONS.register(CAPTURE, sdpa_mask)  # the masks SDPA gets
-    ids = text_ids(tokenizer, past + new, offset=30000)
+    ids = text_ids(tokenizer, past + sum(steps), offset=30000)
     before = model.config._attn_implementation
     cache = DynamicCache(config=model.config)
+    out = []
     try:
         with torch.inference_mode():
             model(input_ids=ids[:, :past], cache=cache, use_cache=True)
             model.set_attn_implementation(CAPTURE)
-            model(input_ids=ids[:, past:], cache=cache, use_cache=True)
+            at = past
+            for n in steps:
+                model(input_ids=ids[:, at:at + n], cache=cache, use_cache=True)
+                out.append([seen[i] for i in LAYERS])
+                at += n
     finally:
         model.set_attn_implementation(before)
-    return [seen[i] for i in LAYERS]
+    return out
 
 
 def errors(module, q, k, v, mask, scaling, got):
@@ -72,11 +78,12 @@ def _as_close(pairs):
 @pytest.mark.parametrize("fixture", ["model", "model_fp16", "model_bf16"])
 def test_sparse_full_budget_and_split_prefill_are_as_close_to_float64_as_sdpa(fixture, tokenizer, request):
     model = request.getfixturevalue(fixture)
+    chunk, step = _capture(model, tokenizer, past=320, steps=(48, 1))
     sparse = [errors(m, q, k, v, mask, sc, attend_blocks(q, k, v, None, sc)[0])  # every key attended
-              for m, q, k, v, mask, sc in _capture(model, tokenizer, past=320, new=1)]
+              for m, q, k, v, mask, sc in step]
     ok, figures = _as_close(sparse)
     assert ok, ("sparse", fixture, figures)
     split = [errors(m, q, k, v, mask, sc, attn.split_prefix_attention(q, k, v, k.shape[2] - q.shape[2], sc))
-             for m, q, k, v, mask, sc in _capture(model, tokenizer, past=320, new=48)]
+             for m, q, k, v, mask, sc in chunk]
     ok, figures = _as_close(split)
     assert ok, ("split", fixture, figures)

@@ -200,3 +200,58 @@ def test_background_checkpoint_after_enough_records(tmp_path):
             import time
             time.sleep(0.01)
         assert t.stats()["checkpoints"] >= 1
+
+
+def test_index_over_the_checkpoint_matches_a_dict_through_reads_writes_and_deletes(tmp_path):
+    """A reopened index starts as the checkpoint's arrays; reads move keys to the dict, writes
+    and deletes retire their rows; every view of it agrees with a plain dict, and so does the
+    next checkpoint, written from both parts."""
+    import random
+
+    rng = random.Random(5)
+    d = tmp_path / "d"
+    model = {f"key-{i}": value(i, 40) for i in range(3000)}  # enough keys to share hash buckets
+    with open_tier(d, capacity_bytes=1 << 26, segment_bytes=1 << 20) as t:
+        assert all(t.put_many(model.items()))
+    for _ in range(2):
+        with open_tier(d, capacity_bytes=1 << 26, segment_bytes=1 << 20) as t:
+            assert t.stats()["checkpoint_loaded"] == 1 and len(t) == len(model)
+            for _ in range(600):
+                k = f"key-{rng.randrange(3300)}"
+                r = rng.random()
+                if r < 0.4:
+                    assert t.get(k) == model.get(k)
+                elif r < 0.7:
+                    v = rng.randbytes(rng.randint(1, 60))
+                    assert t.put(k, v)
+                    model[k] = v
+                else:
+                    assert t.delete(k) == (k in model)
+                    model.pop(k, None)
+                assert (k in t) == (k in model) and t.value_size(k) == (len(model[k]) if k in model else None)
+            assert len(t) == len(model) and sorted(t.keys()) == sorted(model)
+        with open_tier(d, capacity_bytes=1 << 26, segment_bytes=1 << 20) as t:
+            assert t.stats()["checkpoint_loaded"] == 1 and t.stats()["tail_records"] == 0
+            assert sorted(t.keys()) == sorted(model) and all(t.get(k) == v for k, v in model.items())
+
+
+def test_checkpoint_of_another_version_or_listing_a_key_twice_is_not_read(tmp_path):
+    d = tmp_path / "d"
+    with open_tier(d) as t:
+        fill(t, 0, 40)
+    cp = diskindex.load(str(d))
+    assert cp is not None and len(cp.index) == 40
+    base = cp.index._base
+    twice = diskindex.IndexSnapshot({base.key(0): base.loc(0)}, base, bytes(base.alive))  # in both parts
+    diskindex.save(str(d), diskindex.Checkpoint(twice, {}, cp.segments, [], cp.next_id, cp.watermark))
+    assert diskindex.load(str(d)) is None
+    with open_tier(d) as t:  # a full scan instead, and a checkpoint of this version again
+        assert t.stats()["checkpoint_loaded"] == 0
+        expect(t, {f"k{i}": value(i) for i in range(40)})
+    p = d / diskindex.INDEX_NAME
+    raw = bytearray(p.read_bytes())
+    raw[:8] = b"KVTIDX01"  # the format before this one
+    p.write_bytes(bytes(raw))
+    with open_tier(d) as t:
+        assert t.stats()["checkpoint_loaded"] == 0
+        expect(t, {f"k{i}": value(i) for i in range(40)})

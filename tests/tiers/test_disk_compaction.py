@@ -99,3 +99,38 @@ def test_a_mostly_dead_head_is_sealed_and_given_back(tmp_path):
         t.delete_many([f"k{i}" for i in range(300) if i != 7])
         assert wait_for(lambda: t.disk_bytes <= 256 << 10 < before)  # one fresh head left
         assert t.get("k7") == b"x" * 4000 and len(t) == 1
+
+
+def test_gets_and_puts_go_on_while_a_background_step_gathers(tmp_path, monkeypatch):
+    """The half of a background step that reads and CRC-checks records holds no tier lock."""
+    import threading
+
+    from kvtier.tiers.compactor import CompactJob
+    from kvtier.tiers.segfile import SEG_HEADER_BYTES
+
+    with DiskTier(tmp_path / "d", segment_bytes=SEG, capacity_bytes=64 * SEG, durability="never",
+                  compact_threshold=0.0) as t:
+        t.put_many([(f"k{i}", bytes([i]) * 3000) for i in range(60)])  # a few sealed segments
+        t.delete_many([f"k{i}" for i in range(0, 60, 2)])
+        job = CompactJob(min(t._segs.values(), key=lambda s: s.id))
+        inside, release = threading.Event(), threading.Event()
+        gather = t._gather
+
+        def held_gather(*args, **kw):
+            inside.set()
+            assert release.wait(20)
+            return gather(*args, **kw)
+
+        monkeypatch.setattr(t, "_gather", held_gather)
+        step = threading.Thread(target=t._compact_step, args=(job, _STEP_BYTES), kwargs={"locked": False})
+        step.start()
+        assert inside.wait(20)
+        done = []
+        other = threading.Thread(target=lambda: done.append((t.get("k1"), t.put("new", b"v"), t.get("new"))))
+        other.start()
+        other.join(20)  # would hang if the step held the lock while gathering
+        release.set()
+        step.join(20)
+        assert done == [(bytes([1]) * 3000, True, b"v")]
+        assert job.pos > SEG_HEADER_BYTES and job.copied_bytes > 0
+        assert all(t.get(f"k{i}") == bytes([i]) * 3000 for i in range(1, 60, 2))

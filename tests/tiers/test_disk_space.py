@@ -246,3 +246,64 @@ def test_store_policy_for_kept_records_applies_at_open(tmp_path):
     st = make_store(tmp_path, num_layers=1, fingerprint="fp", hot_tokens=8, disk_max_age_s=0)
     assert len(st.l3) == 0
     st.close()
+
+
+def test_store_keeps_serving_sparse_steps_when_the_disk_fills_mid_run(small_fs):
+    """Two conversations decoding sparsely while the filesystem under L3 fills: every step's reads
+    stay exact up to the append that finds every tier full, which raises a clear error and stores
+    nothing; every earlier block still reads back, a conversation can end on the full disk, and
+    once space is back the same store serves old and new conversations."""
+    from tests.store.conftest import Ref, make_store
+
+    filler = fill_fs(small_fs, leave=768 << 10)
+    kvh, hd, bt = 4, 64, 16  # one block of one layer: 16 KiB in fp16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # capacity above the free space: the point here
+        st = make_store(small_fs, num_layers=2, kv_heads=kvh, head_dim=hd, hot_tokens=4 * bt, block_tokens=bt,
+                        host_bytes=1 << 20, disk_segment_bytes=256 << 10, attention="sparse",
+                        budget_tokens=3 * bt, sink_tokens=bt, window_tokens=bt)
+    ref, seqs = Ref(), [st.add_sequence(), st.add_sequence()]
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(kvh, 1, hd, generator=g).half()
+
+    def step(s):
+        """A quarter block appended to each layer of ``s``, then a sparse read checked exact."""
+        for layer in range(2):
+            k, v = (torch.randn(kvh, bt // 4, hd, generator=g).half() for _ in range(2))
+            st.append(s, layer, k, v)  # whole quarters: a refused append stores nothing
+            ref.add(s, layer, k, v)
+            K, V, pos, _ = st.gather_view(s, layer, st.select(s, layer, q))
+            rk, rv = ref.kv(s, layer)
+            assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+        st.end_step()
+
+    def all_exact(s):
+        for layer in range(2):
+            K, V = st.gather(s, layer)  # every block, from L1, L2 and L3
+            rk, rv = ref.kv(s, layer)
+            assert torch.equal(K, rk) and torch.equal(V, rv)
+
+    with pytest.raises(RuntimeError, match="L2 refused .*free space under disk_path"):
+        for _ in range(4000):
+            for s in seqs:
+                step(s)
+    assert st.counters["l3_disk_full"] > 0 and st.l3.stats()["records"] > 0
+    tokens = st.seq_len(seqs[0], 0)
+    for s in seqs:
+        all_exact(s)  # L3 kept what it took before the disk filled
+    with pytest.raises(RuntimeError, match="L2 refused"):
+        for _ in range(8):  # still full: the same clear error, nothing stored
+            step(seqs[0])
+    assert st.seq_len(seqs[0], 0) - tokens <= 8 * bt
+    st.drop_sequence(seqs[1])  # a conversation ends on the full disk: its copies go cleanly
+    st.check_invariants()
+    all_exact(seqs[0])
+    os.unlink(filler)  # space is back: the same store goes on, for old and new conversations
+    seqs[1] = st.add_sequence()
+    for _ in range(8):
+        for s in seqs:
+            step(s)
+    for s in seqs:
+        all_exact(s)
+    st.check_invariants()
+    st.close()
