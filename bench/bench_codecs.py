@@ -5,7 +5,7 @@ single-pass ``minmax`` encoder): quantize and dequantize speed
 as a ratio to ``tensor.copy_`` of the same fp16 bytes measured in the same run (interleaved,
 best of N for both, so a shared machine's noise is filtered from both sides alike); relative
 Frobenius and max error of K and V; bytes per token; lz4 and zstd ratio and speed on the
-encoded block records. Per int4/int2 encoder (``minmax``, ``mse``): K and V error over the blocks
+encoded block records. Per int8/int4/int2 encoder (``minmax``, ``mse``): K and V error over the blocks
 and the encode cost per block. Side by side on the same tensors: optimum-quanto and HQQ as transformers'
 QuantizedCache calls them (HQQ on one layer only: it is slow on CPU). bitsandbytes is measured
 through the nf4/fp4/dyn8 codecs, which are its blockwise quantizers.
@@ -189,7 +189,7 @@ def bench_codec(name, k, v, kb, vb, group_size, repeats, n_tokens):
 
 
 def bench_encoders(kb, vb, group_size, repeats):
-    """Each int4/int2 encoder on the store's unit, one block per call (keys per channel, values
+    """Each int8/int4/int2 encoder on the store's unit, one block per call (keys per channel, values
     per token): relative error of K and V over all blocks, and the encode time of the blocks as
     a ratio to ``copy_`` of the same bytes (1 thread; the swap-out worker's cost)."""
     ck = [torch.empty_like(a) for a in kb]
@@ -204,8 +204,10 @@ def bench_encoders(kb, vb, group_size, repeats):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for name in ("int4", "int2"):
-            for enc in ("minmax", "mse"):
+        # int8 has one encoder (absmax); it is listed so that every codec precision="importance"
+        # mixes has its error and encode cost on the store's unit in one table
+        for name, encoders in (("int8", ("minmax",)), ("int4", ("minmax", "mse")), ("int2", ("minmax", "mse"))):
+            for enc in encoders:
                 kc = get_codec(name, group_size=group_size, axis="channel", encoder=enc)
                 vc = get_codec(name, group_size=group_size, axis="token", encoder=enc)
 

@@ -30,6 +30,7 @@ Axis = Literal["channel", "token"]
 Durability = Literal["never", "close", "batch"]
 DType = Literal["float16", "bfloat16", "float32"]
 ByteStageName = Literal["lz4", "zstd", "none"]
+Precision = Literal["fixed", "importance"]
 
 #: Codec names known to ``kvtier.compress.get_codec`` (kept here so a config is checked before
 #: any codec module is imported).
@@ -38,6 +39,8 @@ CODECS = ("fp16", "bf16", "fp32", "int8", "int4", "int2", "nf4", "fp4", "dyn8")
 #: 16 bits by them), so a 16-bit tier codec follows the KV dtype. ``fp32`` is exact for every
 #: KV dtype and follows nothing.
 LOSSLESS_CODECS = ("fp16", "bf16")
+#: The integer codecs ``precision="importance"`` chooses among, from most to fewest bits.
+PRECISION_CODECS = ("int8", "int4", "int2")
 #: Quantization group sizes the codecs implement.
 GROUP_SIZES = (32, 64, 128)
 #: Fields computed from the others unless the user sets them.
@@ -251,6 +254,42 @@ class KVTierConfig:
     group_size: int = 32
     """Quantization group size (elements sharing one scale/zero): 32, 64 or 128."""
 
+    precision: Precision = "fixed"
+    """``fixed``: every block below L1 is stored in its tier's codec. ``importance``: a block's
+    codec is chosen when it is evicted, by where its attention statistic (the mean, over the
+    observations that saw it, of its mass over the mean mass per block; observed as for ``h2o``
+    and ``snapkv``) ranks among the sealed blocks of its (sequence, layer): the heaviest ``heavy_fraction`` in ``heavy_codec``, the lightest ``cold_fraction`` in
+    ``cold_codec``, the rest in ``codec``, so the records of one sequence carry different codecs.
+    A block stored in fewer bits than ``codec`` also gets a ``codec`` copy in L3 when there is an
+    L3 (written by the swap-out worker, off the decode path; a content block written through
+    already has it), and when one observation gives such a block ``recall_mass`` times the mean
+    mass per block or more, the low copy leaves L2 and later reads decode the L3 copy. Needs
+    ``policy`` ``h2o`` or ``snapkv`` (dense attention then observes every step, one extra
+    attention pass over the keys per layer, where the model attends through kvtier's attention:
+    ``kvtier.attach``; without statistics every block is stored in ``codec``), ``order="compress-then-tier"``, integer codecs and
+    no per-tier codec override."""
+
+    heavy_codec: str = "int8"
+    """``precision="importance"``: codec of the heaviest blocks; one of ``PRECISION_CODECS`` with
+    at least ``codec``'s bits."""
+
+    cold_codec: str = "int2"
+    """``precision="importance"``: codec of the lightest blocks; one of ``PRECISION_CODECS`` with
+    at most ``codec``'s bits."""
+
+    heavy_fraction: float = 0.1
+    """``precision="importance"``: fraction (by rank, in [0, 1]) of a table's sealed blocks whose
+    statistic makes them heavy."""
+
+    cold_fraction: float = 0.5
+    """``precision="importance"``: fraction (by rank, in [0, 1], at most ``1 - heavy_fraction``)
+    of a table's sealed blocks whose statistic makes them cold."""
+
+    recall_mass: float = 2.0
+    """``precision="importance"``: a block stored below ``codec`` whose mass in one observation
+    reaches this multiple of that observation's mean mass per block is read from its ``codec``
+    copy from then on (> 0; ``math.inf``: never)."""
+
     key_axis: Axis = "channel"
     """Grouping axis for keys (KIVI: per channel)."""
 
@@ -432,6 +471,7 @@ class KVTierConfig:
         _choice("host_codec", self.host_codec, CODECS)
         _choice("disk_codec", self.disk_codec, CODECS)
         _choice("group_size", self.group_size, GROUP_SIZES)
+        self._check_precision()
         _choice("key_axis", self.key_axis, get_args(Axis))
         _choice("value_axis", self.value_axis, get_args(Axis))
         _choice("policy", self.policy, get_args(Policy))
@@ -507,6 +547,40 @@ class KVTierConfig:
             raise ValueError(
                 f"budget_tokens must be >= sink_tokens + window_tokens + one open block "
                 f"(= {fixed} with block_tokens={bt}); got {budget}")
+
+    def _check_precision(self) -> None:
+        _choice("precision", self.precision, get_args(Precision))
+        _choice("heavy_codec", self.heavy_codec, PRECISION_CODECS)
+        _choice("cold_codec", self.cold_codec, PRECISION_CODECS)
+        for name in ("heavy_fraction", "cold_fraction"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} must be a float in [0, 1]; got {v!r}")
+        if self.heavy_fraction + self.cold_fraction > 1.0:
+            raise ValueError(f"cold_fraction must be <= 1 - heavy_fraction ({1 - self.heavy_fraction:g}); "
+                             f"got {self.cold_fraction!r}")
+        if isinstance(self.recall_mass, bool) or not isinstance(self.recall_mass, (int, float)) \
+                or not self.recall_mass > 0:
+            raise ValueError(f"recall_mass must be a number > 0 (math.inf: never); got {self.recall_mass!r}")
+        if self.precision == "fixed":
+            return
+        if self.codec not in PRECISION_CODECS:
+            raise ValueError(f"codec must be one of {', '.join(map(repr, PRECISION_CODECS))} with "
+                             f"precision='importance'; got {self.codec!r}")
+        bits = {c: int(c[3:]) for c in PRECISION_CODECS}
+        if bits[self.heavy_codec] < bits[self.codec]:
+            raise ValueError(f"heavy_codec must have at least codec's bits ({self.codec!r}); got {self.heavy_codec!r}")
+        if bits[self.cold_codec] > bits[self.codec]:
+            raise ValueError(f"cold_codec must have at most codec's bits ({self.codec!r}); got {self.cold_codec!r}")
+        if self.policy not in ("h2o", "snapkv"):
+            raise ValueError(f"policy must be 'h2o' or 'snapkv' with precision='importance' (the attention "
+                             f"statistic it ranks blocks by); got {self.policy!r}")
+        if self.order != "compress-then-tier":
+            raise ValueError(f"order must be 'compress-then-tier' with precision='importance'; got {self.order!r}")
+        for name in ("host_codec", "disk_codec"):
+            if getattr(self, name) != self.codec:
+                raise ValueError(f"{name} must be unset (or equal codec {self.codec!r}) with "
+                                 f"precision='importance'; got {getattr(self, name)!r}")
 
     def user_set(self) -> dict[str, Any]:
         """The fields as the user set them: a derived value (``host_codec`` filled from ``order``,
@@ -664,5 +738,5 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-__all__ = ["KVTierConfig", "CODECS", "LOSSLESS_CODECS", "GROUP_SIZES", "DERIVED_FIELDS", "DEFAULT_BLOCK_TOKENS",
-           "DEFAULT_DIGEST_TOKENS", "default_block_tokens", "lossless_codec"]
+__all__ = ["KVTierConfig", "CODECS", "LOSSLESS_CODECS", "PRECISION_CODECS", "GROUP_SIZES", "DERIVED_FIELDS",
+           "DEFAULT_BLOCK_TOKENS", "DEFAULT_DIGEST_TOKENS", "default_block_tokens", "lossless_codec"]

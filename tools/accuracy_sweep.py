@@ -60,6 +60,43 @@ def load_source(name: str) -> str:
 
 
 @dataclass(frozen=True)
+class StoreSpec:
+    """One configuration run through the real store (``--store``): a TieredCache in dense mode
+    over L1/L2/L3, the context prefilled in chunks, the continuation decoded one token a step."""
+
+    name: str
+    codec: str = "int4"
+    group_size: int = 32
+    hot_tokens: int = 256
+    sink_tokens: int | None = None   # None: the store's default (one block)
+    window_tokens: int | None = None  # None: the store's default (two blocks)
+    precision: str = "fixed"
+    heavy_fraction: float = 0.1
+    cold_fraction: float = 0.5
+    recall_mass: float = 2.0
+
+
+def default_store_specs() -> list[StoreSpec]:
+    imp = lambda name, **p: StoreSpec(name, precision="importance", **p)  # noqa: E731
+    return [
+        StoreSpec("store int8 g32", codec="int8"),
+        StoreSpec("store int4 g32", codec="int4"),
+        StoreSpec("store int2 g32", codec="int2"),
+        imp("store importance 10/50", heavy_fraction=0.1, cold_fraction=0.5),
+        imp("store importance 5/75", heavy_fraction=0.05, cold_fraction=0.75),
+        StoreSpec("store int4 g64 L1=1 block", group_size=64, hot_tokens=64, sink_tokens=0, window_tokens=0),
+    ]
+
+
+def mix_store_specs() -> list[StoreSpec]:
+    """int4/int2 mixes by importance (no int8), the region between the int4 and int2 rows."""
+    imp = lambda name, **p: StoreSpec(name, precision="importance", heavy_fraction=0.0, **p)  # noqa: E731
+    return [imp("store importance 0/50", cold_fraction=0.5),
+            imp("store importance 0/50 recall 1", cold_fraction=0.5, recall_mass=1.0),
+            imp("store importance 0/75", cold_fraction=0.75)]
+
+
+@dataclass(frozen=True)
 class Spec:
     """One cache configuration: a kvtier codec per role, or an anchor backend."""
 
@@ -174,6 +211,58 @@ def run_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[Spec], 
     return res
 
 
+@torch.inference_mode()
+def run_store_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[StoreSpec], block: int,
+                     chunk: int, scratch: str, decode_chunk: int = 1) -> dict:
+    """Per-token NLL of ``cont`` after ``ctx`` through the real store, per spec, with what the
+    store holds at the end: bytes per tier (stats()["bytes"]) and tokens.
+
+    The context is prefilled in ``chunk``-token forwards (eviction then happens between chunks,
+    after each chunk's attention statistics were observed), the continuation is teacher-forced
+    ``decode_chunk`` tokens per forward (1: decode proper; more: the step boundary, where eviction
+    runs, comes every ``decode_chunk`` tokens instead of every token, for speed): every older
+    block is evicted, encoded by the swap-out worker, put to L2 (spilling to L3 where L2 is full)
+    and swapped back in by every step's dense gather.
+    """
+    import tempfile
+
+    import kvtier
+    from kvtier.config import KVTierConfig
+    from kvtier.integrations.hooks import detach
+
+    out = {}
+    for spec in specs:
+        with tempfile.TemporaryDirectory(dir=scratch) as d:
+            cfg = KVTierConfig(block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
+                               disk_path=d, disk_bytes=4 << 30, codec=spec.codec, group_size=spec.group_size, policy="h2o",
+                               attention="dense", write_through=False, sink_tokens=spec.sink_tokens,
+                               window_tokens=spec.window_tokens, precision=spec.precision,
+                               heavy_fraction=spec.heavy_fraction, cold_fraction=spec.cold_fraction,
+                               recall_mass=spec.recall_mass, prefetch=False)
+            t0 = time.perf_counter()
+            cache = kvtier.attach(model, cfg)
+            try:
+                for i in range(0, ctx.numel(), chunk):
+                    o = model(input_ids=ctx[i:i + chunk].view(1, -1), cache=cache, use_cache=True)
+                logits = [o.logits[0, -1:].float()]
+                fed = cont[:-1]
+                for i in range(0, fed.numel(), decode_chunk):
+                    o = model(input_ids=fed[i:i + decode_chunk].view(1, -1), cache=cache, use_cache=True)
+                    logits.append(o.logits[0].float())
+                store = cache.store
+                store.flush()
+                st = store.stats()
+            finally:
+                cache.close()
+                detach(model)
+            lg = torch.cat(logits)  # [M, vocab]
+            nll = -torch.log_softmax(lg, -1).gather(1, cont.view(-1, 1)).squeeze(1).double()
+            out[spec.name] = (nll, {"bytes": st["bytes"], "tokens": st["tokens"], "precision": st["precision"],
+                                    "swap_in_blocks": st["swap_in_blocks"], "hits": st["hits"]},
+                              time.perf_counter() - t0)
+    return out
+
+
 def bootstrap_ci(ref: list[torch.Tensor], got: list[torch.Tensor], n_boot: int, seed: int):
     """Δppl and its 95% percentile interval, resampling windows (pairs) with replacement."""
     rs = torch.tensor([r.sum().item() for r in ref], dtype=torch.float64)
@@ -186,6 +275,38 @@ def bootstrap_ci(ref: list[torch.Tensor], got: list[torch.Tensor], n_boot: int, 
     d = (gs[idx].sum(1) - rs[idx].sum(1)) / counts[idx].sum(1)
     lo, hi = torch.quantile(d.exp() - 1, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
     return delta, lo, hi
+
+
+def plot(doc: dict, path: str) -> None:
+    """Δppl (95% CI) against bytes per token held at the end of the window, one panel per text:
+    fixed-precision and importance rows of the real store, simulated rows, anchors."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    srcs = list(doc["sources"])
+    fig, axes = plt.subplots(1, len(srcs), figsize=(6 * len(srcs), 4.5), squeeze=False)
+    style = {"store importance": ("tab:red", "*"), "store": ("tab:blue", "o"), "kvtier": ("tab:gray", "s"),
+             "hqq": ("tab:green", "^"), "quanto": ("tab:olive", "v")}
+    for ax, src in zip(axes[0], srcs):
+        for name, r in doc["sources"][src]["rows"].items():
+            color, marker = next(v for k, v in style.items() if name.startswith(k))
+            d, (lo, hi) = 100 * r["delta_ppl"], r["ci95"]
+            ax.errorbar(r["bytes_per_token_end"], d, yerr=[[d - 100 * lo], [100 * hi - d]], fmt=marker,
+                        color=color, capsize=3)
+            ax.annotate(name.replace("store ", "").replace("kvtier ", "sim "), (r["bytes_per_token_end"], d),
+                        fontsize=6, xytext=(3, 3), textcoords="offset points")
+            if r.get("tiers", {}).get("l3"):  # its L3 backups left out: the bytes L1 and L2 hold
+                read = r["tiers"]["l1"] + r["tiers"]["l2"]
+                ax.plot([read, r["bytes_per_token_end"]], [d, d], ":", color=color, lw=0.8)
+                ax.plot(read, d, marker, mfc="none", color=color)
+        ax.axhline(0, color="k", lw=0.5)
+        ax.set_title(f"{src} ({doc['sources'][src]['windows']} windows)")
+        ax.set_xlabel("bytes per token held at the end (all tiers; hollow: L1 + L2 only)")
+        ax.set_ylabel("Δppl, % (95% CI)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
 
 
 def main(argv=None) -> int:
@@ -204,15 +325,43 @@ def main(argv=None) -> int:
     ap.add_argument("--boot", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--store", action="store_true",
+                    help="also run the store rows (default_store_specs) through the real store")
+    ap.add_argument("--store-only", action="store_true", help="the store rows only (no simulated rows, no anchors)")
+    ap.add_argument("--mixes", action="store_true", help="--store: the int4/int2 mix rows (mix_store_specs) instead")
+    ap.add_argument("--chunk", type=int, default=256, help="--store: prefill chunk, tokens")
+    ap.add_argument("--decode-chunk", type=int, default=32,
+                    help="--store: continuation tokens per forward (1: one decode step per token)")
+    ap.add_argument("--scratch", default="/tmp", help="--store: where the L3 directories are made")
+    ap.add_argument("--plot", default=None, help="write the Pareto plot (PNG) here")
+    ap.add_argument("--from-json", default=None, nargs="+",
+                    help="no measuring: merge these --json outputs (their sources) and plot them")
     ap.add_argument("--smoke", action="store_true", help="one 256-token window of pydoc, three configs")
     args = ap.parse_args(argv)
+    if args.from_json:
+        doc = {"sources": {}}
+        for f in args.from_json:
+            doc["sources"].update(json.loads(Path(f).read_text())["sources"])
+        if args.plot:
+            plot(doc, args.plot)
+        if args.json:
+            Path(args.json).write_text(json.dumps(doc, indent=1))
+        return 0
     specs = default_specs()
+    store_specs = (mix_store_specs() if args.mixes else default_store_specs()) \
+        if args.store or args.store_only else []
     if args.smoke:
         args.texts, args.context, args.continuation, args.windows, args.recent, args.sink = "pydoc", 256, 16, 2, 64, 0
         specs = [s for s in specs if s.name in ("kvtier int8 g32", "kvtier int4 g32 mse", "kvtier int2 g32 minmax")]
+        args.block_tokens, args.chunk = 32, 64
+        store_specs = [StoreSpec("store int4 g32", hot_tokens=128),
+                       StoreSpec("store importance", hot_tokens=128, precision="importance")] if store_specs else []
     if args.only:
         keep = [k.strip() for k in args.only.split(",") if k.strip()]
         specs = [s for s in specs if any(k in s.name for k in keep)]
+        store_specs = [s for s in store_specs if any(k in s.name for k in keep)]
+    if args.store_only:
+        specs = []
 
     from kvtier.integrations.model import load_model
 
@@ -227,28 +376,58 @@ def main(argv=None) -> int:
         offsets = sorted(rng.randrange(0, ids.numel() - span) for _ in range(args.windows))
         per: dict[str, list] = {}
         t0 = time.perf_counter()
+        layers = model.config.num_hidden_layers
         for o in offsets:
-            w = run_window(model, ids[o:o + args.context], ids[o + args.context:o + span], specs,
-                           args.recent, args.block_tokens, args.sink)
+            ctx, cont = ids[o:o + args.context], ids[o + args.context:o + span]
+            w = run_window(model, ctx, cont, specs, args.recent, args.block_tokens, args.sink)
             for name, val in w.items():
                 per.setdefault(name, []).append(val)
+            if store_specs:
+                for name, (nll, st, sec) in run_store_window(model, ctx, cont, store_specs, args.block_tokens,
+                                                             args.chunk, args.scratch, args.decode_chunk).items():
+                    per.setdefault(name, []).append((nll, st, sec))
         rows = {}
         ref = [v[0] for v in per["ref"]]
         ppl_ref = math.exp(torch.cat(ref).mean().item())
         print(f"# {src}: {ids.numel():,} tokens, {len(offsets)} windows x {args.continuation} scored tokens, "
               f"context {args.context}, sink {args.sink} + recent {args.recent} at full precision, ppl_ref {ppl_ref:.3f}, "
               f"{time.perf_counter() - t0:.0f}s", flush=True)
+        held = args.context + args.continuation - 1  # tokens a cache holds after the last scored step
+        kv_tok = 2 * layers * model.config.num_key_value_heads * (
+            model.config.hidden_size // model.config.num_attention_heads) * torch.empty((), dtype=getattr(
+                torch, args.dtype)).element_size()  # bytes of one token's K and V at full precision
         for s in specs:
             got = [v[0] for v in per[s.name]]
             d, lo, hi = bootstrap_ci(ref, got, args.boot, args.seed)
             bpt = sum(v[1] for v in per[s.name]) / len(got)
             enc = sum(v[2] for v in per[s.name]) / len(got)
-            rows[s.name] = {"delta_ppl": d, "ci95": [lo, hi], "bytes_per_token": bpt, "encode_s_per_window": enc}
-            print(f"{src:7s} | {s.name:28s} | dppl {100 * d:+7.3f}% [{100 * lo:+7.3f}, {100 * hi:+7.3f}] | "
-                  f"{bpt:8.0f} B/tok | encode {enc:6.2f} s/window", flush=True)
+            # everything held at the end: the context as stored plus the continuation tokens,
+            # which both this simulation and QuantizedCache (residual_length 128) keep at full precision
+            end = (bpt * args.context + (args.continuation - 1) * kv_tok) / held
+            rows[s.name] = {"delta_ppl": d, "ci95": [lo, hi], "bytes_per_token": bpt, "bytes_per_token_end": end,
+                            "encode_s_per_window": enc}
+            print(f"{src:7s} | {s.name:34s} | dppl {100 * d:+7.3f}% [{100 * lo:+7.3f}, {100 * hi:+7.3f}] | "
+                  f"{bpt:8.0f} B/tok ctx | {end:8.0f} B/tok end | encode {enc:6.2f} s/window", flush=True)
+        for s in store_specs:
+            got = [v[0] for v in per[s.name]]
+            d, lo, hi = bootstrap_ci(ref, got, args.boot, args.seed)
+            tiers = {t: sum(v[1]["bytes"][t] for v in per[s.name]) / len(got) / held for t in ("l1", "l2", "l3")}
+            total = sum(tiers.values())
+            weighted = tiers["l1"] + tiers["l2"] / 10 + tiers["l3"] / 100  # HBM-equivalent: HBM = 10 DRAM = 100 SSD
+            sec = sum(v[2] for v in per[s.name]) / len(got)
+            prec = per[s.name][-1][1]["precision"]
+            rows[s.name] = {"delta_ppl": d, "ci95": [lo, hi], "bytes_per_token_end": total, "tiers": tiers,
+                            "weighted_bytes_per_token": weighted, "s_per_window": sec, "precision_last": prec,
+                            "spec": vars(s) if hasattr(s, "__dict__") else str(s)}
+            print(f"{src:7s} | {s.name:34s} | dppl {100 * d:+7.3f}% [{100 * lo:+7.3f}, {100 * hi:+7.3f}] | "
+                  f"L1 {tiers['l1']:6.0f} L2 {tiers['l2']:6.0f} L3 {tiers['l3']:6.0f} = {total:6.0f} B/tok end "
+                  f"(L1+L2 {tiers['l1'] + tiers['l2']:6.0f}, weighted {weighted:5.0f}) | {sec:5.1f} s/window"
+                  + (f" | {prec}" if prec else ""), flush=True)
         doc["sources"][src] = {"ppl_ref": ppl_ref, "windows": len(offsets), "offsets": offsets, "rows": rows}
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
+    if args.plot:
+        plot(doc, args.plot)
     return 0
 
 

@@ -153,7 +153,12 @@ class TieredCache(Cache):
         self._finalizer = weakref.finalize(self, _release, self._rows, lease)
         super().__init__(layers=[TieredLayer(self, i) for i in range(num_layers)])
         self._sparse = config.attention == "sparse"
-        self._observe = self._sparse and config.policy in _OBSERVING_POLICIES
+        # dense attention observes only for precision="importance" (its codec choice and recall
+        # upgrades rank blocks by these statistics), and only where the model attends through
+        # kvtier's attention (built with the model): one more attention pass per layer and step.
+        # Without it every evicted block is stored in the base codec.
+        self._observe = config.policy in _OBSERVING_POLICIES and (
+            self._sparse or (config.precision == "importance" and model is not None))
         self._budget = self.store.budget_tokens
         self._step: Step | None = None
         # token ids of the forward in flight (set by the pre-hook), noted at its layer-0 update
@@ -232,7 +237,7 @@ class TieredCache(Cache):
             self._offer(StepKind.SPARSE, l, k, attn_kwargs)
             return k, v  # the attention reads the rest from the store
         out = (k, v) if past == 0 else self._gather(l)
-        if self._sparse and attn_kwargs is not None:
+        if (self._sparse or self._observe) and attn_kwargs is not None:
             self._offer(StepKind.DENSE, l, out[0], attn_kwargs)  # finished by after_dense_attention
             return out
         if t > 1 and past > 0 and attn_kwargs is not None and self.config.attention_math != "sdpa":
@@ -406,11 +411,16 @@ class TieredCache(Cache):
     # -- called by kvtier's attention function --------------------------------------------------
 
     def after_dense_attention(self, l: int, query: torch.Tensor) -> None:
-        """After a multi-token step in sparse mode: seed H2O/SnapKV from the last queries."""
+        """After a multi-token step in sparse mode, or any step of an observing dense one: seed
+        H2O/SnapKV from the last queries."""
         if self._observe:
             w = min(query.shape[2], self.config.block_tokens)
+            # dense mode: the keys this layer attended (the hand-over's), not a second gather
+            h = self._step.handover if not self._sparse else None
+            keys = h.key() if h is not None and h.layer == l else None
             for row, seq in enumerate(self._rows.seqs):
-                self.store.observe_queries(seq, l, query[row, :, -w:])  # [q_heads, w, head_dim]
+                self.store.observe_queries(seq, l, query[row, :, -w:],  # [q_heads, w, head_dim]
+                                           None if keys is None else keys[row].to(self.store.dtype))
         if l == 0:
             self._counters["dense_steps"] += 1
         self._layer_done(l, self.layers[l].length)

@@ -32,19 +32,27 @@ class BlockIO:
         self.layout = layout
         self.counters = counters
         self.codecs = {"l2": pair(layout.host_codec), "l3": pair(layout.disk_codec)}
+        # (K, V) codecs by name: a record is decoded by the codec it names (its header says),
+        # so that with precision="importance" records of one tier may carry different codecs
+        self.by_name = {layout.host_codec: self.codecs["l2"], layout.disk_codec: self.codecs["l3"]}
+        if layout.precision is not None:
+            for name in layout.precision.codecs:
+                self.by_name.setdefault(name, pair(name))
         shape = (layout.kv_heads, layout.block_tokens, layout.head_dim)
-        self.fast_decoders = {
-            tier: BlockDecoder(*cs, shape, layout.dtype) for tier, cs in self.codecs.items()
-            if all(isinstance(c, IntCodec) for c in cs) and cpu_kernels.available()
-        } if layout.device.type == "cpu" else {}
+        fast = {name: cs for name, cs in self.by_name.items() if all(isinstance(c, IntCodec) for c in cs)}
+        self.fast_decoder = None
+        if fast and layout.device.type == "cpu" and cpu_kernels.available():
+            first, *rest = fast
+            self.fast_decoder = BlockDecoder(*fast[first], shape, layout.dtype, {n: fast[n] for n in rest})
         self.stage = ByteStage(cfg.byte_stage, cfg.lz4_min_saving)
 
     # -- encode --------------------------------------------------------------------------------
 
-    def encode_pair(self, block: torch.Tensor, tier: str):
-        """(K, V) encodings of ``block`` [2, kv_heads, block_tokens, head_dim] in ``tier``'s codec,
-        on the host (pinned, copy still in flight, when the block is on a CUDA device)."""
-        kc, vc = self.codecs[tier]
+    def encode_pair(self, block: torch.Tensor, tier: str, codec: str | None = None):
+        """(K, V) encodings of ``block`` [2, kv_heads, block_tokens, head_dim] in ``codec`` (one
+        of this store's, counted as ``tier``'s), by default ``tier``'s codec, on the host
+        (pinned, copy still in flight, when the block is on a CUDA device)."""
+        kc, vc = self.codecs[tier] if codec is None else self.by_name[codec]
         ek = kc.encode(block[0])  # [kv_heads, block_tokens, head_dim]
         ev = vc.encode(block[1])
         if ek.device.type != "cpu":
@@ -89,12 +97,14 @@ class BlockIO:
 
     def decode(self, buf, tier: str, device: torch.device) -> torch.Tensor:
         """Record -> [2, kv_heads, block_tokens, head_dim] in the store dtype on ``device``."""
-        if device.type == "cpu" and tier in self.fast_decoders:
-            out = self.fast_decoders[tier].decode(buf)  # CRC-checked, parts read in place
+        if device.type == "cpu" and self.fast_decoder is not None:
+            out = self.fast_decoder.decode(buf)  # CRC-checked, parts read in place
             if out is not None:
                 return out
         ek, ev = unpack_block(buf)
         kc, vc = self.codecs[tier]
+        if ek.codec != kc.name and ek.codec in self.by_name:
+            kc, vc = self.by_name[ek.codec]  # a record stored in another of this store's codecs
         k = kc.decode(ek, device=device)
         v = vc.decode(ev, device=device)
         return torch.stack((k, v)).to(self.layout.dtype)

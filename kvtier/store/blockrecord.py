@@ -56,7 +56,7 @@ def unpack_block(buf) -> tuple[Encoded, Encoded]:
 
 
 class BlockDecoder:
-    """Block records of two integer codecs (K, V) decoded straight into one
+    """Block records of integer codecs (a (K, V) pair per codec name) decoded straight into one
     ``[2, *shape]`` CPU tensor by the compiled kernel, reading the parts in place.
 
     The checks are :func:`unpack_block`'s (framing, both headers, both CRCs: corrupt bytes raise
@@ -66,8 +66,10 @@ class BlockDecoder:
     the general way.
     """
 
-    def __init__(self, kc, vc, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        self._codecs = (kc, vc)
+    def __init__(self, kc, vc, shape: tuple[int, ...], dtype: torch.dtype, others: dict | None = None) -> None:
+        """``kc``, ``vc``: the K and V codecs of one name; ``others``: more (K, V) pairs by name."""
+        assert kc.name == vc.name, f"K and V codecs of one name: {kc.name} != {vc.name}"
+        self._codecs = {kc.name: (kc, vc), **(others or {})}  # codec name -> (K codec, V codec)
         self._shape = tuple(shape)
         self._dtype = dtype
         self._plans: dict = {}  # (role, layout) -> part offsets and kernel arguments, or None
@@ -75,10 +77,12 @@ class BlockDecoder:
     def _plan(self, role: int, layout: tuple):
         from kvtier.compress import reference as ref
 
-        codec = self._codecs[role]
         name, dtype, shape, params, specs = layout
-        if (name != codec.name or dtype != self._dtype or shape != self._shape
-                or dict(params) != codec.params):
+        pair = self._codecs.get(name)
+        if pair is None:
+            return None
+        codec = pair[role]
+        if dtype != self._dtype or shape != self._shape or dict(params) != codec.params:
             return None
         bits = codec.bits
         want = [("q", torch.int8 if bits == 8 else torch.uint8,

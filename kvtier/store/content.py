@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from .blockio import BlockIO
+from .blockrecord import unpack_block
 from .layout import Layout
 from .lower import LowerTiers
 from .prefix import _token_bytes, block_key, chained_block_hashes, chained_block_keys
@@ -162,11 +163,15 @@ class ContentIndex:
     # -- export --------------------------------------------------------------------------------
 
     def export_record(self, e: BlockEntry) -> bytes:
-        """The disk-codec record of sealed ``e``: the stored one if there is one, else encoded."""
+        """The disk-codec record of sealed ``e``: the stored one if there is one, else encoded
+        (with ``precision="importance"`` a stored record of another codec is transcoded: a
+        saved file holds one codec)."""
         l2, l3, key, data = self.res.export_state(e)
         raw = self.lower.stored_record(key, l2, l3)
         if raw is not None:
-            return raw
+            if self.layout.precision is None or unpack_block(raw)[0].codec == self.layout.disk_codec:
+                return raw
+            return self.io.encode(self.io.decode(raw, "l3", torch.device("cpu")), "l3")
         if data is None:
             data = self.lower.load(e)  # [2, kv_heads, block_tokens, head_dim]
         return self.io.encode(data.to("cpu"), "l3")

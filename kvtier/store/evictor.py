@@ -1,8 +1,10 @@
 """Eviction: watermark victims at the step boundary, room for a new block, and the swap-out worker.
 
 Victims are chosen by the policy and marked by ``Residency``; dirty ones are encoded (host codec,
-byte stage if ``byte_stage_l2``) and put to L2 by the worker thread, off the decode path. The
-decode path waits for the worker only when a table's L1 region is truly full.
+or with ``precision="importance"`` the codec chosen when they were marked; byte stage if
+``byte_stage_l2``) and put to L2 by the worker thread, off the decode path. A block stored below
+the base codec also gets its base-codec backup in L3 (``precision.py``). The decode path waits
+for the worker only when a table's L1 region is truly full.
 """
 from __future__ import annotations
 
@@ -85,8 +87,12 @@ class Evictor:
                     self._side.synchronize()
             else:
                 encs = [self._encode_slot(e) for _, e in batch]
-            values = [None if enc is None else self.io.l2_record(pack_block(*enc)) for enc in encs]
+            values = [None if enc is None else self.io.l2_record(pack_block(*enc[0])) for enc in encs]
+            backups = [(e, self.io.pack(pack_block(*enc[1]))) for (_, e), enc in zip(batch, encs)
+                       if enc is not None and enc[1] is not None]
             with self.lower.lock:
+                if backups:
+                    self._put_backups(backups)
                 for (t, e), value in zip(batch, values):
                     self._put_l2(t, e, value)
                     done += 1
@@ -109,11 +115,37 @@ class Evictor:
             self.counters.add(evict_failed=1)
             self.res.swapped_out(t, e, None, clean=False)
 
+    def _put_backups(self, backups: list) -> None:
+        """Put the base-codec backups of blocks stored below it to L3 (tier lock held). A refused
+        one is just not there: the block then has its low copy only, and is never upgraded."""
+        todo = [(e, value) for e, value in backups if self.res.needs_l3(e.rec)]
+        oks = self.lower.put_l3([(e.rec.key, value) for e, value in todo]) if todo else []
+        stale = []
+        for (e, value), ok in zip(todo, oks):
+            if not ok:
+                self.counters.add(precision_backup_failed=1)
+            elif self.res.landed_l3(e.rec, len(value), written_through=True):
+                self.counters.add(precision_backups=1, swap_out_l3_bytes=len(value))
+            else:
+                stale.append(e.rec.key)  # dropped while being written
+        if stale:
+            self.lower.l3.delete_many(stale)
+
     def _encode_slot(self, e):
-        """(K, V) encodings of a pending block's slot, on the host (pinned, copy in flight on CUDA)."""
+        """The (K, V) encodings of a pending block's slot for L2, and those of its base-codec
+        backup for L3 (None when it needs none), on the host (pinned, copy in flight on CUDA)."""
         slot = self.res.pending_slot(e)
         if slot is None:
             return None
         if e.fence is not None:
             self._side.wait_event(e.fence)
-        return self.io.encode_pair(self.l1.pool[slot], "l2")  # [2, kv_heads, block_tokens, head_dim]
+        block = self.l1.pool[slot]  # [2, kv_heads, block_tokens, head_dim]
+        plan = self.layout.precision
+        if plan is None:
+            return self.io.encode_pair(block, "l2"), None
+        codec = e.evict_codec or plan.base
+        self.counters.add(**{f"precision_{codec}": 1})
+        backup = None
+        if plan.below_base(codec) and self.lower.l3 is not None and self.res.needs_l3(e.rec):
+            backup = self.io.encode_pair(block, "l3")
+        return self.io.encode_pair(block, "l2", codec), backup

@@ -11,6 +11,8 @@ import torch
 
 from kvtier.config import LOSSLESS_CODECS, KVTierConfig, lossless_codec
 
+from .precision import PrecisionPlan
+
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -38,6 +40,7 @@ class Layout:
     digest_parts: int
     scratch_slots: int       # L1 slots past the regions, for misses while a region is full
     max_sequences: int
+    precision: PrecisionPlan | None = None  # precision="importance": codec per evicted block
 
     @property
     def cuda(self) -> bool:
@@ -103,6 +106,7 @@ class Layout:
             # a selection fits in the budget, so one read needs at most hot_blocks - 1 scratch
             # slots; one read per live sequence may be in flight at a time
             scratch_slots=max(1, hot - 1) * cfg.max_sequences, max_sequences=cfg.max_sequences,
+            precision=PrecisionPlan.of(cfg),
         )
 
 

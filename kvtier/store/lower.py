@@ -60,8 +60,14 @@ class LowerTiers:
         return out
 
     def read_copies(self, rec: BlockCopies, device: torch.device) -> torch.Tensor | None:
-        """``rec``'s nearest readable copy decoded on ``device``; None when none could be read."""
+        """``rec``'s nearest readable copy decoded on ``device``; None when none could be read.
+        A record marked for upgrade (``precision.py``) first loses its low L2 copy, as a spill
+        would drop it, so that its higher-precision L3 copy is read."""
         with self.lock:
+            if self.res.upgrade_due(rec):
+                self.l2.delete(rec.key)
+                self.res.spilled([rec])
+                self.counters.add(precision_upgrades=1)
             l2, l3, l4, key = self.res.flags(rec)
             v2 = self.l2.get(key) if l2 else None
             v3 = self.l3.get(key) if l3 and v2 is None else None

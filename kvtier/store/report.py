@@ -46,6 +46,7 @@ def store_stats(store) -> dict:
         "step_time": lat["step"],
         "prefetch": _prefetch_stats(store, c),
         "compression": _compression_stats(store, c),
+        "precision": _precision_stats(store, c),
         "config": {"order": store.cfg.order, "policy": store.cfg.policy, "attention": store.cfg.attention,
                    "block_tokens": bt, "hot_blocks": lay.hot_blocks, "budget_tokens": lay.budget_tokens},
         "fingerprint": store.fingerprint,
@@ -81,6 +82,17 @@ def _compression_stats(store, c: dict) -> dict:
         # the same figure under its first name, kept for readers of lz4-only stats
         "lz4_ratio": stage_ratio if stage == "lz4" else None,
     }
+
+
+def _precision_stats(store, c: dict) -> dict | None:
+    """precision="importance": blocks encoded for L2 per codec, base-codec backups put to L3
+    (and refused), and low copies replaced by their backup after a recall found them heavy."""
+    plan = store.layout.precision
+    if plan is None:
+        return None
+    return {"encoded": {name: c[f"precision_{name}"] for name in plan.codecs},
+            "backups": c["precision_backups"], "backups_failed": c["precision_backup_failed"],
+            "upgrades": c["precision_upgrades"]}
 
 
 def _prefix_stats(refs: list[int], c: dict) -> dict:

@@ -238,11 +238,17 @@ class Residency:
 
     def _mark(self, t: BlockTable, victims: list[int]) -> list:
         items = []
+        plan = self.layout.precision
+        ranking = None
         for b in victims:
             e = t.entries[b]
             if e.clean:
                 self.free_clean(t, e)
                 continue
+            if plan is not None:
+                if ranking is None:  # once per table and batch: the statistics of its sealed blocks
+                    ranking = plan.ranking(t.entries[:t.n_sealed])
+                e.evict_codec = plan.choose(ranking, plan.statistic(e)) if e.seen else plan.base
             e.pending = True
             e.cancel = False
             t.pending += 1
@@ -274,6 +280,8 @@ class Residency:
                 else:
                     e.l2 = True
                     e.l2_bytes = nbytes
+                    e.rec.l2_codec = e.evict_codec
+                    e.rec.upgrade = False
                     self.below["copies_l2"] += 1
                     self.below["bytes_l2"] += nbytes
                     self.counters.add(swap_out_l2_bytes=nbytes, swap_out_blocks=1, evicted_dirty=1)
@@ -403,6 +411,17 @@ class Residency:
                 e.mass += x
                 if snap:
                     e.importance += x
+            plan = self.layout.precision
+            mean = sum(mass) / len(mass) if mass else 0.0
+            if plan is not None and mean > 0:
+                for b, x in zip(blocks, mass):
+                    e = ents[b]
+                    e.rel_mass += x / mean
+                    e.seen += 1
+                    rec = e.rec
+                    if rec.l2 and rec.l2_codec is not None and plan.below_base(rec.l2_codec) \
+                            and plan.recalled_heavy(x, mean):
+                        rec.upgrade = True
 
     # -- copies below L1 -----------------------------------------------------------------------
 
@@ -427,6 +446,18 @@ class Residency:
             self.below["bytes_l3"] += nbytes
             return True
 
+    def upgrade_due(self, rec: BlockCopies) -> bool:
+        """Whether ``rec`` was found heavy while L2 holds it below the base codec and L3 holds
+        its base-codec copy: the caller then drops the L2 copy (tier lock held) and calls
+        :meth:`spilled`. A mark without an L3 copy to read is cleared."""
+        with self.lock:
+            if not rec.upgrade:
+                return False
+            if not (rec.l2 and rec.l3):
+                rec.upgrade = False
+                return False
+            return True
+
     def spilled(self, recs: list[BlockCopies]) -> None:
         """The ring dropped these records' L2 copies after spilling them: L3 now holds each
         block's copy below L1 and is the home of its non-resident entries."""
@@ -442,6 +473,8 @@ class Residency:
                 self.below["copies_l2"] -= 1
                 self.below["bytes_l2"] -= rec.l2_bytes
                 rec.l2_bytes = 0
+                rec.l2_codec = None
+                rec.upgrade = False
 
     def published_l4(self, rec: BlockCopies) -> None:
         with self.lock:

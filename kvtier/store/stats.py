@@ -56,6 +56,8 @@ COUNTERS = (
     "pub_l4_failed", "orphans_deleted", "prefix_lookups", "prefix_lookup_tokens",
     "prefix_hit_tokens", "prefill_tokens_saved", "dedup_seals", "adopted_l3", "gather_views",
     "gather_copies", "region_moves", "l3_disk_full",
+    "precision_int8", "precision_int4", "precision_int2", "precision_backups",
+    "precision_backup_failed", "precision_upgrades",
 )
 
 

@@ -72,8 +72,11 @@ class KVStore:
         self.lower = LowerTiers(cfg, lay, self.io, self.counters)
         # content-addressed keys: the chain seed names the model, both codecs and their parameters,
         # the dtype and block_tokens, so blocks of another model or encoding never match
+        # (with precision="importance" the records of one key may carry any of its codecs)
+        codecs = f"{lay.host_codec}|{lay.disk_codec}" + (
+            "" if lay.precision is None else f"|importance:{'/'.join(lay.precision.codecs)}")
         self.content_fp = model_fingerprint_key(
-            fingerprint, f"{lay.host_codec}|{lay.disk_codec}", lay.block_tokens,
+            fingerprint, codecs, lay.block_tokens,
             codec_params={"group_size": cfg.group_size, "key_axis": cfg.key_axis,
                           "value_axis": cfg.value_axis},
             dtype=lay.dtype, extra={"kv_heads": kv_heads, "head_dim": head_dim, "num_layers": num_layers},
@@ -410,11 +413,18 @@ class KVStore:
         t = self.residency.table(seq, layer)
         self.selector.observe(t, blocks, mass, self.cfg.snapkv_observe_steps)
 
-    def observe_queries(self, seq: int, layer: int, query: torch.Tensor) -> None:
+    def observe_queries(self, seq: int, layer: int, query: torch.Tensor, keys: torch.Tensor | None = None) -> None:
         """SnapKV voting: attention of ``query`` (the observation window at the end of prefill,
-        [q_heads, w, head_dim]) over every token, pooled per block, fed to :meth:`observe`."""
-        k, _ = self.gather(seq, layer)  # [kv_heads, T, hd]
+        [q_heads, w, head_dim]) over every token, pooled per block, fed to :meth:`observe`.
+        ``keys``: every token's K as :meth:`gather` returns it ([kv_heads, T, head_dim]), when
+        the caller has it (no second gather); by default gathered here."""
         t = self.residency.table(seq, layer)
+        if keys is None:
+            keys, _ = self.gather(seq, layer)  # [kv_heads, T, hd]
+        elif tuple(keys.shape) != (self.kv_heads, t.length, self.head_dim):
+            raise ValueError(f"keys must be [{self.kv_heads}, {t.length}, {self.head_dim}] (every token "
+                             f"of seq {seq} layer {layer}); got {tuple(keys.shape)}")
+        k = keys
         per_block = self.selector.block_mass(t, k, query)
         self.observe(seq, layer, range(len(t.entries) - 1), per_block)
 

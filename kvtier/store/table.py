@@ -52,7 +52,8 @@ class BlockCopies:
     ``content`` is True for content-addressed keys (shared across sequences and processes).
     """
 
-    __slots__ = ("key", "content", "l2", "l3", "l4", "written_through", "l2_bytes", "l3_bytes", "entries")
+    __slots__ = ("key", "content", "l2", "l3", "l4", "written_through", "l2_bytes", "l3_bytes", "entries",
+                 "l2_codec", "upgrade")
 
     def __init__(self, key: str, content: bool = False) -> None:
         self.key = key
@@ -66,6 +67,10 @@ class BlockCopies:
         self.l2_bytes = 0
         self.l3_bytes = 0
         self.entries: list[BlockEntry] = []
+        # precision="importance": the codec of the L2 record (None: the host codec), and whether
+        # a recall found it heavy while it is below the base codec (read the L3 copy instead)
+        self.l2_codec: str | None = None
+        self.upgrade = False
 
     @property
     def refs(self) -> int:
@@ -87,7 +92,7 @@ def _delegate(name: str) -> property:
 
 class BlockEntry:
     __slots__ = ("idx", "key", "rec", "slot", "pending", "cancel",
-                 "last_used", "mass", "importance", "fence")
+                 "last_used", "mass", "importance", "fence", "evict_codec", "rel_mass", "seen")
 
     def __init__(self, idx: int, key: str) -> None:
         self.idx = idx
@@ -101,6 +106,9 @@ class BlockEntry:
         self.mass = 0.0                # accumulated attention mass (h2o)
         self.importance = 0.0          # mass observed at the end of prefill (snapkv)
         self.fence = None              # CUDA event after the last write into the slot
+        self.evict_codec: str | None = None  # precision="importance": codec chosen when marked pending
+        self.rel_mass = 0.0            # precision="importance": sum over observations of mass / mean mass
+        self.seen = 0                  # observations of this block (rel_mass / seen: its mean share)
 
     l2 = _delegate("l2")
     l3 = _delegate("l3")

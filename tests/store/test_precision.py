@@ -1,0 +1,169 @@
+"""precision="importance": codec per evicted block by attention mass, base-codec backups in L3,
+and the upgrade of a recalled low-precision block to its backup."""
+import pytest
+import torch
+
+from kvtier.compress import get_codec
+from kvtier.config import KVTierConfig
+from kvtier.store.blockrecord import unpack_block
+from kvtier.store.precision import PrecisionPlan
+
+from .conftest import make_store
+
+BT, HD = 32, 32
+
+
+def _store(tmp_path, **kw):
+    base = dict(num_layers=1, kv_heads=2, head_dim=HD, dtype=torch.float32, block_tokens=BT,
+                hot_tokens=10 * BT, high_watermark=0.9, low_watermark=0.2, host_bytes=1 << 20, codec="int4", policy="h2o", precision="importance",
+                heavy_fraction=0.25, cold_fraction=0.5, sink_tokens=0, window_tokens=BT)
+    base.update(kw)
+    return make_store(tmp_path, **base)
+
+
+def _fill(st, blocks: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    s = st.add_sequence()
+    k = torch.randn(2, blocks * BT + 1, HD, generator=g)
+    v = torch.randn(2, blocks * BT + 1, HD, generator=g)
+    st.append(s, 0, k, v)
+    return s, k, v
+
+
+def _l2_codec(st, s, b):
+    e = st.residency.tables[s][0].entries[b]
+    ek, _ = unpack_block(st.lower.l2.get(e.rec.key))
+    return ek.codec
+
+
+def test_plan_ranks_by_mid_rank():
+    plan = PrecisionPlan.of(KVTierConfig(precision="importance", heavy_fraction=0.25, cold_fraction=0.5))
+    ranking = sorted([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+    assert [plan.choose(ranking, x) for x in ranking] == ["int2"] * 4 + ["int4"] * 2 + ["int8"] * 2
+    assert plan.choose([0.0] * 8, 0.0) == "int4"  # never observed: every block ties, base codec
+    assert PrecisionPlan.of(KVTierConfig()) is None
+
+
+def test_codec_follows_mass_and_cold_blocks_get_backups(tmp_path):
+    st = _store(tmp_path)
+    s, k, v = _fill(st, 8)  # blocks 0..7 sealed, 8 open; L1 holds 10, the step ends at 2
+    mass = [5.0, 0.1, 9.0, 0.2, 0.3, 7.0, 0.4, 8.0, 1.0]  # heavy: 2, 7; cold: 1, 3, 4, 6
+    st.observe(s, 0, list(range(8)), mass)
+    st.end_step()
+    st.flush()
+    t = st.residency.tables[s][0]
+    out = {e.idx: _l2_codec(st, s, e.idx) for e in t.entries[:-1] if e.l2}
+    assert sorted(out) == [0, 1, 2, 3, 4, 5, 6]  # h2o victims; the window block 7 stays
+    want = {2: "int8", 7: "int8", 1: "int2", 3: "int2", 4: "int2", 6: "int2", 0: "int4", 5: "int4"}
+    assert out == {b: want[b] for b in out}
+    stats = st.stats()["precision"]
+    cold = [b for b in out if want[b] == "int2"]
+    assert stats["backups"] == len(cold) and stats["encoded"]["int2"] == len(cold)
+    for b in cold:  # the backup is the base codec's record of the same block
+        e = t.entries[b]
+        assert e.l3 and e.l2
+        ek, _ = unpack_block(st.io.stage.unpack(st.lower.l3.get(e.rec.key)))
+        assert ek.codec == "int4"
+    st.check_invariants()
+    # every block reads back as its own codec decodes it
+    K, V = st.gather(s, 0)
+    for b in out:
+        kc = get_codec(want[b], group_size=32, axis="channel")
+        ref = kc.decode(kc.encode(k[:, b * BT:(b + 1) * BT]))
+        assert torch.equal(K[:, b * BT:(b + 1) * BT], ref)
+    st.close()
+
+
+def test_recalled_heavy_cold_block_reads_its_backup(tmp_path):
+    st = _store(tmp_path, recall_mass=2.0)
+    s, k, v = _fill(st, 8)
+    st.observe(s, 0, list(range(8)), [5.0, 0.1, 9.0, 0.2, 0.3, 7.0, 0.4, 8.0, 1.0])
+    st.end_step()
+    st.flush()
+    t = st.residency.tables[s][0]
+    cold = next(e for e in t.entries[:-1] if e.l2 and e.rec.l2_codec == "int2")
+    b = cold.idx
+    # a recall gives it far more than the mean mass per block: marked, then read from L3 (int4)
+    st.observe(s, 0, list(range(8)), [10.0 if i == b else 0.1 for i in range(8)])
+    assert cold.rec.upgrade
+    K, _ = st.gather(s, 0)
+    kc = get_codec("int4", group_size=32, axis="channel")
+    assert torch.equal(K[:, b * BT:(b + 1) * BT], kc.decode(kc.encode(k[:, b * BT:(b + 1) * BT])))
+    assert not cold.rec.l2 and cold.rec.l3 and not cold.rec.upgrade
+    assert st.stats()["precision"]["upgrades"] == 1
+    st.check_invariants()
+    st.close()
+
+
+def test_without_l3_cold_blocks_stay_low():
+    st = _store(None)
+    s, k, v = _fill(st, 8)
+    st.observe(s, 0, list(range(8)), [5.0, 0.1, 9.0, 0.2, 0.3, 7.0, 0.4, 8.0, 1.0])
+    st.end_step()
+    st.flush()
+    t = st.residency.tables[s][0]
+    cold = [e for e in t.entries[:-1] if e.l2 and e.rec.l2_codec == "int2"]
+    assert cold and st.stats()["precision"]["backups"] == 0
+    st.observe(s, 0, list(range(8)), [10.0 if e.idx == cold[0].idx else 0.1 for e in t.entries[:-1]])
+    st.gather(s, 0)  # no copy to upgrade to: the mark is cleared, the low copy stays
+    assert cold[0].rec.l2 and not cold[0].rec.upgrade
+    st.check_invariants()
+    st.close()
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(precision="exact"), "precision"),
+    (dict(precision="importance", policy="lru"), "policy"),
+    (dict(precision="importance", codec="fp16"), "codec"),
+    (dict(precision="importance", heavy_codec="int2"), "heavy_codec"),
+    (dict(precision="importance", cold_codec="int8"), "cold_codec"),
+    (dict(precision="importance", heavy_codec="nf4"), "heavy_codec"),
+    (dict(heavy_fraction=1.5), "heavy_fraction"),
+    (dict(heavy_fraction=0.6, cold_fraction=0.6), "cold_fraction"),
+    (dict(recall_mass=0), "recall_mass"),
+    (dict(precision="importance", order="tier-then-compress"), "order"),
+    (dict(precision="importance", disk_codec="int8"), "disk_codec"),
+])
+def test_bad_precision_fields_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        KVTierConfig(**kw)
+
+
+def test_blocks_never_observed_keep_the_base_codec(tmp_path):
+    st = _store(tmp_path)
+    s, _, _ = _fill(st, 8)
+    st.observe(s, 0, [0, 1], [5.0, 0.1])  # only two blocks were ever seen
+    st.end_step()
+    st.flush()
+    t = st.residency.tables[s][0]
+    got = {e.idx: e.rec.l2_codec for e in t.entries[:-1] if e.l2}
+    assert got[1] == "int2" and all(got[b] == "int4" for b in got if b > 1), got
+    st.check_invariants()
+    st.close()
+
+
+def test_export_gives_one_codec(tmp_path):
+    st = _store(tmp_path)
+    s, _, _ = _fill(st, 8)
+    st.observe(s, 0, list(range(8)), [5.0, 0.1, 9.0, 0.2, 0.3, 7.0, 0.4, 8.0, 1.0])
+    st.end_step()
+    st.flush()
+    records, _ = st.export_blocks(s, 0)
+    assert len(records) == 8 and {unpack_block(r)[0].codec for r in records} == {"int4"}  # what save() writes
+    st.close()
+
+
+def test_observe_queries_with_the_callers_keys_equals_its_own_gather():
+    a, b = _store(None), _store(None)
+    sa, k, v = _fill(a, 3)
+    sb, _, _ = _fill(b, 3)
+    q = torch.randn(4, 2, HD, generator=torch.Generator().manual_seed(1))  # [q_heads, w, head_dim]
+    a.observe_queries(sa, 0, q)
+    keys, _ = b.gather(sb, 0)
+    b.observe_queries(sb, 0, q, keys)
+    ea, eb = a.residency.tables[sa][0].entries, b.residency.tables[sb][0].entries
+    assert [e.mass for e in ea] == [e.mass for e in eb] and eb[0].seen == 1
+    with pytest.raises(ValueError, match="keys must be"):
+        b.observe_queries(sb, 0, q, keys[:, :-1])
+    a.close()
+    b.close()
