@@ -15,11 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional, get_args
+
+from kvtier.configcheck import (
+    Derived, DerivedInt, DerivedStr, MAX_BYTES, MAX_SEGMENT_BYTES, MAX_SEQUENCES, MAX_TOKENS,
+    MIN_HOST_BYTES, MIN_SEGMENT_BYTES, check_bool, check_choice, check_int, check_remote_url,
+    derive, device_memory, physical_memory,
+)
 
 Order = Literal["compress-then-tier", "tier-then-compress"]
 Policy = Literal["lru", "sink-window", "h2o", "snapkv"]
@@ -49,37 +54,6 @@ DERIVED_FIELDS = ("block_tokens", "host_codec", "disk_codec", "digest_tokens", "
 #: Segment size when ``disk_bytes`` leaves room for two of them (else half of ``disk_bytes``).
 DEFAULT_SEGMENT_BYTES = 64 << 20
 
-# Bounds that keep every size far from int64 overflow in the tiers' arithmetic; the real limits
-# (the device's memory, the machine's RAM) are checked against them where they are known.
-_MAX_BYTES = 1 << 62
-_MAX_TOKENS = 1 << 31
-_MAX_SEQUENCES = 1 << 16
-_MIN_HOST_BYTES = 4096          # HostTier's smallest ring
-_MIN_SEGMENT_BYTES = 4096       # DiskTier: a segment header and one small record
-_MAX_SEGMENT_BYTES = (1 << 32) - 1  # DiskTier keeps record offsets in 32 bits
-# Redis' default `databases 16` (Valkey's too): a db index above it is refused by the server
-# at the first SELECT, which the L4 tier would only report as an unreachable server.
-_REDIS_DBS = 16
-
-
-class _Derived:
-    """Marks a value the config computed, as opposed to one the user set (see ``__post_init__``)."""
-
-    __slots__ = ()
-
-
-class _DerivedStr(_Derived, str):
-    __slots__ = ()
-
-
-class _DerivedInt(_Derived, int):
-    __slots__ = ()
-
-
-def _derive(cfg: "KVTierConfig", name: str, value: Any) -> None:
-    object.__setattr__(cfg, name, _DerivedStr(value) if isinstance(value, str) else _DerivedInt(value))
-
-
 #: ``block_tokens`` by attention mode when the user sets none (see ``KVTierConfig.block_tokens``).
 DEFAULT_BLOCK_TOKENS = {"dense": 64, "sparse": 16}
 
@@ -97,63 +71,6 @@ def lossless_codec(dtype: str | None) -> str:
     """The full-precision codec of KV dtype ``dtype`` (a ``KVTierConfig.dtype`` name; None: not
     known yet, fp16): fp16 <-> bf16 would not be lossless, and float32 KV needs ``fp32``."""
     return "bf16" if dtype == "bfloat16" else "fp32" if dtype == "float32" else "fp16"
-
-
-def _choice(name: str, value: Any, allowed: tuple) -> None:
-    if isinstance(value, bool) or value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
-
-
-def _int(name: str, value: Any, minimum: int, maximum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        raise ValueError(f"{name} must be an int >= {minimum} and <= {maximum:,}; got {value!r}")
-
-
-def _bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False; got {value!r}")
-
-
-def _physical_memory() -> int | None:
-    """Bytes of RAM of this machine, or None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def _device_memory(device) -> int | None:
-    """Bytes of memory of ``device`` (a torch.device): the GPU's total, the machine's RAM for CPU."""
-    if device.type == "cuda":
-        import torch
-
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return torch.cuda.get_device_properties(index).total_memory
-    return _physical_memory() if device.type == "cpu" else None
-
-
-def _check_remote_url(url: Any) -> None:
-    """``remote_url`` as kvtier's L4 tier and the Redis client will both read it."""
-    from kvtier.tiers.remote import check_url  # imports no client: the URL is parsed only
-
-    try:
-        check_url(url)
-    except ValueError as e:
-        raise ValueError(f"remote_url must be a Redis URL or None; {e}") from None
-    try:
-        from redis.connection import parse_url
-    except ImportError:  # the L4 tier then reports itself unavailable; the form is checked above
-        return
-    try:
-        kwargs = parse_url(url)
-    except ValueError as e:
-        raise ValueError(f"remote_url must be a URL the Redis client accepts; {e}") from None
-    db = kwargs.get("db", 0)
-    if isinstance(db, str):
-        db = int(db) if db.isdigit() else -1
-    if not 0 <= db < _REDIS_DBS:
-        raise ValueError(f"remote_url must name a db in [0, {_REDIS_DBS - 1}] (Redis' default `databases "
-                         f"{_REDIS_DBS}`); got db {db}")
 
 
 def block_record_bytes(cfg: "KVTierConfig", num_layers: int, kv_heads: int, head_dim: int,
@@ -420,33 +337,33 @@ class KVTierConfig:
         # dataclasses.replace and from_dict(to_dict()): forget it and compute it again from what
         # the user set, so that replace(cfg, codec="int8") does not keep the old host_codec.
         for name in DERIVED_FIELDS:
-            if isinstance(getattr(self, name), _Derived):
+            if isinstance(getattr(self, name), Derived):
                 object.__setattr__(self, name, None)
 
-        _choice("attention", self.attention, get_args(Attention))
+        check_choice("attention", self.attention, get_args(Attention))
         if self.block_tokens is None:
-            _derive(self, "block_tokens", default_block_tokens(self.attention))
-        _int("block_tokens", self.block_tokens, 1, _MAX_TOKENS)
+            derive(self, "block_tokens", default_block_tokens(self.attention))
+        check_int("block_tokens", self.block_tokens, 1, MAX_TOKENS)
         if self.hot_bytes is None:
             if self.hot_tokens is None:
                 raise ValueError("hot_tokens or hot_bytes must be set (hot_tokens: int >= block_tokens)")
-            _int("hot_tokens", self.hot_tokens, 1, _MAX_TOKENS)
+            check_int("hot_tokens", self.hot_tokens, 1, MAX_TOKENS)
             if self.hot_tokens < self.block_tokens:
                 raise ValueError(
                     f"hot_tokens must be >= block_tokens ({self.block_tokens}); got {self.hot_tokens}")
         else:
-            _int("hot_bytes", self.hot_bytes, 1, _MAX_BYTES)
-        _int("max_sequences", self.max_sequences, 1, _MAX_SEQUENCES)
+            check_int("hot_bytes", self.hot_bytes, 1, MAX_BYTES)
+        check_int("max_sequences", self.max_sequences, 1, MAX_SEQUENCES)
         if isinstance(self.host_bytes, int) and not isinstance(self.host_bytes, bool) \
-                and self.host_bytes < _MIN_HOST_BYTES:
-            raise ValueError(f"host_bytes must be an int >= {_MIN_HOST_BYTES} (the smallest L2 ring; it must "
+                and self.host_bytes < MIN_HOST_BYTES:
+            raise ValueError(f"host_bytes must be an int >= {MIN_HOST_BYTES} (the smallest L2 ring; it must "
                              f"also hold one block of the model, checked at attach); got {self.host_bytes!r}")
-        _int("host_bytes", self.host_bytes, _MIN_HOST_BYTES, _MAX_BYTES)
-        _int("disk_bytes", self.disk_bytes, 1, _MAX_BYTES)
+        check_int("host_bytes", self.host_bytes, MIN_HOST_BYTES, MAX_BYTES)
+        check_int("disk_bytes", self.disk_bytes, 1, MAX_BYTES)
         if self.disk_segment_bytes is None:
             half = self.disk_bytes // 2 // 4096 * 4096
-            _derive(self, "disk_segment_bytes", max(_MIN_SEGMENT_BYTES, min(DEFAULT_SEGMENT_BYTES, half)))
-        _int("disk_segment_bytes", self.disk_segment_bytes, _MIN_SEGMENT_BYTES, _MAX_SEGMENT_BYTES)
+            derive(self, "disk_segment_bytes", max(MIN_SEGMENT_BYTES, min(DEFAULT_SEGMENT_BYTES, half)))
+        check_int("disk_segment_bytes", self.disk_segment_bytes, MIN_SEGMENT_BYTES, MAX_SEGMENT_BYTES)
         if self.disk_bytes < self.disk_segment_bytes:
             raise ValueError(f"disk_bytes must be >= disk_segment_bytes ({self.disk_segment_bytes:,}); "
                              f"got {self.disk_bytes:,}")
@@ -454,51 +371,51 @@ class KVTierConfig:
                 self.disk_max_age_s, (int, float)) or not self.disk_max_age_s >= 0):
             raise ValueError(f"disk_max_age_s must be a number of seconds >= 0 or None; got {self.disk_max_age_s!r}")
         if self.disk_kept_bytes is not None:
-            _int("disk_kept_bytes", self.disk_kept_bytes, 0, _MAX_BYTES)
+            check_int("disk_kept_bytes", self.disk_kept_bytes, 0, MAX_BYTES)
         if self.disk_path is not None:
             if not isinstance(self.disk_path, (str, Path)) or str(self.disk_path).strip() == "" \
                     or "\x00" in str(self.disk_path):
                 raise ValueError(f"disk_path must be a non-empty path (without NUL) or None; got {self.disk_path!r}")
             if isinstance(self.disk_path, Path):
                 object.__setattr__(self, "disk_path", str(self.disk_path))
-        _choice("codec", self.codec, CODECS)
-        _choice("order", self.order, get_args(Order))
+        check_choice("codec", self.codec, CODECS)
+        check_choice("order", self.order, get_args(Order))
         if self.host_codec is None:
-            _derive(self, "host_codec", self.codec if self.order == "compress-then-tier"
+            derive(self, "host_codec", self.codec if self.order == "compress-then-tier"
                     else lossless_codec(self.dtype))
         if self.disk_codec is None:
-            _derive(self, "disk_codec", self.codec)
-        _choice("host_codec", self.host_codec, CODECS)
-        _choice("disk_codec", self.disk_codec, CODECS)
-        _choice("group_size", self.group_size, GROUP_SIZES)
+            derive(self, "disk_codec", self.codec)
+        check_choice("host_codec", self.host_codec, CODECS)
+        check_choice("disk_codec", self.disk_codec, CODECS)
+        check_choice("group_size", self.group_size, GROUP_SIZES)
         self._check_precision()
-        _choice("key_axis", self.key_axis, get_args(Axis))
-        _choice("value_axis", self.value_axis, get_args(Axis))
-        _choice("policy", self.policy, get_args(Policy))
-        _choice("select_score", self.select_score, get_args(SelectScore))
-        _choice("attention_math", self.attention_math, get_args(AttentionMath))
+        check_choice("key_axis", self.key_axis, get_args(Axis))
+        check_choice("value_axis", self.value_axis, get_args(Axis))
+        check_choice("policy", self.policy, get_args(Policy))
+        check_choice("select_score", self.select_score, get_args(SelectScore))
+        check_choice("attention_math", self.attention_math, get_args(AttentionMath))
         if self.digest_tokens is None:
-            _derive(self, "digest_tokens", self.block_tokens if self.select_score != "centroid"
+            derive(self, "digest_tokens", self.block_tokens if self.select_score != "centroid"
                     else math.gcd(self.block_tokens, DEFAULT_DIGEST_TOKENS))
-        _int("digest_tokens", self.digest_tokens, 1, self.block_tokens)
+        check_int("digest_tokens", self.digest_tokens, 1, self.block_tokens)
         if self.block_tokens % self.digest_tokens:
             raise ValueError(f"digest_tokens must divide block_tokens ({self.block_tokens}); "
                              f"got {self.digest_tokens}")
         if self.select_score != "centroid" and self.digest_tokens != self.block_tokens:
             raise ValueError(f"digest_tokens must equal block_tokens ({self.block_tokens}) unless "
                              f"select_score is 'centroid'; got {self.digest_tokens}")
-        _choice("durability", self.durability, get_args(Durability))
+        check_choice("durability", self.durability, get_args(Durability))
         if self.dtype is not None:
-            _choice("dtype", self.dtype, get_args(DType))
+            check_choice("dtype", self.dtype, get_args(DType))
         if self.remote_url is not None:
-            _check_remote_url(self.remote_url)
+            check_remote_url(self.remote_url)
         if not isinstance(self.remote_key_prefix, str) or "\x00" in self.remote_key_prefix \
                 or len(self.remote_key_prefix.encode()) > 128:
             raise ValueError(f"remote_key_prefix must be a str of at most 128 UTF-8 bytes without NUL; "
                              f"got {self.remote_key_prefix!r:.80}")
-        _int("snapkv_observe_steps", self.snapkv_observe_steps, 1, 1 << 20)
-        _int("evict_batch_blocks", self.evict_batch_blocks, 1, 1 << 20)
-        _int("prefetch_blocks", self.prefetch_blocks, 1, 1 << 24)
+        check_int("snapkv_observe_steps", self.snapkv_observe_steps, 1, 1 << 20)
+        check_int("evict_batch_blocks", self.evict_batch_blocks, 1, 1 << 20)
+        check_int("prefetch_blocks", self.prefetch_blocks, 1, 1 << 24)
         if not (isinstance(self.prefetch, bool) or self.prefetch == "auto"):
             raise ValueError(f"prefetch must be True, False or 'auto'; got {self.prefetch!r}")
         for name in ("high_watermark", "low_watermark"):
@@ -508,9 +425,9 @@ class KVTierConfig:
         if self.low_watermark > self.high_watermark:
             raise ValueError(
                 f"low_watermark must be <= high_watermark ({self.high_watermark}); got {self.low_watermark}")
-        _choice("byte_stage", self.byte_stage, get_args(ByteStageName))
-        _bool("byte_stage_l2", self.byte_stage_l2)
-        _bool("write_through", self.write_through)
+        check_choice("byte_stage", self.byte_stage, get_args(ByteStageName))
+        check_bool("byte_stage_l2", self.byte_stage_l2)
+        check_bool("write_through", self.write_through)
         if isinstance(self.lz4_min_saving, bool) or not isinstance(self.lz4_min_saving, (int, float)) \
                 or not 0.0 <= self.lz4_min_saving < 1.0:
             raise ValueError(f"lz4_min_saving must be a float in [0, 1); got {self.lz4_min_saving!r}")
@@ -520,9 +437,9 @@ class KVTierConfig:
         hot = self.hot_tokens if self.hot_bytes is None else None
         if self.budget_tokens is None:
             if hot is not None:
-                _derive(self, "budget_tokens", (hot // bt) * bt)
+                derive(self, "budget_tokens", (hot // bt) * bt)
         else:
-            _int("budget_tokens", self.budget_tokens, 1, _MAX_TOKENS)
+            check_int("budget_tokens", self.budget_tokens, 1, MAX_TOKENS)
             if self.budget_tokens < bt:
                 raise ValueError(f"budget_tokens must be >= block_tokens ({bt}); got {self.budget_tokens}")
             if hot is not None and self.budget_tokens > hot:
@@ -531,17 +448,17 @@ class KVTierConfig:
                     f"in L1 while attention runs; got {self.budget_tokens}")
         budget = self.budget_tokens
         if self.sink_tokens is not None:
-            _int("sink_tokens", self.sink_tokens, 0, _MAX_TOKENS)
+            check_int("sink_tokens", self.sink_tokens, 0, MAX_TOKENS)
         if self.window_tokens is not None:
-            _int("window_tokens", self.window_tokens, 0, _MAX_TOKENS)
+            check_int("window_tokens", self.window_tokens, 0, MAX_TOKENS)
         if budget is None:
             # hot_bytes without budget_tokens: the store fills the defaults once it knows the budget
             return
         sink, window = self.sink_window(budget)
         if self.sink_tokens is None:
-            _derive(self, "sink_tokens", sink)
+            derive(self, "sink_tokens", sink)
         if self.window_tokens is None:
-            _derive(self, "window_tokens", window)
+            derive(self, "window_tokens", window)
         fixed = _round_up(self.sink_tokens, bt) + _round_up(self.window_tokens, bt) + bt
         if budget < fixed:
             raise ValueError(
@@ -549,9 +466,9 @@ class KVTierConfig:
                 f"(= {fixed} with block_tokens={bt}); got {budget}")
 
     def _check_precision(self) -> None:
-        _choice("precision", self.precision, get_args(Precision))
-        _choice("heavy_codec", self.heavy_codec, PRECISION_CODECS)
-        _choice("cold_codec", self.cold_codec, PRECISION_CODECS)
+        check_choice("precision", self.precision, get_args(Precision))
+        check_choice("heavy_codec", self.heavy_codec, PRECISION_CODECS)
+        check_choice("cold_codec", self.cold_codec, PRECISION_CODECS)
         for name in ("heavy_fraction", "cold_fraction"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
@@ -586,12 +503,12 @@ class KVTierConfig:
         """The fields as the user set them: a derived value (``host_codec`` filled from ``order``,
         the default ``budget_tokens``, ...) is ``None``, so building a config from this dict
         derives it again from the other fields."""
-        return {f.name: (None if isinstance(v := getattr(self, f.name), _Derived) else v)
+        return {f.name: (None if isinstance(v := getattr(self, f.name), Derived) else v)
                 for f in dataclasses.fields(self)}
 
     def is_derived(self, name: str) -> bool:
         """Whether field ``name`` holds a value this config computed rather than one the user set."""
-        return isinstance(getattr(self, name), _Derived)
+        return isinstance(getattr(self, name), Derived)
 
     # -- checks that need the model's shape ---------------------------------------------------
 
@@ -640,11 +557,11 @@ class KVTierConfig:
     def _check_memory(self, slot_bytes: int, num_layers: int, device) -> None:
         """L1 against the device's memory, L2 against this machine's RAM."""
         bt = self.block_tokens
-        ram = _physical_memory()
+        ram = physical_memory()
         if ram and self.host_bytes > ram:
             raise ValueError(f"host_bytes must be at most this machine's memory ({ram:,} bytes): L2 is a "
                              f"DRAM ring; got {self.host_bytes:,}")
-        room = _device_memory(device)
+        room = device_memory(device)
         if not room:
             return
         if self.hot_bytes is not None:
@@ -727,9 +644,9 @@ class KVTierConfig:
 
 def _plain(v: Any) -> Any:
     """A derived value as the plain str/int it stands for."""
-    if isinstance(v, _DerivedStr):
+    if isinstance(v, DerivedStr):
         return str(v)
-    if isinstance(v, _DerivedInt):
+    if isinstance(v, DerivedInt):
         return int(v)
     return v
 

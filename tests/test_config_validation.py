@@ -156,9 +156,9 @@ def test_host_bytes_of_exactly_one_block_builds_and_serves(tmp_path):
 
 
 def test_l1_beyond_the_device_is_refused_before_allocation():
-    from kvtier.config import _physical_memory
+    from kvtier.configcheck import physical_memory
 
-    ram = _physical_memory()
+    ram = physical_memory()
     tokens = 1 << 24  # 16 M tokens per sequence: terabytes of L1 for this model
     assert ram is not None and tokens * 30 * 2 * 3 * 64 * 4 > ram
     with pytest.raises(ValueError, match=r"hot_tokens x max_sequences must fit the L1 device .*at most about hot_tokens="):
@@ -166,9 +166,9 @@ def test_l1_beyond_the_device_is_refused_before_allocation():
 
 
 def test_host_bytes_beyond_this_machine_is_refused_at_attach_and_accepted_for_a_plan():
-    from kvtier.config import _physical_memory
+    from kvtier.configcheck import physical_memory
 
-    cfg = KVTierConfig(host_bytes=_physical_memory() + (1 << 30))  # a plan for a bigger machine
+    cfg = KVTierConfig(host_bytes=physical_memory() + (1 << 30))  # a plan for a bigger machine
     cfg.check_model(**SHAPE, dtype=torch.float32, machine=False)
     with pytest.raises(ValueError, match=r"host_bytes must be at most this machine's memory \([\d,]+ bytes\)"):
         store(cfg)
