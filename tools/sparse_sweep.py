@@ -52,6 +52,8 @@ def grids() -> dict[str, list[tuple[str, dict]]]:
             _row("b16 d16", block_tokens=16, digest_tokens=16),
             _row("b16 d8", block_tokens=16, digest_tokens=8),
             _row("b16 d4", block_tokens=16, digest_tokens=4),
+            _row("b16 d2", block_tokens=16, digest_tokens=2),
+            _row("b16 d1", block_tokens=16, digest_tokens=1),
             _row("b16 quest", block_tokens=16, select_score="quest"),
         ],
         # how the budget is split: sinks and window (the rest is top-k), and the policy
