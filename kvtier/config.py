@@ -30,6 +30,7 @@ Order = Literal["compress-then-tier", "tier-then-compress"]
 Policy = Literal["lru", "sink-window", "h2o", "snapkv"]
 Attention = Literal["dense", "sparse"]
 SelectScore = Literal["centroid", "quest"]
+DigestDType = Literal["int8", "kv"]
 AttentionMath = Literal["float32", "sdpa"]
 Axis = Literal["channel", "token"]
 Durability = Literal["never", "close", "batch"]
@@ -59,7 +60,7 @@ DEFAULT_BLOCK_TOKENS = {"dense": 64, "sparse": 16}
 
 
 #: ``digest_tokens`` of the centroid score when the user sets none (see ``KVTierConfig.digest_tokens``).
-DEFAULT_DIGEST_TOKENS = 4
+DEFAULT_DIGEST_TOKENS = 2
 
 
 def default_block_tokens(attention: str) -> int:
@@ -270,6 +271,14 @@ class KVTierConfig:
     16-bit KV cache per token (on the probe above L1 held 5.0 kB per token against 2.9 kB with
     one centroid per 16-token block, of the reference's 23 kB)."""
 
+    digest_dtype: DigestDType = "int8"
+    """How the key digests are stored in L1. ``int8``: each centroid (each quest max | min row)
+    as int8 codes against its own absmax, with a float32 scale: ``head_dim + 4`` bytes per
+    centroid against ``2 * head_dim`` in a 16-bit KV dtype, so 2-token centroids cost about what
+    4-token ones do in bf16; the scorer reads the codes in place and applies the scale per row
+    (error per channel at most absmax / 254). ``kv``: in the KV dtype, as the model wrote them.
+    (Figures under ``digest_tokens``.)"""
+
     attention_math: AttentionMath = "float32"
     """How kvtier's own attention computes, where it replaces SDPA (sparse decode steps, and
     multi-token steps over cached tokens, e.g. a chat's next turn, in either mode).
@@ -393,6 +402,7 @@ class KVTierConfig:
         check_choice("value_axis", self.value_axis, get_args(Axis))
         check_choice("policy", self.policy, get_args(Policy))
         check_choice("select_score", self.select_score, get_args(SelectScore))
+        check_choice("digest_dtype", self.digest_dtype, get_args(DigestDType))
         check_choice("attention_math", self.attention_math, get_args(AttentionMath))
         if self.digest_tokens is None:
             derive(self, "digest_tokens", self.block_tokens if self.select_score != "centroid"
