@@ -3,9 +3,10 @@ the put/get path.
 
 Compaction copies a sealed segment's live records to the head in steps of ``_STEP_BYTES`` of
 the segment. A background step reads and CRC-checks its records without the tier lock and
-takes the lock only to append what is still live (so a put or get waits for one append, not
-a step); the worker then sleeps so that its I/O takes at most ``share`` of the time while it
-runs: after a step of ``t`` seconds, ``t * (1 - share) / share``. The copies are made durable
+takes it (after ``_write_lock``: it is an appender like a put) only to append what is still
+live, so a get waits for one append, not a step; the worker then sleeps so that its I/O takes
+at most ``share`` of the time while it runs: after a step of ``t`` seconds,
+``t * (1 - share) / share``. The copies are made durable
 (fdatasync on duplicated fds, outside the lock) before the emptied segment is deleted.
 
 The worker owns no tier state: each step is a call back into the tier (``_background_step``),
