@@ -307,3 +307,42 @@ def test_store_keeps_serving_sparse_steps_when_the_disk_fills_mid_run(small_fs):
         all_exact(s)
     st.check_invariants()
     st.close()
+
+
+def test_store_on_a_full_disk_keeps_blocks_in_l2_overflow_then_errors_then_drains(small_fs):
+    from tests.store.conftest import Ref, make_store
+
+    filler = fill_fs(small_fs, leave=1 << 20)
+    st = make_store(small_fs, num_layers=1, kv_heads=4, head_dim=64, hot_tokens=32, host_bytes=256 << 10,
+                    host_overflow_bytes=512 << 10, block_tokens=16, disk_segment_bytes=1 << 20)
+    ref, s = Ref(), st.add_sequence()
+    g = torch.Generator().manual_seed(0)
+
+    def step():
+        k, v = (torch.randn(4, 16, 64, generator=g).half() for _ in range(2))
+        st.append(s, 0, k, v)
+        ref.add(s, 0, k, v)
+        st.end_step()
+
+    def exact():
+        K, V = st.gather(s, 0)  # from L1, L2 (its overflow too) and L3
+        rk, rv = ref.kv(s, 0)
+        assert torch.equal(K, rk) and torch.equal(V, rv)
+
+    peak = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # capacity above the free space: expected here
+        with pytest.raises(RuntimeError, match="full"):
+            for _ in range(800):
+                step()
+                peak = max(peak, st.l2.stats()["overflow_used_bytes"])
+    l2 = st.l2.stats()
+    assert st.counters["l3_disk_full"] > 0 and l2["overflow_records"] > 0
+    assert peak > 256 << 10 and l2["overflow_used_bytes"] <= 512 << 10  # over the ring, within the bound
+    exact()
+    os.unlink(filler)
+    for _ in range(40):  # space is back: the overflow goes to L3 and the store goes on
+        step()
+    assert st.l2.stats()["overflow_records"] == 0 and st.l2.used_bytes <= 256 << 10
+    exact()
+    st.close()
