@@ -330,9 +330,11 @@ def test_store_on_a_full_disk_keeps_blocks_in_l2_overflow_then_errors_then_drain
     assert st.counters["l3_disk_full"] > 0 and l2["overflow_records"] > 0
     assert peak > 256 << 10 and l2["overflow_used_bytes"] <= 512 << 10  # over the ring, within the bound
     exact()
+    st.check_invariants()  # blocks in the overflow are L2's
     os.unlink(filler)
     for _ in range(40):  # space is back: the overflow goes to L3 and the store goes on
         step()
     assert st.l2.stats()["overflow_records"] == 0 and st.l2.used_bytes <= 256 << 10
     exact()
+    st.check_invariants()
     st.close()
