@@ -131,6 +131,12 @@ class KVTierConfig:
     """L2 capacity: bytes of the DRAM ring buffer. At least 4096 and at most the machine's RAM;
     at attach, at least one encoded block of the model (the error says how many bytes)."""
 
+    host_overflow_bytes: int = 0
+    """Bytes of blocks L2 may keep beyond ``host_bytes`` while L3 refuses them (its disk is
+    full): held as owned copies and spilled again once L3 takes records, shown in
+    ``stats()["l2"]["overflow_*"]``; past it, a full L1 and L2 raise the disk-full error.
+    0 (the default) raises it once the ring is full."""
+
     disk_path: Optional[str] = None
     """Directory of the L3 segment files; ``None`` means no L3 (L2 is the last tier)."""
 
@@ -376,6 +382,7 @@ class KVTierConfig:
             raise ValueError(f"host_bytes must be an int >= {MIN_HOST_BYTES} (the smallest L2 ring; it must "
                              f"also hold one block of the model, checked at attach); got {self.host_bytes!r}")
         check_int("host_bytes", self.host_bytes, MIN_HOST_BYTES, MAX_BYTES)
+        check_int("host_overflow_bytes", self.host_overflow_bytes, 0, MAX_BYTES)
         check_int("disk_bytes", self.disk_bytes, 1, MAX_BYTES)
         if self.disk_segment_bytes is None:
             half = self.disk_bytes // 2 // 4096 * 4096

@@ -61,8 +61,8 @@ class Evictor:
                 raise AssertionError(f"L1 full for {t.seq}/{t.layer} with nothing evictable")
             self.worker.drain()
             if t.resident >= before:
-                why = ("host_bytes full and L3 full or refusing records (see the warning above): raise "
-                       "host_bytes or disk_bytes, or free space under disk_path"
+                why = ("host_bytes (and host_overflow_bytes) full and L3 full or refusing records (see the "
+                       "warning above): raise host_bytes or disk_bytes, or free space under disk_path"
                        if self.lower.l3 is not None else
                        "host_bytes full and no L3: raise host_bytes or set disk_path")
                 raise RuntimeError(f"kvtier: L1 budget full and L2 refused the blocks ({why})")

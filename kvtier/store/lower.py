@@ -44,7 +44,7 @@ class LowerTiers:
         self.l4 = RemoteTier(cfg.remote_url, key_prefix=cfg.remote_key_prefix) \
             if cfg.remote_url is not None else None
         self.l2 = HostTier(cfg.host_bytes, spill=self._spill if self.l3 is not None else None,
-                           pin_memory=layout.cuda)
+                           pin_memory=layout.cuda, overflow_bytes=cfg.host_overflow_bytes if self.l3 is not None else 0)
 
     # -- swap-in -------------------------------------------------------------------------------
 

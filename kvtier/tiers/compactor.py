@@ -3,9 +3,10 @@ the put/get path.
 
 Compaction copies a sealed segment's live records to the head in steps of ``_STEP_BYTES`` of
 the segment. A background step reads and CRC-checks its records without the tier lock and
-takes the lock only to append what is still live (so a put or get waits for one append, not
-a step); the worker then sleeps so that its I/O takes at most ``share`` of the time while it
-runs: after a step of ``t`` seconds, ``t * (1 - share) / share``. The copies are made durable
+takes it (after ``_write_lock``: it is an appender like a put) only to append what is still
+live, so a get waits for one append, not a step; the worker then sleeps so that its I/O takes
+at most ``share`` of the time while it runs: after a step of ``t`` seconds,
+``t * (1 - share) / share``. The copies are made durable
 (fdatasync on duplicated fds, outside the lock) before the emptied segment is deleted.
 
 The worker owns no tier state: each step is a call back into the tier (``_background_step``),
@@ -127,7 +128,7 @@ class DiskCompaction:
     def compact(self) -> int:
         """Compact every sealed segment below the threshold now (waiting for none of the
         background pacing); returns how many were compacted."""
-        with self._lock:
+        with self._appending():
             self._check_open()
             n = 0
             for s in self._candidates():
@@ -158,8 +159,7 @@ class DiskCompaction:
         With ``locked=False`` (the background worker) the tier lock is taken only to check the
         segment and then to append what was gathered: reading and CRC-checking the records
         runs without it, so a put or get waits for an append, not for a whole step."""
-        lock = self._lock if not locked else contextlib.nullcontext()  # (held by the caller)
-        with lock:
+        with self._lock if not locked else contextlib.nullcontext():  # (else held by the caller)
             seg = job.seg
             if self._closed or self._segs.get(seg.id) is not seg:
                 return False
@@ -170,7 +170,7 @@ class DiskCompaction:
             cands, pos, read, written = self._gather(job, budget, yield_gil=not locked)
         except ValueError:  # its mapping was closed meanwhile (cleared, or the tier closed)
             return False
-        with lock:
+        with self._appending() if not locked else contextlib.nullcontext():
             if self._closed or self._segs.get(seg.id) is not seg:
                 return False
             for o, keys in written.items():
@@ -283,7 +283,7 @@ class DiskCompaction:
     def _background_step(self) -> bool:
         """One paced unit of background work (compactor thread): a compaction step, the
         durable hand-over of a compacted segment, or an index checkpoint. True if more may follow."""
-        with self._lock:
+        with self._appending():  # it may seal the head
             if self._closed:
                 return False
             job = self._job
@@ -365,7 +365,7 @@ class DiskCompaction:
             raise ValueError(f"max_age_s must be a number >= 0 or None, got {max_age_s!r}")
         if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
             raise ValueError(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
-        with self._lock:
+        with self._appending():  # then delete_many's, in their order
             self._check_open()
             now = time.time_ns()
             cand = sorted((loc[0], loc[1], loc[2], k) for k, loc in self._index.items() if not keep(k))

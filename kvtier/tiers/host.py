@@ -18,6 +18,12 @@ Without ``spill``, holes pinned behind a live tail record are reclaimed by movin
 records to the start of the arena (``defragments`` in stats), so ``put`` only fails when the
 live records plus the new one exceed the arena.
 
+Overflow: when ``spill`` fails (the next tier refuses: a full disk) and ``overflow_bytes`` > 0,
+``put`` keeps the record as an owned copy outside the arena instead of refusing it, up to
+``overflow_bytes`` of records (counted like the arena's); only past that does it return False.
+Once a spill succeeds again, the overflow is handed to ``spill`` too (oldest first), so the
+tier shrinks back to its arena. ``stats()`` shows it (``overflow_*``).
+
 Ownership: ``put`` copies; ``get`` returns an owned ``bytes``; ``get_into`` copies into the
 caller's buffer; ``spill`` receives read-only views into the arena that are valid only during
 the call (it must copy what it keeps).
@@ -62,12 +68,13 @@ class HostTier(Tier):
         spill_batch_bytes: value bytes per spill call (at least one record); None = min(4 MiB,
             capacity/8).
         checksum: compute and keep a CRC32 of key+value in each record header, verified on get.
+        overflow_bytes: records kept beyond the arena while ``spill`` fails (0 = refuse them).
     """
 
     name = "host"
 
     def __init__(self, capacity_bytes: int, spill: SpillFn | None = None, pin_memory: bool | None = None,
-                 spill_batch_bytes: int | None = None, checksum: bool = False) -> None:
+                 spill_batch_bytes: int | None = None, checksum: bool = False, overflow_bytes: int = 0) -> None:
         if not isinstance(capacity_bytes, int) or capacity_bytes < 4096:
             raise ValueError(f"capacity_bytes must be an int >= 4096, got {capacity_bytes!r}")
         if spill is not None and not callable(spill):
@@ -78,6 +85,8 @@ class HostTier(Tier):
             spill_batch_bytes = max(1, min(4 << 20, capacity_bytes // 8))
         if not isinstance(spill_batch_bytes, int) or spill_batch_bytes < 1:
             raise ValueError(f"spill_batch_bytes must be an int >= 1, got {spill_batch_bytes!r}")
+        if not isinstance(overflow_bytes, int) or overflow_bytes < 0:
+            raise ValueError(f"overflow_bytes must be an int >= 0, got {overflow_bytes!r}")
         cap = capacity_bytes & ~(_ALIGN - 1)
         if pin_memory is None:
             pin_memory = torch.cuda.is_available()
@@ -99,6 +108,10 @@ class HostTier(Tier):
         self.last_spill_error: BaseException | None = None
         self._defrags = 0
         self._closed = False
+        self.overflow_bytes = overflow_bytes
+        self._over: dict[str, bytes] = {}  # key -> value kept outside the arena, oldest first
+        self._over_used = 0  # record_bytes of those
+        self._over_puts = self._over_peak = 0
 
     # -- capacity ---------------------------------------------------------------------------
     @property
@@ -107,8 +120,8 @@ class HostTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        """Bytes held by live records, headers and padding included."""
-        return self._live
+        """Bytes held by live records, headers and padding included (overflow too)."""
+        return self._live + self._over_used
 
     @staticmethod
     def record_bytes(key: str, value_bytes: int) -> int:
@@ -197,6 +210,54 @@ class HostTier(Tier):
         self._log = deque(live)
         self._defrags += 1
 
+    # -- overflow ---------------------------------------------------------------------------
+    def _put_over(self, key: str, value, size: int) -> bool:
+        """Keep a copy of ``value`` outside the arena (spill failed); False past ``overflow_bytes``."""
+        old = self.record_bytes(key, len(self._over[key])) if key in self._over else 0
+        if self._over_used - old + size > self.overflow_bytes:
+            return False
+        data = value.cpu().numpy().tobytes() if isinstance(value, torch.Tensor) else bytes(value)
+        self._delete_ring(key)
+        self._over.pop(key, None)
+        self._over[key] = data
+        self._over_used += size - old
+        self._over_puts += 1
+        self._over_peak = max(self._over_peak, self._over_used)
+        self._stats.puts += 1
+        self._stats.bytes_in += len(data)
+        return True
+
+    def _drop_over(self, key: str) -> bool:
+        data = self._over.pop(key, None)
+        if data is not None:
+            self._over_used -= self.record_bytes(key, len(data))
+        return data is not None
+
+    def _drain_over(self) -> bool:
+        """Hand the overflow to ``spill``, oldest first, in ``spill_batch_bytes`` batches; the
+        ones it took leave this tier. False when it fails (they stay)."""
+        while self._over:
+            batch, nbytes = [], 0
+            for key, data in self._over.items():
+                if batch and nbytes >= self.spill_batch_bytes:
+                    break
+                batch.append((key, data))
+                nbytes += len(data)
+            try:
+                self.spill([(k, memoryview(d)) for k, d in batch])
+            except Exception as exc:  # as for the ring: keep them, report
+                self._spill_errors += 1
+                self.last_spill_error = exc
+                log.warning("HostTier spill of its overflow failed, keeping %d records: %r", len(batch), exc)
+                return False
+            for key, data in batch:
+                if self._over.get(key) is data:  # spill may have deleted or replaced it
+                    self._drop_over(key)
+            self._spills += 1
+            self._spilled_records += len(batch)
+            self._spilled_bytes += nbytes
+        return True
+
     # -- put/get ----------------------------------------------------------------------------
     def put(self, key: str, value: BytesLike) -> bool:
         """Append a copy of ``value``; spills the oldest records if needed. False if it cannot fit."""
@@ -228,7 +289,9 @@ class HostTier(Tier):
                         return False
                     self._defragment()
                 elif not self._spill_batch():
-                    return False
+                    return self._put_over(key, src if is_tensor else mv, size)
+                elif self._over:
+                    self._drain_over()  # the next tier takes records again: overflow first
             voff = off + _HDR.size + len(kb)
             self._mv[off + _HDR.size:voff] = kb
             if is_tensor:
@@ -248,6 +311,7 @@ class HostTier(Tier):
                 old[2] = None
                 self._live -= old[1]
                 self._drop_tail_holes()
+            self._drop_over(key)
             self._index[key] = ent
             self._vlen[key] = n
             self._live += size
@@ -278,11 +342,22 @@ class HostTier(Tier):
     def get(self, key: str) -> bytes | None:
         """An owned copy of the value, or None."""
         with self._lock:
+            if key in self._over:
+                return self._count_over(key)
             loc = self._locate(key)
             if loc is None:
                 return None
             voff, n = loc
             return self._mv[voff:voff + n].tobytes()
+
+    def _count_over(self, key: str) -> bytes:
+        if self._closed:
+            raise TierClosedError("HostTier is closed")
+        data = self._over[key]
+        self._stats.gets += 1
+        self._stats.hits += 1
+        self._stats.bytes_out += len(data)
+        return data
 
     def get_into(self, key: str, out: memoryview | bytearray | torch.Tensor) -> int | None:
         """Copy the value into ``out`` (a writable buffer or tensor, CPU or CUDA) from its start.
@@ -291,8 +366,16 @@ class HostTier(Tier):
         """
         check_key(key)
         with self._lock:
-            n = self._vlen.get(key)
+            n = self.value_size(key)
             mv, dev = out_view(out, n or 0)  # checked before counting the read
+            if key in self._over:
+                data = self._count_over(key)
+                if dev is not None:
+                    if n:
+                        dev[:n].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+                else:
+                    mv[:n] = data
+                return n
             loc = self._locate(key)
             if loc is None:
                 return None
@@ -307,33 +390,37 @@ class HostTier(Tier):
 
     def value_size(self, key: str) -> int | None:
         check_key(key)
-        return self._vlen.get(key)
+        data = self._over.get(key)
+        return len(data) if data is not None else self._vlen.get(key)
 
     def contains(self, key: str) -> bool:
         check_key(key)
-        return key in self._index
+        return key in self._index or key in self._over
 
     def delete(self, key: str) -> bool:
         check_key(key)
         with self._lock:
             if self._closed:
                 raise TierClosedError("HostTier is closed")
-            ent = self._index.pop(key, None)
-            if ent is None:
-                return False
-            del self._vlen[key]
-            ent[2] = None
-            self._live -= ent[1]
-            self._drop_tail_holes()
-            return True
+            return self._delete_ring(key) or self._drop_over(key)
+
+    def _delete_ring(self, key: str) -> bool:
+        ent = self._index.pop(key, None)
+        if ent is None:
+            return False
+        del self._vlen[key]
+        ent[2] = None
+        self._live -= ent[1]
+        self._drop_tail_holes()
+        return True
 
     def keys(self) -> Iterator[str]:
-        """Live keys, oldest record first (the order they would spill in)."""
+        """Live keys, oldest record first (the order they would spill in), the overflow's last."""
         with self._lock:
-            return iter([e[2] for e in self._log if e[2] is not None])
+            return iter([e[2] for e in self._log if e[2] is not None] + list(self._over))
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._index) + len(self._over)
 
     def stats(self) -> dict:
         with self._lock:
@@ -342,10 +429,13 @@ class HostTier(Tier):
             if self._log:
                 head, tail = self._head_tail()
                 span = head - tail if tail < head else self._cap - tail + head
-            d.update(used_bytes=self._live, capacity_bytes=self._cap, records=len(self._index),
+            d.update(used_bytes=self.used_bytes, capacity_bytes=self._cap, records=len(self),
                      spills=self._spills, spilled_records=self._spilled_records,
                      spilled_bytes=self._spilled_bytes, spill_errors=self._spill_errors,
-                     ring_span_bytes=span, defragments=self._defrags, pinned=self.pinned)
+                     ring_span_bytes=span, defragments=self._defrags, pinned=self.pinned,
+                     overflow_records=len(self._over), overflow_used_bytes=self._over_used,
+                     overflow_capacity_bytes=self.overflow_bytes, overflow_puts=self._over_puts,
+                     overflow_peak_bytes=self._over_peak)
             return d
 
     def close(self) -> None:
@@ -355,3 +445,5 @@ class HostTier(Tier):
             self._vlen.clear()
             self._log.clear()
             self._live = 0
+            self._over.clear()
+            self._over_used = 0

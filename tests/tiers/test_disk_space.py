@@ -183,12 +183,14 @@ def test_close_after_a_reported_failure_warns_instead_of_raising(tmp_path, monke
         assert t.get("a") == b"1" and t.get("b") is None
 
 
-def test_store_on_a_full_disk_stops_cleanly_and_serves_again_once_space_is_back(small_fs):
+def _store_on_a_full_fs(mnt, **cfg):
+    """A one-layer store on ``mnt`` with 1 MiB left free (the filler file's path returned), a
+    step appending one block, and a check that every block reads back exact."""
     from tests.store.conftest import Ref, make_store
 
-    filler = fill_fs(small_fs, leave=1 << 20)
-    st = make_store(small_fs, num_layers=1, kv_heads=4, head_dim=64, hot_tokens=32, host_bytes=256 << 10,
-                    block_tokens=16, disk_segment_bytes=1 << 20)
+    filler = fill_fs(mnt, leave=1 << 20)
+    st = make_store(mnt, num_layers=1, kv_heads=4, head_dim=64, hot_tokens=32, host_bytes=256 << 10,
+                    block_tokens=16, disk_segment_bytes=1 << 20, **cfg)
     ref, s = Ref(), st.add_sequence()
     g = torch.Generator().manual_seed(0)
 
@@ -198,21 +200,27 @@ def test_store_on_a_full_disk_stops_cleanly_and_serves_again_once_space_is_back(
         ref.add(s, 0, k, v)
         st.end_step()
 
+    def exact():
+        K, V = st.gather(s, 0)  # every block, from L1, L2 (its overflow too) and L3
+        rk, rv = ref.kv(s, 0)
+        assert torch.equal(K, rk) and torch.equal(V, rv)
+
+    return st, filler, step, exact
+
+
+def test_store_on_a_full_disk_stops_cleanly_and_serves_again_once_space_is_back(small_fs):
+    st, filler, step, exact = _store_on_a_full_fs(small_fs)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # capacity above the free space: expected here
         with pytest.raises(RuntimeError, match="full"):
             for _ in range(400):
                 step()
     assert st.counters["l3_disk_full"] > 0
-    K, V = st.gather(s, 0)  # everything before the failure, from L1, L2 and L3
-    rk, rv = ref.kv(s, 0)
-    assert torch.equal(K, rk) and torch.equal(V, rv)
+    exact()  # everything before the failure
     os.unlink(filler)
     for _ in range(40):  # space is back: the same store goes on
         step()
-    K, V = st.gather(s, 0)
-    rk, rv = ref.kv(s, 0)
-    assert torch.equal(K, rk) and torch.equal(V, rv)
+    exact()
     st.close()
 
 
@@ -305,5 +313,28 @@ def test_store_keeps_serving_sparse_steps_when_the_disk_fills_mid_run(small_fs):
             step(s)
     for s in seqs:
         all_exact(s)
+    st.check_invariants()
+    st.close()
+
+
+def test_store_on_a_full_disk_keeps_blocks_in_l2_overflow_then_errors_then_drains(small_fs):
+    st, filler, step, exact = _store_on_a_full_fs(small_fs, host_overflow_bytes=512 << 10)
+    peak = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # capacity above the free space: expected here
+        with pytest.raises(RuntimeError, match="full"):
+            for _ in range(800):
+                step()
+                peak = max(peak, st.l2.stats()["overflow_used_bytes"])
+    l2 = st.l2.stats()
+    assert st.counters["l3_disk_full"] > 0 and l2["overflow_records"] > 0
+    assert peak > 256 << 10 and l2["overflow_used_bytes"] <= 512 << 10  # over the ring, within the bound
+    exact()
+    st.check_invariants()  # blocks in the overflow are L2's
+    os.unlink(filler)
+    for _ in range(40):  # space is back: the overflow goes to L3 and the store goes on
+        step()
+    assert st.l2.stats()["overflow_records"] == 0 and st.l2.used_bytes <= 256 << 10
+    exact()
     st.check_invariants()
     st.close()

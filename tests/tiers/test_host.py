@@ -142,3 +142,39 @@ def test_without_next_tier_holes_behind_a_live_tail_are_reclaimed():
         assert t.put("hot", bytes([i]) * 1500), i
     assert t.get("pinned") == b"p" * 500 and t.get("hot") == bytes([39]) * 1500
     assert t.stats()["defragments"] >= 1
+
+
+def test_failing_spill_overflows_up_to_its_bound_then_drains_once_spill_works():
+    failing = {"on": True}
+    nxt = Collect()
+
+    def spill(batch):
+        if failing["on"]:
+            raise OSError(28, "No space left on device")
+        nxt(batch)
+
+    t = HostTier(4096, spill=spill, overflow_bytes=3 * 1024)
+    vals = {f"k{i}": bytes([i]) * 1000 for i in range(8)}
+    oks = [t.put(k, v) for k, v in vals.items()]
+    assert oks == [True] * 7 + [False]  # 4 in the ring, 3 over it, then refused
+    s = t.stats()
+    assert s["overflow_records"] == 3 and s["overflow_used_bytes"] == 3 * 1024 and s["spill_errors"] > 0
+    assert s["used_bytes"] == 7 * 1024 and len(t) == 7 and list(t.keys())[-3:] == ["k4", "k5", "k6"]
+    assert all(t.get(k) == vals[k] for k in list(vals)[:7]) and t.value_size("k5") == 1000
+    buf = bytearray(1000)
+    assert t.get_into("k6", buf) == 1000 and bytes(buf) == vals["k6"]
+    assert t.put("k5", b"new") and t.get("k5") == b"new"  # overwriting one in the overflow
+    assert t.delete("k6") and not t.contains("k6") and t.stats()["overflow_records"] == 2
+    failing["on"] = False
+    assert t.put("k7", vals["k7"])  # the ring spills again, then the overflow goes too
+    spilled = dict(kv for b in nxt.batches for kv in b)
+    assert spilled["k4"] == vals["k4"] and spilled["k5"] == b"new" and "k6" not in spilled
+    s = t.stats()
+    assert s["overflow_records"] == 0 and s["overflow_used_bytes"] == 0 and s["overflow_peak_bytes"] == 3 * 1024
+    assert t.get("k7") == vals["k7"] and not t.contains("k4")
+
+
+def test_overflow_bytes_must_be_a_non_negative_int():
+    for bad in (-1, 1.5, "1"):
+        with pytest.raises(ValueError, match="overflow_bytes"):
+            HostTier(4096, overflow_bytes=bad)

@@ -1,0 +1,256 @@
+"""DiskTier's write path: put / delete and the head segment they append to (a mixin: the state
+lives in ``DiskTier.__init__``).
+
+One appender at a time holds ``_write_lock`` (puts, tombstones, compaction's copies, and
+whatever seals or closes the head). Its record bytes go to the file without the tier lock,
+so gets are served while they are written:
+
+```
+  _lock held   reserve   room at the head (grown, or a new segment); the bytes go at head.used
+  no lock      write     pwritev of the record images past head.used: nothing indexes them yet
+  _lock held   publish   head.used moves past them and the index points at them
+```
+A get only follows the index and a compaction only reads up to ``used``, so neither ever sees a
+record that is not completely written; a checkpoint's watermark is ``head.used``, so a write in
+flight lies after it and is scanned (CRC-checked) on reopen. A crash mid-write leaves a torn
+tail that opening erases (``diskopen.py``). Only the appender moves ``head.used`` or seals the
+head, so the reservation still holds when it publishes. A caller already holding ``_lock``
+(inline compaction at capacity, ``delete_many``) simply writes under it.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from kvtier._crc import crc32
+from .base import BytesLike, as_byte_view, check_key
+from .errors import DiskFullError
+from .segfile import FLAG_TOMB, IOV_MAX, REC_HEADER_BYTES, SEG_HEADER_BYTES, Segment, fdatasync, header, record_size
+
+_CHUNK_BYTES = 1 << 20  # put_many reserves, writes and publishes about this much at a time
+
+# A record image to append: (key, key bytes, record size, iovecs, value length or -1 for a tombstone)
+Record = tuple[str, bytes, int, list, int]
+
+
+@dataclass
+class Reservation:
+    """Records placed at ``seg`` from ``start`` (its published end) to ``end``, not yet written."""
+
+    seg: Segment
+    start: int
+    end: int
+    iov: list = field(default_factory=list)
+    placed: list[tuple[str, int, int, int]] = field(default_factory=list)  # (key, offset, size, vlen or -1)
+
+
+class DiskWrites:
+    """Appending for DiskTier (``_``-methods expect ``_write_lock`` held; those that say so,
+    ``_lock`` too)."""
+
+    @contextlib.contextmanager
+    def _appending(self) -> Iterator[None]:
+        """Both locks an append needs, in their order."""
+        with self._write_lock, self._lock:
+            yield
+
+    def _new_segment(self, need: int) -> Segment:
+        sid = self._next_id
+        seg = Segment.create(sid, self._seg_path(sid), self.segment_bytes, SEG_HEADER_BYTES + need)
+        self._next_id += 1
+        self._segs[sid] = seg
+        self._dir_dirty = True
+        return seg
+
+    def _room(self, size: int) -> bool:
+        """Make the head able to take ``size`` bytes; False when the tier is full (``_lock`` held)."""
+        if self._head is not None and self._head.used + size <= self._head.cap:
+            return True
+        if self._full() and not self._compacting:
+            self._free_segment()
+            if self._head is not None and self._head.used + size <= self._head.cap:
+                return True  # compacted into a new head with room to spare
+        if self._full():
+            return False
+        new = self._new_segment(size)
+        if self._head is not None:
+            self._seal(self._head)
+        self._head = new
+        return True
+
+    def _full(self) -> bool:
+        """No room for one more segment: sealed files count at their size, the head at the most
+        it may grow to. A compaction may go one segment over, as the segment it empties is
+        deleted right after."""
+        held = self.disk_bytes + (self._head.cap - self._head.size if self._head is not None else 0)
+        return held + self.segment_bytes > self._capacity + (self.segment_bytes if self._compacting else 0)
+
+    def _seal(self, seg: Segment) -> None:
+        """The head is full: truncate it to its records, make them durable per the durability
+        setting, drop its fd (``_lock`` held)."""
+        seg.seal()
+        if seg.id in self._dirty and self.durability != "never":
+            fdatasync(seg.fd)
+            self._n["syncs"] += 1
+        self._dirty.discard(seg.id)
+        seg.release_fd()
+
+    def _free_segment(self) -> None:
+        """At capacity: compact the sealed segment with the most dead space (background
+        compaction had not got to it yet)."""
+        sealed = sorted((s for s in self._segs.values() if s is not self._head and s.id not in self._stuck),
+                        key=lambda s: s.live / max(1, s.used - SEG_HEADER_BYTES))
+        for s in sealed:
+            if s.live < s.used - SEG_HEADER_BYTES:
+                if self._compact_now(s):
+                    return
+
+    def _append(self, records: list[Record]) -> list[bool]:
+        """Append ``records`` in order, each indexed once its bytes are written; False for those
+        that do not fit. Takes ``_lock`` to reserve and to publish, not to write."""
+        results: list[bool] = []
+        i = 0
+        while i < len(records):
+            try:
+                with self._lock:
+                    res, i = self._reserve(records, i, results)
+                if res is not None:
+                    res.seg.write(res.start, res.iov)
+            except DiskFullError as exc:  # nothing was published: the next reservation reuses the space
+                with self._lock:
+                    self._failed = exc
+                    self._n["disk_full_errors"] += 1
+                raise
+            if res is not None:
+                with self._lock:
+                    self._publish(res)
+        return results
+
+    def _reserve(self, records: list[Record], i: int, results: list[bool]) -> tuple[Reservation | None, int]:
+        """Place records from ``records[i]`` at the head while they fit one contiguous write
+        (``_lock`` held); returns the reservation (None if nothing fit) and the next index."""
+        res = None
+        while i < len(records):
+            key, _, size, parts, vlen = records[i]
+            if res is not None and (res.end + size > res.seg.cap or len(res.iov) + len(parts) > IOV_MAX):
+                break  # publish these first: the next record needs a new head or another pwritev
+            if res is None:
+                if not self._room(size):
+                    results.append(False)
+                    i += 1
+                    continue
+                # a reservation starts at the head as it is now (_room may have compacted into it)
+                res = Reservation(self._head, self._head.used, self._head.used)
+            seg = res.seg
+            if res.end + size > seg.size:
+                seg.grow(res.end + size - seg.used)
+            res.placed.append((key, res.end, size, vlen))
+            res.iov.extend(parts)
+            res.end += size
+            results.append(True)
+            i += 1
+        return res, i
+
+    def _publish(self, res: Reservation) -> None:
+        """The reserved records are written: index them (``_lock`` held)."""
+        seg = res.seg
+        assert seg.used == res.start and seg is self._head, \
+            f"the head of {self.path} moved while a reservation at {res.start} was being written"
+        seg.used = res.end
+        self._dirty.add(seg.id)
+        for key, off, size, vlen in res.placed:
+            self._index_record(seg, key, off, size, vlen)
+            self._n["bytes_written"] += size
+        self._since_cp += len(res.placed)
+
+    @staticmethod
+    def _image(key: str, value: memoryview | None) -> tuple[bytes, int, list, int]:
+        """(key bytes, record size, iovecs, value length or -1 for a tombstone)."""
+        kb = key.encode("utf-8")
+        if value is None:
+            size = record_size(len(kb), 0)
+            return kb, size, [header(FLAG_TOMB, len(kb), 0, crc32(kb)), kb,
+                              b"\0" * (size - REC_HEADER_BYTES - len(kb))], -1
+        n = value.nbytes
+        size = record_size(len(kb), n)
+        parts = [header(0, len(kb), n, crc32(value, crc32(kb))), kb, value]
+        pad = size - REC_HEADER_BYTES - len(kb) - n
+        if pad:
+            parts.append(b"\0" * pad)
+        return kb, size, parts, n
+
+    def put(self, key: str, value: BytesLike) -> bool:
+        return self.put_many([(key, value)])[0]
+
+    def put_many(self, items: Iterable[tuple[str, BytesLike]]) -> list[bool]:
+        """Append a batch; with durability="batch" one fdatasync at the end. False per record that
+        does not fit. Raises DiskFullError when the filesystem is full (earlier records stay).
+        Gets are served while it writes (each record is indexed once written)."""
+        limit = self.segment_bytes - SEG_HEADER_BYTES
+        recs = []
+        for key, value in items:
+            check_key(key)
+            mv = as_byte_view(value)
+            kb, size, parts, n = self._image(key, mv)
+            if size > limit:
+                raise ValueError(f"value is {mv.nbytes} bytes; a record must fit one segment "
+                                 f"(value limit {limit - record_size(len(kb), 0)} bytes, segment_bytes={self.segment_bytes})")
+            recs.append((key, kb, size, parts, n))
+        res: list[bool] = []
+        i = 0
+        while i < len(recs):  # in chunks, so compaction's appends interleave with a long batch
+            j, nbytes = i, 0
+            while j < len(recs) and (j == i or nbytes + recs[j][2] <= _CHUNK_BYTES):
+                nbytes += recs[j][2]
+                j += 1
+            chunk = recs[i:j]
+            with self._write_lock:
+                with self._lock:
+                    self._check_open()
+                    touched = {loc[0] for k, *_ in chunk if (loc := self._index.get(k)) is not None}
+                got = self._append(chunk)
+                with self._lock:
+                    for rec, ok in zip(chunk, got):
+                        if ok:
+                            self._stats.puts += 1
+                            self._stats.bytes_in += rec[4]
+                    self._after_batch(touched)
+            res += got
+            i = j
+        if self.durability == "batch":
+            self._sync_unlocked()
+        return res
+
+    def delete(self, key: str) -> bool:
+        return self.delete_many([key])[0]
+
+    def delete_many(self, keys: Iterable[str]) -> list[bool]:
+        """Remove keys by appending tombstones (so a restart does not bring them back)."""
+        keys = [check_key(k) for k in keys]
+        with self._appending():
+            self._check_open()
+            out, recs, touched = [], [], set()
+            for k in keys:
+                loc = self._index.get(k)
+                self._corrupt_keys.discard(k)
+                out.append(loc is not None)
+                if loc is not None:
+                    touched.add(loc[0])
+                    recs.append((k, *self._image(k, None)))
+            if recs:
+                res = self._append(recs)
+                for (k, *_), ok in zip(recs, res):
+                    if not ok:  # no room even for a tombstone: forget it now, it comes back on reopen
+                        self._unset(k)
+                self._after_batch(touched)
+        if recs and self.durability == "batch":
+            self._sync_unlocked()
+        return out
+
+    def _after_batch(self, touched: set[int]) -> None:
+        self._stuck -= touched
+        if self._worker is not None and (
+                any(self._compactable(self._segs.get(sid)) for sid in touched) or self._head_mostly_dead()
+                or (self.checkpoint_records and self._since_cp >= max(self.checkpoint_records, len(self._index) // 4))):
+            self._worker.wake()
