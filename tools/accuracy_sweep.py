@@ -102,6 +102,8 @@ def recall_store_specs() -> list[StoreSpec]:
         StoreSpec("store int2 g32", codec="int2"),
         imp("store importance 0/50 median", heavy_fraction=0.0, cold_fraction=0.5),
         imp("store importance 0/75 median", heavy_fraction=0.0, cold_fraction=0.75),
+        imp("store importance 0/90 median", heavy_fraction=0.0, cold_fraction=0.9),
+        imp("store importance 0/90 all-mean", heavy_fraction=0.0, cold_fraction=0.9, recall_reference="all-mean"),
         imp("store importance 0/50 mean", heavy_fraction=0.0, cold_fraction=0.5, recall_reference="mean"),
         imp("store importance 0/50 all-mean", heavy_fraction=0.0, cold_fraction=0.5, recall_reference="all-mean"),
         imp("store importance 0/50 no recall", heavy_fraction=0.0, cold_fraction=0.5, recall_mass=math.inf),

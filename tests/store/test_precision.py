@@ -185,6 +185,23 @@ def test_a_kept_scratch_read_is_not_served_after_an_upgrade(tmp_path):
     st.close()
 
 
+def test_a_prefetch_read_before_the_mark_is_not_served_after_it(tmp_path):
+    st = _store(tmp_path, prefetch=True)
+    s, k, _ = _fill(st, 8)
+    cold = _cold_block(st, s)
+    b = cold.idx
+    t = st.residency.tables[s][0]
+    st.prefetcher.prefetch(t, [b], "temporal")
+    fut = st.prefetcher._futures[cold.key]
+    assert torch.equal(fut.result().data[0], _decoded("int2", k[:, b * BT:(b + 1) * BT]))  # the low copy
+    st.observe(s, 0, list(range(8)), [10.0 if i == b else 0.1 for i in range(8)])
+    K, _ = st.gather(s, 0)
+    assert torch.equal(K[:, b * BT:(b + 1) * BT], _decoded("int4", k[:, b * BT:(b + 1) * BT]))
+    assert st.stats()["precision"]["upgrades"] == 1
+    st.check_invariants()
+    st.close()
+
+
 def test_an_unreadable_backup_leaves_the_low_copy(tmp_path):
     """The backup gone bad on disk: the upgrade is refused (counted), the mark cleared, and the
     int2 L2 copy, never dropped, is read as before."""
