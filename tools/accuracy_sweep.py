@@ -376,8 +376,13 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.from_json:
         doc = {"sources": {}}
-        for f in args.from_json:
-            doc["sources"].update(json.loads(Path(f).read_text())["sources"])
+        for f in args.from_json:  # runs of one source on the same windows add their rows
+            for src, got in json.loads(Path(f).read_text())["sources"].items():
+                have = doc["sources"].setdefault(src, got)
+                if have is not got:
+                    if have["offsets"] != got["offsets"]:
+                        raise SystemExit(f"--from-json {f}: {src} was measured on other windows")
+                    have["rows"].update(got["rows"])
         if args.plot:
             plot(doc, args.plot)
         if args.json:
