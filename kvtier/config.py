@@ -30,6 +30,7 @@ Order = Literal["compress-then-tier", "tier-then-compress"]
 Policy = Literal["lru", "sink-window", "h2o", "snapkv"]
 Attention = Literal["dense", "sparse"]
 SelectScore = Literal["centroid", "quest"]
+DigestDType = Literal["int8", "kv"]
 AttentionMath = Literal["float32", "sdpa"]
 Axis = Literal["channel", "token"]
 Durability = Literal["never", "close", "batch"]
@@ -60,7 +61,7 @@ DEFAULT_BLOCK_TOKENS = {"dense": 64, "sparse": 16}
 
 
 #: ``digest_tokens`` of the centroid score when the user sets none (see ``KVTierConfig.digest_tokens``).
-DEFAULT_DIGEST_TOKENS = 4
+DEFAULT_DIGEST_TOKENS = 2
 
 
 def default_block_tokens(attention: str) -> int:
@@ -261,23 +262,39 @@ class KVTierConfig:
     block, or of each ``digest_tokens`` sub-block), softmax-normalised over the candidate blocks
     per head, best head wins (ArkVale's centre; one dominant head, e.g. an induction head, can
     claim a block). ``quest``: Quest's upper bound sum_d max(q_d*min_d, q_d*max_d), summed over
-    heads. The digest kept per sealed block and kv head is what the score reads, in the KV dtype:
-    the means (``head_dim`` values each) or max | min (``2 * head_dim``). Recall probe
+    heads. The digest kept per sealed block and kv head is what the score reads, stored as
+    ``digest_dtype`` says: the means (``head_dim`` values each) or max | min (``2 * head_dim``). Recall probe
     (tools/sparse_sweep.py, SmolLM2, int4, 2k context, L1 = budget = 12.5%, 16-token blocks,
     pydoc + essays + SQuAD x 3 windows): centroid 0.79 of the reference's accuracy with one
     centroid per block, 0.87 with 4-token ones; quest 0.29."""
 
     digest_tokens: Optional[int] = None
     """``centroid`` only: tokens summarised by one key centroid; a block's score is its best
-    sub-block's. A divisor of ``block_tokens``; default (derived) 4, or gcd(``block_tokens``, 4)
-    when 4 does not divide it; ``block_tokens`` with ``quest``. One key that matches the query
-    stands out of the mean of 4 keys, not of 16. Recall probe as in ``select_score`` (lru, 9
-    windows), ratio to the reference [95% CI]: 16-token blocks, 4-token centroids 0.87 [0.79, 0.95], 8-token 0.78
-    [0.67, 0.87], 16-token 0.79 [0.62, 0.93]; 32-token blocks 0.78, 0.65, 0.47 with 4-, 8-, 32-token
-    centroids; 64-token blocks 0.09 (a 256-token budget leaves no room for any selected block).
-    Costs ``block_tokens / digest_tokens`` digest rows per block in L1: at 4 tokens 1/8 of a
-    16-bit KV cache per token (on the probe above L1 held 5.0 kB per token against 2.9 kB with
-    one centroid per 16-token block, of the reference's 23 kB)."""
+    sub-block's. A divisor of ``block_tokens``; default (derived) 2, or gcd(``block_tokens``, 2)
+    when 2 does not divide it; ``block_tokens`` with ``quest``. One key that matches the query
+    stands out of the mean of 2 keys, not of 16. Recall probe as in ``select_score`` (lru, 9
+    windows, bf16 digests), ratio to the reference [95% CI]: 16-token blocks, 4-token centroids
+    0.87 [0.79, 0.95], 8-token 0.78 [0.67, 0.87], 16-token 0.79 [0.62, 0.93]; 32-token blocks
+    0.78, 0.65, 0.47 with 4-, 8-, 32-token centroids; 64-token blocks 0.09 (a 256-token budget
+    leaves no room for any selected block). At 2k and 4k (h2o, 12 windows, bf16 digests):
+    4-token centroids 0.87 [0.78, 0.95] at 5.0 kB of L1 per token, 2-token 0.95 [0.90, 0.99] at
+    7.9 kB, per key 0.99 at 13.6 kB (the reference holds 23 kB); the default, 2-token int8
+    centroids, 0.95 [0.88, 1.01] at 2k and 0.98 [0.89, 1.07] at 4k at 5.2 kB. Costs ``block_tokens /
+    digest_tokens`` digest rows per block in L1, each ``head_dim + 4`` bytes per kv head with
+    the default int8 ``digest_dtype`` (``2 * head_dim`` in a 16-bit KV dtype): 2-token int8
+    centroids cost 1.06x what 4-token bf16 ones did."""
+
+    digest_dtype: DigestDType = "int8"
+    """How the key digests are stored in L1. ``int8``: each centroid (each quest max | min row)
+    as int8 codes against its own absmax, with a float32 scale: ``head_dim + 4`` bytes per
+    centroid against ``2 * head_dim`` in a 16-bit KV dtype, so 2-token centroids cost about what
+    4-token ones do in bf16; the scorer reads the codes in place and applies the scale per row
+    (error per channel at most absmax / 254). ``kv``: in the KV dtype, as the model wrote them.
+    On SmolLM2's real keys and queries (2k windows of pydoc, essays, SQuAD; every layer; the
+    12.5% budget's top 12 blocks) int8 centroids select 98% the same blocks as bf16 ones, the
+    rest near-ties: 0.840 of the oracle selection's attention mass against 0.841. The scorer's
+    time grows with the centroids scored (kvtier/store/api.md). Probe figures under
+    ``digest_tokens``."""
 
     attention_math: AttentionMath = "float32"
     """How kvtier's own attention computes, where it replaces SDPA (sparse decode steps, and
@@ -402,6 +419,7 @@ class KVTierConfig:
         check_choice("value_axis", self.value_axis, get_args(Axis))
         check_choice("policy", self.policy, get_args(Policy))
         check_choice("select_score", self.select_score, get_args(SelectScore))
+        check_choice("digest_dtype", self.digest_dtype, get_args(DigestDType))
         check_choice("attention_math", self.attention_math, get_args(AttentionMath))
         if self.digest_tokens is None:
             derive(self, "digest_tokens", self.block_tokens if self.select_score != "centroid"

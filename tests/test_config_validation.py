@@ -2,11 +2,12 @@
 rebuild, and the sizes that need the model's shape checked before the store allocates."""
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
 
-from kvtier.config import DERIVED_FIELDS, KVTierConfig
+from kvtier.config import DEFAULT_DIGEST_TOKENS, DERIVED_FIELDS, KVTierConfig
 
 # SmolLM2-135M's KV shape: 30 layers, 3 kv heads, head_dim 64 (float32 as load_model() gives)
 SHAPE = dict(num_layers=30, kv_heads=3, head_dim=64)
@@ -41,9 +42,9 @@ def test_a_value_the_user_set_is_kept_even_if_equal_to_the_derived_one():
 
 def test_replace_of_block_tokens_and_hot_tokens_derives_digest_and_budget():
     cfg = KVTierConfig(attention="sparse")
-    assert (cfg.block_tokens, cfg.digest_tokens) == (16, 4)  # the sparse defaults
-    r = dataclasses.replace(cfg, block_tokens=6)
-    assert r.digest_tokens == 2  # the largest divisor of block_tokens up to 4
+    assert (cfg.block_tokens, cfg.digest_tokens, cfg.digest_dtype) == (16, DEFAULT_DIGEST_TOKENS, "int8")  # the sparse defaults
+    r = dataclasses.replace(cfg, block_tokens=9)
+    assert r.digest_tokens == math.gcd(9, DEFAULT_DIGEST_TOKENS)  # a divisor of block_tokens
     assert dataclasses.replace(cfg, select_score="quest").digest_tokens == 16
     # the block size follows the attention mode unless set
     assert KVTierConfig().block_tokens == 64 and dataclasses.replace(KVTierConfig(), attention="sparse").block_tokens == 16
@@ -64,7 +65,7 @@ def test_to_dict_gives_what_the_user_set_and_from_dict_derives_the_rest():
     assert KVTierConfig.from_dict(d) == cfg
     changed = KVTierConfig.from_dict(d | {"codec": "int8", "block_tokens": 16, "hot_tokens": 64})
     assert (changed.host_codec, changed.disk_codec, changed.digest_tokens, changed.budget_tokens) == \
-        ("int8", "int8", 4, 64)
+        ("int8", "int8", DEFAULT_DIGEST_TOKENS, 64)
     # resolved: the values in effect, plain JSON types
     r = json.loads(json.dumps(cfg.to_dict(resolved=True)))
     assert r["host_codec"] == "int4" and r["budget_tokens"] == 256 and type(r["budget_tokens"]) is int

@@ -43,18 +43,28 @@ def _row(name: str, **params) -> tuple[str, dict]:
 def grids() -> dict[str, list[tuple[str, dict]]]:
     """Named grids of settings (name, CacheSpec params without the L1 fraction)."""
     return {
-        # block size x digest resolution, at the selection and policy of the defaults
+        # block size x digest resolution, at the selection and policy of the defaults, digests in
+        # the KV dtype (bf16 here)
         "digest": [
-            _row("b64 d64", block_tokens=64, digest_tokens=64),
-            _row("b32 d32", block_tokens=32, digest_tokens=32),
-            _row("b32 d8", block_tokens=32, digest_tokens=8),
-            _row("b32 d4", block_tokens=32, digest_tokens=4),
-            _row("b16 d16", block_tokens=16, digest_tokens=16),
-            _row("b16 d8", block_tokens=16, digest_tokens=8),
-            _row("b16 d4", block_tokens=16, digest_tokens=4),
-            _row("b16 d2", block_tokens=16, digest_tokens=2),
-            _row("b16 d1", block_tokens=16, digest_tokens=1),
-            _row("b16 quest", block_tokens=16, select_score="quest"),
+            _row("b64 d64", block_tokens=64, digest_tokens=64, digest_dtype="kv"),
+            _row("b32 d32", block_tokens=32, digest_tokens=32, digest_dtype="kv"),
+            _row("b32 d8", block_tokens=32, digest_tokens=8, digest_dtype="kv"),
+            _row("b32 d4", block_tokens=32, digest_tokens=4, digest_dtype="kv"),
+            _row("b16 d16", block_tokens=16, digest_tokens=16, digest_dtype="kv"),
+            _row("b16 d8", block_tokens=16, digest_tokens=8, digest_dtype="kv"),
+            _row("b16 d4", block_tokens=16, digest_tokens=4, digest_dtype="kv"),
+            _row("b16 d2", block_tokens=16, digest_tokens=2, digest_dtype="kv"),
+            _row("b16 d1", block_tokens=16, digest_tokens=1, digest_dtype="kv"),
+            _row("b16 quest", block_tokens=16, select_score="quest", digest_dtype="kv"),
+        ],
+        # int8 digests (a float32 scale per centroid) against the same resolutions in bf16:
+        # an int8 centroid costs head_dim + 4 bytes, a bf16 one 2 * head_dim
+        "digest8": [
+            _row("b16 d4 bf16dig", block_tokens=16, digest_tokens=4, digest_dtype="kv"),
+            _row("b16 d2 bf16dig", block_tokens=16, digest_tokens=2, digest_dtype="kv"),
+            _row("b16 d4 i8dig", block_tokens=16, digest_tokens=4, digest_dtype="int8"),
+            _row("b16 d2 i8dig", block_tokens=16, digest_tokens=2, digest_dtype="int8"),
+            _row("b16 d1 i8dig", block_tokens=16, digest_tokens=1, digest_dtype="int8"),
         ],
         # how the budget is split: sinks and window (the rest is top-k), and the policy
         "split": [

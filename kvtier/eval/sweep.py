@@ -52,10 +52,10 @@ def quick_configs() -> list[CacheSpec]:
         _kv("kvtier int4 dense L1=25%", codec="int4", attention="dense", hot_fraction=0.25, policy="lru"),
         _kv("kvtier int4 sparse L1=25%", codec="int4", attention="sparse", hot_fraction=0.25, policy="h2o"),
         _kv("kvtier int4 sparse L1=10%", codec="int4", attention="sparse", hot_fraction=0.10, policy="h2o"),
-        # one key centroid per 16-token block instead of the default one per 4 tokens: a quarter
-        # of the digest bytes, and a matching key averaged away by 15 others
+        # one bf16 key centroid per 16-token block instead of the default int8 one per 2 tokens:
+        # 0.28x the digest bytes, and a matching key averaged away by 15 others
         _kv("kvtier int4 sparse L1=10% d16", codec="int4", attention="sparse", hot_fraction=0.10, policy="h2o",
-            digest_tokens=16),
+            digest_tokens=16, digest_dtype="kv"),
         _kv("kvtier int4 t2c sparse L1=25%", codec="int4", order="tier-then-compress", attention="sparse",
             hot_fraction=0.25, policy="h2o"),
         _kv("sink-window int4 (no recall)", codec="int4", attention="sparse", hot_fraction=0.10,
@@ -76,8 +76,9 @@ def ruler_configs(l1_fractions=SPARSE_L1) -> list[CacheSpec]:
     """The long-context sweep: full attention, eviction-only anchors at kvtier's smallest
     sparse budget but one (3%), transformers' quantized caches, and kvtier int4 sparse at each
     L1 fraction with a small L2 (2% of the 16-bit KV), so most blocks live on L3 and come back
-    by query, with the default key digest (a centroid per 4 tokens) and, at 3%, one centroid per
-    16-token block (``d16``) to show what the finer digest buys; plus kvtier int4 dense.
+    by query, with the default key digest (an int8 centroid per 2 tokens) and, at 3%, one
+    centroid per 16-token block in the KV dtype (``d16``) to show what the finer digest buys;
+    plus kvtier int4 dense.
 
     The sparse rows use the lru policy: blocks are selected by query at every step wherever they
     lie, so the policy only decides which tier holds them, and a non-observing policy lets the
@@ -96,14 +97,14 @@ def ruler_configs(l1_fractions=SPARSE_L1) -> list[CacheSpec]:
     # each, averaged away among 16 (RULER niah_single_2 at 32k: the 16-token digest read 4 of its
     # 7 digits at L1 = 3% and 6 at 12.5%; per 4 tokens, all 7 at 3%)
     out.append(_kv("kvtier int4 sparse L1=3.0% d16", codec="int4", attention="sparse", hot_fraction=0.03,
-                   host_fraction=0.02, policy="lru", digest_tokens=16))
+                   host_fraction=0.02, policy="lru", digest_tokens=16, digest_dtype="kv"))
     out.append(_kv("kvtier int4 dense", codec="int4", attention="dense", hot_fraction=0.03, host_fraction=0.02,
                    policy="lru"))
     return out
 
 
 def demo_configs() -> list[CacheSpec]:
-    """`make demo`: full attention, StreamingLLM and kvtier sparse (a centroid per 4 tokens) at the
+    """`make demo`: full attention, StreamingLLM and kvtier sparse (the default digest) at the
     same 3% budget."""
     keep = ("dynamic (ref)", "StreamingLLM 3.0%", "kvtier int4 sparse L1=3.0%")
     return [s for s in ruler_configs() if s.name in keep]

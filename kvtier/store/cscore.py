@@ -5,13 +5,16 @@ On the CPU the scoring is a handful of tiny torch ops per layer and decode step 
 digest range first), each paying torch's per-op dispatch: ~25 us at SmolLM2's shape (3 kv heads,
 3 query heads per kv head, m = 250 candidate blocks), the largest single cost of a sparse decode
 step's store calls. This routine computes the same scores in one pass straight from the digest
-table (float32 or bf16, read in place: no conversion copy, no extra memory) in a few us.
+table (float32, bf16, or int8 codes with a float32 scale per row, read in place: no conversion
+copy, no extra memory) in a few us.
 
 Math (the specification is the torch code in ``Selector.scores``, select.py, which stays the
 fallback and the CUDA path; tests/store/test_cscore.py compares the two):
   centroid  s[h, r, j] = scale * q[h, r] . mean[h, j];  score[j] = max_{h, r} softmax_j(s[h, r])[j]
   quest     s[h, r, j] = sum_d max(q_d, 0) * max[h, j, d] + min(q_d, 0) * min[h, j, d]
             score[j] = sum_h max_r s[h, r, j]
+  int8      mean[h, j] (max | min) = codes[h, j] * rscale[h, j]: the dot runs on the codes and
+            its result is multiplied by the row's scale
 Scores agree with torch to float32 rounding (summation order differs), so the top-k ranking is
 the same except between blocks whose scores tie to within rounding.
 
@@ -58,11 +61,19 @@ static inline float exp_neg(float x) {
     return p * two_n;
 }
 
-/* One digest row (width floats) as float32 into buf; returns a pointer to it. */
-static inline const float *row_f32(const void *dig, int64_t off, int64_t width, int bf16, float *buf) {
-    if (!bf16) return (const float *)dig + off;
-    const uint16_t *p = (const uint16_t *)dig + off;
-    for (int64_t d = 0; d < width; d++) buf[d] = bf16_to_f32(p[d]);
+enum { DIG_F32 = 0, DIG_BF16 = 1, DIG_INT8 = 2 };
+
+/* One digest row (width elements) as float32 into buf; returns a pointer to it. int8 rows come
+   back as their codes: the caller multiplies the row's score by its scale. */
+static inline const float *row_f32(const void *dig, int64_t off, int64_t width, int kind, float *buf) {
+    if (kind == DIG_F32) return (const float *)dig + off;
+    if (kind == DIG_BF16) {
+        const uint16_t *p = (const uint16_t *)dig + off;
+        for (int64_t d = 0; d < width; d++) buf[d] = bf16_to_f32(p[d]);
+    } else {
+        const int8_t *p = (const int8_t *)dig + off;
+        for (int64_t d = 0; d < width; d++) buf[d] = (float)p[d];
+    }
     return buf;
 }
 
@@ -78,11 +89,13 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 }
 
 /* q: [H][R][hd] float32 (contiguous). dig: digest rows of the m candidate blocks, row j of head h
-   at element offset h*head_stride + j*width (float32 or bf16); width = hd (centroid: mean) or
-   2*hd (quest: max | min). out: [m] float32. Returns 0, or -1 when out of memory. */
+   at element offset h*head_stride + j*width (kind: float32, bf16 or int8); width = hd (centroid:
+   mean) or 2*hd (quest: max | min). int8: row j of head h stands for its codes times
+   rscale[h*rscale_stride + j] (float32, >= 0); rscale is unread otherwise. out: [m] float32.
+   Returns 0, or -1 when out of memory. */
 int kvt_block_scores(const float *q, int64_t H, int64_t R, int64_t hd, const void *dig,
-                     int64_t head_stride, int64_t width, _Bool bf16, int64_t m, _Bool quest,
-                     float scale, float *out) {
+                     int64_t head_stride, int64_t width, int kind, const float *rscale,
+                     int64_t rscale_stride, int64_t m, _Bool quest, float scale, float *out) {
     float *s = (float *)malloc(sizeof(float) * (size_t)(R * m + 2 * width + 2 * R * hd));
     if (!s) return -1;
     float *buf = s + R * m;            /* one converted digest row */
@@ -98,19 +111,21 @@ int kvt_block_scores(const float *q, int64_t H, int64_t R, int64_t hd, const voi
                     qq[r * 2 * hd + hd + d] = x < 0.f ? x : 0.f;
                 }
             for (int64_t j = 0; j < m; j++) {
-                const float *row = row_f32(dig, h * head_stride + j * width, width, bf16, buf);
+                const float *row = row_f32(dig, h * head_stride + j * width, width, kind, buf);
                 float best = -INFINITY;
                 for (int64_t r = 0; r < R; r++) {
                     float v = dot(qq + r * 2 * hd, row, 2 * hd);
                     if (v > best) best = v;
                 }
-                out[j] += best;
+                /* a scale >= 0 commutes with the max over rows */
+                out[j] += kind == DIG_INT8 ? best * rscale[h * rscale_stride + j] : best;
             }
             continue;
         }
         for (int64_t j = 0; j < m; j++) {
-            const float *row = row_f32(dig, h * head_stride + j * width, width, bf16, buf);
-            for (int64_t r = 0; r < R; r++) s[r * m + j] = scale * dot(qh + r * hd, row, hd);
+            const float *row = row_f32(dig, h * head_stride + j * width, width, kind, buf);
+            float sj = kind == DIG_INT8 ? scale * rscale[h * rscale_stride + j] : scale;
+            for (int64_t r = 0; r < R; r++) s[r * m + j] = sj * dot(qh + r * hd, row, hd);
         }
         for (int64_t r = 0; r < R; r++) {
             float *sr = s + r * m;
@@ -147,14 +162,17 @@ static float kth_largest(float *a, int64_t n, int64_t k) {
    best score, then the lowest-indexed ties at it. NaN scores (a NaN query) rank last. With
    parts > 1 (centroid only) each block is `parts` consecutive digest rows of `width` floats
    (sub-block centroids): the rows are scored as m * parts candidates (one softmax over all of
-   them) and a block scores as its best row. Other arguments as kvt_block_scores (m = blocks).
+   them) and a block scores as its best row; int8 scales are per row, so rscale holds m * parts
+   of them per head. Other arguments as kvt_block_scores (m = blocks).
    Returns 0, or -1 when out of memory. */
 int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *dig,
-                  int64_t head_stride, int64_t width, _Bool bf16, int64_t m, _Bool quest,
-                  float scale, int64_t parts, int64_t k, int64_t *idx) {
+                  int64_t head_stride, int64_t width, int kind, const float *rscale,
+                  int64_t rscale_stride, int64_t m, _Bool quest, float scale, int64_t parts,
+                  int64_t k, int64_t *idx) {
     float *sc = (float *)malloc(sizeof(float) * (size_t)(m * parts + m));
     if (!sc) return -1;
-    if (kvt_block_scores(q, H, R, hd, dig, head_stride, width, bf16, m * parts, quest, scale, sc)) {
+    if (kvt_block_scores(q, H, R, hd, dig, head_stride, width, kind, rscale, rscale_stride, m * parts,
+                         quest, scale, sc)) {
         free(sc);
         return -1;
     }
@@ -190,7 +208,8 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-std=g
 
 def _declare(lib: ctypes.CDLL) -> None:
     i64, c_int, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-    lib.kvt_block_scores.argtypes = [vp, i64, i64, i64, vp, i64, i64, ctypes.c_bool, i64, ctypes.c_bool, ctypes.c_float, vp]
+    lib.kvt_block_scores.argtypes = [vp, i64, i64, i64, vp, i64, i64, c_int, vp, i64, i64, ctypes.c_bool,
+                                     ctypes.c_float, vp]
     lib.kvt_block_scores.restype = c_int
     lib.kvt_block_top.argtypes = lib.kvt_block_scores.argtypes[:-1] + [i64, i64, vp]
     lib.kvt_block_top.restype = c_int
@@ -205,11 +224,29 @@ def available() -> bool:
     return _load() is not None
 
 
-#: digest dtypes the routine reads in place
-DTYPES = (torch.float32, torch.bfloat16)
+#: digest dtypes the routine reads in place (int8 with its per-row float32 scales)
+DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
 
 
-def block_scores(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: bool, scale: float) -> torch.Tensor:
+def _digest_args(digest: torch.Tensor, digest_scale: torch.Tensor | None, lo: int, parts: int) -> tuple:
+    """(kind, address of row lo, address of its first scale, scales per head) for the C routines."""
+    kind = _KIND.get(digest.dtype)
+    assert kind is not None, f"digest dtype must be one of {DTYPES}; got {digest.dtype}"
+    kvh, cap, width = digest.shape
+    base = digest.data_ptr() + lo * width * digest.element_size()
+    if kind != 2:
+        assert digest_scale is None, "only an int8 digest has scales"
+        return kind, base, None, 0
+    assert (digest_scale is not None and digest_scale.dtype == torch.float32 and digest_scale.is_contiguous()
+            and tuple(digest_scale.shape) == (kvh, cap, parts)), \
+        f"int8 digest {tuple(digest.shape)} needs float32 scales [{kvh}, {cap}, {parts}]; got " \
+        f"{None if digest_scale is None else (digest_scale.dtype, tuple(digest_scale.shape))}"
+    return kind, base, digest_scale.data_ptr() + lo * parts * 4, cap * parts
+
+
+def block_scores(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: bool, scale: float,
+                 digest_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Scores of digest rows [lo, hi) (see the module docstring for the math).
 
     On the decode hot path (once per layer and step): the caller checked the query's shape
@@ -220,9 +257,11 @@ def block_scores(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest:
         q: [q_heads, q_len, head_dim] float32 contiguous CPU, q_heads a multiple of kv_heads
             (query heads of one kv head adjacent, as transformers' ``repeat_kv``); a
             ``[kv_heads, R, head_dim]`` tensor of query rows per kv head is one such.
-        digest: [kv_heads, cap, width] contiguous CPU table, float32 or bfloat16; width = head_dim
-            (centroid) or 2 * head_dim (quest: max | min).
+        digest: [kv_heads, cap, width] contiguous CPU table, float32, bfloat16 or int8; width =
+            head_dim (centroid) or 2 * head_dim (quest: max | min).
         scale: centroid logit scale (ignored by quest).
+        digest_scale: int8 digests only: float32 [kv_heads, cap, 1], row j stands for
+            ``digest[:, j] * digest_scale[:, j]`` (``table.quantize_rows``).
     Returns:
         [hi - lo] float32 (owned).
     """
@@ -235,17 +274,14 @@ def block_scores(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest:
         f"q {q.dtype} {tuple(q.shape)}, digest {tuple(digest.shape)} rows [{lo}, {hi}), quest={quest}"
     m = hi - lo
     out = torch.empty(m, dtype=torch.float32)
-    bf16 = digest.dtype == torch.bfloat16
-    assert bf16 or digest.dtype == torch.float32, f"digest dtype must be one of {DTYPES}; got {digest.dtype}"
-    # element offset of row lo (2 or 4 bytes per element)
-    base = digest.data_ptr() + lo * width * (2 if bf16 else 4)
-    if fn(q.data_ptr(), kvh, r, hd, base, cap * width, width, bf16, m, quest, scale, out.data_ptr()):
+    kind, base, sbase, sstride = _digest_args(digest, digest_scale, lo, 1)
+    if fn(q.data_ptr(), kvh, r, hd, base, cap * width, width, kind, sbase, sstride, m, quest, scale, out.data_ptr()):
         raise MemoryError("kvt_block_scores: out of memory")
     return out
 
 
 def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: bool, scale: float,
-               k: int, parts: int = 1) -> list[int]:
+               k: int, parts: int = 1, digest_scale: torch.Tensor | None = None) -> list[int]:
     """The ``k`` best-scoring digest rows of [lo, hi), ascending, as offsets from ``lo``.
 
     The same scores as :func:`block_scores`; the selection is done in C too (no score tensor, no
@@ -253,6 +289,7 @@ def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: b
     Arguments as :func:`block_scores`; 1 <= k <= hi - lo. ``parts`` > 1 (centroid only): each
     row holds that many sub-block centroids side by side (``width = parts * head_dim``), scored
     as ``Selector.scores`` does: one softmax over every sub-block, a block's score its best part.
+    int8 ``digest_scale`` is then [kv_heads, cap, parts]: one scale per sub-block centroid.
     """
     fn = _load().kvt_block_top
     qh, ql, hd = q.shape
@@ -262,11 +299,10 @@ def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: b
             and qh % kvh == 0 and parts >= 1 and (parts == 1 or not quest)
             and width == (hd << quest) * parts and 0 <= lo < hi <= cap and 1 <= k <= hi - lo), \
         f"q {q.dtype} {tuple(q.shape)}, digest {tuple(digest.shape)} rows [{lo}, {hi}), quest={quest}, k={k}, parts={parts}"
-    bf16 = digest.dtype == torch.bfloat16
-    assert bf16 or digest.dtype == torch.float32, f"digest dtype must be one of {DTYPES}; got {digest.dtype}"
+    kind, base, sbase, sstride = _digest_args(digest, digest_scale, lo, parts)
     out = (ctypes.c_int64 * k)()
-    base = digest.data_ptr() + lo * width * (2 if bf16 else 4)
     sub = width // parts  # one sub-block row: the rows of a block are consecutive
-    if fn(q.data_ptr(), kvh, r, hd, base, cap * width, sub, bf16, hi - lo, quest, scale, parts, k, out):
+    if fn(q.data_ptr(), kvh, r, hd, base, cap * width, sub, kind, sbase, sstride, hi - lo, quest, scale, parts,
+          k, out):
         raise MemoryError("kvt_block_top: out of memory")
     return out[:]

@@ -38,6 +38,7 @@ class Layout:
     l2_staged: bool          # L2 records go through the byte stage too
     digest_score: str | None  # what select() ranks by; None: no digests kept (dense attention)
     digest_parts: int
+    digest_dtype: torch.dtype  # the KV dtype, or int8 (rows with float32 scales, table.py)
     scratch_slots: int       # L1 slots past the regions, for misses while a region is full
     max_sequences: int
     precision: PrecisionPlan | None = None  # precision="importance": codec per evicted block
@@ -103,6 +104,7 @@ class Layout:
             l2_staged=cfg.byte_stage_l2 and cfg.byte_stage != "none",
             digest_score=cfg.select_score if cfg.attention == "sparse" else None,
             digest_parts=bt // cfg.digest_tokens,
+            digest_dtype=torch.int8 if cfg.digest_dtype == "int8" else dtype,
             # a selection fits in the budget, so one read needs at most hot_blocks - 1 scratch
             # slots; one read per live sequence may be in flight at a time
             scratch_slots=max(1, hot - 1) * cfg.max_sequences, max_sequences=cfg.max_sequences,

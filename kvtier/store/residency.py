@@ -62,7 +62,7 @@ class Residency:
             self._next_seq += 1
             g = self._group[seq] = self._free_groups.pop(0)
             c = lay.hot_blocks
-            self.tables[seq] = [BlockTable(seq, layer, lay.kv_heads, lay.head_dim, lay.device, lay.dtype,
+            self.tables[seq] = [BlockTable(seq, layer, lay.kv_heads, lay.head_dim, lay.device, lay.digest_dtype,
                                            lay.digest_score, lay.digest_parts,
                                            base=(g * lay.num_layers + layer) * c, cap=c)
                                 for layer in range(lay.num_layers)]
@@ -615,7 +615,7 @@ class Residency:
                         out["l1_tokens"] += t.resident * bt - (len(t.entries) * bt - t.length)
                     if t.digest is not None:
                         out["digest_bytes"] += t.n_sealed * t.digest_row_bytes()
-                        out["digest_reserved"] += t.digest.numel() * t.digest.element_size()
+                        out["digest_reserved"] += t.digest_reserved_bytes()
             out.update(sequences=len(self.tables), home=dict(self.home), below=dict(self.below),
                        refs=[len(r.entries) for r in self.copies.values() if r.content])
         return out

@@ -18,7 +18,7 @@ class Selector:
         self.res = res
         # CPU: block scores in one compiled call, read from the digest table in place (cscore.py)
         self.cscore = (layout.digest_score is not None and layout.device.type == "cpu"
-                       and layout.dtype in cscore.DTYPES and cscore.available())
+                       and layout.digest_dtype in cscore.DTYPES and cscore.available())
         self._zeros = torch.zeros(1, 1, 1, device=layout.device)  # baddbmm's unread input (beta=0)
 
     def select(self, t: BlockTable, query: torch.Tensor, budget: int) -> list[int]:
@@ -37,7 +37,7 @@ class Selector:
                 # scores and selection in one compiled call, already ascending
                 top = cscore.top_blocks(self.query_f32(query), t.digest, s_end, w_start,
                                         lay.digest_score == "quest", lay.head_dim ** -0.5, k,
-                                        lay.digest_parts)
+                                        lay.digest_parts, t.digest_scale)
                 sel += [b + s_end for b in top]
             else:
                 scores = self.scores(t, query, s_end, w_start)
@@ -67,7 +67,7 @@ class Selector:
         ``KVTierConfig.select_score``. The torch math: the specification of cscore.py's CPU path."""
         q = self.query_rows(query)  # [kv_heads, G*q_len, hd]
         hd = self.layout.head_dim
-        dig_t = t.digest_t(lo, hi)  # [kv_heads, hd, m] (mean) or [kv_heads, 2*hd, m] (max | min)
+        dig_t = t.digest_t(lo, hi)  # [kv_heads, hd, m] (mean) or [kv_heads, 2*hd, m] (max | min); int8 dequantized
         if dig_t.dtype != torch.float32:
             dig_t = dig_t.float()
         if self.layout.digest_score == "centroid":

@@ -105,8 +105,7 @@ class SequenceSurgery:
             pool[:, :, torch.tensor(dst_slots, device=dev)] = pool.index_select(2, torch.tensor(src_slots, device=dev))
         d.length = s.length
         d.observed = s.observed
-        if s.digest is not None:
-            d.digest = s.digest.clone()
+        d.copy_digest_from(s)
         if d.entries:
             res._open_views(d)
         res.touched[id(d)] = d

@@ -141,6 +141,22 @@ class BlockEntry:
 DIGEST_PARTS = {"centroid": ("mean",), "quest": ("max", "min")}
 
 
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 of each row of ``x`` [..., n] against its own absmax: (int8 [..., n],
+    float32 scale [...]) with ``x ~ q * scale`` and ``|x - q * scale| <= scale / 2`` (absmax / 254).
+    Symmetric, no zero point: a score is ``scale * (q_query . q_row)``, one multiply per row."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1) / 127.0
+    # an all-zero row keeps scale 0 and codes 0 (the divisor only has to be nonzero)
+    q = torch.round(x / torch.where(scale > 0, scale, 1.0).unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``q * scale`` (the inverse of :func:`quantize_rows` up to its rounding)."""
+    return q.float() * scale.unsqueeze(-1)
+
+
 class BlockTable:
     """Blocks of one layer of one sequence, plus their key digests (kept on the L1 device).
 
@@ -150,6 +166,9 @@ class BlockTable:
     ``quest``: max | min (Quest's upper bound of q.k) -> ``[kv_heads, cap, 2 * head_dim]``.
     With ``digest_parts`` > 1 (centroid only) a row holds the means of that many equal sub-blocks
     side by side -> ``[kv_heads, cap, parts * head_dim]``.
+    ``digest_dtype`` int8 (``KVTierConfig.digest_dtype``): the same rows as int8 codes, each
+    sub-block's (each quest row's) against its own absmax, with ``digest_scale`` float32
+    ``[kv_heads, cap, parts]`` (:func:`quantize_rows`).
     Rows ``[0, n_sealed)`` are valid; the table's row capacity doubles when a seal needs more.
     """
 
@@ -180,10 +199,13 @@ class BlockTable:
         self.select_score = select_score
         self.digest_parts = digest_parts
         self.digest: torch.Tensor | None = None
+        self.digest_scale: torch.Tensor | None = None  # int8 digests: [kv_heads, cap, parts] float32
         self._digest_t: tuple | None = None   # (lo, hi, view) of the last digest_t() call
         if select_score is not None:
             width = len(DIGEST_PARTS[select_score]) * digest_parts * head_dim
             self.digest = torch.empty(kv_heads, 16, width, dtype=digest_dtype, device=device)
+            if digest_dtype == torch.int8:
+                self.digest_scale = torch.empty(kv_heads, 16, digest_parts, dtype=torch.float32, device=device)
 
     def take_slot(self, e: BlockEntry, slot: int) -> None:
         """``e`` now holds L1 slot ``slot`` (store lock held)."""
@@ -232,9 +254,18 @@ class BlockTable:
         return max(0, len(self.entries) - 1)
 
     def digest_row_bytes(self) -> int:
-        """Bytes of one sealed block's digest (0 without digests)."""
-        d = self.digest
-        return 0 if d is None else d.shape[0] * d.shape[2] * d.element_size()
+        """Bytes of one sealed block's digest, int8 scales included (0 without digests)."""
+        d, sc = self.digest, self.digest_scale
+        if d is None:
+            return 0
+        return d.shape[0] * d.shape[2] * d.element_size() + (0 if sc is None else sc.shape[0] * sc.shape[2] * 4)
+
+    def digest_reserved_bytes(self) -> int:
+        """Bytes the digest table holds, capacity included."""
+        if self.digest is None:
+            return 0
+        sc = self.digest_scale
+        return self.digest.numel() * self.digest.element_size() + (0 if sc is None else sc.numel() * 4)
 
     def digest_t(self, lo: int, hi: int) -> torch.Tensor:
         """Digests of sealed blocks [lo, hi) as ``[kv_heads, width, hi - lo]`` (a view, ready as
@@ -245,6 +276,10 @@ class BlockTable:
         if c is not None and c[0] == lo and c[1] == hi:
             return c[2]
         rows = self.digest[:, lo:hi]  # [kv_heads, m, width]
+        if self.digest_scale is not None:  # int8: a float32 copy, kept as the view is
+            kvh, m, width = rows.shape
+            p = self.digest_parts
+            rows = dequantize_rows(rows.reshape(kvh, m, p, width // p), self.digest_scale[:, lo:hi]).view(kvh, m, width)
         if self.digest_parts > 1:
             rows = rows.reshape(rows.shape[0], -1, self.head_dim)  # [kv_heads, m * parts, head_dim]
         view = rows.transpose(1, 2)
@@ -258,20 +293,42 @@ class BlockTable:
         if self.digest.is_inference() and not torch.is_inference_mode_enabled():
             # grown during an inference_mode() prefill; a plain copy can be written outside it
             self.digest = self.digest.clone()
+            if self.digest_scale is not None:
+                self.digest_scale = self.digest_scale.clone()
             self._digest_t = None
         if b >= self.digest.shape[1]:
-            old = self.digest
-            self.digest = torch.empty((old.shape[0], max(b + 1, 2 * old.shape[1]), old.shape[2]),
-                                      dtype=old.dtype, device=old.device)
-            self.digest[:, : old.shape[1]] = old
+            self.digest = _grown(self.digest, b)
+            if self.digest_scale is not None:
+                self.digest_scale = _grown(self.digest_scale, b)
             self._digest_t = None  # a view of the old table
-        row = self.digest[:, b]  # [kv_heads, width]
+        c = self._digest_t
+        if c is not None and c[0] <= b < c[1]:
+            self._digest_t = None  # a row of the kept range is rewritten (an int8 one is a copy)
+        kvh, bt, hd = keys.shape
         if self.select_score == "centroid":
-            kvh, bt, hd = keys.shape
-            p = self.digest_parts  # [kv_heads, parts, bt / parts, hd] -> means [kv_heads, parts * hd]
-            row.copy_(keys.reshape(kvh, p, bt // p, hd).mean(dim=2, dtype=torch.float32).view(kvh, p * hd))
+            p = self.digest_parts  # [kv_heads, parts, bt / parts, hd] -> means [kv_heads, parts, hd]
+            new = keys.reshape(kvh, p, bt // p, hd).mean(dim=2, dtype=torch.float32)
         else:
             lo, hi = torch.aminmax(keys, dim=1)  # [kv_heads, head_dim] each
-            hd = self.head_dim
-            row[:, :hd].copy_(hi)
-            row[:, hd:].copy_(lo)
+            new = torch.cat((hi, lo), dim=1).unsqueeze(1)  # [kv_heads, 1, 2 * head_dim]
+        row = self.digest[:, b]  # [kv_heads, width]
+        if self.digest_scale is None:
+            row.copy_(new.reshape(kvh, -1))
+        else:
+            q, scale = quantize_rows(new)
+            row.copy_(q.view(kvh, -1))
+            self.digest_scale[:, b].copy_(scale)
+
+    def copy_digest_from(self, src: "BlockTable") -> None:
+        """This table's digests become a copy of ``src``'s (a fork)."""
+        if src.digest is not None:
+            self.digest = src.digest.clone()
+            self.digest_scale = None if src.digest_scale is None else src.digest_scale.clone()
+            self._digest_t = None
+
+
+def _grown(old: torch.Tensor, b: int) -> torch.Tensor:
+    """``old`` [kv_heads, cap, ...] with room for row ``b`` (capacity doubled at least)."""
+    new = torch.empty((old.shape[0], max(b + 1, 2 * old.shape[1]), *old.shape[2:]), dtype=old.dtype, device=old.device)
+    new[:, : old.shape[1]] = old
+    return new

@@ -1,5 +1,5 @@
-"""Key digests: kept only for sparse attention, only what ``select_score`` reads, in the KV dtype,
-and counted in L1's bytes."""
+"""Key digests: kept only for sparse attention, only what ``select_score`` reads, in the KV dtype
+or as int8 rows with a float32 scale each, and counted in L1's bytes."""
 import json
 
 import pytest
@@ -14,7 +14,7 @@ KVH, HD, BT = 2, 8, 4
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_digest_bytes_are_counted_in_l1(score, width, dtype):
     st = make_store(None, num_layers=2, block_tokens=BT, hot_tokens=64, budget_tokens=16, dtype=dtype,
-                    attention="sparse", select_score=score, prefetch=False)
+                    attention="sparse", select_score=score, digest_tokens=BT, digest_dtype="kv", prefetch=False)
     s = st.add_sequence()
     st.append(s, 0, torch.randn(KVH, 37, HD).to(dtype), torch.randn(KVH, 37, HD).to(dtype))  # 9 sealed + 1
     st.append(s, 1, torch.randn(KVH, 8, HD).to(dtype), torch.randn(KVH, 8, HD).to(dtype))    # 1 sealed + 1
@@ -33,7 +33,7 @@ def test_digest_bytes_are_counted_in_l1(score, width, dtype):
 
 def test_centroid_digest_is_the_key_mean():
     st = make_store(None, num_layers=1, block_tokens=BT, hot_tokens=64, budget_tokens=16, dtype=torch.float32,
-                    attention="sparse", select_score="centroid", prefetch=False)
+                    attention="sparse", select_score="centroid", digest_tokens=BT, digest_dtype="kv", prefetch=False)
     s = st.add_sequence()
     k = torch.randn(KVH, 9, HD)
     st.append(s, 0, k, k)
@@ -44,7 +44,7 @@ def test_centroid_digest_is_the_key_mean():
 
 def test_quest_digest_is_max_then_min():
     st = make_store(None, num_layers=1, block_tokens=BT, hot_tokens=64, budget_tokens=16, dtype=torch.float16,
-                    attention="sparse", select_score="quest", prefetch=False)
+                    attention="sparse", select_score="quest", digest_dtype="kv", prefetch=False)
     s = st.add_sequence()
     k = torch.randn(KVH, 9, HD).half()
     st.append(s, 0, k, k)
@@ -69,7 +69,7 @@ def test_dense_mode_keeps_no_digests_and_select_names_attention():
 
 def test_sub_block_centroids_are_the_sub_block_means_and_counted():
     st = make_store(None, num_layers=1, block_tokens=BT, hot_tokens=64, budget_tokens=16, dtype=torch.float32,
-                    attention="sparse", select_score="centroid", digest_tokens=2, prefetch=False)
+                    attention="sparse", select_score="centroid", digest_tokens=2, digest_dtype="kv", prefetch=False)
     s = st.add_sequence()
     k = torch.randn(KVH, 9, HD)
     st.append(s, 0, k, k)
@@ -111,3 +111,91 @@ def test_bad_digest_tokens_name_the_field(kw, match):
     from kvtier.config import KVTierConfig
     with pytest.raises(ValueError, match=match):
         KVTierConfig(block_tokens=BT, hot_tokens=64, attention="sparse", **kw)
+
+
+def test_int8_rows_round_trip_within_half_a_step():
+    from kvtier.store.table import dequantize_rows, quantize_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 50, 64, generator=g) * torch.logspace(-3, 2, 50).view(1, 50, 1)  # row scales 1e-3..1e2
+    x[0, 7, 5] = 300.0  # an outlier channel sets its row's step
+    x[1, 3] = 0.0       # an all-zero row
+    q, scale = quantize_rows(x)
+    assert q.dtype == torch.int8 and scale.dtype == torch.float32 and scale.shape == x.shape[:-1]
+    back = dequantize_rows(q, scale)
+    err = (back - x).abs()
+    bound = x.abs().amax(dim=-1, keepdim=True) / 254
+    assert (err <= bound * (1 + 1e-5) + 1e-12).all()
+    assert torch.equal(back[1, 3], torch.zeros(64)) and scale[1, 3] == 0
+    assert (q.abs().amax(dim=-1)[scale > 0] == 127).all()  # every nonzero row uses the full range
+    # bf16 input is read as float32 (no intermediate rounding of the scale)
+    qb, sb = quantize_rows(x.bfloat16())
+    assert sb.dtype == torch.float32
+
+
+@pytest.mark.parametrize("score,parts", [("centroid", 1), ("centroid", 2), ("quest", 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int8_digest_is_the_quantized_summary_and_its_bytes_are_counted(score, parts, dtype):
+    from kvtier.store.table import dequantize_rows
+
+    st = make_store(None, num_layers=1, block_tokens=BT, hot_tokens=64, budget_tokens=16, dtype=dtype,
+                    attention="sparse", select_score=score, digest_tokens=BT // parts, digest_dtype="int8",
+                    prefetch=False)
+    s = st.add_sequence()
+    k = torch.randn(KVH, 4 * BT + 1, HD).to(dtype)
+    st.append(s, 0, k, k)
+    t = st.residency.tables[s][0]
+    assert t.digest.dtype == torch.int8 and t.digest_scale.shape[::2] == (KVH, parts)
+    blocks = k[:, :4 * BT].float().view(KVH, 4, parts, BT // parts, HD)
+    if score == "centroid":
+        want = blocks.mean(3)                                                     # [kvh, block, part, hd]
+    else:
+        want = torch.cat((blocks.amax(3), blocks.amin(3)), dim=-1)                # [kvh, block, 1, 2 * hd]
+    # quantized from the float32 summary (not from a KV-dtype rounding of it): half a step
+    got = dequantize_rows(t.digest[:, :4].view(*want.shape).contiguous(), t.digest_scale[:, :4])
+    step = want.abs().amax(dim=-1, keepdim=True) / 127
+    assert ((got - want).abs() <= step * (0.5 + 1e-5)).all()
+    width = (2 if score == "quest" else parts) * HD
+    per_block = KVH * (width + 4 * parts)  # int8 codes + one float32 scale per centroid (quest row)
+    stats = st.stats()
+    assert stats["digest_bytes"] == 4 * per_block
+    assert stats["digest_reserved_bytes"] >= 4 * per_block
+    assert stats["bytes"]["l1"] == stats["copies"]["l1"] * st.slot_bytes + 4 * per_block
+    st.close()
+
+
+def test_int8_digest_is_smaller_than_the_kv_dtype_one_at_twice_the_resolution():
+    """The default 2-token int8 centroids cost about what 4-token bf16 ones did (head_dim + 4
+    bytes against 2 * head_dim per centroid)."""
+    hd = 64
+    sizes = {}
+    for dd, dt in (("kv", 4), ("int8", 2)):
+        st = make_store(None, num_layers=1, head_dim=hd, block_tokens=16, hot_tokens=256, budget_tokens=64, host_bytes=1 << 20,
+                        dtype=torch.bfloat16, attention="sparse", digest_tokens=dt, digest_dtype=dd, prefetch=False)
+        s = st.add_sequence()
+        st.append(s, 0, torch.randn(KVH, 161, hd).bfloat16(), torch.randn(KVH, 161, hd).bfloat16())
+        sizes[dd] = st.stats()["digest_bytes"]
+        st.close()
+    assert sizes["int8"] == 10 * KVH * 8 * (hd + 4) and sizes["kv"] == 10 * KVH * 4 * 2 * hd
+    assert sizes["int8"] <= 1.07 * sizes["kv"]
+
+
+def test_fork_copies_int8_digests():
+    st = make_store(None, num_layers=1, block_tokens=BT, hot_tokens=64, budget_tokens=16, dtype=torch.float32,
+                    attention="sparse", digest_dtype="int8", prefetch=False)
+    s = st.add_sequence()
+    k = torch.randn(KVH, 4 * BT + 1, HD)
+    st.append(s, 0, k, k)
+    f = st.fork_sequence(s)
+    a, b = st.residency.tables[s][0], st.residency.tables[f][0]
+    assert torch.equal(a.digest[:, :4], b.digest[:, :4]) and torch.equal(a.digest_scale[:, :4], b.digest_scale[:, :4])
+    assert a.digest_scale.data_ptr() != b.digest_scale.data_ptr()
+    q = torch.randn(4, 1, HD)
+    assert st.select(s, 0, q) == st.select(f, 0, q)
+    st.close()
+
+
+def test_bad_digest_dtype_names_the_field():
+    from kvtier.config import KVTierConfig
+    with pytest.raises(ValueError, match="digest_dtype"):
+        KVTierConfig(attention="sparse", digest_dtype="int4")

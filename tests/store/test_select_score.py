@@ -37,7 +37,7 @@ def test_centroid_is_not_fooled_by_one_outlier_token(tmp_path):
     scores = {}
     for score in ("centroid", "quest"):
         store = make_store(tmp_path / score, block_tokens=bt, hot_tokens=8 * bt, budget_tokens=2 * bt,
-                           sink_tokens=0, window_tokens=0, attention="sparse", select_score=score)
+                           sink_tokens=0, window_tokens=0, attention="sparse", select_score=score, digest_tokens=bt)
         seq = store.add_sequence()
         typical = torch.zeros(2, bt, HD).half()
         typical[:, :, 0] = 1.0          # every token moderately aligned with the query
