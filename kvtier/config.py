@@ -37,6 +37,7 @@ Durability = Literal["never", "close", "batch"]
 DType = Literal["float16", "bfloat16", "float32"]
 ByteStageName = Literal["lz4", "zstd", "none"]
 Precision = Literal["fixed", "importance"]
+RecallReference = Literal["median", "mean", "all-mean"]
 
 #: Codec names known to ``kvtier.compress.get_codec`` (kept here so a config is checked before
 #: any codec module is imported).
@@ -186,8 +187,9 @@ class KVTierConfig:
     ``cold_codec``, the rest in ``codec``, so the records of one sequence carry different codecs.
     A block stored in fewer bits than ``codec`` also gets a ``codec`` copy in L3 when there is an
     L3 (written by the swap-out worker, off the decode path; a content block written through
-    already has it), and when one observation gives such a block ``recall_mass`` times the mean
-    mass per block or more, the low copy leaves L2 and later reads decode the L3 copy. Needs
+    already has it), and when one observation gives such a block ``recall_mass`` times that
+    observation's ``recall_reference`` or more, the low copy leaves L2 and later reads decode
+    the L3 copy. Needs
     ``policy`` ``h2o`` or ``snapkv`` (dense attention then observes every step, one extra
     attention pass over the keys per layer, where the model attends through kvtier's attention:
     ``kvtier.attach``; without statistics every block is stored in ``codec``), ``order="compress-then-tier"``, integer codecs and
@@ -211,8 +213,15 @@ class KVTierConfig:
 
     recall_mass: float = 2.0
     """``precision="importance"``: a block stored below ``codec`` whose mass in one observation
-    reaches this multiple of that observation's mean mass per block is read from its ``codec``
+    reaches this multiple of that observation's ``recall_reference`` is read from its ``codec``
     copy from then on (> 0; ``math.inf``: never)."""
+
+    recall_reference: RecallReference = "median"
+    """``precision="importance"``: what a block's mass in one observation is compared with for
+    ``recall_mass``. ``median`` / ``mean``: the median / mean mass of that observation's blocks
+    outside the sink blocks, the recent window and the open block (those take most of every
+    observation's mass, and are never stored below L1 in the first place); ``all-mean``: the
+    mean over every observed block, those included."""
 
     key_axis: Axis = "channel"
     """Grouping axis for keys (KIVI: per channel)."""
@@ -504,6 +513,7 @@ class KVTierConfig:
         if isinstance(self.recall_mass, bool) or not isinstance(self.recall_mass, (int, float)) \
                 or not self.recall_mass > 0:
             raise ValueError(f"recall_mass must be a number > 0 (math.inf: never); got {self.recall_mass!r}")
+        check_choice("recall_reference", self.recall_reference, get_args(RecallReference))
         if self.precision == "fixed":
             return
         if self.codec not in PRECISION_CODECS:

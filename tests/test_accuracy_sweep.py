@@ -34,10 +34,6 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def test_store_specs_build_valid_configs():
-    from kvtier.config import KVTierConfig
-
-    for s in sweep.default_store_specs() + sweep.mix_store_specs():
-        KVTierConfig(block_tokens=64, hot_tokens=s.hot_tokens, codec=s.codec, group_size=s.group_size,
-                     policy="h2o", sink_tokens=s.sink_tokens, window_tokens=s.window_tokens,
-                     precision=s.precision, heavy_fraction=s.heavy_fraction, cold_fraction=s.cold_fraction,
-                     recall_mass=s.recall_mass)
+    for s in sweep.default_store_specs() + sweep.mix_store_specs() + sweep.recall_store_specs():
+        cfg = sweep.store_config(s, 64, None)
+        assert (cfg.precision, cfg.codec, cfg.recall_reference) == (s.precision, s.codec, s.recall_reference)

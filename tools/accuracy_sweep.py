@@ -74,6 +74,9 @@ class StoreSpec:
     heavy_fraction: float = 0.1
     cold_fraction: float = 0.5
     recall_mass: float = 2.0
+    recall_reference: str = "median"
+    heavy_codec: str = "int8"
+    cold_codec: str = "int2"
 
 
 def default_store_specs() -> list[StoreSpec]:
@@ -85,6 +88,26 @@ def default_store_specs() -> list[StoreSpec]:
         imp("store importance 10/50", heavy_fraction=0.1, cold_fraction=0.5),
         imp("store importance 5/75", heavy_fraction=0.05, cold_fraction=0.75),
         StoreSpec("store int4 g64 L1=1 block", group_size=64, hot_tokens=64, sink_tokens=0, window_tokens=0),
+    ]
+
+
+def recall_store_specs() -> list[StoreSpec]:
+    """Importance rows against the fixed int8/int4/int2 rows: int4 base with int2 cold blocks
+    (their int4 backups read back once recalled), by cold fraction and recall reference, and
+    int8 heavy / int2 cold."""
+    imp = lambda name, **p: StoreSpec(name, precision="importance", **p)  # noqa: E731
+    return [
+        StoreSpec("store int8 g32", codec="int8"),
+        StoreSpec("store int4 g32", codec="int4"),
+        StoreSpec("store int2 g32", codec="int2"),
+        imp("store importance 0/50 median", heavy_fraction=0.0, cold_fraction=0.5),
+        imp("store importance 0/75 median", heavy_fraction=0.0, cold_fraction=0.75),
+        imp("store importance 0/90 median", heavy_fraction=0.0, cold_fraction=0.9),
+        imp("store importance 0/90 all-mean", heavy_fraction=0.0, cold_fraction=0.9, recall_reference="all-mean"),
+        imp("store importance 0/50 mean", heavy_fraction=0.0, cold_fraction=0.5, recall_reference="mean"),
+        imp("store importance 0/50 all-mean", heavy_fraction=0.0, cold_fraction=0.5, recall_reference="all-mean"),
+        imp("store importance 0/50 no recall", heavy_fraction=0.0, cold_fraction=0.5, recall_mass=math.inf),
+        imp("store importance 10/50 median", heavy_fraction=0.1, cold_fraction=0.5),
     ]
 
 
@@ -211,6 +234,22 @@ def run_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[Spec], 
     return res
 
 
+def store_config(spec: StoreSpec, block: int, disk_path: str | None):
+    """The store configuration of ``spec``: dense, h2o, L2 256 MiB, L3 at ``disk_path``."""
+    from kvtier.config import KVTierConfig
+
+    imp = spec.precision == "importance"
+    return KVTierConfig(block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
+                        disk_path=disk_path, disk_bytes=4 << 30, codec=spec.codec, group_size=spec.group_size,
+                        policy="h2o", attention="dense", write_through=False, sink_tokens=spec.sink_tokens,
+                        window_tokens=spec.window_tokens, precision=spec.precision,
+                        heavy_fraction=spec.heavy_fraction, cold_fraction=spec.cold_fraction,
+                        recall_mass=spec.recall_mass, recall_reference=spec.recall_reference,
+                        # a fixed store's heavy/cold codecs are unused; its defaults fit any codec
+                        heavy_codec=spec.heavy_codec if imp else "int8",
+                        cold_codec=spec.cold_codec if imp else "int2", prefetch=False)
+
+
 @torch.inference_mode()
 def run_store_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[StoreSpec], block: int,
                      chunk: int, scratch: str, decode_chunk: int = 1) -> dict:
@@ -227,18 +266,12 @@ def run_store_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[S
     import tempfile
 
     import kvtier
-    from kvtier.config import KVTierConfig
     from kvtier.integrations.hooks import detach
 
     out = {}
     for spec in specs:
         with tempfile.TemporaryDirectory(dir=scratch) as d:
-            cfg = KVTierConfig(block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
-                               disk_path=d, disk_bytes=4 << 30, codec=spec.codec, group_size=spec.group_size, policy="h2o",
-                               attention="dense", write_through=False, sink_tokens=spec.sink_tokens,
-                               window_tokens=spec.window_tokens, precision=spec.precision,
-                               heavy_fraction=spec.heavy_fraction, cold_fraction=spec.cold_fraction,
-                               recall_mass=spec.recall_mass, prefetch=False)
+            cfg = store_config(spec, block, d)
             t0 = time.perf_counter()
             cache = kvtier.attach(model, cfg)
             try:
@@ -258,7 +291,8 @@ def run_store_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[S
             lg = torch.cat(logits)  # [M, vocab]
             nll = -torch.log_softmax(lg, -1).gather(1, cont.view(-1, 1)).squeeze(1).double()
             out[spec.name] = (nll, {"bytes": st["bytes"], "tokens": st["tokens"], "precision": st["precision"],
-                                    "swap_in_blocks": st["swap_in_blocks"], "hits": st["hits"]},
+                                    "swap_in_blocks": st["swap_in_blocks"], "hits": st["hits"],
+                                    "swap_in_bytes": st["swap_in_bytes"]},
                               time.perf_counter() - t0)
     return out
 
@@ -329,6 +363,8 @@ def main(argv=None) -> int:
                     help="also run the store rows (default_store_specs) through the real store")
     ap.add_argument("--store-only", action="store_true", help="the store rows only (no simulated rows, no anchors)")
     ap.add_argument("--mixes", action="store_true", help="--store: the int4/int2 mix rows (mix_store_specs) instead")
+    ap.add_argument("--recall", action="store_true",
+                    help="--store: importance rows by recall reference against fixed int8/int4/int2 (recall_store_specs)")
     ap.add_argument("--chunk", type=int, default=256, help="--store: prefill chunk, tokens")
     ap.add_argument("--decode-chunk", type=int, default=32,
                     help="--store: continuation tokens per forward (1: one decode step per token)")
@@ -340,16 +376,21 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.from_json:
         doc = {"sources": {}}
-        for f in args.from_json:
-            doc["sources"].update(json.loads(Path(f).read_text())["sources"])
+        for f in args.from_json:  # runs of one source on the same windows add their rows
+            for src, got in json.loads(Path(f).read_text())["sources"].items():
+                have = doc["sources"].setdefault(src, got)
+                if have is not got:
+                    if have["offsets"] != got["offsets"]:
+                        raise SystemExit(f"--from-json {f}: {src} was measured on other windows")
+                    have["rows"].update(got["rows"])
         if args.plot:
             plot(doc, args.plot)
         if args.json:
             Path(args.json).write_text(json.dumps(doc, indent=1))
         return 0
     specs = default_specs()
-    store_specs = (mix_store_specs() if args.mixes else default_store_specs()) \
-        if args.store or args.store_only else []
+    store_specs = (mix_store_specs() if args.mixes else recall_store_specs() if args.recall
+                   else default_store_specs()) if args.store or args.store_only else []
     if args.smoke:
         args.texts, args.context, args.continuation, args.windows, args.recent, args.sink = "pydoc", 256, 16, 2, 64, 0
         specs = [s for s in specs if s.name in ("kvtier int8 g32", "kvtier int4 g32 mse", "kvtier int2 g32 minmax")]
@@ -416,7 +457,13 @@ def main(argv=None) -> int:
             weighted = tiers["l1"] + tiers["l2"] / 10 + tiers["l3"] / 100  # HBM-equivalent: HBM = 10 DRAM = 100 SSD
             sec = sum(v[2] for v in per[s.name]) / len(got)
             prec = per[s.name][-1][1]["precision"]
+            if prec:  # what the recalls did, over all windows
+                for f in ("marked", "upgrades", "upgrade_bytes", "upgrades_failed"):
+                    prec[f + "_all_windows"] = sum(v[1]["precision"][f] for v in per[s.name])
+            # bytes read back from L3 per scored token (dense reads: every block below L1, every step)
+            l3_read = sum(v[1]["swap_in_bytes"]["l3"] for v in per[s.name]) / len(got) / args.continuation
             rows[s.name] = {"delta_ppl": d, "ci95": [lo, hi], "bytes_per_token_end": total, "tiers": tiers,
+                            "l3_read_bytes_per_scored_token": l3_read,
                             "weighted_bytes_per_token": weighted, "s_per_window": sec, "precision_last": prec,
                             "spec": vars(s) if hasattr(s, "__dict__") else str(s)}
             print(f"{src:7s} | {s.name:34s} | dppl {100 * d:+7.3f}% [{100 * lo:+7.3f}, {100 * hi:+7.3f}] | "

@@ -155,7 +155,7 @@ def markdown_table(doc: dict) -> str:
 
 def plot(doc: dict, path: Path) -> None:
     """Accuracy against bytes per token (total and L1), one point per configuration, at the
-    largest context; anchors as squares; Pareto frontier drawn."""
+    largest context; anchors as squares, importance-precision rows as stars; Pareto frontier drawn."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -180,7 +180,9 @@ def plot(doc: dict, path: Path) -> None:
             labels.append(r["config"])
             anchors.append(r["anchor"])
         for (x, y), lab, anc in zip(pts, labels, anchors):
-            ax.scatter([x], [y], marker="s" if anc else "o", s=36, color="tab:gray" if anc else "tab:blue")
+            imp = "importance" in lab  # precision that follows importance, against fixed-precision rows
+            ax.scatter([x], [y], marker="s" if anc else "*" if imp else "o", s=60 if imp else 36,
+                       color="tab:gray" if anc else "tab:red" if imp else "tab:blue")
             ax.annotate(lab, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         # lower error is better for ppl; higher accuracy is better for the probe
         err = (lambda y: abs(y)) if yk == "ppl_rel_change" else (lambda y: -y)
@@ -195,7 +197,8 @@ def plot(doc: dict, path: Path) -> None:
         ax.set_xlabel(xl)
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
-    fig.suptitle(f"{doc['model']['name']}, context {ctx}: accuracy vs footprint (squares: transformers anchors)",
+    fig.suptitle(f"{doc['model']['name']}, context {ctx}: accuracy vs footprint (squares: transformers anchors; "
+                 "stars: precision by importance)",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path)

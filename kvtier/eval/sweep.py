@@ -124,6 +124,12 @@ def full_configs() -> list[CacheSpec]:
         out.append(_kv(f"kvtier int4 sparse {policy} L1=25%", codec="int4", attention="sparse",
                        hot_fraction=0.25, policy=policy))
     out.append(_kv("kvtier int8 sparse L1=50%", codec="int8", attention="sparse", hot_fraction=0.5, policy="h2o"))
+    # precision that follows importance against the fixed int4 and int2 dense rows: the lightest
+    # half of the blocks in int2, their int4 backups in L3 read back once a recall finds them heavy
+    out.append(_kv("kvtier int2 dense L1=25%", codec="int2", attention="dense", hot_fraction=0.25, policy="h2o"))
+    out.append(_kv("kvtier importance int4/int2 dense L1=25%", codec="int4", attention="dense",
+                   hot_fraction=0.25, policy="h2o", precision="importance", heavy_fraction=0.0,
+                   cold_fraction=0.5))
     out.append(_kv("kvtier int8 t2c dense L1=10%", codec="int8", order="tier-then-compress", attention="dense",
                    hot_fraction=0.10, policy="lru"))
     return out

@@ -61,13 +61,13 @@ class LowerTiers:
 
     def read_copies(self, rec: BlockCopies, device: torch.device) -> torch.Tensor | None:
         """``rec``'s nearest readable copy decoded on ``device``; None when none could be read.
-        A record marked for upgrade (``precision.py``) first loses its low L2 copy, as a spill
-        would drop it, so that its higher-precision L3 copy is read."""
+        A record marked for upgrade (``precision.py``) is read from its higher-precision L3
+        copy, and its low L2 copy dropped once that decoded."""
         with self.lock:
             if self.res.upgrade_due(rec):
-                self.l2.delete(rec.key)
-                self.res.spilled([rec])
-                self.counters.add(precision_upgrades=1)
+                out = self._upgrade(rec, device)
+                if out is not None:
+                    return out
             l2, l3, l4, key = self.res.flags(rec)
             v2 = self.l2.get(key) if l2 else None
             v3 = self.l3.get(key) if l3 and v2 is None else None
@@ -87,6 +87,26 @@ class LowerTiers:
                 return out
             self.counters.add(misses_l4=1)
         return None
+
+    def _upgrade(self, rec: BlockCopies, device: torch.device) -> torch.Tensor | None:
+        """The L3 backup of ``rec`` decoded on ``device``, its low L2 copy then dropped as a
+        spill drops one (tier lock held); None, the mark cleared and the L2 copy kept, when the
+        backup is missing or corrupt. Decoded under the lock: upgrades are rare, and no other
+        read may see the L2 copy gone before the backup is known good."""
+        value = self.l3.get(rec.key)
+        try:
+            out = None if value is None else self.io.decode_stored(value, "l3", device)
+        except ValueError:  # corrupt bytes: a miss, never wrong data
+            out = None
+        if out is None:
+            self.res.upgrade_failed(rec)
+            self.counters.add(precision_upgrade_failed=1, misses_l3=1)
+            return None
+        self.l2.delete(rec.key)
+        self.res.spilled([rec])
+        self.counters.add(precision_upgrades=1, precision_upgrade_bytes=len(value), hits_l3=1,
+                          swap_in_l3_bytes=len(value))
+        return out
 
     def read_l3(self, key: str) -> torch.Tensor | None:
         """The L3 record under ``key`` decoded on the device (counted); None if absent/corrupt."""

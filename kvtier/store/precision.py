@@ -18,13 +18,26 @@ way and is stored in ``codec``; it does not enter the ranking of the others eith
 
 A block stored in fewer bits than ``codec`` is *below base*: the swap-out worker also writes
 its ``codec`` record to L3 (when there is an L3 and no copy there yet), the backup. When one
-observation gives it ``recall_mass`` times the observation's mean mass per block, its record
-is marked for upgrade; the next read below L1 drops the low L2 copy (as a spill would) and
-decodes the L3 one, which from then on is the block's copy below L1.
+observation gives it ``recall_mass`` times the observation's reference mass, its record is
+marked for upgrade; the next read below L1 decodes the L3 backup and, once that decoded, drops
+the low L2 copy (as a spill would): from then on the backup is the block's copy below L1. A
+backup that cannot be read clears the mark and the low copy stays.
+
+The reference (``recall_reference``) is taken over the observation's *candidates*: the
+observed blocks outside the sink blocks, the recent window and the open block. Those are never
+stored below L1 while protected and take most of each observation's mass (the sink alone much
+of it), so a mean over every block sits above nearly every candidate's share, and no recall
+reached ``recall_mass`` times it in measured runs::
+
+    median    the candidates' median mass (half of them are above it)
+    mean      the candidates' mean mass
+    all-mean  the mean over every observed block, sink, window and open block included
 """
 from __future__ import annotations
 
 import bisect
+import math
+import statistics
 from dataclasses import dataclass
 
 from kvtier.config import PRECISION_CODECS, KVTierConfig
@@ -40,6 +53,7 @@ class PrecisionPlan:
     heavy_fraction: float
     cold_fraction: float
     recall_mass: float
+    recall_reference: str = "median"
 
     @classmethod
     def of(cls, cfg: KVTierConfig) -> "PrecisionPlan | None":
@@ -47,7 +61,7 @@ class PrecisionPlan:
         if cfg.precision != "importance":
             return None
         return cls(cfg.heavy_codec, cfg.codec, cfg.cold_codec, float(cfg.heavy_fraction),
-                   float(cfg.cold_fraction), float(cfg.recall_mass))
+                   float(cfg.cold_fraction), float(cfg.recall_mass), cfg.recall_reference)
 
     @property
     def codecs(self) -> tuple[str, ...]:
@@ -80,6 +94,15 @@ class PrecisionPlan:
             return self.cold
         return self.base
 
-    def recalled_heavy(self, x: float, mean: float) -> bool:
-        """Whether one observation's mass ``x`` of a block (``mean`` per block) marks it for upgrade."""
-        return mean > 0 and x >= self.recall_mass * mean
+    def recall_threshold(self, candidates: list[float], observed: list[float]) -> float | None:
+        """The mass at which a block below base is marked for upgrade in one observation, from
+        the masses of its ``candidates`` (observed blocks outside sink, window and open block)
+        and of every ``observed`` block; None when no block can be marked (nothing to compare
+        with, or ``recall_mass`` infinite)."""
+        if math.isinf(self.recall_mass):
+            return None
+        pool = observed if self.recall_reference == "all-mean" else candidates
+        if not pool:
+            return None
+        ref = statistics.median(pool) if self.recall_reference == "median" else sum(pool) / len(pool)
+        return self.recall_mass * ref if ref > 0 else None

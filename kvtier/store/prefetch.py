@@ -10,6 +10,11 @@ table's region full of blocks still being written out) leaves L1 when that read 
 next step attends it again, so its decoded data is kept (oldest out, within ``buffer_blocks``)
 and that read is a copy instead of a tier read and a decode. It works with prefetch off.
 
+Kept blocks and prefetches carry the generation of their record when they were read
+(``Residency.generation``: bumped when ``precision="importance"`` marks a low copy for
+upgrade); one of an older generation than the record's now may hold the low copy's decode and
+is dropped, so the next read decodes the upgraded copy.
+
 Its lock guards the buffer of futures, the kept blocks, the predictor state and the outcome
 statistics; it is never held while waiting.
 """
@@ -18,6 +23,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +37,13 @@ _MIN_PRECISION = 0.25  # below this a predictor only probes ...
 _PROBE = 8             # ... one block in this many
 
 
+class Fetched(NamedTuple):
+    """A non-resident block's data as :meth:`Prefetcher.fetch` hands it over."""
+
+    data: torch.Tensor  # [2, kv_heads, block_tokens, head_dim], owned by the caller
+    generation: int     # of the record when its copy was read (``Residency.generation``)
+
+
 class Prefetcher:
     def __init__(self, lower: LowerTiers, counters: Counters, buffer_blocks: int, enabled: bool) -> None:
         self.lower = lower
@@ -40,8 +53,8 @@ class Prefetcher:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtier-prefetch") if enabled else None
         self._lock = threading.Lock()
         self._futures: OrderedDict[str, Future] = OrderedDict()  # process-local key -> load
-        # process-local key -> decoded block [2, kv_heads, block_tokens, head_dim] of a scratch read
-        self._kept: OrderedDict[str, torch.Tensor] = OrderedDict()
+        # process-local key -> a scratch read's block (its decoded data and generation)
+        self._kept: OrderedDict[str, Fetched] = OrderedDict()
         self._outcomes = {src: deque(maxlen=_WINDOW) for src in SOURCES}
         self._skipped = dict.fromkeys(SOURCES, 0)
         self._by_source = {src: {"issued": 0, "used": 0, "wasted": 0, "throttled": 0} for src in SOURCES}
@@ -106,7 +119,7 @@ class Prefetcher:
                     continue
                 while len(self._futures) >= self._buffer_blocks:
                     dropped.append(self._futures.popitem(last=False)[1])
-                fut = self._pool.submit(self.lower.load, e)
+                fut = self._pool.submit(self._load, e)
                 fut.kvtier_source = src
                 self._futures[e.key] = fut
                 self._by_source[src]["issued"] += 1
@@ -122,9 +135,9 @@ class Prefetcher:
         self._skipped[src] += 1
         return self._skipped[src] % _PROBE == 0  # keep measuring it
 
-    def keep(self, e: BlockEntry, data: torch.Tensor) -> None:
-        """``data`` (decoded ``e``, owned: nobody writes it) went to a scratch slot: hold it for
-        the next read of ``e`` (the ``scratch`` source)."""
+    def keep(self, e: BlockEntry, got: Fetched) -> None:
+        """``got`` (``e`` as :meth:`fetch` returned it; its data owned: nobody writes it) went
+        to a scratch slot: hold it for the next read of ``e`` (the ``scratch`` source)."""
         stats = self._by_source["scratch"]
         with self._lock:
             if e.key in self._kept:
@@ -133,32 +146,47 @@ class Prefetcher:
             while len(self._kept) >= self._buffer_blocks:
                 self._kept.popitem(last=False)
                 dropped += 1
-            self._kept[e.key] = data
+            self._kept[e.key] = got
             stats["issued"] += 1
             stats["wasted"] += dropped
         self.counters.add(pf_issued=1, pf_wasted=dropped)
 
-    def fetch(self, e: BlockEntry) -> torch.Tensor:
+    def _load(self, e: BlockEntry) -> Fetched:
+        """A load with the generation read before it: an upgrade mark set meanwhile makes the
+        result look older than it may be (dropped, read again), never newer."""
+        gen = self.lower.res.generation(e.rec)
+        return Fetched(self.lower.load(e), gen)
+
+    def fetch(self, e: BlockEntry) -> Fetched:
         """A non-resident block's data: kept from a scratch read, or from the prefetch buffer if
-        there, else a synchronous load."""
+        there and of the record's current generation, else a synchronous load."""
+        gen = self.lower.res.generation(e.rec)  # the state lock before ours (api.md's order)
         with self._lock:
-            data = self._kept.pop(e.key, None)
-            if data is not None:
+            kept = self._kept.pop(e.key, None)
+            stale = kept is not None and kept.generation != gen
+            if stale:
+                kept = None
+                self._by_source["scratch"]["wasted"] += 1
+            elif kept is not None:
                 self._by_source["scratch"]["used"] += 1
-            fut = self._futures.pop(e.key, None) if data is None else None
-        if data is not None:
+            fut = self._futures.pop(e.key, None) if kept is None else None
+        if stale:
+            self.counters.add(pf_wasted=1)
+        if kept is not None:
             self.counters.add(pf_used=1)
-            return data
+            return kept
         if fut is not None:
             try:
-                data = fut.result()
+                got = fut.result()
             except Exception:  # a failed prefetch is retried synchronously, and counted
                 self.counters.add(pf_wasted=1, pf_errors=1)
             else:
-                self.counters.add(pf_used=1)
-                self._outcome(fut, True)
-                return data
-        return self.lower.load(e)
+                used = got.generation == gen
+                self.counters.add(**{"pf_used" if used else "pf_wasted": 1})
+                self._outcome(fut, used)
+                if used:
+                    return got
+        return self._load(e)
 
     def _outcome(self, fut: Future, used: bool) -> None:
         src = fut.kvtier_source

@@ -42,7 +42,7 @@ class Reader:
             full.index_copy_(2, torch.tensor(res_i, device=lay.device),
                              self.pool_kv.index_select(2, torch.tensor(res_s, device=lay.device)))
         for e in miss:
-            data = self.prefetcher.fetch(e)  # [2, kv_heads, block_tokens, head_dim]
+            data = self.prefetcher.fetch(e).data  # [2, kv_heads, block_tokens, head_dim]
             full[:, :, e.idx] = data
             self.res.keep_if_room(t, e, data)
         self.prefetcher.dense_read(tables, layer, n)
@@ -74,11 +74,11 @@ class Reader:
             sel = frozenset(blocks)
             run = frozenset([ents[b] for b in blocks] + [ents[-1]]) if view else None
             for i, e in miss:
-                data = self.prefetcher.fetch(e)
+                got = self.prefetcher.fetch(e)
                 n_scratch = len(scratch)
-                slots[i] = self.res.install(t, e, data, sel, scratch, run)
+                slots[i] = self.res.install(t, e, got.data, sel, scratch, run)
                 if len(scratch) > n_scratch:  # leaves L1 after this read: wanted again next step
-                    self.prefetcher.keep(e, data)
+                    self.prefetcher.keep(e, got)
         return slots, scratch
 
     def gather_blocks(self, t: BlockTable, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

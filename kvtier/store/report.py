@@ -86,13 +86,16 @@ def _compression_stats(store, c: dict) -> dict:
 
 def _precision_stats(store, c: dict) -> dict | None:
     """precision="importance": blocks encoded for L2 per codec, base-codec backups put to L3
-    (and refused), and low copies replaced by their backup after a recall found them heavy."""
+    (and refused); recalls that marked a low copy (``marked``), the low copies replaced by
+    their backup then (``upgrades``, the backups' ``upgrade_bytes`` read from L3 for it) and
+    the backups that could not be read (``upgrades_failed``: the low copy stayed)."""
     plan = store.layout.precision
     if plan is None:
         return None
     return {"encoded": {name: c[f"precision_{name}"] for name in plan.codecs},
             "backups": c["precision_backups"], "backups_failed": c["precision_backup_failed"],
-            "upgrades": c["precision_upgrades"]}
+            "marked": c["precision_marked"], "upgrades": c["precision_upgrades"],
+            "upgrade_bytes": c["precision_upgrade_bytes"], "upgrades_failed": c["precision_upgrade_failed"]}
 
 
 def _prefix_stats(refs: list[int], c: dict) -> dict:

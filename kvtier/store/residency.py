@@ -413,15 +413,39 @@ class Residency:
                     e.importance += x
             plan = self.layout.precision
             mean = sum(mass) / len(mass) if mass else 0.0
-            if plan is not None and mean > 0:
-                for b, x in zip(blocks, mass):
-                    e = ents[b]
-                    e.rel_mass += x / mean
-                    e.seen += 1
-                    rec = e.rec
-                    if rec.l2 and rec.l2_codec is not None and plan.below_base(rec.l2_codec) \
-                            and plan.recalled_heavy(x, mean):
-                        rec.upgrade = True
+            if plan is None or mean <= 0:
+                return
+            for b, x in zip(blocks, mass):
+                e = ents[b]
+                e.rel_mass += x / mean
+                e.seen += 1
+            self._mark_recalled(t, plan, blocks, mass)
+
+    def _mark_recalled(self, t: BlockTable, plan, blocks: list[int], mass: list[float]) -> None:
+        """Mark for upgrade the blocks below base that this observation found heavy (lock held).
+        A new mark bumps the record's ``marks``: data decoded before it is stale (the prefetcher
+        serves no kept block of an older generation)."""
+        prot = self.policy.protected(t)
+        n = t.n_sealed
+        candidates = [x for b, x in zip(blocks, mass) if b < n and b not in prot]
+        threshold = plan.recall_threshold(candidates, mass)
+        if threshold is None:
+            return
+        ents = t.entries
+        for b, x in zip(blocks, mass):
+            if x < threshold or b >= n:
+                continue
+            rec = ents[b].rec
+            if rec.l2 and rec.l2_codec is not None and plan.below_base(rec.l2_codec) and not rec.upgrade:
+                rec.upgrade = True
+                rec.marks += 1
+                self.counters.add(precision_marked=1)
+
+    def generation(self, rec: BlockCopies) -> int:
+        """How many times ``rec`` was marked for upgrade: data decoded from its copies below L1
+        at an older generation may be of the low copy an upgrade replaces."""
+        with self.lock:
+            return rec.marks
 
     # -- copies below L1 -----------------------------------------------------------------------
 
@@ -457,6 +481,11 @@ class Residency:
                 rec.upgrade = False
                 return False
             return True
+
+    def upgrade_failed(self, rec: BlockCopies) -> None:
+        """``rec``'s backup could not be read: its low L2 copy stays its copy, unmarked."""
+        with self.lock:
+            rec.upgrade = False
 
     def spilled(self, recs: list[BlockCopies]) -> None:
         """The ring dropped these records' L2 copies after spilling them: L3 now holds each

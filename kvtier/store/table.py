@@ -53,7 +53,7 @@ class BlockCopies:
     """
 
     __slots__ = ("key", "content", "l2", "l3", "l4", "written_through", "l2_bytes", "l3_bytes", "entries",
-                 "l2_codec", "upgrade")
+                 "l2_codec", "upgrade", "marks")
 
     def __init__(self, key: str, content: bool = False) -> None:
         self.key = key
@@ -71,6 +71,7 @@ class BlockCopies:
         # a recall found it heavy while it is below the base codec (read the L3 copy instead)
         self.l2_codec: str | None = None
         self.upgrade = False
+        self.marks = 0  # times marked for upgrade (the generation of what its copies decode to)
 
     @property
     def refs(self) -> int:

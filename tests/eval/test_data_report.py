@@ -108,3 +108,12 @@ def test_cli_rejects_bad_options(capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--windows", "0"])
     assert "--windows" in capsys.readouterr().err
+
+
+def test_full_sweep_configs_check_and_hold_an_importance_row():
+    from kvtier.eval.sweep import check_configs, full_configs
+
+    specs = full_configs()
+    check_configs(specs, [1024, 4096])
+    imp = [s for s in specs if s.params.get("precision") == "importance"]
+    assert imp and all(s.params["policy"] == "h2o" for s in imp)

@@ -95,6 +95,133 @@ def test_recalled_heavy_cold_block_reads_its_backup(tmp_path):
     st.close()
 
 
+def _cold_block(st, s):
+    """After the standard observation and eviction: a block stored in int2 (with its backup)."""
+    st.observe(s, 0, list(range(8)), [5.0, 0.1, 9.0, 0.2, 0.3, 7.0, 0.4, 8.0, 1.0])
+    st.end_step()
+    st.flush()
+    t = st.residency.tables[s][0]
+    return next(e for e in t.entries[:-1] if e.l2 and e.rec.l2_codec == "int2")
+
+
+def _decoded(codec, x):
+    kc = get_codec(codec, group_size=32, axis="channel")
+    return kc.decode(kc.encode(x))
+
+
+# Real attention on SmolLM2: the sink takes most of an observation's mass and the recent window
+# much of the rest; a recalled block stands out among the other candidates only.
+_SINK, _WINDOW, _QUIET = 20.0, 6.0, 0.1
+
+
+@pytest.mark.parametrize("reference, fires", [("median", True), ("mean", True), ("all-mean", False)])
+def test_recall_fires_against_the_candidates_not_the_sink(tmp_path, reference, fires):
+    st = _store(tmp_path, sink_tokens=BT, recall_mass=2.0, recall_reference=reference)
+    s, k, _ = _fill(st, 8)
+    cold = _cold_block(st, s)
+    b = cold.idx
+    # block 0 is the sink, 7 the window: the recalled block takes 5x the others' share, a small
+    # fraction of the observation's mean mass per block (sink and window included)
+    mass = [_SINK] + [_QUIET] * 6 + [_WINDOW, 1.0]
+    mass[b] = 5 * _QUIET
+    assert mass[b] < 2.0 * sum(mass) / len(mass)
+    st.observe(s, 0, list(range(8)), mass)
+    assert cold.rec.upgrade is fires
+    pstats = st.stats()["precision"]
+    assert pstats["marked"] == int(fires) and pstats["upgrades"] == 0  # marked; read not yet
+    K, _ = st.gather(s, 0)
+    want = _decoded("int4" if fires else "int2", k[:, b * BT:(b + 1) * BT])
+    assert torch.equal(K[:, b * BT:(b + 1) * BT], want)
+    pstats = st.stats()["precision"]
+    assert pstats["upgrades"] == int(fires)
+    assert pstats["upgrade_bytes"] == (cold.rec.l3_bytes if fires else 0)
+    st.check_invariants()
+    st.close()
+
+
+def test_recall_threshold_of_the_plan():
+    plan = PrecisionPlan.of(KVTierConfig(precision="importance", recall_mass=2.0))
+    assert plan.recall_reference == "median"
+    assert plan.recall_threshold([1.0, 3.0, 100.0], [50.0, 1.0, 3.0, 100.0]) == 6.0
+    mean = PrecisionPlan.of(KVTierConfig(precision="importance", recall_mass=2.0, recall_reference="mean"))
+    assert mean.recall_threshold([1.0, 3.0, 2.0], [50.0]) == 4.0
+    every = PrecisionPlan.of(KVTierConfig(precision="importance", recall_mass=1.0, recall_reference="all-mean"))
+    assert every.recall_threshold([], [1.0, 3.0]) == 2.0
+    assert plan.recall_threshold([], [1.0]) is None  # no candidate: nothing to compare with
+    never = PrecisionPlan.of(KVTierConfig(precision="importance", recall_mass=float("inf")))
+    assert never.recall_threshold([1.0], [1.0]) is None
+
+
+def test_a_kept_scratch_read_is_not_served_after_an_upgrade(tmp_path):
+    """A sparse read swaps a cold block into a scratch slot (its region full of dirty blocks)
+    and keeps its int2 decode for the next read; a recall then marks it for upgrade: the next
+    read is the int4 backup's decode, not the kept int2 one."""
+    st = _store(tmp_path, attention="sparse", budget_tokens=10 * BT)
+    s, k, v = _fill(st, 8)
+    cold = _cold_block(st, s)
+    b = cold.idx
+    g = torch.Generator().manual_seed(7)
+    st.append(s, 0, torch.randn(2, 8 * BT, HD, generator=g), torch.randn(2, 8 * BT, HD, generator=g))
+    t = st.residency.tables[s][0]
+    assert t.resident == st.hot_blocks  # every slot taken by a block not yet copied below
+    resident = next(e.idx for e in t.entries[:-1] if e.slot is not None)
+    for _ in range(2):  # the second read is served from what the first kept
+        K, _, _, order = st.gather_view(s, 0, [b, resident])
+        i = order.index(b)
+        assert torch.equal(K[:, i * BT:(i + 1) * BT], _decoded("int2", k[:, b * BT:(b + 1) * BT]))
+    assert cold.key in st.prefetcher._kept and st.counters["swap_in_blocks"] == 1
+    n = t.n_sealed
+    st.observe(s, 0, list(range(n)), [10.0 if i == b else 0.1 for i in range(n)])  # recalled
+    assert cold.rec.upgrade and st.stats()["precision"]["marked"] == 1
+    K, _, _, order = st.gather_view(s, 0, [b, resident])
+    i = order.index(b)
+    assert torch.equal(K[:, i * BT:(i + 1) * BT], _decoded("int4", k[:, b * BT:(b + 1) * BT]))
+    assert st.stats()["precision"]["upgrades"] == 1 and not cold.rec.l2
+    assert st.stats()["prefetch"]["by_source"]["scratch"]["wasted"] >= 1  # the stale one
+    K, _, _, order = st.gather_view(s, 0, [b, resident])  # kept again, now of the backup
+    i = order.index(b)
+    assert torch.equal(K[:, i * BT:(i + 1) * BT], _decoded("int4", k[:, b * BT:(b + 1) * BT]))
+    st.check_invariants()
+    st.close()
+
+
+def test_a_prefetch_read_before_the_mark_is_not_served_after_it(tmp_path):
+    st = _store(tmp_path, prefetch=True)
+    s, k, _ = _fill(st, 8)
+    cold = _cold_block(st, s)
+    b = cold.idx
+    t = st.residency.tables[s][0]
+    st.prefetcher.prefetch(t, [b], "temporal")
+    fut = st.prefetcher._futures[cold.key]
+    assert torch.equal(fut.result().data[0], _decoded("int2", k[:, b * BT:(b + 1) * BT]))  # the low copy
+    st.observe(s, 0, list(range(8)), [10.0 if i == b else 0.1 for i in range(8)])
+    K, _ = st.gather(s, 0)
+    assert torch.equal(K[:, b * BT:(b + 1) * BT], _decoded("int4", k[:, b * BT:(b + 1) * BT]))
+    assert st.stats()["precision"]["upgrades"] == 1
+    st.check_invariants()
+    st.close()
+
+
+def test_an_unreadable_backup_leaves_the_low_copy(tmp_path):
+    """The backup gone bad on disk: the upgrade is refused (counted), the mark cleared, and the
+    int2 L2 copy, never dropped, is read as before."""
+    st = _store(tmp_path)
+    s, k, _ = _fill(st, 8)
+    cold = _cold_block(st, s)
+    b = cold.idx
+    real_get = st.lower.l3.get
+    st.lower.l3.get = lambda key: None if key == cold.rec.key else real_get(key)  # a corrupt record reads as absent
+    st.observe(s, 0, list(range(8)), [10.0 if i == b else 0.1 for i in range(8)])
+    K, _ = st.gather(s, 0)
+    assert torch.equal(K[:, b * BT:(b + 1) * BT], _decoded("int2", k[:, b * BT:(b + 1) * BT]))
+    pstats = st.stats()["precision"]
+    assert pstats["upgrades"] == 0 and pstats["upgrades_failed"] == 1 and pstats["upgrade_bytes"] == 0
+    assert cold.rec.l2 and cold.rec.l3 and not cold.rec.upgrade
+    st.lower.l3.get = real_get
+    st.check_invariants()
+    st.close()
+
+
 def test_without_l3_cold_blocks_stay_low():
     st = _store(None)
     s, k, v = _fill(st, 8)
@@ -121,6 +248,7 @@ def test_without_l3_cold_blocks_stay_low():
     (dict(heavy_fraction=1.5), "heavy_fraction"),
     (dict(heavy_fraction=0.6, cold_fraction=0.6), "cold_fraction"),
     (dict(recall_mass=0), "recall_mass"),
+    (dict(recall_reference="max"), "recall_reference"),
     (dict(precision="importance", order="tier-then-compress"), "order"),
     (dict(precision="importance", disk_codec="int8"), "disk_codec"),
 ])
