@@ -37,7 +37,24 @@ def test_store_specs_build_valid_configs():
     from kvtier.config import KVTierConfig
 
     for s in sweep.default_store_specs() + sweep.mix_store_specs():
-        KVTierConfig(block_tokens=64, hot_tokens=s.hot_tokens, codec=s.codec, group_size=s.group_size,
+        codec = "bf16" if s.codec == "lossless" else s.codec
+        KVTierConfig(block_tokens=64, hot_tokens=s.hot_tokens, codec=codec, group_size=s.group_size,
                      policy="h2o", sink_tokens=s.sink_tokens, window_tokens=s.window_tokens,
                      precision=s.precision, heavy_fraction=s.heavy_fraction, cold_fraction=s.cold_fraction,
-                     recall_mass=s.recall_mass)
+                     recall_mass=s.recall_mass, attention_math=s.attention_math)
+
+
+def test_value_codec_and_lossless_store_row():
+    # a spec may give values their own codec: the bytes are the keys' codec's plus the values'
+    from kvtier.compress import get_codec
+
+    x = torch.randn(3, 128, 64, dtype=torch.bfloat16)  # [kv_heads, T, D], two 64-token blocks
+    spec = sweep.Spec("k4v2", "kvtier", codec="int4", encoder="minmax", value_codec="int2", value_encoder="minmax")
+    yk, nk = sweep._encode_decode_blocks(x, spec, "k", 64)
+    yv, nv = sweep._encode_decode_blocks(x, spec, "v", 64)
+    blocks = x.view(3, 2, 64, 64).transpose(0, 1).reshape(-1, 64, 64)
+    assert nk == get_codec("int4", group_size=32, axis="channel").encode(blocks).nbytes
+    assert nv == get_codec("int2", group_size=32, axis="token").encode(blocks).nbytes
+    assert (yk.float() - x.float()).norm() < (yv.float() - x.float()).norm()  # int4 keys, int2 values
+    names = [s.name for s in sweep.default_store_specs()]
+    assert sweep.STORE_LOSSLESS in names and sweep.default_store_specs()[0].codec == "lossless"

@@ -65,7 +65,7 @@ class StoreSpec:
     over L1/L2/L3, the context prefilled in chunks, the continuation decoded one token a step."""
 
     name: str
-    codec: str = "int4"
+    codec: str = "int4"  # "lossless": the model dtype's own codec (bf16, fp16 or fp32)
     group_size: int = 32
     hot_tokens: int = 256
     sink_tokens: int | None = None   # None: the store's default (one block)
@@ -74,11 +74,19 @@ class StoreSpec:
     heavy_fraction: float = 0.1
     cold_fraction: float = 0.5
     recall_mass: float = 2.0
+    attention_math: str = "float32"
+
+
+#: the store row every other store row is also compared with (the same chunking, the same
+#: attention arithmetic, a lossless codec): what is left is the codec's own effect
+STORE_LOSSLESS = "store lossless"
+_LOSSLESS_OF = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def default_store_specs() -> list[StoreSpec]:
     imp = lambda name, **p: StoreSpec(name, precision="importance", **p)  # noqa: E731
     return [
+        StoreSpec(STORE_LOSSLESS, codec="lossless"),
         StoreSpec("store int8 g32", codec="int8"),
         StoreSpec("store int4 g32", codec="int4"),
         StoreSpec("store int2 g32", codec="int2"),
@@ -108,6 +116,7 @@ class Spec:
     value_axis: str = "token"
     encoder: str | None = None
     value_encoder: str | None = None  # values' encoder when it differs from keys'
+    value_codec: str | None = None  # values' codec when it differs from keys'
     nbits: int = 4
     params: dict = field(default_factory=dict)
 
@@ -124,9 +133,12 @@ def default_specs() -> list[Spec]:
         kv("kvtier int2 g32 minmax", codec="int2", encoder="minmax"),
         kv("kvtier int2 g32 K minmax V mse", codec="int2", encoder="minmax", value_encoder="mse"),
         kv("kvtier int2 g32 K mse V minmax", codec="int2", encoder="mse", value_encoder="minmax"),
+        # the keys' share of int2's loss: keys int4, values int2 (4 bits per value on average)
+        kv("kvtier K int4 V int2 g32", codec="int4", encoder="minmax", value_codec="int2", value_encoder="minmax"),
         Spec("hqq int4", "hqq", nbits=4),
         Spec("quanto int4", "quanto", nbits=4),
         Spec("quanto int2", "quanto", nbits=2),
+        Spec("hqq int2", "hqq", nbits=2),
     ]
 
 
@@ -139,7 +151,8 @@ def _encode_decode_blocks(x: torch.Tensor, spec: Spec, role: str, block: int) ->
     h, t, d = x.shape
     axis = spec.key_axis if role == "k" else spec.value_axis
     encoder = spec.value_encoder if role == "v" and spec.value_encoder else spec.encoder
-    c = get_codec(spec.codec, group_size=spec.group_size, axis=axis, encoder=encoder)
+    name = spec.value_codec if role == "v" and spec.value_codec else spec.codec
+    c = get_codec(name, group_size=spec.group_size, axis=axis, encoder=encoder)
     xb = x.view(h, t // block, block, d).transpose(0, 1).reshape(-1, block, d)  # [blocks * kv_heads, block, D]
     enc = c.encode(xb.contiguous())
     y = c.decode(enc).view(t // block, h, block, d).transpose(0, 1).reshape(h, t, d)
@@ -163,7 +176,7 @@ def _anchor(x: torch.Tensor, spec: Spec) -> tuple[torch.Tensor, int]:
     qtype = qint4 if spec.nbits == 4 else qint2
     scale, zp = MaxOptimizer()(x, qtype, 0, group)
     qt = quantize_weight(x, qtype, 0, scale, zp, group)
-    from kvtier.integrations.evalrun import tensor_bytes
+    from kvtier.eval.caches import tensor_bytes
 
     return qt.dequantize().to(x.dtype), tensor_bytes(qt)
 
@@ -234,7 +247,9 @@ def run_store_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[S
     for spec in specs:
         with tempfile.TemporaryDirectory(dir=scratch) as d:
             cfg = KVTierConfig(block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
-                               disk_path=d, disk_bytes=4 << 30, codec=spec.codec, group_size=spec.group_size, policy="h2o",
+                               disk_path=d, disk_bytes=4 << 30, group_size=spec.group_size, policy="h2o",
+                               codec=_LOSSLESS_OF[model.dtype] if spec.codec == "lossless" else spec.codec,
+                               attention_math=spec.attention_math,
                                attention="dense", write_through=False, sink_tokens=spec.sink_tokens,
                                window_tokens=spec.window_tokens, precision=spec.precision,
                                heavy_fraction=spec.heavy_fraction, cold_fraction=spec.cold_fraction,
@@ -408,9 +423,14 @@ def main(argv=None) -> int:
                             "encode_s_per_window": enc}
             print(f"{src:7s} | {s.name:34s} | dppl {100 * d:+7.3f}% [{100 * lo:+7.3f}, {100 * hi:+7.3f}] | "
                   f"{bpt:8.0f} B/tok ctx | {end:8.0f} B/tok end | encode {enc:6.2f} s/window", flush=True)
+        base = [v[0] for v in per[STORE_LOSSLESS]] if STORE_LOSSLESS in per else None
         for s in store_specs:
             got = [v[0] for v in per[s.name]]
             d, lo, hi = bootstrap_ci(ref, got, args.boot, args.seed)
+            # against the lossless store: the reference's arithmetic (one prefill, one scoring
+            # forward, SDPA) differs from the store's (chunks, its own attention), which in
+            # bf16 alone moves Δppl by more than int8 does
+            vs = bootstrap_ci(base, got, args.boot, args.seed) if base is not None else None
             tiers = {t: sum(v[1]["bytes"][t] for v in per[s.name]) / len(got) / held for t in ("l1", "l2", "l3")}
             total = sum(tiers.values())
             weighted = tiers["l1"] + tiers["l2"] / 10 + tiers["l3"] / 100  # HBM-equivalent: HBM = 10 DRAM = 100 SSD
@@ -418,10 +438,12 @@ def main(argv=None) -> int:
             prec = per[s.name][-1][1]["precision"]
             rows[s.name] = {"delta_ppl": d, "ci95": [lo, hi], "bytes_per_token_end": total, "tiers": tiers,
                             "weighted_bytes_per_token": weighted, "s_per_window": sec, "precision_last": prec,
+                            "vs_store_lossless": list(vs) if vs else None,
                             "spec": vars(s) if hasattr(s, "__dict__") else str(s)}
             print(f"{src:7s} | {s.name:34s} | dppl {100 * d:+7.3f}% [{100 * lo:+7.3f}, {100 * hi:+7.3f}] | "
                   f"L1 {tiers['l1']:6.0f} L2 {tiers['l2']:6.0f} L3 {tiers['l3']:6.0f} = {total:6.0f} B/tok end "
                   f"(L1+L2 {tiers['l1'] + tiers['l2']:6.0f}, weighted {weighted:5.0f}) | {sec:5.1f} s/window"
+                  + (f" | vs lossless store {100 * vs[0]:+7.3f}% [{100 * vs[1]:+7.3f}, {100 * vs[2]:+7.3f}]" if vs else "")
                   + (f" | {prec}" if prec else ""), flush=True)
         doc["sources"][src] = {"ppl_ref": ppl_ref, "windows": len(offsets), "offsets": offsets, "rows": rows}
     if args.json:
