@@ -330,6 +330,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--continuation", type=int, default=128)
     ap.add_argument("--windows", type=int, default=8, help="windows per text")
+    ap.add_argument("--offsets", default=None,
+                    help="comma-separated token offsets of the windows (one text), instead of drawing --windows")
     ap.add_argument("--block-tokens", type=int, default=64)
     ap.add_argument("--recent", type=int, default=128,
                     help="full-precision recent context tokens (the store's default window with L1 = 256)")
@@ -389,6 +391,8 @@ def main(argv=None) -> int:
         ids = tok(load_source(src), add_special_tokens=False, return_tensors="pt")["input_ids"][0]
         rng = random.Random(args.seed * 1_000_003 + args.context)
         offsets = sorted(rng.randrange(0, ids.numel() - span) for _ in range(args.windows))
+        if args.offsets:
+            offsets = [int(o) for o in args.offsets.split(",")]
         per: dict[str, list] = {}
         t0 = time.perf_counter()
         layers = model.config.num_hidden_layers
@@ -401,6 +405,9 @@ def main(argv=None) -> int:
                 for name, (nll, st, sec) in run_store_window(model, ctx, cont, store_specs, args.block_tokens,
                                                              args.chunk, args.scratch, args.decode_chunk).items():
                     per.setdefault(name, []).append((nll, st, sec))
+            # each window as it ends (a slow run still leaves the windows it finished)
+            print(json.dumps({"window": {"source": src, "offset": o, "nll": {
+                name: per[name][-1][0].tolist() for name in per}}}), flush=True)
         rows = {}
         ref = [v[0] for v in per["ref"]]
         ppl_ref = math.exp(torch.cat(ref).mean().item())
