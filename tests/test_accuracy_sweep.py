@@ -58,3 +58,20 @@ def test_value_codec_and_lossless_store_row():
     assert (yk.float() - x.float()).norm() < (yv.float() - x.float()).norm()  # int4 keys, int2 values
     names = [s.name for s in sweep.default_store_specs()]
     assert sweep.STORE_LOSSLESS in names and sweep.default_store_specs()[0].codec == "lossless"
+
+
+def test_pool_windows_pairs_rows_with_the_lossless_store():
+    import json
+
+    def line(src, off, ref, lossless, row):
+        return json.dumps({"window": {"source": src, "offset": off, "nll": {
+            "ref": ref, sweep.STORE_LOSSLESS: lossless, "store int2 g32": row}}})
+
+    lines = [line("pydoc", 1, [1.0, 2.0], [1.0, 2.0], [1.1, 2.1]), "not a window line",
+             line("pydoc", 2, [0.5, 0.5], [0.6, 0.6], [0.7, 0.7])]
+    rows = sweep.pool_windows(lines, n_boot=50)["pydoc"]
+    assert rows["store int2 g32"]["windows"] == [1, 2]
+    d, lo, hi = rows["store int2 g32"]["vs_store_lossless"]
+    assert abs(d - math.expm1(0.1)) < 1e-9 and abs(lo - d) < 1e-9  # 0.1 nats per token worse in both windows
+    assert rows["store int2 g32"]["delta_ppl"] > d  # the lossless store is itself above ref in window 2
+    assert "vs_store_lossless" not in rows[sweep.STORE_LOSSLESS]

@@ -292,6 +292,31 @@ def bootstrap_ci(ref: list[torch.Tensor], got: list[torch.Tensor], n_boot: int, 
     return delta, lo, hi
 
 
+def pool_windows(lines, n_boot: int = 2000, seed: int = 0) -> dict:
+    """Rows from the per-window lines of several runs (``{"window": ...}``, as printed): per
+    source and row, Δppl and its interval against the reference over every window holding the
+    row and, for store rows, against the lossless store on the windows holding both."""
+    wins: dict[str, list] = {}
+    for line in lines:
+        if line.startswith('{"window"'):
+            w = json.loads(line)["window"]
+            wins.setdefault(w["source"], []).append(w)
+    out = {}
+    for src, ws in wins.items():
+        rows = {}
+        for name in sorted({n for w in ws for n in w["nll"]} - {"ref"}):
+            sel = [w for w in ws if name in w["nll"]]
+            t = lambda w, n: torch.tensor(w["nll"][n], dtype=torch.float64)  # noqa: E731
+            d, lo, hi = bootstrap_ci([t(w, "ref") for w in sel], [t(w, name) for w in sel], n_boot, seed)
+            rows[name] = {"delta_ppl": d, "ci95": [lo, hi], "windows": [w["offset"] for w in sel]}
+            both = [w for w in sel if STORE_LOSSLESS in w["nll"]]
+            if name.startswith("store") and name != STORE_LOSSLESS and both:
+                rows[name]["vs_store_lossless"] = list(bootstrap_ci(
+                    [t(w, STORE_LOSSLESS) for w in both], [t(w, name) for w in both], n_boot, seed))
+        out[src] = rows
+    return out
+
+
 def plot(doc: dict, path: str) -> None:
     """Δppl (95% CI) against bytes per token held at the end of the window, one panel per text:
     fixed-precision and importance rows of the real store, simulated rows, anchors."""
@@ -353,8 +378,20 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None, help="write the Pareto plot (PNG) here")
     ap.add_argument("--from-json", default=None, nargs="+",
                     help="no measuring: merge these --json outputs (their sources) and plot them")
+    ap.add_argument("--pool", default=None, nargs="+",
+                    help="no measuring: pool the per-window lines of these logs (runs of one dtype) into rows")
     ap.add_argument("--smoke", action="store_true", help="one 256-token window of pydoc, three configs")
     args = ap.parse_args(argv)
+    if args.pool:
+        lines = [ln for f in args.pool for ln in Path(f).read_text().splitlines()]
+        for src, rows in pool_windows(lines, args.boot, args.seed).items():
+            for name, r in rows.items():
+                vs = r.get("vs_store_lossless")
+                print(f"{src:7s} | {name:34s} | {len(r['windows'])} windows | dppl {100 * r['delta_ppl']:+7.3f}% "
+                      f"[{100 * r['ci95'][0]:+7.3f}, {100 * r['ci95'][1]:+7.3f}]"
+                      + (f" | vs lossless store {100 * vs[0]:+7.3f}% [{100 * vs[1]:+7.3f}, {100 * vs[2]:+7.3f}]"
+                         if vs else ""))
+        return 0
     if args.from_json:
         doc = {"sources": {}}
         for f in args.from_json:
