@@ -36,4 +36,38 @@ def test_plot_writes_a_png(tmp_path):
 def test_store_specs_build_valid_configs():
     for s in sweep.default_store_specs() + sweep.mix_store_specs() + sweep.recall_store_specs():
         cfg = sweep.store_config(s, 64, None)
-        assert (cfg.precision, cfg.codec, cfg.recall_reference) == (s.precision, s.codec, s.recall_reference)
+        codec = "bf16" if s.codec == "lossless" else s.codec
+        assert (cfg.precision, cfg.codec, cfg.recall_reference) == (s.precision, codec, s.recall_reference)
+
+
+def test_value_codec_and_lossless_store_row():
+    # a spec may give values their own codec: the bytes are the keys' codec's plus the values'
+    from kvtier.compress import get_codec
+
+    x = torch.randn(3, 128, 64, dtype=torch.bfloat16)  # [kv_heads, T, D], two 64-token blocks
+    spec = sweep.Spec("k4v2", "kvtier", codec="int4", encoder="minmax", value_codec="int2", value_encoder="minmax")
+    yk, nk = sweep._encode_decode_blocks(x, spec, "k", 64)
+    yv, nv = sweep._encode_decode_blocks(x, spec, "v", 64)
+    blocks = x.view(3, 2, 64, 64).transpose(0, 1).reshape(-1, 64, 64)
+    assert nk == get_codec("int4", group_size=32, axis="channel").encode(blocks).nbytes
+    assert nv == get_codec("int2", group_size=32, axis="token").encode(blocks).nbytes
+    assert (yk.float() - x.float()).norm() < (yv.float() - x.float()).norm()  # int4 keys, int2 values
+    names = [s.name for s in sweep.default_store_specs()]
+    assert sweep.STORE_LOSSLESS in names and sweep.default_store_specs()[0].codec == "lossless"
+
+
+def test_pool_windows_pairs_rows_with_the_lossless_store():
+    import json
+
+    def line(src, off, ref, lossless, row):
+        return json.dumps({"window": {"source": src, "offset": off, "nll": {
+            "ref": ref, sweep.STORE_LOSSLESS: lossless, "store int2 g32": row}}})
+
+    lines = [line("pydoc", 1, [1.0, 2.0], [1.0, 2.0], [1.1, 2.1]), "not a window line",
+             line("pydoc", 2, [0.5, 0.5], [0.6, 0.6], [0.7, 0.7])]
+    rows = sweep.pool_windows(lines, n_boot=50)["pydoc"]
+    assert rows["store int2 g32"]["windows"] == [1, 2]
+    d, lo, hi = rows["store int2 g32"]["vs_store_lossless"]
+    assert abs(d - math.expm1(0.1)) < 1e-9 and abs(lo - d) < 1e-9  # 0.1 nats per token worse in both windows
+    assert rows["store int2 g32"]["delta_ppl"] > d  # the lossless store is itself above ref in window 2
+    assert "vs_store_lossless" not in rows[sweep.STORE_LOSSLESS]

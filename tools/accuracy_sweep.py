@@ -65,7 +65,7 @@ class StoreSpec:
     over L1/L2/L3, the context prefilled in chunks, the continuation decoded one token a step."""
 
     name: str
-    codec: str = "int4"
+    codec: str = "int4"  # "lossless": the model dtype's own codec (bf16, fp16 or fp32)
     group_size: int = 32
     hot_tokens: int = 256
     sink_tokens: int | None = None   # None: the store's default (one block)
@@ -77,11 +77,19 @@ class StoreSpec:
     recall_reference: str = "median"
     heavy_codec: str = "int8"
     cold_codec: str = "int2"
+    attention_math: str = "float32"
+
+
+#: the store row every other store row is also compared with (the same chunking, the same
+#: attention arithmetic, a lossless codec): what is left is the codec's own effect
+STORE_LOSSLESS = "store lossless"
+_LOSSLESS_OF = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def default_store_specs() -> list[StoreSpec]:
     imp = lambda name, **p: StoreSpec(name, precision="importance", **p)  # noqa: E731
     return [
+        StoreSpec(STORE_LOSSLESS, codec="lossless"),
         StoreSpec("store int8 g32", codec="int8"),
         StoreSpec("store int4 g32", codec="int4"),
         StoreSpec("store int2 g32", codec="int2"),
@@ -131,6 +139,7 @@ class Spec:
     value_axis: str = "token"
     encoder: str | None = None
     value_encoder: str | None = None  # values' encoder when it differs from keys'
+    value_codec: str | None = None  # values' codec when it differs from keys'
     nbits: int = 4
     params: dict = field(default_factory=dict)
 
@@ -147,9 +156,12 @@ def default_specs() -> list[Spec]:
         kv("kvtier int2 g32 minmax", codec="int2", encoder="minmax"),
         kv("kvtier int2 g32 K minmax V mse", codec="int2", encoder="minmax", value_encoder="mse"),
         kv("kvtier int2 g32 K mse V minmax", codec="int2", encoder="mse", value_encoder="minmax"),
+        # the keys' share of int2's loss: keys int4, values int2 (4 bits per value on average)
+        kv("kvtier K int4 V int2 g32", codec="int4", encoder="minmax", value_codec="int2", value_encoder="minmax"),
         Spec("hqq int4", "hqq", nbits=4),
         Spec("quanto int4", "quanto", nbits=4),
         Spec("quanto int2", "quanto", nbits=2),
+        Spec("hqq int2", "hqq", nbits=2),
     ]
 
 
@@ -162,7 +174,8 @@ def _encode_decode_blocks(x: torch.Tensor, spec: Spec, role: str, block: int) ->
     h, t, d = x.shape
     axis = spec.key_axis if role == "k" else spec.value_axis
     encoder = spec.value_encoder if role == "v" and spec.value_encoder else spec.encoder
-    c = get_codec(spec.codec, group_size=spec.group_size, axis=axis, encoder=encoder)
+    name = spec.value_codec if role == "v" and spec.value_codec else spec.codec
+    c = get_codec(name, group_size=spec.group_size, axis=axis, encoder=encoder)
     xb = x.view(h, t // block, block, d).transpose(0, 1).reshape(-1, block, d)  # [blocks * kv_heads, block, D]
     enc = c.encode(xb.contiguous())
     y = c.decode(enc).view(t // block, h, block, d).transpose(0, 1).reshape(h, t, d)
@@ -186,7 +199,7 @@ def _anchor(x: torch.Tensor, spec: Spec) -> tuple[torch.Tensor, int]:
     qtype = qint4 if spec.nbits == 4 else qint2
     scale, zp = MaxOptimizer()(x, qtype, 0, group)
     qt = quantize_weight(x, qtype, 0, scale, zp, group)
-    from kvtier.integrations.evalrun import tensor_bytes
+    from kvtier.eval.caches import tensor_bytes
 
     return qt.dequantize().to(x.dtype), tensor_bytes(qt)
 
@@ -234,13 +247,16 @@ def run_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[Spec], 
     return res
 
 
-def store_config(spec: StoreSpec, block: int, disk_path: str | None):
-    """The store configuration of ``spec``: dense, h2o, L2 256 MiB, L3 at ``disk_path``."""
+def store_config(spec: StoreSpec, block: int, disk_path: str | None, dtype: torch.dtype = torch.bfloat16):
+    """The store configuration of ``spec``: dense, h2o, L2 256 MiB, L3 at ``disk_path``; the
+    ``lossless`` codec is the pass-through one of the model's ``dtype``."""
     from kvtier.config import KVTierConfig
 
     imp = spec.precision == "importance"
     return KVTierConfig(block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
-                        disk_path=disk_path, disk_bytes=4 << 30, codec=spec.codec, group_size=spec.group_size,
+                        disk_path=disk_path, disk_bytes=4 << 30, group_size=spec.group_size,
+                        codec=_LOSSLESS_OF[dtype] if spec.codec == "lossless" else spec.codec,
+                        attention_math=spec.attention_math,
                         policy="h2o", attention="dense", write_through=False, sink_tokens=spec.sink_tokens,
                         window_tokens=spec.window_tokens, precision=spec.precision,
                         heavy_fraction=spec.heavy_fraction, cold_fraction=spec.cold_fraction,
@@ -271,7 +287,7 @@ def run_store_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[S
     out = {}
     for spec in specs:
         with tempfile.TemporaryDirectory(dir=scratch) as d:
-            cfg = store_config(spec, block, d)
+            cfg = store_config(spec, block, d, model.dtype)
             t0 = time.perf_counter()
             cache = kvtier.attach(model, cfg)
             try:
@@ -309,6 +325,31 @@ def bootstrap_ci(ref: list[torch.Tensor], got: list[torch.Tensor], n_boot: int, 
     d = (gs[idx].sum(1) - rs[idx].sum(1)) / counts[idx].sum(1)
     lo, hi = torch.quantile(d.exp() - 1, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
     return delta, lo, hi
+
+
+def pool_windows(lines, n_boot: int = 2000, seed: int = 0) -> dict:
+    """Rows from the per-window lines of several runs (``{"window": ...}``, as printed): per
+    source and row, Δppl and its interval against the reference over every window holding the
+    row and, for store rows, against the lossless store on the windows holding both."""
+    wins: dict[str, list] = {}
+    for line in lines:
+        if line.startswith('{"window"'):
+            w = json.loads(line)["window"]
+            wins.setdefault(w["source"], []).append(w)
+    out = {}
+    for src, ws in wins.items():
+        rows = {}
+        for name in sorted({n for w in ws for n in w["nll"]} - {"ref"}):
+            sel = [w for w in ws if name in w["nll"]]
+            t = lambda w, n: torch.tensor(w["nll"][n], dtype=torch.float64)  # noqa: E731
+            d, lo, hi = bootstrap_ci([t(w, "ref") for w in sel], [t(w, name) for w in sel], n_boot, seed)
+            rows[name] = {"delta_ppl": d, "ci95": [lo, hi], "windows": [w["offset"] for w in sel]}
+            both = [w for w in sel if STORE_LOSSLESS in w["nll"]]
+            if name.startswith("store") and name != STORE_LOSSLESS and both:
+                rows[name]["vs_store_lossless"] = list(bootstrap_ci(
+                    [t(w, STORE_LOSSLESS) for w in both], [t(w, name) for w in both], n_boot, seed))
+        out[src] = rows
+    return out
 
 
 def plot(doc: dict, path: str) -> None:
@@ -349,6 +390,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--continuation", type=int, default=128)
     ap.add_argument("--windows", type=int, default=8, help="windows per text")
+    ap.add_argument("--offsets", default=None,
+                    help="comma-separated token offsets of the windows (one text), instead of drawing --windows")
     ap.add_argument("--block-tokens", type=int, default=64)
     ap.add_argument("--recent", type=int, default=128,
                     help="full-precision recent context tokens (the store's default window with L1 = 256)")
@@ -372,8 +415,20 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None, help="write the Pareto plot (PNG) here")
     ap.add_argument("--from-json", default=None, nargs="+",
                     help="no measuring: merge these --json outputs (their sources) and plot them")
+    ap.add_argument("--pool", default=None, nargs="+",
+                    help="no measuring: pool the per-window lines of these logs (runs of one dtype) into rows")
     ap.add_argument("--smoke", action="store_true", help="one 256-token window of pydoc, three configs")
     args = ap.parse_args(argv)
+    if args.pool:
+        lines = [ln for f in args.pool for ln in Path(f).read_text().splitlines()]
+        for src, rows in pool_windows(lines, args.boot, args.seed).items():
+            for name, r in rows.items():
+                vs = r.get("vs_store_lossless")
+                print(f"{src:7s} | {name:34s} | {len(r['windows'])} windows | dppl {100 * r['delta_ppl']:+7.3f}% "
+                      f"[{100 * r['ci95'][0]:+7.3f}, {100 * r['ci95'][1]:+7.3f}]"
+                      + (f" | vs lossless store {100 * vs[0]:+7.3f}% [{100 * vs[1]:+7.3f}, {100 * vs[2]:+7.3f}]"
+                         if vs else ""))
+        return 0
     if args.from_json:
         doc = {"sources": {}}
         for f in args.from_json:  # runs of one source on the same windows add their rows
@@ -415,6 +470,8 @@ def main(argv=None) -> int:
         ids = tok(load_source(src), add_special_tokens=False, return_tensors="pt")["input_ids"][0]
         rng = random.Random(args.seed * 1_000_003 + args.context)
         offsets = sorted(rng.randrange(0, ids.numel() - span) for _ in range(args.windows))
+        if args.offsets:
+            offsets = [int(o) for o in args.offsets.split(",")]
         per: dict[str, list] = {}
         t0 = time.perf_counter()
         layers = model.config.num_hidden_layers
@@ -427,6 +484,9 @@ def main(argv=None) -> int:
                 for name, (nll, st, sec) in run_store_window(model, ctx, cont, store_specs, args.block_tokens,
                                                              args.chunk, args.scratch, args.decode_chunk).items():
                     per.setdefault(name, []).append((nll, st, sec))
+            # each window as it ends (a slow run still leaves the windows it finished)
+            print(json.dumps({"window": {"source": src, "offset": o, "nll": {
+                name: per[name][-1][0].tolist() for name in per}}}), flush=True)
         rows = {}
         ref = [v[0] for v in per["ref"]]
         ppl_ref = math.exp(torch.cat(ref).mean().item())
@@ -449,9 +509,14 @@ def main(argv=None) -> int:
                             "encode_s_per_window": enc}
             print(f"{src:7s} | {s.name:34s} | dppl {100 * d:+7.3f}% [{100 * lo:+7.3f}, {100 * hi:+7.3f}] | "
                   f"{bpt:8.0f} B/tok ctx | {end:8.0f} B/tok end | encode {enc:6.2f} s/window", flush=True)
+        base = [v[0] for v in per[STORE_LOSSLESS]] if STORE_LOSSLESS in per else None
         for s in store_specs:
             got = [v[0] for v in per[s.name]]
             d, lo, hi = bootstrap_ci(ref, got, args.boot, args.seed)
+            # against the lossless store: the reference's arithmetic (one prefill, one scoring
+            # forward, SDPA) differs from the store's (chunks, its own attention), which in
+            # bf16 alone moves Δppl by more than int8 does
+            vs = bootstrap_ci(base, got, args.boot, args.seed) if base is not None else None
             tiers = {t: sum(v[1]["bytes"][t] for v in per[s.name]) / len(got) / held for t in ("l1", "l2", "l3")}
             total = sum(tiers.values())
             weighted = tiers["l1"] + tiers["l2"] / 10 + tiers["l3"] / 100  # HBM-equivalent: HBM = 10 DRAM = 100 SSD
@@ -465,10 +530,12 @@ def main(argv=None) -> int:
             rows[s.name] = {"delta_ppl": d, "ci95": [lo, hi], "bytes_per_token_end": total, "tiers": tiers,
                             "l3_read_bytes_per_scored_token": l3_read,
                             "weighted_bytes_per_token": weighted, "s_per_window": sec, "precision_last": prec,
+                            "vs_store_lossless": list(vs) if vs else None,
                             "spec": vars(s) if hasattr(s, "__dict__") else str(s)}
             print(f"{src:7s} | {s.name:34s} | dppl {100 * d:+7.3f}% [{100 * lo:+7.3f}, {100 * hi:+7.3f}] | "
                   f"L1 {tiers['l1']:6.0f} L2 {tiers['l2']:6.0f} L3 {tiers['l3']:6.0f} = {total:6.0f} B/tok end "
                   f"(L1+L2 {tiers['l1'] + tiers['l2']:6.0f}, weighted {weighted:5.0f}) | {sec:5.1f} s/window"
+                  + (f" | vs lossless store {100 * vs[0]:+7.3f}% [{100 * vs[1]:+7.3f}, {100 * vs[2]:+7.3f}]" if vs else "")
                   + (f" | {prec}" if prec else ""), flush=True)
         doc["sources"][src] = {"ppl_ref": ppl_ref, "windows": len(offsets), "offsets": offsets, "rows": rows}
     if args.json:

@@ -115,7 +115,7 @@ def _storable(scale: torch.Tensor, zero: torch.Tensor, sdtype: torch.dtype):
 
 
 def refine_ref(g: torch.Tensor, n: int, scale: torch.Tensor, zero: torch.Tensor, bits: int,
-               sdtype: torch.dtype, iters: int = FIT_ITERS, shrink: tuple = SHRINK):
+               sdtype: torch.dtype, iters: int | None = None, shrink: tuple | None = None):
     """The ``mse`` encoder's search (module docstring): per group, the storable (scale, zero) of
     least squared error among min/max and the least-squares refinements.
 
@@ -123,9 +123,13 @@ def refine_ref(g: torch.Tensor, n: int, scale: torch.Tensor, zero: torch.Tensor,
         g: fp32 groups ``[B, R, ng, G]`` as :func:`_grouped` builds them (the last group padded).
         n: real elements along the grouped dim (padding is left out of every fit and error).
         scale, zero: the min/max pair ``[B, R, ng]`` in ``sdtype``.
+        iters, shrink: ``None``: :data:`FIT_ITERS` and :data:`SHRINK` as they are at the call
+            (read then, as the compiled kernel reads them, so that both follow a change).
     Returns:
         (scale, zero) ``[B, R, ng]`` in ``sdtype``.
     """
+    iters = FIT_ITERS if iters is None else iters
+    shrink = SHRINK if shrink is None else shrink
     top = qmax(bits)
     ng, gs = g.shape[-2], g.shape[-1]
     w = None

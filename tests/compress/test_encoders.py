@@ -129,3 +129,20 @@ def test_compiled_mse_matches_the_reference(bits, axis, dtype):
     assert torch.equal(y.parts["q"], cq) and torch.equal(y.parts["scale"], cs)  # the codec's CPU path
     x[1, 2, 3, 4] = float("inf")
     assert cpu.quantize_mse_checked(x.contiguous(), bits, 32, axis)[3]
+
+
+def test_reference_and_kernel_follow_the_search_settings_alike(monkeypatch):
+    # FIT_ITERS and SHRINK are read at each call by both the reference and the compiled kernel,
+    # so a changed search is the same search everywhere (and a longer one is never worse)
+    from kvtier.compress import cpu
+
+    x = data(9, (3, 64, 64), torch.bfloat16)
+    base = group_sq_err(x, R.quantize_ref(x, 2, 32, "channel", encoder="mse"), 2, 32, "channel").sum()
+    monkeypatch.setattr(R, "FIT_ITERS", 4)
+    monkeypatch.setattr(R, "SHRINK", (0.9, 0.8))
+    ref = R.quantize_ref(x, 2, 32, "channel", encoder="mse")
+    longer = group_sq_err(x, ref, 2, 32, "channel").sum()
+    assert longer < base
+    if cpu.available():
+        cq, cs, cz, _ = cpu.quantize_mse_checked(x.contiguous(), 2, 32, "channel")
+        assert abs(group_sq_err(x, (cq, cs, cz), 2, 32, "channel").sum() / longer - 1) < 1e-3
