@@ -371,7 +371,23 @@ class KVTierConfig:
         for name in DERIVED_FIELDS:
             if isinstance(getattr(self, name), Derived):
                 object.__setattr__(self, name, None)
+        self._check_l1()
+        self._check_tiers()
+        self._check_codecs()
+        self._check_selection()
+        check_choice("durability", self.durability, get_args(Durability))
+        if self.dtype is not None:
+            check_choice("dtype", self.dtype, get_args(DType))
+        self._check_remote()
+        self._check_eviction()
+        self._check_writes()
+        self._check_sparse_budget()
 
+    # -- checks of __post_init__, one area each, in the order they run (a derived value is filled
+    # before the first check that reads it) ----------------------------------------------------
+
+    def _check_l1(self) -> None:
+        """Attention mode, block size and the L1 budget (``hot_tokens`` or ``hot_bytes``)."""
         check_choice("attention", self.attention, get_args(Attention))
         if self.block_tokens is None:
             derive(self, "block_tokens", default_block_tokens(self.attention))
@@ -386,6 +402,9 @@ class KVTierConfig:
         else:
             check_int("hot_bytes", self.hot_bytes, 1, MAX_BYTES)
         check_int("max_sequences", self.max_sequences, 1, MAX_SEQUENCES)
+
+    def _check_tiers(self) -> None:
+        """L2 and L3 sizes, L3 retention and directory."""
         if isinstance(self.host_bytes, int) and not isinstance(self.host_bytes, bool) \
                 and self.host_bytes < MIN_HOST_BYTES:
             raise ValueError(f"host_bytes must be an int >= {MIN_HOST_BYTES} (the smallest L2 ring; it must "
@@ -411,6 +430,9 @@ class KVTierConfig:
                 raise ValueError(f"disk_path must be a non-empty path (without NUL) or None; got {self.disk_path!r}")
             if isinstance(self.disk_path, Path):
                 object.__setattr__(self, "disk_path", str(self.disk_path))
+
+    def _check_codecs(self) -> None:
+        """The codec of each tier, its group size and axes, and mixed precision."""
         check_choice("codec", self.codec, CODECS)
         check_choice("order", self.order, get_args(Order))
         if self.host_codec is None:
@@ -424,6 +446,9 @@ class KVTierConfig:
         self._check_precision()
         check_choice("key_axis", self.key_axis, get_args(Axis))
         check_choice("value_axis", self.value_axis, get_args(Axis))
+
+    def _check_selection(self) -> None:
+        """Eviction policy and how sparse attention scores blocks (``digest_tokens`` filled here)."""
         check_choice("policy", self.policy, get_args(Policy))
         check_choice("select_score", self.select_score, get_args(SelectScore))
         check_choice("digest_dtype", self.digest_dtype, get_args(DigestDType))
@@ -438,15 +463,18 @@ class KVTierConfig:
         if self.select_score != "centroid" and self.digest_tokens != self.block_tokens:
             raise ValueError(f"digest_tokens must equal block_tokens ({self.block_tokens}) unless "
                              f"select_score is 'centroid'; got {self.digest_tokens}")
-        check_choice("durability", self.durability, get_args(Durability))
-        if self.dtype is not None:
-            check_choice("dtype", self.dtype, get_args(DType))
+
+    def _check_remote(self) -> None:
+        """The L4 server and its key prefix."""
         if self.remote_url is not None:
             check_remote_url(self.remote_url)
         if not isinstance(self.remote_key_prefix, str) or "\x00" in self.remote_key_prefix \
                 or len(self.remote_key_prefix.encode()) > 128:
             raise ValueError(f"remote_key_prefix must be a str of at most 128 UTF-8 bytes without NUL; "
                              f"got {self.remote_key_prefix!r:.80}")
+
+    def _check_eviction(self) -> None:
+        """Eviction batches, prefetch and the L1 watermarks."""
         check_int("snapkv_observe_steps", self.snapkv_observe_steps, 1, 1 << 20)
         check_int("evict_batch_blocks", self.evict_batch_blocks, 1, 1 << 20)
         check_int("prefetch_blocks", self.prefetch_blocks, 1, 1 << 24)
@@ -459,6 +487,9 @@ class KVTierConfig:
         if self.low_watermark > self.high_watermark:
             raise ValueError(
                 f"low_watermark must be <= high_watermark ({self.high_watermark}); got {self.low_watermark}")
+
+    def _check_writes(self) -> None:
+        """How records are written: byte stage and write-through."""
         check_choice("byte_stage", self.byte_stage, get_args(ByteStageName))
         check_bool("byte_stage_l2", self.byte_stage_l2)
         check_bool("write_through", self.write_through)
@@ -466,6 +497,8 @@ class KVTierConfig:
                 or not 0.0 <= self.lz4_min_saving < 1.0:
             raise ValueError(f"lz4_min_saving must be a float in [0, 1); got {self.lz4_min_saving!r}")
 
+    def _check_sparse_budget(self) -> None:
+        """The sparse budget and its fixed parts (sink, window, one open block), filled when known."""
         bt = self.block_tokens
         # The sparse budget and its fixed parts are only known in tokens when hot_tokens is.
         hot = self.hot_tokens if self.hot_bytes is None else None

@@ -165,33 +165,30 @@ def plot(doc: dict, path: Path) -> None:
         return _plot_ruler(doc, path, plt)
     ctx = max(r["context"] for r in doc["results"])
     rows = [r for r in doc["results"] if r["context"] == ctx]
+    style = _styles(rows)
     panels = [
         ("total_bytes_per_token", "ppl_rel_change", "total KV bytes per token", "relative perplexity change (%)", 100),
         ("l1_bytes_per_token", "probe_acc", "L1 (device) KV bytes per token", "recall probe top-1 accuracy", 1),
     ]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), dpi=80)
+    drawn, frontier = [], False
     for ax, (xk, yk, xl, yl, scale) in zip(axes, panels):
-        pts, labels, anchors = [], [], []
+        pts = []
         for r in rows:
             x, y = r["footprint"].get(xk), r["accuracy"].get(yk)
             if x is None or y is None or not math.isfinite(x) or not math.isfinite(y):
                 continue
             pts.append((x, y * scale))
-            labels.append(r["config"])
-            anchors.append(r["anchor"])
-        for (x, y), lab, anc in zip(pts, labels, anchors):
-            imp = "importance" in lab  # precision that follows importance, against fixed-precision rows
-            ax.scatter([x], [y], marker="s" if anc else "*" if imp else "o", s=60 if imp else 36,
-                       color="tab:gray" if anc else "tab:red" if imp else "tab:blue")
-            ax.annotate(lab, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+            color, marker = style[r["config"]]
+            ax.scatter([x], [y * scale], marker=marker, s=36, color=color, edgecolors="black", linewidths=0.4)
+            drawn.append(r["config"])
         # lower error is better for ppl; higher accuracy is better for the probe
         err = (lambda y: abs(y)) if yk == "ppl_rel_change" else (lambda y: -y)
         front = pareto_front([(x, err(y)) for x, y in pts])
         if len(front) > 1:
-            ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "--", color="tab:orange",
-                    label="Pareto frontier")
-            ax.legend(fontsize=7)
-        ax.set_xscale("log")
+            ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], "--", color="tab:orange", zorder=0)
+            frontier = True
+        _log_x(ax)
         if yk == "ppl_rel_change":
             ax.set_yscale("symlog", linthresh=1.0)  # percent: small changes and blow-ups on one axis
         ax.set_xlabel(xl)
@@ -200,17 +197,17 @@ def plot(doc: dict, path: Path) -> None:
     fig.suptitle(f"{doc['model']['name']}, context {ctx}: accuracy vs footprint (squares: transformers anchors; "
                  "stars: precision by importance)",
                  fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _save_with_legend(fig, style, drawn, path, plt, frontier)
 
 
 def _plot_ruler(doc: dict, path: Path, plt) -> None:
     """RULER accuracy against L1 bytes per token, one panel per context, 95% intervals as error
     bars; hollow markers: the paired difference to the reference is inside its interval."""
     contexts = sorted({r["context"] for r in doc["results"]})
+    style = _styles(doc["results"])
     fig, axes = plt.subplots(1, len(contexts), figsize=(max(8.0, 5.5 * len(contexts)), 4.6), dpi=80,
                              squeeze=False)
+    drawn = []
     for ax, ctx in zip(axes[0], contexts):
         for r in (r for r in doc["results"] if r["context"] == ctx):
             a = r["accuracy"]
@@ -218,18 +215,76 @@ def _plot_ruler(doc: dict, path: Path, plt) -> None:
             if x is None or y is None or not ci:
                 continue
             same = a.get("diff", {}).get("ruler", {}).get("within_ci")
-            color = "tab:gray" if r["anchor"] else "tab:blue"
+            color, marker = style[r["config"]]
             ax.errorbar([x], [100 * y], yerr=[[100 * (y - ci["lo"])], [100 * (ci["hi"] - y)]],
-                        fmt="s" if r["anchor"] else "o", color=color, capsize=3,
+                        fmt=marker, color=color, capsize=3, markersize=7, alpha=0.85,
                         mfc="white" if same and r["kind"] != "dynamic" else color)
-            ax.annotate(r["config"], (x, 100 * y), fontsize=6, xytext=(3, 3), textcoords="offset points")
-        ax.set_xscale("log")
+            drawn.append(r["config"])
+        _log_x(ax)
         ax.set_xlabel("L1 (device) KV bytes per token")
         ax.set_ylabel("RULER score (%), 95% CI")
         ax.set_title(f"context {ctx:,}", fontsize=9)
         ax.grid(alpha=0.3)
     fig.suptitle(f"{doc['model']['name']}: RULER {', '.join(doc['settings'].get('tasks', []))}\n"
                  "squares: anchors; hollow: paired difference to the reference inside its 95% CI", fontsize=8)
+    _save_with_legend(fig, style, drawn, path, plt)
+
+
+def _styles(results: list[dict]) -> dict[str, tuple[tuple, str]]:
+    """A colour and marker per configuration, the same in every panel (squares: anchors; stars:
+    precision that follows importance; kvtier's other rows cycle through other shapes, so no two
+    configurations look alike). Points are named by a
+    legend keyed by these, not by text beside them, which overlaps wherever configurations land
+    near each other (kvtier's sparse rows do)."""
+    import matplotlib
+
+    names = list(dict.fromkeys(r["config"] for r in results))
+    anchor = {r["config"]: r["anchor"] for r in results}
+    colors = matplotlib.colormaps["tab10"].colors
+    style, k = {}, 0
+    for i, n in enumerate(names):
+        color, marker = colors[i % len(colors)], "s"
+        if "importance" in n:
+            marker = "*"
+        elif not anchor[n]:  # the next shape whose pairing with this colour is not taken yet
+            turn = _SHAPES[k % len(_SHAPES):] + _SHAPES[:k % len(_SHAPES)]
+            marker = next(m for m in turn if (color, m) not in style.values())
+            k += 1
+        style[n] = (color, marker)
+    return style
+
+
+_SHAPES = ("o", "^", "D", "v", "P", "X", "<", ">", "h", "p")
+
+
+def _log_x(ax) -> None:
+    """Log x axis (after the points are drawn) with plain byte counts. Minor ticks are labelled
+    only on a range under a decade, where no major tick may fall; matplotlib's own labels there
+    ("1.05x10^3") run into each other."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.set_xscale("log")
+    plain = FuncFormatter(lambda v, _: f"{v:,.0f}")
+    lo, hi = ax.get_xlim()
+    ax.xaxis.set_major_formatter(plain)
+    ax.xaxis.set_minor_formatter(plain if hi < 10 * lo else NullFormatter())
+    ax.tick_params(axis="x", which="minor", labelsize=6)
+
+
+def _save_with_legend(fig, style: dict, drawn: list[str], path: Path, plt, frontier: bool = False) -> None:
+    """Save ``fig`` with one legend below its panels: the configurations in ``drawn``, each as a
+    filled marker of its ``style`` (hollow or not is said in the title), and the Pareto frontier."""
+    from matplotlib.lines import Line2D
+
+    names = list(dict.fromkeys(drawn))
+    handles = [Line2D([], [], color=style[n][0], marker=style[n][1], linestyle="none", markersize=7,
+                      markeredgecolor="black", markeredgewidth=0.4) for n in names]
+    if frontier:
+        names.append("Pareto frontier")
+        handles.append(Line2D([], [], color="tab:orange", linestyle="--"))
     fig.tight_layout()
-    fig.savefig(path)
+    if handles:
+        fig.legend(handles, names, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(3, len(handles)),
+                   fontsize=8, frameon=False)
+    fig.savefig(path, bbox_inches="tight")  # "tight" grows the canvas to take the legend in
     plt.close(fig)

@@ -117,3 +117,17 @@ def test_full_sweep_configs_check_and_hold_an_importance_row():
     check_configs(specs, [1024, 4096])
     imp = [s for s in specs if s.params.get("precision") == "importance"]
     assert imp and all(s.params["policy"] == "h2o" for s in imp)
+
+
+def test_the_plot_names_points_by_a_legend_of_distinct_markers(tmp_path):
+    names = [f"kvtier int4 sparse L1={p}%" for p in range(24)]
+    rows = [{"config": n, "kind": "kvtier", "anchor": i < 3, "params": {}, "context": ctx,
+             "accuracy": {"ruler": 1.0, "ci": {"ruler": {"lo": 0.5, "hi": 1.0}}},
+             "footprint": {"l1_bytes_per_token": 1000 + i}, "cost": {}, "stats": {}}
+            for ctx in (8192, 16384) for i, n in enumerate(names)]  # near-identical points
+    style = report._styles(rows)
+    assert list(style) == names and len(set(style.values())) == len(names), "one look per configuration"
+    assert all((style[n][1] == "s") == (i < 3) for i, n in enumerate(names)), "squares: anchors"
+    doc = dict(_doc(rows), settings={"suite": "ruler", "tasks": ["niah_single_1"]})
+    report.plot(doc, tmp_path / "r.png")
+    assert (tmp_path / "r.png").stat().st_size > 1000

@@ -106,22 +106,22 @@ def test_flipped_bytes_in_the_open_block_are_caught(saved, tmp_path):
     _refused(p, r"dataset 'seq0/layer1/open' fails its checksum")
 
 
-def test_swapped_layers_are_caught(saved, tmp_path):
+def _swapped(saved, tmp_path, a: str, b: str):
+    """A copy of the saved file with groups ``a`` and ``b`` exchanged (each intact, in the other's place)."""
     p = _copy(saved, tmp_path)
     with h5py.File(p, "r+") as f:
-        f.move("seq0/layer1", "seq0/tmp")
-        f.move("seq0/layer2", "seq0/layer1")
-        f.move("seq0/tmp", "seq0/layer2")
-    _refused(p, r"dataset 'seq0/layer1/\w+' fails its checksum")
+        f.move(a, "tmp")
+        f.move(b, a)
+        f.move("tmp", b)
+    return p
+
+
+def test_swapped_layers_are_caught(saved, tmp_path):
+    _refused(_swapped(saved, tmp_path, "seq0/layer1", "seq0/layer2"), r"dataset 'seq0/layer1/\w+' fails its checksum")
 
 
 def test_swapped_sequences_are_caught(saved, tmp_path):
-    p = _copy(saved, tmp_path)
-    with h5py.File(p, "r+") as f:
-        f.move("seq0", "tmp")
-        f.move("seq1", "seq0")
-        f.move("tmp", "seq1")
-    _refused(p, r"dataset 'seq0/layer0/\w+' fails its checksum")
+    _refused(_swapped(saved, tmp_path, "seq0", "seq1"), r"dataset 'seq0/layer0/\w+' fails its checksum")
 
 
 def test_metadata_edits_are_caught(saved, tmp_path):

@@ -2,11 +2,13 @@
 socket. (The connector on a real engine is tested in tests_vllm/, in the vLLM venv.)"""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from kvtier.integrations.vllm import kv_transfer_config
-from kvtier.integrations.vllm.blocks import BlockShape, BlockStore, connector_config
+from kvtier.integrations.vllm.blocks import BlockShape, BlockStore, connector_config, stored_codec
 from kvtier.integrations.vllm.lookup import LookupClient, LookupServer
 from kvtier.store.prefix import chained_block_hashes
 
@@ -69,6 +71,26 @@ def test_save_lookup_load_round_trip(tmp_path, codec):
         assert store.stats()["saved_blocks"] == 3
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_raw_is_the_pass_through_codec_of_the_kv_dtype(tmp_path, dtype):
+    shape = dataclasses.replace(SHAPE, dtype=dtype)
+    cfg, _ = connector_config({"host_bytes": 1 << 20}, SHAPE.block_tokens)
+    raw, same = BlockStore(cfg, "raw", shape, "model-a"), BlockStore(cfg, stored_codec("raw", dtype), shape, "model-a")
+    try:
+        assert raw.fp == same.fp, "raw stores the very records of the pass-through codec"
+        hs, staged = hashes(2), [t.to(dtype) for t in staged_blocks(2)]
+        raw.save(hs, [t.clone() for t in staged])
+        raw.flush_hashes(hs)
+        pages = pages_of(2).to(dtype)
+        assert raw.write_layer(raw.fetch_layer(0, hs, {"l2": 0, "l3": 0, "l4": 0}), pages, [1, 0]) is None
+        assert torch.equal(pages[[1, 0]], staged[0])
+    finally:
+        raw.close()
+        same.close()
+    with pytest.raises(ValueError, match="codec 'raw' needs KV dtype"):
+        BlockStore(cfg, "raw", dataclasses.replace(SHAPE, dtype=torch.float64), "model-a")
 
 
 def test_a_restarted_store_finds_l3_and_forgets_corrupt_blocks(tmp_path):

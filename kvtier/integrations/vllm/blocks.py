@@ -38,9 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.compress.base import Codec, Encoded
 from kvtier.compress.codecs import get_codec
-from kvtier.config import KVTierConfig
+from kvtier.config import KVTierConfig, lossless_codec
 from kvtier.store.blockrecord import BlockDecoder, pack_block, unpack_block
 from kvtier.store.prefix import block_key, model_fingerprint_key
 from kvtier.tiers import DiskTier, HostTier, RemoteTier
@@ -63,32 +62,18 @@ RAW = "raw"
 CODEC_CHOICES = (RAW, "fp16", "bf16", "int8", "int4", "int2", "nf4", "fp4", "dyn8")
 
 
-class RawCodec(Codec):
-    """``raw``: the block as vLLM holds it, in its own dtype: exact at any KV dtype (kvtier's
-    ``fp16``/``bf16`` pass-through codecs round float32 KV to 16 bits)."""
-
-    name = RAW
-
-    @property
-    def params(self) -> dict:
-        return {}
-
-    @property
-    def lossless(self) -> bool:
-        return True
-
-    def encode(self, x: torch.Tensor) -> Encoded:
-        return Encoded(RAW, {}, tuple(x.shape), x.dtype, {"data": x.contiguous().clone()})
-
-    def decode(self, enc: Encoded, device=None) -> torch.Tensor:
-        data = enc.parts.get("data")
-        if enc.codec != RAW or data is None or tuple(data.shape) != tuple(enc.shape) or data.dtype != enc.dtype:
-            raise ValueError(f"not a raw record of {tuple(enc.shape)} {enc.dtype}")
-        return data.to(device or "cpu", copy=True)
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
-def _codec(name: str, group_size: int, axis: str) -> Codec:
-    return RawCodec() if name == RAW else get_codec(name, group_size=group_size, axis=axis)
+def stored_codec(name: str, dtype: torch.dtype) -> str:
+    """The kvtier codec that stores a block of KV dtype ``dtype`` under connector codec ``name``:
+    ``raw`` is the pass-through codec of that dtype (exact, the block as vLLM holds it; ``fp16``
+    or ``bf16`` would round float32 KV to 16 bits), every other name is itself."""
+    if name != RAW:
+        return name
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"codec 'raw' needs KV dtype float16, bfloat16 or float32; got {dtype}")
+    return lossless_codec(_DTYPE_NAMES[dtype])
 
 
 def connector_config(extra: dict, block_tokens: int) -> tuple[KVTierConfig, str]:
@@ -96,7 +81,7 @@ def connector_config(extra: dict, block_tokens: int) -> tuple[KVTierConfig, str]
 
     ``extra`` may name a TOML file (``"config"``, KVTierConfig fields at top level or under
     ``[kvtier]``) and/or give fields inline (they override the file). Only
-    :data:`CONNECTOR_FIELDS` apply; ``codec`` may also be ``"raw"`` (:class:`RawCodec`);
+    :data:`CONNECTOR_FIELDS` apply; ``codec`` may also be ``"raw"`` (:func:`stored_codec`);
     ``block_tokens`` is vLLM's block size. Raises ValueError naming an unknown or unused field.
 
     Returns:
@@ -141,7 +126,7 @@ class BlockShape:
 def content_fp(cfg: KVTierConfig, codec: str, shape: BlockShape, model_id: str) -> str:
     """The seed of every block key: the model and everything that makes two records interchangeable."""
     return model_fingerprint_key(
-        model_id, codec, shape.block_tokens,
+        model_id, stored_codec(codec, shape.dtype), shape.block_tokens,
         codec_params={"group_size": cfg.group_size, "key_axis": cfg.key_axis, "value_axis": cfg.value_axis},
         dtype=shape.dtype,
         extra={"layout": "vllm", "num_layers": shape.num_layers, "kv_heads": shape.kv_heads,
@@ -179,8 +164,9 @@ class BlockStore:
         self.cfg, self.codec, self.shape = cfg, codec, shape
         self.fp = content_fp(cfg, codec, shape, model_id)
         kv_shape = (shape.kv_heads, shape.block_tokens, shape.head_dim)  # one role of one block
-        self._kc = _codec(codec, cfg.group_size, cfg.key_axis)
-        self._vc = _codec(codec, cfg.group_size, cfg.value_axis)
+        name = stored_codec(codec, shape.dtype)
+        self._kc = get_codec(name, group_size=cfg.group_size, axis=cfg.key_axis)
+        self._vc = get_codec(name, group_size=cfg.group_size, axis=cfg.value_axis)
         self._decoder = BlockDecoder(self._kc, self._vc, kv_shape, shape.dtype) if codec.startswith("int") else None
         self.l2 = HostTier(cfg.host_bytes, spill=self._dropped_from_l2, pin_memory=False)
         self.l3 = DiskTier(cfg.disk_path, capacity_bytes=cfg.disk_bytes, segment_bytes=cfg.disk_segment_bytes,
