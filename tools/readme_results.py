@@ -7,7 +7,6 @@ runs' plot as docs/eval.png (one panel per context). Nothing is hand-edited; rer
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -57,16 +56,14 @@ def main(argv: list[str]) -> int:
     _, tail = rest.split(END, 1)
     readme.write_text(head + "\n".join(parts) + tail)
     (root / "docs").mkdir(exist_ok=True)
-    if len(docs) == 1 and (dirs[0] / "eval.png").is_file():
-        shutil.copyfile(dirs[0] / "eval.png", root / "docs" / "eval.png")
-    else:  # several runs (one panel per context), or a run stopped early that wrote no plot
-        seen, rows = set(), []
-        for r in (r for doc in docs for r in doc["results"]):
-            if (r["config"], r["context"]) not in seen:  # a row rerun with the same samples: the first
-                seen.add((r["config"], r["context"]))
-                rows.append(r)
-        merged = dict(docs[0], results=rows)
-        report.plot(merged, root / "docs" / "eval.png")
+    # drawn again, not copied from the run, so the plot follows the current report code; several
+    # runs make one panel per context
+    seen, rows = set(), []
+    for r in (r for doc in docs for r in doc["results"]):
+        if (r["config"], r["context"]) not in seen:  # a row rerun with the same samples: the first
+            seen.add((r["config"], r["context"]))
+            rows.append(r)
+    report.plot(dict(docs[0], results=rows), root / "docs" / "eval.png")
     print(f"README.md and docs/eval.png updated from {', '.join(str(d / 'eval.json') for d in dirs)}")
     return 0
 
