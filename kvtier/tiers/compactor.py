@@ -191,7 +191,9 @@ class DiskCompaction:
                     return False
             if self.durability != "never":
                 self._sync_locked()  # the copies are durable before the original goes
-            self._finish(job)
+            gone = self._finish(job)
+            if gone is not None:
+                self._dispose(gone)
             return True
         finally:
             if self._job is job:
@@ -349,18 +351,28 @@ class DiskCompaction:
             except UnicodeDecodeError:
                 continue
 
-    def _finish(self, job: CompactJob) -> None:
+    def _finish(self, job: CompactJob) -> Segment | None:
+        """Forget the emptied segment (``_lock`` held) and return it for ``_dispose``; None
+        when it is kept (a record indexed there was not found again: damaged since)."""
         seg = job.seg
-        if seg.live:  # a record indexed here was not found again (damaged since): keep the file
+        if seg.live:
             self._stuck.add(seg.id)
-            return
+            return None
         del self._segs[seg.id]
         self._dirty.discard(seg.id)
         self._drop_rfd(seg.id)
-        seg.close()
-        os.unlink(seg.path)
         self._dir_dirty = True
         self._n["compactions"] += 1
+        return seg
+
+    @staticmethod
+    def _dispose(seg: Segment) -> None:
+        """Unmap and delete a segment ``_finish`` let go. Needs no lock: no read can reach it
+        any more (reads find segments through the index and ``_segs``), and unmapping and
+        unlinking a large file take long enough not to hold a get for. A crash before the
+        unlink leaves a file whose records all have newer copies: reopening skips them."""
+        seg.close()
+        os.unlink(seg.path)
 
     def _background_step(self) -> bool:
         """One paced unit of background work (compactor thread): a compaction step, the
@@ -394,10 +406,13 @@ class DiskCompaction:
         if job is None:
             self.checkpoint()
             return True
+        gone = None
         with self._lock:
             if self._job is job and not self._closed and self._segs.get(job.seg.id) is job.seg:
                 self._job = None
-                self._finish(job)
+                gone = self._finish(job)
+        if gone is not None:
+            self._dispose(gone)
         return True
 
     def _dup_dirty_fds(self) -> list[int]:

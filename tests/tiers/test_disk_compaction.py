@@ -194,8 +194,9 @@ def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_p
             seg.mm = mm
         assert steps >= seg.used // _STEP_BYTES and big_preads >= 1  # "big" was read whole
         with t._lock:
-            t._finish(job)
-        assert seg.id not in t._segs
+            gone = t._finish(job)
+        t._dispose(gone)
+        assert seg.id not in t._segs and not os.path.exists(seg.path)
         assert all(t.get(k) == v for k, v in vals.items())
 
 
