@@ -7,12 +7,15 @@
      DiskTier get_many        vs  raw sequential read of the same bytes (f.read per record,
                                   a batch of owned bytes held at a time, as get_many returns),
                                   warm (page cache) and cold (pages dropped with
-                                  posix_fadvise(DONTNEED) after fdatasync, or O_DIRECT)
+                                  posix_fadvise(DONTNEED) after fdatasync, or O_DIRECT); also
+                                  vs one os.preadv a batch (_vs_preadv: the store does not batch)
+     DiskTier get             vs  the same f.read per record: one get() a record is how the
+                                  store's swap-in reads L3 (get_warm_*)
      DiskTier get_into        vs  raw sequential readinto, both into one preallocated buffer
      warm reads also as a ratio of the reading thread's CPU time (_cpu: what a loaded machine's
      scheduling does not inflate), and with a writer thread appending meanwhile (_with_writer:
-     the tier written through put_many, the raw reference to another file); base_read_*: the
-     same reads (and writer) through the DiskTier of --base-rev (default L3_BASE), same run
+     the tier written through put_many, the raw reference to another file); base_*: the same
+     reads (and writer) through the DiskTier of --base-rev (default L3_BASE), same run
      crc: GB/s of the record CRC beside zlib's and CRC32C packages' (when installed) and a copy
      L3_reopen: a directory of 1M small records reopened from its checkpoint, this tree against
      REOPEN_BASE alternated, each in a fresh interpreter: seconds, us a record, RSS growth
@@ -20,15 +23,18 @@
      stage), GB/s of uncompressed bytes, against the same raw references.
      L3_small: the same for small records (--small-kib, one layer's quantized block), where
      the per-call cost rather than the copy decides.
-     L3_compaction: p50/p99 of a decode-like step (one put, three gets) while background
-     compaction empties segments 3/4 dead and, alternated with it, on the same tier without
-     compaction; the compactor's share of that time; the same compaction as one inline call.
-     Its p99 <= 2x p50 target is judged as is where the machine's steps meet it without
-     compaction, else against them (the output says which: see bench_compaction).
+     L3_compaction: p50/p99 of two step shapes while background compaction empties segments
+     3/4 dead and, alternated with it, on the same tier without compaction, for this tree and
+     --base-rev: a decode step of an 8B model (32 layers x 8 gets, then a put_many of one block
+     per layer; the target is judged on it) and a micro step (one put, three gets: tens of
+     microseconds, where OS jitter alone puts p99 at several times p50); the compactor's share
+     of the time. The p99 <= 2x p50 target is judged as is where the machine's decode steps
+     meet it without compaction, else against them (the output says which: see bench_compaction).
 
-Targets (printed as PASS/MISS, never asserted: timing depends on the machine):
+Targets (printed as VERDICT lines, PASS/MISS, never asserted: timing depends on the machine):
   L2 >= 0.5x copy bandwidth; L3 >= 0.7x raw file write and read when records go raw, small
-  records too; a step's p99 <= 2x its p50 while compaction runs; reopen < 1 us a record.
+  records too, with a writer too; a decode step's p99 <= 2x its p50 while compaction runs;
+  reopen < 1 us a record.
 
 Usage: python bench/bench_tiers.py [--smoke] [--block-kib 256] [--total-mib 256] [--dir PATH]
 """

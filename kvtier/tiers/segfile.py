@@ -168,7 +168,7 @@ class Segment:
     def write(self, off: int, iov: list) -> None:
         """pwritev the buffers at ``off`` (short writes resent); DiskFullError on a full disk."""
         assert self.fd >= 0, f"write to sealed segment {self.path}"
-        total = sum(len(b) for b in iov)
+        total = sum(map(len, iov))
         try:
             done = os.pwritev(self.fd, iov, off)
             while done < total:  # short write: resend the rest
