@@ -93,7 +93,7 @@ def _delegate(name: str) -> property:
 
 class BlockEntry:
     __slots__ = ("idx", "key", "rec", "slot", "pending", "cancel",
-                 "last_used", "mass", "importance", "fence", "evict_codec", "rel_mass", "seen")
+                 "last_used", "mass", "importance", "fence", "evict_codec", "rel_mass", "seen", "low_gen")
 
     def __init__(self, idx: int, key: str) -> None:
         self.idx = idx
@@ -110,6 +110,9 @@ class BlockEntry:
         self.evict_codec: str | None = None  # precision="importance": codec chosen when marked pending
         self.rel_mass = 0.0            # precision="importance": sum over observations of mass / mean mass
         self.seen = 0                  # observations of this block (rel_mass / seen: its mean share)
+        # precision="importance": the record's generation (``rec.marks``) when the L1 copy was
+        # decoded from a copy below the base codec; None when the L1 copy is not such a decode
+        self.low_gen: int | None = None
 
     l2 = _delegate("l2")
     l3 = _delegate("l3")
@@ -246,6 +249,7 @@ class BlockTable:
         if 0 <= p < self.cap:
             self.at[p] = None
         e.slot = None
+        e.low_gen = None
         self.resident -= 1
         del self.slotted[e.idx]
 
