@@ -447,9 +447,10 @@ class Residency:
                 self.counters.add(precision_marked=1)
 
     def _note_low(self, e: BlockEntry, generation: int) -> None:
-        """``e``'s new L1 copy was decoded from a copy below L1 read at record ``generation``:
-        note whether it may be the decode of a copy below the base codec (one marked since it
-        was read may have been), so that a later mark replaces it (lock held)."""
+        """``e``'s new L1 copy was decoded from a copy below L1 read at record ``generation``.
+        Note whether it may be the decode of a copy below the base codec (it is when L2 holds
+        the block below base; it may be when a mark came after the read), so that a mark
+        replaces it at the block's next read (lock held)."""
         plan = self.layout.precision
         if plan is None:
             return
