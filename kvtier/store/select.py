@@ -68,7 +68,8 @@ class Selector:
         q = self.query_rows(query)  # [kv_heads, G*q_len, hd]
         hd = self.layout.head_dim
         # [kv_heads, hd, m*parts] (mean) or [kv_heads, 2*hd, m] (max | min); int8: codes, and the
-        # scales [kv_heads, 1, m*parts] their dot products are multiplied by
+        # scales [kv_heads, 1, m*parts] their dot products are multiplied by (as cscore.py does;
+        # measured faster on the CPU than scaling the codes before the bmm)
         dig_t, dig_scale = t.digest_t(lo, hi)
         if dig_t.dtype != torch.float32:
             dig_t = dig_t.float()  # this call's working copy of the range, freed when it returns
