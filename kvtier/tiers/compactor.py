@@ -11,7 +11,7 @@ outside the lock) before the emptied segment is deleted.
 
 The worker is a thread of the same interpreter as the decode loop, so what it costs a decode
 step is mostly the GIL: a step's copy is done where the GIL is released (one ``pread`` of the
-span, the CRC of values over 5 KiB, one ``pwritev``), and its Python work (parsing headers,
+span, the CRC of records over 64 KiB, one ``pwritev``), and its Python work (parsing headers,
 index look-ups) is cut into slices of ``_SLICE_RECORDS`` records with the GIL offered between
 them, so a put or get that wants it waits for one slice (tens of microseconds), not for the
 interpreter's switch interval (5 ms) or a whole step.
@@ -33,31 +33,17 @@ from dataclasses import dataclass
 from kvtier._crc import crc32
 from . import diskindex
 from .segfile import (FLAG_TOMB, REC, REC_HEADER_BYTES, REC_MAGIC, REC_MAGIC_BYTES, SEG_HEADER_BYTES, Segment,
-                      fdatasync, iter_headers, pad8)
+                      crc32_held, fdatasync, iter_headers, pad8)
 
 _STEP_BYTES = 256 << 10  # segment bytes one background compaction step reads (one pread)
 _STEP_RECORDS = 128  # the most records one background step takes: bounds its appends under the lock
 _SLICE_RECORDS = 16  # records a background step parses between two offers of the GIL
-_CRC_RELEASE_BYTES = 64 << 10  # a record CRC above this releases the GIL
 
 
 def _yield_gil() -> None:
     """Let a thread waiting for the GIL (a put or get) run now rather than at the end of the
     interpreter's switch interval: the compactor's Python work must not delay a decode step."""
     time.sleep(0)
-
-
-def _crc_held(mv: memoryview) -> int:
-    """crc32 of ``mv`` holding the GIL: the CRC libraries release it above 5 KiB, and each
-    release lets a waiting thread take it, after which this one waits to get it back (a
-    handoff that costs both threads a wake-up); in 4 KiB pieces a record's CRC is one short
-    hold. Records over ``_CRC_RELEASE_BYTES`` are checked in one call (the copy dominates)."""
-    if len(mv) > _CRC_RELEASE_BYTES:
-        return crc32(mv)
-    c = 0
-    for i in range(0, len(mv), 4096):
-        c = crc32(mv[i:i + 4096], c)
-    return c
 
 
 def _next_magic(buf, off: int, end: int) -> int:
@@ -318,7 +304,7 @@ class DiskCompaction:
                 continue  # dead, and a dead record never comes back to life
             # the record image is position independent: a view of the read, or a copy of the mapping
             img = view[k0 - hdr:k0 - hdr + size] if background else memoryview(buf[pos:pos + size])
-            if (_crc_held if background else crc32)(img[hdr:hdr + klen + vlen]) != dcrc:  # key+value, contiguous
+            if crc32_held(img[hdr:hdr + klen + vlen]) != dcrc:  # key and value are contiguous
                 cands.append((key, flags, kraw, size, vlen, pos, None))
                 continue
             cands.append((key, flags, kraw, size, vlen, pos, img))

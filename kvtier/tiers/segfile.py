@@ -36,6 +36,26 @@ FIRST_BYTES = 256 << 10  # a new segment file's first allocation
 fdatasync = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
 
 
+_CRC_HELD_MAX = 64 << 10  # up to this, a CRC keeps the GIL (see crc32_held)
+
+
+def crc32_held(data, value: int = 0) -> int:
+    """crc32 of ``data`` without letting go of the GIL for values up to ``_CRC_HELD_MAX``.
+
+    The CRC libraries release the GIL for buffers over 5 KiB; each release lets a waiting
+    thread (the compactor, a writer) take it, and then this one waits for it back: a handoff
+    that costs a get or a compaction slice a thread wake-up for a microsecond of CRC. In 4 KiB
+    pieces the CRC of a small record is one short hold; a large one is checked in one call
+    (its copy costs far more than a handoff, and others may run meanwhile)."""
+    n = len(data)
+    if n <= 4096 or n > _CRC_HELD_MAX:
+        return crc32(data, value)
+    mv = memoryview(data)
+    for i in range(0, n, 4096):
+        value = crc32(mv[i:i + 4096], value)
+    return value
+
+
 def pad8(n: int) -> int:
     return (n + 7) & ~7
 
