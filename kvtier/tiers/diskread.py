@@ -6,8 +6,8 @@ Slicing the mapping costs no system call, so a small record costs about what one
 it would; the one call made is an ``lseek(SEEK_END)`` per segment (per batch in ``get_many``)
 bounding what may be touched, as a file truncated under us would SIGBUS (it reads the file size
 as ``fstat`` does, at a third of the cost: no stat result is built). The CRC (ISA-L, tens of GB/s) runs
-inline: handing it to a thread cost more than it saved; up to 64 KiB it keeps the GIL
-(``crc32_held``), so a small get is not a chance for another thread to cut in.
+inline: handing it to a thread cost more than it saved. (It releases the GIL above 5 KiB, as
+the size probe does anyway; keeping it, in pieces, costs a small get more than the handoff.)
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import torch
 
 from kvtier._crc import crc32
 from .base import Tier, check_key, out_view
-from .segfile import REC, REC_HEADER_BYTES, REC_MAGIC, Segment, crc32_held
+from .segfile import REC, REC_HEADER_BYTES, REC_MAGIC, Segment
 
 _READ_FDS = 128  # read-only fds kept open for sealed segments (LRU)
 _by_loc = operator.itemgetter(2)  # (segment id, offset, ...): file order
@@ -39,7 +39,7 @@ def _read_record(mm, limit: int, off: int, key: str, vlen: int) -> bytes | None:
         magic, klen, vl, dcrc = _CHECK.unpack_from(mm, off)
         if magic == REC_MAGIC and klen == len(kb) and vl == vlen and mm[off + REC_HEADER_BYTES:v0] == kb:
             value = mm[v0:v0 + vlen]
-            if crc32_held(value, crc32(kb)) == dcrc:
+            if crc32(value, crc32(kb)) == dcrc:
                 return value
     return None
 
