@@ -275,6 +275,7 @@ class DiskCompaction:
             base, buf, start, end, room = 0, seg.mm, job.pos, seg.used, seg.used
             view, max_records = None, 1 << 62
         unpack, hdr = REC.unpack_from, REC_HEADER_BYTES
+        check = crc32_held if background else crc32  # (inline, under the tier lock, no thread could cut in)
         cands, read, n, off = [], 0, 0, start
         while off + hdr <= end and read < budget and n < max_records:
             magic, hcrc, flags, klen, vlen, dcrc, _ = unpack(buf, off)
@@ -304,7 +305,7 @@ class DiskCompaction:
                 continue  # dead, and a dead record never comes back to life
             # the record image is position independent: a view of the read, or a copy of the mapping
             img = view[k0 - hdr:k0 - hdr + size] if background else memoryview(buf[pos:pos + size])
-            if crc32_held(img[hdr:hdr + klen + vlen]) != dcrc:  # key and value are contiguous
+            if check(img[hdr:hdr + klen + vlen]) != dcrc:  # key and value are contiguous
                 cands.append((key, flags, kraw, size, vlen, pos, None))
                 continue
             cands.append((key, flags, kraw, size, vlen, pos, img))
