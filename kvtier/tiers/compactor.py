@@ -275,7 +275,7 @@ class DiskCompaction:
             base, buf, start, end, room = 0, seg.mm, job.pos, seg.used, seg.used
             view, max_records = None, 1 << 62
         unpack, hdr = REC.unpack_from, REC_HEADER_BYTES
-        check = crc32_held if background else crc32  # (inline, under the tier lock, no thread could cut in)
+        check = crc32_held if background else crc32  # (inline, gets wait for the whole call anyway)
         cands, read, n, off = [], 0, 0, start
         while off + hdr <= end and read < budget and n < max_records:
             magic, hcrc, flags, klen, vlen, dcrc, _ = unpack(buf, off)
