@@ -40,6 +40,10 @@ _STEP_RECORDS = 128  # the most records one background step takes: bounds its ap
 _SLICE_RECORDS = 16  # records a background step parses between two offers of the GIL
 
 
+class _Truncated(Exception):
+    """A segment file is shorter than its records (truncated under us)."""
+
+
 def _yield_gil() -> None:
     """Let a thread waiting for the GIL (a put or get) run now rather than at the end of the
     interpreter's switch interval: the compactor's Python work must not delay a decode step."""
@@ -198,7 +202,7 @@ class DiskCompaction:
             seg = job.seg
             if self._closed or self._segs.get(seg.id) is not seg:
                 return False
-            if seg.file_size() < seg.used:  # truncated under us: reading it would SIGBUS
+            if locked and seg.file_size() < seg.used:  # truncated under us: reading it would SIGBUS
                 self._stuck.add(seg.id)
                 return False
             if not locked:  # a private fd: the LRU may close (and the number be reused) meanwhile
@@ -206,6 +210,10 @@ class DiskCompaction:
         try:
             cands, pos, read, written = self._gather(job, budget, fd)
         except ValueError:  # its mapping was closed meanwhile (cleared, or the tier closed)
+            return False
+        except _Truncated:
+            with self._lock:
+                self._stuck.add(seg.id)
             return False
         finally:
             if fd >= 0:
@@ -262,13 +270,18 @@ class DiskCompaction:
         background = fd >= 0
         if background:
             base = job.pos
-            buf = os.pread(fd, min(seg.used, base + budget) - base, base)
+            want = min(seg.used, base + budget) - base
+            buf = os.pread(fd, want, base)
+            if len(buf) < want:  # a pread never SIGBUSes: a file truncated under us reads short
+                raise _Truncated(seg.path)
             head = REC.unpack_from(buf, 0) if len(buf) >= REC_HEADER_BYTES else None
             if head is not None and head[0] == REC_MAGIC and crc32(buf[8:REC_HEADER_BYTES]) == head[1]:
                 # one record larger than the budget: read it whole
                 size = pad8(REC_HEADER_BYTES + head[3] + head[4])
                 if len(buf) < size <= seg.used - base:
                     buf = os.pread(fd, size, base)
+                    if len(buf) < size:
+                        raise _Truncated(seg.path)
             view, start, end, room = memoryview(buf), 0, len(buf), seg.used - base
             max_records = _STEP_RECORDS
         else:
