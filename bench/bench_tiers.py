@@ -456,8 +456,9 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
     sched = _RunQueueClock()
 
     def steps_on(t, step, compacting: bool, count: int, adjusted: list | None) -> list[float]:
-        """Step latencies; ``adjusted`` gets each one less the time this thread sat in the run
-        queue meanwhile (the other processes' load on a shared machine), where measurable."""
+        """Step latencies: ``count`` steps, or with compaction on until it has nothing left to
+        do (at least ``count``, at most 10x). ``adjusted`` gets each one less the time this
+        thread sat in the run queue meanwhile (the other processes' load), where measurable."""
         if compacting:
             t.compact_threshold = 0.5
             t._worker.wake()
@@ -489,11 +490,12 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
                 for i in range(0, n, 64):
                     t.put_many([(f"r{j}", vals[j % 64]) for j in range(i, min(n, i + 64))])
                 t.delete_many(dead)
-                count = steps if w == "micro" else max(20, steps // 50)
+                least = steps if w == "micro" else max(20, steps // 50)
+                count = 10 * least  # steps without compaction when they go first: as many as it may take
                 for c in (("without", "with") if r % 2 == 0 else ("with", "without")):
                     s0 = t.stats()
                     t0 = time.perf_counter()
-                    got = steps_on(t, step, c == "with", count,
+                    got = steps_on(t, step, c == "with", least if c == "with" else count,
                                    adj[v, c] if w == "decode" and sched.available else None)
                     if c == "with":
                         s1, cs = t.stats(), comp[v]
