@@ -373,7 +373,8 @@ def bench_l3(root: str, blocks: list[bytes], batch: int, compress: bool, repeat:
     if tb is not None:
         res.update(base_read_warm_ratio=wall["raw"] / wall["base_many"],
                    base_read_warm_ratio_cpu=cpu["raw"] / cpu["base_many"],
-                   base_get_warm_ratio=wall["raw"] / wall["base_get"], base_get_warm_ratio_cpu=cpu["raw"] / cpu["base_get"])
+                   base_get_warm_ratio=wall["raw"] / wall["base_get"],
+                   base_get_warm_ratio_cpu=cpu["raw"] / cpu["base_get"])
     if not compress:
         res.update(read_into_warm_ratio=wall["raw_into"] / wall["into"],
                    read_warm_ratio_vs_preadv=wall["raw_preadv"] / wall["many"])
@@ -892,7 +893,8 @@ def main(argv: list[str] | None = None) -> int:
             f"micro (put + 3 gets) {shape('new', 'micro')}. Base {a.base_rev}: decode {shape('base', 'decode')}"
             f"{rq('base')}; "
             f"micro {shape('base', 'micro')}. Compactor time share {c['new_compactor']['time_share']:.2f} "
-            f"(bound {c['new_compactor']['compact_share']:.2f}; base {c.get('base_compactor', {}).get('time_share', 0):.2f})")
+            f"(bound {c['new_compactor']['compact_share']:.2f}; "
+            f"base {c.get('base_compactor', {}).get('time_share', 0):.2f})")
     if "L3_reopen" in out:
         tg["L3_reopen<1us_per_record"] = "PASS" if out["L3_reopen"]["new"]["us_per_record"] < 1.0 else "MISS"
     if a.json:

@@ -4,10 +4,11 @@ A value is copied out of its segment's mapping once (into the ``bytes`` handed b
 the record's header is checked against the index, and its data CRC is verified on that copy.
 Slicing the mapping costs no system call, so a small record costs about what one ``read`` of
 it would; the one call made is an ``lseek(SEEK_END)`` per segment (per batch in ``get_many``)
-bounding what may be touched, as a file truncated under us would SIGBUS (it reads the file size
-as ``fstat`` does, at a third of the cost: no stat result is built). The CRC (ISA-L, tens of GB/s) runs
-inline: handing it to a thread cost more than it saved. (It releases the GIL above 5 KiB, as
-the size probe does anyway; keeping it, in pieces, costs a small get more than the handoff.)
+bounding what may be touched, as a file truncated under us would SIGBUS (it reads the file
+size as ``fstat`` does, at a third of the cost: no stat result is built). The CRC (ISA-L, tens
+of GB/s) runs inline: handing it to a thread cost more than it saved. (It releases the GIL
+above 5 KiB, as the size probe does anyway; keeping it, in pieces, costs a small get more
+than the handoff.)
 """
 from __future__ import annotations
 
