@@ -8,11 +8,11 @@ from kvtier.tiers.segfile import REC_HEADER_BYTES
 from .conftest import check_invariants, make_store
 
 
-def _cold_store(tmp_path):
+def _cold_store(tmp_path, **cfg):
     """A one-layer store whose older blocks have only their L3 copy (L2 spilled them), with the
     reference K of its tokens."""
-    st = make_store(tmp_path, num_layers=1, block_tokens=4, hot_tokens=12, budget_tokens=12,
-                    sink_tokens=0, window_tokens=4, host_bytes=4096, attention="sparse", policy="sink-window")
+    st = make_store(tmp_path, num_layers=1, block_tokens=4, hot_tokens=12, budget_tokens=12, sink_tokens=0,
+                    window_tokens=4, host_bytes=4096, attention="sparse", policy="sink-window", **cfg)
     s = st.add_sequence()
     k = torch.randn(2, 120, 8).half()
     for i in range(0, 120, 4):
@@ -75,4 +75,21 @@ def test_a_corrupt_record_is_a_miss_for_its_block_only(tmp_path):
     assert after["hits"]["l3"] - before["hits"]["l3"] == len(cold) - 1
     assert after["misses"]["l3"] - before["misses"]["l3"] == 1
     assert bad.key in st.lower.l3.corrupt_keys
+    st.close()
+
+
+def test_a_prefetch_batch_with_an_unreadable_block_fails_that_block_only(tmp_path):
+    st, s, k, cold = _cold_store(tmp_path, prefetch=True)
+    t = st.residency.tables[s][0]
+    cold = cold[:8]
+    bad = cold[3]
+    _corrupt(st.lower.l3, bad.key)
+    assert not st.prefetcher._futures  # nothing was read yet: every future below is of this batch
+    st.prefetcher.prefetch(t, [e.idx for e in cold], "temporal")
+    futs = {e.key: st.prefetcher._futures[e.key] for e in cold}
+    for e in cold:
+        if e is bad:
+            assert isinstance(futs[e.key].exception(timeout=30), AssertionError)
+        else:
+            assert torch.equal(futs[e.key].result(timeout=30).data[0], k[:, e.idx * 4:(e.idx + 1) * 4])
     st.close()
