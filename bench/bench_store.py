@@ -17,10 +17,10 @@ Reported, per (context, L1 fraction):
                  (prefetch follows the config's "auto": off for a CPU store; --prefetch forces it)
 
 Then, per --swap-in-shape, a decode step's swap-in of a layer's selected blocks from L3 at a
-small-record shape (one layer's int4 block, ~5-10 KiB): ``gather_blocks`` of ``--swap-in-blocks``
-random sealed blocks of a sequence whose blocks only L3 holds, batched (this tree: one
-``get_many`` for the step's blocks) and forced per record (one ``get`` a block, the store's
-path before batching), alternated step by step. Reported as medians over steps of ratios to a
+small-record shape (one layer's int4 block: SmolLM2's 5.4 KiB, Llama-3-8B's 18 KiB):
+``gather_blocks`` of ``--swap-in-blocks`` random sealed blocks of a sequence whose blocks only
+L3 holds, batched (this tree: one ``get_many`` for the step's blocks) and forced per record (one
+``get`` a block, the store's path before batching), alternated step by step. Reported as medians over steps of ratios to a
 raw read of the same bytes right after each step (one ``pread`` per record of the values the
 step's L3 calls returned, at their places in the segment files, warm):
   l3 read/raw    raw time / time in the L3 tier calls of the swap-in  (target >= 0.7)
@@ -229,7 +229,8 @@ def run(ctx: int, l1_frac: float, budget_frac: float, steps: int, warmup: int, d
     }
 
 
-# kv_heads, head_dim, block_tokens: one layer's int4 block record (~5.4 and ~10 KiB with its scales)
+# kv_heads, head_dim, block_tokens: one layer's int4 block record, scales included: SmolLM2's 5.4 KiB,
+# Llama-3-8B's 18 KiB (fewer tokens a block would not shrink it much: K's scales are per channel)
 SWAP_SHAPES = {"smollm2": (3, 64, 16), "llama8b": (8, 128, 8)}
 
 
@@ -411,7 +412,7 @@ def main(argv=None) -> int:
         finally:
             shutil.rmtree(d, ignore_errors=True)
     if swaps:
-        print(f"L3 swap-in of a step's {args.swap_in_blocks} blocks, ratios to f.read of the same bytes "
+        print(f"L3 swap-in of a step's {args.swap_in_blocks} blocks, ratios to a pread of the same bytes "
               "(target: l3 read/raw >= 0.7)")
         print(f"{'shape':>8} {'record B':>8} {'mode':>10} {'l3/step':>7} {'l3 read/raw':>11} {'swap-in/raw':>11} "
               f"{'us/block: swap-in':>17} {'l3':>6} {'raw':>6}")

@@ -35,7 +35,7 @@ SOURCES = ("temporal", "next_layer", "dense_next_layer", "dense_next_step", "scr
 _WINDOW = 128          # outcomes (used / wasted) remembered per predictor
 _MIN_PRECISION = 0.25  # below this a predictor only probes ...
 _PROBE = 8             # ... one block in this many
-_BATCH = 16            # blocks per background load: one tier read, awaited whole by a fetch of any
+_BATCH = 16            # blocks per background load (one tier read; a fetch of one waits for all)
 
 
 class Fetched(NamedTuple):
