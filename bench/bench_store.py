@@ -19,8 +19,11 @@ Reported, per (context, L1 fraction):
 Then, per --swap-in-shape, a decode step's swap-in of a layer's selected blocks from L3 at a
 small-record shape (one layer's int4 block: SmolLM2's 5.4 KiB, Llama-3-8B's 18 KiB):
 ``gather_blocks`` of ``--swap-in-blocks`` random sealed blocks of a sequence whose blocks only
-L3 holds, batched (this tree: one ``get_many`` for the step's blocks) and forced per record (one
-``get`` a block, the store's path before batching), alternated step by step. Reported as medians over steps of ratios to a
+L3 holds, batched (this tree: one ``get_many`` for the step's blocks, decoded into one tensor,
+room made in L1 with one choice of victims), forced per record (one ``get`` a block, the store's
+path before batching) and ``one_by_one`` (the batched read, but each record decoded into its own
+tensor and each install choosing its own victim: the path before batched decode), alternated step
+by step. Reported as medians over steps of ratios to a
 raw read of the same bytes right after each step (one ``pread`` per record of the values the
 step's L3 calls returned, at their places in the segment files, warm):
   l3 read/raw    raw time / time in the L3 tier calls of the swap-in  (target >= 0.7)
@@ -290,11 +293,20 @@ def swap_in(shape: str, ctx: int, blocks: int, steps: int, disk_dir: str) -> dic
     fds: dict[int, int] = {}
     rng = random.Random(0)
     sealed = len(st.residency.tables[seq][0].entries) - 1
-    out: dict[str, list[tuple]] = {"batched": [], "per_record": []}  # (l3 s, swap-in s, raw s, records)
+    modes = ("batched", "per_record", "one_by_one")
+    out: dict[str, list[tuple]] = {m: [] for m in modes}  # (l3 s, swap-in s, raw s, records)
     batch0 = reads._SWAP_IN_BATCH
+    io, res = st.lower.io, st.residency
+    decode_many, make_room = io.decode_stored_many, res.make_room
+
+    def decode_each(items, device):
+        return [io.decode_stored(v, tier, device) for v, tier in items]
+
     try:
-        for i in range(2 * steps + 2):
-            mode = ("batched", "per_record")[i % 2]
+        for i in range(len(modes) * (steps + 1)):
+            mode = modes[i % len(modes)]
+            io.decode_stored_many = decode_each if mode == "one_by_one" else decode_many
+            res.make_room = (lambda *a: None) if mode == "one_by_one" else make_room
             # per record: a swap-in a block, each one L3 get() (the store's path before batching)
             reads._SWAP_IN_BATCH = batch0 if mode == "batched" else 1
             l3.get_many = get_many if mode == "batched" else get_per_record
@@ -307,12 +319,12 @@ def swap_in(shape: str, ctx: int, blocks: int, steps: int, disk_dir: str) -> dic
             swap_s = time.perf_counter() - t0
             n = st.stats()["hits"]["l3"] - hits
             assert n == len(asked), "every L3 read of the step was a hit"
-            if i >= 2 and n:  # the first step of each mode warms up
+            if i >= len(modes) and n:  # the first step of each mode warms up
                 out[mode].append((spent[0], swap_s, raw_read(asked), n))
             st.end_step()
     finally:
         reads._SWAP_IN_BATCH = batch0
-        del l3.get_many
+        del l3.get_many, io.decode_stored_many, res.make_room
         for fd in fds.values():
             os.close(fd)
         st.close()
@@ -356,7 +368,7 @@ def main(argv=None) -> int:
                     help="shapes of the L3 swap-in measurement (none: skip it)")
     ap.add_argument("--swap-in-ctx", type=int, default=16384, help="tokens of the swap-in measurement's sequence")
     ap.add_argument("--swap-in-blocks", type=int, default=64, help="blocks a step swaps in (a sparse step's recall)")
-    ap.add_argument("--swap-in-steps", type=int, default=100, help="steps of each mode (batched, per record)")
+    ap.add_argument("--swap-in-steps", type=int, default=100, help="steps of each mode (batched, per record, one by one)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -419,7 +431,7 @@ def main(argv=None) -> int:
         print(f"{'shape':>8} {'record B':>8} {'mode':>10} {'l3/step':>7} {'l3 read/raw':>11} {'swap-in/raw':>11} "
               f"{'us/block: swap-in':>17} {'l3':>6} {'raw':>6}")
         for r in swaps:
-            for mode in ("batched", "per_record"):
+            for mode in ("batched", "per_record", "one_by_one"):
                 m = r[mode]
                 print(f"{r['shape']:>8} {r['record_bytes']:>8} {mode:>10} {m['l3_records_per_step']:>7.1f} "
                       f"{m['read_over_raw']:>11.2f} {m['swap_over_raw']:>11.3f} {m['us_per_record']:>17.1f} "

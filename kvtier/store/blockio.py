@@ -114,6 +114,19 @@ class BlockIO:
         staged = tier == "l3" or self.layout.l2_staged
         return self.decode(self.stage.unpack(value) if staged else value, tier, device)
 
+    def decode_stored_many(self, items: list[tuple], device: torch.device) -> list[torch.Tensor]:
+        """:meth:`decode_stored` of each (value, tier) of ``items``; on CPU the in-place decoder
+        decodes the batch into one tensor (the results are views of it: callers that hold one
+        for long copy it, so as not to keep the whole batch alive)."""
+        if device.type != "cpu" or self.fast_decoder is None or len(items) < 2:
+            return [self.decode_stored(v, tier, device) for v, tier in items]
+        bufs = [self.stage.unpack(v) if tier == "l3" or self.layout.l2_staged else v for v, tier in items]
+        out = self.fast_decoder.decode_many(bufs)
+        for i, d in enumerate(out):
+            if d is None:  # another layout: the general path
+                out[i] = self.decode(bufs[i], items[i][1], device)
+        return out
+
     def try_decode_l3(self, value) -> torch.Tensor | None:
         """An L3/L4 value decoded on the store's device; None if absent, foreign or corrupt."""
         if value is None:

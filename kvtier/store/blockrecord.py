@@ -99,7 +99,44 @@ class BlockDecoder:
     def decode(self, buf) -> torch.Tensor | None:
         """``[2, *shape]`` (K, V) of one block record, or None when its layout is not this
         decoder's. Raises ``CorruptRecordError`` on bad framing, a bad header or a CRC mismatch."""
+        return self.decode_many([buf])[0]
+
+    def decode_many(self, bufs: list) -> list[torch.Tensor | None]:
+        """:meth:`decode` of each of ``bufs``, all decoded into one new ``[n, 2, *shape]``
+        tensor (the results are views of it: one allocation and one split for the batch instead
+        of two per block, which on a swap-in of small records cost more than the kernel). Every
+        record is checked before any is decoded, so a corrupt one raises before work is done."""
         from kvtier.compress import cpu
+
+        jobs = []  # per decodable record: (buffer address, K job, V job)
+        keep = []  # the memoryviews whose addresses are used, alive until the kernels ran
+        which: list[int | None] = []
+        item = self._dtype.itemsize
+        for buf in bufs:
+            got = self._check(buf, item)
+            if got is None:
+                which.append(None)
+                continue
+            which.append(len(jobs))
+            keep.append(got[0])
+            jobs.append(got[1:])
+        if not jobs:
+            return [None] * len(bufs)
+        out = torch.empty((len(jobs), 2, *self._shape), dtype=self._dtype)
+        halves = out.view(2 * len(jobs), *self._shape).unbind(0)
+        shape, dtype = self._shape, self._dtype
+        for j, (base, kjob, vjob) in enumerate(jobs):
+            for half, (payload, (bits, group, axis, q, s, z)) in zip((halves[2 * j], halves[2 * j + 1]), (kjob, vjob)):
+                p = base + payload
+                cpu.dequantize_ptrs(p + q, p + s, None if z is None else p + z, bits, group, axis, shape, dtype, half)
+        del keep
+        blocks = out.unbind(0)
+        return [None if j is None else blocks[j] for j in which]
+
+    def _check(self, buf, item: int):
+        """(memoryview, buffer address, K job, V job) of a record this decoder can decode in
+        place, a job being (payload offset, plan); None for another layout. Raises
+        ``CorruptRecordError`` as :meth:`decode`."""
         from kvtier.compress.record import check_record
 
         mv, nk, nv = _frame(buf)
@@ -113,14 +150,8 @@ class BlockDecoder:
             if plan is None:
                 return None
             jobs.append((start + header_len, plan))
-        base = np.frombuffer(mv, dtype=np.uint8).ctypes.data  # mv stays alive through the calls
-        item = self._dtype.itemsize
+        base = np.frombuffer(mv, dtype=np.uint8).ctypes.data  # the caller keeps mv alive
         for payload, (_, _, _, _, s, z) in jobs:  # scales/zeros unaligned for their dtype (a v1
             if (base + payload + s) % item or (z is not None and (base + payload + z) % item):
                 return None                       # header): the general path copies them
-        out = torch.empty((2, *self._shape), dtype=self._dtype)
-        for half, (payload, (bits, group, axis, q, s, z)) in zip(out, jobs):
-            p = base + payload
-            cpu.dequantize_ptrs(p + q, p + s, None if z is None else p + z, bits, group, axis,
-                                self._shape, self._dtype, half)
-        return out
+        return mv, base, jobs[0], jobs[1]

@@ -85,17 +85,25 @@ class LowerTiers:
             v2 = self._get_many(self.l2, [w[4] if w[1] else None for w in want])
             v3 = self._get_many(self.l3, [w[4] if w[2] and v is None else None for w, v in zip(want, v2)])
         l4 = []
+        found = []  # (position, value, tier) of the copies read, decoded together below
+        n = {"hits_l2": 0, "hits_l3": 0, "misses_l2": 0, "misses_l3": 0, "swap_in_l2_bytes": 0, "swap_in_l3_bytes": 0}
         for (i, in_l2, in_l3, in_l4, key), got2, got3 in zip(want, v2, v3):
             for tier, held, value in (("l2", in_l2, got2), ("l3", in_l3, got3)):
                 if not held:
                     continue
                 if value is not None:
-                    out[i] = self.io.decode_stored(value, tier, device)
-                    self.counters.add(**{f"hits_{tier}": 1, f"swap_in_{tier}_bytes": len(value)})
+                    found.append((i, value, tier))
                     break
-                self.counters.add(**{f"misses_{tier}": 1})
-            if out[i] is None and in_l4:
-                l4.append((i, key))
+                n[f"misses_{tier}"] += 1
+            else:
+                if in_l4:
+                    l4.append((i, key))
+        if found:
+            for (i, value, tier), d in zip(found, self.io.decode_stored_many([f[1:] for f in found], device)):
+                out[i] = d
+                n[f"hits_{tier}"] += 1
+                n[f"swap_in_{tier}_bytes"] += len(value)
+        self.counters.add(**{k: x for k, x in n.items() if x})
         if l4:
             for (i, _), v4 in zip(l4, self.l4.get_many([key for _, key in l4])):
                 out[i] = self.io.try_decode_l3(v4)

@@ -141,7 +141,7 @@ class Prefetcher:
         if not live:
             return
         try:
-            got = self._load([e for e, _ in live])
+            got = [_owned(f) for f in self._load([e for e, _ in live])]
         except Exception:
             got = None
         for i, (e, fut) in enumerate(live):
@@ -169,7 +169,7 @@ class Prefetcher:
             while len(self._kept) >= self._buffer_blocks:
                 self._kept.popitem(last=False)
                 dropped += 1
-            self._kept[e.key] = got
+            self._kept[e.key] = _owned(got)
             stats["issued"] += 1
             stats["wasted"] += dropped
         self.counters.add(pf_issued=1, pf_wasted=dropped)
@@ -267,3 +267,9 @@ class Prefetcher:
         for fut in futures:
             fut.cancel()
         self._pool.shutdown(wait=True)
+
+
+def _owned(got: Fetched) -> Fetched:
+    """``got`` with data of its own: a batched decode returns views of one batch tensor, which
+    a block held in the buffer would otherwise keep alive whole."""
+    return got if got.data._base is None else got._replace(data=got.data.clone())

@@ -84,11 +84,15 @@ class Reader:
             ents = t.entries
             sel = frozenset(blocks)
             run = frozenset([ents[b] for b in blocks] + [ents[-1]]) if view else None
-            for (i, _), (e, got) in zip(miss, self._swap_in([e for _, e in miss])):
-                n_scratch = len(scratch)
-                slots[i] = self.res.install(t, e, got.data, got.generation, sel, scratch, run)
-                if len(scratch) > n_scratch:  # leaves L1 after this read: wanted again next step
-                    self.prefetcher.keep(e, got)
+            for j in range(0, len(miss), _SWAP_IN_BATCH):
+                part = miss[j:j + _SWAP_IN_BATCH]
+                fetched = self.prefetcher.fetch_many([e for _, e in part])
+                self.res.make_room(t, [e for _, e in part], sel)
+                for (i, e), got in zip(part, fetched):
+                    n_scratch = len(scratch)
+                    slots[i] = self.res.install(t, e, got.data, got.generation, sel, scratch, run)
+                    if len(scratch) > n_scratch:  # leaves L1 after this read: wanted again next step
+                        self.prefetcher.keep(e, got)
         return slots, scratch
 
     def gather_blocks(self, t: BlockTable, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -360,6 +360,17 @@ class Residency:
                 self._place(t, e, data)
                 self._note_low(e, generation)
 
+    def make_room(self, t: BlockTable, ents: list[BlockEntry], exclude) -> None:
+        """Free, in one choice of victims, the clean blocks outside ``exclude`` that installing
+        ``ents`` will need room for: what :meth:`install` would free one block at a time (the
+        installed blocks are in ``exclude``, so the policy's order of the others is the same),
+        without a scan and sort of the region per block."""
+        with self.lock:
+            need = t.resident + sum(1 for e in ents if e.slot is None) - self.layout.hot_blocks
+            if need > 0:
+                for b in self.policy.victims(t, need, exclude | t.pinned, only_clean=True):
+                    self.free_clean(t, t.entries[b])
+
     def install(self, t: BlockTable, e: BlockEntry, data: torch.Tensor, generation: int, exclude,
                 scratch: list, run: frozenset | None = None) -> int:
         """Give a swapped-in block (its copy read at record ``generation``) an L1 slot: its own
