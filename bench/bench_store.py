@@ -308,8 +308,8 @@ def swap_in(shape: str, ctx: int, blocks: int, steps: int, disk_dir: str) -> dic
             io.decode_stored_many = decode_each if mode == "one_by_one" else decode_many
             res.make_room = (lambda *a: None) if mode == "one_by_one" else make_room
             # per record: a swap-in a block, each one L3 get() (the store's path before batching)
-            reads._SWAP_IN_BATCH = batch0 if mode == "batched" else 1
-            l3.get_many = get_many if mode == "batched" else get_per_record
+            reads._SWAP_IN_BATCH = 1 if mode == "per_record" else batch0
+            l3.get_many = get_per_record if mode == "per_record" else get_many
             sel = sorted(rng.sample(range(sealed), blocks))
             hits = st.stats()["hits"]["l3"]
             spent[0] = 0.0

@@ -93,3 +93,34 @@ def test_a_prefetch_batch_with_an_unreadable_block_fails_that_block_only(tmp_pat
         else:
             assert torch.equal(futs[e.key].result(timeout=30).data[0], k[:, e.idx * 4:(e.idx + 1) * 4])
     st.close()
+
+
+def _resident_after_gather(tmp_path, one_by_one: bool):
+    st, s, k, cold = _cold_store(tmp_path)
+    if one_by_one:  # each record decoded alone, each install choosing its own victim
+        io = st.lower.io
+        io.decode_stored_many = lambda items, device: [io.decode_stored(v, t, device) for v, t in items]
+        st.residency.make_room = lambda *a: None
+    blocks = sorted(e.idx for e in cold[:2])  # the L1 budget less the open block
+    K, V, pos = st.gather_blocks(s, 0, blocks)
+    assert torch.equal(K, k[:, pos]) and torch.equal(V, -k[:, pos])
+    t = st.residency.tables[s][0]
+    out = sorted(e.idx for e in t.entries if e.slot is not None), st.stats()["hits"]
+    check_invariants(st)
+    st.close()
+    return out
+
+
+def test_a_batched_swap_in_decodes_and_evicts_as_one_by_one(tmp_path):
+    assert _resident_after_gather(tmp_path / "a", False) == _resident_after_gather(tmp_path / "b", True)
+
+
+def test_blocks_kept_past_a_read_own_their_data(tmp_path):
+    from kvtier.store.prefetch import Fetched
+
+    st, s, k, cold = _cold_store(tmp_path)
+    batch = torch.stack([st.lower.read_copies([e.rec], st.layout.device)[0] for e in cold[:3]])
+    st.prefetcher.keep(cold[0], Fetched(batch.unbind(0)[0], 0))  # a view of a batched decode
+    kept = st.prefetcher._kept[cold[0].key].data
+    assert kept._base is None and torch.equal(kept, batch[0])
+    st.close()

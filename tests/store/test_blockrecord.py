@@ -69,3 +69,22 @@ def test_format_1_records_decode_or_fall_back():
     got = BlockDecoder(kc, vc, (3, 16, 64), torch.bfloat16).decode(old)
     if got is not None:  # None: a part unaligned for its dtype, left to the general path
         assert torch.equal(got[0], kc.decode(ek)) and torch.equal(got[1], vc.decode(ev))
+
+
+def test_a_batch_equals_one_by_one_and_declines_per_record():
+    kc, vc = _pair("int4")
+    k8, v8 = _pair("int8")
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(3, 16, 64, generator=g) for _ in range(4)]
+    recs = [pack_block(kc.encode(x), vc.encode(x)) for x in xs]
+    recs.insert(2, pack_block(k8.encode(xs[0]), v8.encode(xs[0])))  # another codec: declined alone
+    dec = BlockDecoder(kc, vc, (3, 16, 64), torch.float32)
+    got = dec.decode_many(recs)
+    assert got[2] is None
+    for r, d in zip(recs[:2] + recs[3:], got[:2] + got[3:]):
+        assert torch.equal(d, dec.decode(r))
+    bad = bytearray(recs[3])
+    bad[40] ^= 1
+    with pytest.raises(CorruptRecordError):  # one corrupt record fails the batch before any decode
+        dec.decode_many(recs[:3] + [bytes(bad)])
+    assert dec.decode_many([recs[2]]) == [None]
