@@ -122,15 +122,16 @@ class BlockDecoder:
             jobs.append(got[1:])
         if not jobs:
             return [None] * len(bufs)
-        out = torch.empty((len(jobs), 2, *self._shape), dtype=self._dtype)
-        halves = out.view(2 * len(jobs), *self._shape).unbind(0)
+        n = len(jobs)
+        out = torch.empty((n, 2, *self._shape) if n > 1 else (2, *self._shape), dtype=self._dtype)
+        halves = out.view(2 * n, *self._shape).unbind(0)
         shape, dtype = self._shape, self._dtype
         for j, (base, kjob, vjob) in enumerate(jobs):
             for half, (payload, (bits, group, axis, q, s, z)) in zip((halves[2 * j], halves[2 * j + 1]), (kjob, vjob)):
                 p = base + payload
                 cpu.dequantize_ptrs(p + q, p + s, None if z is None else p + z, bits, group, axis, shape, dtype, half)
         del keep
-        blocks = out.unbind(0)
+        blocks = out.unbind(0) if n > 1 else (out,)  # a lone block owns its tensor
         return [None if j is None else blocks[j] for j in which]
 
     def _check(self, buf, item: int):

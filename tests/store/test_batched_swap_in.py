@@ -2,6 +2,7 @@
 and a corrupt record in a batch is a miss for that block only."""
 import os
 
+import pytest
 import torch
 
 from kvtier.tiers.segfile import REC_HEADER_BYTES
@@ -95,24 +96,40 @@ def test_a_prefetch_batch_with_an_unreadable_block_fails_that_block_only(tmp_pat
     st.close()
 
 
-def _resident_after_gather(tmp_path, one_by_one: bool):
-    st, s, k, cold = _cold_store(tmp_path)
+def _after_gather(tmp_path, codec: str, one_by_one: bool):
+    torch.manual_seed(0)  # the same tokens in both stores
+    st, s, k, cold = _cold_store(tmp_path, codec=codec)
+    io = st.lower.io
     if one_by_one:  # each record decoded alone, each install choosing its own victim
-        io = st.lower.io
         io.decode_stored_many = lambda items, device: [io.decode_stored(v, t, device) for v, t in items]
         st.residency.make_room = lambda *a: None
+    decoded = []  # blocks the in-place decoder decoded, per call
+    if io.fast_decoder is not None:
+        many = io.fast_decoder.decode_many
+
+        def spy(bufs):
+            out = many(bufs)
+            decoded.append(sum(d is not None for d in out))
+            return out
+        io.fast_decoder.decode_many = spy
     blocks = sorted(e.idx for e in cold[:2])  # the L1 budget less the open block
     K, V, pos = st.gather_blocks(s, 0, blocks)
-    assert torch.equal(K, k[:, pos]) and torch.equal(V, -k[:, pos])
+    if codec == "fp16":
+        assert torch.equal(K, k[:, pos]) and torch.equal(V, -k[:, pos])
+    else:
+        assert decoded == ([1, 1] if one_by_one else [2])  # in place, both records in one call
     t = st.residency.tables[s][0]
-    out = sorted(e.idx for e in t.entries if e.slot is not None), st.stats()["hits"]
+    out = sorted(e.idx for e in t.entries if e.slot is not None), st.stats()["hits"], K, V
     check_invariants(st)
     st.close()
     return out
 
 
-def test_a_batched_swap_in_decodes_and_evicts_as_one_by_one(tmp_path):
-    assert _resident_after_gather(tmp_path / "a", False) == _resident_after_gather(tmp_path / "b", True)
+@pytest.mark.parametrize("codec", ["fp16", "int4"])
+def test_a_batched_swap_in_decodes_and_evicts_as_one_by_one(tmp_path, codec):
+    a = _after_gather(tmp_path / "a", codec, False)
+    b = _after_gather(tmp_path / "b", codec, True)
+    assert a[:2] == b[:2] and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3])
 
 
 def test_blocks_kept_past_a_read_own_their_data(tmp_path):

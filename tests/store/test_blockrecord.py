@@ -88,3 +88,4 @@ def test_a_batch_equals_one_by_one_and_declines_per_record():
     with pytest.raises(CorruptRecordError):  # one corrupt record fails the batch before any decode
         dec.decode_many(recs[:3] + [bytes(bad)])
     assert dec.decode_many([recs[2]]) == [None]
+    assert dec.decode(recs[0])._base is None  # a lone block is not a view of a batch
