@@ -24,6 +24,7 @@ are resampled for the configuration and the reference), and stored bytes per con
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -77,13 +78,16 @@ class StoreSpec:
     recall_reference: str = "median"
     heavy_codec: str = "int8"
     cold_codec: str = "int2"
-    attention_math: str = "float32"
+    attention_math: str = "sdpa"  # --store-math; sdpa: a lossless store computes what DynamicCache does
 
 
 #: the store row every other store row is also compared with (the same chunking, the same
 #: attention arithmetic, a lossless codec): what is left is the codec's own effect
 STORE_LOSSLESS = "store lossless"
-_LOSSLESS_OF = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+#: the store rows' reference: DynamicCache fed in the store's chunks (--chunk, --decode-chunk).
+#: In bf16 chunking alone moves a window's ppl by up to ~0.8% against one whole prefill, as much
+#: as int8 does, so a store row is only compared with a reference of its own protocol.
+REF_CHUNKED = "ref chunked"
 
 
 def default_store_specs() -> list[StoreSpec]:
@@ -117,6 +121,11 @@ def recall_store_specs() -> list[StoreSpec]:
         imp("store importance 0/50 no recall", heavy_fraction=0.0, cold_fraction=0.5, recall_mass=math.inf),
         imp("store importance 10/50 median", heavy_fraction=0.1, cold_fraction=0.5),
     ]
+
+
+def int8_store_specs() -> list[StoreSpec]:
+    """int8 against the lossless store, both on the reference's protocol (``--int8``)."""
+    return [StoreSpec(STORE_LOSSLESS, codec="lossless"), StoreSpec("store int8 g32", codec="int8")]
 
 
 def mix_store_specs() -> list[StoreSpec]:
@@ -162,6 +171,7 @@ def default_specs() -> list[Spec]:
         Spec("quanto int4", "quanto", nbits=4),
         Spec("quanto int2", "quanto", nbits=2),
         Spec("hqq int2", "hqq", nbits=2),
+        Spec("hqq int8", "hqq", nbits=8),
     ]
 
 
@@ -250,12 +260,12 @@ def run_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[Spec], 
 def store_config(spec: StoreSpec, block: int, disk_path: str | None, dtype: torch.dtype = torch.bfloat16):
     """The store configuration of ``spec``: dense, h2o, L2 256 MiB, L3 at ``disk_path``; the
     ``lossless`` codec is the pass-through one of the model's ``dtype``."""
-    from kvtier.config import KVTierConfig
+    from kvtier.config import KVTierConfig, lossless_codec
 
     imp = spec.precision == "importance"
     return KVTierConfig(block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
                         disk_path=disk_path, disk_bytes=4 << 30, group_size=spec.group_size,
-                        codec=_LOSSLESS_OF[dtype] if spec.codec == "lossless" else spec.codec,
+                        codec=lossless_codec(str(dtype).removeprefix("torch.")) if spec.codec == "lossless" else spec.codec,
                         attention_math=spec.attention_math,
                         policy="h2o", attention="dense", write_through=False, sink_tokens=spec.sink_tokens,
                         window_tokens=spec.window_tokens, precision=spec.precision,
@@ -264,6 +274,40 @@ def store_config(spec: StoreSpec, block: int, disk_path: str | None, dtype: torc
                         # a fixed store's heavy/cold codecs are unused; its defaults fit any codec
                         heavy_codec=spec.heavy_codec if imp else "int8",
                         cold_codec=spec.cold_codec if imp else "int2", prefetch=False)
+
+
+def teacher_forced(model, cache, ctx: torch.Tensor, cont: torch.Tensor, chunk: int, decode_chunk: int) -> torch.Tensor:
+    """Per-token NLL of ``cont`` after ``ctx`` through ``cache``: ``ctx`` in ``chunk``-token
+    forwards, then ``cont[:-1]`` in ``decode_chunk``-token forwards (one protocol for the store,
+    its reference and the anchors run on it)."""
+    for i in range(0, ctx.numel(), chunk):
+        o = model(input_ids=ctx[i:i + chunk].view(1, -1), cache=cache, use_cache=True)
+    logits = [o.logits[0, -1:].float()]
+    fed = cont[:-1]
+    for i in range(0, fed.numel(), decode_chunk):
+        o = model(input_ids=fed[i:i + decode_chunk].view(1, -1), cache=cache, use_cache=True)
+        logits.append(o.logits[0].float())
+    lg = torch.cat(logits)  # [M, vocab]
+    return -torch.log_softmax(lg, -1).gather(1, cont.view(-1, 1)).squeeze(1).double()
+
+
+@torch.inference_mode()
+def run_chunked_anchors(model, ctx: torch.Tensor, cont: torch.Tensor, anchors: list[str], chunk: int,
+                        decode_chunk: int) -> dict:
+    """The store's protocol through transformers caches: ``REF_CHUNKED`` (DynamicCache) and each
+    of ``anchors`` (``make_baseline`` kinds, e.g. ``hqq-int8``: QuantizedCache, 128 residual
+    tokens, re-quantizing all it holds whenever the residual fills, so that later chunks attend to
+    quantized history as the store's do). Returns ``{name: (nll, bytes held, seconds)}``."""
+    from kvtier.eval.baselines import cache_bytes, make_baseline
+
+    out = {}
+    for kind in ["dynamic", *anchors]:
+        t0 = time.perf_counter()
+        cache = make_baseline(kind, model)
+        nll = teacher_forced(model, cache, ctx, cont, chunk, decode_chunk)
+        name = REF_CHUNKED if kind == "dynamic" else kind.replace("-int", " int") + " chunked"
+        out[name] = (nll, cache_bytes(cache), time.perf_counter() - t0)
+    return out
 
 
 @torch.inference_mode()
@@ -291,21 +335,13 @@ def run_store_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[S
             t0 = time.perf_counter()
             cache = kvtier.attach(model, cfg)
             try:
-                for i in range(0, ctx.numel(), chunk):
-                    o = model(input_ids=ctx[i:i + chunk].view(1, -1), cache=cache, use_cache=True)
-                logits = [o.logits[0, -1:].float()]
-                fed = cont[:-1]
-                for i in range(0, fed.numel(), decode_chunk):
-                    o = model(input_ids=fed[i:i + decode_chunk].view(1, -1), cache=cache, use_cache=True)
-                    logits.append(o.logits[0].float())
+                nll = teacher_forced(model, cache, ctx, cont, chunk, decode_chunk)
                 store = cache.store
                 store.flush()
                 st = store.stats()
             finally:
                 cache.close()
                 detach(model)
-            lg = torch.cat(logits)  # [M, vocab]
-            nll = -torch.log_softmax(lg, -1).gather(1, cont.view(-1, 1)).squeeze(1).double()
             out[spec.name] = (nll, {"bytes": st["bytes"], "tokens": st["tokens"], "precision": st["precision"],
                                     "swap_in_blocks": st["swap_in_blocks"], "hits": st["hits"],
                                     "swap_in_bytes": st["swap_in_bytes"]},
@@ -330,7 +366,8 @@ def bootstrap_ci(ref: list[torch.Tensor], got: list[torch.Tensor], n_boot: int, 
 def pool_windows(lines, n_boot: int = 2000, seed: int = 0) -> dict:
     """Rows from the per-window lines of several runs (``{"window": ...}``, as printed): per
     source and row, Δppl and its interval against the reference over every window holding the
-    row and, for store rows, against the lossless store on the windows holding both."""
+    row (store rows and anchors on the store's chunks: the chunked reference, where the windows
+    hold it) and, for store rows, against the lossless store on the windows holding both."""
     wins: dict[str, list] = {}
     for line in lines:
         if line.startswith('{"window"'):
@@ -342,8 +379,11 @@ def pool_windows(lines, n_boot: int = 2000, seed: int = 0) -> dict:
         for name in sorted({n for w in ws for n in w["nll"]} - {"ref"}):
             sel = [w for w in ws if name in w["nll"]]
             t = lambda w, n: torch.tensor(w["nll"][n], dtype=torch.float64)  # noqa: E731
-            d, lo, hi = bootstrap_ci([t(w, "ref") for w in sel], [t(w, name) for w in sel], n_boot, seed)
-            rows[name] = {"delta_ppl": d, "ci95": [lo, hi], "windows": [w["offset"] for w in sel]}
+            chunked = (name.startswith("store") or name.endswith(" chunked")) and name != REF_CHUNKED \
+                and all(REF_CHUNKED in w["nll"] for w in sel)
+            against = REF_CHUNKED if chunked else "ref"
+            d, lo, hi = bootstrap_ci([t(w, against) for w in sel], [t(w, name) for w in sel], n_boot, seed)
+            rows[name] = {"delta_ppl": d, "ci95": [lo, hi], "windows": [w["offset"] for w in sel], "against": against}
             both = [w for w in sel if STORE_LOSSLESS in w["nll"]]
             if name.startswith("store") and name != STORE_LOSSLESS and both:
                 rows[name]["vs_store_lossless"] = list(bootstrap_ci(
@@ -363,7 +403,7 @@ def plot(doc: dict, path: str) -> None:
     srcs = list(doc["sources"])
     fig, axes = plt.subplots(1, len(srcs), figsize=(6 * len(srcs), 4.5), squeeze=False)
     style = {"store importance": ("tab:red", "*"), "store": ("tab:blue", "o"), "kvtier": ("tab:gray", "s"),
-             "hqq": ("tab:green", "^"), "quanto": ("tab:olive", "v")}
+             "hqq": ("tab:green", "^"), "quanto": ("tab:olive", "v"), "ref": ("black", "x")}
     for ax, src in zip(axes[0], srcs):
         for name, r in doc["sources"][src]["rows"].items():
             color, marker = next(v for k, v in style.items() if name.startswith(k))
@@ -408,6 +448,13 @@ def main(argv=None) -> int:
     ap.add_argument("--mixes", action="store_true", help="--store: the int4/int2 mix rows (mix_store_specs) instead")
     ap.add_argument("--recall", action="store_true",
                     help="--store: importance rows by recall reference against fixed int8/int4/int2 (recall_store_specs)")
+    ap.add_argument("--int8", action="store_true",
+                    help="--store: the lossless and int8 store rows (int8_store_specs), hqq int8 on the same chunks")
+    ap.add_argument("--store-math", default="sdpa", choices=("sdpa", "float32"),
+                    help="--store: the store rows' attention_math (sdpa: a lossless store equals the chunked reference)")
+    ap.add_argument("--chunked-anchors", default=None,
+                    help="--store: comma-separated make_baseline kinds (e.g. hqq-int8,hqq-int4) run on the store's "
+                         "chunks against the chunked reference (default: hqq-int8 with --int8, else none)")
     ap.add_argument("--chunk", type=int, default=256, help="--store: prefill chunk, tokens")
     ap.add_argument("--decode-chunk", type=int, default=32,
                     help="--store: continuation tokens per forward (1: one decode step per token)")
@@ -444,8 +491,12 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps(doc, indent=1))
         return 0
     specs = default_specs()
-    store_specs = (mix_store_specs() if args.mixes else recall_store_specs() if args.recall
+    store_specs = (int8_store_specs() if args.int8 else mix_store_specs() if args.mixes
+                   else recall_store_specs() if args.recall
                    else default_store_specs()) if args.store or args.store_only else []
+    store_specs = [dataclasses.replace(s, attention_math=args.store_math) for s in store_specs]
+    anchors = [a for a in (args.chunked_anchors if args.chunked_anchors is not None
+                           else "hqq-int8" if args.int8 else "").split(",") if a]
     if args.smoke:
         args.texts, args.context, args.continuation, args.windows, args.recent, args.sink = "pydoc", 256, 16, 2, 64, 0
         specs = [s for s in specs if s.name in ("kvtier int8 g32", "kvtier int4 g32 mse", "kvtier int2 g32 minmax")]
@@ -484,6 +535,8 @@ def main(argv=None) -> int:
                 for name, (nll, st, sec) in run_store_window(model, ctx, cont, store_specs, args.block_tokens,
                                                              args.chunk, args.scratch, args.decode_chunk).items():
                     per.setdefault(name, []).append((nll, st, sec))
+                for name, val in run_chunked_anchors(model, ctx, cont, anchors, args.chunk, args.decode_chunk).items():
+                    per.setdefault(name, []).append(val)
             # each window as it ends (a slow run still leaves the windows it finished)
             print(json.dumps({"window": {"source": src, "offset": o, "nll": {
                 name: per[name][-1][0].tolist() for name in per}}}), flush=True)
@@ -510,12 +563,24 @@ def main(argv=None) -> int:
             print(f"{src:7s} | {s.name:34s} | dppl {100 * d:+7.3f}% [{100 * lo:+7.3f}, {100 * hi:+7.3f}] | "
                   f"{bpt:8.0f} B/tok ctx | {end:8.0f} B/tok end | encode {enc:6.2f} s/window", flush=True)
         base = [v[0] for v in per[STORE_LOSSLESS]] if STORE_LOSSLESS in per else None
+        ref_chunked = [v[0] for v in per[REF_CHUNKED]] if REF_CHUNKED in per else None
+        for name in [REF_CHUNKED, *(n for n in per if n.endswith(" chunked") and n != REF_CHUNKED)]:
+            if name not in per:
+                continue
+            got = [v[0] for v in per[name]]
+            # the chunked reference against the single prefill: what chunking alone does
+            d, lo, hi = bootstrap_ci(ref if name == REF_CHUNKED else ref_chunked, got, args.boot, args.seed)
+            end = sum(v[1] for v in per[name]) / len(got) / held
+            rows[name] = {"delta_ppl": d, "ci95": [lo, hi], "bytes_per_token_end": end,
+                          "against": "ref" if name == REF_CHUNKED else REF_CHUNKED}
+            print(f"{src:7s} | {name:34s} | dppl {100 * d:+7.3f}% [{100 * lo:+7.3f}, {100 * hi:+7.3f}] "
+                  f"vs {rows[name]['against']} | {end:8.0f} B/tok end", flush=True)
         for s in store_specs:
             got = [v[0] for v in per[s.name]]
-            d, lo, hi = bootstrap_ci(ref, got, args.boot, args.seed)
-            # against the lossless store: the reference's arithmetic (one prefill, one scoring
-            # forward, SDPA) differs from the store's (chunks, its own attention), which in
-            # bf16 alone moves Δppl by more than int8 does
+            # against DynamicCache fed the same chunks (with --store-math sdpa a lossless store
+            # equals it bit for bit): what is left is the codec's and the moves' own effect
+            d, lo, hi = bootstrap_ci(ref_chunked, got, args.boot, args.seed)
+            single = bootstrap_ci(ref, got, args.boot, args.seed)
             vs = bootstrap_ci(base, got, args.boot, args.seed) if base is not None else None
             tiers = {t: sum(v[1]["bytes"][t] for v in per[s.name]) / len(got) / held for t in ("l1", "l2", "l3")}
             total = sum(tiers.values())
@@ -531,6 +596,7 @@ def main(argv=None) -> int:
                             "l3_read_bytes_per_scored_token": l3_read,
                             "weighted_bytes_per_token": weighted, "s_per_window": sec, "precision_last": prec,
                             "vs_store_lossless": list(vs) if vs else None,
+                            "vs_ref_single_prefill": list(single),
                             "spec": vars(s) if hasattr(s, "__dict__") else str(s)}
             print(f"{src:7s} | {s.name:34s} | dppl {100 * d:+7.3f}% [{100 * lo:+7.3f}, {100 * hi:+7.3f}] | "
                   f"L1 {tiers['l1']:6.0f} L2 {tiers['l2']:6.0f} L3 {tiers['l3']:6.0f} = {total:6.0f} B/tok end "
