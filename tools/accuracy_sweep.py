@@ -128,6 +128,24 @@ def int8_store_specs() -> list[StoreSpec]:
     return [StoreSpec(STORE_LOSSLESS, codec="lossless"), StoreSpec("store int8 g32", codec="int8")]
 
 
+def pareto_store_specs() -> list[StoreSpec]:
+    """Importance rows placed between the fixed ones (``--pareto``): int8 for the heaviest blocks
+    over an int4 base, int2 for only the coldest, and an int8 base with cold blocks in int4."""
+    imp = lambda name, **p: StoreSpec(name, precision="importance", **p)  # noqa: E731
+    return [  # no lossless row: with --store-math sdpa it is the chunked reference, bit for bit
+        StoreSpec("store int8 g32", codec="int8"),
+        StoreSpec("store int4 g32", codec="int4"),
+        StoreSpec("store int2 g32", codec="int2"),
+        imp("store importance int8 10% / int4", heavy_fraction=0.1, cold_fraction=0.0),
+        imp("store importance int8 25% / int4", heavy_fraction=0.25, cold_fraction=0.0),
+        imp("store importance int4 / int2 25%", heavy_fraction=0.0, cold_fraction=0.25),
+        imp("store importance int4 / int2 50%", heavy_fraction=0.0, cold_fraction=0.5),
+        imp("store importance int8 10% / int4 / int2 50%", heavy_fraction=0.1, cold_fraction=0.5),
+        imp("store importance int8 / int4 50%", codec="int8", heavy_fraction=0.0, cold_fraction=0.5,
+            cold_codec="int4"),
+    ]
+
+
 def mix_store_specs() -> list[StoreSpec]:
     """int4/int2 mixes by importance (no int8), the region between the int4 and int2 rows."""
     imp = lambda name, **p: StoreSpec(name, precision="importance", heavy_fraction=0.0, **p)  # noqa: E731
@@ -394,7 +412,9 @@ def pool_windows(lines, n_boot: int = 2000, seed: int = 0) -> dict:
 
 def plot(doc: dict, path: str) -> None:
     """Δppl (95% CI) against bytes per token held at the end of the window, one panel per text:
-    fixed-precision and importance rows of the real store, simulated rows, anchors."""
+    fixed-precision and importance rows of the real store, simulated rows, anchors. The fixed
+    store rows are joined at their L1 + L2 bytes (a dashed line, the frontier fixed precision
+    draws, which importance rows, also at their L1 + L2 bytes, are read against)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -416,6 +436,12 @@ def plot(doc: dict, path: str) -> None:
                 read = r["tiers"]["l1"] + r["tiers"]["l2"]
                 ax.plot([read, r["bytes_per_token_end"]], [d, d], ":", color=color, lw=0.8)
                 ax.plot(read, d, marker, mfc="none", color=color)
+        fixed = sorted((r["tiers"]["l1"] + r["tiers"]["l2"], 100 * r["delta_ppl"])
+                       for name, r in doc["sources"][src]["rows"].items()
+                       if name.startswith("store") and not name.startswith("store importance") and "tiers" in r)
+        if len(fixed) > 1:
+            ax.plot(*zip(*fixed), "--", color="tab:blue", lw=0.8, label="fixed precision (L1 + L2)")
+            ax.legend(fontsize=7)
         ax.axhline(0, color="k", lw=0.5)
         ax.set_title(f"{src} ({doc['sources'][src]['windows']} windows)")
         ax.set_xlabel("bytes per token held at the end (all tiers; hollow: L1 + L2 only)")
@@ -450,6 +476,8 @@ def main(argv=None) -> int:
                     help="--store: importance rows by recall reference against fixed int8/int4/int2 (recall_store_specs)")
     ap.add_argument("--int8", action="store_true",
                     help="--store: the lossless and int8 store rows (int8_store_specs), hqq int8 on the same chunks")
+    ap.add_argument("--pareto", action="store_true",
+                    help="--store: fixed int8/int4/int2 and importance rows between them (pareto_store_specs)")
     ap.add_argument("--store-math", default="sdpa", choices=("sdpa", "float32"),
                     help="--store: the store rows' attention_math (sdpa: a lossless store equals the chunked reference)")
     ap.add_argument("--chunked-anchors", default=None,
@@ -491,7 +519,8 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps(doc, indent=1))
         return 0
     specs = default_specs()
-    store_specs = (int8_store_specs() if args.int8 else mix_store_specs() if args.mixes
+    store_specs = (int8_store_specs() if args.int8 else pareto_store_specs() if args.pareto
+                   else mix_store_specs() if args.mixes
                    else recall_store_specs() if args.recall
                    else default_store_specs()) if args.store or args.store_only else []
     store_specs = [dataclasses.replace(s, attention_math=args.store_math) for s in store_specs]
