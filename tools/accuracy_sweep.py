@@ -89,7 +89,7 @@ class StoreSpec:
 #: attention arithmetic, a lossless codec): what is left is the codec's own effect
 STORE_LOSSLESS = "store lossless"
 #: the store rows' reference: DynamicCache fed in the store's chunks (--chunk, --decode-chunk).
-#: In bf16 chunking alone moves a window's ppl by up to ~0.8% against one whole prefill, as much
+#: In bf16 chunking alone moves a window's ppl by up to ~0.9% against one whole prefill, as much
 #: as int8 does, so a store row is only compared with a reference of its own protocol.
 REF_CHUNKED = "ref chunked"
 
@@ -285,9 +285,10 @@ def store_config(spec: StoreSpec, block: int, disk_path: str | None, dtype: torc
     from kvtier.config import KVTierConfig, lossless_codec
 
     imp = spec.precision == "importance"
+    lossless = lossless_codec(str(dtype).removeprefix("torch."))  # "torch.bfloat16" -> "bf16"
     return KVTierConfig(block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
                         disk_path=disk_path, disk_bytes=4 << 30, group_size=spec.group_size,
-                        codec=lossless_codec(str(dtype).removeprefix("torch.")) if spec.codec == "lossless" else spec.codec,
+                        codec=lossless if spec.codec == "lossless" else spec.codec,
                         attention_math=spec.attention_math,
                         policy="h2o", attention="dense", write_through=False, sink_tokens=spec.sink_tokens,
                         window_tokens=spec.window_tokens, precision=spec.precision,
@@ -568,7 +569,8 @@ def main(argv=None) -> int:
                 for name, (nll, st, sec) in run_store_window(model, ctx, cont, store_specs, args.block_tokens,
                                                              args.chunk, args.scratch, args.decode_chunk).items():
                     per.setdefault(name, []).append((nll, st, sec))
-                for name, val in run_chunked_anchors(model, ctx, cont, anchors, args.chunk, args.decode_chunk).items():
+                chunked = run_chunked_anchors(model, ctx, cont, anchors, args.chunk, args.decode_chunk)
+                for name, val in chunked.items():
                     per.setdefault(name, []).append(val)
             # each window as it ends (a slow run still leaves the windows it finished)
             print(json.dumps({"window": {"source": src, "offset": o, "nll": {
