@@ -237,8 +237,8 @@ class KVTierConfig:
     in that block, where 2-bit codes lose most (the large post-RoPE channels whose sign the
     rotation turns within a block). 0 to 32 (and at most ``head_dim``); 0: plain int2. Other
     codecs ignore it. Costs ``n * (2 * block_tokens + 1)`` bytes per block and KV head with a
-    16-bit dtype (SmolLM2-135M, 64-token blocks: 4 channels take int2 from 3,072 to 3,588 bytes per
-    token, all layers; int4 is 5,632)."""
+    16-bit dtype (SmolLM2-135M in bf16, 64-token blocks, groups of 32: 4 channels take int2 from
+    4,320 to 5,046 bytes per token, all layers; int4 is 7,200)."""
 
     policy: Policy = "h2o"
     """Eviction policy: ``lru``, ``sink-window`` (StreamingLLM), ``h2o`` (accumulated attention
