@@ -348,6 +348,10 @@ class IntCodec(Codec):
             y = triton_kernels.dequantize(*args)
         elif dev.type == "cpu" and _cpu.available():
             y = _cpu.dequantize(*args, out=out)
+            if kept is not None:
+                idx, val = kept[0].to(dev).contiguous(), kept[1].to(dev).contiguous()
+                _cpu.merge_kept_ptrs(idx.data_ptr(), val.data_ptr(), shape, idx.shape[-1], enc.dtype, y)
+                return y  # indices checked by _outlier_parts
         else:
             y = _ref.dequantize_ref(*args)
             y = out.copy_(y) if out is not None else y

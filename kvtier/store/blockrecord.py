@@ -132,22 +132,15 @@ class BlockDecoder:
             cpu.dequantize_ptrs(p + q, p + s, None if z is None else p + z, bits, group, axis,
                                 self._shape, self._dtype, half)
             if kept is not None:
-                self._merge_kept(mv, payload, kept, half)
+                self._merge_kept(p, kept, half)
         return out
 
-    def _merge_kept(self, mv: memoryview, payload: int, kept: tuple, half: torch.Tensor) -> None:
-        """Write a record's exactly kept channels over their dequantized values in ``half``
-        (copied out of the record: a few hundred bytes, at any alignment)."""
-        from kvtier.compress import reference as ref
+    def _merge_kept(self, p: int, kept: tuple, half: torch.Tensor) -> None:
+        """Write a record's exactly kept channels (payload at address ``p``) over their
+        dequantized values in ``half`` (byte copies: any alignment)."""
+        from kvtier.compress import cpu
+        from kvtier.compress.record import CorruptRecordError
 
         n, io, vo = kept
-        *lead, t, d = self._shape
-        lead_n = int(np.prod(lead))
-        idx = torch.from_numpy(np.frombuffer(mv, dtype=np.uint8, count=lead_n * n, offset=payload + io).copy())
-        if int(idx.max()) >= d:
-            from kvtier.compress.record import CorruptRecordError
-
-            raise CorruptRecordError(f"block record keeps channel {int(idx.max())} of {d}")
-        raw = np.frombuffer(mv, dtype=np.uint8, count=lead_n * t * n * self._dtype.itemsize, offset=payload + vo)
-        val = torch.from_numpy(raw.copy()).view(self._dtype)  # [lead * T * n]
-        ref.outlier_merge(half, idx.view(*lead, n), val.view(*lead, t, n))
+        if not cpu.merge_kept_ptrs(p + io, p + vo, self._shape, n, self._dtype, half):
+            raise CorruptRecordError(f"block record keeps a channel index >= head_dim {self._shape[-1]}")
