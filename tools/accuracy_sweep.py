@@ -155,7 +155,7 @@ class Spec:
     params: dict = field(default_factory=dict)
     key_rope: str = "post"  # "pre": keys rotated back to before RoPE for quantizing (kvtier.compress.rope);
     # "block": rotated back by their offsets within their block (a constant rotation per block is left)
-    key_outliers: int = 0  # key channels per block and head kept in the KV dtype (dense-and-sparse)
+    key_outliers: int = 0  # the key codec's ``outliers``: channels per block and head kept exactly
 
 
 def default_specs() -> list[Spec]:
@@ -172,15 +172,16 @@ def default_specs() -> list[Spec]:
         kv("kvtier int2 g32 K mse V minmax", codec="int2", encoder="mse", value_encoder="minmax"),
         # the keys' share of int2's loss: keys int4, values int2 (4 bits per value on average)
         kv("kvtier K int4 V int2 g32", codec="int4", encoder="minmax", value_codec="int2", value_encoder="minmax"),
-        kv("kvtier int2 g32", codec="int2"),
+        # int2 keys (mse, values minmax: the default encoders) before RoPE and with K+n channels
+        # kept exactly (the store's int2_key_outliers)
         kv("kvtier int2 g32 K pre-RoPE", codec="int2", key_rope="pre"),
         kv("kvtier int2 g32 K pre-RoPE minmax", codec="int2", key_rope="pre", encoder="minmax"),
         kv("kvtier int2 g32 K block-RoPE", codec="int2", key_rope="block"),
         kv("kvtier int2 g32 K block-RoPE minmax", codec="int2", key_rope="block", encoder="minmax"),
-        kv("kvtier int2 g32 K pre-RoPE +2 outlier ch", codec="int2", key_rope="pre", key_outliers=2),
-        kv("kvtier int2 g32 K pre-RoPE +4 outlier ch", codec="int2", key_rope="pre", key_outliers=4),
-        kv("kvtier int2 g32 K +2 outlier ch", codec="int2", key_outliers=2),
-        kv("kvtier int2 g32 K +4 outlier ch", codec="int2", key_outliers=4),
+        kv("kvtier int2 g32 K pre-RoPE K+4", codec="int2", key_rope="pre", key_outliers=4),
+        kv("kvtier int2 g32 K+2", codec="int2", key_outliers=2),
+        kv("kvtier int2 g32 K+4", codec="int2", key_outliers=4),
+        kv("kvtier int2 g32 K+8", codec="int2", key_outliers=8),
         Spec("hqq int4", "hqq", nbits=4),
         Spec("quanto int4", "quanto", nbits=4),
         Spec("quanto int2", "quanto", nbits=2),
@@ -292,7 +293,7 @@ def store_config(spec: StoreSpec, block: int, disk_path: str | None, dtype: torc
 
     imp = spec.precision == "importance"
     extra = {} if spec.int2_key_outliers is None else {"int2_key_outliers": spec.int2_key_outliers}
-    return KVTierConfig(**extra,block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
+    return KVTierConfig(**extra, block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
                         disk_path=disk_path, disk_bytes=4 << 30, group_size=spec.group_size,
                         codec=_LOSSLESS_OF[dtype] if spec.codec == "lossless" else spec.codec,
                         attention_math=spec.attention_math,
