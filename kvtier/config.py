@@ -626,9 +626,11 @@ class KVTierConfig:
         elem = torch.empty((), dtype=dtype).element_size()
         bt = self.block_tokens
         slot_bytes = 2 * kv_heads * bt * head_dim * elem  # one block, K and V, full precision
-        if self.int2_key_outliers > head_dim:
-            raise ValueError(f"int2_key_outliers must be <= head_dim ({head_dim}) for this model; "
-                             f"got {self.int2_key_outliers}")
+        int2 = "int2" in (self.host_codec, self.disk_codec) or (
+            self.precision == "importance" and "int2" in (self.heavy_codec, self.cold_codec))
+        if int2 and self.key_axis == "channel" and self.int2_key_outliers > head_dim:
+            raise ValueError(f"int2_key_outliers must be <= head_dim ({head_dim}) for this model's int2 "
+                             f"keys; got {self.int2_key_outliers}")
         if machine:
             self._check_memory(slot_bytes, num_layers, device)
         l2, l3 = block_record_bytes(self, num_layers, kv_heads, head_dim, dtype)

@@ -68,6 +68,7 @@ def test_config_field_checked_and_used_for_int2_keys_only():
         {"group_size": 32, "axis": "channel"}
     with pytest.raises(ValueError, match="int2_key_outliers must be <= head_dim"):
         KVTierConfig(codec="int2", int2_key_outliers=16).check_model(2, 2, 8, torch.float16, machine=False)
+    KVTierConfig(codec="int4", int2_key_outliers=16).check_model(2, 2, 8, torch.float16, machine=False)  # no int2
 
 
 def test_store_l3_records_reopen_and_decode(tmp_path):
