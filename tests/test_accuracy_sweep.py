@@ -34,7 +34,8 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def test_store_specs_build_valid_configs():
-    for s in sweep.default_store_specs() + sweep.mix_store_specs() + sweep.recall_store_specs():
+    for s in (sweep.default_store_specs() + sweep.mix_store_specs() + sweep.recall_store_specs()
+              + sweep.int8_store_specs()):
         cfg = sweep.store_config(s, 64, None)
         codec = "bf16" if s.codec == "lossless" else s.codec
         assert (cfg.precision, cfg.codec, cfg.recall_reference) == (s.precision, codec, s.recall_reference)
@@ -71,3 +72,55 @@ def test_pool_windows_pairs_rows_with_the_lossless_store():
     assert abs(d - math.expm1(0.1)) < 1e-9 and abs(lo - d) < 1e-9  # 0.1 nats per token worse in both windows
     assert rows["store int2 g32"]["delta_ppl"] > d  # the lossless store is itself above ref in window 2
     assert "vs_store_lossless" not in rows[sweep.STORE_LOSSLESS]
+
+
+def test_pool_windows_compares_store_rows_with_the_chunked_reference():
+    import json
+
+    lines = [json.dumps({"window": {"source": "squad", "offset": o, "nll": {
+        "ref": [1.0, 1.0], sweep.REF_CHUNKED: [1.2, 1.2], "store int8 g32": [1.2, 1.2],
+        "hqq int8 chunked": [1.3, 1.3], "kvtier int8 g32": [1.0, 1.0]}}}) for o in (3, 4)]
+    rows = sweep.pool_windows(lines, n_boot=50)["squad"]
+    assert rows["store int8 g32"]["against"] == sweep.REF_CHUNKED and rows["store int8 g32"]["delta_ppl"] == 0.0
+    assert abs(rows["hqq int8 chunked"]["delta_ppl"] - math.expm1(0.1)) < 1e-9
+    # the chunked reference itself and the simulated rows stay against the single prefill
+    assert rows[sweep.REF_CHUNKED]["against"] == "ref"
+    assert abs(rows[sweep.REF_CHUNKED]["delta_ppl"] - math.expm1(0.2)) < 1e-9
+    assert rows["kvtier int8 g32"]["delta_ppl"] == 0.0
+
+
+def test_lossless_store_row_takes_the_model_dtype_codec():
+    spec = sweep.int8_store_specs()[0]
+    assert spec.name == sweep.STORE_LOSSLESS and spec.attention_math == "sdpa"
+    got = {dt: sweep.store_config(spec, 64, None, dt).codec for dt in (torch.bfloat16, torch.float16, torch.float32)}
+    assert got == {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def test_int2_rows_pre_rope_and_kept_channels():
+    """--int2 store rows set int2_key_outliers; the simulated pre-RoPE rows rotate keys back by
+    their cache positions (``"block"``: by their offsets in their block) around the codec, and
+    the kept-channel rows are the key codec's own ``outliers`` (its bytes)."""
+    from kvtier.compress import get_codec
+    from kvtier.compress.rope import rotate
+
+    for s in sweep.int2_store_specs():
+        cfg = sweep.store_config(s, 64, None)
+        if s.int2_key_outliers is not None:
+            assert cfg.int2_key_outliers == s.int2_key_outliers
+    inv = 1.0 / (100000 ** (torch.arange(0, 64, 2).float() / 64))
+    x = torch.randn(3, 128, 64, dtype=torch.bfloat16)  # [kv_heads, T, D], two 64-token blocks at 64, 128
+    c = get_codec("int2", group_size=32, axis="channel")
+    blocks = lambda t: t.view(3, 2, 64, 64).transpose(0, 1).reshape(-1, 64, 64)  # noqa: E731
+    unblock = lambda t: t.view(2, 3, 64, 64).transpose(0, 1).reshape(3, 128, 64)  # noqa: E731
+    pre = sweep.Spec("pre", "kvtier", codec="int2", key_rope="pre")
+    y, n = sweep._encode_decode_blocks(x, pre, "k", 64, 64, inv)
+    want = rotate(unblock(c.decode(c.encode(blocks(rotate(x, 64, inv, inverse=True))))), 64, inv)
+    assert torch.equal(y, want) and n == c.encode(blocks(x)).nbytes
+    blk = sweep.Spec("blk", "kvtier", codec="int2", key_rope="block")
+    y0, _ = sweep._encode_decode_blocks(x, blk, "k", 64, 0, inv)
+    y1, _ = sweep._encode_decode_blocks(x, blk, "k", 64, 640, inv)
+    assert torch.equal(y0, y1)  # the start position does not matter
+    kept = sweep.Spec("k4", "kvtier", codec="int2", key_outliers=4)
+    y, n = sweep._encode_decode_blocks(x, kept, "k", 64)
+    c4 = get_codec("int2", group_size=32, axis="channel", outliers=4)
+    assert n == c4.encode(blocks(x)).nbytes and torch.equal(y, unblock(c4.decode(c4.encode(blocks(x)))))

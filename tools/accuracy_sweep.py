@@ -17,13 +17,18 @@ the whole prefill quantized at once, decode tokens kept at full precision) get t
 The reference is the unmodified cache. Per configuration: Δppl = ppl / ppl_ref - 1 over all
 scored tokens of a source, a 95% bootstrap interval over its windows (paired: the same windows
 are resampled for the configuration and the reference), and stored bytes per context token.
+Store rows (``--store``) are compared with ``DynamicCache`` fed the store's own chunks
+(``REF_CHUNKED``), where a lossless store with ``--store-math sdpa`` (the default) gives the same
+logits bit for bit, and anchors can run on those chunks too (``--chunked-anchors``)::
 
     python tools/accuracy_sweep.py --texts pydoc,essays,squad --windows 8
+    python tools/accuracy_sweep.py --store --int8 --only int8,lossless --windows 4
     python tools/accuracy_sweep.py --smoke
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -77,13 +82,17 @@ class StoreSpec:
     recall_reference: str = "median"
     heavy_codec: str = "int8"
     cold_codec: str = "int2"
-    attention_math: str = "float32"
+    attention_math: str = "sdpa"  # --store-math; sdpa: a lossless store computes what DynamicCache does
+    int2_key_outliers: int | None = None  # None: the config's default
 
 
 #: the store row every other store row is also compared with (the same chunking, the same
 #: attention arithmetic, a lossless codec): what is left is the codec's own effect
 STORE_LOSSLESS = "store lossless"
-_LOSSLESS_OF = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+#: the store rows' reference: DynamicCache fed in the store's chunks (--chunk, --decode-chunk).
+#: In bf16 chunking alone moves a window's ppl by up to ~0.9% against one whole prefill, as much
+#: as int8 does, so a store row is only compared with a reference of its own protocol.
+REF_CHUNKED = "ref chunked"
 
 
 def default_store_specs() -> list[StoreSpec]:
@@ -119,6 +128,39 @@ def recall_store_specs() -> list[StoreSpec]:
     ]
 
 
+def int8_store_specs() -> list[StoreSpec]:
+    """int8 against the lossless store, both on the reference's protocol (``--int8``)."""
+    return [StoreSpec(STORE_LOSSLESS, codec="lossless"), StoreSpec("store int8 g32", codec="int8")]
+
+
+def pareto_store_specs() -> list[StoreSpec]:
+    """Importance rows placed between the fixed ones (``--pareto``): int8 for the heaviest blocks
+    over an int4 base, int2 for only the coldest, and an int8 base with cold blocks in int4."""
+    imp = lambda name, **p: StoreSpec(name, precision="importance", **p)  # noqa: E731
+    return [  # no lossless row: with --store-math sdpa it is the chunked reference, bit for bit
+        StoreSpec("store int8 g32", codec="int8"),
+        StoreSpec("store int4 g32", codec="int4"),
+        StoreSpec("store int2 g32", codec="int2"),
+        imp("store importance int8 10% / int4", heavy_fraction=0.1, cold_fraction=0.0),
+        imp("store importance int8 25% / int4", heavy_fraction=0.25, cold_fraction=0.0),
+        imp("store importance int4 / int2 25%", heavy_fraction=0.0, cold_fraction=0.25),
+        imp("store importance int4 / int2 50%", heavy_fraction=0.0, cold_fraction=0.5),
+        imp("store importance int8 10% / int4 / int2 50%", heavy_fraction=0.1, cold_fraction=0.5),
+        imp("store importance int8 / int4 50%", codec="int8", heavy_fraction=0.0, cold_fraction=0.5,
+            cold_codec="int4"),
+    ]
+
+
+def int2_store_specs() -> list[StoreSpec]:
+    """int2 by key channels kept exactly (``int2_key_outliers``), against int4 and lossless."""
+    return [StoreSpec(STORE_LOSSLESS, codec="lossless"),
+            StoreSpec("store int4 g32", codec="int4"),
+            StoreSpec("store int2 g32 K+0", codec="int2", int2_key_outliers=0),
+            StoreSpec("store int2 g32 K+2", codec="int2", int2_key_outliers=2),
+            StoreSpec("store int2 g32 K+4", codec="int2", int2_key_outliers=4),
+            StoreSpec("store int2 g32 K+8", codec="int2", int2_key_outliers=8)]
+
+
 def mix_store_specs() -> list[StoreSpec]:
     """int4/int2 mixes by importance (no int8), the region between the int4 and int2 rows."""
     imp = lambda name, **p: StoreSpec(name, precision="importance", heavy_fraction=0.0, **p)  # noqa: E731
@@ -142,6 +184,9 @@ class Spec:
     value_codec: str | None = None  # values' codec when it differs from keys'
     nbits: int = 4
     params: dict = field(default_factory=dict)
+    key_rope: str = "post"  # "pre": keys rotated back to before RoPE for quantizing (kvtier.compress.rope);
+    # "block": rotated back by their offsets within their block (a constant rotation per block is left)
+    key_outliers: int = 0  # the key codec's ``outliers``: channels per block and head kept exactly
 
 
 def default_specs() -> list[Spec]:
@@ -158,24 +203,49 @@ def default_specs() -> list[Spec]:
         kv("kvtier int2 g32 K mse V minmax", codec="int2", encoder="mse", value_encoder="minmax"),
         # the keys' share of int2's loss: keys int4, values int2 (4 bits per value on average)
         kv("kvtier K int4 V int2 g32", codec="int4", encoder="minmax", value_codec="int2", value_encoder="minmax"),
+        # int2 keys (mse, values minmax: the default encoders) before RoPE and with K+n channels
+        # kept exactly (the store's int2_key_outliers)
+        kv("kvtier int2 g32 K pre-RoPE", codec="int2", key_rope="pre"),
+        kv("kvtier int2 g32 K pre-RoPE minmax", codec="int2", key_rope="pre", encoder="minmax"),
+        kv("kvtier int2 g32 K block-RoPE", codec="int2", key_rope="block"),
+        kv("kvtier int2 g32 K block-RoPE minmax", codec="int2", key_rope="block", encoder="minmax"),
+        kv("kvtier int2 g32 K pre-RoPE K+4", codec="int2", key_rope="pre", key_outliers=4),
+        kv("kvtier int2 g32 K+2", codec="int2", key_outliers=2),
+        kv("kvtier int2 g32 K+4", codec="int2", key_outliers=4),
+        kv("kvtier int2 g32 K+8", codec="int2", key_outliers=8),
         Spec("hqq int4", "hqq", nbits=4),
         Spec("quanto int4", "quanto", nbits=4),
         Spec("quanto int2", "quanto", nbits=2),
         Spec("hqq int2", "hqq", nbits=2),
+        Spec("hqq int8", "hqq", nbits=8),
     ]
 
 
-def _encode_decode_blocks(x: torch.Tensor, spec: Spec, role: str, block: int) -> tuple[torch.Tensor, int]:
-    """x ``[kv_heads, T, D]`` (T a multiple of ``block``) through the codec, block by block
-    (all blocks of a layer in one call: groups never cross a block, so this equals per-block
-    encoding). Returns the decoded tensor and the encoded bytes."""
+def _encode_decode_blocks(x: torch.Tensor, spec: Spec, role: str, block: int, start: int = 0,
+                          inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """x ``[kv_heads, T, D]`` (T a multiple of ``block``, its first token at cache position
+    ``start``) through the codec, block by block (all blocks of a layer in one call: groups never
+    cross a block, so this equals per-block encoding). Returns the decoded tensor and the encoded
+    bytes. Keys of ``key_rope="pre"`` are rotated back by their positions' angles (``inv_freq``)
+    first and forward again after decoding (``"block"``: by their offsets in their block);
+    ``key_outliers`` is the key codec's ``outliers`` (channels per block and head kept exactly)."""
     from kvtier.compress import get_codec
+    from kvtier.compress.rope import rotate
 
+    if role == "k" and spec.key_rope != "post":
+        h, t, d = x.shape
+        if spec.key_rope == "block":  # every block as if it started at position 0
+            x = x.view(h, t // block, block, d)
+            start = 0
+        post = Spec(**{**vars(spec), "key_rope": "post"})
+        y, nb = _encode_decode_blocks(rotate(x, start, inv_freq, inverse=True).view(h, t, d), post, role, block)
+        return rotate(y.view(x.shape), start, inv_freq).view(h, t, d), nb
     h, t, d = x.shape
     axis = spec.key_axis if role == "k" else spec.value_axis
     encoder = spec.value_encoder if role == "v" and spec.value_encoder else spec.encoder
     name = spec.value_codec if role == "v" and spec.value_codec else spec.codec
-    c = get_codec(name, group_size=spec.group_size, axis=axis, encoder=encoder)
+    outliers = spec.key_outliers if role == "k" else 0
+    c = get_codec(name, group_size=spec.group_size, axis=axis, encoder=encoder, outliers=outliers)
     xb = x.view(h, t // block, block, d).transpose(0, 1).reshape(-1, block, d)  # [blocks * kv_heads, block, D]
     enc = c.encode(xb.contiguous())
     y = c.decode(enc).view(t // block, h, block, d).transpose(0, 1).reshape(h, t, d)
@@ -226,6 +296,7 @@ def run_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[Spec], 
         return -torch.log_softmax(logits, -1).gather(1, cont.view(-1, 1)).squeeze(1).double()
 
     res = {"ref": (score(kv), 0, 0.0)}
+    inv_freq = model.model.rotary_emb.inv_freq if any(s.key_rope != "post" for s in specs) else None
     for spec in specs:
         t0 = time.perf_counter()
         layers, nbytes = [], 0
@@ -233,7 +304,7 @@ def run_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[Spec], 
             if spec.kind == "kvtier":
                 pair = []
                 for role, x in (("k", k), ("v", v)):
-                    y, nb = _encode_decode_blocks(x[0, :, sink:old], spec, role, block)
+                    y, nb = _encode_decode_blocks(x[0, :, sink:old], spec, role, block, sink, inv_freq)
                     pair.append(torch.cat([x[:, :, :sink], y[None], x[:, :, old:]], dim=2))
                     nbytes += nb + (x[:, :, :sink].numel() + x[:, :, old:].numel()) * x.element_size()
                 layers.append(tuple(pair))
@@ -250,12 +321,14 @@ def run_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[Spec], 
 def store_config(spec: StoreSpec, block: int, disk_path: str | None, dtype: torch.dtype = torch.bfloat16):
     """The store configuration of ``spec``: dense, h2o, L2 256 MiB, L3 at ``disk_path``; the
     ``lossless`` codec is the pass-through one of the model's ``dtype``."""
-    from kvtier.config import KVTierConfig
+    from kvtier.config import KVTierConfig, lossless_codec
 
     imp = spec.precision == "importance"
-    return KVTierConfig(block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
+    lossless = lossless_codec(str(dtype).removeprefix("torch."))  # "torch.bfloat16" -> "bf16"
+    extra = {} if spec.int2_key_outliers is None else {"int2_key_outliers": spec.int2_key_outliers}
+    return KVTierConfig(**extra, block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
                         disk_path=disk_path, disk_bytes=4 << 30, group_size=spec.group_size,
-                        codec=_LOSSLESS_OF[dtype] if spec.codec == "lossless" else spec.codec,
+                        codec=lossless if spec.codec == "lossless" else spec.codec,
                         attention_math=spec.attention_math,
                         policy="h2o", attention="dense", write_through=False, sink_tokens=spec.sink_tokens,
                         window_tokens=spec.window_tokens, precision=spec.precision,
@@ -264,6 +337,40 @@ def store_config(spec: StoreSpec, block: int, disk_path: str | None, dtype: torc
                         # a fixed store's heavy/cold codecs are unused; its defaults fit any codec
                         heavy_codec=spec.heavy_codec if imp else "int8",
                         cold_codec=spec.cold_codec if imp else "int2", prefetch=False)
+
+
+def teacher_forced(model, cache, ctx: torch.Tensor, cont: torch.Tensor, chunk: int, decode_chunk: int) -> torch.Tensor:
+    """Per-token NLL of ``cont`` after ``ctx`` through ``cache``: ``ctx`` in ``chunk``-token
+    forwards, then ``cont[:-1]`` in ``decode_chunk``-token forwards (one protocol for the store,
+    its reference and the anchors run on it)."""
+    for i in range(0, ctx.numel(), chunk):
+        o = model(input_ids=ctx[i:i + chunk].view(1, -1), cache=cache, use_cache=True)
+    logits = [o.logits[0, -1:].float()]
+    fed = cont[:-1]
+    for i in range(0, fed.numel(), decode_chunk):
+        o = model(input_ids=fed[i:i + decode_chunk].view(1, -1), cache=cache, use_cache=True)
+        logits.append(o.logits[0].float())
+    lg = torch.cat(logits)  # [M, vocab]
+    return -torch.log_softmax(lg, -1).gather(1, cont.view(-1, 1)).squeeze(1).double()
+
+
+@torch.inference_mode()
+def run_chunked_anchors(model, ctx: torch.Tensor, cont: torch.Tensor, anchors: list[str], chunk: int,
+                        decode_chunk: int) -> dict:
+    """The store's protocol through transformers caches: ``REF_CHUNKED`` (DynamicCache) and each
+    of ``anchors`` (``make_baseline`` kinds, e.g. ``hqq-int8``: QuantizedCache, 128 residual
+    tokens, re-quantizing all it holds whenever the residual fills, so that later chunks attend to
+    quantized history as the store's do). Returns ``{name: (nll, bytes held, seconds)}``."""
+    from kvtier.eval.baselines import cache_bytes, make_baseline
+
+    out = {}
+    for kind in ["dynamic", *anchors]:
+        t0 = time.perf_counter()
+        cache = make_baseline(kind, model)
+        nll = teacher_forced(model, cache, ctx, cont, chunk, decode_chunk)
+        name = REF_CHUNKED if kind == "dynamic" else kind.replace("-int", " int") + " chunked"
+        out[name] = (nll, cache_bytes(cache), time.perf_counter() - t0)
+    return out
 
 
 @torch.inference_mode()
@@ -291,21 +398,13 @@ def run_store_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[S
             t0 = time.perf_counter()
             cache = kvtier.attach(model, cfg)
             try:
-                for i in range(0, ctx.numel(), chunk):
-                    o = model(input_ids=ctx[i:i + chunk].view(1, -1), cache=cache, use_cache=True)
-                logits = [o.logits[0, -1:].float()]
-                fed = cont[:-1]
-                for i in range(0, fed.numel(), decode_chunk):
-                    o = model(input_ids=fed[i:i + decode_chunk].view(1, -1), cache=cache, use_cache=True)
-                    logits.append(o.logits[0].float())
+                nll = teacher_forced(model, cache, ctx, cont, chunk, decode_chunk)
                 store = cache.store
                 store.flush()
                 st = store.stats()
             finally:
                 cache.close()
                 detach(model)
-            lg = torch.cat(logits)  # [M, vocab]
-            nll = -torch.log_softmax(lg, -1).gather(1, cont.view(-1, 1)).squeeze(1).double()
             out[spec.name] = (nll, {"bytes": st["bytes"], "tokens": st["tokens"], "precision": st["precision"],
                                     "swap_in_blocks": st["swap_in_blocks"], "hits": st["hits"],
                                     "swap_in_bytes": st["swap_in_bytes"]},
@@ -330,7 +429,8 @@ def bootstrap_ci(ref: list[torch.Tensor], got: list[torch.Tensor], n_boot: int, 
 def pool_windows(lines, n_boot: int = 2000, seed: int = 0) -> dict:
     """Rows from the per-window lines of several runs (``{"window": ...}``, as printed): per
     source and row, Δppl and its interval against the reference over every window holding the
-    row and, for store rows, against the lossless store on the windows holding both."""
+    row (store rows and anchors on the store's chunks: the chunked reference, where the windows
+    hold it) and, for store rows, against the lossless store on the windows holding both."""
     wins: dict[str, list] = {}
     for line in lines:
         if line.startswith('{"window"'):
@@ -342,8 +442,11 @@ def pool_windows(lines, n_boot: int = 2000, seed: int = 0) -> dict:
         for name in sorted({n for w in ws for n in w["nll"]} - {"ref"}):
             sel = [w for w in ws if name in w["nll"]]
             t = lambda w, n: torch.tensor(w["nll"][n], dtype=torch.float64)  # noqa: E731
-            d, lo, hi = bootstrap_ci([t(w, "ref") for w in sel], [t(w, name) for w in sel], n_boot, seed)
-            rows[name] = {"delta_ppl": d, "ci95": [lo, hi], "windows": [w["offset"] for w in sel]}
+            chunked = (name.startswith("store") or name.endswith(" chunked")) and name != REF_CHUNKED \
+                and all(REF_CHUNKED in w["nll"] for w in sel)
+            against = REF_CHUNKED if chunked else "ref"
+            d, lo, hi = bootstrap_ci([t(w, against) for w in sel], [t(w, name) for w in sel], n_boot, seed)
+            rows[name] = {"delta_ppl": d, "ci95": [lo, hi], "windows": [w["offset"] for w in sel], "against": against}
             both = [w for w in sel if STORE_LOSSLESS in w["nll"]]
             if name.startswith("store") and name != STORE_LOSSLESS and both:
                 rows[name]["vs_store_lossless"] = list(bootstrap_ci(
@@ -354,7 +457,9 @@ def pool_windows(lines, n_boot: int = 2000, seed: int = 0) -> dict:
 
 def plot(doc: dict, path: str) -> None:
     """Δppl (95% CI) against bytes per token held at the end of the window, one panel per text:
-    fixed-precision and importance rows of the real store, simulated rows, anchors."""
+    fixed-precision and importance rows of the real store, simulated rows, anchors. The fixed
+    store rows are joined at their L1 + L2 bytes (a dashed line, the frontier fixed precision
+    draws, which importance rows, also at their L1 + L2 bytes, are read against)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -363,7 +468,7 @@ def plot(doc: dict, path: str) -> None:
     srcs = list(doc["sources"])
     fig, axes = plt.subplots(1, len(srcs), figsize=(6 * len(srcs), 4.5), squeeze=False)
     style = {"store importance": ("tab:red", "*"), "store": ("tab:blue", "o"), "kvtier": ("tab:gray", "s"),
-             "hqq": ("tab:green", "^"), "quanto": ("tab:olive", "v")}
+             "hqq": ("tab:green", "^"), "quanto": ("tab:olive", "v"), "ref": ("black", "x")}
     for ax, src in zip(axes[0], srcs):
         for name, r in doc["sources"][src]["rows"].items():
             color, marker = next(v for k, v in style.items() if name.startswith(k))
@@ -376,6 +481,12 @@ def plot(doc: dict, path: str) -> None:
                 read = r["tiers"]["l1"] + r["tiers"]["l2"]
                 ax.plot([read, r["bytes_per_token_end"]], [d, d], ":", color=color, lw=0.8)
                 ax.plot(read, d, marker, mfc="none", color=color)
+        fixed = sorted((r["tiers"]["l1"] + r["tiers"]["l2"], 100 * r["delta_ppl"])
+                       for name, r in doc["sources"][src]["rows"].items()
+                       if name.startswith("store") and not name.startswith("store importance") and "tiers" in r)
+        if len(fixed) > 1:
+            ax.plot(*zip(*fixed), "--", color="tab:blue", lw=0.8, label="fixed precision (L1 + L2)")
+            ax.legend(fontsize=7)
         ax.axhline(0, color="k", lw=0.5)
         ax.set_title(f"{src} ({doc['sources'][src]['windows']} windows)")
         ax.set_xlabel("bytes per token held at the end (all tiers; hollow: L1 + L2 only)")
@@ -406,8 +517,19 @@ def main(argv=None) -> int:
                     help="also run the store rows (default_store_specs) through the real store")
     ap.add_argument("--store-only", action="store_true", help="the store rows only (no simulated rows, no anchors)")
     ap.add_argument("--mixes", action="store_true", help="--store: the int4/int2 mix rows (mix_store_specs) instead")
+    ap.add_argument("--int2", action="store_true",
+                    help="--store: int2 rows by exactly kept key channels (int2_store_specs) instead")
     ap.add_argument("--recall", action="store_true",
                     help="--store: importance rows by recall reference against fixed int8/int4/int2 (recall_store_specs)")
+    ap.add_argument("--int8", action="store_true",
+                    help="--store: the lossless and int8 store rows (int8_store_specs), hqq int8 on the same chunks")
+    ap.add_argument("--pareto", action="store_true",
+                    help="--store: fixed int8/int4/int2 and importance rows between them (pareto_store_specs)")
+    ap.add_argument("--store-math", default="sdpa", choices=("sdpa", "float32"),
+                    help="--store: the store rows' attention_math (sdpa: a lossless store equals the chunked reference)")
+    ap.add_argument("--chunked-anchors", default=None,
+                    help="--store: comma-separated make_baseline kinds (e.g. hqq-int8,hqq-int4) run on the store's "
+                         "chunks against the chunked reference (default: hqq-int8 with --int8, else none)")
     ap.add_argument("--chunk", type=int, default=256, help="--store: prefill chunk, tokens")
     ap.add_argument("--decode-chunk", type=int, default=32,
                     help="--store: continuation tokens per forward (1: one decode step per token)")
@@ -444,8 +566,13 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps(doc, indent=1))
         return 0
     specs = default_specs()
-    store_specs = (mix_store_specs() if args.mixes else recall_store_specs() if args.recall
+    store_specs = (int8_store_specs() if args.int8 else pareto_store_specs() if args.pareto
+                   else mix_store_specs() if args.mixes else int2_store_specs() if args.int2
+                   else recall_store_specs() if args.recall
                    else default_store_specs()) if args.store or args.store_only else []
+    store_specs = [dataclasses.replace(s, attention_math=args.store_math) for s in store_specs]
+    anchors = [a for a in (args.chunked_anchors if args.chunked_anchors is not None
+                           else "hqq-int8" if args.int8 else "").split(",") if a]
     if args.smoke:
         args.texts, args.context, args.continuation, args.windows, args.recent, args.sink = "pydoc", 256, 16, 2, 64, 0
         specs = [s for s in specs if s.name in ("kvtier int8 g32", "kvtier int4 g32 mse", "kvtier int2 g32 minmax")]
@@ -484,6 +611,9 @@ def main(argv=None) -> int:
                 for name, (nll, st, sec) in run_store_window(model, ctx, cont, store_specs, args.block_tokens,
                                                              args.chunk, args.scratch, args.decode_chunk).items():
                     per.setdefault(name, []).append((nll, st, sec))
+                chunked = run_chunked_anchors(model, ctx, cont, anchors, args.chunk, args.decode_chunk)
+                for name, val in chunked.items():
+                    per.setdefault(name, []).append(val)
             # each window as it ends (a slow run still leaves the windows it finished)
             print(json.dumps({"window": {"source": src, "offset": o, "nll": {
                 name: per[name][-1][0].tolist() for name in per}}}), flush=True)
@@ -510,12 +640,24 @@ def main(argv=None) -> int:
             print(f"{src:7s} | {s.name:34s} | dppl {100 * d:+7.3f}% [{100 * lo:+7.3f}, {100 * hi:+7.3f}] | "
                   f"{bpt:8.0f} B/tok ctx | {end:8.0f} B/tok end | encode {enc:6.2f} s/window", flush=True)
         base = [v[0] for v in per[STORE_LOSSLESS]] if STORE_LOSSLESS in per else None
+        ref_chunked = [v[0] for v in per[REF_CHUNKED]] if REF_CHUNKED in per else None
+        for name in [REF_CHUNKED, *(n for n in per if n.endswith(" chunked") and n != REF_CHUNKED)]:
+            if name not in per:
+                continue
+            got = [v[0] for v in per[name]]
+            # the chunked reference against the single prefill: what chunking alone does
+            d, lo, hi = bootstrap_ci(ref if name == REF_CHUNKED else ref_chunked, got, args.boot, args.seed)
+            end = sum(v[1] for v in per[name]) / len(got) / held
+            rows[name] = {"delta_ppl": d, "ci95": [lo, hi], "bytes_per_token_end": end,
+                          "against": "ref" if name == REF_CHUNKED else REF_CHUNKED}
+            print(f"{src:7s} | {name:34s} | dppl {100 * d:+7.3f}% [{100 * lo:+7.3f}, {100 * hi:+7.3f}] "
+                  f"vs {rows[name]['against']} | {end:8.0f} B/tok end", flush=True)
         for s in store_specs:
             got = [v[0] for v in per[s.name]]
-            d, lo, hi = bootstrap_ci(ref, got, args.boot, args.seed)
-            # against the lossless store: the reference's arithmetic (one prefill, one scoring
-            # forward, SDPA) differs from the store's (chunks, its own attention), which in
-            # bf16 alone moves Δppl by more than int8 does
+            # against DynamicCache fed the same chunks (with --store-math sdpa a lossless store
+            # equals it bit for bit): what is left is the codec's and the moves' own effect
+            d, lo, hi = bootstrap_ci(ref_chunked, got, args.boot, args.seed)
+            single = bootstrap_ci(ref, got, args.boot, args.seed)
             vs = bootstrap_ci(base, got, args.boot, args.seed) if base is not None else None
             tiers = {t: sum(v[1]["bytes"][t] for v in per[s.name]) / len(got) / held for t in ("l1", "l2", "l3")}
             total = sum(tiers.values())
@@ -531,6 +673,7 @@ def main(argv=None) -> int:
                             "l3_read_bytes_per_scored_token": l3_read,
                             "weighted_bytes_per_token": weighted, "s_per_window": sec, "precision_last": prec,
                             "vs_store_lossless": list(vs) if vs else None,
+                            "vs_ref_single_prefill": list(single),
                             "spec": vars(s) if hasattr(s, "__dict__") else str(s)}
             print(f"{src:7s} | {s.name:34s} | dppl {100 * d:+7.3f}% [{100 * lo:+7.3f}, {100 * hi:+7.3f}] | "
                   f"L1 {tiers['l1']:6.0f} L2 {tiers['l2']:6.0f} L3 {tiers['l3']:6.0f} = {total:6.0f} B/tok end "

@@ -68,7 +68,7 @@ def test_codec_follows_mass_and_cold_blocks_get_backups(tmp_path):
     # every block reads back as its own codec decodes it
     K, V = st.gather(s, 0)
     for b in out:
-        kc = get_codec(want[b], group_size=32, axis="channel")
+        kc = get_codec(want[b], **st.cfg.codec_kwargs(want[b], "key"))  # int2 keys keep their widest channels
         ref = kc.decode(kc.encode(k[:, b * BT:(b + 1) * BT]))
         assert torch.equal(K[:, b * BT:(b + 1) * BT], ref)
     st.close()
@@ -105,7 +105,7 @@ def _cold_block(st, s):
 
 
 def _decoded(codec, x):
-    kc = get_codec(codec, group_size=32, axis="channel")
+    kc = get_codec(codec, **KVTierConfig().codec_kwargs(codec, "key"))  # as the store's keys
     return kc.decode(kc.encode(x))
 
 
