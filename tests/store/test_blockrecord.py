@@ -89,3 +89,17 @@ def test_a_batch_equals_one_by_one_and_declines_per_record():
         dec.decode_many(recs[:3] + [bytes(bad)])
     assert dec.decode_many([recs[2]]) == [None]
     assert dec.decode(recs[0])._base is None  # a lone block is not a view of a batch
+
+
+def test_a_batch_merges_kept_channels_per_record():
+    kc4 = get_codec("int2", group_size=32, axis="channel", outliers=4)
+    kc0 = get_codec("int2", group_size=32, axis="channel")
+    vc = get_codec("int2", group_size=32, axis="token")
+    g = torch.Generator().manual_seed(2)
+    xs = [torch.randn(3, 16, 64, generator=g) * (1 + 20 * (torch.arange(64) == 5)) for _ in range(3)]
+    recs = [pack_block(w.encode(x), vc.encode(x)) for w, x in zip((kc4, kc0, kc4), xs)]
+    dec = BlockDecoder(kc4, vc, (3, 16, 64), torch.float32)
+    for r, d in zip(recs, dec.decode_many(recs)):
+        ek, ev = unpack_block(r)
+        w = kc4 if ek.params.get("outliers") else kc0
+        assert torch.equal(d[0], w.decode(ek)) and torch.equal(d[1], vc.decode(ev))
