@@ -21,7 +21,11 @@ its ``codec`` record to L3 (when there is an L3 and no copy there yet), the back
 observation gives it ``recall_mass`` times the observation's reference mass, its record is
 marked for upgrade; the next read below L1 decodes the L3 backup and, once that decoded, drops
 the low L2 copy (as a spill would): from then on the backup is the block's copy below L1. A
-backup that cannot be read clears the mark and the low copy stays.
+backup that cannot be read clears the mark and the low copy stays. A block marked while L1
+holds a decode of its low copy (it was recalled into L1, which is how it came to be observed)
+gets the backup at its next read too: that read frees the L1 copy (clean: nothing to write) and
+swaps the block in again, from the backup. An L1 copy that is the block as written (never below
+L1) is kept; the mark applies when it next comes back from below.
 
 The reference (``recall_reference``) is taken over the observation's *candidates*: the
 observed blocks outside the sink blocks, the recent window and the open block. Those are never

@@ -42,9 +42,9 @@ class Reader:
             full.index_copy_(2, torch.tensor(res_i, device=lay.device),
                              self.pool_kv.index_select(2, torch.tensor(res_s, device=lay.device)))
         for e in miss:
-            data = self.prefetcher.fetch(e).data  # [2, kv_heads, block_tokens, head_dim]
-            full[:, :, e.idx] = data
-            self.res.keep_if_room(t, e, data)
+            got = self.prefetcher.fetch(e)
+            full[:, :, e.idx] = got.data  # [2, kv_heads, block_tokens, head_dim]
+            self.res.keep_if_room(t, e, got.data, got.generation)
         self.prefetcher.dense_read(tables, layer, n)
         kv = full.view(2, kvh, n * bt, hd)[:, :, : t.length]  # [2, kv_heads, T, head_dim]
         return kv[0], kv[1]
@@ -76,7 +76,7 @@ class Reader:
             for i, e in miss:
                 got = self.prefetcher.fetch(e)
                 n_scratch = len(scratch)
-                slots[i] = self.res.install(t, e, got.data, sel, scratch, run)
+                slots[i] = self.res.install(t, e, got.data, got.generation, sel, scratch, run)
                 if len(scratch) > n_scratch:  # leaves L1 after this read: wanted again next step
                     self.prefetcher.keep(e, got)
         return slots, scratch

@@ -88,14 +88,17 @@ def _precision_stats(store, c: dict) -> dict | None:
     """precision="importance": blocks encoded for L2 per codec, base-codec backups put to L3
     (and refused); recalls that marked a low copy (``marked``), the low copies replaced by
     their backup then (``upgrades``, the backups' ``upgrade_bytes`` read from L3 for it) and
-    the backups that could not be read (``upgrades_failed``: the low copy stayed)."""
+    the backups that could not be read (``upgrades_failed``: the low copy stayed); resident
+    decodes of a low copy freed by a mark so that their next read swaps in the backup
+    (``refetched``)."""
     plan = store.layout.precision
     if plan is None:
         return None
     return {"encoded": {name: c[f"precision_{name}"] for name in plan.codecs},
             "backups": c["precision_backups"], "backups_failed": c["precision_backup_failed"],
             "marked": c["precision_marked"], "upgrades": c["precision_upgrades"],
-            "upgrade_bytes": c["precision_upgrade_bytes"], "upgrades_failed": c["precision_upgrade_failed"]}
+            "upgrade_bytes": c["precision_upgrade_bytes"], "upgrades_failed": c["precision_upgrade_failed"],
+            "refetched": c["precision_refetched"]}
 
 
 def _prefix_stats(refs: list[int], c: dict) -> dict:

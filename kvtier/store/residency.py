@@ -319,7 +319,7 @@ class Residency:
             for i, b in enumerate(blocks):
                 e = ents[b]
                 e.last_used = step
-                if e.slot is None:
+                if e.slot is None or self._drop_outdated(t, e):
                     miss.append((i, e))
                 else:
                     slots[i] = e.slot
@@ -341,7 +341,7 @@ class Residency:
             step = self.step
             for e in t.entries:
                 e.last_used = step
-                if e.slot is None:
+                if e.slot is None or self._drop_outdated(t, e):
                     miss.append(e)
                 else:
                     res_i.append(e.idx)
@@ -352,18 +352,21 @@ class Residency:
             self.touched[id(t)] = t
         return res_i, res_s, miss
 
-    def keep_if_room(self, t: BlockTable, e: BlockEntry, data: torch.Tensor) -> None:
-        """A dense read swapped ``e`` in: make it resident while the region has room."""
+    def keep_if_room(self, t: BlockTable, e: BlockEntry, data: torch.Tensor, generation: int) -> None:
+        """A dense read swapped ``e`` in (its copy read at record ``generation``): make it
+        resident while the region has room."""
         with self.lock:
             if e.slot is None and t.resident < self.layout.hot_blocks:
                 self._place(t, e, data)
+                self._note_low(e, generation)
 
-    def install(self, t: BlockTable, e: BlockEntry, data: torch.Tensor, exclude, scratch: list,
-                run: frozenset | None = None) -> int:
-        """Give a swapped-in block an L1 slot: its own if the budget allows (dropping a clean
-        block outside ``exclude`` if needed), else a scratch slot listed in ``scratch``.
-        ``run``: the entries of a gather_view (the open block included): the block is placed
-        straight into that run's span of the region when possible."""
+    def install(self, t: BlockTable, e: BlockEntry, data: torch.Tensor, generation: int, exclude,
+                scratch: list, run: frozenset | None = None) -> int:
+        """Give a swapped-in block (its copy read at record ``generation``) an L1 slot: its own
+        if the budget allows (dropping a clean block outside ``exclude`` if needed), else a
+        scratch slot listed in ``scratch``. ``run``: the entries of a gather_view (the open
+        block included): the block is placed straight into that run's span of the region when
+        possible."""
         hot = self.layout.hot_blocks
         with self.lock:
             if e.slot is not None:
@@ -374,6 +377,7 @@ class Residency:
             if t.resident < hot:
                 pos = self.regions.run_position(t, run) if run is not None else None
                 self._place(t, e, data, pos=pos)
+                self._note_low(e, generation)
                 return e.slot
             assert len(scratch) < max(1, hot - 1), "more scratch blocks than the L1 budget"
             key = f"scratch/{next(self._scratch_ids)}"
@@ -424,7 +428,8 @@ class Residency:
     def _mark_recalled(self, t: BlockTable, plan, blocks: list[int], mass: list[float]) -> None:
         """Mark for upgrade the blocks below base that this observation found heavy (lock held).
         A new mark bumps the record's ``marks``: data decoded before it is stale (the prefetcher
-        serves no kept block of an older generation)."""
+        serves no kept block of an older generation, and a resident decode of the low copy is
+        freed by the next read of its block: ``_drop_outdated``)."""
         prot = self.policy.protected(t)
         n = t.n_sealed
         candidates = [x for b, x in zip(blocks, mass) if b < n and b not in prot]
@@ -440,6 +445,32 @@ class Residency:
                 rec.upgrade = True
                 rec.marks += 1
                 self.counters.add(precision_marked=1)
+
+    def _note_low(self, e: BlockEntry, generation: int) -> None:
+        """``e``'s new L1 copy was decoded from a copy below L1 read at record ``generation``.
+        Note whether it may be the decode of a copy below the base codec (it is when L2 holds
+        the block below base; it may be when a mark came after the read), so that a mark
+        replaces it at the block's next read (lock held)."""
+        plan = self.layout.precision
+        if plan is None:
+            return
+        rec = e.rec
+        low = rec.l2 and rec.l2_codec is not None and plan.below_base(rec.l2_codec)
+        e.low_gen = generation if low or generation != rec.marks else None
+
+    def _drop_outdated(self, t: BlockTable, e: BlockEntry) -> bool:
+        """Free resident ``e``'s L1 copy if it is the decode of a low copy marked for upgrade
+        after it was read, with the backup in L3: the read starting now then swaps the block in
+        again, from the backup (as a mark on a block below L1 takes effect at its next read).
+        The copy is clean (decoded from a copy below), so freeing it writes nothing. Lock held."""
+        g = e.low_gen
+        if g is None or g == e.rec.marks or not e.rec.l3 or e.pending or not e.clean:
+            return False
+        self.l1.delete(e.key)
+        t.free_slot(e)
+        self._rehome("l1", e)
+        self.counters.add(precision_refetched=1)
+        return True
 
     def generation(self, rec: BlockCopies) -> int:
         """How many times ``rec`` was marked for upgrade: data decoded from its copies below L1

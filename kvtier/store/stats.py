@@ -58,7 +58,7 @@ COUNTERS = (
     "gather_copies", "region_moves", "l3_disk_full",
     "precision_int8", "precision_int4", "precision_int2", "precision_backups",
     "precision_backup_failed", "precision_upgrades", "precision_marked", "precision_upgrade_bytes",
-    "precision_upgrade_failed",
+    "precision_upgrade_failed", "precision_refetched",
 )
 
 

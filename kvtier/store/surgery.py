@@ -96,6 +96,7 @@ class SequenceSurgery:
                 if not res.l1.put_at(n.key, slot, None):
                     raise RuntimeError(f"kvtier: L1 refused fresh region slot {slot} of {d.seq}/{d.layer}")
                 d.take_slot(n, slot)
+                n.low_gen = e.low_gen  # its L1 data: a copy of e's (below)
                 src_slots.append(e.slot)
                 dst_slots.append(slot)
             res._count_home(n.home, 1)

@@ -93,7 +93,7 @@ def _delegate(name: str) -> property:
 
 class BlockEntry:
     __slots__ = ("idx", "key", "rec", "slot", "pending", "cancel",
-                 "last_used", "mass", "importance", "fence", "evict_codec", "rel_mass", "seen")
+                 "last_used", "mass", "importance", "fence", "evict_codec", "rel_mass", "seen", "low_gen")
 
     def __init__(self, idx: int, key: str) -> None:
         self.idx = idx
@@ -110,6 +110,9 @@ class BlockEntry:
         self.evict_codec: str | None = None  # precision="importance": codec chosen when marked pending
         self.rel_mass = 0.0            # precision="importance": sum over observations of mass / mean mass
         self.seen = 0                  # observations of this block (rel_mass / seen: its mean share)
+        # precision="importance": the record's generation (``rec.marks``) when the L1 copy was
+        # decoded from a copy below the base codec; None when the L1 copy is not such a decode
+        self.low_gen: int | None = None
 
     l2 = _delegate("l2")
     l3 = _delegate("l3")
@@ -200,7 +203,7 @@ class BlockTable:
         self.digest_parts = digest_parts
         self.digest: torch.Tensor | None = None
         self.digest_scale: torch.Tensor | None = None  # int8 digests: [kv_heads, cap, parts] float32
-        self._digest_t: tuple | None = None   # (lo, hi, view) of the last digest_t() call
+        self._digest_t: tuple | None = None   # (lo, hi, views) of the last digest_t() call
         if select_score is not None:
             width = len(DIGEST_PARTS[select_score]) * digest_parts * head_dim
             self.digest = torch.empty(kv_heads, 16, width, dtype=digest_dtype, device=device)
@@ -246,6 +249,7 @@ class BlockTable:
         if 0 <= p < self.cap:
             self.at[p] = None
         e.slot = None
+        e.low_gen = None
         self.resident -= 1
         del self.slotted[e.idx]
 
@@ -267,24 +271,28 @@ class BlockTable:
         sc = self.digest_scale
         return self.digest.numel() * self.digest.element_size() + (0 if sc is None else sc.numel() * 4)
 
-    def digest_t(self, lo: int, hi: int) -> torch.Tensor:
-        """Digests of sealed blocks [lo, hi) as ``[kv_heads, width, hi - lo]`` (a view, ready as
-        the right operand of ``q @``); with sub-block centroids ``[kv_heads, head_dim,
-        (hi - lo) * digest_parts]`` (block-major). Kept while (lo, hi) stay the same: between two
-        block boundaries every decode step scores the same candidate range."""
+    def digest_t(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Digests of sealed blocks [lo, hi) as ``[kv_heads, width, hi - lo]`` (ready as the right
+        operand of ``q @``); with sub-block centroids ``[kv_heads, head_dim, (hi - lo) *
+        digest_parts]`` (block-major). int8 digests come as their codes, with their scales
+        ``[kv_heads, 1, (hi - lo) * digest_parts]`` (column j stands for codes * scale[..., j]);
+        the scales are None otherwise. Both are views of the table, never copies: scoring
+        multiplies each column's dot product by its scale, so no dequantized range is kept.
+        Kept while (lo, hi) stay the same: between two block boundaries every decode step
+        scores the same candidate range."""
         c = self._digest_t
         if c is not None and c[0] == lo and c[1] == hi:
-            return c[2]
+            return c[2], c[3]
         rows = self.digest[:, lo:hi]  # [kv_heads, m, width]
-        if self.digest_scale is not None:  # int8: a float32 copy, kept as the view is
-            kvh, m, width = rows.shape
-            p = self.digest_parts
-            rows = dequantize_rows(rows.reshape(kvh, m, p, width // p), self.digest_scale[:, lo:hi]).view(kvh, m, width)
+        kvh = rows.shape[0]
         if self.digest_parts > 1:
-            rows = rows.reshape(rows.shape[0], -1, self.head_dim)  # [kv_heads, m * parts, head_dim]
+            rows = rows.reshape(kvh, -1, self.head_dim)  # [kv_heads, m * parts, head_dim]
+        scale = None
+        if self.digest_scale is not None:
+            scale = self.digest_scale[:, lo:hi].reshape(kvh, 1, -1)  # [kv_heads, 1, m * parts]
         view = rows.transpose(1, 2)
-        self._digest_t = (lo, hi, view)
-        return view
+        self._digest_t = (lo, hi, view, scale)
+        return view, scale
 
     def set_digest(self, b: int, keys: torch.Tensor) -> None:
         """Record the digest of sealed block ``b``; keys: [kv_heads, block_tokens, head_dim]."""
@@ -300,10 +308,7 @@ class BlockTable:
             self.digest = _grown(self.digest, b)
             if self.digest_scale is not None:
                 self.digest_scale = _grown(self.digest_scale, b)
-            self._digest_t = None  # a view of the old table
-        c = self._digest_t
-        if c is not None and c[0] <= b < c[1]:
-            self._digest_t = None  # a row of the kept range is rewritten (an int8 one is a copy)
+            self._digest_t = None  # views of the old table
         kvh, bt, hd = keys.shape
         if self.select_score == "centroid":
             p = self.digest_parts  # [kv_heads, parts, bt / parts, hd] -> means [kv_heads, parts, hd]

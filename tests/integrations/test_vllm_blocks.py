@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtier.integrations.vllm import kv_transfer_config
-from kvtier.integrations.vllm.blocks import BlockShape, BlockStore, connector_config, stored_codec
+from kvtier.integrations.vllm.blocks import BlockShape, BlockStore, connector_config, content_fp, stored_codec
 from kvtier.integrations.vllm.lookup import LookupClient, LookupServer
 from kvtier.store.prefix import chained_block_hashes
 
@@ -91,6 +91,34 @@ def test_raw_is_the_pass_through_codec_of_the_kv_dtype(tmp_path, dtype):
         same.close()
     with pytest.raises(ValueError, match="codec 'raw' needs KV dtype"):
         BlockStore(cfg, "raw", dataclasses.replace(SHAPE, dtype=torch.float64), "model-a")
+
+
+@pytest.mark.parametrize("dtype, other", [(torch.bfloat16, "fp16"), (torch.float16, "bf16")])
+def test_the_other_16_bit_codec_is_refused_when_the_connector_is_built(tmp_path, dtype, other):
+    """Converting 16-bit KV to the other 16-bit dtype would fail every save (the codec refuses
+    it) or lose range/precision at the same bytes: refused at construction, naming the field
+    and the codecs allowed for the model; the model's own 16-bit codec and float32 KV work."""
+    shape = dataclasses.replace(SHAPE, dtype=dtype)
+    cfg, codec = connector_config({"codec": other, "host_bytes": 1 << 20}, SHAPE.block_tokens)
+    own = "bf16" if other == "fp16" else "fp16"
+    other_dtype = torch.float16 if other == "fp16" else torch.bfloat16
+    with pytest.raises(ValueError, match=rf"codec must be one of \('raw', '{own}', 'int8'.*got '{other}'"):
+        BlockStore(cfg, codec, shape, "model-a")
+    with pytest.raises(ValueError, match="kv_connector_extra_config: codec"):
+        content_fp(cfg, codec, shape, "model-a")  # the scheduler side's key seed
+    for name, sh in ((own, shape), (other, SHAPE)):  # float32 KV: rounded to 16 bits, as documented
+        store = BlockStore(connector_config({"codec": name, "host_bytes": 1 << 20}, SHAPE.block_tokens)[0],
+                           name, sh, "model-a")
+        try:
+            hs, staged = hashes(1), [t.to(sh.dtype) for t in staged_blocks(1)]
+            store.save(hs, [t.clone() for t in staged])
+            store.flush_hashes(hs)
+            pages = pages_of(1).to(sh.dtype)
+            assert store.write_layer(store.fetch_layer(0, hs, {"l2": 0, "l3": 0, "l4": 0}), pages, [0]) is None
+            want = staged[0] if sh.dtype == dtype else staged[0].to(other_dtype).float()
+            assert torch.equal(pages, want) and store.stats()["saved_blocks"] == 1
+        finally:
+            store.close()
 
 
 def test_a_restarted_store_finds_l3_and_forgets_corrupt_blocks(tmp_path):

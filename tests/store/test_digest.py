@@ -164,6 +164,59 @@ def test_int8_digest_is_the_quantized_summary_and_its_bytes_are_counted(score, p
     st.close()
 
 
+def _dequantized_scores(t, q, lo, hi, quest):
+    """Scores of blocks [lo, hi) on the float32 dequantized digest: the math the torch path ran
+    before it scored the codes in place (it kept that dequantized range)."""
+    from kvtier.store.table import dequantize_rows
+
+    kvh, _, width = t.digest.shape
+    p = t.digest_parts
+    deq = dequantize_rows(t.digest[:, lo:hi].reshape(kvh, -1, p, width // p), t.digest_scale[:, lo:hi])
+    rows = deq.reshape(kvh, -1, width // p)  # [kv_heads, m * parts, sub-row]
+    q = q.float().reshape(kvh, -1, HD)  # [kv_heads, G*q_len, hd]
+    if quest:
+        qq = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)
+        return torch.bmm(qq, rows.transpose(1, 2)).amax(dim=1).sum(dim=0)
+    s = torch.bmm(q, rows.transpose(1, 2)) * HD ** -0.5
+    return torch.softmax(s, dim=-1).amax(dim=(0, 1)).view(-1, p).amax(dim=1)
+
+
+@pytest.mark.parametrize("score,parts", [("centroid", 1), ("centroid", 4), ("quest", 1)])
+def test_int8_torch_scoring_reads_the_codes_in_place_and_selects_as_the_dequantized_digest(score, parts):
+    """The torch path (CUDA, or a CPU without a C compiler) scores int8 codes and multiplies by
+    each row's scale: what it keeps between steps are views of the table (no dequantized
+    float32 range, 4x the codes' bytes, per layer), and it selects the blocks the dequantized
+    digest selects."""
+    bt, n = 8, 120
+    st = make_store(None, num_layers=1, block_tokens=bt, hot_tokens=128 * bt, host_bytes=1 << 22,
+                    budget_tokens=24 * bt, sink_tokens=bt, window_tokens=2 * bt, dtype=torch.float32,
+                    attention="sparse", select_score=score, digest_tokens=bt // parts, digest_dtype="int8",
+                    prefetch=False)
+    st.selector.cscore = False
+    g = torch.Generator().manual_seed(5)
+    s = st.add_sequence()
+    # blocks of very different magnitudes: each row's scale matters
+    k = torch.randn(KVH, n * bt + 1, HD, generator=g) * torch.rand(1, n * bt + 1, 1, generator=g).mul(3).exp()
+    st.append(s, 0, k, k)
+    t = st.residency.tables[s][0]
+    lo, hi = 1, n - 2  # the candidates between the sink block and the window (n sealed blocks)
+    for i in range(10):
+        q = torch.randn(4, 1 + i % 2, HD, generator=g)
+        got = st.selector.scores(t, q, lo, hi)
+        ref = _dequantized_scores(t, q, lo, hi, score == "quest")
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max()))
+        for kk in (1, 10, 20, 60):
+            assert set(torch.topk(got, kk).indices.tolist()) == set(torch.topk(ref, kk).indices.tolist())
+        sel = st.select(s, 0, q)
+        top = torch.topk(ref, 24 - 1 - 3).indices + lo  # the budget less the open, sink and window blocks
+        assert sel == [0] + sorted(top.tolist()) + [n - 2, n - 1]
+    view, scale = t.digest_t(lo, hi)
+    assert view.dtype == torch.int8 and view.untyped_storage().data_ptr() == t.digest.untyped_storage().data_ptr()
+    assert scale.untyped_storage().data_ptr() == t.digest_scale.untyped_storage().data_ptr()
+    assert scale.shape == (KVH, 1, (hi - lo) * parts)
+    st.close()
+
+
 def test_int8_digest_is_smaller_than_the_kv_dtype_one_at_twice_the_resolution():
     """The default 2-token int8 centroids cost about what 4-token bf16 ones did (head_dim + 4
     bytes against 2 * head_dim per centroid)."""

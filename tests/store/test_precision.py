@@ -185,6 +185,38 @@ def test_a_kept_scratch_read_is_not_served_after_an_upgrade(tmp_path):
     st.close()
 
 
+@pytest.mark.parametrize("view", [False, True])
+def test_a_mark_on_a_block_in_l1_replaces_its_low_decode_at_the_next_read(tmp_path, view):
+    """A recall observes a block that is in L1, swapped in from its int2 copy to be attended:
+    the mark frees that decode at the block's next read, which swaps it in again from the int4
+    backup, not only once it has left L1 and come back."""
+    st = _store(tmp_path, **(dict(attention="sparse", budget_tokens=10 * BT) if view else {}))
+    s, k, _ = _fill(st, 8)
+    cold = _cold_block(st, s)
+    b = cold.idx
+
+    def read():
+        if view:
+            K, _, _, order = st.gather_view(s, 0, [b])
+            i = order.index(b)
+            return K[:, i * BT:(i + 1) * BT]
+        return st.gather(s, 0)[0][:, b * BT:(b + 1) * BT]
+
+    assert torch.equal(read(), _decoded("int2", k[:, b * BT:(b + 1) * BT]))
+    assert cold.slot is not None  # resident now: the next read finds it in L1
+    swapped_in = st.counters["swap_in_blocks"]
+    st.observe(s, 0, list(range(8)), [10.0 if i == b else 0.1 for i in range(8)])
+    assert cold.rec.upgrade
+    assert torch.equal(read(), _decoded("int4", k[:, b * BT:(b + 1) * BT]))
+    pstats = st.stats()["precision"]
+    assert pstats["upgrades"] == 1 and pstats["refetched"] == 1
+    assert not cold.rec.l2 and cold.slot is not None and st.counters["swap_in_blocks"] == swapped_in + 1
+    assert torch.equal(read(), _decoded("int4", k[:, b * BT:(b + 1) * BT]))  # resident, the backup's decode
+    assert st.stats()["precision"]["refetched"] == 1 and st.counters["swap_in_blocks"] == swapped_in + 1
+    st.check_invariants()
+    st.close()
+
+
 def test_a_prefetch_read_before_the_mark_is_not_served_after_it(tmp_path):
     st = _store(tmp_path, prefetch=True)
     s, k, _ = _fill(st, 8)
@@ -234,6 +266,10 @@ def test_without_l3_cold_blocks_stay_low():
     st.observe(s, 0, list(range(8)), [10.0 if e.idx == cold[0].idx else 0.1 for e in t.entries[:-1]])
     st.gather(s, 0)  # no copy to upgrade to: the mark is cleared, the low copy stays
     assert cold[0].rec.l2 and not cold[0].rec.upgrade
+    assert cold[0].slot is not None  # swapped in by the gather; marked again, it stays in L1
+    st.observe(s, 0, list(range(8)), [10.0 if e.idx == cold[0].idx else 0.1 for e in t.entries[:-1]])
+    st.gather(s, 0)
+    assert cold[0].slot is not None and st.stats()["precision"]["refetched"] == 0
     st.check_invariants()
     st.close()
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.compress.codecs import get_codec
-from kvtier.config import KVTierConfig, lossless_codec
+from kvtier.config import LOSSLESS_CODECS, KVTierConfig, lossless_codec
 from kvtier.store.blockrecord import BlockDecoder, pack_block, unpack_block
 from kvtier.store.prefix import block_key, model_fingerprint_key
 from kvtier.tiers import DiskTier, HostTier, RemoteTier
@@ -68,7 +68,20 @@ _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.floa
 def stored_codec(name: str, dtype: torch.dtype) -> str:
     """The kvtier codec that stores a block of KV dtype ``dtype`` under connector codec ``name``:
     ``raw`` is the pass-through codec of that dtype (exact, the block as vLLM holds it; ``fp16``
-    or ``bf16`` would round float32 KV to 16 bits), every other name is itself."""
+    or ``bf16`` would round float32 KV to 16 bits), every other name is itself.
+
+    The other 16-bit pass-through codec of a 16-bit KV dtype (``fp16`` for bfloat16 KV, ``bf16``
+    for float16) is refused with ValueError when the connector is built: it would store the same
+    bytes as ``raw`` and lose range (bfloat16 values past fp16's 65504 become inf) or precision
+    (fp16's 3 more mantissa bits), and the codec refuses that input on every save."""
+    if name in LOSSLESS_CODECS and dtype in (torch.float16, torch.bfloat16):
+        own = lossless_codec(_DTYPE_NAMES[dtype])
+        if name != own:
+            allowed = tuple(c for c in CODEC_CHOICES if c not in LOSSLESS_CODECS or c == own)
+            raise ValueError(f"kv_connector_extra_config: codec {name!r} would convert the model's "
+                             f"{_DTYPE_NAMES[dtype]} KV to another 16-bit dtype (range or precision lost "
+                             f"at the same bytes); for this model codec must be one of {allowed} "
+                             f"('raw' and {own!r}: exact); got {name!r}")
     if name != RAW:
         return name
     if dtype not in _DTYPE_NAMES:
