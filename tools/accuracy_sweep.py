@@ -123,6 +123,25 @@ def recall_store_specs() -> list[StoreSpec]:
     ]
 
 
+def pareto_store_specs() -> list[StoreSpec]:
+    """Importance rows placed between two neighbouring fixed rows (``--pareto``): int8 for the
+    heaviest blocks over an int4 base (between int4 and int8, no backups), int4 for the coldest
+    over an int8 base (their int8 backups in L3, read back when recalled), int2 only for the
+    coldest quarter over int4, and both ends at once; with the fixed int8/int4/int2 rows."""
+    imp = lambda name, **p: StoreSpec(name, precision="importance", **p)  # noqa: E731
+    return [
+        StoreSpec("store int8 g32", codec="int8"),
+        StoreSpec("store int4 g32", codec="int4"),
+        StoreSpec("store int2 g32", codec="int2"),
+        imp("store importance int8 25% / int4", heavy_fraction=0.25, cold_fraction=0.0),
+        imp("store importance int8 50% / int4", heavy_fraction=0.5, cold_fraction=0.0),
+        imp("store importance int8 / int4 75%", codec="int8", cold_codec="int4", heavy_fraction=0.0,
+            cold_fraction=0.75),
+        imp("store importance int4 / int2 25%", heavy_fraction=0.0, cold_fraction=0.25),
+        imp("store importance int8 25% / int4 / int2 25%", heavy_fraction=0.25, cold_fraction=0.25),
+    ]
+
+
 def int8_store_specs() -> list[StoreSpec]:
     """int8 against the lossless store, both on the reference's protocol (``--int8``)."""
     return [StoreSpec(STORE_LOSSLESS, codec="lossless"), StoreSpec("store int8 g32", codec="int8")]
@@ -388,8 +407,60 @@ def pool_windows(lines, n_boot: int = 2000, seed: int = 0) -> dict:
             if name.startswith("store") and name != STORE_LOSSLESS and both:
                 rows[name]["vs_store_lossless"] = list(bootstrap_ci(
                     [t(w, STORE_LOSSLESS) for w in both], [t(w, name) for w in both], n_boot, seed))
+            if is_importance_row(name):  # paired with each fixed row on the windows holding both
+                rows[name]["vs_fixed"] = {}
+                for f in sorted({f for w in sel for f in w["nll"] if is_fixed_row(f)}):
+                    pair = [w for w in sel if f in w["nll"]]
+                    rows[name]["vs_fixed"][f] = list(bootstrap_ci(
+                        [t(w, f) for w in pair], [t(w, name) for w in pair], n_boot, seed))
         out[src] = rows
     return out
+
+
+def is_fixed_row(name: str) -> bool:
+    """A fixed-precision store row (one codec for every block: ``store int8 g32`` ...)."""
+    return name.startswith("store int")
+
+
+def is_importance_row(name: str) -> bool:
+    return name.startswith("store importance")
+
+
+def l1_l2_bytes(r: dict) -> float:
+    """Bytes per token the fast tiers (L1 device, L2 DRAM) hold at the end: L3 backups left out."""
+    return r["tiers"]["l1"] + r["tiers"]["l2"]
+
+
+def all_tier_bytes(r: dict) -> float:
+    return r["bytes_per_token_end"]
+
+
+def against_fixed(rows: dict, bytes_of) -> dict:
+    """Where each importance row of one text stands against the fixed-precision rows, at the
+    bytes ``bytes_of(row)`` gives, with |Δppl| as the error (a lossless cache's Δppl is 0; either
+    sign is distance from it): the fixed rows dominating it (no more bytes and no more error)
+    and its error minus the fixed rows' piecewise-linear line at its bytes (negative: below the
+    line, better than mixing fixed precisions by bytes; None outside the fixed rows' range)."""
+    fixed = sorted((bytes_of(r), abs(r["delta_ppl"]), n) for n, r in rows.items() if is_fixed_row(n))
+    out = {}
+    for n, r in rows.items():
+        if not is_importance_row(n):
+            continue
+        x, y = bytes_of(r), abs(r["delta_ppl"])
+        line = None
+        for (x0, y0, _), (x1, y1, _) in zip(fixed, fixed[1:]):
+            if x0 <= x <= x1 and x1 > x0:
+                line = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        out[n] = {"dominated_by": [fn for fx, fy, fn in fixed if fx <= x and fy <= y],
+                  "minus_fixed_line": None if line is None else y - line}
+    return out
+
+
+def paired_vs_fixed(nll: dict, n_boot: int, seed: int) -> dict:
+    """Each importance row against each fixed-precision row on the same windows, paired:
+    ``{row: {fixed row: (Δppl, lo, hi)}}``, Δppl of the row's ppl over the fixed row's."""
+    return {n: {f: bootstrap_ci(nll[f], nll[n], n_boot, seed) for f in nll if is_fixed_row(f)}
+            for n in nll if is_importance_row(n)}
 
 
 def plot(doc: dict, path: str) -> None:
@@ -416,8 +487,14 @@ def plot(doc: dict, path: str) -> None:
                 read = r["tiers"]["l1"] + r["tiers"]["l2"]
                 ax.plot([read, r["bytes_per_token_end"]], [d, d], ":", color=color, lw=0.8)
                 ax.plot(read, d, marker, mfc="none", color=color)
+        fixed = sorted((all_tier_bytes(r), 100 * r["delta_ppl"]) for n, r in doc["sources"][src]["rows"].items()
+                       if is_fixed_row(n) and "tiers" in r)
+        if len(fixed) > 1:  # what mixing fixed precisions by bytes would give: importance rows below it win
+            ax.plot(*zip(*fixed), "--", color="tab:blue", lw=0.8, zorder=0, label="fixed precision (store int8/int4/int2)")
+            ax.legend(fontsize=7, loc="upper right")
         ax.axhline(0, color="k", lw=0.5)
-        ax.set_title(f"{src} ({doc['sources'][src]['windows']} windows)")
+        ax.set_yscale("symlog", linthresh=1.0)  # percent: noise-sized changes and int2's blow-ups on one axis
+        ax.set_title(f"{src} ({doc['sources'][src]['windows']} windows; stars: precision by importance)")
         ax.set_xlabel("bytes per token held at the end (all tiers; hollow: L1 + L2 only)")
         ax.set_ylabel("Δppl, % (95% CI)")
     fig.tight_layout()
@@ -448,6 +525,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mixes", action="store_true", help="--store: the int4/int2 mix rows (mix_store_specs) instead")
     ap.add_argument("--recall", action="store_true",
                     help="--store: importance rows by recall reference against fixed int8/int4/int2 (recall_store_specs)")
+    ap.add_argument("--pareto", action="store_true",
+                    help="--store: importance rows between neighbouring fixed rows, with them (pareto_store_specs)")
     ap.add_argument("--int8", action="store_true",
                     help="--store: the lossless and int8 store rows (int8_store_specs), hqq int8 on the same chunks")
     ap.add_argument("--store-math", default="sdpa", choices=("sdpa", "float32"),
@@ -474,7 +553,9 @@ def main(argv=None) -> int:
                 print(f"{src:7s} | {name:34s} | {len(r['windows'])} windows | dppl {100 * r['delta_ppl']:+7.3f}% "
                       f"[{100 * r['ci95'][0]:+7.3f}, {100 * r['ci95'][1]:+7.3f}]"
                       + (f" | vs lossless store {100 * vs[0]:+7.3f}% [{100 * vs[1]:+7.3f}, {100 * vs[2]:+7.3f}]"
-                         if vs else ""))
+                         if vs else "") + "".join(
+                          f" | vs {f.removeprefix('store ')} {100 * d:+.2f}% [{100 * lo:+.2f}, {100 * hi:+.2f}]"
+                          for f, (d, lo, hi) in r.get("vs_fixed", {}).items()))
         return 0
     if args.from_json:
         doc = {"sources": {}}
@@ -485,6 +566,9 @@ def main(argv=None) -> int:
                     if have["offsets"] != got["offsets"]:
                         raise SystemExit(f"--from-json {f}: {src} was measured on other windows")
                     have["rows"].update(got["rows"])
+        for src, got in doc["sources"].items():  # the merged rows' standing (each run's own saw part of them)
+            got["against_fixed"] = {"l1+l2": against_fixed(got["rows"], l1_l2_bytes),
+                                    "all tiers": against_fixed(got["rows"], all_tier_bytes)}
         if args.plot:
             plot(doc, args.plot)
         if args.json:
@@ -492,7 +576,7 @@ def main(argv=None) -> int:
         return 0
     specs = default_specs()
     store_specs = (int8_store_specs() if args.int8 else mix_store_specs() if args.mixes
-                   else recall_store_specs() if args.recall
+                   else recall_store_specs() if args.recall else pareto_store_specs() if args.pareto
                    else default_store_specs()) if args.store or args.store_only else []
     store_specs = [dataclasses.replace(s, attention_math=args.store_math) for s in store_specs]
     anchors = [a for a in (args.chunked_anchors if args.chunked_anchors is not None
@@ -603,7 +687,19 @@ def main(argv=None) -> int:
                   f"(L1+L2 {tiers['l1'] + tiers['l2']:6.0f}, weighted {weighted:5.0f}) | {sec:5.1f} s/window"
                   + (f" | vs lossless store {100 * vs[0]:+7.3f}% [{100 * vs[1]:+7.3f}, {100 * vs[2]:+7.3f}]" if vs else "")
                   + (f" | {prec}" if prec else ""), flush=True)
-        doc["sources"][src] = {"ppl_ref": ppl_ref, "windows": len(offsets), "offsets": offsets, "rows": rows}
+        vs_fixed = paired_vs_fixed({n: [v[0] for v in per[n]] for n in per}, args.boot, args.seed)
+        for name, by in vs_fixed.items():
+            rows[name]["vs_fixed"] = {f: list(v) for f, v in by.items()}
+        standing = {"l1+l2": against_fixed(rows, l1_l2_bytes), "all tiers": against_fixed(rows, all_tier_bytes)}
+        for name in vs_fixed:
+            print(f"{src:7s} | {name:34s} | paired: " + ", ".join(
+                f"vs {f.removeprefix('store ')} {100 * d:+.2f}% [{100 * lo:+.2f}, {100 * hi:+.2f}]"
+                for f, (d, lo, hi) in vs_fixed[name].items()) + " | " + "; ".join(
+                f"{k}: dominated by {st[name]['dominated_by'] or 'none'}, |dppl| - fixed line "
+                + ("-" if st[name]["minus_fixed_line"] is None else f"{100 * st[name]['minus_fixed_line']:+.2f}%")
+                for k, st in standing.items()), flush=True)
+        doc["sources"][src] = {"ppl_ref": ppl_ref, "windows": len(offsets), "offsets": offsets, "rows": rows,
+                               "against_fixed": standing}
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
     if args.plot:
