@@ -89,3 +89,31 @@ def test_sdpa_math_is_bit_equal_where_float32_math_is_not(model_bf16, tokenizer,
 def test_attention_math_is_checked():
     with pytest.raises(ValueError, match="attention_math must be one of 'float32', 'sdpa'"):
         KVTierConfig(attention_math="fp64")
+
+
+@torch.inference_mode()
+def test_lossless_dense_store_that_evicts_equals_dynamic_cache_fed_the_same_chunks(model_bf16, tokenizer,
+                                                                                   restore_attention, tmp_path):
+    """Dense mode, L1 = 64 tokens: most blocks are evicted in the bf16 codec to L2, spill to L3,
+    and are gathered back by every step. A chunked prefill and chunked teacher-forced steps then
+    give DynamicCache's logits, fed the same chunks, bit for bit: the store's arithmetic floor
+    under a codec's accuracy is zero (the accuracy sweep compares its rows with this reference)."""
+    ids = text_ids(tokenizer, 320, offset=21000)
+
+    def run(cache):
+        chunks = [(i, i + 64) for i in range(0, 256, 64)] + [(i, i + 16) for i in range(256, 320, 16)]
+        return torch.cat([model_bf16(input_ids=ids[:, a:b], cache=cache).logits[0] for a, b in chunks])
+
+    ref = run(make_baseline("dynamic", model_bf16))
+    cfg = KVTierConfig(block_tokens=16, hot_tokens=64, host_bytes=2 << 20, disk_path=str(tmp_path / "l3"),
+                       codec="bf16", policy="h2o", attention="dense", attention_math="sdpa", prefetch=False)
+    cache = attach(model_bf16, cfg)
+    restore_attention(model_bf16)
+    try:
+        got = run(cache)
+        cache.store.flush()
+        held = cache.stats()["bytes"]
+    finally:
+        cache.close()
+    assert held["l2"] > 0 and held["l3"] > 0, held
+    assert torch.equal(got, ref)
