@@ -105,3 +105,20 @@ def test_paired_vs_fixed_pairs_windows():
     assert list(got) == ["store importance x"] and list(got["store importance x"]) == ["store int4 g32"]
     d, lo, hi = got["store importance x"]["store int4 g32"]
     assert abs(d - math.expm1(0.01)) < 1e-9 and abs(lo - d) < 1e-9 and abs(hi - d) < 1e-9
+
+
+def test_pool_windows_merges_runs_of_one_window():
+    import json
+
+    def line(off, nll):
+        return json.dumps({"window": {"source": "squad", "offset": off, "nll": nll}})
+
+    ref, fixed = [1.0, 1.0], [1.2, 1.2]
+    lines = [line(7, {"ref": ref, sweep.REF_CHUNKED: ref, "store int4 g32": fixed}),
+             line(7, {"ref": ref, sweep.REF_CHUNKED: ref, "store importance x": [1.1, 1.1]}),  # another run
+             line(9, {"ref": ref, sweep.REF_CHUNKED: ref, "store importance x": [1.1, 1.1]})]
+    rows = sweep.pool_windows(lines, n_boot=50)["squad"]
+    assert rows["store importance x"]["windows"] == [7, 9] and rows["store int4 g32"]["windows"] == [7]
+    d, lo, hi = rows["store importance x"]["vs_fixed"]["store int4 g32"]  # window 7 only: the one holding both
+    assert abs(d - math.expm1(-0.1)) < 1e-9 and abs(hi - d) < 1e-9
+    assert rows["store importance x"]["against"] == sweep.REF_CHUNKED

@@ -141,6 +141,7 @@ def pareto_store_specs() -> list[StoreSpec]:
             cold_fraction=0.75),
         imp("store importance int4 / int2 25%", heavy_fraction=0.0, cold_fraction=0.25),
         imp("store importance int8 25% / int4 / int2 25%", heavy_fraction=0.25, cold_fraction=0.25),
+        imp("store importance int8 10% / int4 / int2 50% (defaults)", heavy_fraction=0.1, cold_fraction=0.5),
     ]
 
 
@@ -385,14 +386,22 @@ def bootstrap_ci(ref: list[torch.Tensor], got: list[torch.Tensor], n_boot: int, 
 
 
 def pool_windows(lines, n_boot: int = 2000, seed: int = 0) -> dict:
-    """Rows from the per-window lines of several runs (``{"window": ...}``, as printed): per
+    """Rows from the per-window lines of several runs (``{"window": ...}``, as printed; lines of
+    one source and offset from several runs are one window with the rows of all): per
     source and row, Δppl and its interval against the reference over every window holding the
     row (store rows and anchors on the store's chunks: the chunked reference, where the windows
-    hold it) and, for store rows, against the lossless store on the windows holding both."""
+    hold it) and, for store rows, against the lossless store on the windows holding both;
+    importance rows also against each fixed-precision row (``vs_fixed``), paired the same way."""
     wins: dict[str, list] = {}
+    seen: dict[tuple, dict] = {}
     for line in lines:
         if line.startswith('{"window"'):
             w = json.loads(line)["window"]
+            have = seen.get((w["source"], w["offset"]))
+            if have is not None:  # the same window in another run (other rows): one window, all rows
+                have["nll"].update(w["nll"])
+                continue
+            seen[(w["source"], w["offset"])] = w
             wins.setdefault(w["source"], []).append(w)
     out = {}
     for src, ws in wins.items():
