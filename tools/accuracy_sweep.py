@@ -448,16 +448,17 @@ def all_tier_bytes(r: dict) -> float:
 
 def against_fixed(rows: dict, bytes_of) -> dict:
     """Where each importance row of one text stands against the fixed-precision rows, at the
-    bytes ``bytes_of(row)`` gives, with |Δppl| as the error (a lossless cache's Δppl is 0; either
-    sign is distance from it): the fixed rows dominating it (no more bytes and no more error)
-    and its error minus the fixed rows' piecewise-linear line at its bytes (negative: below the
-    line, better than mixing fixed precisions by bytes; None outside the fixed rows' range)."""
-    fixed = sorted((bytes_of(r), abs(r["delta_ppl"]), n) for n, r in rows.items() if is_fixed_row(n))
+    bytes ``bytes_of(row)`` gives, lower Δppl being better (perplexity is the measure; a row
+    below 0 is as much noise as one above, which the paired intervals say): the fixed rows
+    dominating it (no more bytes and no higher Δppl) and its Δppl minus the fixed rows'
+    piecewise-linear line at its bytes (negative: below the line, better than mixing fixed
+    precisions by bytes; None outside the fixed rows' range)."""
+    fixed = sorted((bytes_of(r), r["delta_ppl"], n) for n, r in rows.items() if is_fixed_row(n))
     out = {}
     for n, r in rows.items():
         if not is_importance_row(n):
             continue
-        x, y = bytes_of(r), abs(r["delta_ppl"])
+        x, y = bytes_of(r), r["delta_ppl"]
         line = None
         for (x0, y0, _), (x1, y1, _) in zip(fixed, fixed[1:]):
             if x0 <= x <= x1 and x1 > x0:
@@ -710,7 +711,7 @@ def main(argv=None) -> int:
             print(f"{src:7s} | {name:34s} | paired: " + ", ".join(
                 f"vs {f.removeprefix('store ')} {100 * d:+.2f}% [{100 * lo:+.2f}, {100 * hi:+.2f}]"
                 for f, (d, lo, hi) in vs_fixed[name].items()) + " | " + "; ".join(
-                f"{k}: dominated by {st[name]['dominated_by'] or 'none'}, |dppl| - fixed line "
+                f"{k}: dominated by {st[name]['dominated_by'] or 'none'}, dppl - fixed line "
                 + ("-" if st[name]["minus_fixed_line"] is None else f"{100 * st[name]['minus_fixed_line']:+.2f}%")
                 for k, st in standing.items()), flush=True)
         doc["sources"][src] = {"ppl_ref": ppl_ref, "windows": len(offsets), "offsets": offsets, "rows": rows,
