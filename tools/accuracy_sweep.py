@@ -505,7 +505,8 @@ def plot(doc: dict, path: str) -> None:
         fixed = sorted((all_tier_bytes(r), 100 * r["delta_ppl"]) for n, r in doc["sources"][src]["rows"].items()
                        if is_fixed_row(n) and "tiers" in r)
         if len(fixed) > 1:  # what mixing fixed precisions by bytes would give: importance rows below it win
-            ax.plot(*zip(*fixed), "--", color="tab:blue", lw=0.8, zorder=0, label="fixed precision (store int8/int4/int2)")
+            ax.plot(*zip(*fixed), "--", color="tab:blue", lw=0.8, zorder=0,
+                    label="fixed precision (store int8/int4/int2)")
             ax.legend(fontsize=7, loc="upper right")
         ax.axhline(0, color="k", lw=0.5)
         ax.set_yscale("symlog", linthresh=1.0)  # percent: noise-sized changes and int2's blow-ups on one axis
