@@ -126,9 +126,10 @@ def recall_store_specs() -> list[StoreSpec]:
 def pareto_store_specs() -> list[StoreSpec]:
     """Importance rows placed between two neighbouring fixed rows (``--pareto``): int8 for the
     heaviest blocks over an int4 base (between int4 and int8, no backups), int4 for the coldest
-    over an int8 base (their int8 backups in L3, read back when recalled), int2 only for the
-    coldest quarter over int4, and both ends at once; with the fixed int8/int4/int2 rows (no
-    lossless row: with ``--store-math sdpa`` it is the chunked reference, bit for bit)."""
+    over an int8 base (their int8 backups in L3, read back when recalled), int2 for the coldest
+    quarter or half over int4 (with recalls and their backups, or neither), both ends at once;
+    with the fixed int8/int4/int2 rows (no lossless row: with ``--store-math sdpa`` it is the
+    chunked reference, bit for bit)."""
     imp = lambda name, **p: StoreSpec(name, precision="importance", **p)  # noqa: E731
     return [
         StoreSpec("store int8 g32", codec="int8"),
@@ -140,6 +141,12 @@ def pareto_store_specs() -> list[StoreSpec]:
         imp("store importance int8 / int4 75%", codec="int8", cold_codec="int4", heavy_fraction=0.0,
             cold_fraction=0.75),
         imp("store importance int4 / int2 25%", heavy_fraction=0.0, cold_fraction=0.25),
+        imp("store importance int4 / int2 50%", heavy_fraction=0.0, cold_fraction=0.5),
+        # no recall: no upgrades, and so no backups in L3 (all-tier bytes = L1 + L2)
+        imp("store importance int4 / int2 25% no recall", heavy_fraction=0.0, cold_fraction=0.25,
+            recall_mass=math.inf),
+        imp("store importance int4 / int2 50% no recall", heavy_fraction=0.0, cold_fraction=0.5,
+            recall_mass=math.inf),
         imp("store importance int8 25% / int4 / int2 25%", heavy_fraction=0.25, cold_fraction=0.25),
         imp("store importance int8 10% / int4 / int2 50% (defaults)", heavy_fraction=0.1, cold_fraction=0.5),
     ]
