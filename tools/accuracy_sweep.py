@@ -17,8 +17,12 @@ the whole prefill quantized at once, decode tokens kept at full precision) get t
 The reference is the unmodified cache. Per configuration: Δppl = ppl / ppl_ref - 1 over all
 scored tokens of a source, a 95% bootstrap interval over its windows (paired: the same windows
 are resampled for the configuration and the reference), and stored bytes per context token.
+Store rows (``--store``) are compared with ``DynamicCache`` fed the store's own chunks
+(``REF_CHUNKED``), where a lossless store with ``--store-math sdpa`` (the default) gives the same
+logits bit for bit, and anchors can run on those chunks too (``--chunked-anchors``)::
 
     python tools/accuracy_sweep.py --texts pydoc,essays,squad --windows 8
+    python tools/accuracy_sweep.py --store --int8 --only int8,lossless --windows 4
     python tools/accuracy_sweep.py --smoke
 """
 from __future__ import annotations

@@ -6,8 +6,15 @@ the segment. A background step reads and CRC-checks its records without the tier
 takes it (after ``_write_lock``: it is an appender like a put) only to append what is still
 live, so a get waits for one append, not a step; the worker then sleeps so that its I/O takes
 at most ``share`` of the time while it runs: after a step of ``t`` seconds,
-``t * (1 - share) / share``. The copies are made durable
-(fdatasync on duplicated fds, outside the lock) before the emptied segment is deleted.
+``t * (1 - share) / share``. The copies are made durable (fdatasync on duplicated fds,
+outside the lock) before the emptied segment is deleted.
+
+The worker is a thread of the same interpreter as the decode loop, so what it costs a decode
+step is mostly the GIL: a step's copy is done where the GIL is released (one ``pread`` of the
+span, the CRC of records over 64 KiB, one ``pwritev``), and its Python work (parsing headers,
+index look-ups) is cut into slices of ``_SLICE_RECORDS`` records with the GIL offered between
+them, so a put or get that wants it waits for one slice (tens of microseconds), not for the
+interpreter's switch interval (5 ms) or a whole step.
 
 The worker owns no tier state: each step is a call back into the tier (``_background_step``),
 which says whether there is more to do.
@@ -25,9 +32,31 @@ from dataclasses import dataclass
 
 from kvtier._crc import crc32
 from . import diskindex
-from .segfile import FLAG_TOMB, REC_HEADER_BYTES, SEG_HEADER_BYTES, Segment, fdatasync, iter_headers
+from .segfile import (FLAG_TOMB, REC, REC_HEADER_BYTES, REC_MAGIC, REC_MAGIC_BYTES, SEG_HEADER_BYTES, Segment,
+                      crc32_held, fdatasync, iter_headers, pad8)
 
-_STEP_BYTES = 256 << 10  # segment bytes one background compaction step reads
+_STEP_BYTES = 256 << 10  # segment bytes one background compaction step reads (one pread)
+_STEP_RECORDS = 128  # the most records one background step takes: bounds its appends under the lock
+_SLICE_RECORDS = 16  # records a background step parses between two offers of the GIL
+
+
+class _Truncated(Exception):
+    """A segment file is shorter than its records (truncated under us)."""
+
+
+def _yield_gil() -> None:
+    """Let a thread waiting for the GIL (a put or get) run now rather than at the end of the
+    interpreter's switch interval: the compactor's Python work must not delay a decode step."""
+    time.sleep(0)
+
+
+def _next_magic(buf, off: int, end: int) -> int:
+    """Where the next record may start after a damaged header at ``off`` (8-aligned, as records
+    are); past ``end`` when none starts in ``buf``, ahead of any magic cut by its end."""
+    nxt = buf.find(REC_MAGIC_BYTES, off + 8, end)
+    while nxt != -1 and (nxt - off) % 8:
+        nxt = buf.find(REC_MAGIC_BYTES, nxt + 1, end)
+    return nxt if nxt != -1 else max(off + 8, (end - 3 + 7) & ~7)
 
 
 log = logging.getLogger(__name__)
@@ -45,7 +74,9 @@ class CompactJob:
 
 
 class Compactor:
-    """A daemon thread that calls ``step()`` while it returns True, paced to an I/O share."""
+    """A daemon thread that calls ``step()`` while it returns True, paced to an I/O share: after
+    a step of ``t`` seconds it pauses ``t * (1 - share) / share`` (also when the next step
+    follows a wake), so steps take at most ``share`` of any stretch of time."""
 
     def __init__(self, step, share: float, name: str) -> None:
         assert 0.0 < share <= 1.0, f"share {share} must be in (0, 1]"
@@ -75,10 +106,13 @@ class Compactor:
             self._thread.join()
 
     def _run(self) -> None:
+        resume = 0.0  # no step starts before this: the pause after the last one holds across wakes
         while True:
             with self._cv:
                 while not self._wake and not self._stop:
                     self._cv.wait()
+                while not self._stop and (pause := resume - time.perf_counter()) > 0:
+                    self._cv.wait(pause)
                 if self._stop:
                     return
                 self._wake = False
@@ -98,10 +132,12 @@ class Compactor:
                 self.busy_s += dt
                 self.max_step_s = max(self.max_step_s, dt)
                 self.steps += 1
+                pause = dt * (1.0 - self.share) / self.share
+                resume = t0 + dt + pause
                 if not more:
                     break
                 with self._cv:
-                    if self._cv.wait_for(lambda: self._stop, timeout=dt * (1.0 - self.share) / self.share):
+                    if self._cv.wait_for(lambda: self._stop, timeout=pause):
                         return
 
 
@@ -145,7 +181,9 @@ class DiskCompaction:
                     return False
             if self.durability != "never":
                 self._sync_locked()  # the copies are durable before the original goes
-            self._finish(job)
+            gone = self._finish(job)
+            if gone is not None:
+                self._dispose(gone)
             return True
         finally:
             if self._job is job:
@@ -159,17 +197,27 @@ class DiskCompaction:
         With ``locked=False`` (the background worker) the tier lock is taken only to check the
         segment and then to append what was gathered: reading and CRC-checking the records
         runs without it, so a put or get waits for an append, not for a whole step."""
+        fd = -1
         with self._lock if not locked else contextlib.nullcontext():  # (else held by the caller)
             seg = job.seg
             if self._closed or self._segs.get(seg.id) is not seg:
                 return False
-            if seg.file_size() < seg.used:  # truncated under us: reading it would SIGBUS
+            if locked and seg.file_size() < seg.used:  # truncated under us: reading it would SIGBUS
                 self._stuck.add(seg.id)
                 return False
+            if not locked:  # a private fd: the LRU may close (and the number be reused) meanwhile
+                fd = os.dup(self._rfd(seg))
         try:
-            cands, pos, read, written = self._gather(job, budget, yield_gil=not locked)
+            cands, pos, read, written = self._gather(job, budget, fd)
         except ValueError:  # its mapping was closed meanwhile (cleared, or the tier closed)
             return False
+        except _Truncated:
+            with self._lock:
+                self._stuck.add(seg.id)
+            return False
+        finally:
+            if fd >= 0:
+                os.close(fd)
         with self._appending() if not locked else contextlib.nullcontext():
             if self._closed or self._segs.get(seg.id) is not seg:
                 return False
@@ -205,23 +253,58 @@ class DiskCompaction:
             job.sync_pending = pos >= seg.used
             return True
 
-    def _gather(self, job: CompactJob, budget: int, yield_gil: bool):
+    def _gather(self, job: CompactJob, budget: int, fd: int = -1):
         """Read up to ``budget`` bytes of records from ``job.pos``: (candidates, next position,
         bytes read, written-key sets built for older segments). A candidate is (key, flags,
         key bytes, size, value length, offset, image or None when its CRC failed) for records
         the index points to here, and every tombstone whose key is not indexed. The index is
-        only peeked at: the caller re-checks under the lock."""
+        only peeked at: the caller re-checks under the lock.
+
+        With ``fd`` (the background worker) the span is read with one ``pread`` (the GIL is
+        released while the kernel copies it, and a cold page faults in there, not under the
+        GIL as it would through the mapping), at most ``_STEP_RECORDS`` records are taken, and
+        the GIL is offered to other threads every ``_SLICE_RECORDS`` records: a put or get
+        waits for one slice of this loop, never for a step. Without it (inline, tier lock
+        held) the records are read through the mapping."""
         seg = job.seg
-        mm, cands, read, pos, n = seg.mm, [], 0, job.pos, 0
-        for pos, flags, klen, vlen, dcrc, size in iter_headers(mm, job.pos, seg.used):
-            if read >= budget:
-                break
+        background = fd >= 0
+        if background:
+            base = job.pos
+            want = min(seg.used, base + budget) - base
+            buf = os.pread(fd, want, base)
+            if len(buf) < want:  # a pread never SIGBUSes: a file truncated under us reads short
+                raise _Truncated(seg.path)
+            head = REC.unpack_from(buf, 0) if len(buf) >= REC_HEADER_BYTES else None
+            if head is not None and head[0] == REC_MAGIC and crc32(buf[8:REC_HEADER_BYTES]) == head[1]:
+                # one record larger than the budget: read it whole
+                size = pad8(REC_HEADER_BYTES + head[3] + head[4])
+                if len(buf) < size <= seg.used - base:
+                    buf = os.pread(fd, size, base)
+                    if len(buf) < size:
+                        raise _Truncated(seg.path)
+            view, start, end, room = memoryview(buf), 0, len(buf), seg.used - base
+            max_records = _STEP_RECORDS
+        else:
+            base, buf, start, end, room = 0, seg.mm, job.pos, seg.used, seg.used
+            view, max_records = None, 1 << 62
+        unpack, hdr = REC.unpack_from, REC_HEADER_BYTES
+        check = crc32_held if background else crc32  # (inline, gets wait for the whole call anyway)
+        cands, read, n, off = [], 0, 0, start
+        while off + hdr <= end and read < budget and n < max_records:
+            magic, hcrc, flags, klen, vlen, dcrc, _ = unpack(buf, off)
+            size = pad8(hdr + klen + vlen)
+            if magic != REC_MAGIC or klen == 0 or off + size > room or crc32(buf[off + 8:off + hdr]) != hcrc:
+                off = _next_magic(buf, off, end)  # a damaged stretch: resume at the next record
+                continue
+            if off + size > end:
+                break  # cut by this read: the next step starts with it
             read += size
             n += 1
-            if yield_gil and n % 8 == 0:
-                time.sleep(0)  # let a waiting put/get have the GIL (this loop is pure Python)
-            k0 = pos + REC_HEADER_BYTES
-            kraw = mm[k0:k0 + klen]
+            if background and n % _SLICE_RECORDS == 0:
+                _yield_gil()
+            pos, off = base + off, off + size
+            k0 = pos - base + hdr
+            kraw = bytes(buf[k0:k0 + klen])
             try:
                 key = kraw.decode("utf-8")
             except UnicodeDecodeError:
@@ -233,21 +316,20 @@ class DiskCompaction:
             loc = self._index.get(key)
             if loc is None or loc[0] != seg.id or loc[1] != pos:
                 continue  # dead, and a dead record never comes back to life
-            img = mm[pos:pos + size]  # the record image is position independent
-            if crc32(img[REC_HEADER_BYTES + klen:REC_HEADER_BYTES + klen + vlen], crc32(kraw)) != dcrc:
+            # the record image is position independent: a view of the read, or a copy of the mapping
+            img = view[k0 - hdr:k0 - hdr + size] if background else memoryview(buf[pos:pos + size])
+            if check(img[hdr:hdr + klen + vlen]) != dcrc:  # key and value are contiguous
                 cands.append((key, flags, kraw, size, vlen, pos, None))
                 continue
             cands.append((key, flags, kraw, size, vlen, pos, img))
-        else:
-            pos = seg.used
+        if off + hdr > end >= room:  # the segment's end: what is left cannot hold a record
+            off = max(off, end)
         written = {}
         if any(c[1] & FLAG_TOMB for c in cands):  # older segments' key sets, built here, not under the lock
             for o in list(self._segs.values()):
                 if o.id < seg.id and o.written is None:
-                    written[o] = {k for k, flags in self._record_keys(o) if not flags & FLAG_TOMB}
-                    if yield_gil:
-                        time.sleep(0)
-        return cands, pos, read, written
+                    written[o] = {k for k, flags in self._record_keys(o, background) if not flags & FLAG_TOMB}
+        return cands, base + off, read, written
 
     def _hides_older(self, key: str, seg: Segment) -> bool:
         for o in self._segs.values():
@@ -259,26 +341,38 @@ class DiskCompaction:
         return False
 
     @staticmethod
-    def _record_keys(seg: Segment) -> Iterator[tuple[str, int]]:
+    def _record_keys(seg: Segment, cooperative: bool = False) -> Iterator[tuple[str, int]]:
         mm = seg.mm
-        for pos, flags, klen, *_ in iter_headers(mm, SEG_HEADER_BYTES, seg.used):
+        for i, (pos, flags, klen, *_) in enumerate(iter_headers(mm, SEG_HEADER_BYTES, seg.used)):
+            if cooperative and i % _SLICE_RECORDS == _SLICE_RECORDS - 1:
+                _yield_gil()
             try:
                 yield mm[pos + REC_HEADER_BYTES:pos + REC_HEADER_BYTES + klen].decode("utf-8"), flags
             except UnicodeDecodeError:
                 continue
 
-    def _finish(self, job: CompactJob) -> None:
+    def _finish(self, job: CompactJob) -> Segment | None:
+        """Forget the emptied segment (``_lock`` held) and return it for ``_dispose``; None
+        when it is kept (a record indexed there was not found again: damaged since)."""
         seg = job.seg
-        if seg.live:  # a record indexed here was not found again (damaged since): keep the file
+        if seg.live:
             self._stuck.add(seg.id)
-            return
+            return None
         del self._segs[seg.id]
         self._dirty.discard(seg.id)
         self._drop_rfd(seg.id)
-        seg.close()
-        os.unlink(seg.path)
         self._dir_dirty = True
         self._n["compactions"] += 1
+        return seg
+
+    @staticmethod
+    def _dispose(seg: Segment) -> None:
+        """Unmap and delete a segment ``_finish`` let go. Needs no lock: no read can reach it
+        any more (reads find segments through the index and ``_segs``), and unmapping and
+        unlinking a large file take long enough not to hold a get for. A crash before the
+        unlink leaves a file whose records all have newer copies: reopening skips them."""
+        seg.close()
+        os.unlink(seg.path)
 
     def _background_step(self) -> bool:
         """One paced unit of background work (compactor thread): a compaction step, the
@@ -312,10 +406,13 @@ class DiskCompaction:
         if job is None:
             self.checkpoint()
             return True
+        gone = None
         with self._lock:
             if self._job is job and not self._closed and self._segs.get(job.seg.id) is job.seg:
                 self._job = None
-                self._finish(job)
+                gone = self._finish(job)
+        if gone is not None:
+            self._dispose(gone)
         return True
 
     def _dup_dirty_fds(self) -> list[int]:

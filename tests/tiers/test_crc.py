@@ -18,3 +18,13 @@ def test_same_values_as_zlib(n):
     assert crc32(np.frombuffer(data, dtype=np.uint8)) == zlib.crc32(data)
     assert crc32(data, 0xDEADBEEF) == zlib.crc32(data, 0xDEADBEEF)  # chained, as key then value
     assert IMPLEMENTATION in ("isal", "zlib")
+
+
+def test_crc32_held_equals_one_crc32_at_every_size_and_seed():
+    from kvtier.tiers.segfile import crc32_held
+
+    for n in (0, 1, 4095, 4096, 4097, 8192, 12_345, 65_536, 65_537, 200_000):
+        data = os.urandom(n)
+        for seed in (0, 0xDEADBEEF):
+            assert crc32_held(data, seed) == crc32(data, seed), n
+            assert crc32_held(memoryview(data), seed) == crc32(data, seed), n

@@ -134,3 +134,139 @@ def test_gets_and_puts_go_on_while_a_background_step_gathers(tmp_path, monkeypat
         assert done == [(bytes([1]) * 3000, True, b"v")]
         assert job.pos > SEG_HEADER_BYTES and job.copied_bytes > 0
         assert all(t.get(f"k{i}") == bytes([i]) * 3000 for i in range(1, 60, 2))
+
+
+def _dead_segments(t, n=600, seed=5):
+    """``n`` records of mixed sizes (some larger than a background step's read), every other
+    one deleted: returns the live values."""
+    rng = random.Random(seed)
+    vals = {"big": rng.randbytes(_STEP_BYTES + 50_000)}  # first: a step starts with it
+    vals.update((f"k{i}", rng.randbytes(rng.choice([900, 3000, 7000, 40_000]))) for i in range(n))
+    t.put_many(vals.items())
+    t.put("tail", b"t" * 200_000)  # seals what came before
+    dead = [k for i, k in enumerate(vals) if i % 2 == 0 and k != "big"]
+    t.delete_many(dead)
+    for k in dead:
+        del vals[k]
+    vals["tail"] = b"t" * 200_000
+    return vals
+
+
+def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_path, monkeypatch):
+    """The mechanism that keeps a decode step from waiting on the compactor: a background step
+    reads its span with one pread (the GIL released, no page fault through the mapping under
+    it), takes at most _STEP_RECORDS records, and offers the GIL every _SLICE_RECORDS of them."""
+    import os
+
+    from kvtier.tiers import compactor
+    from kvtier.tiers.compactor import _SLICE_RECORDS, _STEP_RECORDS, CompactJob
+
+    with DiskTier(tmp_path / "d", segment_bytes=4 << 20, capacity_bytes=64 << 20, durability="never",
+                  compact_threshold=0.0) as t:
+        vals = _dead_segments(t)
+        seg = min(t._segs.values(), key=lambda s: s.id)
+        job = CompactJob(seg)
+        preads, yields, real_pread = [], [], os.pread
+        monkeypatch.setattr(os, "pread", lambda fd, n, off: preads.append(n) or real_pread(fd, n, off))
+        monkeypatch.setattr(compactor, "_yield_gil", lambda: yields.append(1))
+
+        class Unmapped:  # a background step must not read the segment through its mapping
+            def __getattr__(self, name):
+                raise AssertionError(f"mapping used: {name}")
+
+            def __getitem__(self, i):
+                raise AssertionError("mapping sliced")
+
+        mm, seg.mm = seg.mm, Unmapped()
+        steps = big_preads = 0
+        try:
+            while not job.sync_pending:
+                before_pos, before_yields, before_preads = job.pos, len(yields), len(preads)
+                assert t._compact_step(job, _STEP_BYTES, locked=False)
+                steps += 1
+                step_preads = preads[before_preads:]
+                assert 1 <= len(step_preads) <= 2 and max(step_preads) <= _STEP_BYTES + 60_000
+                big_preads += len(step_preads) == 2
+                records = sum(1 for _ in _records_between(mm, before_pos, job.pos))
+                assert records <= _STEP_RECORDS
+                assert len(yields) - before_yields == records // _SLICE_RECORDS
+        finally:
+            seg.mm = mm
+        assert steps >= seg.used // _STEP_BYTES and big_preads >= 1  # "big" was read whole
+        with t._lock:
+            gone = t._finish(job)
+        t._dispose(gone)
+        assert seg.id not in t._segs and not os.path.exists(seg.path)
+        assert all(t.get(k) == v for k, v in vals.items())
+
+
+def _records_between(mm, a, b):
+    from kvtier.tiers.segfile import iter_headers
+
+    return iter_headers(mm, a, b)
+
+
+def test_background_steps_skip_damage_and_drop_corrupt_records(tmp_path):
+    """Records cut by a step's read, a damaged header and a damaged value: the background steps
+    move every intact live record, resync after the damage, and never copy a corrupt one."""
+    import os
+
+    from kvtier.tiers.compactor import CompactJob
+    from kvtier.tiers.segfile import REC_HEADER_BYTES
+
+    with DiskTier(tmp_path / "d", segment_bytes=4 << 20, capacity_bytes=64 << 20, durability="never",
+                  compact_threshold=0.0) as t:
+        vals = _dead_segments(t, seed=9)
+        seg = min(t._segs.values(), key=lambda s: s.id)
+        here = sorted((loc[1], k) for k, loc in t._index.items() if loc[0] == seg.id)
+        bad_value, bad_header = here[len(here) // 3][1], here[2 * len(here) // 3][1]
+        fd = os.open(seg.path, os.O_RDWR)
+        os.pwrite(fd, b"\xff", t._index[bad_value][1] + REC_HEADER_BYTES + len(bad_value) + 5)
+        os.pwrite(fd, b"\xff\xff", t._index[bad_header][1] + 10)  # inside the header CRC's span
+        os.close(fd)
+        job = CompactJob(seg)
+        while not job.sync_pending:
+            assert t._compact_step(job, _STEP_BYTES, locked=False)
+        for k, v in vals.items():
+            if k in (bad_value, bad_header):
+                assert t.get(k) is None
+            else:
+                assert t._index[k][0] != seg.id and t.get(k) == v, k
+        assert bad_value in t.corrupt_keys
+
+
+def test_background_compaction_keeps_to_its_share_of_the_time(tmp_path):
+    """The worker pauses (1 - share) / share of each step's time after it, across wakes too, so
+    its steps take at most ``share`` of the time it runs (plus the pause owed after the last)."""
+    share = 0.2
+    with DiskTier(tmp_path / "d", segment_bytes=SEG, capacity_bytes=512 * SEG, durability="never",
+                  compact_threshold=0.5, compact_share=share) as t:
+        t.put_many([(f"k{i}", bytes([i % 256]) * 3000) for i in range(1500)])
+        t0 = time.perf_counter()
+        t.delete_many([f"k{i}" for i in range(1500) if i % 4])
+        for i in range(200):  # puts wake the worker meanwhile: no wake may skip a pause
+            t.put(f"n{i}", b"v" * 100)
+        assert wait_for(lambda: t._job is None and not t._candidates())
+        wall = time.perf_counter() - t0
+        s = t.stats()
+        assert s["compactions"] >= 10
+        assert s["compact_busy_seconds"] <= share * wall + (1 - share) * s["compact_max_step_seconds"] + 1e-3
+
+
+def test_a_segment_truncated_under_a_background_step_is_left_alone(tmp_path):
+    import os
+
+    from kvtier.tiers.compactor import CompactJob
+
+    with DiskTier(tmp_path / "d", segment_bytes=4 << 20, capacity_bytes=64 << 20, durability="never",
+                  compact_threshold=0.0) as t:
+        vals = _dead_segments(t, seed=11)
+        seg = min(t._segs.values(), key=lambda s: s.id)
+        os.truncate(seg.path, seg.used // 2)
+        job = CompactJob(seg)
+        while t._compact_step(job, _STEP_BYTES, locked=False):
+            pass  # the steps before the cut copy what they read; the one reaching it stops
+        assert seg.id in t._stuck and seg.id in t._segs and not job.sync_pending
+        for k, v in vals.items():
+            got = t.get(k)
+            assert got is None or got == v
