@@ -498,17 +498,23 @@ def plot(doc: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     srcs = list(doc["sources"])
-    fig, axes = plt.subplots(1, len(srcs), figsize=(6 * len(srcs), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(srcs), figsize=(6 * len(srcs), 5.0), squeeze=False)
     style = {"store importance": ("tab:red", "*"), "store": ("tab:blue", "o"), "kvtier": ("tab:gray", "s"),
              "hqq": ("tab:green", "^"), "quanto": ("tab:olive", "v"), "ref": ("black", "x")}
+    # importance rows are numbered (their names, in a key below the panels, would overlap beside
+    # points that land close together); the other rows are few and keep their names
+    numbers = {n: i + 1 for i, n in enumerate(dict.fromkeys(
+        n for src in srcs for n in doc["sources"][src]["rows"] if is_importance_row(n)))}
     for ax, src in zip(axes[0], srcs):
         for name, r in doc["sources"][src]["rows"].items():
+            if name == REF_CHUNKED:  # the store rows' reference (their 0), measured against the single prefill
+                continue
             color, marker = next(v for k, v in style.items() if name.startswith(k))
             d, (lo, hi) = 100 * r["delta_ppl"], r["ci95"]
             ax.errorbar(r["bytes_per_token_end"], d, yerr=[[d - 100 * lo], [100 * hi - d]], fmt=marker,
-                        color=color, capsize=3)
-            ax.annotate(name.replace("store ", "").replace("kvtier ", "sim "), (r["bytes_per_token_end"], d),
-                        fontsize=6, xytext=(3, 3), textcoords="offset points")
+                        color=color, capsize=3, alpha=0.8)
+            label = str(numbers[name]) if name in numbers else name.replace("store ", "").replace("kvtier ", "sim ")
+            ax.annotate(label, (r["bytes_per_token_end"], d), fontsize=7, xytext=(3, 3), textcoords="offset points")
             if r.get("tiers", {}).get("l3"):  # its L3 backups left out: the bytes L1 and L2 hold
                 read = r["tiers"]["l1"] + r["tiers"]["l2"]
                 ax.plot([read, r["bytes_per_token_end"]], [d, d], ":", color=color, lw=0.8)
@@ -525,7 +531,12 @@ def plot(doc: dict, path: str) -> None:
         ax.set_xlabel("bytes per token held at the end (all tiers; hollow: L1 + L2 only)")
         ax.set_ylabel("Δppl, % (95% CI)")
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    if numbers:
+        key = [f"{i}: {n.removeprefix('store importance ')}" for n, i in numbers.items()]
+        cols = 3
+        fig.text(0.01, 0.0, "\n".join("     ".join(key[j:j + cols]) for j in range(0, len(key), cols)),
+                 fontsize=8, va="top", family="monospace")
+    fig.savefig(path, dpi=130, bbox_inches="tight")  # "tight" takes the key below the panels in
 
 
 def main(argv=None) -> int:
@@ -569,12 +580,15 @@ def main(argv=None) -> int:
     ap.add_argument("--from-json", default=None, nargs="+",
                     help="no measuring: merge these --json outputs (their sources) and plot them")
     ap.add_argument("--pool", default=None, nargs="+",
-                    help="no measuring: pool the per-window lines of these logs (runs of one dtype) into rows")
+                    help="no measuring: pool the per-window lines of these logs (runs of one dtype) into rows; "
+                         "with --from-json, those rows' Δppl replace the JSONs' (bytes kept) for --plot/--json")
     ap.add_argument("--smoke", action="store_true", help="one 256-token window of pydoc, three configs")
     args = ap.parse_args(argv)
+    pooled = None
     if args.pool:
         lines = [ln for f in args.pool for ln in Path(f).read_text().splitlines()]
-        for src, rows in pool_windows(lines, args.boot, args.seed).items():
+        pooled = pool_windows(lines, args.boot, args.seed)
+        for src, rows in pooled.items():
             for name, r in rows.items():
                 vs = r.get("vs_store_lossless")
                 print(f"{src:7s} | {name:34s} | {len(r['windows'])} windows | dppl {100 * r['delta_ppl']:+7.3f}% "
@@ -583,7 +597,8 @@ def main(argv=None) -> int:
                          if vs else "") + "".join(
                           f" | vs {f.removeprefix('store ')} {100 * d:+.2f}% [{100 * lo:+.2f}, {100 * hi:+.2f}]"
                           for f, (d, lo, hi) in r.get("vs_fixed", {}).items()))
-        return 0
+        if not args.from_json:
+            return 0
     if args.from_json:
         doc = {"sources": {}}
         for f in args.from_json:  # runs of one source on the same windows add their rows
@@ -593,6 +608,16 @@ def main(argv=None) -> int:
                     if have["offsets"] != got["offsets"]:
                         raise SystemExit(f"--from-json {f}: {src} was measured on other windows")
                     have["rows"].update(got["rows"])
+        for src, rows in (pooled or {}).items():  # --pool too: Δppl over every window the logs hold
+            got = doc["sources"].get(src)
+            if got is None:
+                continue
+            for name, r in rows.items():
+                if name in got["rows"]:  # the bytes stay those of the JSONs' runs
+                    got["rows"][name].update(delta_ppl=r["delta_ppl"], ci95=r["ci95"], windows=r["windows"],
+                                             vs_fixed=r.get("vs_fixed"))
+            n = sorted({len(r["windows"]) for r in rows.values()})
+            got["windows"] = n[0] if len(n) == 1 else f"{n[0]}-{n[-1]}"
         for src, got in doc["sources"].items():  # the merged rows' standing (each run's own saw part of them)
             got["against_fixed"] = {"l1+l2": against_fixed(got["rows"], l1_l2_bytes),
                                     "all tiers": against_fixed(got["rows"], all_tier_bytes)}
