@@ -144,6 +144,8 @@ def pareto_store_specs() -> list[StoreSpec]:
         imp("store importance int8 50% / int4", heavy_fraction=0.5, cold_fraction=0.0),
         imp("store importance int8 / int4 75%", codec="int8", cold_codec="int4", heavy_fraction=0.0,
             cold_fraction=0.75),
+        imp("store importance int8 / int4 75% no recall", codec="int8", cold_codec="int4", heavy_fraction=0.0,
+            cold_fraction=0.75, recall_mass=math.inf),
         imp("store importance int4 / int2 25%", heavy_fraction=0.0, cold_fraction=0.25),
         imp("store importance int4 / int2 50%", heavy_fraction=0.0, cold_fraction=0.5),
         # no recall: no upgrades, and so no backups in L3 (all-tier bytes = L1 + L2)
