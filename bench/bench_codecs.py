@@ -190,8 +190,11 @@ def bench_codec(name, k, v, kb, vb, group_size, repeats, n_tokens):
 
 def bench_encoders(kb, vb, group_size, repeats):
     """Each int8/int4/int2 encoder on the store's unit, one block per call (keys per channel, values
-    per token): relative error of K and V over all blocks, and the encode time of the blocks as
-    a ratio to ``copy_`` of the same bytes (1 thread; the swap-out worker's cost)."""
+    per token): relative error of K and V over all blocks, the encode and decode time of the
+    blocks as a ratio to ``copy_`` of the same bytes (1 thread; the swap-out worker's cost and a
+    swap-in's, through the codec and as the store decodes a block record in place), and the
+    encoded bytes. int2 also as the store encodes it by default (keys ``mse``
+    with ``int2_key_outliers`` channels kept exactly, values ``minmax``) and with 2 and 8 kept."""
     ck = [torch.empty_like(a) for a in kb]
     cv = [torch.empty_like(b) for b in vb]
 
@@ -200,30 +203,61 @@ def bench_encoders(kb, vb, group_size, repeats):
             x.copy_(a)
             y.copy_(b)
 
+    from kvtier.compress import cpu as cpu_kernels
+    from kvtier.config import KVTierConfig
+    from kvtier.store.blockrecord import BlockDecoder, pack_block
+
+    kept = KVTierConfig().int2_key_outliers
     rows = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         # int8 has one encoder (absmax); it is listed so that every codec precision="importance"
         # mixes has its error and encode cost on the store's unit in one table
-        for name, encoders in (("int8", ("minmax",)), ("int4", ("minmax", "mse")), ("int2", ("minmax", "mse"))):
-            for enc in encoders:
-                kc = get_codec(name, group_size=group_size, axis="channel", encoder=enc)
-                vc = get_codec(name, group_size=group_size, axis="token", encoder=enc)
+        variants = [(name, enc, enc, 0) for name, encoders in (("int8", ("minmax",)), ("int4", ("minmax", "mse")),
+                                                               ("int2", ("minmax", "mse"))) for enc in encoders]
+        variants += [("int2", "mse", "minmax", n) for n in sorted({0, 2, 4, 8, kept})]
+        for name, enc, venc, n in variants:
+            kc = get_codec(name, group_size=group_size, axis="channel", encoder=enc, outliers=n)
+            vc = get_codec(name, group_size=group_size, axis="token", encoder=venc)
 
-                def quant():
-                    for a, b in zip(kb, vb):
-                        kc.encode(a)
-                        vc.encode(b)
+            def quant():
+                for a, b in zip(kb, vb):
+                    kc.encode(a)
+                    vc.encode(b)
 
-                sp = vs_copy({"quant": quant}, copy, kb[0], repeats)
-                yk = torch.cat([kc.decode(kc.encode(a)) for a in kb])
-                yv = torch.cat([vc.decode(vc.encode(b)) for b in vb])
-                errk, _ = rel_err(yk, torch.cat(kb))
-                errv, _ = rel_err(yv, torch.cat(vb))
-                rows.append({"codec": name, "encoder": enc, "k_rel_err": errk, "v_rel_err": errv,
-                             "quant_blocks_ratio_1t": sp["quant"]["ratio"],
-                             "quant_us_per_block": 1e6 * sp["quant"]["seconds"] / len(kb)})
+            ek, ev = [kc.encode(a) for a in kb], [vc.encode(b) for b in vb]
+
+            def dequant():
+                for a, b in zip(ek, ev):
+                    kc.decode(a)
+                    vc.decode(b)
+
+            ops = {"quant": quant, "dequant": dequant}
+            records = [pack_block(a, b) for a, b in zip(ek, ev)]
+            decoder = BlockDecoder(kc, vc, tuple(kb[0].shape), kb[0].dtype) if cpu_kernels.available() else None
+            if decoder is not None:  # the store's swap-in path: records decoded in place
+                assert decoder.decode(records[0]) is not None
+
+                def dequant_records():
+                    for r in records:
+                        decoder.decode(r)
+
+                ops["records"] = dequant_records
+            sp = vs_copy(ops, copy, kb[0], repeats)
+            errk, _ = rel_err(torch.cat([kc.decode(e) for e in ek]), torch.cat(kb))
+            errv, _ = rel_err(torch.cat([vc.decode(e) for e in ev]), torch.cat(vb))
+            label = enc if enc == venc else f"K {enc} V {venc}"
+            rows.append({"codec": name, "encoder": label + (f" K+{n} kept" if n else ""), "k_rel_err": errk,
+                         "v_rel_err": errv, "kept_key_channels": n,
+                         "quant_blocks_ratio_1t": sp["quant"]["ratio"],
+                         "dequant_blocks_ratio_1t": sp["dequant"]["ratio"],
+                         "quant_us_per_block": 1e6 * sp["quant"]["seconds"] / len(kb),
+                         "dequant_us_per_block": 1e6 * sp["dequant"]["seconds"] / len(kb),
+                         "record_dequant_us_per_block": 1e6 * sp["records"]["seconds"] / len(kb)
+                         if decoder is not None else None,
+                         "bytes_per_token_layer": sum(a.nbytes + b.nbytes for a, b in zip(ek, ev))
+                         / (len(kb) * kb[0].shape[1])})  # blocks are one layer's [heads, bt, D]
     finally:
         torch.set_num_threads(threads)
     return rows
@@ -374,10 +408,13 @@ def main(argv=None) -> int:
             fmt(100 * r["stage_raw_fraction"], ".0f")]))
     print(f"# encoders (the rows above are minmax): one call per {args.block_tokens}-token block, 1 thread; "
           "K rel / V rel over all blocks; quant/copy = t_copy / t_encode of the same blocks")
-    print(" | ".join(("codec", "encoder", "K rel", "V rel", "quant/copy blk 1t", "us/block (K+V)")))
+    print(" | ".join(("codec", "encoder", "K rel", "V rel", "quant/copy blk 1t", "us/block (K+V)",
+                      "deq/copy blk 1t", "deq us/block", "record deq us/block", "B/tok/layer")))
     for r in encoders:
         print(" | ".join([r["codec"], r["encoder"], fmt(r["k_rel_err"], ".4f"), fmt(r["v_rel_err"], ".4f"),
-                          fmt(r["quant_blocks_ratio_1t"], ".3f"), fmt(r["quant_us_per_block"], ".0f")]))
+                          fmt(r["quant_blocks_ratio_1t"], ".3f"), fmt(r["quant_us_per_block"], ".0f"),
+                          fmt(r["dequant_blocks_ratio_1t"], ".3f"), fmt(r["dequant_us_per_block"], ".0f"),
+                          fmt(r["record_dequant_us_per_block"], ".0f"), fmt(r["bytes_per_token_layer"], ".0f")]))
     print("# side by side (same tensors; HQQ on the first layer only, its own copy_ reference)")
     for r in side:
         print(" | ".join([r["codec"], fmt(r["quant_ratio"], ".3f"), fmt(r["dequant_ratio"], ".3f"), "-", "-", "-", "-",

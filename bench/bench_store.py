@@ -16,6 +16,16 @@ Reported, per (context, L1 fraction):
   swap in/out    bytes per step; prefetch precision and coverage; misses per step
                  (prefetch follows the config's "auto": off for a CPU store; --prefetch forces it)
 
+Then, per --swap-in-shape, a decode step's swap-in of a layer's selected blocks from L3 at a
+small-record shape (one layer's int4 block: SmolLM2's 5.4 KiB, Llama-3-8B's 18 KiB):
+``gather_blocks`` of ``--swap-in-blocks`` random sealed blocks of a sequence whose blocks only
+L3 holds, batched (this tree: one ``get_many`` for the step's blocks) and forced per record (one
+``get`` a block, the store's path before batching), alternated step by step. Reported as medians over steps of ratios to a
+raw read of the same bytes right after each step (one ``pread`` per record of the values the
+step's L3 calls returned, at their places in the segment files, warm):
+  l3 read/raw    raw time / time in the L3 tier calls of the swap-in  (target >= 0.7)
+  swap-in/raw    raw time / the whole swap-in (L3 read, CRC, decode, install into L1)
+
     python bench/bench_store.py            # 4k and 16k context, L1 at 10% and 25%
     python bench/bench_store.py --smoke    # seconds; run by `make bench-smoke`
 """
@@ -25,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -218,6 +229,105 @@ def run(ctx: int, l1_frac: float, budget_frac: float, steps: int, warmup: int, d
     }
 
 
+# kv_heads, head_dim, block_tokens: one layer's int4 block record, scales included: SmolLM2's 5.4 KiB,
+# Llama-3-8B's 18 KiB (fewer tokens a block would not shrink it much: K's scales are per channel)
+SWAP_SHAPES = {"smollm2": (3, 64, 16), "llama8b": (8, 128, 8)}
+
+
+def swap_in(shape: str, ctx: int, blocks: int, steps: int, disk_dir: str) -> dict:
+    """A decode step's swap-in of ``blocks`` random blocks of one layer whose blocks only L3
+    holds, batched and forced per record, alternated step by step; each step followed by a raw
+    read of the same bytes: a ``pread`` per record of the values the step's L3 calls returned,
+    from their segment files (see the module docstring)."""
+    from kvtier.store import reads
+
+    kvh, hd, bt = SWAP_SHAPES[shape]
+    cfg = KVTierConfig(block_tokens=bt, hot_tokens=2 * (blocks + 1) * bt, budget_tokens=(blocks + 1) * bt,
+                       host_bytes=64 << 10, disk_path=disk_dir, disk_bytes=1 << 30, codec="int4", policy="lru",
+                       attention="sparse", max_sequences=1, prefetch=False)
+    st = KVStore(cfg, num_layers=1, kv_heads=kvh, head_dim=hd, dtype=torch.float32, device="cpu")
+    seq = st.add_sequence()
+    g = torch.Generator().manual_seed(0)
+    for _ in range(0, ctx, 1024):
+        st.append(seq, 0, torch.randn(kvh, 1024, hd, generator=g), torch.randn(kvh, 1024, hd, generator=g))
+    st.end_step()
+    st.flush()
+    l3 = st.lower.l3
+    spent = [0.0]          # seconds inside this step's L3 calls
+    asked: list[str] = []  # the keys they were asked for
+
+    def get_many(keys):
+        asked.extend(keys)
+        t0 = time.perf_counter()
+        try:
+            return batched(keys)
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    def get_per_record(keys):
+        asked.extend(keys)
+        t0 = time.perf_counter()
+        try:
+            return [get(k) for k in keys]
+        finally:
+            spent[0] += time.perf_counter() - t0
+
+    def raw_read(keys: list[str]) -> float:
+        locs = [l3._index.lookup(k) for k in keys]  # (segment, record offset, record bytes, value bytes)
+        for sid, *_ in locs:
+            if sid not in fds:
+                fds[sid] = os.open(l3._segs[sid].path, os.O_RDONLY)
+        t0 = time.perf_counter()
+        got = [os.pread(fds[sid], vlen, off + size - vlen) for sid, off, size, vlen in locs]
+        dt = time.perf_counter() - t0
+        assert all(len(v) == loc[3] for v, loc in zip(got, locs))
+        return dt
+
+    batched, get = l3.get_many, l3.get
+    keys = list(l3.keys())
+    sizes = sorted(l3.value_sizes(keys))
+    batched(keys)  # warm reads: every record's pages cached and mapped once, before either mode
+    fds: dict[int, int] = {}
+    rng = random.Random(0)
+    sealed = len(st.residency.tables[seq][0].entries) - 1
+    out: dict[str, list[tuple]] = {"batched": [], "per_record": []}  # (l3 s, swap-in s, raw s, records)
+    batch0 = reads._SWAP_IN_BATCH
+    try:
+        for i in range(2 * steps + 2):
+            mode = ("batched", "per_record")[i % 2]
+            # per record: a swap-in a block, each one L3 get() (the store's path before batching)
+            reads._SWAP_IN_BATCH = batch0 if mode == "batched" else 1
+            l3.get_many = get_many if mode == "batched" else get_per_record
+            sel = sorted(rng.sample(range(sealed), blocks))
+            hits = st.stats()["hits"]["l3"]
+            spent[0] = 0.0
+            asked.clear()
+            t0 = time.perf_counter()
+            st.gather_blocks(seq, 0, sel)
+            swap_s = time.perf_counter() - t0
+            n = st.stats()["hits"]["l3"] - hits
+            assert n == len(asked), "every L3 read of the step was a hit"
+            if i >= 2 and n:  # the first step of each mode warms up
+                out[mode].append((spent[0], swap_s, raw_read(asked), n))
+            st.end_step()
+    finally:
+        reads._SWAP_IN_BATCH = batch0
+        del l3.get_many
+        for fd in fds.values():
+            os.close(fd)
+        st.close()
+    row = {"shape": shape, "ctx": ctx, "blocks": blocks, "record_bytes": sizes[len(sizes) // 2]}
+    for mode, xs in out.items():
+        # paired per step (the raw read right after the swap-in): machine load hits both alike
+        row[mode] = {"steps": len(xs), "l3_records_per_step": sum(x[3] for x in xs) / len(xs),
+                     "read_over_raw": pct([x[2] / x[0] for x in xs], 0.5),
+                     "swap_over_raw": pct([x[2] / x[1] for x in xs], 0.5),
+                     "us_per_record": pct([x[1] / x[3] for x in xs], 0.5) * 1e6,
+                     "l3_us_per_record": pct([x[0] / x[3] for x in xs], 0.5) * 1e6,
+                     "raw_us_per_record": pct([x[2] / x[3] for x in xs], 0.5) * 1e6}
+    return row
+
+
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, int(round(q * len(s) + 0.5)) - 1))]
@@ -242,10 +352,16 @@ def main(argv=None) -> int:
                     help="asynchronous swap-in of predicted blocks (a second thread decoding on CPU); "
                          "default: the config's 'auto' (on for a GPU store, off on CPU)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--swap-in-shape", nargs="*", choices=sorted(SWAP_SHAPES), default=sorted(SWAP_SHAPES),
+                    help="shapes of the L3 swap-in measurement (none: skip it)")
+    ap.add_argument("--swap-in-ctx", type=int, default=16384, help="tokens of the swap-in measurement's sequence")
+    ap.add_argument("--swap-in-blocks", type=int, default=64, help="blocks a step swaps in (a sparse step's recall)")
+    ap.add_argument("--swap-in-steps", type=int, default=100, help="steps of each mode (batched, per record)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     if args.smoke:
         args.ctx, args.l1, args.steps, args.warmup = [1024], [0.25], 12, 3
+        args.swap_in_shape, args.swap_in_ctx, args.swap_in_steps = ["smollm2"], 4096, 20
     device = torch.device(args.device)
     # fp16 matmuls are slow on CPU; a CPU deployment would run fp32
     dtype = torch.float16 if device.type == "cuda" else torch.float32
@@ -289,9 +405,28 @@ def main(argv=None) -> int:
     for r in results:
         print(f"  ctx {r['ctx']:>6} L1 {r['l1_frac']:.2f}            "
               + " ".join(f"{r['per_layer_us'][c]:>8.1f}" for c in CALLS) + f" {r['ref_per_layer_us']:>8.1f}")
+    swaps = []
+    for shape in args.swap_in_shape:
+        d = tempfile.mkdtemp(prefix="kvtier-bench-")
+        try:
+            swaps.append(swap_in(shape, args.swap_in_ctx, args.swap_in_blocks, args.swap_in_steps,
+                                 os.path.join(d, "l3")))
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+    if swaps:
+        print(f"L3 swap-in of a step's {args.swap_in_blocks} blocks, ratios to a pread of the same bytes "
+              "(target: l3 read/raw >= 0.7)")
+        print(f"{'shape':>8} {'record B':>8} {'mode':>10} {'l3/step':>7} {'l3 read/raw':>11} {'swap-in/raw':>11} "
+              f"{'us/block: swap-in':>17} {'l3':>6} {'raw':>6}")
+        for r in swaps:
+            for mode in ("batched", "per_record"):
+                m = r[mode]
+                print(f"{r['shape']:>8} {r['record_bytes']:>8} {mode:>10} {m['l3_records_per_step']:>7.1f} "
+                      f"{m['read_over_raw']:>11.2f} {m['swap_over_raw']:>11.3f} {m['us_per_record']:>17.1f} "
+                      f"{m['l3_us_per_record']:>6.1f} {m['raw_us_per_record']:>6.1f}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(results, fh, indent=2)
+            json.dump({"decode": results, "swap_in": swaps}, fh, indent=2)
     return 0
 
 

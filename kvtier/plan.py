@@ -133,8 +133,11 @@ def codec_bytes_per_block(codec: str, dtype: str, kv_heads: int, head_dim: int, 
         codec = "bf16" if tdtype == torch.bfloat16 else "fp16"  # a 16-bit codec follows the KV dtype
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(kv_heads, block_tokens, head_dim, generator=gen).to(tdtype)  # [kv_heads, bt, head_dim]
-    k = get_codec(codec, group_size=group_size, axis="channel").encode(x).nbytes
-    v = get_codec(codec, group_size=group_size, axis="token").encode(x).nbytes
+    from kvtier.config import KVTierConfig
+
+    cfg = KVTierConfig(group_size=group_size)  # the codecs a planned config's store uses
+    k = get_codec(codec, **cfg.codec_kwargs(codec, "key")).encode(x).nbytes
+    v = get_codec(codec, **cfg.codec_kwargs(codec, "value")).encode(x).nbytes
     return k + v
 
 

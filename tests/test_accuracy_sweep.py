@@ -122,3 +122,33 @@ def test_pool_windows_merges_runs_of_one_window():
     d, lo, hi = rows["store importance x"]["vs_fixed"]["store int4 g32"]  # window 7 only: the one holding both
     assert abs(d - math.expm1(-0.1)) < 1e-9 and abs(hi - d) < 1e-9
     assert rows["store importance x"]["against"] == sweep.REF_CHUNKED
+
+
+def test_int2_rows_pre_rope_and_kept_channels():
+    """--int2 store rows set int2_key_outliers; the simulated pre-RoPE rows rotate keys back by
+    their cache positions (``"block"``: by their offsets in their block) around the codec, and
+    the kept-channel rows are the key codec's own ``outliers`` (its bytes)."""
+    from kvtier.compress import get_codec
+    from kvtier.compress.rope import rotate
+
+    for s in sweep.int2_store_specs():
+        cfg = sweep.store_config(s, 64, None)
+        if s.int2_key_outliers is not None:
+            assert cfg.int2_key_outliers == s.int2_key_outliers
+    inv = 1.0 / (100000 ** (torch.arange(0, 64, 2).float() / 64))
+    x = torch.randn(3, 128, 64, dtype=torch.bfloat16)  # [kv_heads, T, D], two 64-token blocks at 64, 128
+    c = get_codec("int2", group_size=32, axis="channel")
+    blocks = lambda t: t.view(3, 2, 64, 64).transpose(0, 1).reshape(-1, 64, 64)  # noqa: E731
+    unblock = lambda t: t.view(2, 3, 64, 64).transpose(0, 1).reshape(3, 128, 64)  # noqa: E731
+    pre = sweep.Spec("pre", "kvtier", codec="int2", key_rope="pre")
+    y, n = sweep._encode_decode_blocks(x, pre, "k", 64, 64, inv)
+    want = rotate(unblock(c.decode(c.encode(blocks(rotate(x, 64, inv, inverse=True))))), 64, inv)
+    assert torch.equal(y, want) and n == c.encode(blocks(x)).nbytes
+    blk = sweep.Spec("blk", "kvtier", codec="int2", key_rope="block")
+    y0, _ = sweep._encode_decode_blocks(x, blk, "k", 64, 0, inv)
+    y1, _ = sweep._encode_decode_blocks(x, blk, "k", 64, 640, inv)
+    assert torch.equal(y0, y1)  # the start position does not matter
+    kept = sweep.Spec("k4", "kvtier", codec="int2", key_outliers=4)
+    y, n = sweep._encode_decode_blocks(x, kept, "k", 64)
+    c4 = get_codec("int2", group_size=32, axis="channel", outliers=4)
+    assert n == c4.encode(blocks(x)).nbytes and torch.equal(y, unblock(c4.decode(c4.encode(blocks(x)))))

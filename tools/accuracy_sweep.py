@@ -83,6 +83,7 @@ class StoreSpec:
     heavy_codec: str = "int8"
     cold_codec: str = "int2"
     attention_math: str = "sdpa"  # --store-math; sdpa: a lossless store computes what DynamicCache does
+    int2_key_outliers: int | None = None  # None: the config's default
 
 
 #: the store row every other store row is also compared with (the same chunking, the same
@@ -163,6 +164,16 @@ def int8_store_specs() -> list[StoreSpec]:
     return [StoreSpec(STORE_LOSSLESS, codec="lossless"), StoreSpec("store int8 g32", codec="int8")]
 
 
+def int2_store_specs() -> list[StoreSpec]:
+    """int2 by key channels kept exactly (``int2_key_outliers``), against int4 and lossless."""
+    return [StoreSpec(STORE_LOSSLESS, codec="lossless"),
+            StoreSpec("store int4 g32", codec="int4"),
+            StoreSpec("store int2 g32 K+0", codec="int2", int2_key_outliers=0),
+            StoreSpec("store int2 g32 K+2", codec="int2", int2_key_outliers=2),
+            StoreSpec("store int2 g32 K+4", codec="int2", int2_key_outliers=4),
+            StoreSpec("store int2 g32 K+8", codec="int2", int2_key_outliers=8)]
+
+
 def mix_store_specs() -> list[StoreSpec]:
     """int4/int2 mixes by importance (no int8), the region between the int4 and int2 rows."""
     imp = lambda name, **p: StoreSpec(name, precision="importance", heavy_fraction=0.0, **p)  # noqa: E731
@@ -186,6 +197,9 @@ class Spec:
     value_codec: str | None = None  # values' codec when it differs from keys'
     nbits: int = 4
     params: dict = field(default_factory=dict)
+    key_rope: str = "post"  # "pre": keys rotated back to before RoPE for quantizing (kvtier.compress.rope);
+    # "block": rotated back by their offsets within their block (a constant rotation per block is left)
+    key_outliers: int = 0  # the key codec's ``outliers``: channels per block and head kept exactly
 
 
 def default_specs() -> list[Spec]:
@@ -202,6 +216,16 @@ def default_specs() -> list[Spec]:
         kv("kvtier int2 g32 K mse V minmax", codec="int2", encoder="mse", value_encoder="minmax"),
         # the keys' share of int2's loss: keys int4, values int2 (4 bits per value on average)
         kv("kvtier K int4 V int2 g32", codec="int4", encoder="minmax", value_codec="int2", value_encoder="minmax"),
+        # int2 keys (mse, values minmax: the default encoders) before RoPE and with K+n channels
+        # kept exactly (the store's int2_key_outliers)
+        kv("kvtier int2 g32 K pre-RoPE", codec="int2", key_rope="pre"),
+        kv("kvtier int2 g32 K pre-RoPE minmax", codec="int2", key_rope="pre", encoder="minmax"),
+        kv("kvtier int2 g32 K block-RoPE", codec="int2", key_rope="block"),
+        kv("kvtier int2 g32 K block-RoPE minmax", codec="int2", key_rope="block", encoder="minmax"),
+        kv("kvtier int2 g32 K pre-RoPE K+4", codec="int2", key_rope="pre", key_outliers=4),
+        kv("kvtier int2 g32 K+2", codec="int2", key_outliers=2),
+        kv("kvtier int2 g32 K+4", codec="int2", key_outliers=4),
+        kv("kvtier int2 g32 K+8", codec="int2", key_outliers=8),
         Spec("hqq int4", "hqq", nbits=4),
         Spec("quanto int4", "quanto", nbits=4),
         Spec("quanto int2", "quanto", nbits=2),
@@ -210,17 +234,31 @@ def default_specs() -> list[Spec]:
     ]
 
 
-def _encode_decode_blocks(x: torch.Tensor, spec: Spec, role: str, block: int) -> tuple[torch.Tensor, int]:
-    """x ``[kv_heads, T, D]`` (T a multiple of ``block``) through the codec, block by block
-    (all blocks of a layer in one call: groups never cross a block, so this equals per-block
-    encoding). Returns the decoded tensor and the encoded bytes."""
+def _encode_decode_blocks(x: torch.Tensor, spec: Spec, role: str, block: int, start: int = 0,
+                          inv_freq: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+    """x ``[kv_heads, T, D]`` (T a multiple of ``block``, its first token at cache position
+    ``start``) through the codec, block by block (all blocks of a layer in one call: groups never
+    cross a block, so this equals per-block encoding). Returns the decoded tensor and the encoded
+    bytes. Keys of ``key_rope="pre"`` are rotated back by their positions' angles (``inv_freq``)
+    first and forward again after decoding (``"block"``: by their offsets in their block);
+    ``key_outliers`` is the key codec's ``outliers`` (channels per block and head kept exactly)."""
     from kvtier.compress import get_codec
+    from kvtier.compress.rope import rotate
 
+    if role == "k" and spec.key_rope != "post":
+        h, t, d = x.shape
+        if spec.key_rope == "block":  # every block as if it started at position 0
+            x = x.view(h, t // block, block, d)
+            start = 0
+        post = Spec(**{**vars(spec), "key_rope": "post"})
+        y, nb = _encode_decode_blocks(rotate(x, start, inv_freq, inverse=True).view(h, t, d), post, role, block)
+        return rotate(y.view(x.shape), start, inv_freq).view(h, t, d), nb
     h, t, d = x.shape
     axis = spec.key_axis if role == "k" else spec.value_axis
     encoder = spec.value_encoder if role == "v" and spec.value_encoder else spec.encoder
     name = spec.value_codec if role == "v" and spec.value_codec else spec.codec
-    c = get_codec(name, group_size=spec.group_size, axis=axis, encoder=encoder)
+    outliers = spec.key_outliers if role == "k" else 0
+    c = get_codec(name, group_size=spec.group_size, axis=axis, encoder=encoder, outliers=outliers)
     xb = x.view(h, t // block, block, d).transpose(0, 1).reshape(-1, block, d)  # [blocks * kv_heads, block, D]
     enc = c.encode(xb.contiguous())
     y = c.decode(enc).view(t // block, h, block, d).transpose(0, 1).reshape(h, t, d)
@@ -271,6 +309,7 @@ def run_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[Spec], 
         return -torch.log_softmax(logits, -1).gather(1, cont.view(-1, 1)).squeeze(1).double()
 
     res = {"ref": (score(kv), 0, 0.0)}
+    inv_freq = model.model.rotary_emb.inv_freq if any(s.key_rope != "post" for s in specs) else None
     for spec in specs:
         t0 = time.perf_counter()
         layers, nbytes = [], 0
@@ -278,7 +317,7 @@ def run_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[Spec], 
             if spec.kind == "kvtier":
                 pair = []
                 for role, x in (("k", k), ("v", v)):
-                    y, nb = _encode_decode_blocks(x[0, :, sink:old], spec, role, block)
+                    y, nb = _encode_decode_blocks(x[0, :, sink:old], spec, role, block, sink, inv_freq)
                     pair.append(torch.cat([x[:, :, :sink], y[None], x[:, :, old:]], dim=2))
                     nbytes += nb + (x[:, :, :sink].numel() + x[:, :, old:].numel()) * x.element_size()
                 layers.append(tuple(pair))
@@ -298,7 +337,8 @@ def store_config(spec: StoreSpec, block: int, disk_path: str | None, dtype: torc
     from kvtier.config import KVTierConfig, lossless_codec
 
     imp = spec.precision == "importance"
-    return KVTierConfig(block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
+    extra = {} if spec.int2_key_outliers is None else {"int2_key_outliers": spec.int2_key_outliers}
+    return KVTierConfig(**extra, block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
                         disk_path=disk_path, disk_bytes=4 << 30, group_size=spec.group_size,
                         codec=lossless_codec(str(dtype).removeprefix("torch.")) if spec.codec == "lossless" else spec.codec,
                         attention_math=spec.attention_math,
@@ -563,6 +603,8 @@ def main(argv=None) -> int:
                     help="also run the store rows (default_store_specs) through the real store")
     ap.add_argument("--store-only", action="store_true", help="the store rows only (no simulated rows, no anchors)")
     ap.add_argument("--mixes", action="store_true", help="--store: the int4/int2 mix rows (mix_store_specs) instead")
+    ap.add_argument("--int2", action="store_true",
+                    help="--store: int2 rows by exactly kept key channels (int2_store_specs) instead")
     ap.add_argument("--recall", action="store_true",
                     help="--store: importance rows by recall reference against fixed int8/int4/int2 (recall_store_specs)")
     ap.add_argument("--pareto", action="store_true",
@@ -630,7 +672,7 @@ def main(argv=None) -> int:
         return 0
     specs = default_specs()
     store_specs = (int8_store_specs() if args.int8 else pareto_store_specs() if args.pareto
-                   else mix_store_specs() if args.mixes
+                   else mix_store_specs() if args.mixes else int2_store_specs() if args.int2
                    else recall_store_specs() if args.recall
                    else default_store_specs()) if args.store or args.store_only else []
     store_specs = [dataclasses.replace(s, attention_math=args.store_math) for s in store_specs]

@@ -44,8 +44,12 @@ DEFAULT_ENCODER = {(4, "token"): "minmax", (4, "channel"): "minmax", (2, "token"
                    (2, "channel"): "mse", (8, "token"): "minmax", (8, "channel"): "minmax"}
 
 
+#: Most key channels per matrix an integer codec keeps exactly (``outliers``).
+MAX_OUTLIERS = 32
+
+
 def get_codec(name: str, *, group_size: int = 64, axis: str | None = None, check_finite: bool = True,
-              encoder: str | None = None) -> Codec:
+              encoder: str | None = None, outliers: int = 0) -> Codec:
     """Build a codec by name.
 
     Args:
@@ -62,6 +66,10 @@ def get_codec(name: str, *, group_size: int = 64, axis: str | None = None, check
             (:data:`DEFAULT_ENCODER`): ``"mse"`` for int2 keys (axis "channel"), ``"minmax"``
             otherwise. int8 is always absmax and accepts only ``None`` or ``"minmax"``. Ignored
             by the others.
+        outliers: int8/int4/int2 with axis ``"channel"`` only: this many channels of each
+            ``[T, D]`` matrix (the widest ranges) are also stored exactly, in the input dtype,
+            with a one-byte index each (:func:`kvtier.compress.reference.outlier_split`);
+            0 to :data:`MAX_OUTLIERS`. Any decoder of the codec reads records of any count.
     """
     if not isinstance(name, str) or name not in NAMES:
         raise ValueError(f"codec name must be one of {NAMES}; got {name!r}")
@@ -75,6 +83,11 @@ def get_codec(name: str, *, group_size: int = 64, axis: str | None = None, check
         raise ValueError(f"check_finite must be True or False; got {check_finite!r}")
     if encoder is not None and encoder not in ENCODERS:
         raise ValueError(f"encoder must be one of {ENCODERS} or None; got {encoder!r}")
+    if isinstance(outliers, bool) or not isinstance(outliers, int) or not 0 <= outliers <= MAX_OUTLIERS:
+        raise ValueError(f"outliers must be an int in [0, {MAX_OUTLIERS}]; got {outliers!r}")
+    if outliers and (name not in _INT_BITS or axis != "channel"):
+        raise ValueError(f"outliers must be 0 unless the codec is int8, int4 or int2 with axis 'channel'; "
+                         f"got outliers={outliers} for {name!r} axis {axis!r}")
     if name in ("fp16", "bf16"):
         return PassthroughCodec(name)
     if name == "fp32":
@@ -83,7 +96,7 @@ def get_codec(name: str, *, group_size: int = 64, axis: str | None = None, check
         bits = _INT_BITS[name]
         if bits == 8 and encoder not in (None, "minmax"):
             raise ValueError(f"encoder must be 'minmax' or None for int8 (absmax scales); got {encoder!r}")
-        return IntCodec(bits, group_size, axis, check_finite, encoder or DEFAULT_ENCODER[(bits, axis)])
+        return IntCodec(bits, group_size, axis, check_finite, encoder or DEFAULT_ENCODER[(bits, axis)], outliers)
     return BnbCodec(name, group_size, axis, check_finite)
 
 
@@ -197,25 +210,38 @@ class IntCodec(Codec):
 
     ``encoder`` ("minmax" or "mse") only chooses scale and zero: it is not part of ``params``,
     since any decoder reads either encoder's output.
+
+    ``outliers`` (n > 0, axis "channel"): two more parts, ``oidx`` (uint8 ``[..., n]``) and
+    ``oval`` (input dtype ``[..., T, n]``), the exact values of each matrix's n widest channels,
+    which the decoder writes over their dequantized ones; ``params`` then says
+    ``outliers=n``. The codes of those channels stay in ``q`` (a per-channel group spends its
+    scale on its own channel only), so the layout of the other parts, and their decoders, are
+    those of the plain codec: a decoder reads the count from the record, any count.
     """
 
     def __init__(self, bits: int, group_size: int, axis: str, check_finite: bool = True,
-                 encoder: str = "minmax"):
+                 encoder: str = "minmax", outliers: int = 0):
         self.bits = bits
         self.name = f"int{bits}"
         self.group_size = group_size
         self.axis = axis
         self.check_finite = check_finite
         self.encoder = encoder
+        self.outliers = outliers
         self._specs: dict = {}  # (shape, dtype) -> (shape, q shape, q dtype, scale shape): _parts
 
     @property
     def params(self) -> dict:
-        return {"group_size": self.group_size, "axis": self.axis}
+        p = {"group_size": self.group_size, "axis": self.axis}
+        if self.outliers:
+            p["outliers"] = self.outliers
+        return p
 
     def encode(self, x: torch.Tensor) -> Encoded:
         check_input(x)
         bits, g, axis = self.bits, self.group_size, self.axis
+        if self.outliers > x.shape[-1]:
+            raise ValueError(f"outliers must be <= head_dim ({x.shape[-1]}); got {self.outliers}")
         if self.encoder == "mse" and x.device.type == "cpu" and _cpu.available():
             q, scale, zero, nonfinite = _cpu.quantize_mse_checked(x.contiguous(), bits, g, axis)
             if self.check_finite and nonfinite:
@@ -245,7 +271,25 @@ class IntCodec(Codec):
         parts = {"q": q, "scale": scale}
         if zero is not None:
             parts["zero"] = zero
+        if self.outliers:
+            parts["oidx"], parts["oval"] = _ref.outlier_split(x, self.outliers)
         return Encoded(self.name, self.params, tuple(x.shape), x.dtype, parts)
+
+    def _outlier_parts(self, enc: Encoded, shape: tuple[int, ...]):
+        """(oidx, oval) of a record that keeps outlier channels, checked; None for one without."""
+        n = enc.params.get("outliers", 0)
+        if n == 0:
+            return None
+        *lead, t, d = shape
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= min(d, MAX_OUTLIERS) \
+                or self.axis != "channel":
+            raise ValueError(f"enc.params['outliers'] must be an int in [1, {min(d, MAX_OUTLIERS)}] "
+                             f"(axis 'channel'); got {n!r}")
+        idx = _expect_part(enc, "oidx", (*lead, n), torch.uint8)
+        val = _expect_part(enc, "oval", (*lead, t, n), enc.dtype)
+        if int(idx.max()) >= d:
+            raise ValueError(f"enc.parts['oidx'] must index channels below head_dim {d}")
+        return idx, val
 
     def _parts(self, enc: Encoded):
         # Fast path (swap-ins decode thousands of records a step): an encoding whose (shape,
@@ -296,15 +340,22 @@ class IntCodec(Codec):
         if q.device != dev:
             q, scale = q.to(dev), scale.to(dev)
             zero = zero.to(dev) if zero is not None else None
+        kept = self._outlier_parts(enc, shape)
         args = (q, scale, zero, self.bits, self.group_size, self.axis, shape, enc.dtype)
         if dev.type == "cuda":
             from kvtier.compress import triton_kernels
 
-            return triton_kernels.dequantize(*args)
-        if dev.type == "cpu" and _cpu.available():
-            return _cpu.dequantize(*args, out=out)
-        y = _ref.dequantize_ref(*args)
-        return out.copy_(y) if out is not None else y
+            y = triton_kernels.dequantize(*args)
+        elif dev.type == "cpu" and _cpu.available():
+            y = _cpu.dequantize(*args, out=out)
+            if kept is not None:
+                idx, val = kept[0].to(dev).contiguous(), kept[1].to(dev).contiguous()
+                _cpu.merge_kept_ptrs(idx.data_ptr(), val.data_ptr(), shape, idx.shape[-1], enc.dtype, y)
+                return y  # indices checked by _outlier_parts
+        else:
+            y = _ref.dequantize_ref(*args)
+            y = out.copy_(y) if out is not None else y
+        return y if kept is None else _ref.outlier_merge(y, *kept)
 
 
 @lru_cache(maxsize=None)

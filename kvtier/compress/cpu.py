@@ -823,6 +823,22 @@ void kvt_dequant(const void *q, const void *scale, const void *zero, int dt, int
     else if (D % G == 0 && (D * bits) % 8 == 0) tok_dequant_fast(q, scale, zero, dt, B * T, D, bits, G, out);
     else tok_dequant_rows(q, scale, zero, dt, B * T, D, bits, G, out);
 }
+
+/* Kept channels: out[b, t, idx[b, j]] = val[b, t, j] for elements of `elem` bytes. Every index is
+   checked before anything is written; returns 1 (nothing written) if one is >= D. */
+int kvt_merge_kept(const uint8_t *idx, const void *val, int64_t B, int64_t T, int64_t D, int64_t n,
+                   int64_t elem, void *out) {
+    for (int64_t i = 0; i < B * n; i++) if (idx[i] >= D) return 1;
+    const char *v = (const char *)val;
+    char *o = (char *)out;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++) {
+            const char *src = v + ((b * T + t) * n) * elem;
+            char *row = o + (b * T + t) * D * elem;
+            for (int64_t j = 0; j < n; j++) memcpy(row + (int64_t)idx[b * n + j] * elem, src + j * elem, elem);
+        }
+    return 0;
+}
 """
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared",
@@ -838,6 +854,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvt_dequant.restype = None
     lib.kvt_quant_mse.argtypes = [vp, c_int, i64, i64, i64, c_int, i64, c_int, c_int, vp, c_int, vp, vp, vp]
     lib.kvt_quant_mse.restype = c_int
+    lib.kvt_merge_kept.argtypes = [vp, vp, i64, i64, i64, i64, i64, vp]
+    lib.kvt_merge_kept.restype = c_int
 
 
 _LIB = CLibrary("quant", _SRC, _FLAGS, _declare, "using the slow torch reference")
@@ -948,3 +966,17 @@ def dequantize_ptrs(q: int, scale: int, zero: int | None, bits: int, group_size:
         b *= s
     lib.kvt_dequant(q, scale, zero, _DT[dtype], b, t, d, bits, group_size, 0 if axis == "token" else 1,
                     out.data_ptr())
+
+
+def merge_kept_ptrs(idx: int, val: int, shape: tuple[int, ...], n: int, dtype: torch.dtype,
+                    out: torch.Tensor) -> bool:
+    """Write kept channels (:func:`kvtier.compress.reference.outlier_merge`) from raw addresses:
+    ``idx`` uint8 ``[..., n]`` and ``val`` ``[..., T, n]`` of ``dtype``, into ``out``, a
+    contiguous CPU tensor of ``shape``. False, with nothing written, when an index is not below
+    head_dim. The caller guarantees the sizes and keeps the buffers alive during the call."""
+    lib = _load()
+    assert lib is not None, "cpu kernel unavailable; check available() first"
+    assert out.dtype == dtype and out.is_contiguous() and tuple(out.shape) == tuple(shape)
+    *_, t, d = shape
+    b = out.numel() // (t * d)
+    return lib.kvt_merge_kept(idx, val, b, t, d, n, dtype.itemsize, out.data_ptr()) == 0

@@ -254,3 +254,33 @@ def dequantize_ref(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | No
     if zf is not None:
         out = out + zf
     return out.to(dtype).reshape(shape)
+
+
+def outlier_split(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n`` channels of widest range (max - min over the tokens) of each ``[T, D]`` matrix of
+    ``x`` ``[..., T, D]``, kept exactly (dense-and-sparse, as KVQuant keeps outliers): their
+    indices uint8 ``[..., n]`` (ascending) and values ``[..., T, n]`` in ``x``'s dtype.
+
+    With per-channel groups (keys) a channel's range sets only its own scale, so what the kept
+    channels buy is their own error, which on real keys is where most of it sits: the widest
+    post-RoPE channels are the large-magnitude ones whose sign the rotation turns within a block.
+    Ties go to the lower index (a stable sort), so every implementation picks the same channels.
+    """
+    *lead, t, d = x.shape
+    xf = x.reshape(-1, t, d).float()  # [B, T, D]
+    width = xf.amax(1) - xf.amin(1)  # [B, D]
+    order = torch.sort(width, dim=-1, descending=True, stable=True).indices[:, :n]
+    idx = torch.sort(order, dim=-1).values  # [B, n]
+    vals = x.reshape(-1, t, d).gather(-1, idx[:, None, :].expand(-1, t, n))  # [B, T, n]
+    return idx.to(torch.uint8).reshape(*lead, n), vals.reshape(*lead, t, n).contiguous()
+
+
+def outlier_merge(y: torch.Tensor, idx: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+    """Write the kept channels ``vals`` ``[..., T, n]`` at ``idx`` ``[..., n]`` into the decoded
+    ``y`` ``[..., T, D]`` (in place); returns ``y``."""
+    *lead, t, d = y.shape
+    n = idx.shape[-1]
+    yb = y.view(-1, t, d)
+    ib = idx.reshape(-1, 1, n).to(device=y.device, dtype=torch.int64).expand(-1, t, n)
+    yb.scatter_(-1, ib, vals.reshape(-1, t, n).to(device=y.device, dtype=y.dtype))
+    return y

@@ -101,8 +101,8 @@ def save_cache(cache, path) -> None:
     bt = cfg.block_tokens
     # the codec the store really uses (16-bit ones follow the KV dtype); plain str for HDF5
     name = str(store.disk_codec)
-    kc = get_codec(name, group_size=cfg.group_size, axis=cfg.key_axis)
-    vc = get_codec(name, group_size=cfg.group_size, axis=cfg.value_axis)
+    kc = get_codec(name, **cfg.codec_kwargs(name, "key"))
+    vc = get_codec(name, **cfg.codec_kwargs(name, "value"))
     tokens = cache.get_seq_length()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     # Created owner-only before HDF5 opens it: truncating an existing file keeps its mode.
@@ -197,9 +197,10 @@ class _Reader:
                 p = json.loads(h[role])
             except ValueError:
                 raise self.bad(f"attribute {role!r} is not JSON") from None
-            if not isinstance(p, dict) or not set(p) <= {"group_size", "axis"} \
+            if not isinstance(p, dict) or not set(p) <= {"group_size", "axis", "outliers"} \
                     or p.get("group_size", GROUP_SIZES[0]) not in GROUP_SIZES:
-                raise self.bad(f"attribute {role!r} must be codec parameters (group_size, axis); got {p!r:.80}")
+                raise self.bad(f"attribute {role!r} must be codec parameters (group_size, axis, outliers); "
+                               f"got {p!r:.80}")
             params[role] = p
         try:
             datasets = json.loads(h["datasets"])

@@ -26,8 +26,8 @@ class BlockIO:
         from kvtier.compress.codecs import IntCodec
 
         def pair(name: str):
-            return (get_codec(name, group_size=cfg.group_size, axis=cfg.key_axis),
-                    get_codec(name, group_size=cfg.group_size, axis=cfg.value_axis))
+            return (get_codec(name, **cfg.codec_kwargs(name, "key")),
+                    get_codec(name, **cfg.codec_kwargs(name, "value")))
 
         self.layout = layout
         self.counters = counters

@@ -82,8 +82,13 @@ class BlockDecoder:
         if pair is None:
             return None
         codec = pair[role]
-        if dtype != self._dtype or shape != self._shape or dict(params) != codec.params:
+        params = dict(params)
+        n = params.pop("outliers", 0)  # any count decodes (the record says which)
+        base = {k: v for k, v in codec.params.items() if k != "outliers"}
+        if dtype != self._dtype or shape != self._shape or params != base:
             return None
+        if n and (isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= shape[-1] or codec.axis != "channel"):
+            return None  # the general path names what is wrong
         bits = codec.bits
         want = [("q", torch.int8 if bits == 8 else torch.uint8,
                  (*shape[:-1], ref.packed_dim(shape[-1], bits)))]
@@ -91,10 +96,13 @@ class BlockDecoder:
         want.append(("scale", dtype, sshape))
         if bits != 8:
             want.append(("zero", dtype, sshape))
-        if [(n, dt, tuple(dims)) for n, dt, dims, _, _ in specs] != want:
+        if n:
+            want += [("oidx", torch.uint8, (*shape[:-2], n)), ("oval", dtype, (*shape[:-1], n))]
+        if [(name, dt, tuple(dims)) for name, dt, dims, _, _ in specs] != want:
             return None
         offs = [off for *_, off, _ in specs]
-        return bits, codec.group_size, codec.axis, offs[0], offs[1], offs[2] if bits != 8 else None
+        kept = (n, offs[-2], offs[-1]) if n else None
+        return bits, codec.group_size, codec.axis, offs[0], offs[1], offs[2] if bits != 8 else None, kept
 
     def decode(self, buf) -> torch.Tensor | None:
         """``[2, *shape]`` (K, V) of one block record, or None when its layout is not this
@@ -115,12 +123,24 @@ class BlockDecoder:
             jobs.append((start + header_len, plan))
         base = np.frombuffer(mv, dtype=np.uint8).ctypes.data  # mv stays alive through the calls
         item = self._dtype.itemsize
-        for payload, (_, _, _, _, s, z) in jobs:  # scales/zeros unaligned for their dtype (a v1
+        for payload, (_, _, _, _, s, z, _) in jobs:  # scales/zeros unaligned for their dtype (a v1
             if (base + payload + s) % item or (z is not None and (base + payload + z) % item):
                 return None                       # header): the general path copies them
         out = torch.empty((2, *self._shape), dtype=self._dtype)
-        for half, (payload, (bits, group, axis, q, s, z)) in zip(out, jobs):
+        for half, (payload, (bits, group, axis, q, s, z, kept)) in zip(out, jobs):
             p = base + payload
             cpu.dequantize_ptrs(p + q, p + s, None if z is None else p + z, bits, group, axis,
                                 self._shape, self._dtype, half)
+            if kept is not None:
+                self._merge_kept(p, kept, half)
         return out
+
+    def _merge_kept(self, p: int, kept: tuple, half: torch.Tensor) -> None:
+        """Write a record's exactly kept channels (payload at address ``p``) over their
+        dequantized values in ``half`` (byte copies: any alignment)."""
+        from kvtier.compress import cpu
+        from kvtier.compress.record import CorruptRecordError
+
+        n, io, vo = kept
+        if not cpu.merge_kept_ptrs(p + io, p + vo, self._shape, n, self._dtype, half):
+            raise CorruptRecordError(f"block record keeps a channel index >= head_dim {self._shape[-1]}")

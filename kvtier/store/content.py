@@ -155,7 +155,7 @@ class ContentIndex:
         if data is not None:
             return data
         if rec is not None:
-            data = self.lower.read_copies(rec, self.layout.device)
+            data = self.lower.read_copies([rec], self.layout.device)[0]
             if data is not None:
                 return data
         return self.lower.read_l3(key)

@@ -49,44 +49,68 @@ class LowerTiers:
     # -- swap-in -------------------------------------------------------------------------------
 
     def load(self, e: BlockEntry, device: torch.device | None = None) -> torch.Tensor:
-        """Read a non-resident block from L2, L3 or L4 and decode it on ``device``."""
+        """:meth:`load_many` of one block."""
+        return self.load_many([e], device)[0]
+
+    def load_many(self, entries: list[BlockEntry], device: torch.device | None = None) -> list[torch.Tensor]:
+        """Read non-resident blocks from L2, L3 or L4 and decode them on ``device`` (each tier
+        read once for the batch: :meth:`read_copies`)."""
+        if not entries:
+            return []
         device = self.layout.device if device is None else device
         t0 = time.perf_counter()
-        out = self.read_copies(e.rec, device)
-        if out is None:
-            raise AssertionError(f"block {e.key} has no readable copy in any tier ({e}, {e.rec})")
-        self.counters.add(swap_in_blocks=1)
-        self.counters.sample("swap_in", time.perf_counter() - t0)
+        out = self.read_copies([e.rec for e in entries], device)
+        for e, d in zip(entries, out):
+            if d is None:
+                raise AssertionError(f"block {e.key} has no readable copy in any tier ({e}, {e.rec})")
+        self.counters.add(swap_in_blocks=len(entries))
+        self.counters.sample("swap_in", (time.perf_counter() - t0) / len(entries), len(entries))
         return out
 
-    def read_copies(self, rec: BlockCopies, device: torch.device) -> torch.Tensor | None:
-        """``rec``'s nearest readable copy decoded on ``device``; None when none could be read.
-        A record marked for upgrade (``precision.py``) is read from its higher-precision L3
-        copy, and its low L2 copy dropped once that decoded."""
+    def read_copies(self, recs: list[BlockCopies], device: torch.device) -> list[torch.Tensor | None]:
+        """Each record's nearest readable copy decoded on ``device``; None where none could be
+        read (absent, or corrupt: the tiers' CRCs turn damage into a miss). L2 and L3 are each
+        read with one ``get_many`` for the batch, L2 first; what neither holds is asked of L4 in
+        one round trip. A record marked for upgrade (``precision.py``) is read from its
+        higher-precision L3 copy, and its low L2 copy dropped once that decoded."""
+        out: list[torch.Tensor | None] = [None] * len(recs)
         with self.lock:
-            if self.res.upgrade_due(rec):
-                out = self._upgrade(rec, device)
-                if out is not None:
-                    return out
-            l2, l3, l4, key = self.res.flags(rec)
-            v2 = self.l2.get(key) if l2 else None
-            v3 = self.l3.get(key) if l3 and v2 is None else None
-        for tier, held, value in (("l2", l2, v2), ("l3", l3, v3)):
-            if not held:
-                continue
-            if value is not None:
-                out = self.io.decode_stored(value, tier, device)
-                self.counters.add(**{f"hits_{tier}": 1, f"swap_in_{tier}_bytes": len(value)})
-                return out
-            self.counters.add(**{f"misses_{tier}": 1})
+            want = []  # (position, l2, l3, l4, key) of the records an upgrade did not serve
+            for i, rec in enumerate(recs):
+                if self.res.upgrade_due(rec):
+                    out[i] = self._upgrade(rec, device)
+                    if out[i] is not None:
+                        continue
+                want.append((i, *self.res.flags(rec)))
+            v2 = self._get_many(self.l2, [w[4] if w[1] else None for w in want])
+            v3 = self._get_many(self.l3, [w[4] if w[2] and v is None else None for w, v in zip(want, v2)])
+        l4 = []
+        for (i, in_l2, in_l3, in_l4, key), got2, got3 in zip(want, v2, v3):
+            for tier, held, value in (("l2", in_l2, got2), ("l3", in_l3, got3)):
+                if not held:
+                    continue
+                if value is not None:
+                    out[i] = self.io.decode_stored(value, tier, device)
+                    self.counters.add(**{f"hits_{tier}": 1, f"swap_in_{tier}_bytes": len(value)})
+                    break
+                self.counters.add(**{f"misses_{tier}": 1})
+            if out[i] is None and in_l4:
+                l4.append((i, key))
         if l4:
-            v4 = self.l4.get(key)
-            out = self.io.try_decode_l3(v4)
-            if out is not None:
-                self.counters.add(hits_l4=1, swap_in_l4_bytes=len(v4))
-                return out
-            self.counters.add(misses_l4=1)
-        return None
+            for (i, _), v4 in zip(l4, self.l4.get_many([key for _, key in l4])):
+                out[i] = self.io.try_decode_l3(v4)
+                if out[i] is not None:
+                    self.counters.add(hits_l4=1, swap_in_l4_bytes=len(v4))
+                else:
+                    self.counters.add(misses_l4=1)
+        return out
+
+    @staticmethod
+    def _get_many(tier, keys: list[str | None]) -> list:
+        """``tier.get_many`` of the keys that are not None, None in the other places."""
+        ask = [k for k in keys if k is not None]
+        got = iter(tier.get_many(ask) if ask else ())
+        return [None if k is None else next(got) for k in keys]
 
     def _upgrade(self, rec: BlockCopies, device: torch.device) -> torch.Tensor | None:
         """The L3 backup of ``rec`` decoded on ``device``, its low L2 copy then dropped as a

@@ -35,6 +35,7 @@ SOURCES = ("temporal", "next_layer", "dense_next_layer", "dense_next_step", "scr
 _WINDOW = 128          # outcomes (used / wasted) remembered per predictor
 _MIN_PRECISION = 0.25  # below this a predictor only probes ...
 _PROBE = 8             # ... one block in this many
+_BATCH = 16            # blocks per background load (one tier read; a fetch of one waits for all)
 
 
 class Fetched(NamedTuple):
@@ -103,10 +104,11 @@ class Prefetcher:
     # -- the buffer ----------------------------------------------------------------------------
 
     def prefetch(self, t: BlockTable, blocks, src: str) -> None:
-        """Decode the non-resident ``blocks`` of ``t`` in the background (predictor ``src``)."""
+        """Decode the non-resident ``blocks`` of ``t`` in the background (predictor ``src``), in
+        batches of ``_BATCH`` (one tier read each)."""
         ents = t.entries
         n = len(ents) - 1
-        dropped = []
+        dropped, issued = [], []
         with self._lock:
             for b in blocks:
                 if b >= n:
@@ -119,13 +121,34 @@ class Prefetcher:
                     continue
                 while len(self._futures) >= self._buffer_blocks:
                     dropped.append(self._futures.popitem(last=False)[1])
-                fut = self._pool.submit(self._load, e)
+                fut = Future()
                 fut.kvtier_source = src
                 self._futures[e.key] = fut
-                self._by_source[src]["issued"] += 1
-                self.counters.add(pf_issued=1)
+                issued.append((e, fut))
+            for i in range(0, len(issued), _BATCH):
+                self._pool.submit(self._load_into, issued[i:i + _BATCH])
+            self._by_source[src]["issued"] += len(issued)
+        if issued:
+            self.counters.add(pf_issued=len(issued))
         for old in dropped:
             self._discard(old)
+
+    def _load_into(self, batch: list[tuple[BlockEntry, Future]]) -> None:
+        """The worker's job: load the blocks of ``batch`` whose futures were not cancelled
+        meanwhile, together, into their futures. A failing batch is loaded again block by
+        block, so one unreadable block fails only its own future."""
+        live = [(e, fut) for e, fut in batch if fut.set_running_or_notify_cancel()]
+        if not live:
+            return
+        try:
+            got = self._load([e for e, _ in live])
+        except Exception:
+            got = None
+        for i, (e, fut) in enumerate(live):
+            try:
+                fut.set_result(got[i] if got is not None else self._load([e])[0])
+            except Exception as exc:  # the fetch that takes it reads the block synchronously
+                fut.set_exception(exc)
 
     def _allowed(self, src: str) -> bool:
         """Whether predictor ``src`` may issue now (lock held)."""
@@ -151,42 +174,54 @@ class Prefetcher:
             stats["wasted"] += dropped
         self.counters.add(pf_issued=1, pf_wasted=dropped)
 
-    def _load(self, e: BlockEntry) -> Fetched:
-        """A load with the generation read before it: an upgrade mark set meanwhile makes the
-        result look older than it may be (dropped, read again), never newer."""
-        gen = self.lower.res.generation(e.rec)
-        return Fetched(self.lower.load(e), gen)
+    def _load(self, entries: list[BlockEntry]) -> list[Fetched]:
+        """A batched load with the generations read before it: an upgrade mark set meanwhile
+        makes a result look older than it may be (dropped, read again), never newer."""
+        gens = [self.lower.res.generation(e.rec) for e in entries]
+        return [Fetched(d, g) for d, g in zip(self.lower.load_many(entries), gens)]
 
-    def fetch(self, e: BlockEntry) -> Fetched:
-        """A non-resident block's data: kept from a scratch read, or from the prefetch buffer if
-        there and of the record's current generation, else a synchronous load."""
-        gen = self.lower.res.generation(e.rec)  # the state lock before ours (api.md's order)
+    def fetch_many(self, entries: list[BlockEntry]) -> list[Fetched]:
+        """Non-resident blocks' data: each kept from a scratch read, or from the prefetch buffer
+        if there and of its record's current generation; the others in one synchronous load."""
+        gens = [self.lower.res.generation(e.rec) for e in entries]  # the state lock before ours (api.md's order)
+        out: list[Fetched | None] = []
+        futs: list[Future | None] = []
+        used = stale = 0
         with self._lock:
-            kept = self._kept.pop(e.key, None)
-            stale = kept is not None and kept.generation != gen
-            if stale:
-                kept = None
-                self._by_source["scratch"]["wasted"] += 1
-            elif kept is not None:
-                self._by_source["scratch"]["used"] += 1
-            fut = self._futures.pop(e.key, None) if kept is None else None
-        if stale:
-            self.counters.add(pf_wasted=1)
-        if kept is not None:
-            self.counters.add(pf_used=1)
-            return kept
-        if fut is not None:
-            try:
-                got = fut.result()
-            except Exception:  # a failed prefetch is retried synchronously, and counted
-                self.counters.add(pf_wasted=1, pf_errors=1)
-            else:
-                used = got.generation == gen
-                self.counters.add(**{"pf_used" if used else "pf_wasted": 1})
-                self._outcome(fut, used)
-                if used:
-                    return got
-        return self._load(e)
+            for e, gen in zip(entries, gens):
+                kept = self._kept.pop(e.key, None)
+                if kept is not None and kept.generation != gen:
+                    kept = None
+                    stale += 1
+                elif kept is not None:
+                    used += 1
+                out.append(kept)
+                futs.append(self._futures.pop(e.key, None) if kept is None else None)
+            self._by_source["scratch"]["used"] += used
+            self._by_source["scratch"]["wasted"] += stale
+        if used or stale:
+            self.counters.add(pf_used=used, pf_wasted=stale)
+        for i, (fut, gen) in enumerate(zip(futs, gens)):
+            if fut is not None:
+                out[i] = self._prefetched(fut, gen)
+        todo = [i for i, got in enumerate(out) if got is None]
+        if todo:
+            for i, got in zip(todo, self._load([entries[i] for i in todo])):
+                out[i] = got
+        return out
+
+    def _prefetched(self, fut: Future, gen: int) -> Fetched | None:
+        """The result of a prefetch taken from the buffer if it is of generation ``gen``; None
+        (counted wasted) when it is older or failed (then read synchronously)."""
+        try:
+            got = fut.result()
+        except Exception:  # a failed prefetch is retried synchronously, and counted
+            self.counters.add(pf_wasted=1, pf_errors=1)
+            return None
+        used = got.generation == gen
+        self.counters.add(**{"pf_used" if used else "pf_wasted": 1})
+        self._outcome(fut, used)
+        return got if used else None
 
     def _outcome(self, fut: Future, used: bool) -> None:
         src = fut.kvtier_source

@@ -6,14 +6,18 @@ thread's step boundary cannot free one while this read swaps others in.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import torch
 
 from .layout import Layout
-from .prefetch import Prefetcher
+from .prefetch import Fetched, Prefetcher
 from .residency import Residency
 from .stats import Counters
-from .table import BlockTable
+from .table import BlockEntry, BlockTable
+
+_SWAP_IN_BATCH = 64  # blocks swapped in per batched read
 
 
 class Reader:
@@ -41,13 +45,20 @@ class Reader:
         if res_i:
             full.index_copy_(2, torch.tensor(res_i, device=lay.device),
                              self.pool_kv.index_select(2, torch.tensor(res_s, device=lay.device)))
-        for e in miss:
-            got = self.prefetcher.fetch(e)
+        for e, got in self._swap_in(miss):
             full[:, :, e.idx] = got.data  # [2, kv_heads, block_tokens, head_dim]
             self.res.keep_if_room(t, e, got.data, got.generation)
         self.prefetcher.dense_read(tables, layer, n)
         kv = full.view(2, kvh, n * bt, hd)[:, :, : t.length]  # [2, kv_heads, T, head_dim]
         return kv[0], kv[1]
+
+    def _swap_in(self, ents: list[BlockEntry]) -> Iterator[tuple[BlockEntry, Fetched]]:
+        """Each of the non-resident ``ents`` with its data, fetched ``_SWAP_IN_BATCH`` at a time:
+        one tier read per batch (a small record costs a fraction of a lone ``get``), with the
+        decoded blocks waiting for their install bounded."""
+        for i in range(0, len(ents), _SWAP_IN_BATCH):
+            part = ents[i:i + _SWAP_IN_BATCH]
+            yield from zip(part, self.prefetcher.fetch_many(part))
 
     def check_blocks(self, t: BlockTable, blocks: list[int]) -> None:
         ns = len(t.entries) - 1
@@ -73,8 +84,7 @@ class Reader:
             ents = t.entries
             sel = frozenset(blocks)
             run = frozenset([ents[b] for b in blocks] + [ents[-1]]) if view else None
-            for i, e in miss:
-                got = self.prefetcher.fetch(e)
+            for (i, _), (e, got) in zip(miss, self._swap_in([e for _, e in miss])):
                 n_scratch = len(scratch)
                 slots[i] = self.res.install(t, e, got.data, got.generation, sel, scratch, run)
                 if len(scratch) > n_scratch:  # leaves L1 after this read: wanted again next step

@@ -17,10 +17,11 @@ class Latency:
         self.count = 0
         self.total = 0.0
 
-    def add(self, seconds: float) -> None:
-        self.samples.append(seconds)
-        self.count += 1
-        self.total += seconds
+    def add(self, seconds: float, n: int = 1) -> None:
+        """``n`` samples of ``seconds`` each (a batch of n reads timed together, per read)."""
+        self.samples.extend((seconds,) * n)
+        self.count += n
+        self.total += seconds * n
 
     def summary(self) -> dict:
         s = sorted(self.samples)
@@ -80,10 +81,10 @@ class Counters:
             for name, d in deltas.items():
                 n[name] += d
 
-    def sample(self, latency: str, seconds: float) -> None:
-        """One sample of ``latency`` (swap_in, swap_out or step)."""
+    def sample(self, latency: str, seconds: float, n: int = 1) -> None:
+        """``n`` samples of ``latency`` (swap_in, swap_out or step), ``seconds`` each."""
         with self._lock:
-            self._lat[latency].add(seconds)
+            self._lat[latency].add(seconds, n)
 
     def __getitem__(self, name: str) -> int:
         with self._lock:

@@ -75,10 +75,11 @@ class KVStore:
         # (with precision="importance" the records of one key may carry any of its codecs)
         codecs = f"{lay.host_codec}|{lay.disk_codec}" + (
             "" if lay.precision is None else f"|importance:{'/'.join(lay.precision.codecs)}")
+        codec_params = {"group_size": cfg.group_size, "key_axis": cfg.key_axis, "value_axis": cfg.value_axis}
+        if "int2" in codecs and cfg.int2_key_outliers:  # named only where it changes the bytes
+            codec_params["int2_key_outliers"] = cfg.int2_key_outliers
         self.content_fp = model_fingerprint_key(
-            fingerprint, codecs, lay.block_tokens,
-            codec_params={"group_size": cfg.group_size, "key_axis": cfg.key_axis,
-                          "value_axis": cfg.value_axis},
+            fingerprint, codecs, lay.block_tokens, codec_params=codec_params,
             dtype=lay.dtype, extra={"kv_heads": kv_heads, "head_dim": head_dim, "num_layers": num_layers},
         ) if fingerprint else None
         # regions first (placed by the residency part: table.py), then the scratch slots

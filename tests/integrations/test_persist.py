@@ -73,6 +73,28 @@ def test_lossy_codec_round_trip_stays_close(model_bf16, tokenizer, tmp_path):
     assert (got - expected).abs().max() < 1.0
 
 
+def test_int2_kept_key_channels_round_trip(model_bf16, tokenizer, tmp_path):
+    """The saved file names the key codec's kept channels (its records carry them); it loads
+    into a store configured with the same count or with none (which then stores the blocks its
+    own way as they are evicted)."""
+    import json
+
+    ids, path, expected = _prefill_and_save(model_bf16, tokenizer, tmp_path, codec="int2", int2_key_outliers=4)
+    with h5py.File(path, "r") as f:
+        assert json.loads(f.attrs["key_codec_params"])["outliers"] == 4
+    got = {}
+    for n in (4, 0):
+        cfg = cfg_for(tmp_path, f"b{n}", codec="int2", int2_key_outliers=n)
+        with TieredCache.load(path, cfg, model_bf16) as cache, torch.inference_mode():
+            got[n] = model_bf16(input_ids=ids[:, -1:], cache=cache, use_cache=True).logits[:, -1].float()
+    # the saved cache holds every block in int2 where the live one still had its L1 blocks at
+    # full precision: close, not equal (the store without kept channels quantizes the loaded
+    # blocks again when it evicts them: further off)
+    assert got[4].argmax() == expected.argmax() and (got[4] - expected).abs().max() < 2.0
+    for n in got:
+        assert torch.nn.functional.cosine_similarity(got[n], expected).item() > 0.99
+
+
 _CHILD = textwrap.dedent("""
     import sys, numpy as np, torch
     torch.set_num_threads(1)

@@ -343,18 +343,18 @@ def test_block_freed_by_another_thread_during_a_swap_in(tmp_path, method):
     st.gather_view(s, 0, [0, 1])  # 0 and 1 back in L1, clean (their copies stay in L2)
     t = st.residency.table(s, 0)
     assert t.entries[0].slot is not None and t.entries[0].clean and t.entries[2].slot is None
-    fetch = st.prefetcher.fetch
+    fetch = st.prefetcher.fetch_many
     fired = []
 
-    def fetch_racing(e):
+    def fetch_racing(ents):
         if not fired:
-            fired.append(e.idx)
+            fired.extend(e.idx for e in ents)
             # what a concurrent end_step does: evict every clean block it may, block 0 first (lru)
             st.residency.free_clean_victims(t, t.resident, frozenset(), force=True)
             assert t.entries[0].slot is not None, "a pinned block was evicted during a read"
-        return fetch(e)
+        return fetch(ents)
 
-    st.prefetcher.fetch = fetch_racing
+    st.prefetcher.fetch_many = fetch_racing
     out = getattr(st, method)(s, 0, [0, 2])
     K, V, pos = out[:3]
     assert fired == [2]

@@ -68,7 +68,7 @@ def test_codec_follows_mass_and_cold_blocks_get_backups(tmp_path):
     # every block reads back as its own codec decodes it
     K, V = st.gather(s, 0)
     for b in out:
-        kc = get_codec(want[b], group_size=32, axis="channel")
+        kc = get_codec(want[b], **st.cfg.codec_kwargs(want[b], "key"))  # int2 keys keep their widest channels
         ref = kc.decode(kc.encode(k[:, b * BT:(b + 1) * BT]))
         assert torch.equal(K[:, b * BT:(b + 1) * BT], ref)
     st.close()
@@ -90,7 +90,7 @@ def test_no_backups_where_no_recall_can_fire(tmp_path):
     assert not cold[0].rec.upgrade and st.stats()["precision"]["marked"] == 0
     K, _ = st.gather(s, 0)  # still read as its int2 copy
     b = cold[0].idx
-    kc = get_codec("int2", group_size=32, axis="channel")
+    kc = get_codec("int2", group_size=32, axis="channel", outliers=st.cfg.int2_key_outliers)
     assert torch.equal(K[:, b * BT:(b + 1) * BT], kc.decode(kc.encode(k[:, b * BT:(b + 1) * BT])))
     st.check_invariants()
     st.close()
@@ -127,7 +127,7 @@ def _cold_block(st, s):
 
 
 def _decoded(codec, x):
-    kc = get_codec(codec, group_size=32, axis="channel")
+    kc = get_codec(codec, **KVTierConfig().codec_kwargs(codec, "key"))  # as the store's keys
     return kc.decode(kc.encode(x))
 
 

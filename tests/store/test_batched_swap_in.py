@@ -1,0 +1,95 @@
+"""Swap-ins read many blocks with one get_many per tier: the same data as block-by-block reads,
+and a corrupt record in a batch is a miss for that block only."""
+import os
+
+import torch
+
+from kvtier.tiers.segfile import REC_HEADER_BYTES
+from .conftest import check_invariants, make_store
+
+
+def _cold_store(tmp_path, **cfg):
+    """A one-layer store whose older blocks have only their L3 copy (L2 spilled them), with the
+    reference K of its tokens."""
+    st = make_store(tmp_path, num_layers=1, block_tokens=4, hot_tokens=12, budget_tokens=12, sink_tokens=0,
+                    window_tokens=4, host_bytes=4096, attention="sparse", policy="sink-window", **cfg)
+    s = st.add_sequence()
+    k = torch.randn(2, 120, 8).half()
+    for i in range(0, 120, 4):
+        st.append(s, 0, k[:, i:i + 4], -k[:, i:i + 4])
+        st.end_step()
+    st.flush()
+    cold = [e for e in st.residency.tables[s][0].entries[:-1] if e.slot is None and e.l3 and not e.l2]
+    assert len(cold) >= 8
+    return st, s, k, cold
+
+
+def _corrupt(l3, key: str) -> None:
+    """Flip one byte of the value of ``key``'s record in its segment file."""
+    sid, off, _, _ = l3._index.lookup(key)
+    at = off + REC_HEADER_BYTES + len(key.encode()) + 1
+    fd = os.open(l3._segs[sid].path, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x40]), at)
+    finally:
+        os.close(fd)
+
+
+def test_batch_equals_block_by_block_reads(tmp_path):
+    st, s, k, cold = _cold_store(tmp_path)
+    recs = [e.rec for e in cold]
+    lone = [st.lower.read_copies([r], st.layout.device)[0] for r in recs]
+    hits = st.stats()["hits"]["l3"]
+    batch = st.lower.read_copies(recs, st.layout.device)
+    assert st.stats()["hits"]["l3"] == hits + len(recs)
+    for e, a, b in zip(cold, lone, batch):
+        assert torch.equal(a, b)
+        assert torch.equal(b[0], k[:, e.idx * 4:(e.idx + 1) * 4]) and torch.equal(b[1], -b[0])
+    st.close()
+
+
+def test_a_gather_reads_its_l3_blocks_in_one_batch(tmp_path):
+    st, s, k, cold = _cold_store(tmp_path)
+    calls = []
+    get_many = st.lower.l3.get_many
+    st.lower.l3.get_many = lambda keys: calls.append(list(keys)) or get_many(calls[-1])
+    st.lower.l3.get = None  # any block-by-block L3 read fails the test
+    K, V = st.gather(s, 0)
+    assert torch.equal(K, k) and torch.equal(V, -k)
+    assert len(calls) == 1 and sorted(calls[0]) == sorted(e.key for e in cold)
+    check_invariants(st)
+    st.close()
+
+
+def test_a_corrupt_record_is_a_miss_for_its_block_only(tmp_path):
+    st, s, k, cold = _cold_store(tmp_path)
+    bad = cold[len(cold) // 2]
+    _corrupt(st.lower.l3, bad.key)
+    before = st.stats()
+    got = st.lower.read_copies([e.rec for e in cold], st.layout.device)
+    after = st.stats()
+    assert got[cold.index(bad)] is None  # never the damaged bytes as KV
+    for e, d in zip(cold, got):
+        if e is not bad:
+            assert torch.equal(d[0], k[:, e.idx * 4:(e.idx + 1) * 4])
+    assert after["hits"]["l3"] - before["hits"]["l3"] == len(cold) - 1
+    assert after["misses"]["l3"] - before["misses"]["l3"] == 1
+    assert bad.key in st.lower.l3.corrupt_keys
+    st.close()
+
+
+def test_a_prefetch_batch_with_an_unreadable_block_fails_that_block_only(tmp_path):
+    st, s, k, cold = _cold_store(tmp_path, prefetch=True)
+    t = st.residency.tables[s][0]
+    cold = cold[:8]
+    bad = cold[3]
+    _corrupt(st.lower.l3, bad.key)
+    assert not st.prefetcher._futures  # nothing was read yet: every future below is of this batch
+    st.prefetcher.prefetch(t, [e.idx for e in cold], "temporal")
+    futs = {e.key: st.prefetcher._futures[e.key] for e in cold}
+    for e in cold:
+        if e is bad:
+            assert isinstance(futs[e.key].exception(timeout=30), AssertionError)
+        else:
+            assert torch.equal(futs[e.key].result(timeout=30).data[0], k[:, e.idx * 4:(e.idx + 1) * 4])
+    st.close()
