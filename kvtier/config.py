@@ -188,8 +188,8 @@ class KVTierConfig:
     and ``snapkv``) ranks among the sealed blocks of its (sequence, layer): the heaviest ``heavy_fraction`` in ``heavy_codec``, the lightest ``cold_fraction`` in
     ``cold_codec``, the rest in ``codec``, so the records of one sequence carry different codecs.
     A block stored in fewer bits than ``codec`` also gets a ``codec`` copy in L3 when there is an
-    L3 (written by the swap-out worker, off the decode path; a content block written through
-    already has it), and when one observation gives such a block ``recall_mass`` times that
+    L3 and ``recall_mass`` is finite (written by the swap-out worker, off the decode path; a
+    content block written through already has it), and when one observation gives such a block ``recall_mass`` times that
     observation's ``recall_reference`` or more, the low copy leaves L2 and later reads decode
     the L3 copy. Needs
     ``policy`` ``h2o`` or ``snapkv`` (dense attention then observes every step, one extra
@@ -216,7 +216,7 @@ class KVTierConfig:
     recall_mass: float = 2.0
     """``precision="importance"``: a block stored below ``codec`` whose mass in one observation
     reaches this multiple of that observation's ``recall_reference`` is read from its ``codec``
-    copy from then on (> 0; ``math.inf``: never)."""
+    copy from then on (> 0; ``math.inf``: never, and no ``codec`` copies are written to L3)."""
 
     recall_reference: RecallReference = "median"
     """``precision="importance"``: what a block's mass in one observation is compared with for

@@ -28,14 +28,17 @@ def test_plot_writes_a_png(tmp_path):
     doc = {"sources": {"pydoc": {"windows": 3, "rows": {
         "store int4 g32": row(0.0, 9000), "store importance 10/50": row(0.001, 9500),
         "kvtier int2 g32": row(0.06, 7000), "hqq int4": row(0.04, 7400)}}}}
+    tiers = {"tiers": {"l1": 3000.0, "l2": 4000.0, "l3": 0.0}}  # fixed store rows: the line through them
+    doc["sources"]["pydoc"]["rows"].update({"store int2 g32": dict(row(0.2, 7000), **tiers),
+                                            "store int8 g32": dict(row(0.001, 14000), **tiers)})
     out = tmp_path / "pareto.png"
     sweep.plot(doc, str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_store_specs_build_valid_configs():
-    for s in (sweep.default_store_specs() + sweep.mix_store_specs() + sweep.recall_store_specs()
-              + sweep.int8_store_specs()):
+    specs = sweep.default_store_specs() + sweep.mix_store_specs() + sweep.recall_store_specs()
+    for s in specs + sweep.int8_store_specs() + sweep.pareto_store_specs():
         cfg = sweep.store_config(s, 64, None)
         codec = "bf16" if s.codec == "lossless" else s.codec
         assert (cfg.precision, cfg.codec, cfg.recall_reference) == (s.precision, codec, s.recall_reference)
@@ -94,6 +97,53 @@ def test_lossless_store_row_takes_the_model_dtype_codec():
     assert spec.name == sweep.STORE_LOSSLESS and spec.attention_math == "sdpa"
     got = {dt: sweep.store_config(spec, 64, None, dt).codec for dt in (torch.bfloat16, torch.float16, torch.float32)}
     assert got == {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def test_importance_rows_against_the_fixed_rows():
+    def row(d, l1l2, l3=0.0):
+        return {"delta_ppl": d, "bytes_per_token_end": l1l2 + l3, "tiers": {"l1": 1000.0, "l2": l1l2 - 1000, "l3": l3}}
+
+    rows = {"store int2 g32": row(0.10, 7000), "store int4 g32": row(0.01, 10000), "store int8 g32": row(-0.005, 14000),
+            "store importance a": row(0.02, 9000, l3=4000), "store importance b": row(0.02, 12000),
+            "store importance c": row(0.0, 6000), "ref chunked": {"delta_ppl": 0.0, "bytes_per_token_end": 1.0}}
+    fast = sweep.against_fixed(rows, sweep.l1_l2_bytes)
+    assert set(fast) == {"store importance a", "store importance b", "store importance c"}
+    # 0.02 where the int2-int4 line is at 0.10 - 0.09 * 2/3 = 0.04: below it, undominated
+    assert fast["store importance a"]["dominated_by"] == []
+    assert abs(fast["store importance a"]["minus_fixed_line"] + 0.02) < 1e-12
+    # more bytes than int4 and a higher dppl: dominated, above the int4-int8 line (0.0025 at 12,000)
+    assert fast["store importance b"]["dominated_by"] == ["store int4 g32"]
+    assert abs(fast["store importance b"]["minus_fixed_line"] - 0.0175) < 1e-12
+    assert fast["store importance c"] == {"dominated_by": [], "minus_fixed_line": None}  # fewer bytes than any
+    # counting its L3 backups, a's 13,000 B/token sit above int4's at a higher dppl: dominated
+    assert sweep.against_fixed(rows, sweep.all_tier_bytes)["store importance a"]["dominated_by"] == ["store int4 g32"]
+
+
+def test_paired_vs_fixed_pairs_windows():
+    g = torch.Generator().manual_seed(1)
+    fixed = [torch.rand(8, generator=g, dtype=torch.float64) for _ in range(3)]
+    nll = {"ref": fixed, "store int4 g32": fixed, "store importance x": [f + 0.01 for f in fixed]}
+    got = sweep.paired_vs_fixed(nll, 100, 0)
+    assert list(got) == ["store importance x"] and list(got["store importance x"]) == ["store int4 g32"]
+    d, lo, hi = got["store importance x"]["store int4 g32"]
+    assert abs(d - math.expm1(0.01)) < 1e-9 and abs(lo - d) < 1e-9 and abs(hi - d) < 1e-9
+
+
+def test_pool_windows_merges_runs_of_one_window():
+    import json
+
+    def line(off, nll):
+        return json.dumps({"window": {"source": "squad", "offset": off, "nll": nll}})
+
+    ref, fixed = [1.0, 1.0], [1.2, 1.2]
+    lines = [line(7, {"ref": ref, sweep.REF_CHUNKED: ref, "store int4 g32": fixed}),
+             line(7, {"ref": ref, sweep.REF_CHUNKED: ref, "store importance x": [1.1, 1.1]}),  # another run
+             line(9, {"ref": ref, sweep.REF_CHUNKED: ref, "store importance x": [1.1, 1.1]})]
+    rows = sweep.pool_windows(lines, n_boot=50)["squad"]
+    assert rows["store importance x"]["windows"] == [7, 9] and rows["store int4 g32"]["windows"] == [7]
+    d, lo, hi = rows["store importance x"]["vs_fixed"]["store int4 g32"]  # window 7 only: the one holding both
+    assert abs(d - math.expm1(-0.1)) < 1e-9 and abs(hi - d) < 1e-9
+    assert rows["store importance x"]["against"] == sweep.REF_CHUNKED
 
 
 def test_int2_rows_pre_rope_and_kept_channels():

@@ -128,27 +128,40 @@ def recall_store_specs() -> list[StoreSpec]:
     ]
 
 
-def int8_store_specs() -> list[StoreSpec]:
-    """int8 against the lossless store, both on the reference's protocol (``--int8``)."""
-    return [StoreSpec(STORE_LOSSLESS, codec="lossless"), StoreSpec("store int8 g32", codec="int8")]
-
-
 def pareto_store_specs() -> list[StoreSpec]:
-    """Importance rows placed between the fixed ones (``--pareto``): int8 for the heaviest blocks
-    over an int4 base, int2 for only the coldest, and an int8 base with cold blocks in int4."""
+    """Importance rows placed between two neighbouring fixed rows (``--pareto``): int8 for the
+    heaviest blocks over an int4 base (between int4 and int8, no backups), int4 for the coldest
+    over an int8 base (their int8 backups in L3, read back when recalled), int2 for the coldest
+    quarter or half over int4 (with recalls and their backups, or neither), both ends at once;
+    with the fixed int8/int4/int2 rows (no lossless row: with ``--store-math sdpa`` it is the
+    chunked reference, bit for bit)."""
     imp = lambda name, **p: StoreSpec(name, precision="importance", **p)  # noqa: E731
-    return [  # no lossless row: with --store-math sdpa it is the chunked reference, bit for bit
+    return [
         StoreSpec("store int8 g32", codec="int8"),
         StoreSpec("store int4 g32", codec="int4"),
         StoreSpec("store int2 g32", codec="int2"),
         imp("store importance int8 10% / int4", heavy_fraction=0.1, cold_fraction=0.0),
         imp("store importance int8 25% / int4", heavy_fraction=0.25, cold_fraction=0.0),
+        imp("store importance int8 50% / int4", heavy_fraction=0.5, cold_fraction=0.0),
+        imp("store importance int8 / int4 75%", codec="int8", cold_codec="int4", heavy_fraction=0.0,
+            cold_fraction=0.75),
+        imp("store importance int8 / int4 75% no recall", codec="int8", cold_codec="int4", heavy_fraction=0.0,
+            cold_fraction=0.75, recall_mass=math.inf),
         imp("store importance int4 / int2 25%", heavy_fraction=0.0, cold_fraction=0.25),
         imp("store importance int4 / int2 50%", heavy_fraction=0.0, cold_fraction=0.5),
-        imp("store importance int8 10% / int4 / int2 50%", heavy_fraction=0.1, cold_fraction=0.5),
-        imp("store importance int8 / int4 50%", codec="int8", heavy_fraction=0.0, cold_fraction=0.5,
-            cold_codec="int4"),
+        # no recall: no upgrades, and so no backups in L3 (all-tier bytes = L1 + L2)
+        imp("store importance int4 / int2 25% no recall", heavy_fraction=0.0, cold_fraction=0.25,
+            recall_mass=math.inf),
+        imp("store importance int4 / int2 50% no recall", heavy_fraction=0.0, cold_fraction=0.5,
+            recall_mass=math.inf),
+        imp("store importance int8 25% / int4 / int2 25%", heavy_fraction=0.25, cold_fraction=0.25),
+        imp("store importance int8 10% / int4 / int2 50% (defaults)", heavy_fraction=0.1, cold_fraction=0.5),
     ]
+
+
+def int8_store_specs() -> list[StoreSpec]:
+    """int8 against the lossless store, both on the reference's protocol (``--int8``)."""
+    return [StoreSpec(STORE_LOSSLESS, codec="lossless"), StoreSpec("store int8 g32", codec="int8")]
 
 
 def int2_store_specs() -> list[StoreSpec]:
@@ -427,14 +440,22 @@ def bootstrap_ci(ref: list[torch.Tensor], got: list[torch.Tensor], n_boot: int, 
 
 
 def pool_windows(lines, n_boot: int = 2000, seed: int = 0) -> dict:
-    """Rows from the per-window lines of several runs (``{"window": ...}``, as printed): per
+    """Rows from the per-window lines of several runs (``{"window": ...}``, as printed; lines of
+    one source and offset from several runs are one window with the rows of all): per
     source and row, Δppl and its interval against the reference over every window holding the
     row (store rows and anchors on the store's chunks: the chunked reference, where the windows
-    hold it) and, for store rows, against the lossless store on the windows holding both."""
+    hold it) and, for store rows, against the lossless store on the windows holding both;
+    importance rows also against each fixed-precision row (``vs_fixed``), paired the same way."""
     wins: dict[str, list] = {}
+    seen: dict[tuple, dict] = {}
     for line in lines:
         if line.startswith('{"window"'):
             w = json.loads(line)["window"]
+            have = seen.get((w["source"], w["offset"]))
+            if have is not None:  # the same window in another run (other rows): one window, all rows
+                have["nll"].update(w["nll"])
+                continue
+            seen[(w["source"], w["offset"])] = w
             wins.setdefault(w["source"], []).append(w)
     out = {}
     for src, ws in wins.items():
@@ -451,48 +472,114 @@ def pool_windows(lines, n_boot: int = 2000, seed: int = 0) -> dict:
             if name.startswith("store") and name != STORE_LOSSLESS and both:
                 rows[name]["vs_store_lossless"] = list(bootstrap_ci(
                     [t(w, STORE_LOSSLESS) for w in both], [t(w, name) for w in both], n_boot, seed))
+            if is_importance_row(name):  # paired with each fixed row on the windows holding both
+                rows[name]["vs_fixed"] = {}
+                for f in sorted({f for w in sel for f in w["nll"] if is_fixed_row(f)}):
+                    pair = [w for w in sel if f in w["nll"]]
+                    rows[name]["vs_fixed"][f] = list(bootstrap_ci(
+                        [t(w, f) for w in pair], [t(w, name) for w in pair], n_boot, seed))
         out[src] = rows
     return out
+
+
+def is_fixed_row(name: str) -> bool:
+    """A fixed-precision store row (one codec for every block: ``store int8 g32`` ...)."""
+    return name.startswith("store int")
+
+
+def is_importance_row(name: str) -> bool:
+    return name.startswith("store importance")
+
+
+def l1_l2_bytes(r: dict) -> float:
+    """Bytes per token the fast tiers (L1 device, L2 DRAM) hold at the end: L3 backups left out."""
+    return r["tiers"]["l1"] + r["tiers"]["l2"]
+
+
+def all_tier_bytes(r: dict) -> float:
+    return r["bytes_per_token_end"]
+
+
+def against_fixed(rows: dict, bytes_of) -> dict:
+    """Where each importance row of one text stands against the fixed-precision rows, at the
+    bytes ``bytes_of(row)`` gives, lower Δppl being better (perplexity is the measure; a row
+    below 0 is as much noise as one above, which the paired intervals say): the fixed rows
+    dominating it (no more bytes and no higher Δppl) and its Δppl minus the fixed rows'
+    piecewise-linear line at its bytes (negative: below the line, better than mixing fixed
+    precisions by bytes; None outside the fixed rows' range)."""
+    fixed = sorted((bytes_of(r), r["delta_ppl"], n) for n, r in rows.items() if is_fixed_row(n))
+    out = {}
+    for n, r in rows.items():
+        if not is_importance_row(n):
+            continue
+        x, y = bytes_of(r), r["delta_ppl"]
+        line = None
+        for (x0, y0, _), (x1, y1, _) in zip(fixed, fixed[1:]):
+            if x0 <= x <= x1 and x1 > x0:
+                line = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        out[n] = {"dominated_by": [fn for fx, fy, fn in fixed if fx <= x and fy <= y],
+                  "minus_fixed_line": None if line is None else y - line}
+    return out
+
+
+def paired_vs_fixed(nll: dict, n_boot: int, seed: int) -> dict:
+    """Each importance row against each fixed-precision row on the same windows, paired:
+    ``{row: {fixed row: (Δppl, lo, hi)}}``, Δppl of the row's ppl over the fixed row's."""
+    return {n: {f: bootstrap_ci(nll[f], nll[n], n_boot, seed) for f in nll if is_fixed_row(f)}
+            for n in nll if is_importance_row(n)}
 
 
 def plot(doc: dict, path: str) -> None:
     """Δppl (95% CI) against bytes per token held at the end of the window, one panel per text:
     fixed-precision and importance rows of the real store, simulated rows, anchors. The fixed
-    store rows are joined at their L1 + L2 bytes (a dashed line, the frontier fixed precision
-    draws, which importance rows, also at their L1 + L2 bytes, are read against)."""
+    store rows are joined by a dashed line (they hold nothing in L3, so their L1 + L2 and
+    all-tier bytes are one), which importance rows are read against at both of theirs: filled
+    at all tiers (their L3 backups counted), hollow at L1 + L2."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     srcs = list(doc["sources"])
-    fig, axes = plt.subplots(1, len(srcs), figsize=(6 * len(srcs), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(srcs), figsize=(6 * len(srcs), 5.0), squeeze=False)
     style = {"store importance": ("tab:red", "*"), "store": ("tab:blue", "o"), "kvtier": ("tab:gray", "s"),
              "hqq": ("tab:green", "^"), "quanto": ("tab:olive", "v"), "ref": ("black", "x")}
+    # importance rows are numbered (their names, in a key below the panels, would overlap beside
+    # points that land close together); the other rows are few and keep their names
+    numbers = {n: i + 1 for i, n in enumerate(dict.fromkeys(
+        n for src in srcs for n in doc["sources"][src]["rows"] if is_importance_row(n)))}
     for ax, src in zip(axes[0], srcs):
         for name, r in doc["sources"][src]["rows"].items():
+            if name == REF_CHUNKED:  # the store rows' reference (their 0), measured against the single prefill
+                continue
             color, marker = next(v for k, v in style.items() if name.startswith(k))
             d, (lo, hi) = 100 * r["delta_ppl"], r["ci95"]
             ax.errorbar(r["bytes_per_token_end"], d, yerr=[[d - 100 * lo], [100 * hi - d]], fmt=marker,
-                        color=color, capsize=3)
-            ax.annotate(name.replace("store ", "").replace("kvtier ", "sim "), (r["bytes_per_token_end"], d),
-                        fontsize=6, xytext=(3, 3), textcoords="offset points")
+                        color=color, capsize=3, alpha=0.8)
+            label = str(numbers[name]) if name in numbers else name.replace("store ", "").replace("kvtier ", "sim ")
+            ax.annotate(label, (r["bytes_per_token_end"], d), fontsize=7, xytext=(3, 3), textcoords="offset points")
             if r.get("tiers", {}).get("l3"):  # its L3 backups left out: the bytes L1 and L2 hold
                 read = r["tiers"]["l1"] + r["tiers"]["l2"]
                 ax.plot([read, r["bytes_per_token_end"]], [d, d], ":", color=color, lw=0.8)
                 ax.plot(read, d, marker, mfc="none", color=color)
-        fixed = sorted((r["tiers"]["l1"] + r["tiers"]["l2"], 100 * r["delta_ppl"])
-                       for name, r in doc["sources"][src]["rows"].items()
-                       if name.startswith("store") and not name.startswith("store importance") and "tiers" in r)
-        if len(fixed) > 1:
-            ax.plot(*zip(*fixed), "--", color="tab:blue", lw=0.8, label="fixed precision (L1 + L2)")
-            ax.legend(fontsize=7)
+        fixed = sorted((all_tier_bytes(r), 100 * r["delta_ppl"]) for n, r in doc["sources"][src]["rows"].items()
+                       if is_fixed_row(n) and "tiers" in r)
+        if len(fixed) > 1:  # what mixing fixed precisions by bytes would give: importance rows below it win
+            ax.plot(*zip(*fixed), "--", color="tab:blue", lw=0.8, zorder=0,
+                    label="fixed precision (store int8/int4/int2)")
+            ax.legend(fontsize=7, loc="upper right")
         ax.axhline(0, color="k", lw=0.5)
-        ax.set_title(f"{src} ({doc['sources'][src]['windows']} windows)")
+        ax.set_yscale("symlog", linthresh=1.0)  # percent: noise-sized changes and int2's blow-ups on one axis
+        ax.set_title(f"{src} ({doc['sources'][src]['windows']} windows; stars: precision by importance)")
         ax.set_xlabel("bytes per token held at the end (all tiers; hollow: L1 + L2 only)")
         ax.set_ylabel("Δppl, % (95% CI)")
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    if numbers:
+        key = [f"{i}: {n.removeprefix('store importance ')}" for n, i in numbers.items()]
+        cols = 3
+        fig.text(0.01, 0.0, "\n".join("     ".join(key[j:j + cols]) for j in range(0, len(key), cols)),
+                 fontsize=8, va="top", family="monospace")
+    fig.savefig(path, dpi=130, bbox_inches="tight")  # "tight" takes the key below the panels in
 
 
 def main(argv=None) -> int:
@@ -521,10 +608,10 @@ def main(argv=None) -> int:
                     help="--store: int2 rows by exactly kept key channels (int2_store_specs) instead")
     ap.add_argument("--recall", action="store_true",
                     help="--store: importance rows by recall reference against fixed int8/int4/int2 (recall_store_specs)")
+    ap.add_argument("--pareto", action="store_true",
+                    help="--store: importance rows between neighbouring fixed rows, with them (pareto_store_specs)")
     ap.add_argument("--int8", action="store_true",
                     help="--store: the lossless and int8 store rows (int8_store_specs), hqq int8 on the same chunks")
-    ap.add_argument("--pareto", action="store_true",
-                    help="--store: fixed int8/int4/int2 and importance rows between them (pareto_store_specs)")
     ap.add_argument("--store-math", default="sdpa", choices=("sdpa", "float32"),
                     help="--store: the store rows' attention_math (sdpa: a lossless store equals the chunked reference)")
     ap.add_argument("--chunked-anchors", default=None,
@@ -538,19 +625,25 @@ def main(argv=None) -> int:
     ap.add_argument("--from-json", default=None, nargs="+",
                     help="no measuring: merge these --json outputs (their sources) and plot them")
     ap.add_argument("--pool", default=None, nargs="+",
-                    help="no measuring: pool the per-window lines of these logs (runs of one dtype) into rows")
+                    help="no measuring: pool the per-window lines of these logs (runs of one dtype) into rows; "
+                         "with --from-json, those rows' Δppl replace the JSONs' (bytes kept) for --plot/--json")
     ap.add_argument("--smoke", action="store_true", help="one 256-token window of pydoc, three configs")
     args = ap.parse_args(argv)
+    pooled = None
     if args.pool:
         lines = [ln for f in args.pool for ln in Path(f).read_text().splitlines()]
-        for src, rows in pool_windows(lines, args.boot, args.seed).items():
+        pooled = pool_windows(lines, args.boot, args.seed)
+        for src, rows in pooled.items():
             for name, r in rows.items():
                 vs = r.get("vs_store_lossless")
                 print(f"{src:7s} | {name:34s} | {len(r['windows'])} windows | dppl {100 * r['delta_ppl']:+7.3f}% "
                       f"[{100 * r['ci95'][0]:+7.3f}, {100 * r['ci95'][1]:+7.3f}]"
                       + (f" | vs lossless store {100 * vs[0]:+7.3f}% [{100 * vs[1]:+7.3f}, {100 * vs[2]:+7.3f}]"
-                         if vs else ""))
-        return 0
+                         if vs else "") + "".join(
+                          f" | vs {f.removeprefix('store ')} {100 * d:+.2f}% [{100 * lo:+.2f}, {100 * hi:+.2f}]"
+                          for f, (d, lo, hi) in r.get("vs_fixed", {}).items()))
+        if not args.from_json:
+            return 0
     if args.from_json:
         doc = {"sources": {}}
         for f in args.from_json:  # runs of one source on the same windows add their rows
@@ -560,6 +653,19 @@ def main(argv=None) -> int:
                     if have["offsets"] != got["offsets"]:
                         raise SystemExit(f"--from-json {f}: {src} was measured on other windows")
                     have["rows"].update(got["rows"])
+        for src, rows in (pooled or {}).items():  # --pool too: Δppl over every window the logs hold
+            got = doc["sources"].get(src)
+            if got is None:
+                continue
+            for name, r in rows.items():
+                if name in got["rows"]:  # the bytes stay those of the JSONs' runs
+                    got["rows"][name].update(delta_ppl=r["delta_ppl"], ci95=r["ci95"], windows=r["windows"],
+                                             vs_fixed=r.get("vs_fixed"))
+            n = sorted({len(r["windows"]) for r in rows.values()})
+            got["windows"] = n[0] if len(n) == 1 else f"{n[0]}-{n[-1]}"
+        for src, got in doc["sources"].items():  # the merged rows' standing (each run's own saw part of them)
+            got["against_fixed"] = {"l1+l2": against_fixed(got["rows"], l1_l2_bytes),
+                                    "all tiers": against_fixed(got["rows"], all_tier_bytes)}
         if args.plot:
             plot(doc, args.plot)
         if args.json:
@@ -680,7 +786,19 @@ def main(argv=None) -> int:
                   f"(L1+L2 {tiers['l1'] + tiers['l2']:6.0f}, weighted {weighted:5.0f}) | {sec:5.1f} s/window"
                   + (f" | vs lossless store {100 * vs[0]:+7.3f}% [{100 * vs[1]:+7.3f}, {100 * vs[2]:+7.3f}]" if vs else "")
                   + (f" | {prec}" if prec else ""), flush=True)
-        doc["sources"][src] = {"ppl_ref": ppl_ref, "windows": len(offsets), "offsets": offsets, "rows": rows}
+        vs_fixed = paired_vs_fixed({n: [v[0] for v in per[n]] for n in per}, args.boot, args.seed)
+        for name, by in vs_fixed.items():
+            rows[name]["vs_fixed"] = {f: list(v) for f, v in by.items()}
+        standing = {"l1+l2": against_fixed(rows, l1_l2_bytes), "all tiers": against_fixed(rows, all_tier_bytes)}
+        for name in vs_fixed:
+            print(f"{src:7s} | {name:34s} | paired: " + ", ".join(
+                f"vs {f.removeprefix('store ')} {100 * d:+.2f}% [{100 * lo:+.2f}, {100 * hi:+.2f}]"
+                for f, (d, lo, hi) in vs_fixed[name].items()) + " | " + "; ".join(
+                f"{k}: dominated by {st[name]['dominated_by'] or 'none'}, dppl - fixed line "
+                + ("-" if st[name]["minus_fixed_line"] is None else f"{100 * st[name]['minus_fixed_line']:+.2f}%")
+                for k, st in standing.items()), flush=True)
+        doc["sources"][src] = {"ppl_ref": ppl_ref, "windows": len(offsets), "offsets": offsets, "rows": rows,
+                               "against_fixed": standing}
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
     if args.plot:

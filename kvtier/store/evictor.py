@@ -146,6 +146,6 @@ class Evictor:
         codec = e.evict_codec or plan.base
         self.counters.add(**{f"precision_{codec}": 1})
         backup = None
-        if plan.below_base(codec) and self.lower.l3 is not None and self.res.needs_l3(e.rec):
+        if plan.below_base(codec) and plan.recalls and self.lower.l3 is not None and self.res.needs_l3(e.rec):
             backup = self.io.encode_pair(block, "l3")
         return self.io.encode_pair(block, "l2", codec), backup

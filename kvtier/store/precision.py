@@ -17,7 +17,9 @@ longer than L1 evicts some of its own blocks before its attention runs) has no e
 way and is stored in ``codec``; it does not enter the ranking of the others either.
 
 A block stored in fewer bits than ``codec`` is *below base*: the swap-out worker also writes
-its ``codec`` record to L3 (when there is an L3 and no copy there yet), the backup. When one
+its ``codec`` record to L3 (when there is an L3, no copy there yet, and a recall can fire:
+``recall_mass`` finite), the backup; a store that never upgrades keeps none, so its L3 holds
+no bytes that no read can use. When one
 observation gives it ``recall_mass`` times the observation's reference mass, its record is
 marked for upgrade; the next read below L1 decodes the L3 backup and, once that decoded, drops
 the low L2 copy (as a spill would): from then on the backup is the block's copy below L1. A
@@ -74,6 +76,11 @@ class PrecisionPlan:
 
     def below_base(self, codec: str) -> bool:
         return _BITS[codec] < _BITS[self.base]
+
+    @property
+    def recalls(self) -> bool:
+        """Whether a block below base can ever be upgraded (and so needs its backup)."""
+        return not math.isinf(self.recall_mass)
 
     @staticmethod
     def statistic(e) -> float:

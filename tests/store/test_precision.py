@@ -74,6 +74,28 @@ def test_codec_follows_mass_and_cold_blocks_get_backups(tmp_path):
     st.close()
 
 
+def test_no_backups_where_no_recall_can_fire(tmp_path):
+    # recall_mass=inf: a cold block is never upgraded, so no base-codec copy is written for it
+    st = _store(tmp_path, recall_mass=float("inf"))
+    s, k, v = _fill(st, 8)
+    st.observe(s, 0, list(range(8)), [5.0, 0.1, 9.0, 0.2, 0.3, 7.0, 0.4, 8.0, 1.0])
+    st.end_step()
+    st.flush()
+    t = st.residency.tables[s][0]
+    cold = [e for e in t.entries[:-1] if e.l2 and e.rec.l2_codec == "int2"]
+    assert len(cold) == 4 and not any(e.l3 for e in cold)
+    pr = st.stats()["precision"]
+    assert pr["backups"] == 0 and pr["encoded"]["int2"] == 4 and st.stats()["bytes"]["l3"] == 0
+    st.observe(s, 0, list(range(8)), [10.0 if e is cold[0] else 0.1 for e in t.entries[:-1]])
+    assert not cold[0].rec.upgrade and st.stats()["precision"]["marked"] == 0
+    K, _ = st.gather(s, 0)  # still read as its int2 copy
+    b = cold[0].idx
+    kc = get_codec("int2", group_size=32, axis="channel", outliers=st.cfg.int2_key_outliers)
+    assert torch.equal(K[:, b * BT:(b + 1) * BT], kc.decode(kc.encode(k[:, b * BT:(b + 1) * BT])))
+    st.check_invariants()
+    st.close()
+
+
 def test_recalled_heavy_cold_block_reads_its_backup(tmp_path):
     st = _store(tmp_path, recall_mass=2.0)
     s, k, v = _fill(st, 8)
