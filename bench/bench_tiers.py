@@ -8,9 +8,9 @@
                                   a batch of owned bytes held at a time, as get_many returns),
                                   warm (page cache) and cold (pages dropped with
                                   posix_fadvise(DONTNEED) after fdatasync, or O_DIRECT); also
-                                  vs one os.preadv a batch (_vs_preadv: the store does not batch)
-     DiskTier get             vs  the same f.read per record: one get() a record is how the
-                                  store's swap-in reads L3 (get_warm_*)
+                                  vs one os.preadv a batch (_vs_preadv: a bound no Python tier reaches)
+     DiskTier get             vs  the same f.read per record: one get() a record (get_warm_*;
+                                  the store's swap-in batches through get_many)
      DiskTier get_into        vs  raw sequential readinto, both into one preallocated buffer
      warm reads also as a ratio of the reading thread's CPU time (_cpu: what a loaded machine's
      scheduling does not inflate), and with a writer thread appending meanwhile (_with_writer:
@@ -25,7 +25,7 @@
      the per-call cost rather than the copy decides.
      L3_compaction: p50/p99 of two step shapes while background compaction empties segments
      3/4 dead and, alternated with it, on the same tier without compaction, for this tree and
-     --base-rev: a decode step of an 8B model (32 layers x 8 gets, then a put_many of one block
+     --base-rev: a decode step of an 8B model (32 layers x a get_many of 8, then a put_many of one block
      per layer; the target is judged on it) and a micro step (one put, three gets: tens of
      microseconds, where OS jitter alone puts p99 at several times p50); the compactor's share
      of the time. The p99 <= 2x p50 target is judged as is where the machine's decode steps
@@ -314,7 +314,7 @@ def bench_l3(root: str, blocks: list[bytes], batch: int, compress: bool, repeat:
         return time.perf_counter() - t0
 
     def tier_get(t: DiskTier) -> float:
-        """One get() per record, a batch of values held at a time: how the store's swap-in reads."""
+        """One get() per record, a batch of values held at a time (single-block reads)."""
         get = t.get
         t0 = time.perf_counter()
         for i in range(0, n, batch):
@@ -418,7 +418,7 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
     (this tree's and the base revision's), two step shapes:
 
       decode  a sparse decode step of an 8B model (32 layers): per layer ``DECODE_GETS_PER_LAYER``
-              budget blocks read from L3 one ``get`` each (as the store's swap-in reads them),
+              budget blocks read from L3 in one ``get_many`` (as the store's swap-in reads them),
               then the step's new blocks, one per layer, written in one ``put_many``
       micro   one put and three gets: tens of microseconds, where one scheduling hiccup of the
               OS is already several times the step (its p99/p50 is high without compaction too)
@@ -441,10 +441,9 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
     counter = iter(range(1 << 62))
 
     def decode_step(t) -> None:
-        get = t.get
+        get_many = t.get_many
         for _ in range(DECODE_LAYERS):
-            for k in rng.sample(live, DECODE_GETS_PER_LAYER):
-                assert get(k) is not None
+            assert all(v is not None for v in get_many(rng.sample(live, DECODE_GETS_PER_LAYER)))
         i = next(counter)
         assert all(t.put_many([(f"new{i}/{layer}", vals[(i + layer) % 64]) for layer in range(DECODE_LAYERS)]))
 
@@ -512,7 +511,7 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
                 t.close()
     shutil.rmtree(path, ignore_errors=True)
     res: dict = {"records": n, "record_bytes": rec_bytes, "rounds": rounds,
-                 "decode_step": f"{DECODE_LAYERS} layers x {DECODE_GETS_PER_LAYER} gets + one put_many of "
+                 "decode_step": f"{DECODE_LAYERS} layers x get_many of {DECODE_GETS_PER_LAYER} + one put_many of "
                                 f"{DECODE_LAYERS} records"}
     for v in versions:
         for w in ("decode", "micro"):
@@ -860,8 +859,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"thread writes, {vs} {d['read_warm_ratio_with_writer_cpu']:.2f}x"
                 f"{base('read_warm_ratio_with_writer')})")
             tg[f"{name}_get_warm>=0.7x_raw"] = (
-                f"{pf(d['get_warm_ratio'])} {d['get_warm_ratio']:.2f}x (one get() a record, the store's swap-in "
-                f"path, {vs} {d['get_warm_ratio_cpu']:.2f}x{base('get_warm_ratio')}; while a thread writes "
+                f"{pf(d['get_warm_ratio'])} {d['get_warm_ratio']:.2f}x (one get() a record, {vs} {d['get_warm_ratio_cpu']:.2f}x{base('get_warm_ratio')}; while a thread writes "
                 f"{d['get_warm_ratio_with_writer']:.2f}x{base('get_warm_ratio_with_writer')})")
     if "L3_compaction" in out:
         c = out["L3_compaction"]
