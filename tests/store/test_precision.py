@@ -30,6 +30,16 @@ def _fill(st, blocks: int, seed: int = 0):
     return s, k, v
 
 
+def _evicted(st):
+    """Eight sealed blocks observed with one mass each (heavy: 2, 7; cold: 1, 3, 4, 6), the step
+    ended and its swap-outs done; the sequence, its K/V and layer 0's table."""
+    s, k, v = _fill(st, 8)
+    st.observe(s, 0, list(range(8)), [5.0, 0.1, 9.0, 0.2, 0.3, 7.0, 0.4, 8.0, 1.0])
+    st.end_step()
+    st.flush()
+    return s, k, v, st.residency.tables[s][0]
+
+
 def _l2_codec(st, s, b):
     e = st.residency.tables[s][0].entries[b]
     ek, _ = unpack_block(st.lower.l2.get(e.rec.key))
@@ -77,11 +87,7 @@ def test_codec_follows_mass_and_cold_blocks_get_backups(tmp_path):
 def test_no_backups_where_no_recall_can_fire(tmp_path):
     # recall_mass=inf: a cold block is never upgraded, so no base-codec copy is written for it
     st = _store(tmp_path, recall_mass=float("inf"))
-    s, k, v = _fill(st, 8)
-    st.observe(s, 0, list(range(8)), [5.0, 0.1, 9.0, 0.2, 0.3, 7.0, 0.4, 8.0, 1.0])
-    st.end_step()
-    st.flush()
-    t = st.residency.tables[s][0]
+    s, k, v, t = _evicted(st)
     cold = [e for e in t.entries[:-1] if e.l2 and e.rec.l2_codec == "int2"]
     assert len(cold) == 4 and not any(e.l3 for e in cold)
     pr = st.stats()["precision"]
@@ -98,11 +104,7 @@ def test_no_backups_where_no_recall_can_fire(tmp_path):
 
 def test_recalled_heavy_cold_block_reads_its_backup(tmp_path):
     st = _store(tmp_path, recall_mass=2.0)
-    s, k, v = _fill(st, 8)
-    st.observe(s, 0, list(range(8)), [5.0, 0.1, 9.0, 0.2, 0.3, 7.0, 0.4, 8.0, 1.0])
-    st.end_step()
-    st.flush()
-    t = st.residency.tables[s][0]
+    s, k, v, t = _evicted(st)
     cold = next(e for e in t.entries[:-1] if e.l2 and e.rec.l2_codec == "int2")
     b = cold.idx
     # a recall gives it far more than the mean mass per block: marked, then read from L3 (int4)
@@ -278,11 +280,7 @@ def test_an_unreadable_backup_leaves_the_low_copy(tmp_path):
 
 def test_without_l3_cold_blocks_stay_low():
     st = _store(None)
-    s, k, v = _fill(st, 8)
-    st.observe(s, 0, list(range(8)), [5.0, 0.1, 9.0, 0.2, 0.3, 7.0, 0.4, 8.0, 1.0])
-    st.end_step()
-    st.flush()
-    t = st.residency.tables[s][0]
+    s, k, v, t = _evicted(st)
     cold = [e for e in t.entries[:-1] if e.l2 and e.rec.l2_codec == "int2"]
     assert cold and st.stats()["precision"]["backups"] == 0
     st.observe(s, 0, list(range(8)), [10.0 if e.idx == cold[0].idx else 0.1 for e in t.entries[:-1]])
