@@ -201,19 +201,23 @@ class Residency:
 
     # -- eviction ------------------------------------------------------------------------------
 
-    def free_clean(self, t: BlockTable, e: BlockEntry) -> None:
-        """Drop the L1 copy of a clean block (lock held)."""
+    def free_clean(self, t: BlockTable, e: BlockEntry, counter: str = "evicted_clean") -> None:
+        """Drop the L1 copy of a clean block, counted as ``counter`` (lock held)."""
         assert e.clean and e.slot is not None and not e.pending, f"not a clean resident block: {e}"
         self.l1.delete(e.key)
         t.free_slot(e)
         self._rehome("l1", e)
-        self.counters.add(evicted_clean=1)
+        self.counters.add(**{counter: 1})
 
     def free_clean_victims(self, t: BlockTable, n: int, exclude, force: bool = True) -> None:
         """Free up to ``n`` clean blocks of ``t`` outside ``exclude``."""
         with self.lock:
-            for b in self.policy.victims(t, n, exclude | t.pinned, only_clean=True, force=force):
-                self.free_clean(t, t.entries[b])
+            self._free_clean_victims(t, n, exclude, force)
+
+    def _free_clean_victims(self, t: BlockTable, n: int, exclude, force: bool) -> None:
+        """:meth:`free_clean_victims` with the lock held."""
+        for b in self.policy.victims(t, n, exclude | t.pinned, only_clean=True, force=force):
+            self.free_clean(t, t.entries[b])
 
     def mark_victims(self, t: BlockTable, n: int, exclude=frozenset(), force: bool = False) -> list:
         """Choose ``n`` victims of ``t``: clean ones are freed now, dirty ones marked pending and
@@ -368,8 +372,7 @@ class Residency:
         with self.lock:
             need = t.resident + sum(1 for e in ents if e.slot is None) - self.layout.hot_blocks
             if need > 0:
-                for b in self.policy.victims(t, need, exclude | t.pinned, only_clean=True):
-                    self.free_clean(t, t.entries[b])
+                self._free_clean_victims(t, need, exclude, force=False)
 
     def install(self, t: BlockTable, e: BlockEntry, data: torch.Tensor, generation: int, exclude,
                 scratch: list, run: frozenset | None = None) -> int:
@@ -383,8 +386,7 @@ class Residency:
             if e.slot is not None:
                 return e.slot
             if t.resident >= hot:
-                for b in self.policy.victims(t, 1, exclude | t.pinned, only_clean=True):
-                    self.free_clean(t, t.entries[b])
+                self._free_clean_victims(t, 1, exclude, force=False)
             if t.resident < hot:
                 pos = self.regions.run_position(t, run) if run is not None else None
                 self._place(t, e, data, pos=pos)
@@ -477,10 +479,7 @@ class Residency:
         g = e.low_gen
         if g is None or g == e.rec.marks or not e.rec.l3 or e.pending or not e.clean:
             return False
-        self.l1.delete(e.key)
-        t.free_slot(e)
-        self._rehome("l1", e)
-        self.counters.add(precision_refetched=1)
+        self.free_clean(t, e, "precision_refetched")
         return True
 
     def generation(self, rec: BlockCopies) -> int:
