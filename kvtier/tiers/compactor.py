@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 from kvtier._crc import crc32
 from . import diskindex
-from .segfile import (FLAG_TOMB, REC, REC_HEADER_BYTES, REC_MAGIC, REC_MAGIC_BYTES, SEG_HEADER_BYTES, Segment,
-                      crc32_held, fdatasync, iter_headers, pad8)
+from .segfile import (FLAG_TOMB, REC, REC_HEADER_BYTES, REC_MAGIC, SEG_HEADER_BYTES, Segment, crc32_held,
+                      fdatasync, iter_headers, next_magic, pad8)
 
 _STEP_BYTES = 256 << 10  # segment bytes one background compaction step reads (one pread)
 _STEP_RECORDS = 128  # the most records one background step takes: bounds its appends under the lock
@@ -53,9 +53,7 @@ def _yield_gil() -> None:
 def _next_magic(buf, off: int, end: int) -> int:
     """Where the next record may start after a damaged header at ``off`` (8-aligned, as records
     are); past ``end`` when none starts in ``buf``, ahead of any magic cut by its end."""
-    nxt = buf.find(REC_MAGIC_BYTES, off + 8, end)
-    while nxt != -1 and (nxt - off) % 8:
-        nxt = buf.find(REC_MAGIC_BYTES, nxt + 1, end)
+    nxt = next_magic(buf, off, end)
     return nxt if nxt != -1 else max(off + 8, (end - 3 + 7) & ~7)
 
 

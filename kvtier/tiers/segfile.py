@@ -96,6 +96,15 @@ def allocate(fd: int, offset: int, length: int) -> None:
         os.ftruncate(fd, offset + length)  # filesystem without fallocate
 
 
+def next_magic(buf, off: int, end: int) -> int:
+    """Where the next record may start after a damaged header at ``off`` of ``buf`` (a mapping
+    or bytes): the next 8-aligned record magic before ``end``, -1 if there is none."""
+    nxt = buf.find(REC_MAGIC_BYTES, off + 8, end)
+    while nxt != -1 and (nxt - off) % 8:
+        nxt = buf.find(REC_MAGIC_BYTES, nxt + 1, end)
+    return nxt
+
+
 def iter_headers(mm, pos: int, limit: int) -> Iterator[tuple[int, int, int, int, int, int]]:
     """(offset, flags, key length, value length, data crc, record size) of each record whose
     header checks out, from ``pos`` up to ``limit``; damaged stretches are skipped by looking
@@ -105,9 +114,7 @@ def iter_headers(mm, pos: int, limit: int) -> Iterator[tuple[int, int, int, int,
         magic, hcrc, flags, klen, vlen, dcrc, _ = unpack(mm, pos)
         size = pad8(hdr_end + klen + vlen)
         if magic != REC_MAGIC or klen == 0 or pos + size > limit or crc32(mm[pos + 8:pos + hdr_end]) != hcrc:
-            nxt = mm.find(REC_MAGIC_BYTES, pos + 8, limit)
-            while nxt != -1 and (nxt - pos) % 8:
-                nxt = mm.find(REC_MAGIC_BYTES, nxt + 1, limit)
+            nxt = next_magic(mm, pos, limit)
             if nxt == -1:
                 return
             pos = nxt
