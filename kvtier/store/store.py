@@ -20,6 +20,7 @@ whom, and the lock order.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -320,6 +321,15 @@ class KVStore:
         if k.device != self.device or k.dtype != self.dtype:
             k = k.to(self.device, self.dtype)
             v = v.to(self.device, self.dtype)
+        # The codecs refuse NaN/Inf only when the block is evicted, on the swap-out worker, where
+        # the error would surface in a later call with the table half-appended: refuse it here,
+        # after the cast (float32 KV can overflow the store's 16-bit dtype). On CUDA the check
+        # would cost a host sync per layer and step; there the codec's check stands alone.
+        # (aminmax propagates NaN and is several times faster than isfinite().all() on CPU)
+        if k.device.type == "cpu" and not all(
+                math.isfinite(x.item()) for x in (*torch.aminmax(k), *torch.aminmax(v))):
+            raise ValueError(f"k and v must be finite (no NaN or Inf) in the store's dtype {self.dtype}; "
+                             f"nothing was appended")
         self.appender.append(t, k, v)
 
     def end_step(self) -> None:

@@ -403,3 +403,31 @@ def test_append_refuses_bad_layers_and_non_float_tensors_and_stores_nothing():
     st.append(s, 1, one, one)
     assert torch.equal(st.gather(s, 1)[0], one) and st.seq_len(s, 0) == 0
     st.close()
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp16"])
+def test_non_finite_kv_is_refused_at_append_and_leaves_the_sequence_usable(codec):
+    # found by the codec only when the block is evicted, on the swap-out worker, a NaN used to
+    # fail a later, unrelated call and leave the sequence's table half-appended
+    st = make_store(None, num_layers=1, hot_tokens=8, host_bytes=1 << 20, codec=codec)
+    s = st.add_sequence()
+    good = torch.randn(2, 10, 8).half()
+    st.append(s, 0, good, good)
+    for bad in (float("nan"), float("inf")):
+        k = torch.randn(2, 30, 8).half()
+        k[1, 17, 3] = bad
+        with pytest.raises(ValueError, match="finite"):
+            st.append(s, 0, k, good[:, :1].expand(2, 30, 8))
+        with pytest.raises(ValueError, match="finite"):
+            st.append(s, 0, good[:, :1].expand(2, 30, 8), k)
+    big = torch.full((2, 1, 8), 1e6)  # float32 KV beyond float16's range
+    with pytest.raises(ValueError, match="finite"):
+        st.append(s, 0, big, big)
+    assert st.seq_len(s, 0) == 10
+    more = torch.randn(2, 30, 8).half()
+    st.append(s, 0, more, more)
+    st.end_step()
+    check_invariants(st)
+    K, _ = st.gather(s, 0)
+    assert K.shape[1] == 40 and torch.isfinite(K).all()
+    st.close()
