@@ -264,7 +264,10 @@ class TieredCache(Cache):
             self._rows.register(b)  # all or none: a refused batch registers nothing
             registered = True
         elif b != len(self._rows):
-            raise ValueError(f"batch size must stay {len(self._rows)} for this cache; got {b}")
+            n = len(self._rows)
+            hint = (f" (a filled cache is not expanded by generate(): for num_beams or num_return_sequences "
+                    f"call cache.batch_repeat_interleave({b // n}) first)") if b % n == 0 else ""
+            raise ValueError(f"batch size must stay {n} for this cache; got {b}{hint}")
         self._step = Step(start=self.layers[0].length, tokens=t, registered=registered)
 
     def _layer_done(self, l: int, attended: int) -> None:
