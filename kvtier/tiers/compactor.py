@@ -38,6 +38,7 @@ from .segfile import (FLAG_TOMB, REC, REC_HEADER_BYTES, REC_MAGIC, SEG_HEADER_BY
 _STEP_BYTES = 256 << 10  # segment bytes one background compaction step reads (one pread)
 _STEP_RECORDS = 128  # the most records one background step takes: bounds its appends under the lock
 _SLICE_RECORDS = 16  # records a background step parses between two offers of the GIL
+_MOVE_BYTES = 64 << 10  # the most record bytes one background append writes (a put waits for one)
 
 
 class _Truncated(Exception):
@@ -216,17 +217,47 @@ class DiskCompaction:
         finally:
             if fd >= 0:
                 os.close(fd)
-        with self._appending() if not locked else contextlib.nullcontext():
+        job.max_step_read = max(job.max_step_read, read)
+        if locked:
+            done = self._move(job, cands, written)
+        else:  # in pieces: a put waits for one piece's write, a get for none of it
+            done, i = True, 0
+            while done and i < len(cands):
+                j, nbytes = i, 0
+                while j < len(cands) and (j == i or nbytes + cands[j][3] <= _MOVE_BYTES):
+                    nbytes += cands[j][3]
+                    j += 1
+                if i:
+                    _yield_gil()
+                with self._write_lock:
+                    done = self._move(job, cands[i:j], written)
+                written, i = {}, j
+        if not done:
+            return False
+        with self._lock if not locked else contextlib.nullcontext():
+            job.pos = pos
+            job.sync_pending = pos >= seg.used
+        return True
+
+    def _move(self, job: CompactJob, cands: list, written: dict) -> bool:
+        """Copy the candidates still live at ``seg`` (and tombstones still needed) to the head
+        and point the index at the copies (``_write_lock`` held). ``_lock`` is taken to check
+        them and by the append to reserve and to publish, not while the bytes are written
+        (unless the caller holds it: inline compaction); a copy is indexed only if its key
+        still points at the original then. False when the segment went or there was no room."""
+        seg = job.seg
+        with self._lock:
             if self._closed or self._segs.get(seg.id) is not seg:
                 return False
             for o, keys in written.items():
                 if self._segs.get(o.id) is o and o.written is None:
                     o.written = keys
-            recs = []
+            recs, expect = [], []
             for key, flags, kraw, size, vlen, off, img in cands:
                 if flags & FLAG_TOMB:  # a tombstone must outlive every older record it hides
                     if key not in self._index and self._hides_older(key, seg):
                         recs.append((key, *self._image(key, None)))
+                        expect.append(None)
                     continue
                 loc = self._index.get(key)
                 if loc is None or loc[0] != seg.id or loc[1] != off:
@@ -235,21 +266,23 @@ class DiskCompaction:
                     self._mark_corrupt(key)
                 else:
                     recs.append((key, kraw, size, [img], vlen))
-            job.max_step_read = max(job.max_step_read, read)
-            self._compacting = True
-            try:
-                res = self._append(recs) if recs else []
-            finally:
-                self._compacting = False
-            moved = sum(r[2] for r in recs)
+                    expect.append((seg.id, off))
+        if not recs:
+            return True
+        # only the appender (``_write_lock``) reads the flag: _room must not compact inline again
+        self._compacting = True
+        try:
+            res = self._append(recs, expect)
+        finally:
+            self._compacting = False
+        moved = sum(r[2] for r in recs)
+        with self._lock:
             self._n["compact_bytes_written"] += moved
             job.copied_bytes += moved
             if not all(res):
                 self._stuck.add(seg.id)
                 return False
-            job.pos = pos
-            job.sync_pending = pos >= seg.used
-            return True
+        return True
 
     def _gather(self, job: CompactJob, budget: int, fd: int = -1):
         """Read up to ``budget`` bytes of records from ``job.pos``: (candidates, next position,

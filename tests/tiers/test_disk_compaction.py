@@ -159,7 +159,7 @@ def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_p
     import os
 
     from kvtier.tiers import compactor
-    from kvtier.tiers.compactor import _SLICE_RECORDS, _STEP_RECORDS, CompactJob
+    from kvtier.tiers.compactor import _MOVE_BYTES, _SLICE_RECORDS, _STEP_RECORDS, CompactJob
 
     with DiskTier(tmp_path / "d", segment_bytes=4 << 20, capacity_bytes=64 << 20, durability="never",
                   compact_threshold=0.0) as t:
@@ -169,6 +169,15 @@ def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_p
         preads, yields, real_pread = [], [], os.pread
         monkeypatch.setattr(os, "pread", lambda fd, n, off: preads.append(n) or real_pread(fd, n, off))
         monkeypatch.setattr(compactor, "_yield_gil", lambda: yields.append(1))
+        moves, real_move = [], t._move
+
+        def move(job, cands, written):  # each piece of the append: at most _MOVE_BYTES, or one record
+            assert t._write_lock._is_owned() and not t._lock._is_owned()
+            assert len(cands) == 1 or sum(c[3] for c in cands) <= _MOVE_BYTES
+            moves.append(len(cands))
+            return real_move(job, cands, written)
+
+        monkeypatch.setattr(t, "_move", move)
 
         class Unmapped:  # a background step must not read the segment through its mapping
             def __getattr__(self, name):
@@ -181,7 +190,7 @@ def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_p
         steps = big_preads = 0
         try:
             while not job.sync_pending:
-                before_pos, before_yields, before_preads = job.pos, len(yields), len(preads)
+                before_pos, before_yields, before_preads, before_moves = job.pos, len(yields), len(preads), len(moves)
                 assert t._compact_step(job, _STEP_BYTES, locked=False)
                 steps += 1
                 span, *whole = preads[before_preads:]
@@ -192,7 +201,8 @@ def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_p
                 big_preads += len(whole)
                 records = len(headers)
                 assert records <= _STEP_RECORDS
-                assert len(yields) - before_yields == records // _SLICE_RECORDS
+                pieces = len(moves) - before_moves  # the GIL is also offered between two pieces
+                assert len(yields) - before_yields == records // _SLICE_RECORDS + max(0, pieces - 1)
         finally:
             seg.mm = mm
         assert steps >= seg.used // _STEP_BYTES and big_preads >= 1  # "big" was read whole
