@@ -38,7 +38,9 @@ from .segfile import (FLAG_TOMB, REC, REC_HEADER_BYTES, REC_MAGIC, SEG_HEADER_BY
 _STEP_BYTES = 256 << 10  # segment bytes one background compaction step reads (one pread)
 _STEP_RECORDS = 128  # the most records one background step takes: bounds its appends under the lock
 _SLICE_RECORDS = 16  # records a background step parses between two offers of the GIL
-_MOVE_BYTES = 64 << 10  # the most record bytes one background append writes (a put waits for one)
+# one piece of a background step's appends: a put waits for at most one piece's write, and
+# each hold of the tier lock (check, reserve, publish) covers at most one piece's records
+_MOVE_BYTES, _MOVE_RECORDS = 64 << 10, 32
 
 
 class _Truncated(Exception):
@@ -224,7 +226,7 @@ class DiskCompaction:
             done, i = True, 0
             while done and i < len(cands):
                 j, nbytes = i, 0
-                while j < len(cands) and (j == i or nbytes + cands[j][3] <= _MOVE_BYTES):
+                while j < len(cands) and j - i < _MOVE_RECORDS and (j == i or nbytes + cands[j][3] <= _MOVE_BYTES):
                     nbytes += cands[j][3]
                     j += 1
                 if i:
