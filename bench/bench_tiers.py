@@ -672,13 +672,14 @@ class _TimedLock:
 
 def _breakdown(parts: list[dict]) -> dict:
     """Mean microseconds of each part over the middle half of the steps (by wall time) and
-    over their slowest 1% (what sets p99)."""
+    over those from p98 to p99.5 (what sets p99, without the few worst that would dominate a mean)."""
     if not parts:
         return {}
     by = sorted(parts, key=lambda p: p["wall"])
+    n = len(by)
     out = {}
-    for name, sub in (("mid", by[len(by) // 4:max(len(by) // 4 + 1, 3 * len(by) // 4)]),
-                      ("top1pct", by[min(len(by) - 1, int(0.99 * len(by))):])):
+    for name, sub in (("mid", by[n // 4:max(n // 4 + 1, 3 * n // 4)]),
+                      ("p99", by[min(n - 1, int(0.98 * n)):max(min(n, int(0.98 * n) + 1), int(0.995 * n))])):
         out[name] = {k: (sum(p[k] for p in sub) / len(sub)) * (1 if k == "gc_collections" else 1e6)
                      for k in sub[0]}
     return out
@@ -1068,9 +1069,9 @@ def compaction_causes(c: dict) -> list[str]:
             d = c.get(f"{v}_decode_where_{c_}")
             if not d:
                 continue
-            for part in ("mid", "top1pct"):
+            for part in ("mid", "p99"):
                 x = d[part]
-                lines.append(f"CAUSES {v} decode {c_} compaction, {part:7s} steps: wall {x['wall']:.0f} us = "
+                lines.append(f"CAUSES {v} decode {c_} compaction, {part:3s} steps: wall {x['wall']:.0f} us = "
                              + " + ".join(f"{label} {x[k]:.0f}" for k, label in names)
                              + f"; inside lock acquisitions: tier lock {x['tier_lock_wait']:.0f}, write lock "
                              f"{x['write_lock_wait']:.0f}; gc {x['gc']:.0f} us in {x['gc_collections']:.2f} "

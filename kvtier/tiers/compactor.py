@@ -40,7 +40,7 @@ _STEP_RECORDS = 128  # the most records one background step takes: bounds its ap
 _SLICE_RECORDS = 16  # records a background step parses between two offers of the GIL
 # one piece of a background step's appends: a put waits for at most one piece's write, and
 # each hold of the tier lock (check, reserve, publish) covers at most one piece's records
-_MOVE_BYTES, _MOVE_RECORDS = 64 << 10, 32
+_MOVE_BYTES, _MOVE_RECORDS = 32 << 10, 16
 
 
 class _Truncated(Exception):
@@ -48,8 +48,9 @@ class _Truncated(Exception):
 
 
 def _yield_gil() -> None:
-    """Let a thread waiting for the GIL (a put or get) run now rather than at the end of the
-    interpreter's switch interval: the compactor's Python work must not delay a decode step."""
+    """Release the GIL for a moment, so that a put or get waiting for it may take it between two
+    slices of the compactor's Python work (it gets it if it wakes first; else it still waits,
+    at most to the end of the interpreter's switch interval)."""
     time.sleep(0)
 
 
@@ -410,25 +411,31 @@ class DiskCompaction:
     def _background_step(self) -> bool:
         """One paced unit of background work (compactor thread): a compaction step, the
         durable hand-over of a compacted segment, or an index checkpoint. True if more may follow."""
-        with self._appending():  # it may seal the head
+        with self._lock:  # a job under way only needs a look: no put waits for it
             if self._closed:
                 return False
             job = self._job
-            if job is None or self._segs.get(job.seg.id) is not job.seg:
-                todo = self._candidates()
-                if not todo and self._head_mostly_dead():
-                    self._seal(self._head)  # the next append starts a new head
-                    self._head = None
+            run_step = job is not None and self._segs.get(job.seg.id) is job.seg and not job.sync_pending
+        if not run_step:
+            with self._appending():  # choosing a segment may seal the head
+                if self._closed:
+                    return False
+                job = self._job
+                if job is None or self._segs.get(job.seg.id) is not job.seg:
                     todo = self._candidates()
-                job = self._job = CompactJob(todo[0]) if todo else None
-            run_step = job is not None and not job.sync_pending
-            if not run_step:
-                if job is None:
-                    due = self.checkpoint_records and self._since_cp >= max(self.checkpoint_records,
-                                                                              len(self._index) // 4)
-                    if not due:
-                        return False
-                fds = self._dup_dirty_fds() if self.durability != "never" else []
+                    if not todo and self._head_mostly_dead():
+                        self._seal(self._head)  # the next append starts a new head
+                        self._head = None
+                        todo = self._candidates()
+                    job = self._job = CompactJob(todo[0]) if todo else None
+                run_step = job is not None and not job.sync_pending
+                if not run_step:
+                    if job is None:
+                        due = self.checkpoint_records and self._since_cp >= max(self.checkpoint_records,
+                                                                                  len(self._index) // 4)
+                        if not due:
+                            return False
+                    fds = self._dup_dirty_fds() if self.durability != "never" else []
         if run_step:
             if not self._compact_step(job, _STEP_BYTES, locked=False):
                 with self._lock:
