@@ -2,19 +2,33 @@
 the put/get path.
 
 Compaction copies a sealed segment's live records to the head in steps of ``_STEP_BYTES`` of
-the segment. A background step reads and CRC-checks its records without the tier lock and
-takes it (after ``_write_lock``: it is an appender like a put) only to append what is still
-live, so a get waits for one append, not a step; the worker then sleeps so that its I/O takes
-at most ``share`` of the time while it runs: after a step of ``t`` seconds,
+the segment. A background step reads and CRC-checks its records with no lock held, then
+appends what is still live in pieces of at most ``_MOVE_BYTES`` / ``_MOVE_RECORDS``:
+
+```
+  _write_lock held (an appender, like a put): one piece
+    _lock held   check     which records are still live here (and which tombstones still hide one)
+    _lock held   reserve   room at the head
+    no _lock     write     pwritev of the copies (the images read, header and CRC as stored)
+    _lock held   publish   a key is pointed at its copy only if it still points at the original
+```
+so a get never waits for a compaction write, a put waits for at most one piece, and each hold
+of the tier lock covers at most one piece's records. The worker then sleeps so that its I/O
+takes at most ``share`` of the time while it runs: after a step of ``t`` seconds,
 ``t * (1 - share) / share``. The copies are made durable (fdatasync on duplicated fds,
-outside the lock) before the emptied segment is deleted.
+outside the lock) before the emptied segment is deleted (unmapped and unlinked outside the
+lock). A kill at any point leaves the log replaying to the same keys and values: a copy
+lands before any later put of its key (both are appenders), is a valid record (or a torn tail,
+erased at open) until published, and the original goes only once the copies are durable.
 
 The worker is a thread of the same interpreter as the decode loop, so what it costs a decode
 step is mostly the GIL: a step's copy is done where the GIL is released (one ``pread`` of the
-span, the CRC of records over 64 KiB, one ``pwritev``), and its Python work (parsing headers,
-index look-ups) is cut into slices of ``_SLICE_RECORDS`` records with the GIL offered between
-them, so a put or get that wants it waits for one slice (tens of microseconds), not for the
-interpreter's switch interval (5 ms) or a whole step.
+span, the CRC of records over 64 KiB, one ``pwritev`` a piece), and its Python work (parsing
+headers, index look-ups) is cut into slices of ``_SLICE_RECORDS`` records with the GIL
+released between them and between pieces. What is left is the worker's Python time itself
+(about 10 us a record): on a machine whose CPUs are oversubscribed, the worker preempted while
+it holds the GIL or a lock stalls the decode loop for as long as it waits for a CPU
+(bench_tiers.py --only compaction prints where a step's time goes).
 
 The worker owns no tier state: each step is a call back into the tier (``_background_step``),
 which says whether there is more to do.
@@ -197,8 +211,8 @@ class DiskCompaction:
         the segment cannot be moved now (no room at the head, or it changed under us).
 
         With ``locked=False`` (the background worker) the tier lock is taken only to check the
-        segment and then to append what was gathered: reading and CRC-checking the records
-        runs without it, so a put or get waits for an append, not for a whole step."""
+        segment, and then by each piece of the append (``_move``): reading and CRC-checking the
+        records runs with no lock, writing the copies without the tier lock."""
         fd = -1
         with self._lock if not locked else contextlib.nullcontext():  # (else held by the caller)
             seg = job.seg
