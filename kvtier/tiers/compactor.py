@@ -293,12 +293,12 @@ class DiskCompaction:
         finally:
             self._compacting = False
         moved = sum(r[2] for r in recs)
-        with self._lock:
-            self._n["compact_bytes_written"] += moved
-            job.copied_bytes += moved
-            if not all(res):
+        self._n["compact_bytes_written"] += moved  # (only appenders write it: _write_lock is enough)
+        job.copied_bytes += moved
+        if not all(res):
+            with self._lock:
                 self._stuck.add(seg.id)
-                return False
+            return False
         return True
 
     def _gather(self, job: CompactJob, budget: int, fd: int = -1):
