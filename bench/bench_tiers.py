@@ -30,6 +30,10 @@
      microseconds, where OS jitter alone puts p99 at several times p50); the compactor's share
      of the time. The p99 <= 2x p50 target is judged as is where the machine's decode steps
      meet it without compaction, else against them (the output says which: see bench_compaction).
+     CAUSES lines: where the decode steps' time went, for the middle half and for those that set
+     p99, with and without compaction (CPU, run-queue wait, sleep; time inside acquisitions of
+     the tier lock and the write lock; GC), and the compactor's lock holds, GC and CPU/run-queue
+     time (see _StepProbe).
 
 Targets (printed as VERDICT lines, PASS/MISS, never asserted: timing depends on the machine):
   L2 >= 0.5x copy bandwidth; L3 >= 0.7x raw file write and read when records go raw, small
