@@ -25,7 +25,8 @@ The worker is a thread of the same interpreter as the decode loop, so what it co
 step is mostly the GIL: a step's copy is done where the GIL is released (one ``pread`` of the
 span, the CRC of records over 64 KiB, one ``pwritev`` a piece), and its Python work (parsing
 headers, index look-ups) is cut into slices of ``_SLICE_RECORDS`` records with the GIL
-released between them and between pieces. What is left is the worker's Python time itself
+released between them, and it pauses between pieces so that a put woken by a piece's end
+takes the locks before the next piece does. What is left is the worker's Python time itself
 (about 10 us a record): on a machine whose CPUs are oversubscribed, the worker preempted while
 it holds the GIL or a lock stalls the decode loop for as long as it waits for a CPU
 (bench_tiers.py --only compaction prints where a step's time goes).
@@ -55,6 +56,7 @@ _SLICE_RECORDS = 16  # records a background step parses between two offers of th
 # one piece of a background step's appends: a put waits for at most one piece's write, and
 # each hold of the tier lock (check, reserve, publish) covers at most one piece's records
 _MOVE_BYTES, _MOVE_RECORDS = 32 << 10, 16
+_HAND_OVER_S = 50e-6  # the pause between two pieces (about a thread's wake-up; timer slack adds ~50 us)
 
 
 class _Truncated(Exception):
@@ -66,6 +68,14 @@ def _yield_gil() -> None:
     slices of the compactor's Python work (it gets it if it wakes first; else it still waits,
     at most to the end of the interpreter's switch interval)."""
     time.sleep(0)
+
+
+def _hand_over() -> None:
+    """Sleep briefly between two pieces of a step's appends. A put (or get) woken when the
+    piece released the write lock (or the tier lock) still has to wake up and take the GIL;
+    going straight on to the next piece would take both locks again first, every time, and
+    keep it waiting for all the step's pieces."""
+    time.sleep(_HAND_OVER_S)
 
 
 def _next_magic(buf, off: int, end: int) -> int:
@@ -245,7 +255,7 @@ class DiskCompaction:
                     nbytes += cands[j][3]
                     j += 1
                 if i:
-                    _yield_gil()
+                    _hand_over()
                 with self._write_lock:
                     done = self._move(job, cands[i:j], written)
                 written, i = {}, j

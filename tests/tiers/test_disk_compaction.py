@@ -155,7 +155,8 @@ def _dead_segments(t, n=600, seed=5):
 def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_path, monkeypatch):
     """The mechanism that keeps a decode step from waiting on the compactor: a background step
     reads its span with one pread (the GIL released, no page fault through the mapping under
-    it), takes at most _STEP_RECORDS records, and offers the GIL every _SLICE_RECORDS of them."""
+    it), takes at most _STEP_RECORDS records, offers the GIL every _SLICE_RECORDS of them, and
+    appends them in pieces with a pause between two."""
     import os
 
     from kvtier.tiers import compactor
@@ -169,6 +170,8 @@ def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_p
         preads, yields, real_pread = [], [], os.pread
         monkeypatch.setattr(os, "pread", lambda fd, n, off: preads.append(n) or real_pread(fd, n, off))
         monkeypatch.setattr(compactor, "_yield_gil", lambda: yields.append(1))
+        hand_overs = []
+        monkeypatch.setattr(compactor, "_hand_over", lambda: hand_overs.append(1))
         moves, real_move = [], t._move
 
         def move(job, cands, written):  # each piece of the append: at most _MOVE_BYTES, or one record
@@ -190,7 +193,8 @@ def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_p
         steps = big_preads = 0
         try:
             while not job.sync_pending:
-                before_pos, before_yields, before_preads, before_moves = job.pos, len(yields), len(preads), len(moves)
+                before_pos, before_yields, before_preads = job.pos, len(yields), len(preads)
+                before_moves, before_hand_overs = len(moves), len(hand_overs)
                 assert t._compact_step(job, _STEP_BYTES, locked=False)
                 steps += 1
                 span, *whole = preads[before_preads:]
@@ -201,8 +205,9 @@ def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_p
                 big_preads += len(whole)
                 records = len(headers)
                 assert records <= _STEP_RECORDS
-                pieces = len(moves) - before_moves  # the GIL is also offered between two pieces
-                assert len(yields) - before_yields == records // _SLICE_RECORDS + max(0, pieces - 1)
+                assert len(yields) - before_yields == records // _SLICE_RECORDS
+                pieces = len(moves) - before_moves  # and a pause between two pieces
+                assert len(hand_overs) - before_hand_overs == max(0, pieces - 1)
         finally:
             seg.mm = mm
         assert steps >= seg.used // _STEP_BYTES and big_preads >= 1  # "big" was read whole
