@@ -231,8 +231,11 @@ class DiskCompaction:
             if locked and seg.file_size() < seg.used:  # truncated under us: reading it would SIGBUS
                 self._stuck.add(seg.id)
                 return False
-            if not locked:  # a private fd: the LRU may close (and the number be reused) meanwhile
-                fd = os.dup(self._rfd(seg))
+        if not locked:  # a private fd, opened outside the lock (segment ids, so paths, are never reused)
+            try:
+                fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:  # deleted meanwhile (cleared, or compacted inline)
+                return False
         try:
             cands, pos, read, written = self._gather(job, budget, fd)
         except ValueError:  # its mapping was closed meanwhile (cleared, or the tier closed)
