@@ -46,9 +46,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvtier._crc import crc32
-from . import diskindex
+from . import diskindex, segscan
 from .segfile import (FLAG_TOMB, REC, REC_HEADER_BYTES, REC_MAGIC, SEG_HEADER_BYTES, Segment, crc32_held,
-                      fdatasync, iter_headers, next_magic, pad8)
+                      fdatasync, iter_headers, pad8)
 
 _STEP_BYTES = 256 << 10  # segment bytes one background compaction step reads (one pread)
 _STEP_RECORDS = 128  # the most records one background step takes: bounds its appends under the lock
@@ -76,13 +76,6 @@ def _hand_over() -> None:
     going straight on to the next piece would take both locks again first, every time, and
     keep it waiting for all the step's pieces."""
     time.sleep(_HAND_OVER_S)
-
-
-def _next_magic(buf, off: int, end: int) -> int:
-    """Where the next record may start after a damaged header at ``off`` (8-aligned, as records
-    are); past ``end`` when none starts in ``buf``, ahead of any magic cut by its end."""
-    nxt = next_magic(buf, off, end)
-    return nxt if nxt != -1 else max(off + 8, (end - 3 + 7) & ~7)
 
 
 log = logging.getLogger(__name__)
@@ -343,29 +336,22 @@ class DiskCompaction:
                     buf = os.pread(fd, size, base)
                     if len(buf) < size:
                         raise _Truncated(seg.path)
-            view, start, end, room = memoryview(buf), 0, len(buf), seg.used - base
-            max_records = _STEP_RECORDS
+            view, end, room = memoryview(buf), len(buf), seg.used - base
+            # headers parsed in C, the GIL released (Python when no compiler: offering it every slice)
+            rows, off = segscan.scan(buf, 0, end, room, budget, _STEP_RECORDS, pause=_yield_gil,
+                                     every=_SLICE_RECORDS)
         else:
-            base, buf, start, end, room = 0, seg.mm, job.pos, seg.used, seg.used
-            view, max_records = None, 1 << 62
-        unpack, hdr = REC.unpack_from, REC_HEADER_BYTES
-        check = crc32_held if background else crc32  # (inline, gets wait for the whole call anyway)
-        cands, read, n, off = [], 0, 0, start
-        while off + hdr <= end and read < budget and n < max_records:
-            magic, hcrc, flags, klen, vlen, dcrc, _ = unpack(buf, off)
-            size = pad8(hdr + klen + vlen)
-            if magic != REC_MAGIC or klen == 0 or off + size > room or crc32(buf[off + 8:off + hdr]) != hcrc:
-                off = _next_magic(buf, off, end)  # a damaged stretch: resume at the next record
-                continue
-            if off + size > end:
-                break  # cut by this read: the next step starts with it
+            base, buf, end, room, view = 0, seg.mm, seg.used, seg.used, None
+            rows, off = segscan.scan_py(buf, job.pos, end, room, budget, 1 << 62)
+        hdr, row = REC_HEADER_BYTES, segscan.ROW
+        cands, check, read = [], [], 0  # check: (row, candidate) of the data records still indexed here
+        for i in range(len(rows) // row):
+            r0, size, flags, klen, vlen, _ = rows[row * i:row * i + row]
             read += size
-            n += 1
-            if background and n % _SLICE_RECORDS == 0:
+            if background and i % _SLICE_RECORDS == _SLICE_RECORDS - 1:
                 _yield_gil()
-            pos, off = base + off, off + size
-            k0 = pos - base + hdr
-            kraw = bytes(buf[k0:k0 + klen])
+            pos = base + r0
+            kraw = bytes(buf[r0 + hdr:r0 + hdr + klen])
             try:
                 key = kraw.decode("utf-8")
             except UnicodeDecodeError:
@@ -377,12 +363,18 @@ class DiskCompaction:
             loc = self._index.get(key)
             if loc is None or loc[0] != seg.id or loc[1] != pos:
                 continue  # dead, and a dead record never comes back to life
-            # the record image is position independent: a view of the read, or a copy of the mapping
-            img = view[k0 - hdr:k0 - hdr + size] if background else memoryview(buf[pos:pos + size])
-            if check(img[hdr:hdr + klen + vlen]) != dcrc:  # key and value are contiguous
-                cands.append((key, flags, kraw, size, vlen, pos, None))
-                continue
-            cands.append((key, flags, kraw, size, vlen, pos, img))
+            check.append((i, len(cands)))
+            cands.append((key, flags, kraw, size, vlen, pos, None))
+        # the data CRCs of the live ones (a failed one stays a candidate without an image: it is marked
+        # corrupt); in C with the GIL released, or in Python (inline, gets wait for the whole call anyway)
+        ok = segscan.verify(buf, rows, [i for i, _ in check], use_c=background,
+                            check=crc32_held if background else crc32, pause=_yield_gil if background else None,
+                            every=_SLICE_RECORDS)
+        for (i, c), good in zip(check, ok):
+            if good:  # the record image is position independent: a view of the read, or a copy of the mapping
+                r0, size = rows[row * i], rows[row * i + 1]
+                img = view[r0:r0 + size] if background else memoryview(buf[r0:r0 + size])
+                cands[c] = cands[c][:-1] + (img,)
         if off + hdr > end >= room:  # the segment's end: what is left cannot hold a record
             off = max(off, end)
         written = {}

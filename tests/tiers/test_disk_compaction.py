@@ -159,7 +159,7 @@ def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_p
     appends them in pieces with a pause between two."""
     import os
 
-    from kvtier.tiers import compactor
+    from kvtier.tiers import compactor, segscan
     from kvtier.tiers.compactor import _MOVE_BYTES, _MOVE_RECORDS, _SLICE_RECORDS, _STEP_RECORDS, CompactJob
 
     with DiskTier(tmp_path / "d", segment_bytes=4 << 20, capacity_bytes=64 << 20, durability="never",
@@ -205,7 +205,10 @@ def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_p
                 big_preads += len(whole)
                 records = len(headers)
                 assert records <= _STEP_RECORDS
-                assert len(yields) - before_yields == records // _SLICE_RECORDS
+                if segscan.available():  # parsed in C: offered only by the index look-ups
+                    assert len(yields) - before_yields == records // _SLICE_RECORDS
+                else:  # and by the Python parse and CRC checks
+                    assert len(yields) - before_yields >= records // _SLICE_RECORDS
                 pieces = len(moves) - before_moves  # and a pause between two pieces
                 assert len(hand_overs) - before_hand_overs == max(0, pieces - 1)
         finally:
