@@ -22,14 +22,15 @@ lands before any later put of its key (both are appenders), is a valid record (o
 erased at open) until published, and the original goes only once the copies are durable.
 
 The worker is a thread of the same interpreter as the decode loop, so what it costs a decode
-step is mostly the GIL: a step's copy is done where the GIL is released (one ``pread`` of the
-span, the CRC of records over 64 KiB, one ``pwritev`` a piece), and its Python work (parsing
-headers, index look-ups) is cut into slices of ``_SLICE_RECORDS`` records with the GIL
-released between them, and it pauses between pieces so that a put woken by a piece's end
-takes the locks before the next piece does. What is left is the worker's Python time itself
-(about 10 us a record): on a machine whose CPUs are oversubscribed, the worker preempted while
-it holds the GIL or a lock stalls the decode loop for as long as it waits for a CPU
-(bench_tiers.py --only compaction prints where a step's time goes).
+step is mostly the GIL: a step's work is done where the GIL is released as far as it can be
+(one ``pread`` of the span; its headers parsed and its records' CRCs checked in C, see
+``segscan``; one ``pwritev`` a piece), its Python work (index look-ups, the pieces) is cut into
+slices of ``_SLICE_RECORDS`` records with the GIL offered between them, and it pauses between
+pieces so that a put woken by a piece's end takes the locks before the next piece does. What
+is left is the worker's Python time itself: on a machine whose CPUs are oversubscribed, the
+worker preempted while it holds the GIL or a lock stalls the decode loop for as long as it
+waits for a CPU (bench_tiers.py --only compaction prints where a step's time goes). Without a
+C compiler the span is parsed in Python, in slices too.
 
 The worker owns no tier state: each step is a call back into the tier (``_background_step``),
 which says whether there is more to do.
@@ -316,10 +317,11 @@ class DiskCompaction:
 
         With ``fd`` (the background worker) the span is read with one ``pread`` (the GIL is
         released while the kernel copies it, and a cold page faults in there, not under the
-        GIL as it would through the mapping), at most ``_STEP_RECORDS`` records are taken, and
-        the GIL is offered to other threads every ``_SLICE_RECORDS`` records: a put or get
-        waits for one slice of this loop, never for a step. Without it (inline, tier lock
-        held) the records are read through the mapping."""
+        GIL as it would through the mapping), at most ``_STEP_RECORDS`` records are taken, its
+        headers are parsed and the CRCs of the records still indexed checked by ``segscan`` (in
+        C, the GIL released), and the GIL is offered to other threads every ``_SLICE_RECORDS``
+        records of the Python work: a put or get waits for one slice, never for a step. Without
+        it (inline, tier lock held) the records are parsed in Python through the mapping."""
         seg = job.seg
         background = fd >= 0
         if background:
@@ -344,9 +346,13 @@ class DiskCompaction:
             base, buf, end, room, view = 0, seg.mm, seg.used, seg.used, None
             rows, off = segscan.scan_py(buf, job.pos, end, room, budget, 1 << 62)
         hdr, row = REC_HEADER_BYTES, segscan.ROW
-        cands, check, read = [], [], 0  # check: (row, candidate) of the data records still indexed here
+        # the data CRCs of the records still indexed here: in C with the GIL released after the
+        # look-ups, unless the Python CRC is the faster one (segscan.C_CRC_PAYS); else each in turn
+        c_crc = background and segscan.C_CRC_PAYS and segscan.available()
+        check = crc32_held if background else crc32  # (inline, gets wait for the whole call anyway)
+        cands, in_c, read = [], [], 0  # in_c: (row, candidate) for the C check
         for i in range(len(rows) // row):
-            r0, size, flags, klen, vlen, _ = rows[row * i:row * i + row]
+            r0, size, flags, klen, vlen, dcrc = rows[row * i:row * i + row]
             read += size
             if background and i % _SLICE_RECORDS == _SLICE_RECORDS - 1:
                 _yield_gil()
@@ -363,18 +369,19 @@ class DiskCompaction:
             loc = self._index.get(key)
             if loc is None or loc[0] != seg.id or loc[1] != pos:
                 continue  # dead, and a dead record never comes back to life
-            check.append((i, len(cands)))
-            cands.append((key, flags, kraw, size, vlen, pos, None))
-        # the data CRCs of the live ones (a failed one stays a candidate without an image: it is marked
-        # corrupt); in C with the GIL released, or in Python (inline, gets wait for the whole call anyway)
-        ok = segscan.verify(buf, rows, [i for i, _ in check], use_c=background,
-                            check=crc32_held if background else crc32, pause=_yield_gil if background else None,
-                            every=_SLICE_RECORDS)
-        for (i, c), good in zip(check, ok):
-            if good:  # the record image is position independent: a view of the read, or a copy of the mapping
-                r0, size = rows[row * i], rows[row * i + 1]
-                img = view[r0:r0 + size] if background else memoryview(buf[r0:r0 + size])
-                cands[c] = cands[c][:-1] + (img,)
+            if c_crc:
+                in_c.append((i, len(cands)))
+                cands.append((key, flags, kraw, size, vlen, pos, None))
+                continue
+            # the record image is position independent: a view of the read, or a copy of the mapping
+            img = view[r0:r0 + size] if background else memoryview(buf[r0:r0 + size])
+            good = check(img[hdr:hdr + klen + vlen]) == dcrc  # key and value are contiguous
+            cands.append((key, flags, kraw, size, vlen, pos, img if good else None))  # None: marked corrupt
+        if in_c:
+            for (i, c), good in zip(in_c, segscan.verify(buf, rows, [i for i, _ in in_c])):
+                if good:
+                    r0 = rows[row * i]
+                    cands[c] = cands[c][:-1] + (view[r0:r0 + rows[row * i + 1]],)
         if off + hdr > end >= room:  # the segment's end: what is left cannot hold a record
             off = max(off, end)
         written = {}

@@ -107,10 +107,12 @@ def test_the_c_scan_equals_python_on_random_damage():
               max_records=rng.choice([1 << 30, 5]))
 
 
-def _compact_damaged(root, monkeypatch, use_c: bool):
-    """Background steps over a segment with a damaged header and a damaged value: what is left."""
+def _compact_damaged(root, monkeypatch, use_c: bool, c_crc: bool = False):
+    """Background steps over a segment with a damaged header and a damaged value: what is left
+    (``c_crc``: the data CRCs checked in C too, as where the Python CRC is zlib's)."""
     if not use_c:  # the path without a compiler
         monkeypatch.setattr(segscan._LIB, "load", lambda: None)
+    monkeypatch.setattr(segscan, "C_CRC_PAYS", c_crc)
     rng = random.Random(9)
     with DiskTier(root, segment_bytes=4 << 20, capacity_bytes=64 << 20, durability="never",
                   compact_threshold=0.0) as t:
@@ -138,9 +140,11 @@ def _compact_damaged(root, monkeypatch, use_c: bool):
         return got, moved, sorted(t.corrupt_keys), bad_value, bad_header
 
 
-@pytest.mark.parametrize("use_c", [pytest.param(True, marks=needs_c), False], ids=["c", "python"])
-def test_background_compaction_gives_the_same_result_on_both_paths(tmp_path, monkeypatch, use_c):
-    got, moved, corrupt, bad_value, bad_header = _compact_damaged(tmp_path / "d", monkeypatch, use_c)
+@pytest.mark.parametrize("use_c,c_crc", [pytest.param(True, False, marks=needs_c),
+                                         pytest.param(True, True, marks=needs_c), (False, False)],
+                         ids=["c", "c_crc", "python"])
+def test_background_compaction_gives_the_same_result_on_both_paths(tmp_path, monkeypatch, use_c, c_crc):
+    got, moved, corrupt, bad_value, bad_header = _compact_damaged(tmp_path / "d", monkeypatch, use_c, c_crc)
     assert got[bad_value] is None and got[bad_header] is None and bad_value in corrupt
     assert all(v is not None for k, v in got.items() if k not in (bad_value, bad_header))
     assert bad_header not in moved and bad_value not in moved
