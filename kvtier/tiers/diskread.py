@@ -45,7 +45,9 @@ def _read_record(mm, limit: int, off: int, key: str, vlen: int) -> bytes | None:
     copied out once, after its header matched the index (magic, key and value lengths) and its
     data CRC checked on that copy; None when any of that fails. The CRC is taken over the key
     the index was asked for, so it also proves the record is that key's: a record of another
-    key (same lengths) fails it as damage does (every difference of up to 32 bits is caught)."""
+    key (same lengths) fails it as damage does (every difference of up to 32 bits is caught).
+    ``limit`` may be the file's size alone: every location the index holds lies inside its
+    segment's mapping (records are indexed below ``used``, which never passes ``size``)."""
     kb = key.encode()  # (UTF-8)
     v0 = off + REC_HEADER_BYTES + len(kb)
     if v0 + vlen <= limit:
