@@ -11,8 +11,8 @@ A key lives in exactly one part. ``lookup`` (under the tier lock) moves a base k
 ``hot``, so a key read twice costs a dict lookup from then on; replacing or removing a key
 marks its base row dead.
 
-A checkpoint writes the dict frozen rather than copied (copying a million entries held the
-tier lock for ~0.1 s): ``snapshot`` sets it aside as ``frozen`` and starts an empty ``hot``,
+A checkpoint writes the dict frozen rather than copied (a copy of a million entries would hold
+the tier lock for ~0.1 s): ``snapshot`` sets it aside as ``frozen`` and starts an empty ``hot``,
 which takes every change while the file is written (None marking a frozen key removed);
 ``thaw`` then folds those changes into the frozen dict a slice at a time, and it becomes
 ``hot`` again. Meanwhile a key is looked for in ``hot``, then ``frozen``, then ``base``.
@@ -378,7 +378,7 @@ class Checkpoint:
 def _columns(snap: IndexSnapshot) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
     """(hashes [n], cols [4, n], key lengths [n], key byte parts) of every key in ``snap``:
     the base's alive rows (taken as arrays), then the dict's, ``_SLICE`` entries at a time
-    (each slice's loops run in C, holding the GIL: a whole dict at once held it for ~0.5 s)."""
+    (each slice's loops run in C, holding the GIL: a million entries at once would hold it ~0.5 s)."""
     hashes, cols, klen, parts = [], [], [], []
     base = snap.base
     if base is not None:
