@@ -18,7 +18,8 @@
      reads (and writer) through the DiskTier of --base-rev (default L3_BASE), same run
      crc: GB/s of the record CRC beside zlib's and CRC32C packages' (when installed) and a copy
      L3_reopen: a directory of 1M small records reopened from its checkpoint, this tree against
-     REOPEN_BASE alternated, each in a fresh interpreter: seconds, us a record, RSS growth
+     REOPEN_BASE alternated, each in a fresh interpreter: seconds, us a record, RSS growth;
+     and the checkpoint written of it before (seconds, the longest tier-lock hold, a reader's gets)
      with lz4: blocks compressed before put and decompressed after get (the store's byte
      stage), GB/s of uncompressed bytes, against the same raw references.
      L3_small: the same for small records (--small-kib, one layer's quantized block), where
@@ -240,7 +241,6 @@ def read_under_writes(root: str, tiers: dict, blocks: list[bytes], rawp: str, ba
     writer thread appends the same kind of records (raw: os.write + fdatasync per batch to
     another file; a tier: put_many of a quarter as many keys over and over, so that compaction
     runs too, and sync), alternated round by round."""
-    import threading
 
     n, bs = len(blocks), len(blocks[0])
     wkeys = [f"w{i}" for i in range(max(1, n // 4))]
@@ -836,6 +836,7 @@ def bench_reopen(root: str, n: int, repeat: int, in_process: bool) -> dict:
     v = os.urandom(40)
     for i in range(0, n, 20_000):
         t.put_many([(reopen_key(j), v) for j in range(i, min(n, i + 20_000))])
+    hold = checkpoint_hold(t, [reopen_key(j) for j in range(0, n, max(1, n // 1000))])
     t.close()  # writes this tree's INDEX
     pkgdir = _tiers_at(REOPEN_BASE, root)
     order = ["new"]
@@ -867,7 +868,8 @@ def bench_reopen(root: str, n: int, repeat: int, in_process: bool) -> dict:
                 out = json.loads(r.stdout.strip().splitlines()[-1])
             assert out["records"] == n and out["checkpoint_loaded"] == 1, out
             runs[which].append(out)
-    res: dict = {"records": n, "base_commit": REOPEN_BASE if pkgdir else None, "fresh_process": not in_process}
+    res: dict = {"records": n, "base_commit": REOPEN_BASE if pkgdir else None, "fresh_process": not in_process,
+                 "checkpoint": hold}
     for which, outs in runs.items():
         best = min(outs, key=lambda o: o["seconds"])
         res[which] = {"seconds": best["seconds"], "us_per_record": best["seconds"] / n * 1e6,
@@ -883,6 +885,76 @@ def bench_reopen(root: str, n: int, repeat: int, in_process: bool) -> dict:
     shutil.rmtree(new_dir, ignore_errors=True)
     shutil.rmtree(base_dir, ignore_errors=True)
     return res
+
+
+class _HoldTimer:
+    """A tier lock stand-in that records how long one thread holds it at a time (outermost
+    acquire to last release: the lock is reentrant)."""
+
+    def __init__(self, lock, thread: int) -> None:
+        self.lock, self.thread, self.depth, self.t0, self.holds = lock, thread, 0, 0.0, []
+
+    def acquire(self, *args) -> bool:
+        got = self.lock.acquire(*args)
+        if got and threading.get_ident() == self.thread:
+            self.depth += 1
+            if self.depth == 1:
+                self.t0 = time.perf_counter()
+        return got
+
+    def release(self) -> None:
+        if threading.get_ident() == self.thread:
+            self.depth -= 1
+            if self.depth == 0:
+                self.holds.append(time.perf_counter() - self.t0)
+        self.lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def checkpoint_hold(t: DiskTier, keys: list[str]) -> dict:
+    """One ``checkpoint()`` of ``t`` (every record written since it opened: its index all in
+    the dict, the costliest case) while a reader thread gets ``keys`` round and round: the
+    checkpoint's seconds, the longest it held the tier lock in one go (what it blocks a get
+    or put for), and the reader's p50 and longest get meanwhile (the GIL included), beside
+    the reader's longest get over as long a time without a checkpoint (the machine's own)."""
+    lock, timer = t._lock, _HoldTimer(t._lock, threading.get_ident())
+
+    def reading(work) -> tuple[float, list[float]]:
+        lat: list[float] = []
+        stop = threading.Event()
+
+        def reader() -> None:
+            i = 0
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                assert t.get(keys[i % len(keys)]) is not None
+                lat.append(time.perf_counter() - t0)
+                i += 1
+
+        th = threading.Thread(target=reader, daemon=True)
+        th.start()
+        try:
+            time.sleep(0.05)
+            t0 = time.perf_counter()
+            work()
+            return time.perf_counter() - t0, sorted(lat)
+        finally:
+            stop.set()
+            th.join()
+
+    t._lock = timer
+    try:
+        dt, lat = reading(t.checkpoint)
+    finally:
+        t._lock = lock
+    _, idle = reading(lambda: time.sleep(dt))
+    return {"records": len(t), "seconds": dt, "max_lock_hold_ms": max(timer.holds) * 1e3,
+            "lock_holds": len(timer.holds), "reader_get_p50_us": lat[len(lat) // 2] * 1e6,
+            "reader_get_max_ms": lat[-1] * 1e3, "reader_get_max_ms_without": idle[-1] * 1e3}
 
 
 def _reopen_in_process(which: str, path: str, n: int) -> dict:

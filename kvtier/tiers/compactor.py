@@ -504,12 +504,23 @@ class DiskCompaction:
                 cp = self._snapshot()
                 fds = self._dup_dirty_fds() if self.durability != "never" else []
                 self._since_cp = 0
-            self._sync_fds(fds)  # the records it indexes are durable before it is
-            n = diskindex.save(self.path, cp)
+            try:
+                self._sync_fds(fds)  # the records it indexes are durable before it is
+                n = diskindex.save(self.path, cp)
+            finally:
+                self._thaw(cp.index)
             with self._lock:
                 self._n["checkpoints"] += 1
                 self._n["checkpoint_bytes_written"] += n
             return n
+
+    def _thaw(self, snap: diskindex.IndexSnapshot) -> None:
+        """Give the index back the dict ``snap`` froze, a slice of the changes since per hold
+        of the lock (a get or put waits for one slice at most)."""
+        done = False
+        while not done:
+            with self._lock:
+                done = self._index.thaw(snap)
 
     def _snapshot(self) -> diskindex.Checkpoint:
         head = self._head
