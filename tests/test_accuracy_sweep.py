@@ -174,3 +174,38 @@ def test_int2_rows_pre_rope_and_kept_channels():
     y, n = sweep._encode_decode_blocks(x, kept, "k", 64)
     c4 = get_codec("int2", group_size=32, axis="channel", outliers=4)
     assert n == c4.encode(blocks(x)).nbytes and torch.equal(y, unblock(c4.decode(c4.encode(blocks(x)))))
+
+
+def test_minus_line_ci_resamples_the_row_and_its_fixed_neighbours_together():
+    import json
+
+    def row(l1l2):
+        return {"delta_ppl": 0.0, "bytes_per_token_end": l1l2, "tiers": {"l1": 1000.0, "l2": l1l2 - 1000, "l3": 0.0}}
+
+    g = torch.Generator().manual_seed(2)
+    ref = [torch.rand(8, generator=g, dtype=torch.float64) for _ in range(4)]
+    # every token shifted by a constant per row: the interval collapses onto the point
+    shift = {"store int2 g32": 0.05, "store int4 g32": 0.01, "store importance x": 0.02, "store importance far": 0.0}
+    nll = {n: [r + s for r in ref] for n, s in shift.items()}
+    rows = {"store int2 g32": row(7000), "store int4 g32": row(10000), "store importance x": row(8500),
+            "store importance far": row(20000)}
+    got = sweep.minus_line_ci(nll, ref, rows, sweep.l1_l2_bytes, 100, 0)
+    assert list(got) == ["store importance x"]  # outside the fixed rows' range: no line there
+    want = math.expm1(0.02) - (0.5 * math.expm1(0.05) + 0.5 * math.expm1(0.01))
+    d, lo, hi = got["store importance x"]
+    assert abs(d - want) < 1e-12 and abs(lo - want) < 1e-9 and abs(hi - want) < 1e-9 and d < 0
+    # the same over merged window lines (the importance row from another run on the same windows)
+    lines = [json.dumps({"window": {"source": "s", "offset": i, "nll": {
+        sweep.REF_CHUNKED: ref[i].tolist(), **{n: nll[n][i].tolist() for n in part}}}})
+        for part in (("store int2 g32", "store int4 g32"), ("store importance x",)) for i in range(4)]
+    pooled = sweep.pooled_line_ci(sweep.merge_windows(lines)["s"], rows, sweep.l1_l2_bytes, 100, 0)
+    assert abs(pooled["store importance x"][0] - want) < 1e-12
+
+
+def test_cheap_cold_rows_set_the_cold_codecs_kept_channels():
+    specs = {s.name: s for s in sweep.pareto_store_specs()}
+    cfg = sweep.store_config(specs["store importance int4 / int2 K+0 75% no recall"], 64, None)
+    assert cfg.cold_key_outliers == 0 and "outliers" not in cfg.codec_kwargs("int2", "key")
+    assert math.isinf(cfg.recall_mass) and cfg.cold_fraction == 0.75
+    base2 = sweep.store_config(specs["store importance int4 25% / int2"], 64, None)
+    assert (base2.codec, base2.heavy_codec, base2.codec_kwargs("int2", "key")["outliers"]) == ("int2", "int4", 8)

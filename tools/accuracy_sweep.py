@@ -84,6 +84,7 @@ class StoreSpec:
     cold_codec: str = "int2"
     attention_math: str = "sdpa"  # --store-math; sdpa: a lossless store computes what DynamicCache does
     int2_key_outliers: int | None = None  # None: the config's default
+    cold_key_outliers: int | None = None  # importance: the cold codec's kept key channels (None: as fixed)
 
 
 #: the store row every other store row is also compared with (the same chunking, the same
@@ -156,6 +157,15 @@ def pareto_store_specs() -> list[StoreSpec]:
             recall_mass=math.inf),
         imp("store importance int8 25% / int4 / int2 25%", heavy_fraction=0.25, cold_fraction=0.25),
         imp("store importance int8 10% / int4 / int2 50% (defaults)", heavy_fraction=0.1, cold_fraction=0.5),
+        # a cold level cheaper than fixed int2: plain int2 keys (no kept channels, cold_key_outliers=0)
+        # for blocks that take little of the mass, no recalls (so no backups)
+        *(imp(f"store importance int4 / int2 K+0 {round(100 * f)}% no recall", heavy_fraction=0.0,
+              cold_fraction=f, cold_key_outliers=0, recall_mass=math.inf) for f in (0.5, 0.75, 0.9)),
+        # fixed int2 (its kept key channels) as the base, the heaviest blocks in int4 or int8
+        imp("store importance int4 25% / int2", codec="int2", heavy_codec="int4", heavy_fraction=0.25,
+            cold_fraction=0.0),
+        imp("store importance int8 10% / int2", codec="int2", heavy_codec="int8", heavy_fraction=0.1,
+            cold_fraction=0.0),
     ]
 
 
@@ -339,6 +349,8 @@ def store_config(spec: StoreSpec, block: int, disk_path: str | None, dtype: torc
     imp = spec.precision == "importance"
     lossless = lossless_codec(str(dtype).removeprefix("torch."))  # "torch.bfloat16" -> "bf16"
     extra = {} if spec.int2_key_outliers is None else {"int2_key_outliers": spec.int2_key_outliers}
+    if imp and spec.cold_key_outliers is not None:
+        extra["cold_key_outliers"] = spec.cold_key_outliers
     return KVTierConfig(**extra, block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
                         disk_path=disk_path, disk_bytes=4 << 30, group_size=spec.group_size,
                         codec=lossless if spec.codec == "lossless" else spec.codec,
@@ -446,19 +458,8 @@ def pool_windows(lines, n_boot: int = 2000, seed: int = 0) -> dict:
     row (store rows and anchors on the store's chunks: the chunked reference, where the windows
     hold it) and, for store rows, against the lossless store on the windows holding both;
     importance rows also against each fixed-precision row (``vs_fixed``), paired the same way."""
-    wins: dict[str, list] = {}
-    seen: dict[tuple, dict] = {}
-    for line in lines:
-        if line.startswith('{"window"'):
-            w = json.loads(line)["window"]
-            have = seen.get((w["source"], w["offset"]))
-            if have is not None:  # the same window in another run (other rows): one window, all rows
-                have["nll"].update(w["nll"])
-                continue
-            seen[(w["source"], w["offset"])] = w
-            wins.setdefault(w["source"], []).append(w)
     out = {}
-    for src, ws in wins.items():
+    for src, ws in merge_windows(lines).items():
         rows = {}
         for name in sorted({n for w in ws for n in w["nll"]} - {"ref"}):
             sel = [w for w in ws if name in w["nll"]]
@@ -482,6 +483,40 @@ def pool_windows(lines, n_boot: int = 2000, seed: int = 0) -> dict:
     return out
 
 
+def merge_windows(lines) -> dict[str, list]:
+    """The per-window lines of several runs by source, the lines of one source and offset
+    merged into one window holding the rows of all."""
+    wins: dict[str, list] = {}
+    seen: dict[tuple, dict] = {}
+    for line in lines:
+        if line.startswith('{"window"'):
+            w = json.loads(line)["window"]
+            have = seen.get((w["source"], w["offset"]))
+            if have is not None:  # the same window in another run (other rows): one window, all rows
+                have["nll"].update(w["nll"])
+                continue
+            seen[(w["source"], w["offset"])] = w
+            wins.setdefault(w["source"], []).append(w)
+    return wins
+
+
+def pooled_line_ci(ws: list, rows: dict, bytes_of, n_boot: int, seed: int) -> dict:
+    """:func:`minus_line_ci` of each importance row of ``rows`` (bytes from its runs) over the
+    merged windows ``ws`` holding it, its two fixed neighbours and the chunked reference."""
+    t = lambda w, n: torch.tensor(w["nll"][n], dtype=torch.float64)  # noqa: E731
+    out = {}
+    for name, r in rows.items():
+        at = fixed_line(rows, bytes_of, bytes_of(r)) if is_importance_row(name) else None
+        if at is None:
+            continue
+        need = (name, at[0], at[1])
+        sel = [w for w in ws if all(k in w["nll"] for k in (*need, REF_CHUNKED))]
+        if sel:
+            out.update(minus_line_ci({k: [t(w, k) for w in sel] for k in need}, [t(w, REF_CHUNKED) for w in sel],
+                                     {k: rows[k] for k in need}, bytes_of, n_boot, seed))
+    return out
+
+
 def is_fixed_row(name: str) -> bool:
     """A fixed-precision store row (one codec for every block: ``store int8 g32`` ...)."""
     return name.startswith("store int")
@@ -500,6 +535,24 @@ def all_tier_bytes(r: dict) -> float:
     return r["bytes_per_token_end"]
 
 
+#: the byte counts importance rows are placed at against the fixed rows
+BYTE_COUNTS = {"l1+l2": l1_l2_bytes, "all tiers": all_tier_bytes}
+
+
+def print_standing(src: str, standing: dict) -> None:
+    """One line per importance row: its Δppl minus the fixed line at each byte count, with
+    the interval where one was computed, and the fixed rows dominating it."""
+    for name in next(iter(standing.values()), {}):
+        parts = []
+        for k, st in standing.items():
+            r = st[name]
+            m, ci = r["minus_fixed_line"], r.get("minus_fixed_line_ci")
+            parts.append(f"{k}: dominated by {r['dominated_by'] or 'none'}, dppl - fixed line "
+                         + ("-" if m is None else f"{100 * m:+.2f}%")
+                         + ("" if ci is None else f" [{100 * ci[1]:+.2f}, {100 * ci[2]:+.2f}]"))
+        print(f"{src:7s} | {name:34s} | " + "; ".join(parts), flush=True)
+
+
 def against_fixed(rows: dict, bytes_of) -> dict:
     """Where each importance row of one text stands against the fixed-precision rows, at the
     bytes ``bytes_of(row)`` gives, lower Δppl being better (perplexity is the measure; a row
@@ -513,12 +566,46 @@ def against_fixed(rows: dict, bytes_of) -> dict:
         if not is_importance_row(n):
             continue
         x, y = bytes_of(r), r["delta_ppl"]
-        line = None
-        for (x0, y0, _), (x1, y1, _) in zip(fixed, fixed[1:]):
-            if x0 <= x <= x1 and x1 > x0:
-                line = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        at = fixed_line(rows, bytes_of, x)
+        line = None if at is None else (1 - at[2]) * rows[at[0]]["delta_ppl"] + at[2] * rows[at[1]]["delta_ppl"]
         out[n] = {"dominated_by": [fn for fx, fy, fn in fixed if fx <= x and fy <= y],
                   "minus_fixed_line": None if line is None else y - line}
+    return out
+
+
+def fixed_line(rows: dict, bytes_of, x: float):
+    """The two fixed-precision rows around ``x`` bytes and the weight of the second:
+    ``(lower, upper, w)``, the line there being ``(1 - w) * lower + w * upper``; None outside
+    the fixed rows' range."""
+    fixed = sorted((bytes_of(r), n) for n, r in rows.items() if is_fixed_row(n))
+    for (x0, n0), (x1, n1) in zip(fixed, fixed[1:]):
+        if x0 <= x <= x1 and x1 > x0:
+            return n0, n1, (x - x0) / (x1 - x0)
+    return None
+
+
+def minus_line_ci(nll: dict, ref: list, rows: dict, bytes_of, n_boot: int, seed: int) -> dict:
+    """Each importance row's Δppl minus the fixed rows' line at its bytes (``against_fixed``'s
+    ``minus_fixed_line``) with a 95% interval: the row, the two fixed rows around it and the
+    reference resampled on the same windows (negative throughout: below the line, better than
+    mixing the two fixed precisions by bytes). ``nll``: per row, its per-window NLLs on the
+    windows of ``ref``. Returns ``{row: (Δ, lo, hi)}``, rows outside the fixed range left out."""
+    counts = torch.tensor([r.numel() for r in ref], dtype=torch.float64)
+    sums = lambda xs: torch.tensor([x.sum().item() for x in xs], dtype=torch.float64)  # noqa: E731
+    rs = sums(ref)
+    n = len(ref)
+    idx = torch.cat([torch.arange(n).view(1, n),  # the windows as measured, then the resamples
+                     torch.randint(0, n, (n_boot, n), generator=torch.Generator().manual_seed(seed))])
+    dppl = lambda name: ((sums(nll[name])[idx].sum(1) - rs[idx].sum(1)) / counts[idx].sum(1)).exp() - 1  # noqa: E731
+    out = {}
+    for name, r in rows.items():
+        at = fixed_line(rows, bytes_of, bytes_of(r)) if is_importance_row(name) and name in nll else None
+        if at is None or not all(f in nll for f in at[:2]):
+            continue
+        lo_row, hi_row, w = at
+        d = dppl(name) - ((1 - w) * dppl(lo_row) + w * dppl(hi_row))
+        lo, hi = torch.quantile(d[1:], torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+        out[name] = (d[0].item(), lo, hi)
     return out
 
 
@@ -663,9 +750,13 @@ def main(argv=None) -> int:
                                              vs_fixed=r.get("vs_fixed"))
             n = sorted({len(r["windows"]) for r in rows.values()})
             got["windows"] = n[0] if len(n) == 1 else f"{n[0]}-{n[-1]}"
+        wins = merge_windows(lines) if args.pool else {}
         for src, got in doc["sources"].items():  # the merged rows' standing (each run's own saw part of them)
-            got["against_fixed"] = {"l1+l2": against_fixed(got["rows"], l1_l2_bytes),
-                                    "all tiers": against_fixed(got["rows"], all_tier_bytes)}
+            got["against_fixed"] = {k: against_fixed(got["rows"], b) for k, b in BYTE_COUNTS.items()}
+            for k, b in BYTE_COUNTS.items():  # with its interval, over the pooled windows
+                for name, ci in pooled_line_ci(wins.get(src, []), got["rows"], b, args.boot, args.seed).items():
+                    got["against_fixed"][k][name]["minus_fixed_line_ci"] = list(ci)
+            print_standing(src, got["against_fixed"])
         if args.plot:
             plot(doc, args.plot)
         if args.json:
@@ -789,14 +880,17 @@ def main(argv=None) -> int:
         vs_fixed = paired_vs_fixed({n: [v[0] for v in per[n]] for n in per}, args.boot, args.seed)
         for name, by in vs_fixed.items():
             rows[name]["vs_fixed"] = {f: list(v) for f, v in by.items()}
-        standing = {"l1+l2": against_fixed(rows, l1_l2_bytes), "all tiers": against_fixed(rows, all_tier_bytes)}
+        standing = {k: against_fixed(rows, b) for k, b in BYTE_COUNTS.items()}
+        if ref_chunked is not None:
+            nll = {n: [v[0] for v in per[n]] for n in per}
+            for k, b in BYTE_COUNTS.items():
+                for name, ci in minus_line_ci(nll, ref_chunked, rows, b, args.boot, args.seed).items():
+                    standing[k][name]["minus_fixed_line_ci"] = list(ci)
         for name in vs_fixed:
             print(f"{src:7s} | {name:34s} | paired: " + ", ".join(
                 f"vs {f.removeprefix('store ')} {100 * d:+.2f}% [{100 * lo:+.2f}, {100 * hi:+.2f}]"
-                for f, (d, lo, hi) in vs_fixed[name].items()) + " | " + "; ".join(
-                f"{k}: dominated by {st[name]['dominated_by'] or 'none'}, dppl - fixed line "
-                + ("-" if st[name]["minus_fixed_line"] is None else f"{100 * st[name]['minus_fixed_line']:+.2f}%")
-                for k, st in standing.items()), flush=True)
+                for f, (d, lo, hi) in vs_fixed[name].items()), flush=True)
+        print_standing(src, standing)
         doc["sources"][src] = {"ppl_ref": ppl_ref, "windows": len(offsets), "offsets": offsets, "rows": rows,
                                "against_fixed": standing}
     if args.json:
