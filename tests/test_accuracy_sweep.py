@@ -209,3 +209,15 @@ def test_cheap_cold_rows_set_the_cold_codecs_kept_channels():
     assert math.isinf(cfg.recall_mass) and cfg.cold_fraction == 0.75
     base2 = sweep.store_config(specs["store importance int4 25% / int2"], 64, None)
     assert (base2.codec, base2.heavy_codec, base2.codec_kwargs("int2", "key")["outliers"]) == ("int2", "int4", 8)
+
+
+def test_teacher_forced_runs_after_forward_after_every_forward():
+    from types import SimpleNamespace
+
+    calls = []
+    model = lambda input_ids, cache, use_cache: SimpleNamespace(  # noqa: E731
+        logits=torch.zeros(1, input_ids.shape[1], 5))
+    nll = sweep.teacher_forced(model, None, torch.arange(10) % 5, torch.arange(5), 4, 2,
+                               after_forward=lambda: calls.append(1))
+    assert len(calls) == 3 + 2  # ctx in 4-token chunks, cont[:-1] in 2-token ones
+    assert nll.shape == (5,) and torch.allclose(nll, torch.full((5,), math.log(5), dtype=torch.float64))

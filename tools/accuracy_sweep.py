@@ -364,16 +364,20 @@ def store_config(spec: StoreSpec, block: int, disk_path: str | None, dtype: torc
                         cold_codec=spec.cold_codec if imp else "int2", prefetch=False)
 
 
-def teacher_forced(model, cache, ctx: torch.Tensor, cont: torch.Tensor, chunk: int, decode_chunk: int) -> torch.Tensor:
+def teacher_forced(model, cache, ctx: torch.Tensor, cont: torch.Tensor, chunk: int, decode_chunk: int,
+                   after_forward=None) -> torch.Tensor:
     """Per-token NLL of ``cont`` after ``ctx`` through ``cache``: ``ctx`` in ``chunk``-token
     forwards, then ``cont[:-1]`` in ``decode_chunk``-token forwards (one protocol for the store,
-    its reference and the anchors run on it)."""
+    its reference and the anchors run on it); ``after_forward()`` runs after each forward."""
+    after = after_forward or (lambda: None)
     for i in range(0, ctx.numel(), chunk):
         o = model(input_ids=ctx[i:i + chunk].view(1, -1), cache=cache, use_cache=True)
+        after()
     logits = [o.logits[0, -1:].float()]
     fed = cont[:-1]
     for i in range(0, fed.numel(), decode_chunk):
         o = model(input_ids=fed[i:i + decode_chunk].view(1, -1), cache=cache, use_cache=True)
+        after()
         logits.append(o.logits[0].float())
     lg = torch.cat(logits)  # [M, vocab]
     return -torch.log_softmax(lg, -1).gather(1, cont.view(-1, 1)).squeeze(1).double()
@@ -400,7 +404,7 @@ def run_chunked_anchors(model, ctx: torch.Tensor, cont: torch.Tensor, anchors: l
 
 @torch.inference_mode()
 def run_store_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[StoreSpec], block: int,
-                     chunk: int, scratch: str, decode_chunk: int = 1) -> dict:
+                     chunk: int, scratch: str, decode_chunk: int = 1, flush_steps: bool = False) -> dict:
     """Per-token NLL of ``cont`` after ``ctx`` through the real store, per spec, with what the
     store holds at the end: bytes per tier (stats()["bytes"]) and tokens.
 
@@ -409,7 +413,11 @@ def run_store_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[S
     ``decode_chunk`` tokens per forward (1: decode proper; more: the step boundary, where eviction
     runs, comes every ``decode_chunk`` tokens instead of every token, for speed): every older
     block is evicted, encoded by the swap-out worker, put to L2 (spilling to L3 where L2 is full)
-    and swapped back in by every step's dense gather.
+    and swapped back in by every step's dense gather. The swap-out worker runs beside the next
+    forward, whose gather reads a block still being written out from its L1 copy (full
+    precision), so which blocks a step reads as encoded depends on timing; ``flush_steps``
+    waits for the worker after every forward instead: every block evicted at a step boundary is
+    read as encoded from the next forward on, and a run gives the same numbers every time.
     """
     import tempfile
 
@@ -423,7 +431,8 @@ def run_store_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[S
             t0 = time.perf_counter()
             cache = kvtier.attach(model, cfg)
             try:
-                nll = teacher_forced(model, cache, ctx, cont, chunk, decode_chunk)
+                nll = teacher_forced(model, cache, ctx, cont, chunk, decode_chunk,
+                                     cache.store.flush if flush_steps else None)
                 store = cache.store
                 store.flush()
                 st = store.stats()
@@ -707,6 +716,9 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=256, help="--store: prefill chunk, tokens")
     ap.add_argument("--decode-chunk", type=int, default=32,
                     help="--store: continuation tokens per forward (1: one decode step per token)")
+    ap.add_argument("--flush-steps", action="store_true",
+                    help="--store: wait for the swap-out worker after every forward (every evicted block is read "
+                         "as encoded from the next forward on: the same numbers on every run)")
     ap.add_argument("--scratch", default="/tmp", help="--store: where the L3 directories are made")
     ap.add_argument("--plot", default=None, help="write the Pareto plot (PNG) here")
     ap.add_argument("--from-json", default=None, nargs="+",
@@ -806,7 +818,8 @@ def main(argv=None) -> int:
                 per.setdefault(name, []).append(val)
             if store_specs:
                 for name, (nll, st, sec) in run_store_window(model, ctx, cont, store_specs, args.block_tokens,
-                                                             args.chunk, args.scratch, args.decode_chunk).items():
+                                                             args.chunk, args.scratch, args.decode_chunk,
+                                                             args.flush_steps).items():
                     per.setdefault(name, []).append((nll, st, sec))
                 chunked = run_chunked_anchors(model, ctx, cont, anchors, args.chunk, args.decode_chunk)
                 for name, val in chunked.items():
