@@ -221,3 +221,16 @@ def test_teacher_forced_runs_after_forward_after_every_forward():
                                after_forward=lambda: calls.append(1))
     assert len(calls) == 3 + 2  # ctx in 4-token chunks, cont[:-1] in 2-token ones
     assert nll.shape == (5,) and torch.allclose(nll, torch.full((5,), math.log(5), dtype=torch.float64))
+
+
+def test_add_windows_weights_bytes_by_windows():
+    def src(offsets, b):
+        return {"offsets": offsets, "windows": len(offsets), "rows": {
+            "store int4 g32": {"delta_ppl": 0.0, "bytes_per_token_end": b, "tiers": {"l1": 1.0, "l2": b - 1, "l3": 0.0}}}}
+
+    have, got = src([1, 2, 3], 100.0), src([7], 200.0)
+    got["rows"]["store importance x"] = {"delta_ppl": 0.0, "bytes_per_token_end": 5.0}
+    sweep.add_windows(have, got)
+    row = have["rows"]["store int4 g32"]
+    assert row["bytes_per_token_end"] == 125.0 and row["tiers"]["l2"] == 124.0
+    assert have["offsets"] == [1, 2, 3, 7] and have["windows"] == 4 and "store importance x" in have["rows"]

@@ -625,6 +625,26 @@ def paired_vs_fixed(nll: dict, n_boot: int, seed: int) -> dict:
             for n in nll if is_importance_row(n)}
 
 
+def add_windows(have: dict, got: dict) -> None:
+    """Fold the rows of ``got`` (one source, measured on windows disjoint from ``have``'s) into
+    ``have``: a row in both holds the mean of their bytes, weighted by windows; its Δppl is left
+    for the pooled windows to give."""
+    nh, ng = len(have["offsets"]), len(got["offsets"])
+    mean = lambda a, b: (a * nh + b * ng) / (nh + ng)  # noqa: E731
+    for name, g in got["rows"].items():
+        h = have["rows"].get(name)
+        if h is None:
+            have["rows"][name] = g
+            continue
+        for k in ("bytes_per_token_end", "weighted_bytes_per_token", "l3_read_bytes_per_scored_token"):
+            if k in h and k in g:
+                h[k] = mean(h[k], g[k])
+        if "tiers" in h and "tiers" in g:
+            h["tiers"] = {t: mean(h["tiers"][t], g["tiers"][t]) for t in h["tiers"]}
+    have["offsets"] = sorted(have["offsets"] + got["offsets"])
+    have["windows"] = len(have["offsets"])
+
+
 def plot(doc: dict, path: str) -> None:
     """Δppl (95% CI) against bytes per token held at the end of the window, one panel per text:
     fixed-precision and importance rows of the real store, simulated rows, anchors. The fixed
@@ -749,9 +769,13 @@ def main(argv=None) -> int:
             for src, got in json.loads(Path(f).read_text())["sources"].items():
                 have = doc["sources"].setdefault(src, got)
                 if have is not got:
-                    if have["offsets"] != got["offsets"]:
-                        raise SystemExit(f"--from-json {f}: {src} was measured on other windows")
-                    have["rows"].update(got["rows"])
+                    if have["offsets"] == got["offsets"]:
+                        have["rows"].update(got["rows"])
+                    elif args.pool and not set(have["offsets"]) & set(got["offsets"]):
+                        add_windows(have, got)  # the Δppl come from the pooled logs below
+                    else:
+                        raise SystemExit(f"--from-json {f}: {src} was measured on other windows "
+                                         f"(runs on disjoint windows pool with --pool and their logs)")
         for src, rows in (pooled or {}).items():  # --pool too: Δppl over every window the logs hold
             got = doc["sources"].get(src)
             if got is None:
