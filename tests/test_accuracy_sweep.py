@@ -234,3 +234,18 @@ def test_add_windows_weights_bytes_by_windows():
     row = have["rows"]["store int4 g32"]
     assert row["bytes_per_token_end"] == 125.0 and row["tiers"]["l2"] == 124.0
     assert have["offsets"] == [1, 2, 3, 7] and have["windows"] == 4 and "store importance x" in have["rows"]
+
+
+def test_pareto_table_has_a_line_per_store_row():
+    def row(d, b):
+        return {"delta_ppl": d, "ci95": [d - 0.01, d + 0.01], "bytes_per_token_end": b,
+                "tiers": {"l1": 1000.0, "l2": b - 1000, "l3": 0.0}}
+
+    rows = {"store int2 g32": row(0.05, 7000), "store int4 g32": row(0.0, 9000), "store importance x": row(0.01, 8000),
+            "ref chunked": {"delta_ppl": 0.0, "ci95": [0, 0], "bytes_per_token_end": 1.0}}
+    standing = {"all tiers": sweep.against_fixed(rows, sweep.all_tier_bytes)}
+    standing["all tiers"]["store importance x"]["minus_fixed_line_ci"] = [-0.015, -0.02, -0.01]
+    table = sweep.pareto_table({"sources": {"pydoc": {"rows": rows, "against_fixed": standing}}})
+    lines = table.splitlines()
+    assert len(lines) == 2 + 3 and "ref chunked" not in table  # header, rule, the three store rows
+    assert lines[-1] == "| importance x | +1.00% [+0.00, +2.00] | 8,000 | 8,000 | -1.50% [-2.00, -1.00] |"

@@ -625,6 +625,36 @@ def paired_vs_fixed(nll: dict, n_boot: int, seed: int) -> dict:
             for n in nll if is_importance_row(n)}
 
 
+def pareto_table(doc: dict) -> str:
+    """The store rows of ``doc`` as a markdown table: Δppl [95% CI] per text, bytes per token
+    (mean over the texts) at L1 + L2 and at all tiers, and, for importance rows, Δppl minus the
+    fixed rows' line at their all-tier bytes per text, with its paired interval where known."""
+    srcs = list(doc["sources"])
+    names = list(dict.fromkeys(n for s in srcs for n in doc["sources"][s]["rows"]
+                               if is_fixed_row(n) or is_importance_row(n)))
+    pct = lambda d, ci: f"{100 * d:+.2f}% [{100 * ci[0]:+.2f}, {100 * ci[1]:+.2f}]"  # noqa: E731
+    out = [f"| config | {' | '.join(srcs)} | B/tok L1+L2 | all tiers | Δppl − fixed line ({' / '.join(srcs)}) |",
+           "|---" * (len(srcs) + 4) + "|"]
+    for n in names:
+        rows = [doc["sources"][s]["rows"].get(n) for s in srcs]
+        have = [r for r in rows if r is not None]
+        fast = sum(l1_l2_bytes(r) for r in have) / len(have)
+        total = sum(all_tier_bytes(r) for r in have) / len(have)
+        line = []
+        for s in srcs:
+            st = doc["sources"][s].get("against_fixed", {}).get("all tiers", {}).get(n)
+            if st is None or st["minus_fixed_line"] is None:
+                line.append("-")
+            elif "minus_fixed_line_ci" in st:
+                line.append(pct(st["minus_fixed_line"], st["minus_fixed_line_ci"][1:]))
+            else:
+                line.append(f"{100 * st['minus_fixed_line']:+.2f}%")
+        out.append(f"| {n.removeprefix('store ')} | "
+                   + " | ".join("-" if r is None else pct(r["delta_ppl"], r["ci95"]) for r in rows)
+                   + f" | {fast:,.0f} | {total:,.0f} | " + (" / ".join(line) if is_importance_row(n) else "") + " |")
+    return "\n".join(out)
+
+
 def add_windows(have: dict, got: dict) -> None:
     """Fold the rows of ``got`` (one source, measured on windows disjoint from ``have``'s) into
     ``have``: a row in both holds the mean of their bytes, weighted by windows; its Δppl is left
@@ -746,6 +776,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pool", default=None, nargs="+",
                     help="no measuring: pool the per-window lines of these logs (runs of one dtype) into rows; "
                          "with --from-json, those rows' Δppl replace the JSONs' (bytes kept) for --plot/--json")
+    ap.add_argument("--table", action="store_true",
+                    help="with --from-json: print the store rows as a markdown table (README)")
     ap.add_argument("--smoke", action="store_true", help="one 256-token window of pydoc, three configs")
     args = ap.parse_args(argv)
     pooled = None
@@ -797,6 +829,8 @@ def main(argv=None) -> int:
             plot(doc, args.plot)
         if args.json:
             Path(args.json).write_text(json.dumps(doc, indent=1))
+        if args.table:
+            print(pareto_table(doc))
         return 0
     specs = default_specs()
     store_specs = (int8_store_specs() if args.int8 else pareto_store_specs() if args.pareto
