@@ -245,7 +245,9 @@ def test_pareto_table_has_a_line_per_store_row():
             "ref chunked": {"delta_ppl": 0.0, "ci95": [0, 0], "bytes_per_token_end": 1.0}}
     standing = {"all tiers": sweep.against_fixed(rows, sweep.all_tier_bytes)}
     standing["all tiers"]["store importance x"]["minus_fixed_line_ci"] = [-0.015, -0.02, -0.01]
-    table = sweep.pareto_table({"sources": {"pydoc": {"rows": rows, "against_fixed": standing}}})
+    rows["store importance x"]["windows"] = [1, 2]  # pooled: the windows holding it
+    table = sweep.pareto_table({"sources": {"pydoc": {"rows": rows, "against_fixed": standing, "windows": 3}}})
     lines = table.splitlines()
     assert len(lines) == 2 + 3 and "ref chunked" not in table  # header, rule, the three store rows
-    assert lines[-1] == "| importance x | +1.00% [+0.00, +2.00] | 8,000 | 8,000 | -1.50% [-2.00, -1.00] |"
+    assert lines[-1] == "| importance x | +1.00% [+0.00, +2.00] | 2 | 8,000 | 8,000 | -1.50% [-2.00, -1.00] |"
+    assert lines[2].split(" | ")[2] == "3"  # the source's window count where the row has none

@@ -633,8 +633,9 @@ def pareto_table(doc: dict) -> str:
     names = list(dict.fromkeys(n for s in srcs for n in doc["sources"][s]["rows"]
                                if is_fixed_row(n) or is_importance_row(n)))
     pct = lambda d, ci: f"{100 * d:+.2f}% [{100 * ci[0]:+.2f}, {100 * ci[1]:+.2f}]"  # noqa: E731
-    out = [f"| config | {' | '.join(srcs)} | B/tok L1+L2 | all tiers | Δppl − fixed line ({' / '.join(srcs)}) |",
-           "|---" * (len(srcs) + 4) + "|"]
+    out = [f"| config | {' | '.join(srcs)} | windows | B/tok L1+L2 | all tiers | Δppl − fixed line ({' / '.join(srcs)}) |",
+           "|---" * (len(srcs) + 5) + "|"]
+    count = lambda r, s: len(r["windows"]) if isinstance(r.get("windows"), list) else doc["sources"][s].get("windows")  # noqa: E731
     for n in names:
         rows = [doc["sources"][s]["rows"].get(n) for s in srcs]
         have = [r for r in rows if r is not None]
@@ -651,6 +652,7 @@ def pareto_table(doc: dict) -> str:
                 line.append(f"{100 * st['minus_fixed_line']:+.2f}%")
         out.append(f"| {n.removeprefix('store ')} | "
                    + " | ".join("-" if r is None else pct(r["delta_ppl"], r["ci95"]) for r in rows)
+                   + " | " + "/".join("-" if r is None else str(count(r, s)) for r, s in zip(rows, srcs))
                    + f" | {fast:,.0f} | {total:,.0f} | " + (" / ".join(line) if is_importance_row(n) else "") + " |")
     return "\n".join(out)
 
@@ -823,7 +825,9 @@ def main(argv=None) -> int:
             got["against_fixed"] = {k: against_fixed(got["rows"], b) for k, b in BYTE_COUNTS.items()}
             for k, b in BYTE_COUNTS.items():  # with its interval, over the pooled windows
                 for name, ci in pooled_line_ci(wins.get(src, []), got["rows"], b, args.boot, args.seed).items():
-                    got["against_fixed"][k][name]["minus_fixed_line_ci"] = list(ci)
+                    # on the windows holding the row and both neighbours (the rows' own Δppl may
+                    # pool more windows than a row measured on fewer shares)
+                    got["against_fixed"][k][name].update(minus_fixed_line=ci[0], minus_fixed_line_ci=list(ci))
             print_standing(src, got["against_fixed"])
         if args.plot:
             plot(doc, args.plot)
