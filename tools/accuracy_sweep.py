@@ -23,6 +23,8 @@ logits bit for bit, and anchors can run on those chunks too (``--chunked-anchors
 
     python tools/accuracy_sweep.py --texts pydoc,essays,squad --windows 8
     python tools/accuracy_sweep.py --store --int8 --only int8,lossless --windows 4
+    python tools/accuracy_sweep.py --store-only --pareto --flush-steps --texts essays --windows 4 --context 1024
+    python tools/accuracy_sweep.py --pool *.log --from-json *.json --table --plot pareto.png
     python tools/accuracy_sweep.py --smoke
 """
 from __future__ import annotations
