@@ -220,7 +220,10 @@ class KVTierConfig:
     of the attention mass. None: as that codec keeps at fixed precision (``int2_key_outliers``
     for int2, none for int4). Only where ``cold_codec`` differs from ``codec`` (one codec name, one
     encoding per store). SmolLM2-135M in bf16: a plain int2 block (0) takes 4,320 bytes per token,
-    one with the default 8 kept channels 5,771, int4's 7,200."""
+    one with the default 8 kept channels 5,771, int4's 7,200. None is the default because plain
+    int2 for the coldest 50% / 75% of the ranks over int4 measured below the fixed-precision
+    line on no more than two of three texts, never with an interval on all three (README:
+    "A cold level cheaper than fixed int2")."""
 
     recall_mass: float = 2.0
     """``precision="importance"``: a block stored below ``codec`` whose mass in one observation
