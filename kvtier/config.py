@@ -213,6 +213,18 @@ class KVTierConfig:
     """``precision="importance"``: fraction (by rank, in [0, 1], at most ``1 - heavy_fraction``)
     of a table's sealed blocks whose statistic makes them cold."""
 
+    cold_key_outliers: Optional[int] = None
+    """``precision="importance"``: key channels of each block and KV head that the records of
+    ``cold_codec`` keep exactly (``key_axis="channel"``; 0 to 32 and at most ``head_dim``), so the
+    cold level may be cheaper than the same codec at fixed precision: the cold blocks take little
+    of the attention mass. None: as that codec keeps at fixed precision (``int2_key_outliers``
+    for int2, none for int4). Only where ``cold_codec`` differs from ``codec`` (one codec name, one
+    encoding per store). SmolLM2-135M in bf16: a plain int2 block (0) takes 4,320 bytes per token,
+    one with the default 8 kept channels 5,771, int4's 7,200. None is the default because plain
+    int2 for the coldest 50% / 75% of the ranks over int4 measured below the fixed-precision
+    line on no more than two of three texts, never with an interval on all three (README:
+    "A cold level cheaper than fixed int2")."""
+
     recall_mass: float = 2.0
     """``precision="importance"``: a block stored below ``codec`` whose mass in one observation
     reaches this multiple of that observation's ``recall_reference`` is read from its ``codec``
@@ -468,9 +480,19 @@ class KVTierConfig:
         assert role in ("key", "value"), f"role is 'key' or 'value', got {role!r}"
         axis = self.key_axis if role == "key" else self.value_axis
         kw = {"group_size": self.group_size, "axis": axis}
-        if name == "int2" and role == "key" and axis == "channel" and self.int2_key_outliers:
-            kw["outliers"] = self.int2_key_outliers
+        n = self.key_outliers(name) if role == "key" and axis == "channel" else 0
+        if n:
+            kw["outliers"] = n
         return kw
+
+    def key_outliers(self, name: str) -> int:
+        """Key channels per block and KV head that this store's records of codec ``name`` keep
+        exactly (``key_axis="channel"``): ``cold_key_outliers`` for the cold level's codec when
+        set, ``int2_key_outliers`` for int2, else none."""
+        if self.precision == "importance" and self.cold_key_outliers is not None \
+                and name == self.cold_codec != self.codec:
+            return self.cold_key_outliers
+        return self.int2_key_outliers if name == "int2" else 0
 
     def _check_selection(self) -> None:
         """Eviction policy and how sparse attention scores blocks (``digest_tokens`` filled here)."""
@@ -572,6 +594,8 @@ class KVTierConfig:
                 or not self.recall_mass > 0:
             raise ValueError(f"recall_mass must be a number > 0 (math.inf: never); got {self.recall_mass!r}")
         check_choice("recall_reference", self.recall_reference, get_args(RecallReference))
+        if self.cold_key_outliers is not None:
+            check_int("cold_key_outliers", self.cold_key_outliers, 0, MAX_KEY_OUTLIERS)
         if self.precision == "fixed":
             return
         if self.codec not in PRECISION_CODECS:
@@ -591,6 +615,9 @@ class KVTierConfig:
             if getattr(self, name) != self.codec:
                 raise ValueError(f"{name} must be unset (or equal codec {self.codec!r}) with "
                                  f"precision='importance'; got {getattr(self, name)!r}")
+        if self.cold_key_outliers is not None and self.cold_codec == self.codec:
+            raise ValueError(f"cold_key_outliers must be None when cold_codec equals codec ({self.codec!r}: "
+                             f"one codec name, one encoding); got {self.cold_key_outliers!r}")
 
     def user_set(self) -> dict[str, Any]:
         """The fields as the user set them: a derived value (``host_codec`` filled from ``order``,
@@ -626,11 +653,15 @@ class KVTierConfig:
         elem = torch.empty((), dtype=dtype).element_size()
         bt = self.block_tokens
         slot_bytes = 2 * kv_heads * bt * head_dim * elem  # one block, K and V, full precision
-        int2 = "int2" in (self.host_codec, self.disk_codec) or (
-            self.precision == "importance" and "int2" in (self.heavy_codec, self.cold_codec))
+        importance = self.precision == "importance"
+        int2 = "int2" in (self.host_codec, self.disk_codec) or (importance and (
+            self.heavy_codec == "int2" or (self.cold_codec == "int2" and self.cold_key_outliers is None)))
         if int2 and self.key_axis == "channel" and self.int2_key_outliers > head_dim:
             raise ValueError(f"int2_key_outliers must be <= head_dim ({head_dim}) for this model's int2 "
                              f"keys; got {self.int2_key_outliers}")
+        if importance and self.key_axis == "channel" and (self.cold_key_outliers or 0) > head_dim:
+            raise ValueError(f"cold_key_outliers must be <= head_dim ({head_dim}) for this model's "
+                             f"{self.cold_codec} keys; got {self.cold_key_outliers}")
         if machine:
             self._check_memory(slot_bytes, num_layers, device)
         l2, l3 = block_record_bytes(self, num_layers, kv_heads, head_dim, dtype)

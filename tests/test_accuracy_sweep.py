@@ -174,3 +174,80 @@ def test_int2_rows_pre_rope_and_kept_channels():
     y, n = sweep._encode_decode_blocks(x, kept, "k", 64)
     c4 = get_codec("int2", group_size=32, axis="channel", outliers=4)
     assert n == c4.encode(blocks(x)).nbytes and torch.equal(y, unblock(c4.decode(c4.encode(blocks(x)))))
+
+
+def test_minus_line_ci_resamples_the_row_and_its_fixed_neighbours_together():
+    import json
+
+    def row(l1l2):
+        return {"delta_ppl": 0.0, "bytes_per_token_end": l1l2, "tiers": {"l1": 1000.0, "l2": l1l2 - 1000, "l3": 0.0}}
+
+    g = torch.Generator().manual_seed(2)
+    ref = [torch.rand(8, generator=g, dtype=torch.float64) for _ in range(4)]
+    # every token shifted by a constant per row: the interval collapses onto the point
+    shift = {"store int2 g32": 0.05, "store int4 g32": 0.01, "store importance x": 0.02, "store importance far": 0.0}
+    nll = {n: [r + s for r in ref] for n, s in shift.items()}
+    rows = {"store int2 g32": row(7000), "store int4 g32": row(10000), "store importance x": row(8500),
+            "store importance far": row(20000)}
+    got = sweep.minus_line_ci(nll, ref, rows, sweep.l1_l2_bytes, 100, 0)
+    assert list(got) == ["store importance x"]  # outside the fixed rows' range: no line there
+    want = math.expm1(0.02) - (0.5 * math.expm1(0.05) + 0.5 * math.expm1(0.01))
+    d, lo, hi = got["store importance x"]
+    assert abs(d - want) < 1e-12 and abs(lo - want) < 1e-9 and abs(hi - want) < 1e-9 and d < 0
+    # the same over merged window lines (the importance row from another run on the same windows)
+    lines = [json.dumps({"window": {"source": "s", "offset": i, "nll": {
+        sweep.REF_CHUNKED: ref[i].tolist(), **{n: nll[n][i].tolist() for n in part}}}})
+        for part in (("store int2 g32", "store int4 g32"), ("store importance x",)) for i in range(4)]
+    pooled = sweep.pooled_line_ci(sweep.merge_windows(lines)["s"], rows, sweep.l1_l2_bytes, 100, 0)
+    assert abs(pooled["store importance x"][0] - want) < 1e-12
+
+
+def test_cheap_cold_rows_set_the_cold_codecs_kept_channels():
+    specs = {s.name: s for s in sweep.pareto_store_specs()}
+    cfg = sweep.store_config(specs["store importance int4 / int2 K+0 75% no recall"], 64, None)
+    assert cfg.cold_key_outliers == 0 and "outliers" not in cfg.codec_kwargs("int2", "key")
+    assert math.isinf(cfg.recall_mass) and cfg.cold_fraction == 0.75
+    base2 = sweep.store_config(specs["store importance int4 25% / int2"], 64, None)
+    assert (base2.codec, base2.heavy_codec, base2.codec_kwargs("int2", "key")["outliers"]) == ("int2", "int4", 8)
+
+
+def test_teacher_forced_runs_after_forward_after_every_forward():
+    from types import SimpleNamespace
+
+    calls = []
+    model = lambda input_ids, cache, use_cache: SimpleNamespace(  # noqa: E731
+        logits=torch.zeros(1, input_ids.shape[1], 5))
+    nll = sweep.teacher_forced(model, None, torch.arange(10) % 5, torch.arange(5), 4, 2,
+                               after_forward=lambda: calls.append(1))
+    assert len(calls) == 3 + 2  # ctx in 4-token chunks, cont[:-1] in 2-token ones
+    assert nll.shape == (5,) and torch.allclose(nll, torch.full((5,), math.log(5), dtype=torch.float64))
+
+
+def test_add_windows_weights_bytes_by_windows():
+    def src(offsets, b):
+        return {"offsets": offsets, "windows": len(offsets), "rows": {
+            "store int4 g32": {"delta_ppl": 0.0, "bytes_per_token_end": b, "tiers": {"l1": 1.0, "l2": b - 1, "l3": 0.0}}}}
+
+    have, got = src([1, 2, 3], 100.0), src([7], 200.0)
+    got["rows"]["store importance x"] = {"delta_ppl": 0.0, "bytes_per_token_end": 5.0}
+    sweep.add_windows(have, got)
+    row = have["rows"]["store int4 g32"]
+    assert row["bytes_per_token_end"] == 125.0 and row["tiers"]["l2"] == 124.0
+    assert have["offsets"] == [1, 2, 3, 7] and have["windows"] == 4 and "store importance x" in have["rows"]
+
+
+def test_pareto_table_has_a_line_per_store_row():
+    def row(d, b):
+        return {"delta_ppl": d, "ci95": [d - 0.01, d + 0.01], "bytes_per_token_end": b,
+                "tiers": {"l1": 1000.0, "l2": b - 1000, "l3": 0.0}}
+
+    rows = {"store int2 g32": row(0.05, 7000), "store int4 g32": row(0.0, 9000), "store importance x": row(0.01, 8000),
+            "ref chunked": {"delta_ppl": 0.0, "ci95": [0, 0], "bytes_per_token_end": 1.0}}
+    standing = {"all tiers": sweep.against_fixed(rows, sweep.all_tier_bytes)}
+    standing["all tiers"]["store importance x"]["minus_fixed_line_ci"] = [-0.015, -0.02, -0.01]
+    rows["store importance x"]["windows"] = [1, 2]  # pooled: the windows holding it
+    table = sweep.pareto_table({"sources": {"pydoc": {"rows": rows, "against_fixed": standing, "windows": 3}}})
+    lines = table.splitlines()
+    assert len(lines) == 2 + 3 and "ref chunked" not in table  # header, rule, the three store rows
+    assert lines[-1] == "| importance x | +1.00% [+0.00, +2.00] | 2 | 8,000 | 8,000 | -1.50% [-2.00, -1.00] |"
+    assert lines[2].split(" | ")[2] == "3"  # the source's window count where the row has none

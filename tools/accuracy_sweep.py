@@ -23,6 +23,8 @@ logits bit for bit, and anchors can run on those chunks too (``--chunked-anchors
 
     python tools/accuracy_sweep.py --texts pydoc,essays,squad --windows 8
     python tools/accuracy_sweep.py --store --int8 --only int8,lossless --windows 4
+    python tools/accuracy_sweep.py --store-only --pareto --flush-steps --texts essays --windows 4 --context 1024
+    python tools/accuracy_sweep.py --pool *.log --from-json *.json --table --plot pareto.png
     python tools/accuracy_sweep.py --smoke
 """
 from __future__ import annotations
@@ -84,6 +86,7 @@ class StoreSpec:
     cold_codec: str = "int2"
     attention_math: str = "sdpa"  # --store-math; sdpa: a lossless store computes what DynamicCache does
     int2_key_outliers: int | None = None  # None: the config's default
+    cold_key_outliers: int | None = None  # importance: the cold codec's kept key channels (None: as fixed)
 
 
 #: the store row every other store row is also compared with (the same chunking, the same
@@ -156,6 +159,15 @@ def pareto_store_specs() -> list[StoreSpec]:
             recall_mass=math.inf),
         imp("store importance int8 25% / int4 / int2 25%", heavy_fraction=0.25, cold_fraction=0.25),
         imp("store importance int8 10% / int4 / int2 50% (defaults)", heavy_fraction=0.1, cold_fraction=0.5),
+        # a cold level cheaper than fixed int2: plain int2 keys (no kept channels, cold_key_outliers=0)
+        # for blocks that take little of the mass, no recalls (so no backups)
+        *(imp(f"store importance int4 / int2 K+0 {round(100 * f)}% no recall", heavy_fraction=0.0,
+              cold_fraction=f, cold_key_outliers=0, recall_mass=math.inf) for f in (0.5, 0.75, 0.9)),
+        # fixed int2 (its kept key channels) as the base, the heaviest blocks in int4 or int8
+        imp("store importance int4 25% / int2", codec="int2", heavy_codec="int4", heavy_fraction=0.25,
+            cold_fraction=0.0),
+        imp("store importance int8 10% / int2", codec="int2", heavy_codec="int8", heavy_fraction=0.1,
+            cold_fraction=0.0),
     ]
 
 
@@ -339,6 +351,8 @@ def store_config(spec: StoreSpec, block: int, disk_path: str | None, dtype: torc
     imp = spec.precision == "importance"
     lossless = lossless_codec(str(dtype).removeprefix("torch."))  # "torch.bfloat16" -> "bf16"
     extra = {} if spec.int2_key_outliers is None else {"int2_key_outliers": spec.int2_key_outliers}
+    if imp and spec.cold_key_outliers is not None:
+        extra["cold_key_outliers"] = spec.cold_key_outliers
     return KVTierConfig(**extra, block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
                         disk_path=disk_path, disk_bytes=4 << 30, group_size=spec.group_size,
                         codec=lossless if spec.codec == "lossless" else spec.codec,
@@ -352,16 +366,20 @@ def store_config(spec: StoreSpec, block: int, disk_path: str | None, dtype: torc
                         cold_codec=spec.cold_codec if imp else "int2", prefetch=False)
 
 
-def teacher_forced(model, cache, ctx: torch.Tensor, cont: torch.Tensor, chunk: int, decode_chunk: int) -> torch.Tensor:
+def teacher_forced(model, cache, ctx: torch.Tensor, cont: torch.Tensor, chunk: int, decode_chunk: int,
+                   after_forward=None) -> torch.Tensor:
     """Per-token NLL of ``cont`` after ``ctx`` through ``cache``: ``ctx`` in ``chunk``-token
     forwards, then ``cont[:-1]`` in ``decode_chunk``-token forwards (one protocol for the store,
-    its reference and the anchors run on it)."""
+    its reference and the anchors run on it); ``after_forward()`` runs after each forward."""
+    after = after_forward or (lambda: None)
     for i in range(0, ctx.numel(), chunk):
         o = model(input_ids=ctx[i:i + chunk].view(1, -1), cache=cache, use_cache=True)
+        after()
     logits = [o.logits[0, -1:].float()]
     fed = cont[:-1]
     for i in range(0, fed.numel(), decode_chunk):
         o = model(input_ids=fed[i:i + decode_chunk].view(1, -1), cache=cache, use_cache=True)
+        after()
         logits.append(o.logits[0].float())
     lg = torch.cat(logits)  # [M, vocab]
     return -torch.log_softmax(lg, -1).gather(1, cont.view(-1, 1)).squeeze(1).double()
@@ -388,7 +406,7 @@ def run_chunked_anchors(model, ctx: torch.Tensor, cont: torch.Tensor, anchors: l
 
 @torch.inference_mode()
 def run_store_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[StoreSpec], block: int,
-                     chunk: int, scratch: str, decode_chunk: int = 1) -> dict:
+                     chunk: int, scratch: str, decode_chunk: int = 1, flush_steps: bool = False) -> dict:
     """Per-token NLL of ``cont`` after ``ctx`` through the real store, per spec, with what the
     store holds at the end: bytes per tier (stats()["bytes"]) and tokens.
 
@@ -397,7 +415,11 @@ def run_store_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[S
     ``decode_chunk`` tokens per forward (1: decode proper; more: the step boundary, where eviction
     runs, comes every ``decode_chunk`` tokens instead of every token, for speed): every older
     block is evicted, encoded by the swap-out worker, put to L2 (spilling to L3 where L2 is full)
-    and swapped back in by every step's dense gather.
+    and swapped back in by every step's dense gather. The swap-out worker runs beside the next
+    forward, whose gather reads a block still being written out from its L1 copy (full
+    precision), so which blocks a step reads as encoded depends on timing; ``flush_steps``
+    waits for the worker after every forward instead: every block evicted at a step boundary is
+    read as encoded from the next forward on, and a run gives the same numbers every time.
     """
     import tempfile
 
@@ -411,7 +433,8 @@ def run_store_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[S
             t0 = time.perf_counter()
             cache = kvtier.attach(model, cfg)
             try:
-                nll = teacher_forced(model, cache, ctx, cont, chunk, decode_chunk)
+                nll = teacher_forced(model, cache, ctx, cont, chunk, decode_chunk,
+                                     cache.store.flush if flush_steps else None)
                 store = cache.store
                 store.flush()
                 st = store.stats()
@@ -446,19 +469,8 @@ def pool_windows(lines, n_boot: int = 2000, seed: int = 0) -> dict:
     row (store rows and anchors on the store's chunks: the chunked reference, where the windows
     hold it) and, for store rows, against the lossless store on the windows holding both;
     importance rows also against each fixed-precision row (``vs_fixed``), paired the same way."""
-    wins: dict[str, list] = {}
-    seen: dict[tuple, dict] = {}
-    for line in lines:
-        if line.startswith('{"window"'):
-            w = json.loads(line)["window"]
-            have = seen.get((w["source"], w["offset"]))
-            if have is not None:  # the same window in another run (other rows): one window, all rows
-                have["nll"].update(w["nll"])
-                continue
-            seen[(w["source"], w["offset"])] = w
-            wins.setdefault(w["source"], []).append(w)
     out = {}
-    for src, ws in wins.items():
+    for src, ws in merge_windows(lines).items():
         rows = {}
         for name in sorted({n for w in ws for n in w["nll"]} - {"ref"}):
             sel = [w for w in ws if name in w["nll"]]
@@ -482,6 +494,40 @@ def pool_windows(lines, n_boot: int = 2000, seed: int = 0) -> dict:
     return out
 
 
+def merge_windows(lines) -> dict[str, list]:
+    """The per-window lines of several runs by source, the lines of one source and offset
+    merged into one window holding the rows of all."""
+    wins: dict[str, list] = {}
+    seen: dict[tuple, dict] = {}
+    for line in lines:
+        if line.startswith('{"window"'):
+            w = json.loads(line)["window"]
+            have = seen.get((w["source"], w["offset"]))
+            if have is not None:  # the same window in another run (other rows): one window, all rows
+                have["nll"].update(w["nll"])
+                continue
+            seen[(w["source"], w["offset"])] = w
+            wins.setdefault(w["source"], []).append(w)
+    return wins
+
+
+def pooled_line_ci(ws: list, rows: dict, bytes_of, n_boot: int, seed: int) -> dict:
+    """:func:`minus_line_ci` of each importance row of ``rows`` (bytes from its runs) over the
+    merged windows ``ws`` holding it, its two fixed neighbours and the chunked reference."""
+    t = lambda w, n: torch.tensor(w["nll"][n], dtype=torch.float64)  # noqa: E731
+    out = {}
+    for name, r in rows.items():
+        at = fixed_line(rows, bytes_of, bytes_of(r)) if is_importance_row(name) else None
+        if at is None:
+            continue
+        need = (name, at[0], at[1])
+        sel = [w for w in ws if all(k in w["nll"] for k in (*need, REF_CHUNKED))]
+        if sel:
+            out.update(minus_line_ci({k: [t(w, k) for w in sel] for k in need}, [t(w, REF_CHUNKED) for w in sel],
+                                     {k: rows[k] for k in need}, bytes_of, n_boot, seed))
+    return out
+
+
 def is_fixed_row(name: str) -> bool:
     """A fixed-precision store row (one codec for every block: ``store int8 g32`` ...)."""
     return name.startswith("store int")
@@ -500,6 +546,24 @@ def all_tier_bytes(r: dict) -> float:
     return r["bytes_per_token_end"]
 
 
+#: the byte counts importance rows are placed at against the fixed rows
+BYTE_COUNTS = {"l1+l2": l1_l2_bytes, "all tiers": all_tier_bytes}
+
+
+def print_standing(src: str, standing: dict) -> None:
+    """One line per importance row: its Δppl minus the fixed line at each byte count, with
+    the interval where one was computed, and the fixed rows dominating it."""
+    for name in next(iter(standing.values()), {}):
+        parts = []
+        for k, st in standing.items():
+            r = st[name]
+            m, ci = r["minus_fixed_line"], r.get("minus_fixed_line_ci")
+            parts.append(f"{k}: dominated by {r['dominated_by'] or 'none'}, dppl - fixed line "
+                         + ("-" if m is None else f"{100 * m:+.2f}%")
+                         + ("" if ci is None else f" [{100 * ci[1]:+.2f}, {100 * ci[2]:+.2f}]"))
+        print(f"{src:7s} | {name:34s} | " + "; ".join(parts), flush=True)
+
+
 def against_fixed(rows: dict, bytes_of) -> dict:
     """Where each importance row of one text stands against the fixed-precision rows, at the
     bytes ``bytes_of(row)`` gives, lower Δppl being better (perplexity is the measure; a row
@@ -513,12 +577,46 @@ def against_fixed(rows: dict, bytes_of) -> dict:
         if not is_importance_row(n):
             continue
         x, y = bytes_of(r), r["delta_ppl"]
-        line = None
-        for (x0, y0, _), (x1, y1, _) in zip(fixed, fixed[1:]):
-            if x0 <= x <= x1 and x1 > x0:
-                line = y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+        at = fixed_line(rows, bytes_of, x)
+        line = None if at is None else (1 - at[2]) * rows[at[0]]["delta_ppl"] + at[2] * rows[at[1]]["delta_ppl"]
         out[n] = {"dominated_by": [fn for fx, fy, fn in fixed if fx <= x and fy <= y],
                   "minus_fixed_line": None if line is None else y - line}
+    return out
+
+
+def fixed_line(rows: dict, bytes_of, x: float):
+    """The two fixed-precision rows around ``x`` bytes and the weight of the second:
+    ``(lower, upper, w)``, the line there being ``(1 - w) * lower + w * upper``; None outside
+    the fixed rows' range."""
+    fixed = sorted((bytes_of(r), n) for n, r in rows.items() if is_fixed_row(n))
+    for (x0, n0), (x1, n1) in zip(fixed, fixed[1:]):
+        if x0 <= x <= x1 and x1 > x0:
+            return n0, n1, (x - x0) / (x1 - x0)
+    return None
+
+
+def minus_line_ci(nll: dict, ref: list, rows: dict, bytes_of, n_boot: int, seed: int) -> dict:
+    """Each importance row's Δppl minus the fixed rows' line at its bytes (``against_fixed``'s
+    ``minus_fixed_line``) with a 95% interval: the row, the two fixed rows around it and the
+    reference resampled on the same windows (negative throughout: below the line, better than
+    mixing the two fixed precisions by bytes). ``nll``: per row, its per-window NLLs on the
+    windows of ``ref``. Returns ``{row: (Δ, lo, hi)}``, rows outside the fixed range left out."""
+    counts = torch.tensor([r.numel() for r in ref], dtype=torch.float64)
+    sums = lambda xs: torch.tensor([x.sum().item() for x in xs], dtype=torch.float64)  # noqa: E731
+    rs = sums(ref)
+    n = len(ref)
+    idx = torch.cat([torch.arange(n).view(1, n),  # the windows as measured, then the resamples
+                     torch.randint(0, n, (n_boot, n), generator=torch.Generator().manual_seed(seed))])
+    dppl = lambda name: ((sums(nll[name])[idx].sum(1) - rs[idx].sum(1)) / counts[idx].sum(1)).exp() - 1  # noqa: E731
+    out = {}
+    for name, r in rows.items():
+        at = fixed_line(rows, bytes_of, bytes_of(r)) if is_importance_row(name) and name in nll else None
+        if at is None or not all(f in nll for f in at[:2]):
+            continue
+        lo_row, hi_row, w = at
+        d = dppl(name) - ((1 - w) * dppl(lo_row) + w * dppl(hi_row))
+        lo, hi = torch.quantile(d[1:], torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+        out[name] = (d[0].item(), lo, hi)
     return out
 
 
@@ -527,6 +625,58 @@ def paired_vs_fixed(nll: dict, n_boot: int, seed: int) -> dict:
     ``{row: {fixed row: (Δppl, lo, hi)}}``, Δppl of the row's ppl over the fixed row's."""
     return {n: {f: bootstrap_ci(nll[f], nll[n], n_boot, seed) for f in nll if is_fixed_row(f)}
             for n in nll if is_importance_row(n)}
+
+
+def pareto_table(doc: dict) -> str:
+    """The store rows of ``doc`` as a markdown table: Δppl [95% CI] per text, bytes per token
+    (mean over the texts) at L1 + L2 and at all tiers, and, for importance rows, Δppl minus the
+    fixed rows' line at their all-tier bytes per text, with its paired interval where known."""
+    srcs = list(doc["sources"])
+    names = list(dict.fromkeys(n for s in srcs for n in doc["sources"][s]["rows"]
+                               if is_fixed_row(n) or is_importance_row(n)))
+    pct = lambda d, ci: f"{100 * d:+.2f}% [{100 * ci[0]:+.2f}, {100 * ci[1]:+.2f}]"  # noqa: E731
+    out = [f"| config | {' | '.join(srcs)} | windows | B/tok L1+L2 | all tiers | Δppl − fixed line ({' / '.join(srcs)}) |",
+           "|---" * (len(srcs) + 5) + "|"]
+    count = lambda r, s: len(r["windows"]) if isinstance(r.get("windows"), list) else doc["sources"][s].get("windows")  # noqa: E731
+    for n in names:
+        rows = [doc["sources"][s]["rows"].get(n) for s in srcs]
+        have = [r for r in rows if r is not None]
+        fast = sum(l1_l2_bytes(r) for r in have) / len(have)
+        total = sum(all_tier_bytes(r) for r in have) / len(have)
+        line = []
+        for s in srcs:
+            st = doc["sources"][s].get("against_fixed", {}).get("all tiers", {}).get(n)
+            if st is None or st["minus_fixed_line"] is None:
+                line.append("-")
+            elif "minus_fixed_line_ci" in st:
+                line.append(pct(st["minus_fixed_line"], st["minus_fixed_line_ci"][1:]))
+            else:
+                line.append(f"{100 * st['minus_fixed_line']:+.2f}%")
+        out.append(f"| {n.removeprefix('store ')} | "
+                   + " | ".join("-" if r is None else pct(r["delta_ppl"], r["ci95"]) for r in rows)
+                   + " | " + "/".join("-" if r is None else str(count(r, s)) for r, s in zip(rows, srcs))
+                   + f" | {fast:,.0f} | {total:,.0f} | " + (" / ".join(line) if is_importance_row(n) else "") + " |")
+    return "\n".join(out)
+
+
+def add_windows(have: dict, got: dict) -> None:
+    """Fold the rows of ``got`` (one source, measured on windows disjoint from ``have``'s) into
+    ``have``: a row in both holds the mean of their bytes, weighted by windows; its Δppl is left
+    for the pooled windows to give."""
+    nh, ng = len(have["offsets"]), len(got["offsets"])
+    mean = lambda a, b: (a * nh + b * ng) / (nh + ng)  # noqa: E731
+    for name, g in got["rows"].items():
+        h = have["rows"].get(name)
+        if h is None:
+            have["rows"][name] = g
+            continue
+        for k in ("bytes_per_token_end", "weighted_bytes_per_token", "l3_read_bytes_per_scored_token"):
+            if k in h and k in g:
+                h[k] = mean(h[k], g[k])
+        if "tiers" in h and "tiers" in g:
+            h["tiers"] = {t: mean(h["tiers"][t], g["tiers"][t]) for t in h["tiers"]}
+    have["offsets"] = sorted(have["offsets"] + got["offsets"])
+    have["windows"] = len(have["offsets"])
 
 
 def plot(doc: dict, path: str) -> None:
@@ -620,6 +770,9 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=256, help="--store: prefill chunk, tokens")
     ap.add_argument("--decode-chunk", type=int, default=32,
                     help="--store: continuation tokens per forward (1: one decode step per token)")
+    ap.add_argument("--flush-steps", action="store_true",
+                    help="--store: wait for the swap-out worker after every forward (every evicted block is read "
+                         "as encoded from the next forward on: the same numbers on every run)")
     ap.add_argument("--scratch", default="/tmp", help="--store: where the L3 directories are made")
     ap.add_argument("--plot", default=None, help="write the Pareto plot (PNG) here")
     ap.add_argument("--from-json", default=None, nargs="+",
@@ -627,6 +780,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pool", default=None, nargs="+",
                     help="no measuring: pool the per-window lines of these logs (runs of one dtype) into rows; "
                          "with --from-json, those rows' Δppl replace the JSONs' (bytes kept) for --plot/--json")
+    ap.add_argument("--table", action="store_true",
+                    help="with --from-json: print the store rows as a markdown table (README)")
     ap.add_argument("--smoke", action="store_true", help="one 256-token window of pydoc, three configs")
     args = ap.parse_args(argv)
     pooled = None
@@ -650,9 +805,13 @@ def main(argv=None) -> int:
             for src, got in json.loads(Path(f).read_text())["sources"].items():
                 have = doc["sources"].setdefault(src, got)
                 if have is not got:
-                    if have["offsets"] != got["offsets"]:
-                        raise SystemExit(f"--from-json {f}: {src} was measured on other windows")
-                    have["rows"].update(got["rows"])
+                    if have["offsets"] == got["offsets"]:
+                        have["rows"].update(got["rows"])
+                    elif args.pool and not set(have["offsets"]) & set(got["offsets"]):
+                        add_windows(have, got)  # the Δppl come from the pooled logs below
+                    else:
+                        raise SystemExit(f"--from-json {f}: {src} was measured on other windows "
+                                         f"(runs on disjoint windows pool with --pool and their logs)")
         for src, rows in (pooled or {}).items():  # --pool too: Δppl over every window the logs hold
             got = doc["sources"].get(src)
             if got is None:
@@ -663,13 +822,21 @@ def main(argv=None) -> int:
                                              vs_fixed=r.get("vs_fixed"))
             n = sorted({len(r["windows"]) for r in rows.values()})
             got["windows"] = n[0] if len(n) == 1 else f"{n[0]}-{n[-1]}"
+        wins = merge_windows(lines) if args.pool else {}
         for src, got in doc["sources"].items():  # the merged rows' standing (each run's own saw part of them)
-            got["against_fixed"] = {"l1+l2": against_fixed(got["rows"], l1_l2_bytes),
-                                    "all tiers": against_fixed(got["rows"], all_tier_bytes)}
+            got["against_fixed"] = {k: against_fixed(got["rows"], b) for k, b in BYTE_COUNTS.items()}
+            for k, b in BYTE_COUNTS.items():  # with its interval, over the pooled windows
+                for name, ci in pooled_line_ci(wins.get(src, []), got["rows"], b, args.boot, args.seed).items():
+                    # on the windows holding the row and both neighbours (the rows' own Δppl may
+                    # pool more windows than a row measured on fewer shares)
+                    got["against_fixed"][k][name].update(minus_fixed_line=ci[0], minus_fixed_line_ci=list(ci))
+            print_standing(src, got["against_fixed"])
         if args.plot:
             plot(doc, args.plot)
         if args.json:
             Path(args.json).write_text(json.dumps(doc, indent=1))
+        if args.table:
+            print(pareto_table(doc))
         return 0
     specs = default_specs()
     store_specs = (int8_store_specs() if args.int8 else pareto_store_specs() if args.pareto
@@ -715,7 +882,8 @@ def main(argv=None) -> int:
                 per.setdefault(name, []).append(val)
             if store_specs:
                 for name, (nll, st, sec) in run_store_window(model, ctx, cont, store_specs, args.block_tokens,
-                                                             args.chunk, args.scratch, args.decode_chunk).items():
+                                                             args.chunk, args.scratch, args.decode_chunk,
+                                                             args.flush_steps).items():
                     per.setdefault(name, []).append((nll, st, sec))
                 chunked = run_chunked_anchors(model, ctx, cont, anchors, args.chunk, args.decode_chunk)
                 for name, val in chunked.items():
@@ -789,14 +957,17 @@ def main(argv=None) -> int:
         vs_fixed = paired_vs_fixed({n: [v[0] for v in per[n]] for n in per}, args.boot, args.seed)
         for name, by in vs_fixed.items():
             rows[name]["vs_fixed"] = {f: list(v) for f, v in by.items()}
-        standing = {"l1+l2": against_fixed(rows, l1_l2_bytes), "all tiers": against_fixed(rows, all_tier_bytes)}
+        standing = {k: against_fixed(rows, b) for k, b in BYTE_COUNTS.items()}
+        if ref_chunked is not None:
+            nll = {n: [v[0] for v in per[n]] for n in per}
+            for k, b in BYTE_COUNTS.items():
+                for name, ci in minus_line_ci(nll, ref_chunked, rows, b, args.boot, args.seed).items():
+                    standing[k][name]["minus_fixed_line_ci"] = list(ci)
         for name in vs_fixed:
             print(f"{src:7s} | {name:34s} | paired: " + ", ".join(
                 f"vs {f.removeprefix('store ')} {100 * d:+.2f}% [{100 * lo:+.2f}, {100 * hi:+.2f}]"
-                for f, (d, lo, hi) in vs_fixed[name].items()) + " | " + "; ".join(
-                f"{k}: dominated by {st[name]['dominated_by'] or 'none'}, dppl - fixed line "
-                + ("-" if st[name]["minus_fixed_line"] is None else f"{100 * st[name]['minus_fixed_line']:+.2f}%")
-                for k, st in standing.items()), flush=True)
+                for f, (d, lo, hi) in vs_fixed[name].items()), flush=True)
+        print_standing(src, standing)
         doc["sources"][src] = {"ppl_ref": ppl_ref, "windows": len(offsets), "offsets": offsets, "rows": rows,
                                "against_fixed": standing}
     if args.json:

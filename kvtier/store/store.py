@@ -79,6 +79,8 @@ class KVStore:
         codec_params = {"group_size": cfg.group_size, "key_axis": cfg.key_axis, "value_axis": cfg.value_axis}
         if "int2" in codecs and cfg.int2_key_outliers:  # named only where it changes the bytes
             codec_params["int2_key_outliers"] = cfg.int2_key_outliers
+        if lay.precision is not None and cfg.cold_key_outliers is not None:
+            codec_params["cold_key_outliers"] = cfg.cold_key_outliers
         self.content_fp = model_fingerprint_key(
             fingerprint, codecs, lay.block_tokens, codec_params=codec_params,
             dtype=lay.dtype, extra={"kv_heads": kv_heads, "head_dim": head_dim, "num_layers": num_layers},

@@ -5,7 +5,7 @@ import torch
 
 from kvtier.compress import get_codec
 from kvtier.config import KVTierConfig
-from kvtier.store.blockrecord import unpack_block
+from kvtier.store.blockrecord import pack_block, unpack_block
 from kvtier.store.precision import PrecisionPlan
 
 from .conftest import make_store
@@ -351,3 +351,77 @@ def test_observe_queries_with_the_callers_keys_equals_its_own_gather():
         b.observe_queries(sb, 0, q, keys[:, :-1])
     a.close()
     b.close()
+
+
+def _record_params(st, e):
+    ek, ev = unpack_block(st.lower.l2.get(e.rec.key))
+    return ek.codec, ek.params.get("outliers", 0)
+
+
+def test_a_cold_level_cheaper_than_fixed_int2_is_written_read_and_counted(tmp_path):
+    # int2 keys keep 8 channels at fixed precision; the cold level here keeps none
+    st = _store(tmp_path, recall_mass=float("inf"), cold_key_outliers=0)
+    wide = _store(tmp_path / "wide", recall_mass=float("inf"))  # the same blocks, cold int2 with 8 channels
+    assert st.cfg.codec_kwargs("int2", "key") == {"group_size": 32, "axis": "channel"}
+    assert wide.cfg.codec_kwargs("int2", "key")["outliers"] == 8
+    s, k, v, t = _evicted(st)
+    _, _, _, tw = _evicted(wide)
+    got = {e.idx: _record_params(st, e) for e in t.entries[:-1] if e.l2}
+    assert {b for b, (c, _) in got.items() if c == "int2"} == {1, 3, 4, 6}
+    assert all(n == 0 for c, n in got.values())  # plain int2 for the cold, int4/int8 keep none either
+    assert {e.idx: _record_params(wide, e)[1] for e in tw.entries[:-1] if e.l2 and e.rec.l2_codec == "int2"} \
+        == {1: 8, 3: 8, 4: 8, 6: 8}
+    # each cold block reads back as plain int2 decodes it, the others as their codec does
+    K, V = st.gather(s, 0)
+    plain = get_codec("int2", group_size=32, axis="channel")
+    for b, (c, _) in got.items():
+        kc = plain if c == "int2" else get_codec(c, group_size=32, axis="channel")
+        assert torch.equal(K[:, b * BT:(b + 1) * BT], kc.decode(kc.encode(k[:, b * BT:(b + 1) * BT])))
+    # stats() counts the records as written: the 4 cold records less their kept channels
+    # (2 heads x 8 channels of BT float32 values and a one-byte index, and those parts' headers)
+    for store, table in ((st, t), (wide, tw)):
+        l2 = sum(len(store.lower.l2.get(e.rec.key)) for e in table.entries if e.l2)
+        assert store.stats()["bytes"]["l2"] == l2
+    x = k[:, :BT]
+    kept = len(pack_block(wide.io.by_name["int2"][0].encode(x), plain.encode(x))) \
+        - len(pack_block(plain.encode(x), plain.encode(x)))
+    assert kept > 2 * 8 * (BT * 4 + 1)
+    assert wide.stats()["bytes"]["l2"] - st.stats()["bytes"]["l2"] == 4 * kept
+    assert st.stats()["precision"]["encoded"] == {"int4": 2, "int8": 1, "int2": 4}
+    st.check_invariants()
+    # records say how they were encoded: a store of another outlier count decodes them as written
+    e = t.entries[1]
+    raw = st.lower.l2.get(e.rec.key)
+    ref = st.io.decode(raw, "l2", torch.device("cpu"))
+    assert torch.equal(wide.io.decode(raw, "l2", torch.device("cpu")), ref)
+    ek, ev = unpack_block(raw)
+    general = torch.stack((plain.decode(ek), get_codec("int2", group_size=32, axis="token").decode(ev)))
+    assert torch.equal(ref, general)
+    wide.close()
+    st.close()
+
+
+def test_cold_key_outliers_follow_only_the_cold_codec():
+    cfg = KVTierConfig(precision="importance", codec="int8", cold_codec="int4", cold_key_outliers=4)
+    assert cfg.key_outliers("int4") == 4 and cfg.key_outliers("int8") == 0
+    assert cfg.codec_kwargs("int4", "value") == {"group_size": 32, "axis": "token"}  # keys only
+    # None: the cold codec keeps what it keeps at fixed precision
+    assert KVTierConfig(precision="importance").key_outliers("int2") == 8
+    # a fixed store ignores it (its int2 is the fixed one)
+    assert KVTierConfig(codec="int2", cold_key_outliers=0).key_outliers("int2") == 8
+    with pytest.raises(ValueError, match="cold_key_outliers must be <= head_dim"):
+        KVTierConfig(precision="importance", cold_key_outliers=20).check_model(1, 2, 16, torch.float16)
+    # the fixed int2's count no longer applies to a cold level that sets its own
+    KVTierConfig(precision="importance", int2_key_outliers=20, cold_key_outliers=4).check_model(
+        1, 2, 16, torch.float16, machine=False)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(cold_key_outliers=-1), dict(cold_key_outliers=33), dict(cold_key_outliers=True),
+    dict(cold_key_outliers="0"), dict(cold_key_outliers=2.0),
+    # one codec name, one encoding: the cold level cannot re-encode the base codec
+    dict(precision="importance", codec="int2", cold_key_outliers=0),
+])
+def test_bad_cold_key_outliers_name_the_field(kw):
+    with pytest.raises(ValueError, match="cold_key_outliers"):
+        KVTierConfig(**kw)
