@@ -438,6 +438,14 @@ class Run:
                 ly.keys = torch.cat([ly.keys[:, :, : self._sink], ly.keys[:, :, t - self._window:]], dim=2)
                 ly.values = torch.cat([ly.values[:, :, : self._sink], ly.values[:, :, t - self._window:]], dim=2)
 
+    def settle(self) -> None:
+        """Wait for the store's queued swap-outs. Until a block's swap-out is done, a read still
+        finds its full-precision copy, so without this which blocks a step reads encoded would
+        depend on thread timing and a rerun with the same seed could give other figures. Called
+        outside the timed steps."""
+        if self.spec.kind == "kvtier":
+            self.cache.store.flush()
+
     def footprint(self, tokens: int) -> dict:
         """Bytes per token per tier. Anchors hold everything in 'L1' (the model's device)."""
         if self.spec.kind != "kvtier":

@@ -109,6 +109,7 @@ def _teacher_forced(model, run, w: Window, context, first_logits) -> Result:
     cont = w.continuation.tolist()
     logits, steps = [first_logits], []
     for t, tok in enumerate(cont[:-1]):
+        run.settle()
         t0 = time.perf_counter()
         logits.append(_step(model, run, tok, context + t))
         steps.append(time.perf_counter() - t0)
@@ -129,6 +130,7 @@ def _greedy(model, run, s: ruler.Sample, context, first_logits, tokenizer, limit
         score = ruler.score(s, text)
         if tokens[-1] in stop or score >= 1.0 or len(tokens) >= limit:
             break
+        run.settle()
         t0 = time.perf_counter()
         logits = _step(model, run, tokens[-1], context + len(tokens) - 1)
         steps.append(time.perf_counter() - t0)

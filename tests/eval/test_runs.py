@@ -98,3 +98,30 @@ def test_kept_prefill_is_read_back_exactly_and_a_broken_one_recomputed(model_bf1
     files[0].write_bytes(b"not a safetensors file")
     fresh = prefill(model_bf16, ids, 8, cache_dir=tmp_path)
     assert torch.equal(fresh.logits, first.logits) and fresh.seconds != first.seconds
+
+
+@torch.inference_mode()
+def test_a_slow_swap_out_worker_does_not_change_the_figures(model_bf16, tokenizer, tmp_path, monkeypatch):
+    """Each step reads every block evicted before it as encoded, however late the swap-out
+    worker gets to it: the figures do not depend on thread timing."""
+    import time
+
+    from kvtier.eval.data import Window
+    from kvtier.eval.runner import run_all
+    from kvtier.store.evictor import Evictor
+
+    ids = text_ids(tokenizer, 120)[0]
+    w = Window("text", ids[:96].clone(), ids[96:].clone())
+    spec = CacheSpec("kv", "kvtier", {"codec": "int2", "attention": "dense", "hot_tokens": 32, "block_tokens": 16,
+                                      "host_bytes": 1 << 20, "policy": "lru", "write_through": False})
+    fast = run_all(model_bf16, [spec], w, tmp_path)[0]
+    batch = Evictor._swap_out_batch
+
+    def late(self, items):
+        time.sleep(0.05)
+        return batch(self, items)
+
+    monkeypatch.setattr(Evictor, "_swap_out_batch", late)
+    slow = run_all(model_bf16, [spec], w, tmp_path)[0]
+    assert fast.stats["swap_out_blocks"] > 0
+    assert torch.equal(fast.logp, slow.logp)
