@@ -84,6 +84,7 @@ class StoreSpec:
     cold_codec: str = "int2"
     attention_math: str = "sdpa"  # --store-math; sdpa: a lossless store computes what DynamicCache does
     int2_key_outliers: int | None = None  # None: the config's default
+    int8_zero_point: str | None = None  # None: the config's default
 
 
 #: the store row every other store row is also compared with (the same chunking, the same
@@ -160,8 +161,12 @@ def pareto_store_specs() -> list[StoreSpec]:
 
 
 def int8_store_specs() -> list[StoreSpec]:
-    """int8 against the lossless store, both on the reference's protocol (``--int8``)."""
-    return [StoreSpec(STORE_LOSSLESS, codec="lossless"), StoreSpec("store int8 g32", codec="int8")]
+    """int8 against the lossless store, both on the reference's protocol (``--int8``): the
+    default int8 and each ``int8_zero_point`` setting (symmetric codes; a zero for keys; for both)."""
+    return [StoreSpec(STORE_LOSSLESS, codec="lossless"), StoreSpec("store int8 g32", codec="int8"),
+            StoreSpec("store int8 g32 symmetric", codec="int8", int8_zero_point="none"),
+            StoreSpec("store int8 g32 zero K", codec="int8", int8_zero_point="key"),
+            StoreSpec("store int8 g32 zero K+V", codec="int8", int8_zero_point="both")]
 
 
 def int2_store_specs() -> list[StoreSpec]:
@@ -339,6 +344,8 @@ def store_config(spec: StoreSpec, block: int, disk_path: str | None, dtype: torc
     imp = spec.precision == "importance"
     lossless = lossless_codec(str(dtype).removeprefix("torch."))  # "torch.bfloat16" -> "bf16"
     extra = {} if spec.int2_key_outliers is None else {"int2_key_outliers": spec.int2_key_outliers}
+    if spec.int8_zero_point is not None:
+        extra["int8_zero_point"] = spec.int8_zero_point
     return KVTierConfig(**extra, block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
                         disk_path=disk_path, disk_bytes=4 << 30, group_size=spec.group_size,
                         codec=lossless if spec.codec == "lossless" else spec.codec,
