@@ -253,7 +253,12 @@ class KVTierConfig:
     groups of 32) the zero point takes int8 keys' relative error from 0.0042 to 0.0023 and
     values' from 0.0060 to 0.0052. It costs one 16-bit zero per group: int8 blocks take 12,240
     bytes per token (all layers, bf16) with none, 12,600 with ``key``, 12,960 with ``both``.
-    Records of either form decode under any setting."""
+    Records of either form decode under any setting. The default is the setting of least
+    |Δppl| on every text measured in float32 (where the codec's effect is not buried under bf16
+    rounding; 4 windows x 512 scored tokens after a 2,048-token context, sink + 128 recent tokens
+    kept, each older 64-token block through the codec), pydoc / essays / squad: ``none``
+    -0.049 / +0.018 / +0.020%, ``key`` -0.017 / +0.004 / -0.001%, ``both`` -0.021 / +0.005 /
+    -0.003%."""
 
     policy: Policy = "h2o"
     """Eviction policy: ``lru``, ``sink-window`` (StreamingLLM), ``h2o`` (accumulated attention

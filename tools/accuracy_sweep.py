@@ -162,14 +162,14 @@ def pareto_store_specs() -> list[StoreSpec]:
 
 def int8_store_specs() -> list[StoreSpec]:
     """int8 against the lossless store, both on the reference's protocol (``--int8``): the
-    default int8 and each other ``int8_zero_point`` setting of none, key, both."""
+    default int8 and the other of ``int8_zero_point`` none (symmetric codes) and key."""
     from kvtier.config import KVTierConfig
 
     default = KVTierConfig().int8_zero_point
-    names = {"none": "symmetric", "key": "zero K", "value": "zero V", "both": "zero K+V"}
+    names = {"none": "symmetric", "key": "zero K"}
     return [StoreSpec(STORE_LOSSLESS, codec="lossless"), StoreSpec("store int8 g32", codec="int8")] + [
         StoreSpec(f"store int8 g32 {names[zp]}", codec="int8", int8_zero_point=zp)
-        for zp in ("none", "key", "both") if zp != default]
+        for zp in ("none", "key") if zp != default]
 
 
 def int2_store_specs() -> list[StoreSpec]:
