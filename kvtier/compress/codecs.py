@@ -351,10 +351,10 @@ class IntCodec(Codec):
         if self.name != "int8" or not isinstance(enc, Encoded):
             return None
         zp = enc.params.get("zero_point", 0)
-        if zp == (self.bits == _ref.ASYM8):
-            return None
-        if zp not in (0, 1) or isinstance(zp, bool):
+        if isinstance(zp, bool) or zp not in (0, 1):
             raise ValueError(f"enc.params['zero_point'] must be 0 or 1; got {zp!r}")
+        if zp == int(self.bits == _ref.ASYM8):
+            return None
         if self._twin is None:
             self._twin = IntCodec(_ref.ASYM8 if zp else 8, self.group_size, self.axis, self.check_finite,
                                   self.encoder, self.outliers)
