@@ -93,7 +93,8 @@ static inline void st1(int dt, void *p, int64_t i, float f) {
 }
 
 /* bits: 8 (symmetric int8 codes), 4, 2, or ASYM8 (-8: asymmetric 8-bit codes 0..255, a zero per
-   group as int4/int2 have). Only these helpers and qtop look at the code width. */
+   group as int4/int2 have). Everywhere `bits == 8` means symmetric, so ASYM8 takes the asymmetric
+   paths; only qtop and the pack/unpack helpers and pdim tell it from int4/int2 (one code a byte). */
 #define ASYM8 (-8)
 static inline float qtop(int bits) { return bits == ASYM8 ? 255.0f : (float)((1 << bits) - 1); }
 
