@@ -18,7 +18,8 @@
      reads (and writer) through the DiskTier of --base-rev (default L3_BASE), same run
      crc: GB/s of the record CRC beside zlib's and CRC32C packages' (when installed) and a copy
      L3_reopen: a directory of 1M small records reopened from its checkpoint, this tree against
-     REOPEN_BASE alternated, each in a fresh interpreter: seconds, us a record, RSS growth
+     REOPEN_BASE alternated, each in a fresh interpreter: seconds, us a record, RSS growth;
+     and the checkpoint written of it before (seconds, the longest tier-lock hold, a reader's gets)
      with lz4: blocks compressed before put and decompressed after get (the store's byte
      stage), GB/s of uncompressed bytes, against the same raw references.
      L3_small: the same for small records (--small-kib, one layer's quantized block), where
@@ -30,6 +31,10 @@
      microseconds, where OS jitter alone puts p99 at several times p50); the compactor's share
      of the time. The p99 <= 2x p50 target is judged as is where the machine's decode steps
      meet it without compaction, else against them (the output says which: see bench_compaction).
+     CAUSES lines: where the decode steps' time went, for the middle half and for those that set
+     p99, with and without compaction (CPU, run-queue wait, sleep; time inside acquisitions of
+     the tier lock and the write lock; GC), and the compactor's lock holds, GC and CPU/run-queue
+     time (see _StepProbe).
 
 Targets (printed as VERDICT lines, PASS/MISS, never asserted: timing depends on the machine):
   L2 >= 0.5x copy bandwidth; L3 >= 0.7x raw file write and read when records go raw, small
@@ -41,6 +46,7 @@ Usage: python bench/bench_tiers.py [--smoke] [--block-kib 256] [--total-mib 256]
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import mmap
 import os
@@ -48,6 +54,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import lz4.block
@@ -234,7 +241,6 @@ def read_under_writes(root: str, tiers: dict, blocks: list[bytes], rawp: str, ba
     writer thread appends the same kind of records (raw: os.write + fdatasync per batch to
     another file; a tier: put_many of a quarter as many keys over and over, so that compaction
     runs too, and sync), alternated round by round."""
-    import threading
 
     n, bs = len(blocks), len(blocks[0])
     wkeys = [f"w{i}" for i in range(max(1, n // 4))]
@@ -455,22 +461,31 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
 
     sched = _RunQueueClock()
 
-    def steps_on(t, step, compacting: bool, count: int, adjusted: list | None) -> list[float]:
+    def steps_on(t, step, compacting: bool, count: int, adjusted: list | None,
+                 parts: list | None = None) -> list[float]:
         """Step latencies: ``count`` steps, or with compaction on until it has nothing left to
         do (at least ``count``, at most 10x). ``adjusted`` gets each one less the time this
-        thread sat in the run queue meanwhile (the other processes' load), where measurable."""
+        thread sat in the run queue meanwhile (the other processes' load), where measurable;
+        ``parts`` each one's breakdown (see _StepProbe)."""
         if compacting:
             t.compact_threshold = 0.5
             t._worker.wake()
         lat = []
         for i in range(10 * count if compacting else count):
             q0 = sched.waited() if adjusted is not None else 0.0
-            s0 = time.perf_counter()
+            probe.begin()
+            c0, s0 = time.thread_time(), time.perf_counter()
             step(t)
             dt = time.perf_counter() - s0
+            cpu = time.thread_time() - c0
             lat.append(dt)
+            queued = sched.waited() - q0 if adjusted is not None else 0.0
             if adjusted is not None:
-                adjusted.append(dt - (sched.waited() - q0))
+                adjusted.append(dt - queued)
+            if parts is not None:
+                parts.append(probe.end(dt, cpu, queued))
+            else:
+                probe.end(dt, cpu, queued)
             if compacting and i + 1 >= count and t._job is None and not t._candidates():
                 break
         if compacting:
@@ -480,6 +495,9 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
 
     lat = {(v, w, c): [] for v in versions for w in ("decode", "micro") for c in ("with", "without")}
     adj = {(v, c): [] for v in versions for c in ("with", "without")}  # decode steps, run-queue waits removed
+    parts = {(v, c): [] for v in versions for c in ("with", "without")}  # decode steps' breakdowns
+    holds = {v: {"tier_lock": [], "write_lock": []} for v in versions}  # the compactor's, with compaction on
+    probe = _StepProbe()
     comp = {v: dict(busy=0.0, window=0.0, max_step=0.0, compactions=0, share=0.0) for v in versions}
     for r in range(rounds):
         for v, cls in versions.items():
@@ -487,6 +505,8 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
                 shutil.rmtree(path, ignore_errors=True)
                 t = cls(path, capacity_bytes=8 * total_bytes + (64 << 20), segment_bytes=seg_bytes,
                         durability="never", compact_threshold=0.0)
+                probe.install(t, holds[v])
+                probe.version = v
                 for i in range(0, n, 64):
                     t.put_many([(f"r{j}", vals[j % 64]) for j in range(i, min(n, i + 64))])
                 t.delete_many(dead)
@@ -495,8 +515,15 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
                 for c in (("without", "with") if r % 2 == 0 else ("with", "without")):
                     s0 = t.stats()
                     t0 = time.perf_counter()
+                    probe.holding = c == "with"
+                    w0 = _thread_schedstat(t._worker._thread)
                     got = steps_on(t, step, c == "with", least if c == "with" else count,
-                                   adj[v, c] if w == "decode" and sched.available else None)
+                                   adj[v, c] if w == "decode" and sched.available else None,
+                                   parts[v, c] if w == "decode" else None)
+                    probe.holding = False
+                    if c == "with" and w0 is not None and (w1 := _thread_schedstat(t._worker._thread)):
+                        comp[v]["cpu"] = comp[v].get("cpu", 0.0) + w1[0] - w0[0]
+                        comp[v]["queued"] = comp[v].get("queued", 0.0) + w1[1] - w0[1]
                     if c == "with":
                         s1, cs = t.stats(), comp[v]
                         cs["window"] += time.perf_counter() - t0
@@ -509,8 +536,10 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
                         t.compact_threshold = 0.0
                     lat[v, w, c] += got
                 t.close()
+    probe.close()
     shutil.rmtree(path, ignore_errors=True)
     res: dict = {"records": n, "record_bytes": rec_bytes, "rounds": rounds,
+                 "switch_interval_ms": sys.getswitchinterval() * 1e3,
                  "decode_step": f"{DECODE_LAYERS} layers x get_many of {DECODE_GETS_PER_LAYER} + one put_many of "
                                 f"{DECODE_LAYERS} records"}
     for v in versions:
@@ -532,7 +561,17 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
                      p99_over_p50_without=d["p99_us_without"] / d["p50_us_without"])
         cs = comp[v]
         res[f"{v}_compactor"] = {"compactions": cs["compactions"], "time_share": cs["busy"] / max(cs["window"], 1e-9),
-                                 "compact_share": cs["share"], "max_step_ms": cs["max_step"] * 1e3}
+                                 "compact_share": cs["share"], "max_step_ms": cs["max_step"] * 1e3,
+                                 "thread_cpu_s": cs.get("cpu", 0.0), "thread_run_queue_s": cs.get("queued", 0.0)}
+        for name, hs in holds[v].items():
+            res[f"{v}_compactor"].update({f"{name}_holds": len(hs),
+                                          f"{name}_hold_p99_us": percentile(hs, 0.99) * 1e6 if hs else 0.0,
+                                          f"{name}_hold_max_us": max(hs, default=0.0) * 1e6})
+        cg = probe.other_gc.get(v, [])
+        res[f"{v}_compactor"].update(gc_collections=len(cg), gc_full_collections=sum(g == 2 for g, _ in cg),
+                                     gc_max_ms=max((s for _, s in cg), default=0.0) * 1e3)
+        for c in ("with", "without"):
+            res[f"{v}_decode_where_{c}"] = _breakdown(parts[v, c])
     # the verdict, on the decode step of this tree: as measured where the machine's own steps
     # meet the target without compaction; else with the run-queue waits (other processes' load)
     # taken out, where those steps meet it so; else relative to the steps without compaction
@@ -544,6 +583,120 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
     else:
         res["judged"], res["target_met"] = "vs_without_compaction", d["p99_ratio_with_vs_without"] <= 2.0
     return res
+
+
+class _StepProbe:
+    """Where a step's time goes: it swaps a tier's two locks for timed ones and counts the
+    cyclic GC's collections, so that each step (between ``begin`` and ``end``, on the thread
+    that runs the steps) is split into its CPU time (GC pauses within it), its run-queue wait
+    (other processes' load) and the time it slept: waiting for a lock the compactor (the only
+    other thread) held, for the GIL, or for I/O. The time spent inside lock acquisitions
+    (sleeping, queued again once woken, taking the GIL back) is reported beside them. While
+    ``holding``, other threads' outermost lock holds are recorded (the compactor's)."""
+
+    def __init__(self) -> None:
+        self.step_thread = threading.get_ident()
+        self.active = self.holding = False
+        self.wait = {"tier_lock": 0.0, "write_lock": 0.0}
+        self.gc_s, self.gc_n, self._gc0 = 0.0, 0, 0.0
+        self.version = ""
+        self.other_gc: dict[str, list] = {}  # version -> (generation, seconds) of collections in the compactor
+        gc.callbacks.append(self._gc)
+
+    def install(self, t, holds: dict) -> None:
+        t._lock = _TimedLock(t._lock, self, "tier_lock", holds["tier_lock"])
+        t._write_lock = _TimedLock(t._write_lock, self, "write_lock", holds["write_lock"])
+
+    def _gc(self, phase: str, info: dict) -> None:
+        mine = threading.get_ident() == self.step_thread
+        if phase == "start":
+            self._gc0 = time.perf_counter()  # (collections hold the GIL: never two at once)
+        elif mine and self.active:
+            self.gc_s += time.perf_counter() - self._gc0
+            self.gc_n += 1
+        elif not mine and self.holding:  # in the compactor: the stepping thread waits for the GIL
+            self.other_gc.setdefault(self.version, []).append((info["generation"], time.perf_counter() - self._gc0))
+
+    def begin(self) -> None:
+        self.wait = {"tier_lock": 0.0, "write_lock": 0.0}
+        self.gc_s, self.gc_n, self.active = 0.0, 0, True
+
+    def end(self, wall: float, cpu: float, queued: float) -> dict:
+        self.active = False
+        return {"wall": wall, "cpu": cpu, "run_queue": queued, "slept": max(0.0, wall - cpu - queued),
+                "tier_lock_wait": self.wait["tier_lock"], "write_lock_wait": self.wait["write_lock"],
+                "gc": self.gc_s, "gc_collections": self.gc_n}
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._gc)
+
+
+class _TimedLock:
+    """A tier lock (RLock) that adds each wait of the stepping thread to ``probe.wait[name]``
+    and, while ``probe.holding``, each outermost hold by another thread to ``holds``."""
+
+    def __init__(self, lock, probe: _StepProbe, name: str, holds: list) -> None:
+        self._inner, self._probe, self._name, self._holds = lock, probe, name, holds
+        self._depth: dict[int, int] = {}  # thread -> recursion depth (each thread writes its own)
+        self._since: dict[int, float] = {}
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        t0 = time.perf_counter()
+        ok = self._inner.acquire(blocking, timeout)
+        if ok:
+            tid = threading.get_ident()
+            d = self._depth.get(tid, 0)
+            self._depth[tid] = d + 1
+            if d == 0:
+                now = time.perf_counter()
+                if tid == self._probe.step_thread:
+                    if self._probe.active:
+                        self._probe.wait[self._name] += now - t0
+                else:
+                    self._since[tid] = now
+        return ok
+
+    def release(self) -> None:
+        tid = threading.get_ident()
+        d = self._depth[tid] = self._depth[tid] - 1
+        if d == 0 and tid != self._probe.step_thread:
+            since = self._since.pop(tid)
+            if self._probe.holding:
+                self._holds.append(time.perf_counter() - since)
+        self._inner.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _is_owned(self) -> bool:
+        return self._inner._is_owned()
+
+
+def _breakdown(parts: list[dict]) -> dict:
+    """Mean microseconds of each part over the middle half of the steps (by wall time) and
+    over those from p98 to p99.5 (what sets p99, without the few worst that would dominate a mean)."""
+    if not parts:
+        return {}
+    by = sorted(parts, key=lambda p: p["wall"])
+    n = len(by)
+    out = {}
+    for name, sub in (("mid", by[n // 4:max(n // 4 + 1, 3 * n // 4)]),
+                      ("p99", by[min(n - 1, int(0.98 * n)):max(min(n, int(0.98 * n) + 1), int(0.995 * n))])):
+        out[name] = {k: (sum(p[k] for p in sub) / len(sub)) * (1 if k == "gc_collections" else 1e6)
+                     for k in sub[0]}
+    return out
+
+
+def _thread_schedstat(thread: threading.Thread) -> tuple[float, float] | None:
+    """(seconds on a CPU, seconds runnable but waiting for one) of a thread of this process."""
+    try:
+        with open(f"/proc/self/task/{thread.native_id}/schedstat") as f:
+            on, queued, _ = f.read().split()
+        return int(on) / 1e9, int(queued) / 1e9
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 class _RunQueueClock:
@@ -683,6 +836,7 @@ def bench_reopen(root: str, n: int, repeat: int, in_process: bool) -> dict:
     v = os.urandom(40)
     for i in range(0, n, 20_000):
         t.put_many([(reopen_key(j), v) for j in range(i, min(n, i + 20_000))])
+    hold = checkpoint_hold(t, [reopen_key(j) for j in range(0, n, max(1, n // 1000))])
     t.close()  # writes this tree's INDEX
     pkgdir = _tiers_at(REOPEN_BASE, root)
     order = ["new"]
@@ -714,7 +868,8 @@ def bench_reopen(root: str, n: int, repeat: int, in_process: bool) -> dict:
                 out = json.loads(r.stdout.strip().splitlines()[-1])
             assert out["records"] == n and out["checkpoint_loaded"] == 1, out
             runs[which].append(out)
-    res: dict = {"records": n, "base_commit": REOPEN_BASE if pkgdir else None, "fresh_process": not in_process}
+    res: dict = {"records": n, "base_commit": REOPEN_BASE if pkgdir else None, "fresh_process": not in_process,
+                 "checkpoint": hold}
     for which, outs in runs.items():
         best = min(outs, key=lambda o: o["seconds"])
         res[which] = {"seconds": best["seconds"], "us_per_record": best["seconds"] / n * 1e6,
@@ -730,6 +885,76 @@ def bench_reopen(root: str, n: int, repeat: int, in_process: bool) -> dict:
     shutil.rmtree(new_dir, ignore_errors=True)
     shutil.rmtree(base_dir, ignore_errors=True)
     return res
+
+
+class _HoldTimer:
+    """A tier lock stand-in that records how long one thread holds it at a time (outermost
+    acquire to last release: the lock is reentrant)."""
+
+    def __init__(self, lock, thread: int) -> None:
+        self.lock, self.thread, self.depth, self.t0, self.holds = lock, thread, 0, 0.0, []
+
+    def acquire(self, *args) -> bool:
+        got = self.lock.acquire(*args)
+        if got and threading.get_ident() == self.thread:
+            self.depth += 1
+            if self.depth == 1:
+                self.t0 = time.perf_counter()
+        return got
+
+    def release(self) -> None:
+        if threading.get_ident() == self.thread:
+            self.depth -= 1
+            if self.depth == 0:
+                self.holds.append(time.perf_counter() - self.t0)
+        self.lock.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+def checkpoint_hold(t: DiskTier, keys: list[str]) -> dict:
+    """One ``checkpoint()`` of ``t`` (every record written since it opened: its index all in
+    the dict, the costliest case) while a reader thread gets ``keys`` round and round: the
+    checkpoint's seconds, the longest it held the tier lock in one go (what it blocks a get
+    or put for), and the reader's p50 and longest get meanwhile (the GIL included), beside
+    the reader's longest get over as long a time without a checkpoint (the machine's own)."""
+    lock, timer = t._lock, _HoldTimer(t._lock, threading.get_ident())
+
+    def reading(work) -> tuple[float, list[float]]:
+        lat: list[float] = []
+        stop = threading.Event()
+
+        def reader() -> None:
+            i = 0
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                assert t.get(keys[i % len(keys)]) is not None
+                lat.append(time.perf_counter() - t0)
+                i += 1
+
+        th = threading.Thread(target=reader, daemon=True)
+        th.start()
+        try:
+            time.sleep(0.05)
+            t0 = time.perf_counter()
+            work()
+            return time.perf_counter() - t0, sorted(lat)
+        finally:
+            stop.set()
+            th.join()
+
+    t._lock = timer
+    try:
+        dt, lat = reading(t.checkpoint)
+    finally:
+        t._lock = lock
+    _, idle = reading(lambda: time.sleep(dt))
+    return {"records": len(t), "seconds": dt, "max_lock_hold_ms": max(timer.holds) * 1e3,
+            "lock_holds": len(timer.holds), "reader_get_p50_us": lat[len(lat) // 2] * 1e6,
+            "reader_get_max_ms": lat[-1] * 1e3, "reader_get_max_ms_without": idle[-1] * 1e3}
 
 
 def _reopen_in_process(which: str, path: str, n: int) -> dict:
@@ -904,7 +1129,40 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {sect:8s} " + "  ".join(f"{k}={fmt(v)}" for k, v in vals.items()))
     for name, verdict in tg.items():
         print(f"VERDICT {name}: {verdict}")
+    if "L3_compaction" in out:
+        for line in compaction_causes(out["L3_compaction"]):
+            print(line)
     return 0
+
+
+def compaction_causes(c: dict) -> list[str]:
+    """Lines saying where the decode steps' time went (see _StepProbe), with and without
+    compaction, and how long the compactor held each lock."""
+    names = (("cpu", "cpu"), ("run_queue", "run-queue"), ("slept", "slept (locks, GIL, I/O)"))
+    lines = []
+    for v in ("new", "base"):
+        for c_ in ("with", "without"):
+            d = c.get(f"{v}_decode_where_{c_}")
+            if not d:
+                continue
+            for part in ("mid", "p99"):
+                x = d[part]
+                lines.append(f"CAUSES {v} decode {c_} compaction, {part:3s} steps: wall {x['wall']:.0f} us = "
+                             + " + ".join(f"{label} {x[k]:.0f}" for k, label in names)
+                             + f"; inside lock acquisitions: tier lock {x['tier_lock_wait']:.0f}, write lock "
+                             f"{x['write_lock_wait']:.0f}; gc {x['gc']:.0f} us in {x['gc_collections']:.2f} "
+                             f"collections a step")
+        k = c.get(f"{v}_compactor")
+        if k and "tier_lock_hold_max_us" in k:
+            lines.append(f"CAUSES {v} compactor holds: tier lock {k['tier_lock_holds']} times, p99 "
+                         f"{k['tier_lock_hold_p99_us']:.0f} us, max {k['tier_lock_hold_max_us']:.0f} us; write lock "
+                         f"{k['write_lock_holds']} times, p99 {k['write_lock_hold_p99_us']:.0f} us, max "
+                         f"{k['write_lock_hold_max_us']:.0f} us (GIL switch interval "
+                         f"{c['switch_interval_ms']:.0f} ms); gc in the compactor thread {k['gc_collections']} "
+                         f"collections ({k['gc_full_collections']} full), longest {k['gc_max_ms']:.1f} ms; "
+                         f"its thread ran {k['thread_cpu_s']:.2f} s and sat runnable in the run queue "
+                         f"{k['thread_run_queue_s']:.2f} s")
+    return lines
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ def derive(cfg: "KVTierConfig", name: str, value: Any) -> None:
 
 
 def check_choice(name: str, value: Any, allowed: tuple) -> None:
-    if isinstance(value, bool) or value not in allowed:
+    # of the allowed value's type too: 64.0 == 64, but a float group size is not a group size
+    if isinstance(value, bool) or not any(isinstance(value, type(a)) and value == a for a in allowed):
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
 
 

@@ -143,3 +143,15 @@ def test_generate_config_file_fields_are_re_derived_with_the_flags(tmp_path):
     toml.write_text('disk_path = "/kept"\n')
     assert chat._config(p.parse_args(["--config", str(toml)]), "/scratch").disk_path == "/kept"
     assert chat._config(p.parse_args(["--config", str(toml), "--disk-path", ""]), "/scratch").disk_path is None
+
+
+def test_python_dash_m_kvtier_is_the_kvtier_command():
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kvtier", "plan", "--layers", "30", "--kv-heads", "3",
+                        "--head-dim", "64", "--avg-seq-len", "4096", "--json"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["bytes_per_token"]["full"] == 2 * 30 * 3 * 64 * 2
+    r = subprocess.run([sys.executable, "-m", "kvtier", "plan", "--layers", "0"], capture_output=True, text=True)
+    assert r.returncode == 2 and "error" in r.stderr

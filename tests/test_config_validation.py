@@ -90,6 +90,7 @@ def test_from_dict_and_from_toml_refuse_what_is_not_a_table(tmp_path):
     (dict(byte_stage_l2=0), "byte_stage_l2 must be True or False"),
     (dict(group_size=16), "group_size must be one of 32, 64, 128"),
     (dict(group_size=True), "group_size must be one of"),
+    (dict(group_size=64.0), "group_size must be one of 32, 64, 128; got 64.0"),
     (dict(host_bytes=1024), r"host_bytes must be an int >= 4096 .*one block of the model"),
     (dict(host_bytes=10 ** 20), "host_bytes must be an int >= 4096 and <= "),
     (dict(host_bytes=4.0e9), "host_bytes must be an int"),

@@ -100,7 +100,9 @@ class TieredCache(Cache):
         store: None (default): the process's store for this model and configuration, opened on
             first use and closed when its last cache closes (:mod:`kvtier.integrations.registry`).
             A :class:`KVStore` of the same model and config: use that one (a store you built
-            stays yours to close).
+            stays yours to close). A cache without a fingerprint (built without a model) never
+            gives token ids, so it may share the store of any model of its shape: its blocks
+            stay private to it.
     """
 
     def __init__(
@@ -145,7 +147,7 @@ class TieredCache(Cache):
             if not isinstance(store, KVStore):
                 raise ValueError(f"store must be a kvtier KVStore or None; got {type(store).__name__}")
             if (store.num_layers, store.kv_heads, store.head_dim) != (num_layers, kv_heads, head_dim) \
-                    or store.fingerprint != self.fingerprint or store.cfg != config:
+                    or (self.fingerprint and store.fingerprint != self.fingerprint) or store.cfg != config:
                 raise ValueError("store must belong to the same model (shape, fingerprint) and config")
             lease = registry.lease_existing(store)
         self.store = lease.store
@@ -262,7 +264,10 @@ class TieredCache(Cache):
             self._rows.register(b)  # all or none: a refused batch registers nothing
             registered = True
         elif b != len(self._rows):
-            raise ValueError(f"batch size must stay {len(self._rows)} for this cache; got {b}")
+            n = len(self._rows)
+            hint = (f" (a filled cache is not expanded by generate(): for num_beams or num_return_sequences "
+                    f"call cache.batch_repeat_interleave({b // n}) first)") if b % n == 0 else ""
+            raise ValueError(f"batch size must stay {n} for this cache; got {b}{hint}")
         self._step = Step(start=self.layers[0].length, tokens=t, registered=registered)
 
     def _layer_done(self, l: int, attended: int) -> None:
@@ -452,10 +457,13 @@ class TieredCache(Cache):
         self._rows.rebatch([int(i) for i in beam_idx.tolist()], "reorder_cache")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` names (ints, negative from the end, or a bool mask), as
+        ``DynamicCache`` indexes its tensors; a repeated row is a fork."""
         rows = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
         if rows and isinstance(rows[0], bool):
             rows = [i for i, keep in enumerate(rows) if keep]
-        self._rows.rebatch([int(i) for i in rows], "batch_select_indices")
+        n = len(self._rows)
+        self._rows.rebatch([int(i) + n if -n <= int(i) < 0 else int(i) for i in rows], "batch_select_indices")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
@@ -464,8 +472,9 @@ class TieredCache(Cache):
                            "batch_repeat_interleave")
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-n`` tokens of every row and layer (``n <= 0``, transformers 5.x), or
-        keep only the first ``n`` (``n > 0``, older transformers' ``crop(max_length)``).
+        """Drop the last ``-n`` tokens of every row and layer (``n <= 0``; beyond the length, all
+        of them), as transformers 5.x's ``DynamicCache.crop``, which refuses ``n > 0`` (the old
+        ``crop(max_length)``) with a ValueError: so does this, changing nothing.
 
         The cut may fall anywhere, across blocks already evicted and quantized: see
         :meth:`KVStore.truncate_sequence` (with a lossy codec, the tokens kept of a block that
@@ -473,9 +482,12 @@ class TieredCache(Cache):
         """
         n = tokens_to_remove
         if isinstance(n, bool) or not isinstance(n, int):
-            raise ValueError(f"tokens_to_remove must be an int; got {n!r}")
+            raise ValueError(f"tokens_to_remove must be an int <= 0; got {n!r}")
+        if n > 0:
+            raise ValueError(f"tokens_to_remove must be <= 0 (the number of tokens to remove, negated; "
+                             f"transformers refuses the old positive crop(max_length) too); got {n}")
         cur = self.get_seq_length()
-        target = max(0, cur + n) if n <= 0 else min(n, cur)
+        target = max(0, cur + n)
         self._step = None  # between forwards: nothing is in flight
         if target >= cur:
             return

@@ -97,13 +97,27 @@ def lease(cfg: KVTierConfig, *, num_layers: int, kv_heads: int, head_dim: int, d
             e.refs += 1
             return StoreLease(e.store, e)
         holder = next((o for k, o in _stores.items() if disk is not None and k[6] == disk), None)
+        if holder is not None and not fingerprint and holder.key[1:6] == model[1:6] \
+                and not holder.store.closed:
+            # a cache built without a model (wrap(dynamic_cache, cfg)) has no fingerprint and so
+            # never gives token ids: its blocks stay private, and the store of the same shape,
+            # dtype and device already serving this directory can hold them
+            if holder.store.cfg != cfg:
+                raise ValueError(
+                    f"disk_path {cfg.disk_path!r} is in use in this process by the kvtier store of "
+                    f"this model shape with another configuration (fields that differ: "
+                    f"{', '.join(_differences(holder.store.cfg, cfg))}). Use the same KVTierConfig, "
+                    f"close the other caches first, or give this configuration another disk_path")
+            holder.refs += 1
+            return StoreLease(holder.store, holder)
         if holder is not None:
             raise ValueError(
                 f"disk_path {cfg.disk_path!r} is in use in this process by the kvtier store of another "
                 f"model (fingerprint {holder.key[0]!r}, layers/heads/head_dim {holder.key[1:4]}, "
                 f"dtype {holder.key[4]}); one L3 directory serves one model per process: close that "
                 f"model's caches first (cache.close(), or a `with` block), or give this one another "
-                f"disk_path")
+                f"disk_path" + ("" if holder.key[0] else " (that store's caches were built without "
+                               "model=: pass the model to TieredCache.wrap / load as well)"))
         store = KVStore(cfg, num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim,
                         dtype=dtype, device=device, fingerprint=fingerprint)
         e = _stores[key] = _Entry(key, store, refs=1)

@@ -134,31 +134,33 @@ class ContentIndex:
 
     def read_blocks(self, block_hash: str) -> list[torch.Tensor] | None:
         """Decoded [2, kv_heads, block_tokens, head_dim] blocks of ``block_hash``, one per layer,
-        from the nearest tier holding each, L4 last in one batch; None as soon as one is missing."""
+        from the nearest tier holding each: L1 copies first, then each lower tier read once for
+        all the layers it is asked for (a record of this process through ``read_copies``, then
+        an L3 copy by key, L4 last); None when a layer is in none of them (a corrupt copy is a
+        miss of its layer only)."""
         keys = [self.key(layer, block_hash) for layer in range(self.layout.num_layers)]
         out: list[torch.Tensor | None] = []
-        for key in keys:
-            out.append(self._read_local(key))
-            if out[-1] is None and self.lower.l4 is None:
-                return None
-        missing = [i for i, d in enumerate(out) if d is None]
+        held = []  # (layer, record) of the records this process holds outside L1
+        for layer, key in enumerate(keys):
+            rec, data = self.res.resident_copy(key)
+            out.append(data)
+            if data is None and rec is not None:
+                held.append((layer, rec))
+        if held:
+            for (layer, _), d in zip(held, self.lower.read_copies([r for _, r in held], self.layout.device)):
+                out[layer] = d
+        missing = [layer for layer, d in enumerate(out) if d is None]
         if missing:
-            got = self.lower.read_l4([keys[i] for i in missing])
+            for layer, d in zip(missing, self.lower.read_l3_many([keys[i] for i in missing])):
+                out[layer] = d
+            missing = [layer for layer in missing if out[layer] is None]
+        if missing:
+            got = self.lower.read_l4([keys[i] for i in missing]) if self.lower.l4 is not None else None
             if got is None:
                 return None
-            for i, d in zip(missing, got):
-                out[i] = d
+            for layer, d in zip(missing, got):
+                out[layer] = d
         return out
-
-    def _read_local(self, key: str) -> torch.Tensor | None:
-        rec, data = self.res.resident_copy(key)
-        if data is not None:
-            return data
-        if rec is not None:
-            data = self.lower.read_copies([rec], self.layout.device)[0]
-            if data is not None:
-                return data
-        return self.lower.read_l3(key)
 
     # -- export --------------------------------------------------------------------------------
 

@@ -140,15 +140,17 @@ class LowerTiers:
                           swap_in_l3_bytes=len(value))
         return out
 
-    def read_l3(self, key: str) -> torch.Tensor | None:
-        """The L3 record under ``key`` decoded on the device (counted); None if absent/corrupt."""
-        if self.l3 is None:
-            return None
+    def read_l3_many(self, keys: list[str]) -> list[torch.Tensor | None]:
+        """The L3 records under ``keys`` (one ``get_many``) decoded on the device (hits counted);
+        None for each one absent or corrupt, the others still read."""
+        if self.l3 is None or not keys:
+            return [None] * len(keys)
         with self.lock:
-            value = self.l3.get(key)
-        out = self.io.try_decode_l3(value)
-        if out is not None:
-            self.counters.add(hits_l3=1, swap_in_l3_bytes=len(value))
+            values = self.l3.get_many(keys)
+        out = [self.io.try_decode_l3(v) for v in values]
+        hits = [len(v) for v, d in zip(values, out) if d is not None]
+        if hits:
+            self.counters.add(hits_l3=len(hits), swap_in_l3_bytes=sum(hits))
         return out
 
     def read_l4(self, keys: list[str]) -> list[torch.Tensor] | None:

@@ -45,20 +45,22 @@ class Reader:
         if res_i:
             full.index_copy_(2, torch.tensor(res_i, device=lay.device),
                              self.pool_kv.index_select(2, torch.tensor(res_s, device=lay.device)))
-        for e, got in self._swap_in(miss):
-            full[:, :, e.idx] = got.data  # [2, kv_heads, block_tokens, head_dim]
-            self.res.keep_if_room(t, e, got.data, got.generation)
+        for _, part, fetched in self._swap_in(miss):
+            for e, got in zip(part, fetched):
+                full[:, :, e.idx] = got.data  # [2, kv_heads, block_tokens, head_dim]
+                self.res.keep_if_room(t, e, got.data, got.generation)
         self.prefetcher.dense_read(tables, layer, n)
         kv = full.view(2, kvh, n * bt, hd)[:, :, : t.length]  # [2, kv_heads, T, head_dim]
         return kv[0], kv[1]
 
-    def _swap_in(self, ents: list[BlockEntry]) -> Iterator[tuple[BlockEntry, Fetched]]:
-        """Each of the non-resident ``ents`` with its data, fetched ``_SWAP_IN_BATCH`` at a time:
-        one tier read per batch (a small record costs a fraction of a lone ``get``), with the
-        decoded blocks waiting for their install bounded."""
-        for i in range(0, len(ents), _SWAP_IN_BATCH):
-            part = ents[i:i + _SWAP_IN_BATCH]
-            yield from zip(part, self.prefetcher.fetch_many(part))
+    def _swap_in(self, ents: list[BlockEntry]) -> Iterator[tuple[int, list[BlockEntry], list[Fetched]]]:
+        """The non-resident ``ents`` fetched ``_SWAP_IN_BATCH`` at a time, each batch with one
+        tier read (a small record costs a fraction of a lone ``get``), the next fetched once the
+        caller has installed this one (the decoded blocks waiting for it stay bounded): (where
+        the batch starts in ``ents``, the batch, its data) per batch."""
+        for j in range(0, len(ents), _SWAP_IN_BATCH):
+            part = ents[j:j + _SWAP_IN_BATCH]
+            yield j, part, self.prefetcher.fetch_many(part)
 
     def check_blocks(self, t: BlockTable, blocks: list[int]) -> None:
         ns = len(t.entries) - 1
@@ -84,11 +86,9 @@ class Reader:
             ents = t.entries
             sel = frozenset(blocks)
             run = frozenset([ents[b] for b in blocks] + [ents[-1]]) if view else None
-            for j in range(0, len(miss), _SWAP_IN_BATCH):
-                part = miss[j:j + _SWAP_IN_BATCH]
-                fetched = self.prefetcher.fetch_many([e for _, e in part])
-                self.res.make_room(t, [e for _, e in part], sel)
-                for (i, e), got in zip(part, fetched):
+            for j, part, fetched in self._swap_in([e for _, e in miss]):
+                self.res.make_room(t, part, sel)
+                for (i, e), got in zip(miss[j:j + len(part)], fetched):
                     n_scratch = len(scratch)
                     slots[i] = self.res.install(t, e, got.data, got.generation, sel, scratch, run)
                     if len(scratch) > n_scratch:  # leaves L1 after this read: wanted again next step

@@ -20,6 +20,7 @@ whom, and the lock order.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -294,6 +295,7 @@ class KVStore:
         quantized again; only blocks with no such copy (resident in L1 only, or in L2 under another
         codec) are encoded here, from their full-precision L1 data or their decoded L2 copy.
         """
+        self._check_open()
         t = self.residency.table(seq, layer)
         n_full, rest = divmod(t.length, self.block_tokens)
         ents = list(t.entries)
@@ -304,20 +306,35 @@ class KVStore:
     # -- append and the step boundary -------------------------------------------------------------
 
     def append(self, seq: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append tokens; k, v: [kv_heads, t, head_dim] with t >= 1."""
+        """Append tokens; k, v: floating-point [kv_heads, t, head_dim] (t = 0 appends nothing)."""
+        self._check_open()
         t = self.residency.table(seq, layer)
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            raise ValueError(f"k and v must be torch tensors; got {type(k).__name__} and {type(v).__name__}")
         if k.dim() != 3 or k.shape != v.shape or k.shape[0] != self.kv_heads or k.shape[2] != self.head_dim:
             raise ValueError(f"k and v must both be [kv_heads={self.kv_heads}, t, head_dim={self.head_dim}]; "
                              f"got {tuple(k.shape)} and {tuple(v.shape)}")
+        if not (k.is_floating_point() and v.is_floating_point()):
+            raise ValueError(f"k and v must be floating-point KV states; got {k.dtype} and {v.dtype}")
         if k.shape[1] == 0:
             return
         if k.device != self.device or k.dtype != self.dtype:
             k = k.to(self.device, self.dtype)
             v = v.to(self.device, self.dtype)
+        # The codecs refuse NaN/Inf only when the block is evicted, on the swap-out worker, where
+        # the error would surface in a later call with the table half-appended: refuse it here,
+        # after the cast (float32 KV can overflow the store's 16-bit dtype). On CUDA the check
+        # would cost a host sync per layer and step; there the codec's check stands alone.
+        # (aminmax propagates NaN and is several times faster than isfinite().all() on CPU)
+        if k.device.type == "cpu" and not all(
+                math.isfinite(x.item()) for x in (*torch.aminmax(k), *torch.aminmax(v))):
+            raise ValueError(f"k and v must be finite (no NaN or Inf) in the store's dtype {self.dtype}; "
+                             f"nothing was appended")
         self.appender.append(t, k, v)
 
     def end_step(self) -> None:
         """Step boundary: evict to the watermarks (asynchronously) and kick off prefetch."""
+        self._check_open()
         now = time.perf_counter()
         if self._last_end_step is not None:
             self.counters.sample("step", now - self._last_end_step)
@@ -339,6 +356,7 @@ class KVStore:
         Blocks below L1 are swapped in (made resident while the budget has room, otherwise only
         streamed into the output); the next layer's missing blocks are prefetched meanwhile.
         """
+        self._check_open()
         self.residency.table(seq, layer)  # checked
         return self.reader.gather(self.residency.tables_of(seq), layer)
 
@@ -352,6 +370,7 @@ class KVStore:
         Returns:
             Sorted block indices.
         """
+        self._check_open()
         if self.layout.digest_score is None:
             raise ValueError(f"select() needs attention='sparse' (key digests are kept only in sparse "
                              f"mode); this store's config has attention={self.cfg.attention!r}")
@@ -373,6 +392,7 @@ class KVStore:
             K, V: [kv_heads, n, head_dim] (owned: copied out of the pool); pos: LongTensor [n] of
             the token positions.
         """
+        self._check_open()
         return self.reader.gather_blocks(self.residency.table(seq, layer), list(blocks))
 
     def gather_view(self, seq: int, layer: int, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
@@ -395,6 +415,7 @@ class KVStore:
             order: the block indices in the order of K and V, the open block last; pass it to
                 :meth:`observe` with one mass per block.
         """
+        self._check_open()
         blocks = list(blocks)
         if len(set(blocks)) != len(blocks):
             raise ValueError(f"blocks must be distinct; got {sorted(blocks)}")
@@ -411,6 +432,7 @@ class KVStore:
                 sealed block in dense mode).
             mass: [len(blocks)] or [len(blocks) + 1] (the last one for the open block).
         """
+        self._check_open()
         t = self.residency.table(seq, layer)
         self.selector.observe(t, blocks, mass, self.cfg.snapkv_observe_steps)
 
@@ -419,6 +441,7 @@ class KVStore:
         [q_heads, w, head_dim]) over every token, pooled per block, fed to :meth:`observe`.
         ``keys``: every token's K as :meth:`gather` returns it ([kv_heads, T, head_dim]), when
         the caller has it (no second gather); by default gathered here."""
+        self._check_open()
         t = self.residency.table(seq, layer)
         if keys is None:
             keys, _ = self.gather(seq, layer)  # [kv_heads, T, hd]
@@ -447,7 +470,8 @@ class KVStore:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("KVStore is closed")
+            raise RuntimeError("KVStore is closed: its tiers are released; open a new store (or a new "
+                               "cache with kvtier.attach) to continue")
 
     def close(self) -> None:
         if self._closed:

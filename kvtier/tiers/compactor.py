@@ -2,19 +2,34 @@
 the put/get path.
 
 Compaction copies a sealed segment's live records to the head in steps of ``_STEP_BYTES`` of
-the segment. A background step reads and CRC-checks its records without the tier lock and
-takes it (after ``_write_lock``: it is an appender like a put) only to append what is still
-live, so a get waits for one append, not a step; the worker then sleeps so that its I/O takes
-at most ``share`` of the time while it runs: after a step of ``t`` seconds,
+the segment. A background step reads and CRC-checks its records with no lock held, then
+appends what is still live in pieces of at most ``_MOVE_BYTES`` / ``_MOVE_RECORDS``:
+
+```
+  _write_lock held (an appender, like a put): one piece
+    _lock held   check     which records are still live here (and which tombstones still hide one)
+    _lock held   reserve   room at the head
+    no _lock     write     pwritev of the copies (the images read, header and CRC as stored)
+    _lock held   publish   a key is pointed at its copy only if it still points at the original
+```
+so a get never waits for a compaction write, a put waits for at most one piece, and each hold
+of the tier lock covers at most one piece's records. The worker then sleeps so that its I/O
+takes at most ``share`` of the time while it runs: after a step of ``t`` seconds,
 ``t * (1 - share) / share``. The copies are made durable (fdatasync on duplicated fds,
-outside the lock) before the emptied segment is deleted.
+outside the lock) before the emptied segment is deleted (unmapped and unlinked outside the
+lock). A kill at any point leaves the log replaying to the same keys and values: a copy
+lands before any later put of its key (both are appenders), is a valid record (or a torn tail,
+erased at open) until published, and the original goes only once the copies are durable.
 
 The worker is a thread of the same interpreter as the decode loop, so what it costs a decode
 step is mostly the GIL: a step's copy is done where the GIL is released (one ``pread`` of the
-span, the CRC of records over 64 KiB, one ``pwritev``), and its Python work (parsing headers,
-index look-ups) is cut into slices of ``_SLICE_RECORDS`` records with the GIL offered between
-them, so a put or get that wants it waits for one slice (tens of microseconds), not for the
-interpreter's switch interval (5 ms) or a whole step.
+span, the CRC of records over 64 KiB, one ``pwritev`` a piece), and its Python work (parsing
+headers, index look-ups) is cut into slices of ``_SLICE_RECORDS`` records with the GIL
+released between them, and it pauses between pieces so that a put woken by a piece's end
+takes the locks before the next piece does. What is left is the worker's Python time itself
+(about 10 us a record): on a machine whose CPUs are oversubscribed, the worker preempted while
+it holds the GIL or a lock stalls the decode loop for as long as it waits for a CPU
+(bench_tiers.py --only compaction prints where a step's time goes).
 
 The worker owns no tier state: each step is a call back into the tier (``_background_step``),
 which says whether there is more to do.
@@ -38,6 +53,10 @@ from .segfile import (FLAG_TOMB, REC, REC_HEADER_BYTES, REC_MAGIC, SEG_HEADER_BY
 _STEP_BYTES = 256 << 10  # segment bytes one background compaction step reads (one pread)
 _STEP_RECORDS = 128  # the most records one background step takes: bounds its appends under the lock
 _SLICE_RECORDS = 16  # records a background step parses between two offers of the GIL
+# one piece of a background step's appends: a put waits for at most one piece's write, and
+# each hold of the tier lock (check, reserve, publish) covers at most one piece's records
+_MOVE_BYTES, _MOVE_RECORDS = 32 << 10, 16
+_HAND_OVER_S = 50e-6  # the pause between two pieces (about a thread's wake-up; timer slack adds ~50 us)
 
 
 class _Truncated(Exception):
@@ -45,9 +64,18 @@ class _Truncated(Exception):
 
 
 def _yield_gil() -> None:
-    """Let a thread waiting for the GIL (a put or get) run now rather than at the end of the
-    interpreter's switch interval: the compactor's Python work must not delay a decode step."""
+    """Release the GIL for a moment, so that a put or get waiting for it may take it between two
+    slices of the compactor's Python work (it gets it if it wakes first; else it still waits,
+    at most to the end of the interpreter's switch interval)."""
     time.sleep(0)
+
+
+def _hand_over() -> None:
+    """Sleep briefly between two pieces of a step's appends. A put (or get) woken when the
+    piece released the write lock (or the tier lock) still has to wake up and take the GIL;
+    going straight on to the next piece would take both locks again first, every time, and
+    keep it waiting for all the step's pieces."""
+    time.sleep(_HAND_OVER_S)
 
 
 def _next_magic(buf, off: int, end: int) -> int:
@@ -193,8 +221,8 @@ class DiskCompaction:
         the segment cannot be moved now (no room at the head, or it changed under us).
 
         With ``locked=False`` (the background worker) the tier lock is taken only to check the
-        segment and then to append what was gathered: reading and CRC-checking the records
-        runs without it, so a put or get waits for an append, not for a whole step."""
+        segment, and then by each piece of the append (``_move``): reading and CRC-checking the
+        records runs with no lock, writing the copies without the tier lock."""
         fd = -1
         with self._lock if not locked else contextlib.nullcontext():  # (else held by the caller)
             seg = job.seg
@@ -203,8 +231,11 @@ class DiskCompaction:
             if locked and seg.file_size() < seg.used:  # truncated under us: reading it would SIGBUS
                 self._stuck.add(seg.id)
                 return False
-            if not locked:  # a private fd: the LRU may close (and the number be reused) meanwhile
-                fd = os.dup(self._rfd(seg))
+        if not locked:  # a private fd, opened outside the lock (segment ids, so paths, are never reused)
+            try:
+                fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:  # deleted meanwhile (cleared, or compacted inline)
+                return False
         try:
             cands, pos, read, written = self._gather(job, budget, fd)
         except ValueError:  # its mapping was closed meanwhile (cleared, or the tier closed)
@@ -216,17 +247,47 @@ class DiskCompaction:
         finally:
             if fd >= 0:
                 os.close(fd)
-        with self._appending() if not locked else contextlib.nullcontext():
+        job.max_step_read = max(job.max_step_read, read)
+        if locked:
+            done = self._move(job, cands, written)
+        else:  # in pieces: a put waits for one piece's write, a get for none of it
+            done, i = True, 0
+            while done and i < len(cands):
+                j, nbytes = i, 0
+                while j < len(cands) and j - i < _MOVE_RECORDS and (j == i or nbytes + cands[j][3] <= _MOVE_BYTES):
+                    nbytes += cands[j][3]
+                    j += 1
+                if i:
+                    _hand_over()
+                with self._write_lock:
+                    done = self._move(job, cands[i:j], written)
+                written, i = {}, j
+        if not done:
+            return False
+        with self._lock if not locked else contextlib.nullcontext():
+            job.pos = pos
+            job.sync_pending = pos >= seg.used
+        return True
+
+    def _move(self, job: CompactJob, cands: list, written: dict) -> bool:
+        """Copy the candidates still live at ``seg`` (and tombstones still needed) to the head
+        and point the index at the copies (``_write_lock`` held). ``_lock`` is taken to check
+        them and by the append to reserve and to publish, not while the bytes are written
+        (unless the caller holds it: inline compaction); a copy is indexed only if its key
+        still points at the original then. False when the segment went or there was no room."""
+        seg = job.seg
+        with self._lock:
             if self._closed or self._segs.get(seg.id) is not seg:
                 return False
             for o, keys in written.items():
                 if self._segs.get(o.id) is o and o.written is None:
                     o.written = keys
-            recs = []
+            recs, expect = [], []
             for key, flags, kraw, size, vlen, off, img in cands:
                 if flags & FLAG_TOMB:  # a tombstone must outlive every older record it hides
                     if key not in self._index and self._hides_older(key, seg):
                         recs.append((key, *self._image(key, None)))
+                        expect.append(None)
                     continue
                 loc = self._index.get(key)
                 if loc is None or loc[0] != seg.id or loc[1] != off:
@@ -235,21 +296,23 @@ class DiskCompaction:
                     self._mark_corrupt(key)
                 else:
                     recs.append((key, kraw, size, [img], vlen))
-            job.max_step_read = max(job.max_step_read, read)
-            self._compacting = True
-            try:
-                res = self._append(recs) if recs else []
-            finally:
-                self._compacting = False
-            moved = sum(r[2] for r in recs)
-            self._n["compact_bytes_written"] += moved
-            job.copied_bytes += moved
-            if not all(res):
-                self._stuck.add(seg.id)
-                return False
-            job.pos = pos
-            job.sync_pending = pos >= seg.used
+                    expect.append((seg.id, off))
+        if not recs:
             return True
+        # only the appender (``_write_lock``) reads the flag: _room must not compact inline again
+        self._compacting = True
+        try:
+            res = self._append(recs, expect)
+        finally:
+            self._compacting = False
+        moved = sum(r[2] for r in recs)
+        self._n["compact_bytes_written"] += moved  # (only appenders write it: _write_lock is enough)
+        job.copied_bytes += moved
+        if not all(res):
+            with self._lock:
+                self._stuck.add(seg.id)
+            return False
+        return True
 
     def _gather(self, job: CompactJob, budget: int, fd: int = -1):
         """Read up to ``budget`` bytes of records from ``job.pos``: (candidates, next position,
@@ -375,25 +438,31 @@ class DiskCompaction:
     def _background_step(self) -> bool:
         """One paced unit of background work (compactor thread): a compaction step, the
         durable hand-over of a compacted segment, or an index checkpoint. True if more may follow."""
-        with self._appending():  # it may seal the head
+        with self._lock:  # a job under way only needs a look: no put waits for it
             if self._closed:
                 return False
             job = self._job
-            if job is None or self._segs.get(job.seg.id) is not job.seg:
-                todo = self._candidates()
-                if not todo and self._head_mostly_dead():
-                    self._seal(self._head)  # the next append starts a new head
-                    self._head = None
+            run_step = job is not None and self._segs.get(job.seg.id) is job.seg and not job.sync_pending
+        if not run_step:
+            with self._appending():  # choosing a segment may seal the head
+                if self._closed:
+                    return False
+                job = self._job
+                if job is None or self._segs.get(job.seg.id) is not job.seg:
                     todo = self._candidates()
-                job = self._job = CompactJob(todo[0]) if todo else None
-            run_step = job is not None and not job.sync_pending
-            if not run_step:
-                if job is None:
-                    due = self.checkpoint_records and self._since_cp >= max(self.checkpoint_records,
-                                                                              len(self._index) // 4)
-                    if not due:
-                        return False
-                fds = self._dup_dirty_fds() if self.durability != "never" else []
+                    if not todo and self._head_mostly_dead():
+                        self._seal(self._head)  # the next append starts a new head
+                        self._head = None
+                        todo = self._candidates()
+                    job = self._job = CompactJob(todo[0]) if todo else None
+                run_step = job is not None and not job.sync_pending
+                if not run_step:
+                    if job is None:
+                        due = self.checkpoint_records and self._since_cp >= max(self.checkpoint_records,
+                                                                                  len(self._index) // 4)
+                        if not due:
+                            return False
+                    fds = self._dup_dirty_fds() if self.durability != "never" else []
         if run_step:
             if not self._compact_step(job, _STEP_BYTES, locked=False):
                 with self._lock:
@@ -436,12 +505,23 @@ class DiskCompaction:
                 cp = self._snapshot()
                 fds = self._dup_dirty_fds() if self.durability != "never" else []
                 self._since_cp = 0
-            self._sync_fds(fds)  # the records it indexes are durable before it is
-            n = diskindex.save(self.path, cp)
+            try:
+                self._sync_fds(fds)  # the records it indexes are durable before it is
+                n = diskindex.save(self.path, cp)
+            finally:
+                self._thaw(cp.index)
             with self._lock:
                 self._n["checkpoints"] += 1
                 self._n["checkpoint_bytes_written"] += n
             return n
+
+    def _thaw(self, snap: diskindex.IndexSnapshot) -> None:
+        """Give the index back the dict ``snap`` froze, a slice of the changes since per hold
+        of the lock (a get or put waits for one slice at most)."""
+        done = False
+        while not done:
+            with self._lock:
+                done = self._index.thaw(snap)
 
     def _snapshot(self) -> diskindex.Checkpoint:
         head = self._head

@@ -121,7 +121,7 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
         self._failed: BaseException | None = None  # the last environment failure reported to a caller
         self._closed = True
         self._lock_fd = -1
-        self._rfds: dict[int, int] = {}  # segment id -> read-only fd, least recently used first
+        self._rfds: dict[int, int] = {}  # segment id -> read-only fd, oldest opened first
         self._worker: Compactor | None = None
         self._share = float(compact_share)
 

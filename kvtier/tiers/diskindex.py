@@ -11,6 +11,12 @@ A key lives in exactly one part. ``lookup`` (under the tier lock) moves a base k
 ``hot``, so a key read twice costs a dict lookup from then on; replacing or removing a key
 marks its base row dead.
 
+A checkpoint writes the dict frozen rather than copied (a copy of a million entries would hold
+the tier lock for ~0.1 s): ``snapshot`` sets it aside as ``frozen`` and starts an empty ``hot``,
+which takes every change while the file is written (None marking a frozen key removed);
+``thaw`` then folds those changes into the frozen dict a slice at a time, and it becomes
+``hot`` again. Meanwhile a key is looked for in ``hot``, then ``frozen``, then ``base``.
+
 A base lookup, with h = crc32 of the key's UTF-8 bytes and ``order`` the rows sorted by hash:
 ```
  bucket b = h >> shift                          (2**bits >= rows buckets, top bits of h)
@@ -60,6 +66,7 @@ _HDR = struct.Struct("<8sIIQIQQQQQII")
 _SEGROW = np.dtype([("id", "<u8"), ("size", "<u8"), ("used", "<u8"), ("mtime_ns", "<u8"), ("tomb_bytes", "<u8")])
 
 Loc = tuple[int, int, int, int]  # (segment id, offset, record size, value length)
+_SLICE = 16384  # dict entries a checkpoint turns into columns per step
 
 
 def _key_bytes(key: str) -> bytes | None:
@@ -135,18 +142,21 @@ class BaseIndex:
 class RecordIndex:
     """key -> (segment id, offset, record size, value length): a dict over a checkpoint's arrays.
 
-    Mutations (``lookup``, ``replace``, ``pop``, ``clear``) run under the tier lock. ``get``
-    and ``in`` may run without it: they check the dict, then the base, then the dict again, so
-    a key that moves from the base to the dict meanwhile is found on one side or the other.
+    Mutations (``lookup``, ``replace``, ``pop``, ``clear``, ``snapshot``, ``thaw``) run under
+    the tier lock. ``get`` and ``in`` may run without it: they look in the dict, the frozen
+    dict and the base, then in the dict again; every move between them (a base key into the
+    dict, a change folded into the frozen dict, the frozen dict becoming the dict) puts a key
+    on its new side before it leaves the old one, so it is found on one side or the other.
     """
 
     def __init__(self, base: BaseIndex | None = None) -> None:
-        self._hot: dict[str, Loc] = {}
+        self._hot: dict[str, Loc | None] = {}  # None (only while frozen): a frozen key removed
+        self._frozen: dict[str, Loc] | None = None  # the dict a checkpoint is writing
         self._base = base if base is not None and base.alive_n else None
+        self._len = self._base.alive_n if self._base is not None else 0
 
     def __len__(self) -> int:
-        base = self._base
-        return len(self._hot) + (base.alive_n if base is not None else 0)
+        return self._len
 
     def __contains__(self, key: str) -> bool:
         return self.get(key) is not None
@@ -158,57 +168,91 @@ class RecordIndex:
         return loc
 
     def get(self, key: str, default=None):
-        loc = self._hot.get(key)
+        hot = self._hot
+        loc = hot.get(key)
         if loc is not None:
             return loc
+        frozen = self._frozen
+        if frozen is not None:
+            if key in hot:
+                return default  # removed since the freeze
+            loc = frozen.get(key)
+            if loc is not None:
+                return loc
         base = self._base
         if base is not None:
             kb = _key_bytes(key)
             r = base.find(kb) if kb is not None else -1
             if r >= 0:
                 return base.loc(r)
-            loc = self._hot.get(key)  # moved from the base meanwhile
+        loc = self._hot.get(key)  # moved meanwhile: out of the base, or the frozen dict thawed
         return default if loc is None else loc
+
+    def _below(self, key: str) -> tuple[Loc | None, int]:
+        """Where ``key`` is, for a caller that found no location for it in the dict: (its frozen
+        location, -1) unless removed since, else (its base row's location, the row), else
+        (None, -1). Caller holds the tier lock."""
+        frozen = self._frozen
+        if frozen is not None:
+            if key in self._hot:
+                return None, -1
+            loc = frozen.get(key)
+            if loc is not None:
+                return loc, -1
+        base = self._base
+        if base is not None:
+            kb = _key_bytes(key)
+            r = base.find(kb) if kb is not None else -1
+            if r >= 0:
+                return base.loc(r), r
+        return None, -1
 
     def lookup(self, key: str) -> Loc | None:
         """``get``, moving a key found in the base to the dict (caller holds the tier lock)."""
-        loc = self._hot.get(key)
-        if loc is None and self._base is not None:
-            kb = _key_bytes(key)
-            r = self._base.find(kb) if kb is not None else -1
+        hot = self._hot
+        loc = hot.get(key)
+        if loc is None:
+            loc, r = self._below(key)
             if r >= 0:
-                loc = self._hot[key] = self._base.loc(r)  # in the dict before it leaves the base
+                hot[key] = loc  # in the dict before it leaves the base
                 self._kill(r)
         return loc
 
     def lookup_many(self, keys: list[str]) -> list[Loc | None]:
         """``lookup`` of each key (caller holds the tier lock)."""
-        if self._base is None:
+        if self._base is None and self._frozen is None:
             get = self._hot.get
             return [get(k) for k in keys]
         return [self.lookup(k) for k in keys]
 
     def replace(self, key: str, loc: Loc) -> Loc | None:
         """Map ``key`` to ``loc``; returns the location it had, or None."""
-        old = self._hot.get(key)
-        self._hot[key] = loc
-        if old is None and self._base is not None:
-            kb = _key_bytes(key)
-            r = self._base.find(kb) if kb is not None else -1
-            if r >= 0:
-                old = self._base.loc(r)
-                self._kill(r)
+        hot = self._hot
+        old, r = hot.get(key), -1
+        if old is None:
+            old, r = self._below(key)
+        hot[key] = loc
+        if r >= 0:
+            self._kill(r)
+        if old is None:
+            self._len += 1
         return old
 
     def pop(self, key: str, default=None):
-        loc = self._hot.pop(key, None)
-        if loc is None and self._base is not None:
-            kb = _key_bytes(key)
-            r = self._base.find(kb) if kb is not None else -1
-            if r >= 0:
-                loc = self._base.loc(r)
-                self._kill(r)
-        return default if loc is None else loc
+        hot = self._hot
+        loc, r = hot.get(key), -1
+        if loc is None:
+            loc, r = self._below(key)
+            if loc is None:
+                return default
+        if self._frozen is not None and key in self._frozen:
+            hot[key] = None  # hides the frozen location until thawed
+        else:
+            hot.pop(key, None)
+        if r >= 0:
+            self._kill(r)
+        self._len -= 1
+        return loc
 
     def _kill(self, r: int) -> None:
         self._base.kill(r)
@@ -216,48 +260,94 @@ class RecordIndex:
             self._base = None  # its memory goes back
 
     def clear(self) -> None:
-        self._hot.clear()
+        self._hot = {}
+        self._frozen = None  # a checkpoint writing it keeps its own reference
         self._base = None
+        self._len = 0
 
     def drop_segments(self, sids: set[int]) -> None:
         """Forget every key located in one of the segments ``sids`` (at open: files gone since
         the checkpoint; the dict is still empty then)."""
-        assert not self._hot, "drop_segments runs on a freshly loaded index"
+        assert not self._hot and self._frozen is None, "drop_segments runs on a freshly loaded index"
         if self._base is not None and sids:
             self._base.drop_segments(sids)
             if not self._base.alive_n:
                 self._base = None
+            self._len = self._base.alive_n if self._base is not None else 0
 
     def live_bytes(self) -> dict[int, int]:
         """segment id -> bytes of the records the index points to there."""
         live = self._base.live_bytes() if self._base is not None else {}
-        for sid, _, size, _ in self._hot.values():
+        for _, (sid, _, size, _) in self._dict_items():
             live[sid] = live.get(sid, 0) + size
         return live
 
+    def _dict_items(self) -> Iterator[tuple[str, Loc]]:
+        hot, frozen = self._hot, self._frozen
+        for key, loc in hot.items():
+            if loc is not None:
+                yield key, loc
+        if frozen is not None:
+            for key, loc in frozen.items():
+                if key not in hot:
+                    yield key, loc
+
     def __iter__(self) -> Iterator[str]:
-        yield from self._hot
+        for key, _ in self._dict_items():
+            yield key
         base = self._base
         if base is not None:
             for r in base.alive_rows().tolist():
                 yield base.key(r)
 
     def items(self) -> Iterator[tuple[str, Loc]]:
-        yield from self._hot.items()
+        yield from self._dict_items()
         base = self._base
         if base is not None:
             for r in base.alive_rows().tolist():
                 yield base.key(r), base.loc(r)
 
     def snapshot(self) -> IndexSnapshot:
-        """A copy for ``save`` to write outside the tier lock (the base arrays are never written
-        to, so only which rows are alive is copied)."""
+        """The index as it is now, for ``save`` to write outside the tier lock, without a copy
+        of the dict: it is frozen until ``thaw`` gives it back (the base's arrays are never
+        written to, so of the base only which rows are alive is copied)."""
+        if self._frozen is not None:  # an earlier thaw cut short by an exception
+            self._fold(len(self._hot))
+        frozen = self._hot
+        self._frozen = frozen  # before the dict is replaced: a reader without the lock finds every key
+        self._hot = {}
         base = self._base
-        return IndexSnapshot(dict(self._hot), base, bytes(base.alive) if base is not None else b"")
+        return IndexSnapshot(frozen, base, bytes(base.alive) if base is not None else b"")
+
+    def thaw(self, snap: IndexSnapshot, budget: int = 4096) -> bool:
+        """Fold up to ``budget`` of the changes made since ``snap`` into its dict (caller holds
+        the tier lock, and lets it go between calls); True once none is left and that dict is
+        the index's own again, or when the index was cleared meanwhile."""
+        if self._frozen is not snap.hot:
+            return True
+        return self._fold(budget)
+
+    def _fold(self, budget: int) -> bool:
+        hot, frozen = self._hot, self._frozen
+        for key in list(itertools.islice(hot, budget)):
+            loc = hot[key]
+            if loc is None:
+                del frozen[key]
+            else:
+                frozen[key] = loc
+            del hot[key]  # after: a reader without the lock finds it on one side
+        if hot:
+            return False
+        self._hot = frozen
+        self._frozen = None
+        return True
 
 
 @dataclass
 class IndexSnapshot:
+    """What ``save`` writes: ``hot`` (frozen while it is written), ``base``, whose rows
+    ``alive`` marks alive."""
+
     hot: dict
     base: BaseIndex | None
     alive: bytes
@@ -287,7 +377,8 @@ class Checkpoint:
 
 def _columns(snap: IndexSnapshot) -> tuple[np.ndarray, np.ndarray, np.ndarray, list]:
     """(hashes [n], cols [4, n], key lengths [n], key byte parts) of every key in ``snap``:
-    the base's alive rows (taken as arrays), then the dict's."""
+    the base's alive rows (taken as arrays), then the dict's, ``_SLICE`` entries at a time
+    (each slice's loops run in C, holding the GIL: a million entries at once would hold it ~0.5 s)."""
     hashes, cols, klen, parts = [], [], [], []
     base = snap.base
     if base is not None:
@@ -302,15 +393,18 @@ def _columns(snap: IndexSnapshot) -> tuple[np.ndarray, np.ndarray, np.ndarray, l
                 parts.append(base.keys)
             else:  # the alive rows' key bytes, gathered with a byte mask
                 parts.append(np.frombuffer(base.keys, dtype=np.uint8)[np.repeat(alive.astype(bool), lens)].tobytes())
-    m = len(snap.hot)
-    if m:
-        kbs = [k.encode("utf-8") for k in snap.hot]
+    # keys and values side by side: (key, value) pairs would be new objects for the cyclic GC
+    # to count, and a million of them set off a full collection (~0.5 s holding the GIL)
+    keys, locs = iter(snap.hot), iter(snap.hot.values())  # (the dict is frozen: changed, these raise)
+    while chunk := list(itertools.islice(keys, _SLICE)):
+        m = len(chunk)
+        kbs = [k.encode("utf-8") for k in chunk]
         hashes.append(np.fromiter(map(crc32, kbs), dtype=np.uint32, count=m))
-        flat = np.fromiter(itertools.chain.from_iterable(snap.hot.values()), dtype=np.uint64, count=4 * m)
-        assert m == 0 or int(flat.max()) < 1 << 32, "segment ids, offsets and sizes fit u32"
+        flat = np.fromiter(itertools.chain.from_iterable(itertools.islice(locs, m)), dtype=np.uint64, count=4 * m)
+        assert int(flat.max()) < 1 << 32, "segment ids, offsets and sizes fit u32"
         cols.append(flat.reshape(m, 4).T.astype(np.uint32))
         klen.append(np.fromiter(map(len, kbs), dtype=np.uint16, count=m))
-        parts.extend(kbs)
+        parts.append(b"".join(kbs))
     if not hashes:
         return (np.zeros(0, np.uint32), np.zeros((4, 0), np.uint32), np.zeros(0, np.uint16), [])
     return np.concatenate(hashes), np.concatenate(cols, axis=1), np.concatenate(klen), parts
@@ -326,18 +420,18 @@ def save(dirpath: str, cp: Checkpoint) -> int:
     assert isinstance(snap, IndexSnapshot), "save writes a snapshot"
     hashes, cols, klen, parts = _columns(snap)
     n = len(hashes)
-    order = np.argsort(hashes, kind="stable").astype("<u4")
-    keys = b"".join(parts)
+    order = np.argsort(hashes, kind="stable").astype("<u4")  # (numpy lets go of the GIL here)
+    kbytes = sum(map(len, parts))
     corrupt = "\0".join(cp.corrupt).encode("utf-8")
     segs = np.array([(s.id, s.size, s.used, s.mtime_ns, s.tomb_bytes) for s in cp.segments], dtype=_SEGROW)
     fixed = [hashes.astype("<u4"), cols.astype("<u4"), order, klen.astype("<u2")]
     pad = b"\0" * (-26 * n % 8)
-    payload = [segs.tobytes(), *(a.tobytes() for a in fixed), pad, keys, corrupt]
+    payload = [segs.tobytes(), *(a.tobytes() for a in fixed), pad, *parts, corrupt]  # keys: written in parts
     pcrc = 0
     for p in payload:
         pcrc = crc32(p, pcrc)
     head = _HDR.pack(_MAGIC, _VERSION, len(segs), n, len(cp.corrupt), cp.next_id, cp.watermark[0],
-                     cp.watermark[1], len(keys), len(corrupt), pcrc, 0)
+                     cp.watermark[1], kbytes, len(corrupt), pcrc, 0)
     head = head[:-4] + struct.pack("<I", crc32(head[:-4]))
     final = os.path.join(dirpath, INDEX_NAME)
     tmp = final + ".tmp"

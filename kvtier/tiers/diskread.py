@@ -24,10 +24,20 @@ from kvtier._crc import crc32
 from .base import Tier, check_key, out_view
 from .segfile import REC, REC_HEADER_BYTES, REC_MAGIC, Segment
 
-_READ_FDS = 128  # read-only fds kept open for sealed segments (LRU)
+_READ_FDS = 128  # read-only fds kept open for sealed segments
 _by_loc = operator.itemgetter(2)  # (segment id, offset, ...): file order
-_CHECK = struct.Struct("<I4x2xHII")  # of a record header: magic, key length, value length, data crc
+_check = struct.Struct("<I4x2xHII").unpack_from  # of a record header: magic, key length, value length, data crc
 _READAHEAD_MIN = 256 << 10  # a span below this is read around by the first page fault anyway
+
+
+def _file_end(fd: int) -> int:
+    """The size of the file open as ``fd`` now (0 once it cannot be asked): no byte of its
+    mapping at or past it may be touched, as a file truncated under us would SIGBUS. (The fds
+    are only ever read and written at explicit offsets, so moving one is harmless.)"""
+    try:
+        return os.lseek(fd, 0, os.SEEK_END)
+    except OSError:
+        return 0
 
 
 def _read_record(mm, limit: int, off: int, key: str, vlen: int) -> bytes | None:
@@ -35,11 +45,13 @@ def _read_record(mm, limit: int, off: int, key: str, vlen: int) -> bytes | None:
     copied out once, after its header matched the index (magic, key and value lengths) and its
     data CRC checked on that copy; None when any of that fails. The CRC is taken over the key
     the index was asked for, so it also proves the record is that key's: a record of another
-    key (same lengths) fails it as damage does (every difference of up to 32 bits is caught)."""
-    kb = key.encode("utf-8")
+    key (same lengths) fails it as damage does (every difference of up to 32 bits is caught).
+    ``limit`` may be the file's size alone: every location the index holds lies inside its
+    segment's mapping (records are indexed below ``used``, which never passes ``size``)."""
+    kb = key.encode()  # (UTF-8)
     v0 = off + REC_HEADER_BYTES + len(kb)
     if v0 + vlen <= limit:
-        magic, klen, vl, dcrc = _CHECK.unpack_from(mm, off)
+        magic, klen, vl, dcrc = _check(mm, off)
         if magic == REC_MAGIC and klen == len(kb) and vl == vlen:
             value = mm[v0:v0 + vlen]
             if crc32(value, crc32(kb)) == dcrc:
@@ -52,16 +64,18 @@ class DiskReads:
     take the tier lock; the ``_``-methods expect it held)."""
 
     def _rfd(self, seg: Segment) -> int:
-        """A read fd for ``seg``: the head's own, else one from a small LRU of read-only fds
-        (sealed segments hold none of their own, so a large tier does not run out of fds)."""
+        """A read fd for ``seg``: the head's own, else one of a bounded set of read-only fds,
+        the oldest opened closed first (sealed segments hold none of their own, so a large tier
+        does not run out of fds). A hit is one dict lookup: keeping the set in LRU order cost
+        a 4 KiB get a fifth of its time, and reopening an fd closed too early costs one open."""
         if seg.fd >= 0:
             return seg.fd
-        fd = self._rfds.pop(seg.id, None)
+        fd = self._rfds.get(seg.id)
         if fd is None:
             fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
             if len(self._rfds) >= _READ_FDS:
                 os.close(self._rfds.pop(next(iter(self._rfds))))
-        self._rfds[seg.id] = fd
+            self._rfds[seg.id] = fd
         return fd
 
     def _drop_rfd(self, sid: int) -> None:
@@ -127,12 +141,8 @@ class DiskReads:
             i = j
 
     def _mapped_bytes(self, seg: Segment) -> int:
-        """Bytes of ``seg``'s mapping that can be touched: a file truncated under us would SIGBUS.
-        (The fds are only ever read and written at explicit offsets, so moving one is harmless.)"""
-        try:
-            return min(seg.size, os.lseek(self._rfd(seg), 0, os.SEEK_END))
-        except OSError:  # deleted under us: nothing in it is readable
-            return 0
+        """Bytes of ``seg``'s mapping that can be touched (see ``_file_end``)."""
+        return min(seg.size, _file_end(seg.fd if seg.fd >= 0 else self._rfd(seg)))
 
     def _locate(self, key: str) -> tuple[Segment, int, int, int, int] | None:
         """(segment, value offset, value length, crc32 of the key, expected crc32 of key+value)
@@ -167,19 +177,22 @@ class DiskReads:
         """CRC-verified owned bytes, or None when absent or corrupt (counted in stats()["corrupt"])."""
         if type(key) is not str:
             check_key(key)
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # (not ``with``: its enter/exit calls cost a 4 KiB get about a tenth)
+        try:
             if self._closed:
                 self._check_open()
-            loc = self._index.lookup(key)
             st = self._stats
             st.gets += 1
+            loc = self._index.lookup(key)
             if loc is None:
                 check_key(key)  # an indexed key was checked when put
                 st.misses += 1
                 return None
             sid, off, _, vlen = loc
             seg = self._segs[sid]
-            value = _read_record(seg.mm, self._mapped_bytes(seg), off, key, vlen)
+            fd = seg.fd
+            value = _read_record(seg.mm, _file_end(fd if fd >= 0 else self._rfd(seg)), off, key, vlen)
             if value is None:
                 self._mark_corrupt(key)
                 st.misses += 1
@@ -187,6 +200,8 @@ class DiskReads:
             st.hits += 1
             st.bytes_out += vlen
             return value
+        finally:
+            lock.release()
 
     def get_into(self, key: str, out: memoryview | bytearray | torch.Tensor) -> int | None:
         """Copy the value straight from the mapping into ``out`` (a writable buffer or contiguous

@@ -42,7 +42,9 @@ class Reservation:
     start: int
     end: int
     iov: list = field(default_factory=list)
-    placed: list[tuple[str, int, int, int]] = field(default_factory=list)  # (key, offset, size, vlen or -1)
+    # (key, offset, size, vlen or -1, the location the index must still give the key to be
+    # pointed here, or None: always)
+    placed: list[tuple[str, int, int, int, tuple | None]] = field(default_factory=list)
 
 
 class DiskWrites:
@@ -106,15 +108,19 @@ class DiskWrites:
                 if self._compact_now(s):
                     return
 
-    def _append(self, records: list[Record]) -> list[bool]:
+    def _append(self, records: list[Record], expect: list | None = None) -> list[bool]:
         """Append ``records`` in order, each indexed once its bytes are written; False for those
-        that do not fit. Takes ``_lock`` to reserve and to publish, not to write."""
+        that do not fit. Takes ``_lock`` to reserve and to publish, not to write.
+
+        ``expect`` (compaction's copies): per record, the (segment id, offset) the index must
+        still give its key when the copy is published for the copy to replace it (None: index
+        it anyway, as tombstones are); a copy whose original went meanwhile stays dead bytes."""
         results: list[bool] = []
         i = 0
         while i < len(records):
             try:
                 with self._lock:
-                    res, i = self._reserve(records, i, results)
+                    res, i = self._reserve(records, i, results, expect)
                 if res is not None:
                     res.seg.write(res.start, res.iov)
             except DiskFullError as exc:  # nothing was published: the next reservation reuses the space
@@ -127,7 +133,8 @@ class DiskWrites:
                     self._publish(res)
         return results
 
-    def _reserve(self, records: list[Record], i: int, results: list[bool]) -> tuple[Reservation | None, int]:
+    def _reserve(self, records: list[Record], i: int, results: list[bool],
+                 expect: list | None = None) -> tuple[Reservation | None, int]:
         """Place records from ``records[i]`` at the head while they fit one contiguous write
         (``_lock`` held); returns the reservation (None if nothing fit) and the next index."""
         res = None
@@ -145,7 +152,7 @@ class DiskWrites:
             seg = res.seg
             if res.end + size > seg.size:
                 seg.grow(res.end + size - seg.used)
-            res.placed.append((key, res.end, size, vlen))
+            res.placed.append((key, res.end, size, vlen, expect[i] if expect is not None else None))
             res.iov.extend(parts)
             res.end += size
             results.append(True)
@@ -159,8 +166,12 @@ class DiskWrites:
             f"the head of {self.path} moved while a reservation at {res.start} was being written"
         seg.used = res.end
         self._dirty.add(seg.id)
-        for key, off, size, vlen in res.placed:
-            self._index_record(seg, key, off, size, vlen)
+        for key, off, size, vlen, exp in res.placed:
+            if exp is not None and ((loc := self._index.get(key)) is None or loc[0] != exp[0] or loc[1] != exp[1]):
+                if seg.written is not None:  # dead, but a reopen replays it: a tombstone must still hide it
+                    seg.written.add(key)
+            else:
+                self._index_record(seg, key, off, size, vlen)
             self._n["bytes_written"] += size
         self._since_cp += len(res.placed)
 

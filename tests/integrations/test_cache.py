@@ -225,7 +225,9 @@ def test_batch_methods_and_crop(model_bf16, tokenizer, tmp_path):
         cache.reorder_cache(torch.tensor([0, 0]))  # a repeated beam is copied
         assert torch.equal(cache.store.gather(cache.seqs[1], 5)[0], rows[1])
         assert cache.seqs[0] != cache.seqs[1]
-        cache.batch_select_indices(torch.tensor([1]))
+        kept = cache.seqs[1]
+        cache.batch_select_indices(torch.tensor([-1]))  # negative from the end, as tensor indexing
+        assert cache.seqs == [kept]
         assert len(cache.seqs) == 1 and cache.stats()["sequences"] == 1
         assert json.loads(json.dumps(cache.stats()))["integration"]["copied_sequences"] == 1
         cache.crop(0)

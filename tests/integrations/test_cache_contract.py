@@ -143,7 +143,11 @@ def test_crop_across_evicted_blocks_matches_dynamic(model_bf16, tokenizer, tmp_p
         for n in (-3, -40):  # inside the open block, then across blocks already on disk
             dyn.crop(n)
             cache.crop(n)
-        cache.crop(200)  # n > 0 keeps the first n tokens (older transformers): here all of them
+        for n in (200, 5):  # n > 0 is refused as DynamicCache refuses it, changing nothing
+            with pytest.raises(ValueError, match="positive"):
+                dyn.crop(n)
+            with pytest.raises(ValueError, match="tokens_to_remove"):
+                cache.crop(n)
         assert cache.get_seq_length() == dyn.get_seq_length() == 107
         assert set(_lengths(cache).values()) == {107}
         for layer in (0, 29):
@@ -266,6 +270,31 @@ def test_caches_share_one_store_and_give_sequences_back(model_bf16, tokenizer, t
     with pytest.raises(ValueError, match="fields that differ: codec"):
         with kvtier.attach(model_bf16, c):
             kvtier.attach(model_bf16, cfg(tmp_path, codec="int8"))
+
+
+def test_wrap_without_a_model_joins_the_open_store_of_its_directory(model_bf16, tokenizer, tmp_path):
+    # DESIGN's `TieredCache.wrap(dynamic_cache, cfg)` while a cache of the model holds disk_path
+    ids = text_ids(tokenizer, 60, offset=700)
+    c = cfg(tmp_path)
+    dyn = make_baseline("dynamic", model_bf16)
+    _fwd(model_bf16, ids[:, :-1], dyn)
+    twin = copy.deepcopy(dyn)
+    with kvtier.attach(model_bf16, c) as held:
+        cache = TieredCache.wrap(dyn, c)  # no model: no fingerprint, so no content keys
+        assert cache.store is held.store
+        other = cache.fork()
+        got = greedy_generate(model_bf16, ids, cache, 6)
+        assert torch.equal(got, greedy_generate(model_bf16, ids, twin, 6))
+        assert other.get_seq_length() == 59
+        assert [cache.store.tokens_noted(s) for s in cache.seqs] == [0]  # the hooks saw ids, unused
+        cache.close()
+        other.close()
+        assert not held.store.closed and held.store.sequences() == []
+    with pytest.raises(ValueError, match="another configuration"):
+        with kvtier.attach(model_bf16, c):
+            dyn2 = make_baseline("dynamic", model_bf16)
+            _fwd(model_bf16, ids, dyn2)
+            TieredCache.wrap(dyn2, cfg(tmp_path, codec="int8"))
 
 
 def test_locked_directory_names_the_way_out(model_bf16, tmp_path):

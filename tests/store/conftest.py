@@ -1,3 +1,4 @@
+import os
 import random
 
 import pytest
@@ -5,6 +6,7 @@ import torch
 
 from kvtier.config import KVTierConfig
 from kvtier.store import KVStore
+from kvtier.tiers.segfile import REC_HEADER_BYTES
 
 
 class Ref:
@@ -65,3 +67,14 @@ def assert_reads_back(st: KVStore, refs: dict) -> None:
             rk, rv = ref.kv(s, layer)
             K, V = st.gather(s, layer)
             assert torch.equal(K, rk) and torch.equal(V, rv)
+
+
+def corrupt_l3_record(l3, key: str) -> None:
+    """Flip one byte of the value of ``key``'s record in its L3 segment file."""
+    sid, off, _, _ = l3._index.lookup(key)
+    at = off + REC_HEADER_BYTES + len(key.encode()) + 1
+    fd = os.open(l3._segs[sid].path, os.O_RDWR)
+    try:
+        os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x40]), at)
+    finally:
+        os.close(fd)

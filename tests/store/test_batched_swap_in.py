@@ -1,12 +1,9 @@
 """Swap-ins read many blocks with one get_many per tier: the same data as block-by-block reads,
 and a corrupt record in a batch is a miss for that block only."""
-import os
-
 import pytest
 import torch
 
-from kvtier.tiers.segfile import REC_HEADER_BYTES
-from .conftest import check_invariants, make_store
+from .conftest import check_invariants, corrupt_l3_record, make_store
 
 
 def _cold_store(tmp_path, **cfg):
@@ -23,17 +20,6 @@ def _cold_store(tmp_path, **cfg):
     cold = [e for e in st.residency.tables[s][0].entries[:-1] if e.slot is None and e.l3 and not e.l2]
     assert len(cold) >= 8
     return st, s, k, cold
-
-
-def _corrupt(l3, key: str) -> None:
-    """Flip one byte of the value of ``key``'s record in its segment file."""
-    sid, off, _, _ = l3._index.lookup(key)
-    at = off + REC_HEADER_BYTES + len(key.encode()) + 1
-    fd = os.open(l3._segs[sid].path, os.O_RDWR)
-    try:
-        os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x40]), at)
-    finally:
-        os.close(fd)
 
 
 def test_batch_equals_block_by_block_reads(tmp_path):
@@ -65,7 +51,7 @@ def test_a_gather_reads_its_l3_blocks_in_one_batch(tmp_path):
 def test_a_corrupt_record_is_a_miss_for_its_block_only(tmp_path):
     st, s, k, cold = _cold_store(tmp_path)
     bad = cold[len(cold) // 2]
-    _corrupt(st.lower.l3, bad.key)
+    corrupt_l3_record(st.lower.l3, bad.key)
     before = st.stats()
     got = st.lower.read_copies([e.rec for e in cold], st.layout.device)
     after = st.stats()
@@ -84,7 +70,7 @@ def test_a_prefetch_batch_with_an_unreadable_block_fails_that_block_only(tmp_pat
     t = st.residency.tables[s][0]
     cold = cold[:8]
     bad = cold[3]
-    _corrupt(st.lower.l3, bad.key)
+    corrupt_l3_record(st.lower.l3, bad.key)
     assert not st.prefetcher._futures  # nothing was read yet: every future below is of this batch
     st.prefetcher.prefetch(t, [e.idx for e in cold], "temporal")
     futs = {e.key: st.prefetcher._futures[e.key] for e in cold}

@@ -13,7 +13,7 @@ import torch
 from kvtier.config import KVTierConfig
 from kvtier.store import KVStore
 
-from .conftest import check_invariants
+from .conftest import check_invariants, corrupt_l3_record
 
 L, KVH, HD, BT = 2, 2, 8, 16
 PREFIX = 1024  # tokens: 64 blocks
@@ -418,3 +418,28 @@ def test_adopting_an_l3_record_does_not_read_it(tmp_path):
     assert_reads(store, b, PREFIX_KV)
     check_invariants(store)
     store.close()
+
+
+def test_an_l3_prefix_is_read_a_block_per_get_many_and_a_corrupt_layer_ends_it_there(tmp_path):
+    """Attaching a prefix left in L3 by an earlier store reads each block's layers with one
+    ``get_many`` (no ``get``); a corrupt layer record is that layer's miss only: the prefix
+    ends at its block, and the blocks before it attach bit-exact."""
+    writer = make(tmp_path)
+    fill(writer, PREFIX_IDS + tokens(5, 40), cat(PREFIX_KV, kv(5, 40)))
+    writer.close()
+    reader = make(tmp_path)
+    _, hashes = reader.content.prefix_hashes(PREFIX_IDS)
+    bad = reader.content.key(1, hashes[10])
+    corrupt_l3_record(reader.l3, bad)
+    calls = []
+    get_many = reader.l3.get_many
+    reader.l3.get_many = lambda keys: calls.append(list(keys)) or get_many(calls[-1])
+    reader.l3.get = None  # a block-by-block L3 read fails the test
+    c = reader.add_sequence()
+    assert reader.attach_prefix(c, PREFIX_IDS) == 10 * BT
+    blocks = [[reader.content.key(layer, h) for layer in range(L)] for h in hashes[:11]]
+    assert [k for k in calls if len(k) == L and k in blocks] == blocks
+    assert reader.l3.corrupt_keys == {bad}
+    assert reader.stats()["prefix"]["adopted_l3"] == 9 * L  # the last block attached is still open
+    assert_reads(reader, c, [(k[:, :10 * BT], v[:, :10 * BT]) for k, v in PREFIX_KV])
+    reader.close()

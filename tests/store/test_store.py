@@ -366,3 +366,68 @@ def test_export_blocks_reuses_stored_records(tmp_path, stage):
     recs, tail = st.export_blocks(s2, 0)
     assert len(recs) == 3 and tail.shape == (2, 2, 0, hd)
     st.close()
+
+
+def test_a_closed_store_refuses_every_call_that_reads_or_writes_blocks(tmp_path):
+    st = make_store(tmp_path)
+    s = st.add_sequence()
+    k = torch.randn(2, 9, 8).half()
+    st.append(s, 0, k, k)
+    st.close()
+    st.close()  # twice is harmless
+    one = k[:, :1]
+    calls = {"append": lambda: st.append(s, 0, one, one), "gather": lambda: st.gather(s, 0),
+             "gather_blocks": lambda: st.gather_blocks(s, 0, [0]), "gather_view": lambda: st.gather_view(s, 0, [0]),
+             "select": lambda: st.select(s, 0, torch.randn(2, 1, 8).half()), "end_step": st.end_step,
+             "observe": lambda: st.observe(s, 0, [0], torch.ones(1)), "export_blocks": lambda: st.export_blocks(s, 0)}
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match="KVStore is closed"):
+            call()
+    json.dumps(st.stats())  # what it last held stays readable
+
+
+def test_append_refuses_bad_layers_and_non_float_tensors_and_stores_nothing():
+    st = make_store(None)
+    s = st.add_sequence()
+    one = torch.randn(2, 1, 8).half()
+    for layer in (-1, 2, True, 0.0, "0"):
+        with pytest.raises(ValueError, match="layer must be"):
+            st.append(s, layer, one, one)
+        with pytest.raises(ValueError, match="layer must be"):
+            st.gather(s, layer)
+    with pytest.raises(ValueError, match="k and v must"):
+        st.append(s, 0, torch.ones(2, 1, 8, dtype=torch.int64), torch.ones(2, 1, 8, dtype=torch.int64))
+    with pytest.raises(ValueError, match="k and v must"):
+        st.append(s, 0, [[0.0]], [[0.0]])
+    assert st.seq_len(s, 0) == st.seq_len(s, 1) == 0
+    st.append(s, 1, one, one)
+    assert torch.equal(st.gather(s, 1)[0], one) and st.seq_len(s, 0) == 0
+    st.close()
+
+
+@pytest.mark.parametrize("codec", ["int8", "fp16"])
+def test_non_finite_kv_is_refused_at_append_and_leaves_the_sequence_usable(codec):
+    # found by the codec only when the block is evicted, on the swap-out worker, a NaN used to
+    # fail a later, unrelated call and leave the sequence's table half-appended
+    st = make_store(None, num_layers=1, hot_tokens=8, host_bytes=1 << 20, codec=codec)
+    s = st.add_sequence()
+    good = torch.randn(2, 10, 8).half()
+    st.append(s, 0, good, good)
+    for bad in (float("nan"), float("inf")):
+        k = torch.randn(2, 30, 8).half()
+        k[1, 17, 3] = bad
+        with pytest.raises(ValueError, match="finite"):
+            st.append(s, 0, k, good[:, :1].expand(2, 30, 8))
+        with pytest.raises(ValueError, match="finite"):
+            st.append(s, 0, good[:, :1].expand(2, 30, 8), k)
+    big = torch.full((2, 1, 8), 1e6)  # float32 KV beyond float16's range
+    with pytest.raises(ValueError, match="finite"):
+        st.append(s, 0, big, big)
+    assert st.seq_len(s, 0) == 10
+    more = torch.randn(2, 30, 8).half()
+    st.append(s, 0, more, more)
+    st.end_step()
+    check_invariants(st)
+    K, _ = st.gather(s, 0)
+    assert K.shape[1] == 40 and torch.isfinite(K).all()
+    st.close()

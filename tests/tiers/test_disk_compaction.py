@@ -7,7 +7,7 @@ import random
 import time
 
 from kvtier.tiers import DiskTier
-from kvtier.tiers.compactor import _STEP_BYTES
+from kvtier.tiers.compactor import _STEP_BYTES, CompactJob
 
 SEG = 64 << 10
 
@@ -155,11 +155,12 @@ def _dead_segments(t, n=600, seed=5):
 def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_path, monkeypatch):
     """The mechanism that keeps a decode step from waiting on the compactor: a background step
     reads its span with one pread (the GIL released, no page fault through the mapping under
-    it), takes at most _STEP_RECORDS records, and offers the GIL every _SLICE_RECORDS of them."""
+    it), takes at most _STEP_RECORDS records, offers the GIL every _SLICE_RECORDS of them, and
+    appends them in pieces with a pause between two."""
     import os
 
     from kvtier.tiers import compactor
-    from kvtier.tiers.compactor import _SLICE_RECORDS, _STEP_RECORDS, CompactJob
+    from kvtier.tiers.compactor import _MOVE_BYTES, _MOVE_RECORDS, _SLICE_RECORDS, _STEP_RECORDS, CompactJob
 
     with DiskTier(tmp_path / "d", segment_bytes=4 << 20, capacity_bytes=64 << 20, durability="never",
                   compact_threshold=0.0) as t:
@@ -169,6 +170,17 @@ def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_p
         preads, yields, real_pread = [], [], os.pread
         monkeypatch.setattr(os, "pread", lambda fd, n, off: preads.append(n) or real_pread(fd, n, off))
         monkeypatch.setattr(compactor, "_yield_gil", lambda: yields.append(1))
+        hand_overs = []
+        monkeypatch.setattr(compactor, "_hand_over", lambda: hand_overs.append(1))
+        moves, real_move = [], t._move
+
+        def move(job, cands, written):  # each piece of the append: at most _MOVE_BYTES, or one record
+            assert t._write_lock._is_owned() and not t._lock._is_owned()
+            assert len(cands) == 1 or (sum(c[3] for c in cands) <= _MOVE_BYTES and len(cands) <= _MOVE_RECORDS)
+            moves.append(len(cands))
+            return real_move(job, cands, written)
+
+        monkeypatch.setattr(t, "_move", move)
 
         class Unmapped:  # a background step must not read the segment through its mapping
             def __getattr__(self, name):
@@ -182,6 +194,7 @@ def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_p
         try:
             while not job.sync_pending:
                 before_pos, before_yields, before_preads = job.pos, len(yields), len(preads)
+                before_moves, before_hand_overs = len(moves), len(hand_overs)
                 assert t._compact_step(job, _STEP_BYTES, locked=False)
                 steps += 1
                 span, *whole = preads[before_preads:]
@@ -193,6 +206,8 @@ def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_p
                 records = len(headers)
                 assert records <= _STEP_RECORDS
                 assert len(yields) - before_yields == records // _SLICE_RECORDS
+                pieces = len(moves) - before_moves  # and a pause between two pieces
+                assert len(hand_overs) - before_hand_overs == max(0, pieces - 1)
         finally:
             seg.mm = mm
         assert steps >= seg.used // _STEP_BYTES and big_preads >= 1  # "big" was read whole
@@ -273,3 +288,109 @@ def test_a_segment_truncated_under_a_background_step_is_left_alone(tmp_path):
         for k, v in vals.items():
             got = t.get(k)
             assert got is None or got == v
+
+
+def test_the_compactor_holds_the_tier_lock_for_one_piece_and_never_while_writing(tmp_path, monkeypatch):
+    """Each hold of the tier lock by background compaction touches the index for at most one
+    piece's records (_MOVE_RECORDS: a check, or a publish), and its copies are written with the
+    tier lock free, so a get waits for no compaction I/O and a put for at most one piece."""
+    from kvtier.tiers.compactor import _MOVE_RECORDS
+    from kvtier.tiers.segfile import Segment
+
+    with DiskTier(tmp_path / "d", segment_bytes=1 << 20, capacity_bytes=64 << 20, durability="never",
+                  compact_threshold=0.0) as t:
+        rng = random.Random(2)
+        vals = {f"k{i}": rng.randbytes(rng.choice([900, 3000])) for i in range(3000)}
+        t.put_many(vals.items())
+        t.delete_many([k for i, k in enumerate(vals) if i % 4])  # tombstones: records to move too
+        t.put("tail", b"t" * 1_000_000)  # seals the tombstones' segment
+        vals = {k: v for i, (k, v) in enumerate(vals.items()) if i % 4 == 0}
+        lock, index = t._lock, t._index
+        holds, depth, ops, copied = [], [0], [0], [0]
+
+        class CountedLock:  # the tier lock, counting the index operations made while held
+            def __enter__(self):
+                lock.acquire()
+                depth[0] += 1
+                if depth[0] == 1:
+                    ops[0] = 0
+
+            def __exit__(self, *exc):
+                depth[0] -= 1
+                if depth[0] == 0:
+                    holds.append(ops[0])
+                lock.release()
+
+            def _is_owned(self):
+                return lock._is_owned()
+
+        class CountedIndex:
+            def __getattr__(self, name):
+                attr = getattr(index, name)
+                if name in ("get", "replace", "pop", "lookup"):
+                    def counted(*a, **kw):
+                        ops[0] += depth[0] > 0
+                        return attr(*a, **kw)
+                    return counted
+                return attr
+
+            def __contains__(self, key):
+                ops[0] += depth[0] > 0
+                return key in index
+
+        write = Segment.write
+
+        def checked_write(seg, off, iov):
+            if t._compacting:
+                assert not lock._is_owned(), "a compaction copy written under the tier lock"
+                copied[0] += len(iov)
+            return write(seg, off, iov)
+
+        monkeypatch.setattr(Segment, "write", checked_write)
+        t._lock, t._index = CountedLock(), CountedIndex()
+        try:
+            for seg in sorted((s for s in t._segs.values() if s is not t._head), key=lambda s: s.id):
+                t._job = CompactJob(seg)
+                while t._job is not None and t._background_step():
+                    pass
+        finally:
+            t._lock, t._index = lock, index
+        assert copied[0] > 10 * _MOVE_RECORDS  # many pieces were moved
+        assert max(holds) <= 2 * _MOVE_RECORDS, max(holds)  # a publish: a look-up and a replace a record
+        assert t.stats()["compactions"] >= 4
+        assert all(t.get(k) == v for k, v in vals.items())
+
+
+def test_a_get_is_served_while_a_compaction_copy_is_being_written(tmp_path, monkeypatch):
+    import threading
+
+    from kvtier.tiers.segfile import Segment
+
+    with DiskTier(tmp_path / "d", segment_bytes=SEG, capacity_bytes=64 * SEG, durability="never",
+                  compact_threshold=0.0) as t:
+        t.put_many([(f"k{i}", bytes([i]) * 3000) for i in range(60)])
+        t.delete_many([f"k{i}" for i in range(0, 60, 2)])
+        job = CompactJob(min(t._segs.values(), key=lambda s: s.id))
+        inside, release = threading.Event(), threading.Event()
+        write = Segment.write
+
+        def held_write(seg, off, iov):
+            if t._compacting:
+                inside.set()
+                assert release.wait(20)
+            return write(seg, off, iov)
+
+        monkeypatch.setattr(Segment, "write", held_write)
+        step = threading.Thread(target=t._compact_step, args=(job, _STEP_BYTES), kwargs={"locked": False})
+        step.start()
+        assert inside.wait(20)
+        got = []
+        reader = threading.Thread(target=lambda: got.append((t.get("k1"), t.get_many(["k3", "k0"]))))
+        reader.start()
+        reader.join(20)  # would hang if the copy were written under the tier lock
+        served = not reader.is_alive()
+        release.set()
+        step.join(20)
+        reader.join(20)
+        assert served and got == [(bytes([1]) * 3000, [bytes([3]) * 3000, None])]
+        assert job.copied_bytes > 0 and all(t.get(f"k{i}") == bytes([i]) * 3000 for i in range(1, 60, 2))
