@@ -27,7 +27,7 @@ from kvtier.compress import get_codec, pack_record
 from kvtier.compress.bytestage import ByteStage
 
 TARGETS = {"quant_ratio": 0.35, "dequant_ratio": 0.6, "int8_err": 0.01, "int4_k_err": 0.05, "int4_v_err": 0.10}
-CODECS = ("fp16", "int8", "int4", "int2", "nf4", "fp4", "dyn8")
+CODECS = ("fp16", "int8", "int8 zp K", "int8 zp K+V", "int4", "int2", "nf4", "fp4", "dyn8")
 
 
 def sync(t: torch.Tensor) -> None:
@@ -110,9 +110,15 @@ def _int(name: str, **kw) -> dict:
     return {"encoder": "minmax", **kw} if name.startswith("int") else kw
 
 
+#: int8 rows by zero point (``KVTierConfig.int8_zero_point``): the label and which roles have one
+INT8_ZERO_POINTS = {"int8": (), "int8 zp K": ("key",), "int8 zp K+V": ("key", "value")}
+
+
 def bench_codec(name, k, v, kb, vb, group_size, repeats, n_tokens):
-    kc = get_codec(name, group_size=group_size, axis="channel", **_int(name))
-    vc = get_codec(name, group_size=group_size, axis="token", **_int(name))
+    zp = INT8_ZERO_POINTS.get(name)
+    label, name = name, "int8" if zp is not None else name
+    kc = get_codec(name, group_size=group_size, axis="channel", **_int(name), **({"zero_point": True} if zp and "key" in zp else {}))
+    vc = get_codec(name, group_size=group_size, axis="token", **_int(name), **({"zero_point": True} if zp and "value" in zp else {}))
     ek, ev = kc.encode(k), vc.encode(v)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     ck, cv = torch.empty_like(k), torch.empty_like(v)
@@ -169,7 +175,7 @@ def bench_codec(name, k, v, kb, vb, group_size, repeats, n_tokens):
     errv, maxv = rel_err(yv, v)
     records = [pack_record(e) for e in ebk + ebv]
     res = {
-        "codec": name,
+        "codec": label,
         "quant_ratio": sp["quant"]["ratio"], "dequant_ratio": sp["dequant"]["ratio"],
         "quant_ratio_1t": sp1["quant"]["ratio"] if sp1 else None,
         "dequant_ratio_1t": sp1["dequant"]["ratio"] if sp1 else None,
@@ -217,9 +223,14 @@ def bench_encoders(kb, vb, group_size, repeats):
         variants = [(name, enc, enc, 0) for name, encoders in (("int8", ("minmax",)), ("int4", ("minmax", "mse")),
                                                                ("int2", ("minmax", "mse"))) for enc in encoders]
         variants += [("int2", "mse", "minmax", n) for n in sorted({0, 2, 4, 8, kept})]
-        for name, enc, venc, n in variants:
-            kc = get_codec(name, group_size=group_size, axis="channel", encoder=enc, outliers=n)
-            vc = get_codec(name, group_size=group_size, axis="token", encoder=venc)
+        variants[1:1] = [(zp, "minmax", "minmax", 0) for zp in INT8_ZERO_POINTS if zp != "int8"]
+        for label, enc, venc, n in variants:
+            zp = INT8_ZERO_POINTS.get(label, ())
+            name = "int8" if label in INT8_ZERO_POINTS else label
+            kc = get_codec(name, group_size=group_size, axis="channel", encoder=enc, outliers=n,
+                           **({"zero_point": True} if "key" in zp else {}))
+            vc = get_codec(name, group_size=group_size, axis="token", encoder=venc,
+                           **({"zero_point": True} if "value" in zp else {}))
 
             def quant():
                 for a, b in zip(kb, vb):
@@ -247,8 +258,8 @@ def bench_encoders(kb, vb, group_size, repeats):
             sp = vs_copy(ops, copy, kb[0], repeats)
             errk, _ = rel_err(torch.cat([kc.decode(e) for e in ek]), torch.cat(kb))
             errv, _ = rel_err(torch.cat([vc.decode(e) for e in ev]), torch.cat(vb))
-            label = enc if enc == venc else f"K {enc} V {venc}"
-            rows.append({"codec": name, "encoder": label + (f" K+{n} kept" if n else ""), "k_rel_err": errk,
+            how = enc if enc == venc else f"K {enc} V {venc}"
+            rows.append({"codec": label, "encoder": how + (f" K+{n} kept" if n else ""), "k_rel_err": errk,
                          "v_rel_err": errv, "kept_key_channels": n,
                          "quant_blocks_ratio_1t": sp["quant"]["ratio"],
                          "dequant_blocks_ratio_1t": sp["dequant"]["ratio"],
@@ -429,6 +440,8 @@ def main(argv=None) -> int:
         ("int4 dequantize >= 0.6x copy_", by["int4"]["dequant_ratio"], TARGETS["dequant_ratio"], ">="),
         ("int8 quantize >= 0.35x copy_ (1 thread)", by["int8"]["quant_ratio_1t"], TARGETS["quant_ratio"], ">="),
         ("int8 dequantize >= 0.6x copy_ (1 thread)", by["int8"]["dequant_ratio_1t"], TARGETS["dequant_ratio"], ">="),
+        ("int8 zp K dequantize >= 0.6x copy_ (1 thread)", by["int8 zp K"]["dequant_ratio_1t"], TARGETS["dequant_ratio"], ">="),
+        ("int8 zp K+V dequantize >= 0.6x copy_ (1 thread)", by["int8 zp K+V"]["dequant_ratio_1t"], TARGETS["dequant_ratio"], ">="),
         ("int4 quantize >= 0.35x copy_ (1 thread)", by["int4"]["quant_ratio_1t"], TARGETS["quant_ratio"], ">="),
         ("int4 dequantize >= 0.6x copy_ (1 thread)", by["int4"]["dequant_ratio_1t"], TARGETS["dequant_ratio"], ">="),
         ("int8 K rel err <= 0.01", by["int8"]["k_rel_err"], TARGETS["int8_err"], "<="),

@@ -87,6 +87,7 @@ class StoreSpec:
     attention_math: str = "sdpa"  # --store-math; sdpa: a lossless store computes what DynamicCache does
     int2_key_outliers: int | None = None  # None: the config's default
     cold_key_outliers: int | None = None  # importance: the cold codec's kept key channels (None: as fixed)
+    int8_zero_point: str | None = None  # None: the config's default
 
 
 #: the store row every other store row is also compared with (the same chunking, the same
@@ -172,8 +173,15 @@ def pareto_store_specs() -> list[StoreSpec]:
 
 
 def int8_store_specs() -> list[StoreSpec]:
-    """int8 against the lossless store, both on the reference's protocol (``--int8``)."""
-    return [StoreSpec(STORE_LOSSLESS, codec="lossless"), StoreSpec("store int8 g32", codec="int8")]
+    """int8 against the lossless store, both on the reference's protocol (``--int8``): the
+    default int8 and the other of ``int8_zero_point`` none (symmetric codes) and key."""
+    from kvtier.config import KVTierConfig
+
+    default = KVTierConfig().int8_zero_point
+    names = {"none": "symmetric", "key": "zero K"}
+    return [StoreSpec(STORE_LOSSLESS, codec="lossless"), StoreSpec("store int8 g32", codec="int8")] + [
+        StoreSpec(f"store int8 g32 {names[zp]}", codec="int8", int8_zero_point=zp)
+        for zp in ("none", "key") if zp != default]
 
 
 def int2_store_specs() -> list[StoreSpec]:
@@ -353,6 +361,8 @@ def store_config(spec: StoreSpec, block: int, disk_path: str | None, dtype: torc
     extra = {} if spec.int2_key_outliers is None else {"int2_key_outliers": spec.int2_key_outliers}
     if imp and spec.cold_key_outliers is not None:
         extra["cold_key_outliers"] = spec.cold_key_outliers
+    if spec.int8_zero_point is not None:
+        extra["int8_zero_point"] = spec.int8_zero_point
     return KVTierConfig(**extra, block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
                         disk_path=disk_path, disk_bytes=4 << 30, group_size=spec.group_size,
                         codec=lossless if spec.codec == "lossless" else spec.codec,
@@ -770,9 +780,10 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=256, help="--store: prefill chunk, tokens")
     ap.add_argument("--decode-chunk", type=int, default=32,
                     help="--store: continuation tokens per forward (1: one decode step per token)")
-    ap.add_argument("--flush-steps", action="store_true",
+    ap.add_argument("--flush-steps", action=argparse.BooleanOptionalAction, default=True,
                     help="--store: wait for the swap-out worker after every forward (every evicted block is read "
-                         "as encoded from the next forward on: the same numbers on every run)")
+                         "as encoded from the next forward on: the same numbers on every run; the default). "
+                         "--no-flush-steps lets reads race the worker, as a serving store does")
     ap.add_argument("--scratch", default="/tmp", help="--store: where the L3 directories are made")
     ap.add_argument("--plot", default=None, help="write the Pareto plot (PNG) here")
     ap.add_argument("--from-json", default=None, nargs="+",

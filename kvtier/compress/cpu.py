@@ -92,7 +92,14 @@ static inline void st1(int dt, void *p, int64_t i, float f) {
     else ((uint16_t *)p)[i] = f_to_bf16(f);
 }
 
+/* bits: 8 (symmetric int8 codes), 4, 2, or ASYM8 (-8: asymmetric 8-bit codes 0..255, a zero per
+   group as int4/int2 have). Everywhere `bits == 8` means symmetric, so ASYM8 takes the asymmetric
+   paths; only qtop and the pack/unpack helpers and pdim tell it from int4/int2 (one code a byte). */
+#define ASYM8 (-8)
+static inline float qtop(int bits) { return bits == ASYM8 ? 255.0f : (float)((1 << bits) - 1); }
+
 static void pack_row(const float *restrict c, int64_t d, int bits, uint8_t *restrict out) {
+    if (bits == ASYM8) { for (int64_t i = 0; i < d; i++) out[i] = (uint8_t)(int)c[i]; return; }
     if (bits == 8) { int8_t *o = (int8_t *)out; for (int64_t i = 0; i < d; i++) o[i] = (int8_t)(int)c[i]; return; }
     if (bits == 4) {
         int64_t h = d / 2;
@@ -107,6 +114,7 @@ static void pack_row(const float *restrict c, int64_t d, int bits, uint8_t *rest
 }
 
 static void unpack_row(const uint8_t *restrict p, int64_t d, int bits, float *restrict c) {
+    if (bits == ASYM8) { for (int64_t i = 0; i < d; i++) c[i] = (float)p[i]; return; }
     if (bits == 8) { const int8_t *s = (const int8_t *)p; for (int64_t i = 0; i < d; i++) c[i] = (float)s[i]; return; }
     if (bits == 4) {
         int64_t h = d / 2;
@@ -123,7 +131,7 @@ static void unpack_row(const uint8_t *restrict p, int64_t d, int bits, float *re
     for (int64_t j = 4 * h; j < d; j++) c[j] = (float)((p[h] >> (2 * (j - 4 * h))) & 3);
 }
 
-static inline int64_t pdim(int64_t d, int bits) { return bits == 8 ? d : (d * bits + 7) / 8; }
+static inline int64_t pdim(int64_t d, int bits) { return bits == 8 || bits == ASYM8 ? d : (d * bits + 7) / 8; }
 
 /* Codes for one span with one (scale, zero): c = clamp(rint((x - z) * inv), lo, hi), inv = 1 / s. */
 /* Returns nonzero when a code is NaN: non-finite input always produces one (inf/inf, inf-inf). */
@@ -152,7 +160,7 @@ static inline __m128i codes16(const float *x, __m512 inv, __m512 z, __m512 lo, _
    each 16-bit (int4) or 32-bit (int2) word, then narrow. */
 static void pack_codes_u8(const uint8_t *restrict c, int64_t d, int bits, uint8_t *restrict out) {
     int64_t i = 0;
-    if (bits == 8) { memcpy(out, c, d); return; }
+    if (bits == 8 || bits == ASYM8) { memcpy(out, c, d); return; }
     if (bits == 4) {
         for (; i + 64 <= d; i += 64) {
             __m512i w = _mm512_loadu_si512((const void *)(c + i));
@@ -179,7 +187,7 @@ static void pack_codes_u8(const uint8_t *restrict c, int64_t d, int bits, uint8_
 AI int tok_quant_chunk(int dt, int bits, const float *restrict xf, float *restrict c, int64_t ngroups, const int64_t G,
                         void *scale, void *zero, int64_t s0) {
     const int sym = bits == 8;
-    const float top = sym ? 127.0f : (float)((1 << bits) - 1);
+    const float top = sym ? 127.0f : qtop(bits);
     const float lo = sym ? -top : 0.0f;
     int bad = 0;
     for (int64_t k = 0; k < ngroups; k++) {
@@ -297,7 +305,7 @@ static inline void st16m(int dt, void *p, int64_t off, __mmask16 m, __m512 v) {
 AI int tok_quant_chunk_avx(int dt, int bits, const float *restrict xf, uint8_t *restrict cb, int64_t ngroups,
                            const int64_t G, void *scale, void *zero, int64_t s0) {
     const int sym = bits == 8;
-    const float top = sym ? 127.0f : (float)((1 << bits) - 1);
+    const float top = sym ? 127.0f : qtop(bits);
     const __m512 vtop = _mm512_set1_ps(top), vlo = _mm512_set1_ps(sym ? -top : 0.0f), one = _mm512_set1_ps(1.0f);
     float gmn[16], gmx[16], ginv[16], gz[16];
     __mmask16 nb = 0;
@@ -339,7 +347,7 @@ AI int tok_quant_chunk_avx(int dt, int bits, const float *restrict xf, uint8_t *
 static int ch_quant_unit_avx(int dt, int bits, const float *restrict xf, uint8_t *restrict cb, int64_t n, int64_t D,
                              void *scale, void *zero, int64_t so) {
     const int sym = bits == 8;
-    const float top = sym ? 127.0f : (float)((1 << bits) - 1);
+    const float top = sym ? 127.0f : qtop(bits);
     const __m512 vtop = _mm512_set1_ps(top), vlo = _mm512_set1_ps(sym ? -top : 0.0f), one = _mm512_set1_ps(1.0f);
     __mmask16 nb = 0;
     for (int64_t d0 = 0; d0 < D; d0 += 16) {
@@ -428,7 +436,7 @@ AI int ch_quant_unit(int dt, int bits, const float *restrict xf, float *restrict
                       float *restrict mn, float *restrict mx, float *restrict sv, float *restrict zv,
                       void *scale, void *zero, int64_t so) {
     const int sym = bits == 8;
-    const float top = sym ? 127.0f : (float)((1 << bits) - 1);
+    const float top = sym ? 127.0f : qtop(bits);
     const float lo = sym ? -top : 0.0f;
     /* zv doubles as the NaN/Inf accumulator: x - x is NaN exactly when x is NaN or Inf */
     if (sym) { for (int64_t d = 0; d < D; d++) { mx[d] = fabsf(xf[d]); zv[d] = xf[d] - xf[d]; } }
@@ -541,7 +549,7 @@ static void ch_dequant(const void *q, const void *scale, const void *zero, int d
 /* ---- token axis, general case (short last group or partial last byte): row by row ---- */
 static int tok_quant_rows(const void *x, int dt, int64_t rows, int64_t D, int bits, int64_t G, void *q, void *scale, void *zero) {
     const int sym = bits == 8;
-    const float top = sym ? 127.0f : (float)((1 << bits) - 1);
+    const float top = sym ? 127.0f : qtop(bits);
     const float lo = sym ? -top : 0.0f;
     const int64_t P = pdim(D, bits), ng = (D + G - 1) / G;
     int bad = 0;
@@ -667,7 +675,7 @@ static void mse_group(const float *restrict x, int64_t n, float top, int dt, int
    row packed. Same layouts as kvt_quant. Returns nonzero when x held NaN or Inf. */
 int kvt_quant_mse(const void *x, int dt, int64_t B, int64_t T, int64_t D, int bits, int64_t G, int axis,
                   int iters, const float *shrink, int n_shrink, void *q, void *scale, void *zero) {
-    const float top = (float)((1 << bits) - 1);
+    const float top = qtop(bits);
     const int64_t P = pdim(D, bits);
     int bad = 0;
     #pragma omp parallel for schedule(static) reduction(|:bad) if (B * T * D >= (1 << 18))
@@ -722,7 +730,7 @@ int kvt_quant(const void *x, int dt, int64_t B, int64_t T, int64_t D, int bits, 
    widened, scaled (mul then add: no FMA, as the reference) and converted to the output dtype ---- */
 static void unpack_codes_u8(const uint8_t *restrict p, int64_t d, int bits, uint8_t *restrict c) {
     int64_t i = 0;
-    if (bits == 8) { memcpy(c, p, d); return; }
+    if (bits == 8 || bits == ASYM8) { memcpy(c, p, d); return; }
     const __m128i m4 = _mm_set1_epi8(0x0F), m2 = _mm_set1_epi8(0x03);
     if (bits == 4) {
         for (; i + 32 <= d; i += 32) {

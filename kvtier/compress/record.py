@@ -71,7 +71,7 @@ _MAGIC_VERSION = struct.Struct("<4sH")
 # v2 word table: append-only (a record names WORDS[i] by code i + 1 forever)
 WORDS = ("fp16", "bf16", "int8", "int4", "int2", "nf4", "fp4", "dyn8",
          "group_size", "axis", "code_crc", "channel", "token",
-         "q", "scale", "zero", "absmax", "data", "outliers", "oidx", "oval")
+         "q", "scale", "zero", "absmax", "data", "outliers", "oidx", "oval", "zero_point")
 _WORD_CODES = {w: i + 1 for i, w in enumerate(WORDS)}
 MAX_PAYLOAD_V2 = (1 << 32) - 1
 _CRC = struct.Struct("<I")

@@ -18,7 +18,8 @@ Arithmetic, in fp32 throughout, identical in every implementation:
 
 - symmetric (int8):   scale = S(absmax / qmax);  inv = 1 / scale
                       q = clamp(rint(x * inv), -qmax, qmax);  x' = q * scale
-- asymmetric (int4, int2): scale = S((max - min) / qmax); zero = S(min);  inv = 1 / scale
+- asymmetric (int4, int2, and int8 with a zero point, qmax 255):
+                      scale = S((max - min) / qmax); zero = S(min);  inv = 1 / scale
                       q = clamp(rint((x - zero) * inv), 0, qmax);  x' = q * scale + zero
 
 ``S`` rounds to the storage dtype of scales and zeros, which is the input dtype (fp16, bf16 or
@@ -56,7 +57,10 @@ import math
 
 import torch
 
-BITS = (8, 4, 2)
+#: ``bits`` of asymmetric 8-bit codes (int8 with ``zero_point``): uint8 codes 0..255 and a
+#: (scale, zero) pair per group, the int4/int2 arithmetic with qmax 255. Plain ``8`` is symmetric.
+ASYM8 = -8
+BITS = (8, 4, 2, ASYM8)
 AXES = ("token", "channel")
 GROUP_SIZES = (32, 64, 128)
 ENCODERS = ("minmax", "mse")
@@ -66,17 +70,23 @@ SHRINK = ()
 
 
 def qmax(bits: int) -> int:
-    """Largest code magnitude: 127 for symmetric int8, 2**bits - 1 for asymmetric int4/int2."""
-    return 127 if bits == 8 else (1 << bits) - 1
+    """Largest code magnitude: 127 for symmetric int8, 255 for :data:`ASYM8`, 2**bits - 1 for
+    int4/int2."""
+    return 127 if bits == 8 else 255 if bits == ASYM8 else (1 << bits) - 1
 
 
 def symmetric(bits: int) -> bool:
     return bits == 8
 
 
+def code_width(bits: int) -> int:
+    """Bits per stored code: 8 for both int8 forms, else ``bits``."""
+    return 8 if bits == ASYM8 else bits
+
+
 def packed_dim(d: int, bits: int) -> int:
     """Bytes per row of ``d`` codes."""
-    return d if bits == 8 else math.ceil(d * bits / 8)
+    return d if bits in (8, ASYM8) else math.ceil(d * bits / 8)
 
 
 def scale_shape(shape: tuple[int, ...], group_size: int, axis: str) -> tuple[int, ...]:
@@ -214,7 +224,10 @@ def quantize_ref(x: torch.Tensor, bits: int, group_size: int, axis: str, encoder
 
 
 def pack_ref(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 codes ``[..., D]`` (each < 2**bits) -> packed uint8 ``[..., ceil(D*bits/8)]``."""
+    """uint8 codes ``[..., D]`` (each < 2**bits) -> packed uint8 ``[..., ceil(D*bits/8)]``
+    (:data:`ASYM8`: the codes themselves, one per byte)."""
+    if bits == ASYM8:
+        return q.to(torch.uint8).contiguous()
     per = 8 // bits
     d = q.shape[-1]
     pad = (-d) % per
@@ -227,6 +240,8 @@ def pack_ref(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_ref(p: torch.Tensor, bits: int, d: int) -> torch.Tensor:
     """Packed uint8 ``[..., Dp]`` -> uint8 codes ``[..., d]``."""
+    if bits == ASYM8:
+        return p[..., :d].to(torch.uint8)
     per = 8 // bits
     shifts = torch.arange(per, dtype=torch.int32, device=p.device) * bits
     q = (p.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., Dp, per]

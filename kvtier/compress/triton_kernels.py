@@ -7,6 +7,8 @@ once per group, a multiply per element, round half to even, scales rounded to th
 before use. Tests run these kernels on CPU under
 ``TRITON_INTERPRET=1`` and require bit-identical codes, scales and zeros.
 
+``BITS`` is the code width (8, 4 or 2) and ``SYM`` whether codes are signed with no zero (plain
+int8); asymmetric 8-bit codes (:data:`kvtier.compress.reference.ASYM8`) are ``BITS=8, SYM=False``.
 Packing ``PER = 8 // BITS`` codes per byte is done without reshapes: code ``k`` of byte ``j``
 sits at column ``j * PER + k``, so each kernel loads the ``PER`` strided column sets
 ``j * PER + k`` (k unrolled) and ORs them into one byte tensor::
@@ -29,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvtier.compress.reference import packed_dim, scale_shape, symmetric
+from kvtier.compress.reference import code_width, packed_dim, scale_shape, symmetric
 
 
 
@@ -68,12 +70,11 @@ def _round_to(v, BF16: tl.constexpr, sdt: tl.constexpr):
 
 @triton.jit
 def _quant_tok(x_ptr, q_ptr, s_ptr, z_ptr, R, D, P, NG,
-               G: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BF16: tl.constexpr):
+               G: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr, BLOCK_R: tl.constexpr, BF16: tl.constexpr):
     # groups of G columns along head_dim; program (row block, group)
     PER: tl.constexpr = 8 // BITS
     GB: tl.constexpr = G // PER
-    SYM: tl.constexpr = BITS == 8
-    TOP: tl.constexpr = 127.0 if BITS == 8 else (2 ** BITS - 1) * 1.0
+    TOP: tl.constexpr = 127.0 if SYM else (2 ** BITS - 1) * 1.0
     pid_r = tl.program_id(0)
     g = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)  # [BR]
@@ -122,11 +123,10 @@ def _quant_tok(x_ptr, q_ptr, s_ptr, z_ptr, R, D, P, NG,
 
 @triton.jit
 def _quant_ch(x_ptr, q_ptr, s_ptr, z_ptr, T, D, P, NGT,
-              G: tl.constexpr, BITS: tl.constexpr, BJ: tl.constexpr, BF16: tl.constexpr):
+              G: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr, BJ: tl.constexpr, BF16: tl.constexpr):
     # groups of G tokens per channel; program (batch row, token group), all channels
     PER: tl.constexpr = 8 // BITS
-    SYM: tl.constexpr = BITS == 8
-    TOP: tl.constexpr = 127.0 if BITS == 8 else (2 ** BITS - 1) * 1.0
+    TOP: tl.constexpr = 127.0 if SYM else (2 ** BITS - 1) * 1.0
     b = tl.program_id(0)
     tg = tl.program_id(1)
     t = tg * G + tl.arange(0, G)  # [G]
@@ -163,10 +163,9 @@ def _quant_ch(x_ptr, q_ptr, s_ptr, z_ptr, T, D, P, NGT,
 
 @triton.jit
 def _dequant_tok(q_ptr, s_ptr, z_ptr, o_ptr, R, D, P, NG,
-                 G: tl.constexpr, BITS: tl.constexpr, BLOCK_R: tl.constexpr, BF16: tl.constexpr):
+                 G: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr, BLOCK_R: tl.constexpr, BF16: tl.constexpr):
     PER: tl.constexpr = 8 // BITS
     GB: tl.constexpr = G // PER
-    SYM: tl.constexpr = BITS == 8
     pid_r = tl.program_id(0)
     g = tl.program_id(1)
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -193,9 +192,8 @@ def _dequant_tok(q_ptr, s_ptr, z_ptr, o_ptr, R, D, P, NG,
 
 @triton.jit
 def _dequant_ch(q_ptr, s_ptr, z_ptr, o_ptr, T, D, P, NGT,
-                G: tl.constexpr, BITS: tl.constexpr, BJ: tl.constexpr, BF16: tl.constexpr):
+                G: tl.constexpr, BITS: tl.constexpr, SYM: tl.constexpr, BJ: tl.constexpr, BF16: tl.constexpr):
     PER: tl.constexpr = 8 // BITS
-    SYM: tl.constexpr = BITS == 8
     b = tl.program_id(0)
     tg = tl.program_id(1)
     t = tg * G + tl.arange(0, G)
@@ -229,6 +227,7 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str):
     """Same contract as :func:`kvtier.compress.reference.quantize_ref` (``x`` contiguous)."""
     x = x.contiguous()
     bf16 = x.dtype == torch.bfloat16
+    width, sym = code_width(bits), symmetric(bits)
     shape = tuple(x.shape)
     *lead, t, d = shape
     b = x.numel() // (t * d)
@@ -242,12 +241,12 @@ def quantize(x: torch.Tensor, bits: int, group_size: int, axis: str):
         ng = math.ceil(d / group_size)
         grid = (triton.cdiv(b * t, _BLOCK_R), ng)
         _quant_tok[grid](x, q, scale, zarg, b * t, d, p, ng,
-                         G=group_size, BITS=bits, BLOCK_R=_BLOCK_R, BF16=bf16, **LAUNCH_OPTIONS)
+                         G=group_size, BITS=width, SYM=sym, BLOCK_R=_BLOCK_R, BF16=bf16, **LAUNCH_OPTIONS)
     else:
         ngt = math.ceil(t / group_size)
-        bj = triton.next_power_of_2(math.ceil(d * bits / 8) if bits != 8 else d)
+        bj = triton.next_power_of_2(p)
         _quant_ch[(b, ngt)](x, q, scale, zarg, t, d, p, ngt,
-                            G=group_size, BITS=bits, BJ=bj, BF16=bf16, **LAUNCH_OPTIONS)
+                            G=group_size, BITS=width, SYM=sym, BJ=bj, BF16=bf16, **LAUNCH_OPTIONS)
     return q, scale, zero
 
 
@@ -257,6 +256,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
     q, scale = q.contiguous(), scale.contiguous()
     zarg = zero.contiguous() if zero is not None else scale
     bf16 = dtype == torch.bfloat16
+    width, sym = code_width(bits), symmetric(bits)
     *_, t, d = shape
     b = math.prod(shape[:-2])
     p = packed_dim(d, bits)
@@ -265,10 +265,10 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, 
         ng = math.ceil(d / group_size)
         grid = (triton.cdiv(b * t, _BLOCK_R), ng)
         _dequant_tok[grid](q, scale, zarg, out, b * t, d, p, ng,
-                           G=group_size, BITS=bits, BLOCK_R=_BLOCK_R, BF16=bf16, **LAUNCH_OPTIONS)
+                           G=group_size, BITS=width, SYM=sym, BLOCK_R=_BLOCK_R, BF16=bf16, **LAUNCH_OPTIONS)
     else:
         ngt = math.ceil(t / group_size)
         bj = triton.next_power_of_2(p)
         _dequant_ch[(b, ngt)](q, scale, zarg, out, t, d, p, ngt,
-                              G=group_size, BITS=bits, BJ=bj, BF16=bf16, **LAUNCH_OPTIONS)
+                              G=group_size, BITS=width, SYM=sym, BJ=bj, BF16=bf16, **LAUNCH_OPTIONS)
     return out

@@ -197,10 +197,13 @@ class _Reader:
                 p = json.loads(h[role])
             except ValueError:
                 raise self.bad(f"attribute {role!r} is not JSON") from None
-            if not isinstance(p, dict) or not set(p) <= {"group_size", "axis", "outliers"} \
-                    or p.get("group_size", GROUP_SIZES[0]) not in GROUP_SIZES:
-                raise self.bad(f"attribute {role!r} must be codec parameters (group_size, axis, outliers); "
-                               f"got {p!r:.80}")
+            if not isinstance(p, dict) or not set(p) <= {"group_size", "axis", "outliers", "zero_point"} \
+                    or p.get("group_size", GROUP_SIZES[0]) not in GROUP_SIZES \
+                    or p.get("zero_point", 1) not in (0, 1) or isinstance(p.get("zero_point"), bool):
+                raise self.bad(f"attribute {role!r} must be codec parameters (group_size, axis, outliers, "
+                               f"zero_point); got {p!r:.80}")
+            if "zero_point" in p:  # a record param (0 or 1); get_codec takes a bool
+                p = {**p, "zero_point": p["zero_point"] == 1}
             params[role] = p
         try:
             datasets = json.loads(h["datasets"])

@@ -48,21 +48,27 @@ def compare(x, bits, G, axis):
     return "ok"
 
 
+# plain int8, int4, int2, and int8 with a zero point (uint8 codes), labelled "int8z"
+BITS = {"int8": 8, "int4": 4, "int2": 2, "int8z": R.ASYM8}
+
+
 def main():
     out = {}
-    for (dname, dtype), bits, axis in itertools.product(DTYPES.items(), (8, 4, 2), ("token", "channel")):
-        g = torch.Generator().manual_seed(7 * bits)
+    for (dname, dtype), (label, bits), axis in itertools.product(DTYPES.items(), BITS.items(), ("token", "channel")):
+        g = torch.Generator().manual_seed(7 * abs(bits))
         for shape, G in CASES[dname]:
             x = (torch.randn(shape, generator=g) * 3).to(dtype)
-            out[f"{dname}-int{bits}-{axis}-{'x'.join(map(str, shape))}-g{G}"] = compare(x, bits, G, axis)
-    for bits, axis in itertools.product((8, 4, 2), ("token", "channel")):
+            if bits == R.ASYM8:
+                x = x + torch.randn(shape[-1], generator=g).to(dtype) * 4  # offset channels, where a zero pays
+            out[f"{dname}-{label}-{axis}-{'x'.join(map(str, shape))}-g{G}"] = compare(x, bits, G, axis)
+    for (label, bits), axis in itertools.product(BITS.items(), ("token", "channel")):
         x = torch.zeros(2, 64, 64, dtype=torch.float16)
         x[1] = -0.5  # constant groups: scale 1, exact round trip
         res = compare(x, bits, 32, axis)
         if res == "ok" and not torch.equal(TK.dequantize(*TK.quantize(x, bits, 32, axis), bits, 32, axis,
                                                          tuple(x.shape), x.dtype), x):
             res = "constant block not reproduced exactly"
-        out[f"constant-int{bits}-{axis}"] = res
+        out[f"constant-{label}-{axis}"] = res
     json.dump(out, sys.stdout)
 
 

@@ -34,20 +34,20 @@ def _sig(kind, dt, qdt, dims):
 
 
 @pytest.mark.parametrize("dt,bf16", [("fp16", False), ("bf16", True)])
-@pytest.mark.parametrize("bits", [8, 4])
-def test_kernels_compile_for_sm90(compile_ptx, dt, bf16, bits):
-    qdt = "i8" if bits == 8 else "u8"
+@pytest.mark.parametrize("bits,sym", [(8, True), (4, False), (8, False)])  # (8, False): int8 with a zero point
+def test_kernels_compile_for_sm90(compile_ptx, dt, bf16, bits, sym):
+    qdt = "i8" if sym else "u8"
     tok = ("R", "D", "P", "NG")
     ch = ("T", "D", "P", "NGT")
-    extra = {"G": "constexpr", "BITS": "constexpr", "BF16": "constexpr"}
+    extra = {"G": "constexpr", "BITS": "constexpr", "SYM": "constexpr", "BF16": "constexpr"}
     bj = 64 if bits == 8 else 32
     ptx_q = compile_ptx("_quant_tok", {**_sig("quant", dt, qdt, tok), **extra, "BLOCK_R": "constexpr"},
-                        {"G": 32, "BITS": bits, "BLOCK_R": 32, "BF16": bf16})
+                        {"G": 32, "BITS": bits, "SYM": sym, "BLOCK_R": 32, "BF16": bf16})
     assert "div.rn.f32" in ptx_q and "div.full" not in ptx_q
     ptx_qc = compile_ptx("_quant_ch", {**_sig("quant", dt, qdt, ch), **extra, "BJ": "constexpr"},
-                         {"G": 64, "BITS": bits, "BJ": bj, "BF16": bf16})
+                         {"G": 64, "BITS": bits, "SYM": sym, "BJ": bj, "BF16": bf16})
     assert "div.rn.f32" in ptx_qc
     for name, dims, meta in (("_dequant_tok", tok, {"BLOCK_R": 32}), ("_dequant_ch", ch, {"BJ": bj})):
         sig = {**_sig("dequant", dt, qdt, dims), **extra, **{k: "constexpr" for k in meta}}
-        ptx = compile_ptx(name, sig, {"G": 32, "BITS": bits, "BF16": bf16, **meta})
+        ptx = compile_ptx(name, sig, {"G": 32, "BITS": bits, "SYM": sym, "BF16": bf16, **meta})
         assert "fma.rn.f32" not in ptx, name

@@ -16,9 +16,10 @@ pytest.importorskip("triton")
 
 ALL = ("3x64x64-g64", "2x37x128-g32", "5x80-g32", "1x7x3-g128", "2x2x65x64-g128")
 SHAPES = {"float16": ALL, "bfloat16": (ALL[0], ALL[1], ALL[3]), "float32": (ALL[2], ALL[4])}
-IDS = [f"{d}-int{b}-{a}-{s}"
-       for d in SHAPES for b, a, s in itertools.product((8, 4, 2), ("token", "channel"), SHAPES[d])]
-IDS += [f"constant-int{b}-{a}" for b, a in itertools.product((8, 4, 2), ("token", "channel"))]
+CODECS = ("int8", "int4", "int2", "int8z")  # int8z: int8 with a zero point (uint8 codes)
+IDS = [f"{d}-{c}-{a}-{s}"
+       for d in SHAPES for c, a, s in itertools.product(CODECS, ("token", "channel"), SHAPES[d])]
+IDS += [f"constant-{c}-{a}" for c, a in itertools.product(CODECS, ("token", "channel"))]
 
 
 @pytest.fixture(scope="module")

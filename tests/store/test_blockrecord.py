@@ -103,3 +103,26 @@ def test_a_batch_merges_kept_channels_per_record():
         ek, ev = unpack_block(r)
         w = kc4 if ek.params.get("outliers") else kc0
         assert torch.equal(d[0], w.decode(ek)) and torch.equal(d[1], vc.decode(ev))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_zero_point_records_in_place_and_across_forms(dtype):
+    """int8 with a zero point (keys, or keys and values) decodes in place; a decoder of the other
+    int8 form declines those records, and its codecs read them on the general path."""
+    g = torch.Generator().manual_seed(1)
+    k, v = ((torch.randn(3, 64, 64, generator=g) + 3 * torch.randn(64, generator=g)).to(dtype) for _ in range(2))
+    sym = _pair("int8")
+    for vzp in (False, True):
+        zp = (get_codec("int8", group_size=32, axis="channel", zero_point=True),
+              get_codec("int8", group_size=32, axis="token", zero_point=vzp))
+        rec = pack_block(zp[0].encode(k), zp[1].encode(v))
+        ek, ev = unpack_block(rec)
+        want = torch.stack([zp[0].decode(ek), zp[1].decode(ev)])
+        got = BlockDecoder(*zp, (3, 64, 64), dtype).decode(rec)
+        assert got is not None and torch.equal(got, want)
+        assert BlockDecoder(*sym, (3, 64, 64), dtype).decode(rec) is None
+        assert torch.equal(sym[0].decode(ek), want[0]) and torch.equal(sym[1].decode(ev), want[1])
+        old = pack_block(sym[0].encode(k), sym[1].encode(v))  # a record written before the change
+        assert BlockDecoder(*zp, (3, 64, 64), dtype).decode(old) is None
+        eo = unpack_block(old)
+        assert torch.equal(zp[0].decode(eo[0]), sym[0].decode(eo[0]))

@@ -375,7 +375,7 @@ def test_a_cold_level_cheaper_than_fixed_int2_is_written_read_and_counted(tmp_pa
     K, V = st.gather(s, 0)
     plain = get_codec("int2", group_size=32, axis="channel")
     for b, (c, _) in got.items():
-        kc = plain if c == "int2" else get_codec(c, group_size=32, axis="channel")
+        kc = plain if c == "int2" else get_codec(c, **st.cfg.codec_kwargs(c, "key"))
         assert torch.equal(K[:, b * BT:(b + 1) * BT], kc.decode(kc.encode(k[:, b * BT:(b + 1) * BT])))
     # stats() counts the records as written: the 4 cold records less their kept channels
     # (2 heads x 8 channels of BT float32 values and a one-byte index, and those parts' headers)

@@ -181,8 +181,8 @@ def test_orders_expected_bytes_per_tier_with_lossy_codec(tmp_path, order, stage,
     check_invariants(st)
 
     def rec(name, b):
-        kc = get_codec(name, group_size=32, axis="channel")
-        vc = get_codec(name, group_size=32, axis="token")
+        kc = get_codec(name, **st.cfg.codec_kwargs(name, "key"))  # the store's codecs (int8_zero_point)
+        vc = get_codec(name, **st.cfg.codec_kwargs(name, "value"))
         return pack_block(kc.encode(k[:, b * bt:(b + 1) * bt]), vc.encode(v[:, b * bt:(b + 1) * bt])), kc, vc
 
     bs = ByteStage(stage, st.cfg.lz4_min_saving)
