@@ -69,6 +69,19 @@ def _differences(a: KVTierConfig, b: KVTierConfig) -> list[str]:
     return [f.name for f in fields(a) if getattr(a, f.name) != getattr(b, f.name)]
 
 
+def _join(e, cfg: KVTierConfig, whose: str) -> StoreLease:
+    """Another lease on the open store ``e``, which must have been opened with ``cfg``."""
+    if e.store.cfg != cfg:
+        raise ValueError(
+            f"disk_path {cfg.disk_path!r} is in use in this process by the kvtier store of "
+            f"{whose} with another configuration (fields that differ: "
+            f"{', '.join(_differences(e.store.cfg, cfg))}). Use the same KVTierConfig for "
+            f"every cache of this model, close the other caches first (cache.close(), or a "
+            f"`with` block), or give this configuration another disk_path")
+    e.refs += 1
+    return StoreLease(e.store, e)
+
+
 def lease(cfg: KVTierConfig, *, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
           device: torch.device, fingerprint: str) -> StoreLease:
     """A lease on the process's store for this model and configuration (opened on first use).
@@ -87,29 +100,14 @@ def lease(cfg: KVTierConfig, *, num_layers: int, kv_heads: int, head_dim: int, d
             del _stores[key]
             e = None
         if e is not None:
-            if e.store.cfg != cfg:
-                raise ValueError(
-                    f"disk_path {cfg.disk_path!r} is in use in this process by the kvtier store of "
-                    f"this model with another configuration (fields that differ: "
-                    f"{', '.join(_differences(e.store.cfg, cfg))}). Use the same KVTierConfig for "
-                    f"every cache of this model, close the other caches first (cache.close(), or a "
-                    f"`with` block), or give this configuration another disk_path")
-            e.refs += 1
-            return StoreLease(e.store, e)
+            return _join(e, cfg, "this model")
         holder = next((o for k, o in _stores.items() if disk is not None and k[6] == disk), None)
         if holder is not None and not fingerprint and holder.key[1:6] == model[1:6] \
                 and not holder.store.closed:
             # a cache built without a model (wrap(dynamic_cache, cfg)) has no fingerprint and so
             # never gives token ids: its blocks stay private, and the store of the same shape,
             # dtype and device already serving this directory can hold them
-            if holder.store.cfg != cfg:
-                raise ValueError(
-                    f"disk_path {cfg.disk_path!r} is in use in this process by the kvtier store of "
-                    f"this model shape with another configuration (fields that differ: "
-                    f"{', '.join(_differences(holder.store.cfg, cfg))}). Use the same KVTierConfig, "
-                    f"close the other caches first, or give this configuration another disk_path")
-            holder.refs += 1
-            return StoreLease(holder.store, holder)
+            return _join(holder, cfg, "this model shape")
         if holder is not None:
             raise ValueError(
                 f"disk_path {cfg.disk_path!r} is in use in this process by the kvtier store of another "

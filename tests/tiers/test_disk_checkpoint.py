@@ -43,6 +43,25 @@ def expect(t, live):
     assert all(t.get(k) == v for k, v in live.items())
 
 
+def churn(t, model: dict, rng, ops: int, keys: int, gets: float, puts: float) -> None:
+    """``ops`` random gets (share ``gets``), puts (up to ``puts``) and deletes on ``t`` over
+    ``keys`` names, mirrored in ``model``; ``t`` must agree with it after each one and at the end."""
+    for _ in range(ops):
+        k = f"key-{rng.randrange(keys)}"
+        r = rng.random()
+        if r < gets:
+            assert t.get(k) == model.get(k)
+        elif r < puts:
+            v = rng.randbytes(rng.randint(1, 60))
+            assert t.put(k, v)
+            model[k] = v
+        else:
+            assert t.delete(k) == (k in model)
+            model.pop(k, None)
+        assert (k in t) == (k in model) and t.value_size(k) == (len(model[k]) if k in model else None)
+    assert len(t) == len(model) and sorted(t.keys()) == sorted(model)
+
+
 def test_clean_reopen_reads_the_checkpoint_and_scans_nothing(tmp_path):
     live = {f"k{i}": value(i) for i in range(60)}
     with open_tier(tmp_path / "d") as t:
@@ -216,20 +235,7 @@ def test_index_over_the_checkpoint_matches_a_dict_through_reads_writes_and_delet
     for _ in range(2):
         with open_tier(d, capacity_bytes=1 << 26, segment_bytes=1 << 20) as t:
             assert t.stats()["checkpoint_loaded"] == 1 and len(t) == len(model)
-            for _ in range(600):
-                k = f"key-{rng.randrange(3300)}"
-                r = rng.random()
-                if r < 0.4:
-                    assert t.get(k) == model.get(k)
-                elif r < 0.7:
-                    v = rng.randbytes(rng.randint(1, 60))
-                    assert t.put(k, v)
-                    model[k] = v
-                else:
-                    assert t.delete(k) == (k in model)
-                    model.pop(k, None)
-                assert (k in t) == (k in model) and t.value_size(k) == (len(model[k]) if k in model else None)
-            assert len(t) == len(model) and sorted(t.keys()) == sorted(model)
+            churn(t, model, rng, 600, 3300, 0.4, 0.7)
         with open_tier(d, capacity_bytes=1 << 26, segment_bytes=1 << 20) as t:
             assert t.stats()["checkpoint_loaded"] == 1 and t.stats()["tail_records"] == 0
             assert sorted(t.keys()) == sorted(model) and all(t.get(k) == v for k, v in model.items())
@@ -271,33 +277,17 @@ def test_changes_made_while_a_checkpoint_is_written_are_kept(tmp_path, monkeypat
     # no compaction: the copy below is of files no background step is changing
     kw = dict(capacity_bytes=1 << 26, segment_bytes=1 << 20, checkpoint_records=0, compact_threshold=0.0)
 
-    def churn(t):
-        for _ in range(300):
-            k = f"key-{rng.randrange(2300)}"
-            r = rng.random()
-            if r < 0.3:
-                assert t.get(k) == model.get(k)
-            elif r < 0.65:
-                v = rng.randbytes(rng.randint(1, 60))
-                assert t.put(k, v)
-                model[k] = v
-            else:
-                assert t.delete(k) == (k in model)
-                model.pop(k, None)
-            assert (k in t) == (k in model) and t.value_size(k) == (len(model[k]) if k in model else None)
-        assert len(t) == len(model) and sorted(t.keys()) == sorted(model)
-
     with open_tier(d, **kw) as t:
         assert all(t.put_many(model.items()))
     real_save, real_thaw = diskindex.save, diskindex.RecordIndex.thaw
     with open_tier(d, **kw) as t:
-        churn(t)  # some keys now in the dict, the rest still in the checkpoint's arrays
+        churn(t, model, rng, 300, 2300, 0.3, 0.65)  # some keys now in the dict, the rest still in the checkpoint's arrays
         frozen = []
 
         def save(path, cp):
             assert t._index._frozen is cp.index.hot  # the index's own dict, not a copy
             frozen.append(cp.index.hot)
-            churn(t)
+            churn(t, model, rng, 300, 2300, 0.3, 0.65)
             return real_save(path, cp)
 
         monkeypatch.setattr(diskindex, "save", save)
@@ -305,7 +295,7 @@ def test_changes_made_while_a_checkpoint_is_written_are_kept(tmp_path, monkeypat
         t.checkpoint()
         monkeypatch.setattr(diskindex, "save", real_save)
         assert t._index._frozen is None and t._index._hot is frozen[0]
-        churn(t)
+        churn(t, model, rng, 300, 2300, 0.3, 0.65)
         assert all(t.get(k) == v for k, v in model.items())
         shutil.copytree(d, tmp_path / "copy")  # as the process would leave it if killed now
     with open_tier(tmp_path / "copy", **kw) as t:
