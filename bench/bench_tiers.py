@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import resource
 import json
 import mmap
 import os
@@ -620,12 +621,18 @@ class _StepProbe:
     def begin(self) -> None:
         self.wait = {"tier_lock": 0.0, "write_lock": 0.0}
         self.gc_s, self.gc_n, self.active = 0.0, 0, True
+        self._ru0 = resource.getrusage(resource.RUSAGE_THREAD)
 
     def end(self, wall: float, cpu: float, queued: float) -> dict:
         self.active = False
-        return {"wall": wall, "cpu": cpu, "run_queue": queued, "slept": max(0.0, wall - cpu - queued),
+        ru = resource.getrusage(resource.RUSAGE_THREAD)
+        # the kernel's share of the step's CPU and its page faults: a step that touches pages
+        # the compactor just wrote (through the mapping) pays for mapping them in. The user/
+        # kernel split is sampled at the scheduler's tick, so it is read as a mean over steps
+        return {"wall": wall, "cpu": cpu, "sys": ru.ru_stime - self._ru0.ru_stime, "run_queue": queued,
+                "slept": max(0.0, wall - cpu - queued),
                 "tier_lock_wait": self.wait["tier_lock"], "write_lock_wait": self.wait["write_lock"],
-                "gc": self.gc_s, "gc_collections": self.gc_n}
+                "gc": self.gc_s, "gc_collections": self.gc_n, "minor_faults": ru.ru_minflt - self._ru0.ru_minflt}
 
     def close(self) -> None:
         gc.callbacks.remove(self._gc)
@@ -674,6 +681,9 @@ class _TimedLock:
         return self._inner._is_owned()
 
 
+_COUNTS = ("gc_collections", "minor_faults")  # step parts that are counts, not seconds
+
+
 def _breakdown(parts: list[dict]) -> dict:
     """Mean microseconds of each part over the middle half of the steps (by wall time) and
     over those from p98 to p99.5 (what sets p99, without the few worst that would dominate a mean)."""
@@ -684,7 +694,7 @@ def _breakdown(parts: list[dict]) -> dict:
     out = {}
     for name, sub in (("mid", by[n // 4:max(n // 4 + 1, 3 * n // 4)]),
                       ("p99", by[min(n - 1, int(0.98 * n)):max(min(n, int(0.98 * n) + 1), int(0.995 * n))])):
-        out[name] = {k: (sum(p[k] for p in sub) / len(sub)) * (1 if k == "gc_collections" else 1e6)
+        out[name] = {k: (sum(p[k] for p in sub) / len(sub)) * (1 if k in _COUNTS else 1e6)
                      for k in sub[0]}
     return out
 
@@ -1149,7 +1159,8 @@ def compaction_causes(c: dict) -> list[str]:
                 x = d[part]
                 lines.append(f"CAUSES {v} decode {c_} compaction, {part:3s} steps: wall {x['wall']:.0f} us = "
                              + " + ".join(f"{label} {x[k]:.0f}" for k, label in names)
-                             + f"; inside lock acquisitions: tier lock {x['tier_lock_wait']:.0f}, write lock "
+                             + f" (cpu in the kernel {x.get('sys', 0):.0f}, {x.get('minor_faults', 0):.0f} "
+                             f"minor page faults a step); inside lock acquisitions: tier lock {x['tier_lock_wait']:.0f}, write lock "
                              f"{x['write_lock_wait']:.0f}; gc {x['gc']:.0f} us in {x['gc_collections']:.2f} "
                              f"collections a step")
         k = c.get(f"{v}_compactor")
