@@ -71,12 +71,12 @@ class Residency:
     def table(self, seq: int, layer: int) -> BlockTable:
         tables = self.tables_of(seq)
         # an int in range only: a negative index (or True) would silently name another layer
-        if type(layer) is not int or not 0 <= layer < len(tables):
-            if isinstance(layer, bool) or not hasattr(layer, "__index__") or \
-                    not 0 <= layer.__index__() < len(tables):
-                raise ValueError(f"layer must be an int in [0, {self.layout.num_layers}); got {layer!r}")
-            layer = layer.__index__()
-        return tables[layer]
+        i = layer
+        if type(i) is not int:
+            i = -1 if isinstance(i, bool) or not hasattr(i, "__index__") else i.__index__()
+        if not 0 <= i < len(tables):
+            raise ValueError(f"layer must be an int in [0, {self.layout.num_layers}); got {layer!r}")
+        return tables[i]
 
     def tables_of(self, seq: int) -> list[BlockTable]:
         """The tables (one per layer) of live sequence ``seq``; ValueError otherwise."""

@@ -105,22 +105,31 @@ def next_magic(buf, off: int, end: int) -> int:
     return nxt
 
 
+def check_header(buf, pos: int, room: int) -> tuple[int, int, int, int, int] | None:
+    """(flags, key length, value length, data crc, record size) of the record header at ``pos``
+    of ``buf`` when it checks out (magic, a key, header CRC) and the record ends by ``room``;
+    None otherwise (damage, or a record running past ``room``)."""
+    magic, hcrc, flags, klen, vlen, dcrc, _ = REC.unpack_from(buf, pos)
+    size = pad8(REC_HEADER_BYTES + klen + vlen)
+    if magic != REC_MAGIC or klen == 0 or pos + size > room or crc32(buf[pos + 8:pos + REC_HEADER_BYTES]) != hcrc:
+        return None
+    return flags, klen, vlen, dcrc, size
+
+
 def iter_headers(mm, pos: int, limit: int) -> Iterator[tuple[int, int, int, int, int, int]]:
     """(offset, flags, key length, value length, data crc, record size) of each record whose
     header checks out, from ``pos`` up to ``limit``; damaged stretches are skipped by looking
     for the next 8-aligned record magic."""
-    unpack, hdr_end = REC.unpack_from, REC_HEADER_BYTES
-    while pos + hdr_end <= limit:
-        magic, hcrc, flags, klen, vlen, dcrc, _ = unpack(mm, pos)
-        size = pad8(hdr_end + klen + vlen)
-        if magic != REC_MAGIC or klen == 0 or pos + size > limit or crc32(mm[pos + 8:pos + hdr_end]) != hcrc:
+    while pos + REC_HEADER_BYTES <= limit:
+        h = check_header(mm, pos, limit)
+        if h is None:
             nxt = next_magic(mm, pos, limit)
             if nxt == -1:
                 return
             pos = nxt
             continue
-        yield pos, flags, klen, vlen, dcrc, size
-        pos += size
+        yield (pos, *h)
+        pos += h[4]
 
 
 def cut_record_at(mm, pos: int, limit: int) -> bool:
@@ -128,9 +137,8 @@ def cut_record_at(mm, pos: int, limit: int) -> bool:
     append cut short at the end of a file that had not been grown ahead of it."""
     if pos + REC_HEADER_BYTES > limit:
         return False
-    magic, hcrc, _, klen, vlen, _, _ = REC.unpack_from(mm, pos)
-    return (magic == REC_MAGIC and klen > 0 and pos + pad8(REC_HEADER_BYTES + klen + vlen) > limit
-            and crc32(mm[pos + 8:pos + REC_HEADER_BYTES]) == hcrc)
+    h = check_header(mm, pos, 1 << 62)  # any size: whether it passes ``limit`` is the question
+    return h is not None and pos + h[4] > limit
 
 
 class Segment:

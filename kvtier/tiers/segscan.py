@@ -23,7 +23,7 @@ import ctypes
 
 from kvtier._clib import CLibrary
 from kvtier._crc import IMPLEMENTATION, crc32
-from .segfile import REC, REC_HEADER_BYTES, REC_MAGIC, next_magic, pad8
+from .segfile import REC_HEADER_BYTES, check_header, next_magic
 
 ROW = 6  # integers per record row: offset, size, flags, key length, value length, data crc
 C_CRC_PAYS = IMPLEMENTATION != "isal"  # see the module docstring
@@ -168,17 +168,16 @@ def scan_py(buf, start: int, end: int, room: int, budget: int, max_records: int,
             pause=None, every: int = 0) -> tuple[list[int], int]:
     """:func:`scan` in Python (any buffer, also a mapping); ``pause()`` is called every
     ``every`` records (the compactor offers the GIL there)."""
-    unpack, hdr = REC.unpack_from, REC_HEADER_BYTES
     rows, read, n, off = [], 0, 0, start
-    while off + hdr <= end and read < budget and n < max_records:
+    while off + REC_HEADER_BYTES <= end and read < budget and n < max_records:
         if pause is not None and n and n % every == 0:
             pause()
-        magic, hcrc, flags, klen, vlen, dcrc, _ = unpack(buf, off)
-        size = pad8(hdr + klen + vlen)
-        if magic != REC_MAGIC or klen == 0 or off + size > room or crc32(buf[off + 8:off + hdr]) != hcrc:
+        h = check_header(buf, off, room)
+        if h is None:
             nxt = next_magic(buf, off, end)  # a damaged stretch: resume at the next record
             off = nxt if nxt != -1 else max(off + 8, (end - 3 + 7) & ~7)
             continue
+        flags, klen, vlen, dcrc, size = h
         if off + size > end:
             break  # cut by this read: the next step starts with it
         rows += (off, size, flags, klen, vlen, dcrc)
