@@ -6,7 +6,9 @@ as a ratio to ``tensor.copy_`` of the same fp16 bytes measured in the same run (
 best of N for both, so a shared machine's noise is filtered from both sides alike); relative
 Frobenius and max error of K and V; bytes per token; lz4 and zstd ratio and speed on the
 encoded block records. Per int8/int4/int2 encoder (``minmax``, ``mse``): K and V error over the blocks
-and the encode cost per block. Side by side on the same tensors: optimum-quanto and HQQ as transformers'
+and the encode cost per block. For int8 in bf16 and fp16: how much of its error is the decoded
+value's cast to the KV dtype, and the least error any per-element choice of codes on the same
+scales reaches (what an encoder that knows the cast could gain). Side by side on the same tensors: optimum-quanto and HQQ as transformers'
 QuantizedCache calls them (HQQ on one layer only: it is slow on CPU). bitsandbytes is measured
 through the nf4/fp4/dyn8 codecs, which are its blockwise quantizers.
 
@@ -274,6 +276,56 @@ def bench_encoders(kb, vb, group_size, repeats):
     return rows
 
 
+def _nearest_after_cast(x, bits, group_size, axis):
+    """int8 codes of ``x`` with minmax scales (the reference's), each element's code chosen among
+    the nearest code and its two neighbours as the one whose decoded value, after the decoder's
+    own arithmetic and its cast to ``x.dtype``, is closest to ``x``: the least error any choice of
+    codes per element can reach on those scales (decode unchanged). Returns the decoded tensor."""
+    from kvtier.compress import reference as R
+
+    shape, top = tuple(x.shape), R.qmax(bits)
+    q, s, z = R.quantize_ref(x, bits, group_size, axis)
+    best = R.dequantize_ref(q, s, z, bits, group_size, axis, shape, x.dtype).float()
+    err = (best - x.float()).abs()
+    lo = -top if R.symmetric(bits) else 0
+    for step in (-1, 1):
+        qc = (q.to(torch.int16) + step).clamp_(lo, top).to(q.dtype)
+        y = R.dequantize_ref(qc, s, z, bits, group_size, axis, shape, x.dtype).float()
+        e = (y - x.float()).abs()
+        better = e < err
+        best, err = torch.where(better, y, best), torch.where(better, e, err)
+    return best
+
+
+def int8_cast_headroom(kb, vb, group_size):
+    """How much of int8's error is the decoded value's final cast to the KV dtype, and how much
+    an encoder that knows the cast could remove by choosing each element's code (with the same
+    scales, so the same bytes and decoder): per int8 form and role, in bf16 and fp16, the
+    relative error as decoded, with an fp32 output (no cast), and with the codes of
+    :func:`_nearest_after_cast`; ``exact`` is the fraction of elements decoded bit-exact."""
+    from kvtier.compress import reference as R
+
+    rows = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for form, bits in (("int8", 8), ("int8 zp", R.ASYM8)):
+            for role, xs, axis in (("K", kb, "channel"), ("V", vb, "token"), ("V", vb, "channel")):
+                xs = [x.to(dtype) for x in xs]
+                x = torch.cat(xs).float()
+                dec, f32, snap = [], [], []
+                for b in xs:
+                    q, s, z = R.quantize_ref(b, bits, group_size, axis)
+                    dec.append(R.dequantize_ref(q, s, z, bits, group_size, axis, tuple(b.shape), dtype))
+                    f32.append(R.dequantize_ref(q, s, z, bits, group_size, axis, tuple(b.shape), torch.float32))
+                    snap.append(_nearest_after_cast(b, bits, group_size, axis))
+                got = {k: torch.cat(v).float() for k, v in (("dec", dec), ("f32", f32), ("snap", snap))}
+                rel = {k: ((y - x).norm() / x.norm()).item() for k, y in got.items()}
+                rows.append({"dtype": str(dtype).removeprefix("torch."), "codec": form, "role": role, "axis": axis,
+                             "rel_err": rel["dec"], "rel_err_fp32_out": rel["f32"], "rel_err_best_codes": rel["snap"],
+                             "exact": (got["dec"] == x).float().mean().item(),
+                             "exact_best_codes": (got["snap"] == x).float().mean().item()})
+    return rows
+
+
 def byte_stages(records: list[bytes]) -> dict:
     import lz4.block
 
@@ -394,6 +446,7 @@ def main(argv=None) -> int:
         print(f"# measured {n}", flush=True)
     encoders = bench_encoders(kb, vb, args.group_size, max(1, min(3, args.repeats)))
     print("# measured encoders", flush=True)
+    headroom = int8_cast_headroom(kb, vb, args.group_size)
     side = []
     for bits in (4, 2):
         side.append(bench_quanto(k, v, bits, args.group_size, min(args.repeats, 3)))
@@ -426,6 +479,14 @@ def main(argv=None) -> int:
                           fmt(r["quant_blocks_ratio_1t"], ".3f"), fmt(r["quant_us_per_block"], ".0f"),
                           fmt(r["dequant_blocks_ratio_1t"], ".3f"), fmt(r["dequant_us_per_block"], ".0f"),
                           fmt(r["record_dequant_us_per_block"], ".0f"), fmt(r["bytes_per_token_layer"], ".0f")]))
+    print("# int8 and the cast to the KV dtype: rel err as decoded, with a float32 output (no cast), with each "
+          "element's code chosen among 3 as the nearest after the cast (same scales and bytes); exact = decoded "
+          "bit-exact")
+    print(" | ".join(("dtype", "codec", "role (axis)", "rel err", "fp32 out", "best codes", "exact", "exact best")))
+    for r in headroom:
+        print(" | ".join([r["dtype"], r["codec"], f"{r['role']} ({r['axis']})", fmt(r["rel_err"], ".5f"),
+                          fmt(r["rel_err_fp32_out"], ".5f"), fmt(r["rel_err_best_codes"], ".5f"),
+                          fmt(r["exact"], ".3f"), fmt(r["exact_best_codes"], ".3f")]))
     print("# side by side (same tensors; HQQ on the first layer only, its own copy_ reference)")
     for r in side:
         print(" | ".join([r["codec"], fmt(r["quant_ratio"], ".3f"), fmt(r["dequant_ratio"], ".3f"), "-", "-", "-", "-",
@@ -458,7 +519,8 @@ def main(argv=None) -> int:
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), mode=0o700, exist_ok=True)
         with open(os.open(args.json, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump({"args": vars(args), "codecs": rows, "encoders": encoders, "side_by_side": side}, f, indent=1)
+            json.dump({"args": vars(args), "codecs": rows, "encoders": encoders, "int8_cast": headroom,
+                       "side_by_side": side}, f, indent=1)
     print(f"# total {time.perf_counter() - t_start:.1f}s")
     return 0
 
