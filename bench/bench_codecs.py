@@ -319,6 +319,7 @@ def int8_cast_headroom(kb, vb, group_size):
                     snap.append(_nearest_after_cast(b, bits, group_size, axis))
                 got = {k: torch.cat(v).float() for k, v in (("dec", dec), ("f32", f32), ("snap", snap))}
                 rel = {k: ((y - x).norm() / x.norm()).item() for k, y in got.items()}
+                assert rel["snap"] <= rel["dec"], "the nearest code after the cast is one of the candidates"
                 rows.append({"dtype": str(dtype).removeprefix("torch."), "codec": form, "role": role, "axis": axis,
                              "rel_err": rel["dec"], "rel_err_fp32_out": rel["f32"], "rel_err_best_codes": rel["snap"],
                              "exact": (got["dec"] == x).float().mean().item(),

@@ -44,6 +44,17 @@ def test_store_specs_build_valid_configs():
         assert (cfg.precision, cfg.codec, cfg.recall_reference) == (s.precision, codec, s.recall_reference)
 
 
+def test_int8_rows_and_only():
+    specs = sweep.int8_store_specs()
+    picked = sweep.only(specs, "=store int8 g32,zero K+V")
+    assert [s.name for s in picked] == ["store int8 g32", "store int8 g32 zero K+V",
+                                        "store int8 g32 zero K+V, V per channel"]
+    cfg = sweep.store_config(picked[-1], 64, None)
+    assert (cfg.int8_zero_point, cfg.value_axis, cfg.key_axis) == ("both", "channel", "channel")
+    assert cfg.codec_kwargs("int8", "value") == {"group_size": 32, "axis": "channel", "zero_point": True}
+    assert len(sweep.only(specs, "store int8 g32")) == len(specs) - 1  # all but the lossless row
+
+
 def test_value_codec_and_lossless_store_row():
     # a spec may give values their own codec: the bytes are the keys' codec's plus the values'
     from kvtier.compress import get_codec

@@ -189,6 +189,13 @@ def int8_store_specs() -> list[StoreSpec]:
                   value_axis="channel")]
 
 
+def only(specs: list, keep: str) -> list:
+    """The specs ``--only`` keeps: ``keep`` is comma-separated, each a substring of the names to
+    keep, or ``=NAME`` for that name exactly (one row whose name the others contain)."""
+    keys = [k.strip() for k in keep.split(",") if k.strip()]
+    return [s for s in specs if any(s.name == k[1:] if k.startswith("=") else k in s.name for k in keys)]
+
+
 def int2_store_specs() -> list[StoreSpec]:
     """int2 by key channels kept exactly (``int2_key_outliers``), against int4 and lossless."""
     return [StoreSpec(STORE_LOSSLESS, codec="lossless"),
@@ -872,10 +879,7 @@ def main(argv=None) -> int:
         store_specs = [StoreSpec("store int4 g32", hot_tokens=128),
                        StoreSpec("store importance", hot_tokens=128, precision="importance")] if store_specs else []
     if args.only:
-        keep = [k.strip() for k in args.only.split(",") if k.strip()]
-        picked = lambda name: any(name == k[1:] if k.startswith("=") else k in name for k in keep)  # noqa: E731
-        specs = [s for s in specs if picked(s.name)]
-        store_specs = [s for s in store_specs if picked(s.name)]
+        specs, store_specs = only(specs, args.only), only(store_specs, args.only)
     if args.store_only:
         specs = []
 
