@@ -49,9 +49,11 @@ def test_int8_rows_and_only():
     picked = sweep.only(specs, "=store int8 g32,zero K+V")
     assert [s.name for s in picked] == ["store int8 g32", "store int8 g32 zero K+V",
                                         "store int8 g32 zero K+V, V per channel"]
+    assert sweep.store_config(picked[0], 64, None).codec_kwargs("int8", "value") == {
+        "group_size": 32, "axis": "token"}  # the default
     cfg = sweep.store_config(picked[-1], 64, None)
-    assert (cfg.int8_zero_point, cfg.value_axis, cfg.key_axis) == ("both", "channel", "channel")
-    assert cfg.codec_kwargs("int8", "value") == {"group_size": 32, "axis": "channel", "zero_point": True}
+    assert (cfg.int8_zero_point, cfg.codec_kwargs("int8", "value")) == (
+        "both", {"group_size": 32, "axis": "channel", "zero_point": True})
     assert len(sweep.only(specs, "store int8 g32")) == len(specs) - 1  # all but the lossless row
 
 

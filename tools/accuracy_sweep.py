@@ -88,7 +88,7 @@ class StoreSpec:
     int2_key_outliers: int | None = None  # None: the config's default
     cold_key_outliers: int | None = None  # importance: the cold codec's kept key channels (None: as fixed)
     int8_zero_point: str | None = None  # None: the config's default
-    value_axis: str | None = None  # None: the config's default
+    int8_value_axis: str | None = None  # None: the config's default
 
 
 #: the store row every other store row is also compared with (the same chunking, the same
@@ -175,18 +175,18 @@ def pareto_store_specs() -> list[StoreSpec]:
 
 def int8_store_specs() -> list[StoreSpec]:
     """int8 against the lossless store, both on the reference's protocol (``--int8``): the
-    default int8, the others of ``int8_zero_point`` (none: symmetric codes, key, both) and values
-    with a zero point in per-channel groups (``value_axis="channel"``)."""
+    default int8 and each other setting of ``int8_zero_point`` and ``int8_value_axis`` measured
+    (symmetric; zero point on keys; on keys and values, values per token), the default's own
+    setting left out."""
     from kvtier.config import KVTierConfig
 
-    default = KVTierConfig().int8_zero_point
-    names = {"none": "symmetric", "key": "zero K", "both": "zero K+V"}
+    cfg = KVTierConfig()
+    default = (cfg.int8_zero_point, cfg.int8_value_axis or cfg.value_axis)
+    others = {"symmetric": ("none", "token"), "zero K": ("key", "token"), "zero K+V": ("both", "token"),
+              "zero K+V, V per channel": ("both", "channel")}
     return [StoreSpec(STORE_LOSSLESS, codec="lossless"), StoreSpec("store int8 g32", codec="int8")] + [
-        StoreSpec(f"store int8 g32 {names[zp]}", codec="int8", int8_zero_point=zp)
-        for zp in ("none", "key", "both") if zp != default] + [
-        # values grouped per channel (32 tokens) as keys are: int8 values' error 0.0052 -> 0.0045
-        StoreSpec("store int8 g32 zero K+V, V per channel", codec="int8", int8_zero_point="both",
-                  value_axis="channel")]
+        StoreSpec(f"store int8 g32 {name}", codec="int8", int8_zero_point=zp, int8_value_axis=axis)
+        for name, (zp, axis) in others.items() if (zp, axis) != default]
 
 
 def only(specs: list, keep: str) -> list:
@@ -375,8 +375,8 @@ def store_config(spec: StoreSpec, block: int, disk_path: str | None, dtype: torc
         extra["cold_key_outliers"] = spec.cold_key_outliers
     if spec.int8_zero_point is not None:
         extra["int8_zero_point"] = spec.int8_zero_point
-    if spec.value_axis is not None:
-        extra["value_axis"] = spec.value_axis
+    if spec.int8_value_axis is not None:
+        extra["int8_value_axis"] = spec.int8_value_axis
     return KVTierConfig(**extra, block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
                         disk_path=disk_path, disk_bytes=4 << 30, group_size=spec.group_size,
                         codec=lossless if spec.codec == "lossless" else spec.codec,

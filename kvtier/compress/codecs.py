@@ -220,8 +220,9 @@ class IntCodec(Codec):
     ``[..., ceil(T/G), D]`` for axis "channel"). A short last group covers the remainder.
 
     int8 with a zero point: ``q`` is uint8 ``[..., T, D]`` and ``zero`` is present, and ``params``
-    says ``zero_point=1``. The decoder follows the record: an int8 codec of either form hands a
-    record of the other form to a codec of that form (L3 written before a change still reads).
+    says ``zero_point=1``. The decoder follows the record: a codec hands a record of the other
+    int8 form, or of the other axis, to a codec of that form (:meth:`twin`; L3 written before a
+    change of either setting still reads).
 
     ``encoder`` ("minmax" or "mse") only chooses scale and zero: it is not part of ``params``,
     since any decoder reads either encoder's output.
@@ -244,7 +245,7 @@ class IntCodec(Codec):
         self.encoder = encoder
         self.outliers = outliers
         self._specs: dict = {}  # (shape, dtype) -> (shape, q shape, q dtype, scale shape): _parts
-        self._twin: IntCodec | None = None  # int8 of the other form, for its records
+        self._twins: dict = {}  # (bits, axis) -> the codec of records of that form (twin)
 
     @property
     def params(self) -> dict:
@@ -347,18 +348,26 @@ class IntCodec(Codec):
         return shape, q, scale, zero
 
     def twin(self, enc: Encoded) -> IntCodec | None:
-        """The int8 codec of the other form when ``enc`` is a record of that form, else None."""
-        if self.name != "int8" or not isinstance(enc, Encoded):
+        """The codec of ``enc``'s own form when that is not this codec's, else None: for int8 the
+        other zero-point form, for any of them the other grouping axis. Decoding follows the
+        record, so records written under another ``int8_zero_point`` or axis still read."""
+        if not isinstance(enc, Encoded) or enc.codec != self.name:
             return None
-        zp = enc.params.get("zero_point", 0)
-        if isinstance(zp, bool) or zp not in (0, 1):
-            raise ValueError(f"enc.params['zero_point'] must be 0 or 1; got {zp!r}")
-        if zp == int(self.bits == _ref.ASYM8):
+        bits, axis = self.bits, enc.params.get("axis")
+        if self.name == "int8":
+            zp = enc.params.get("zero_point", 0)
+            if isinstance(zp, bool) or zp not in (0, 1):
+                raise ValueError(f"enc.params['zero_point'] must be 0 or 1; got {zp!r}")
+            bits = _ref.ASYM8 if zp else 8
+        if axis not in AXES:
+            axis = self.axis  # the full checks name what is wrong
+        if (bits, axis) == (self.bits, self.axis):
             return None
-        if self._twin is None:
-            self._twin = IntCodec(_ref.ASYM8 if zp else 8, self.group_size, self.axis, self.check_finite,
-                                  self.encoder, self.outliers)
-        return self._twin
+        other = self._twins.get((bits, axis))
+        if other is None:
+            other = self._twins[(bits, axis)] = IntCodec(bits, self.group_size, axis, self.check_finite,
+                                                          self.encoder, self.outliers if axis == "channel" else 0)
+        return other
 
     def decode(self, enc: Encoded, device=None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Dequantize on ``device``. ``out``: optional contiguous CPU tensor to write into."""
