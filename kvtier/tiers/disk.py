@@ -122,6 +122,7 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
         self._closed = True
         self._lock_fd = -1
         self._rfds: dict[int, int] = {}  # segment id -> read-only fd, oldest opened first
+        self._appenders = 0  # put_many/delete_many calls and compactor steps under way (see _at_work)
         self._worker: Compactor | None = None
         self._share = float(compact_share)
 
@@ -306,9 +307,10 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
                 raise
 
     def sync(self) -> None:
-        with self._lock:
-            self._check_open()
-        self._sync_unlocked()
+        with self._at_work():
+            with self._lock:
+                self._check_open()
+            self._sync_unlocked()
 
     def stats(self) -> dict:
         with self._lock:

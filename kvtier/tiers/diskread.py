@@ -30,6 +30,31 @@ _check = struct.Struct("<I4x2xHII").unpack_from  # of a record header: magic, ke
 _READAHEAD_MIN = 256 << 10  # a span below this is read around by the first page fault anyway
 
 
+def _lseek_holding_gil() -> tuple | None:
+    """(libc's ``lseek`` through ctypes.PyDLL, a C zero offset for it), or None where off_t is
+    not a C long of 8 bytes (the call's types would not match) or libc cannot be loaded.
+
+    A PyDLL call keeps the GIL. ``os.lseek`` lets go of it around the system call, so each
+    read's size probe handed the interpreter to a thread waiting for it (a put_many, the
+    compactor), and the read then waited for that thread's Python to reach its next release
+    (up to the switch interval) before going on. The probe takes a fraction of a microsecond
+    and never waits for I/O (SEEK_END reads the inode's size), so holding the GIL through it
+    costs the other threads less than the handoff cost the read."""
+    try:
+        import ctypes
+
+        if ctypes.sizeof(ctypes.c_long) != 8:
+            return None
+        fn = ctypes.PyDLL(None).lseek
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int64  # (no argtypes: converting through them costs more than the call)
+    return fn, ctypes.c_int64(0)
+
+
+_LSEEK, _ZERO = _lseek_holding_gil() or (None, None)
+
+
 def _file_end(fd: int) -> int:
     """The size of the file open as ``fd`` now (0 once it cannot be asked): no byte of its
     mapping at or past it may be touched, as a file truncated under us would SIGBUS. (The fds
@@ -38,6 +63,17 @@ def _file_end(fd: int) -> int:
         return os.lseek(fd, 0, os.SEEK_END)
     except OSError:
         return 0
+
+
+def _file_end_held(fd: int, _lseek=_LSEEK, _zero=_ZERO) -> int:
+    """``_file_end`` keeping the GIL (see ``_lseek_holding_gil``): for reads while one of the
+    tier's appenders runs, which would take the interpreter at every probe."""
+    end = _lseek(fd, _zero, 2)  # SEEK_END
+    return end if end > 0 else 0  # -1: a closed fd
+
+
+if _LSEEK is None:
+    _file_end_held = _file_end  # noqa: F811 (no way to probe holding the GIL here)
 
 
 def _read_record(mm, limit: int, off: int, key: str, vlen: int) -> bytes | None:
@@ -142,7 +178,7 @@ class DiskReads:
 
     def _mapped_bytes(self, seg: Segment) -> int:
         """Bytes of ``seg``'s mapping that can be touched (see ``_file_end``)."""
-        return min(seg.size, _file_end(seg.fd if seg.fd >= 0 else self._rfd(seg)))
+        return min(seg.size, (_file_end_held if self._appenders else _file_end)(seg.fd if seg.fd >= 0 else self._rfd(seg)))
 
     def _locate(self, key: str) -> tuple[Segment, int, int, int, int] | None:
         """(segment, value offset, value length, crc32 of the key, expected crc32 of key+value)
@@ -192,7 +228,10 @@ class DiskReads:
             sid, off, _, vlen = loc
             seg = self._segs[sid]
             fd = seg.fd
-            value = _read_record(seg.mm, _file_end(fd if fd >= 0 else self._rfd(seg)), off, key, vlen)
+            if fd < 0:
+                fd = self._rfd(seg)
+            # an appender at work would take the GIL at an os.lseek and keep it for its Python
+            value = _read_record(seg.mm, _file_end_held(fd) if self._appenders else _file_end(fd), off, key, vlen)
             if value is None:
                 self._mark_corrupt(key)
                 st.misses += 1

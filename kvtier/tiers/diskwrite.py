@@ -57,6 +57,20 @@ class DiskWrites:
         with self._write_lock, self._lock:
             yield
 
+    @contextlib.contextmanager
+    def _at_work(self) -> Iterator[None]:
+        """Counts an appender under way (a put_many, delete_many, sync or compactor step) from its
+        first lock to its last sync: meanwhile reads probe file sizes keeping the GIL, which
+        the appender would otherwise take at every probe and keep for its Python until its
+        next system call."""
+        with self._lock:
+            self._appenders += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._appenders -= 1
+
     def _new_segment(self, need: int) -> Segment:
         sid = self._next_id
         seg = Segment.create(sid, self._seg_path(sid), self.segment_bytes, SEG_HEADER_BYTES + need)
@@ -198,6 +212,10 @@ class DiskWrites:
         """Append a batch; with durability="batch" one fdatasync at the end. False per record that
         does not fit. Raises DiskFullError when the filesystem is full (earlier records stay).
         Gets are served while it writes (each record is indexed once written)."""
+        with self._at_work():
+            return self._put_records(self._images(items))
+
+    def _images(self, items: Iterable[tuple[str, BytesLike]]) -> list[Record]:
         limit = self.segment_bytes - SEG_HEADER_BYTES
         recs = []
         for key, value in items:
@@ -208,6 +226,9 @@ class DiskWrites:
                 raise ValueError(f"value is {mv.nbytes} bytes; a record must fit one segment "
                                  f"(value limit {limit - record_size(len(kb), 0)} bytes, segment_bytes={self.segment_bytes})")
             recs.append((key, kb, size, parts, n))
+        return recs
+
+    def _put_records(self, recs: list[Record]) -> list[bool]:
         res: list[bool] = []
         i = 0
         while i < len(recs):  # in chunks, so compaction's appends interleave with a long batch
@@ -239,6 +260,10 @@ class DiskWrites:
     def delete_many(self, keys: Iterable[str]) -> list[bool]:
         """Remove keys by appending tombstones (so a restart does not bring them back)."""
         keys = [check_key(k) for k in keys]
+        with self._at_work():
+            return self._delete_keys(keys)
+
+    def _delete_keys(self, keys: list[str]) -> list[bool]:
         with self._appending():
             self._check_open()
             out, recs, touched = [], [], set()
