@@ -24,7 +24,7 @@ import torch
 
 from kvtier._crc import crc32
 from .base import Tier, check_key, out_view
-from .segfile import REC, REC_HEADER_BYTES, REC_MAGIC, Segment
+from .segfile import REC, REC_HEADER_BYTES, REC_MAGIC, Segment, crc32_held
 
 _READ_FDS = 128  # read-only fds kept open for sealed segments
 _by_loc = operator.itemgetter(2)  # (segment id, offset, ...): file order
@@ -78,21 +78,22 @@ if _LSEEK is None:
     _file_end_held = _file_end  # noqa: F811 (no way to probe holding the GIL here)
 
 
-def _read_record(mm, limit: int, off: int, key: str, vlen: int) -> bytes | None:
+def _read_record(mm, limit: int, off: int, key: str, vlen: int, crc=crc32) -> bytes | None:
     """The value of the record at ``off`` of a mapping of which ``limit`` bytes may be touched,
     copied out once, after its header matched the index (magic, key and value lengths) and its
     data CRC checked on that copy; None when any of that fails. The CRC is taken over the key
     the index was asked for, so it also proves the record is that key's: a record of another
     key (same lengths) fails it as damage does (every difference of up to 32 bits is caught).
     ``limit`` may be the file's size alone: every location the index holds lies inside its
-    segment's mapping (records are indexed below ``used``, which never passes ``size``)."""
+    segment's mapping (records are indexed below ``used``, which never passes ``size``).
+    ``crc``: ``crc32_held`` while an appender runs (see ``_file_end_held``)."""
     kb = key.encode()  # (UTF-8)
     v0 = off + REC_HEADER_BYTES + len(kb)
     if v0 + vlen <= limit:
         magic, klen, vl, dcrc = _check(mm, off)
         if magic == REC_MAGIC and klen == len(kb) and vl == vlen:
             value = mm[v0:v0 + vlen]
-            if crc32(value, crc32(kb)) == dcrc:
+            if crc(value, crc32(kb)) == dcrc:
                 return value
     return None
 
@@ -133,12 +134,13 @@ class DiskReads:
         hits = nbytes = 0
         sid, mm, limit = -1, None, 0
         bad = []
+        crc = crc32_held if self._appenders else crc32
         for pos, key, (s, off, _, vlen) in todo:  # (this loop is the per-record cost of a read)
             if s != sid:
                 sid = s
                 seg = self._segs[s]
                 mm, limit = seg.mm, self._mapped_bytes(seg)
-            value = _read_record(mm, limit, off, key, vlen)
+            value = _read_record(mm, limit, off, key, vlen, crc)
             if value is None:
                 bad.append(key)
             else:
@@ -232,8 +234,10 @@ class DiskReads:
             fd = seg.fd
             if fd < 0:
                 fd = self._rfd(seg)
-            # an appender at work would take the GIL at an os.lseek and keep it for its Python
-            value = _read_record(seg.mm, _file_end_held(fd) if self._appenders else _file_end(fd), off, key, vlen)
+            if self._appenders:  # it would take the GIL at an os.lseek or a CRC, and keep it for its Python
+                value = _read_record(seg.mm, _file_end_held(fd), off, key, vlen, crc32_held)
+            else:
+                value = _read_record(seg.mm, _file_end(fd), off, key, vlen)
             if value is None:
                 self._mark_corrupt(key)
                 st.misses += 1

@@ -310,11 +310,17 @@ def test_reads_go_on_while_a_put_many_flushes_and_a_sync_waits_for_it(tmp_path, 
 def test_reads_keep_the_gil_for_their_size_probe_while_an_appender_runs(tmp_path, monkeypatch):
     """While a put_many is under way (here, in its flush), gets probe the file size with the
     GIL held (an os.lseek would hand the interpreter to the appender each time), reading the
-    same size as os.lseek; before and after it, and after a put_many that raised, none does."""
+    same size as os.lseek, and check CRCs so too (damage still caught); before and after it,
+    and after a put_many that raised, none does."""
     from kvtier.tiers import compactor, diskread
 
+    big, bad = os.urandom(8192), os.urandom(8192)  # CRCs that would let go of the GIL
     with open_tier(tmp_path / "d", durability="batch") as t:
-        t.put("old", b"1")
+        t.put_many([("old", b"1"), ("big", big), ("bad", bad)])
+        sid, off, _, _ = t._index["bad"]
+        with open(t._segs[sid].path, "r+b") as f:  # the mapping sees it at once
+            f.seek(off + disk_mod.REC_HEADER_BYTES + 3 + 100)
+            f.write(bytes([bad[100] ^ 1]))
         held = []
         probe = diskread._file_end_held
         monkeypatch.setattr(diskread, "_file_end_held", lambda fd: held.append(probe(fd)) or held[-1])
@@ -332,7 +338,8 @@ def test_reads_keep_the_gil_for_their_size_probe_while_an_appender_runs(tmp_path
         writer.start()
         assert flushing.wait(20)
         assert t._appenders == 1
-        assert t.get("old") == b"1" and t.get_many(["new", "old"]) == [b"2", b"1"]
+        assert t.get("old") == b"1" and t.get_many(["new", "old", "big"]) == [b"2", b"1", big]
+        assert t.get("big") == big and t.get("bad") is None and "bad" in t.corrupt_keys
         fd = t._head.fd
         assert held and held[-1] == os.lseek(fd, 0, os.SEEK_END) == diskread._file_end(fd)
         release.set()
