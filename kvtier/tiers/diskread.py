@@ -9,8 +9,9 @@ size as ``fstat`` does, at a third of the cost: no stat result is built). The CR
 of GB/s) runs inline: handing it to a thread cost more than it saved. Both let go of the GIL
 (the CRC above 5 KiB), which costs nothing alone; but while an appender of the tier is under
 way (a put_many, a sync, a compactor step) each release hands it the interpreter until its
-Python reaches its next system call, so then the probe and the CRC are made keeping the GIL
-(``_file_end_held``, ``segfile.crc32_held``: about 0.15 and 0.3 us more for a 4 or 8 KiB get).
+Python reaches its next system call, so then (unless it holds the write lock, which a put may
+be waiting for) the probe and the CRC are made keeping the GIL (``_file_end_held``,
+``segfile.crc32_held``: about 0.15 and 0.3 us more for a 4 or 8 KiB get).
 """
 from __future__ import annotations
 
@@ -68,8 +69,8 @@ def _file_end(fd: int) -> int:
 
 
 def _file_end_held(fd: int, _lseek=_LSEEK, _zero=_ZERO) -> int:
-    """``_file_end`` keeping the GIL (see ``_lseek_holding_gil``): for reads while one of the
-    tier's appenders runs, which would take the interpreter at every probe."""
+    """``_file_end`` keeping the GIL (see ``_lseek_holding_gil``): for reads while an appender
+    of the tier is under way (``DiskWrites._holding_gil``)."""
     end = _lseek(fd, _zero, 2)  # SEEK_END
     return end if end > 0 else 0  # -1: a closed fd
 
@@ -86,7 +87,7 @@ def _read_record(mm, limit: int, off: int, key: str, vlen: int, crc=crc32) -> by
     key (same lengths) fails it as damage does (every difference of up to 32 bits is caught).
     ``limit`` may be the file's size alone: every location the index holds lies inside its
     segment's mapping (records are indexed below ``used``, which never passes ``size``).
-    ``crc``: ``crc32_held`` while an appender runs (see ``_file_end_held``)."""
+    ``crc``: ``crc32_held`` while an appender is under way (see ``_file_end_held``)."""
     kb = key.encode()  # (UTF-8)
     v0 = off + REC_HEADER_BYTES + len(kb)
     if v0 + vlen <= limit:
@@ -134,7 +135,7 @@ class DiskReads:
         hits = nbytes = 0
         sid, mm, limit = -1, None, 0
         bad = []
-        crc = crc32_held if self._appenders else crc32
+        crc = crc32_held if self._holding_gil() else crc32
         for pos, key, (s, off, _, vlen) in todo:  # (this loop is the per-record cost of a read)
             if s != sid:
                 sid = s
@@ -182,7 +183,8 @@ class DiskReads:
 
     def _mapped_bytes(self, seg: Segment) -> int:
         """Bytes of ``seg``'s mapping that can be touched (see ``_file_end``)."""
-        return min(seg.size, (_file_end_held if self._appenders else _file_end)(seg.fd if seg.fd >= 0 else self._rfd(seg)))
+        fd = seg.fd if seg.fd >= 0 else self._rfd(seg)
+        return min(seg.size, _file_end_held(fd) if self._holding_gil() else _file_end(fd))
 
     def _locate(self, key: str) -> tuple[Segment, int, int, int, int] | None:
         """(segment, value offset, value length, crc32 of the key, expected crc32 of key+value)
@@ -234,7 +236,7 @@ class DiskReads:
             fd = seg.fd
             if fd < 0:
                 fd = self._rfd(seg)
-            if self._appenders:  # it would take the GIL at an os.lseek or a CRC, and keep it for its Python
+            if self._appenders and self._holding_gil():  # it would take the GIL at an os.lseek or a CRC
                 value = _read_record(seg.mm, _file_end_held(fd), off, key, vlen, crc32_held)
             else:
                 value = _read_record(seg.mm, _file_end(fd), off, key, vlen)

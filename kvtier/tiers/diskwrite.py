@@ -20,6 +20,7 @@ head, so the reservation still holds when it publishes. A caller already holding
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -32,6 +33,40 @@ _CHUNK_BYTES = 1 << 20  # put_many reserves, writes and publishes about this muc
 
 # A record image to append: (key, key bytes, record size, iovecs, value length or -1 for a tombstone)
 Record = tuple[str, bytes, int, list, int]
+
+
+class WriteLock:
+    """The appenders' lock (re-entrant), counting how deep its owner holds it (``held``).
+
+    Reads keep the GIL through their system calls while an appender is under way (see
+    ``DiskWrites._at_work``), except while one holds this lock: a put waiting for it waits
+    for the holder, so the holder must get the GIL back as soon as it can, not only when a
+    read's thread is made to give it up (the switch interval)."""
+
+    __slots__ = ("_lock", "held")
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.held = 0  # (changed only by the owner)
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if not self._lock.acquire(blocking, timeout):
+            return False
+        self.held += 1
+        return True
+
+    def release(self) -> None:
+        self.held -= 1
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _is_owned(self) -> bool:
+        return self._lock._is_owned()
 
 
 @dataclass
@@ -60,9 +95,9 @@ class DiskWrites:
     @contextlib.contextmanager
     def _at_work(self) -> Iterator[None]:
         """Counts an appender under way (a put_many, delete_many, sync or compactor step) from its
-        first lock to its last sync: meanwhile reads probe file sizes keeping the GIL, which
-        the appender would otherwise take at every probe and keep for its Python until its
-        next system call."""
+        first lock to its last sync: meanwhile reads keep the GIL through their system calls
+        (``_holding_gil``), which the appender would otherwise take at each one and keep for
+        its Python until its next system call."""
         with self._lock:
             self._appenders += 1
         try:
@@ -70,6 +105,11 @@ class DiskWrites:
         finally:
             with self._lock:
                 self._appenders -= 1
+
+    def _holding_gil(self) -> bool:
+        """Whether a read should keep the GIL through its system calls now: an appender is under
+        way and none holds the write lock (``WriteLock``)."""
+        return self._appenders > 0 and not self._writing.held
 
     def _new_segment(self, need: int) -> Segment:
         sid = self._next_id
