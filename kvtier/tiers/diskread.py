@@ -236,7 +236,7 @@ class DiskReads:
             fd = seg.fd
             if fd < 0:
                 fd = self._rfd(seg)
-            if self._appenders and self._holding_gil():  # it would take the GIL at an os.lseek or a CRC
+            if self._appenders and self._holding_gil():  # (the first test spares a quiet get the call)
                 value = _read_record(seg.mm, _file_end_held(fd), off, key, vlen, crc32_held)
             else:
                 value = _read_record(seg.mm, _file_end(fd), off, key, vlen)
