@@ -122,7 +122,7 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
         self._closed = True
         self._lock_fd = -1
         self._rfds: dict[int, int] = {}  # segment id -> read-only fd, oldest opened first
-        self._appenders = 0  # put_many/delete_many calls and compactor steps under way (see _at_work)
+        self._appenders: list[None] = []  # one entry per put_many, sync or compactor step under way (_at_work)
         self._worker: Compactor | None = None
         self._share = float(compact_share)
 

@@ -97,19 +97,17 @@ class DiskWrites:
         """Counts an appender under way (a put_many, delete_many, sync or compactor step) from its
         first lock to its last sync: meanwhile reads keep the GIL through their system calls
         (``_holding_gil``), which the appender would otherwise take at each one and keep for
-        its Python until its next system call."""
-        with self._lock:
-            self._appenders += 1
+        its Python until its next system call. (A list's append and pop are atomic: no lock.)"""
+        self._appenders.append(None)
         try:
             yield
         finally:
-            with self._lock:
-                self._appenders -= 1
+            self._appenders.pop()
 
     def _holding_gil(self) -> bool:
         """Whether a read should keep the GIL through its system calls now: an appender is under
         way and none holds the write lock (``WriteLock``)."""
-        return self._appenders > 0 and not self._writing.held
+        return bool(self._appenders) and not self._writing.held
 
     def _new_segment(self, need: int) -> Segment:
         sid = self._next_id
