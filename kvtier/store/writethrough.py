@@ -26,6 +26,10 @@ class WriteThrough:
     def drain(self) -> None:
         self._worker.drain()
 
+    def wait(self) -> None:
+        """Wait for the worker without raising its kept error (an undo after a failure)."""
+        self._worker.wait()
+
     def close(self) -> None:
         self._worker.close()
 
@@ -33,7 +37,13 @@ class WriteThrough:
         todo = []
         for rec, data in batch:
             if self.res.needs_publish(rec):
-                todo.append((rec, self.io.disk_record(data)))
+                try:
+                    todo.append((rec, self.io.disk_record(data)))
+                except ValueError:
+                    # the codec refused the block (NaN/Inf KV that no append check saw, on CUDA):
+                    # it is just not published, and counted; a swap-out that the codec refuses
+                    # too is reported to the sequence's caller (evictor.py)
+                    self.counters.add(pub_encode_failed=1)
         if todo and self.lower.l3 is not None:
             self._put_l3(todo)
         if todo and self.lower.l4 is not None:
