@@ -32,7 +32,7 @@ from .append import Appender
 from .blockio import BlockIO
 from .content import ContentIndex
 from .evictor import Evictor
-from .layout import Layout
+from .layout import Layout, pool_slots
 from .lower import CONTENT_KEY, LowerTiers
 from .policy import make_policy
 from .prefetch import Prefetcher
@@ -87,8 +87,8 @@ class KVStore:
         ) if fingerprint else None
         # regions first (placed by the residency part: table.py), then the scratch slots
         regions = cfg.max_sequences * num_layers * lay.hot_blocks
-        self.l1 = DeviceTier(lay.slot_shape, regions + lay.scratch_slots, dtype=lay.dtype,
-                             device=lay.device, slot_axis=2, placed_slots=regions)
+        self.l1 = DeviceTier(lay.slot_shape, pool_slots(lay.hot_blocks, cfg.max_sequences, num_layers),
+                             dtype=lay.dtype, device=lay.device, slot_axis=2, placed_slots=regions)
         self.residency = Residency(lay, self.l1, self.policy, self.counters)
         self.lower.res = self.residency
         self.evictor = Evictor(lay, self.residency, self.io, self.lower, self.counters, cfg.evict_batch_blocks)
