@@ -86,16 +86,22 @@ def test_failed_swap_out_keeps_the_block_in_l1_and_tells_only_its_sequence_once(
     st.close()  # nothing kept for close to raise
 
 
-def test_nan_kv_past_the_append_check_fails_its_swap_out_cleanly():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_nan_kv_past_the_append_check_fails_its_swap_out_cleanly(device):
     # on CUDA append does not check finiteness (a host sync per layer and step): the int8
-    # codec's check on the worker is then what finds NaN; appended past the check here
+    # codec's check on the worker (side stream) is then what finds NaN; on CPU appended past
+    # append's check
     st = make_store(None, num_layers=1, hot_tokens=32, host_bytes=1 << 20, codec="int8",
-                    high_watermark=0.5, low_watermark=0.25)
+                    high_watermark=0.5, low_watermark=0.25, device=device)
     g = torch.Generator().manual_seed(1)
     a, b = st.add_sequence(), st.add_sequence()
     k, v = _chunk(4, g)
     k[0, 1, 1] = float("nan")
-    st.appender.append(st.residency.table(a, 0), k, v)
+    if device == "cuda":
+        st.append(a, 0, k, v)
+    else:
+        st.appender.append(st.residency.table(a, 0), k, v)
     for s in (a, b):
         for _ in range(4):
             st.append(s, 0, *_chunk(4, g))
@@ -110,7 +116,7 @@ def test_nan_kv_past_the_append_check_fails_its_swap_out_cleanly():
         for s in (a, b):
             st.append(s, 0, *_chunk(4, g))
         st.end_step()
-    K, _ = st.gather(a, 0)
+    K = st.gather(a, 0)[0].cpu()
     assert K.shape[1] == 36 and torch.isnan(K[:, :4]).any() and torch.isfinite(K[:, 4:]).all()
     check_invariants(st)
     st.close()
