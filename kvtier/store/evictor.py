@@ -94,15 +94,13 @@ class Evictor:
         try:
             ready = []  # (table, entry, L2 value or None when dropped, L3 backup or None)
             for (t, e), enc in zip(batch, self._encode_batch(batch)):
-                try:
-                    if isinstance(enc, Exception):
-                        raise enc
-                    value = None if enc is None else self.io.l2_record(pack_block(*enc[0]))
-                    backup = None if enc is None or enc[1] is None else self.io.pack(pack_block(*enc[1]))
-                except Exception as exc:
-                    self.res.swap_failed(t, e, exc)
-                    continue
-                ready.append((t, e, value, backup))
+                if not isinstance(enc, Exception):
+                    try:
+                        ready.append((t, e, *self._frame(enc)))
+                        continue
+                    except Exception as exc:
+                        enc = exc
+                self.res.swap_failed(t, e, enc)
             with self.lower.lock:
                 backups = [(e, b) for _, e, _, b in ready if b is not None]
                 if backups:
@@ -139,6 +137,14 @@ class Evictor:
             encs = [one(e) for _, e in batch]
             self._side.synchronize()
         return encs
+
+    def _frame(self, enc) -> tuple[bytes | None, bytes | None]:
+        """The L2 value and the L3 backup record (None: none) of :meth:`_encode_slot`'s encodings
+        (None: the block was dropped meanwhile)."""
+        if enc is None:
+            return None, None
+        value = self.io.l2_record(pack_block(*enc[0]))
+        return value, None if enc[1] is None else self.io.pack(pack_block(*enc[1]))
 
     def _put_l2(self, t: BlockTable, e, value: bytes | None) -> None:
         """Put one encoded block to L2 and settle its state (tier lock held)."""

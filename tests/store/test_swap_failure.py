@@ -41,15 +41,30 @@ def _exact(st, ref, s):
     assert torch.equal(K, rk) and torch.equal(V, rv)
 
 
-def test_failed_swap_out_keeps_the_block_in_l1_and_tells_only_its_sequence_once(monkeypatch):
+def _failing_l2_put(st, monkeypatch, bad_key):
+    orig = st.l2.put
+
+    def put(key, value):
+        if key == bad_key:
+            raise OSError("injected L2 failure")
+        return orig(key, value)
+
+    monkeypatch.setattr(st.l2, "put", put)
+
+
+@pytest.mark.parametrize("where", ["codec", "l2_put"])
+def test_failed_swap_out_keeps_the_block_in_l1_and_tells_only_its_sequence_once(monkeypatch, where):
     st = make_store(None, num_layers=1, hot_tokens=32, host_bytes=1 << 20, codec="fp16",
                     high_watermark=0.5, low_watermark=0.25)
-    _failing_encode(st, monkeypatch)
     g = torch.Generator().manual_seed(0)
     ref, a, b = Ref(), st.add_sequence(), st.add_sequence()
     k, v = _chunk(4, g, bad_at=2)  # block 0 of a: its swap-out fails
     st.append(a, 0, k, v)
     ref.add(a, 0, k, v)
+    if where == "codec":
+        _failing_encode(st, monkeypatch)
+    else:
+        _failing_l2_put(st, monkeypatch, st.residency.table(a, 0).entries[0].rec.key)
     for s in (a, b):
         for _ in range(5):
             k, v = _chunk(4, g)
