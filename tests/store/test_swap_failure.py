@@ -8,7 +8,7 @@ and then finds no room anywhere is undone: the table holds exactly what it held 
 import pytest
 import torch
 
-from kvtier.store.swap import SwapOutError
+from kvtier.store import SwapOutError
 
 from .conftest import Ref, check_invariants, make_store
 
