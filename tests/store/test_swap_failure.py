@@ -188,3 +188,32 @@ def test_append_that_finds_no_room_part_way_leaves_the_table_as_it_was(codec):
     assert torch.equal(K, torch.cat((before[0], k), 1)) and torch.equal(V, torch.cat((before[1], v), 1))
     check_invariants(st)
     st.close()
+
+
+def test_a_write_through_that_raises_is_counted_and_never_raised_into_another_call(tmp_path, monkeypatch):
+    st = make_store(tmp_path, num_layers=1, hot_tokens=32, host_bytes=1 << 20, codec="fp16",
+                    fingerprint="test-model:write-through")
+    orig = st.io.encode_pair
+
+    def encode_pair(block, tier, codec=None):  # the disk-codec encoding of write-through fails
+        if tier == "l3":
+            raise OSError("injected write-through failure")
+        return orig(block, tier, codec)
+
+    monkeypatch.setattr(st.io, "encode_pair", encode_pair)
+    g = torch.Generator().manual_seed(4)
+    ref, a = Ref(), st.add_sequence()
+    st.note_tokens(a, list(range(40)))
+    with pytest.warns(RuntimeWarning, match="write-through to L3/L4 failed .*injected"):
+        for _ in range(10):
+            k, v = _chunk(4, g)
+            st.append(a, 0, k, v)  # seals blocks: each one's write-through fails on the publisher
+            ref.add(a, 0, k, v)
+            st.end_step()
+        st.flush()
+    s = st.stats()
+    assert s["prefix"]["publish_encode_failed"] >= 8 and s["prefix"]["published_l3"]["blocks"] == 0
+    assert isinstance(st.publisher.last_error, OSError)
+    _exact(st, ref, a)  # what was stored is all there (L1 and L2)
+    check_invariants(st)
+    st.close()
