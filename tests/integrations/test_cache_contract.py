@@ -87,9 +87,10 @@ def test_failed_step_is_rolled_back_and_hijacks_nothing(model_bf16, tokenizer, t
 
 
 def test_a_failed_swap_out_fails_one_forward_of_its_cache_and_leaves_no_trace(model_bf16, tokenizer, tmp_path,
-                                                                              monkeypatch):
+                                                                              monkeypatch, restore_attention):
     from kvtier.store import SwapOutError
 
+    restore_attention(model_bf16)
     ids = text_ids(tokenizer, 140, offset=2000)
     with kvtier.attach(model_bf16, cfg(tmp_path)) as cache, \
             kvtier.attach(model_bf16, cfg(tmp_path, "twin")) as twin:
