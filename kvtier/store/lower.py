@@ -102,7 +102,8 @@ class LowerTiers:
                 if value is not None:
                     found.append((i, value, tier))
                     break
-                n[f"misses_{tier}"] += 1
+                if not isinstance(recs[i], str):  # a bare key was only looked for: no copy missed
+                    n[f"misses_{tier}"] += 1
             else:
                 if in_l4:
                     l4.append((i, key))
