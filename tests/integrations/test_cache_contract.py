@@ -119,7 +119,8 @@ def test_a_failed_swap_out_fails_one_forward_of_its_cache_and_leaves_no_trace(mo
             assert t < 130, "no swap-out failure surfaced"
         assert _lengths(cache) == before and cache.stats()["integration"]["rolled_back_steps"] == 1
         for t in range(t, t + 6):  # the same step again, and on: as a cache that never failed
-            torch.testing.assert_close(_fwd(model_bf16, ids[:, t:t + 1], cache), _fwd(model_bf16, ids[:, t:t + 1], twin))
+            step = ids[:, t:t + 1]
+            torch.testing.assert_close(_fwd(model_bf16, step, cache), _fwd(model_bf16, step, twin))
         ev = cache.stats()["evictions"]
         assert ev["swap_out_errors"] == 1 and ev["held"] == 1
 
