@@ -45,7 +45,7 @@ from typing import Literal
 from . import diskindex
 from .base import Tier, TierStats, check_key
 from .compactor import CompactJob, Compactor, DiskCompaction
-from .diskopen import DiskRecovery
+from .diskopen import DiskRecovery, prepare_directory
 from .diskread import DiskReads
 from .diskspace import check_free_space, purge_directory, remove_tier_files
 from .diskwrite import DiskWrites, WriteLock
@@ -129,7 +129,7 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise ValueError(f"path {self.path!r} exists and is not a directory")
         try:
-            os.makedirs(self.path, mode=0o700, exist_ok=True)
+            prepare_directory(self.path)
             self._lock_fd = os.open(os.path.join(self.path, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except PermissionError as exc:
             raise PermissionError(exc.errno, f"DiskTier needs read/write access to directory {self.path!r}: "

@@ -50,6 +50,41 @@ def test_files_and_directory_are_owner_only(tmp_path):
         assert stat.S_IMODE(os.stat(tmp_path / "d" / name).st_mode) == 0o600, name
 
 
+def _mode(p) -> int:
+    return stat.S_IMODE(os.stat(p).st_mode)
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o775, 0o777], ids=oct)
+def test_an_existing_directory_holding_only_tier_files_is_made_owner_only(tmp_path, mode):
+    for d in (tmp_path / "empty", tmp_path / "old"):  # made by the user before the first run; a tier's
+        d.mkdir()
+        if d.name == "old":
+            with open_tier(d) as t:
+                t.put("a", b"1")
+        os.chmod(d, mode)
+        with open_tier(d) as t:
+            t.put("b", b"2")
+        assert _mode(d) == 0o700, d
+
+
+def test_a_users_directory_is_never_chmoded_and_refused_when_others_may_write(tmp_path):
+    d = tmp_path / "home"
+    d.mkdir()
+    (d / "notes.txt").write_text("the user's")
+    os.chmod(d, 0o755)
+    with open_tier(d) as t:  # readable by others is fine: the tier's files are 0o600
+        t.put("a", b"1")
+    assert _mode(d) == 0o755 and _mode(d / "LOCK") == 0o600
+    for mode, who in ((0o775, "group"), (0o757, "others"), (0o1777, "group and others")):
+        os.chmod(d, mode)
+        with pytest.raises(ValueError, match=f"writable by {who} .*chmod go-w"):
+            open_tier(d)
+        assert stat.S_IMODE(os.stat(d).st_mode) == mode  # left as it was
+    os.chmod(d, 0o750)
+    with open_tier(d) as t:  # nothing held against the directory after a refusal
+        assert t.get("a") == b"1"
+
+
 def test_compaction_reclaims_dead_segments_and_survives_restart(tmp_path):
     with open_tier(tmp_path / "d", compact_threshold=0.5) as t:
         for i in range(60):
