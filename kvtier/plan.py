@@ -16,6 +16,10 @@ Sizing (per the seed's practice: HBM:DRAM about 1:4 to 1:8, SSD as backstop):
  L2 bytes = ratio x L1 bytes  ->  h = T * bc / (ratio * bf + bc)   (bf, bc: bytes/token fp, codec)
  L3 = concurrency x max_seq_len encoded       every sequence at its longest (lz4 assumed 1.0)
 ```
+The tier sizes printed are what a store built from the printed config allocates: L1 its pool
+(the regions and the scratch slots), L2 ``host_bytes`` (the L2 figure above in whole block
+records with their headers, at least one), L3 ``disk_bytes`` (whole segments, at least two);
+``needed`` keeps the figures above.
 ``ratio`` defaults to 6 (the middle of 1:4-1:8). With ``--hbm-bytes`` the L1 size is given and the
 ratio follows from it; a ratio outside 4-8 is reported as such.
 
@@ -164,6 +168,7 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
             plan states how much smaller the KV is than with one KV head per query head.
     """
     from kvtier.config import CODECS, GROUP_SIZES, KVTierConfig
+    from kvtier.store.layout import pool_slots
 
     for name, v in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
                     ("concurrency", concurrency), ("avg_seq_len", avg_seq_len), ("max_seq_len", max_seq_len),
@@ -198,16 +203,20 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
     # per sequence, whole blocks, at least one and at most what the longest sequence needs
     hot_tokens = int(hot / concurrency) // block_tokens * block_tokens
     hot_tokens = max(block_tokens, min(hot_tokens, _ceil(Fraction(max_seq_len, block_tokens)) * block_tokens))
-    l1 = hot_tokens * concurrency * bf
-    l2 = _ceil(max(Fraction(0), (live - hot_tokens * concurrency) * bc))
-    l3 = _ceil(concurrency * max_seq_len * bc)
+    need_l2 = _ceil(max(Fraction(0), (live - hot_tokens * concurrency) * bc))
+    need_l3 = _ceil(concurrency * max_seq_len * bc)
     try:
         cfg = _config(layers, kv_heads, head_dim, dtype, block_tokens, hot_tokens, concurrency,
-                      max(0, live - hot_tokens * concurrency), l3, codec, group_size, disk_path)
+                      max(0, live - hot_tokens * concurrency), need_l3, codec, group_size, disk_path)
         KVTierConfig.from_dict(cfg).check_model(layers, kv_heads, head_dim, _torch_dtype(dtype), machine=False)
     except ValueError as e:
         raise ValueError(f"this workload needs a configuration KVTierConfig does not accept ({e}); "
                          f"lower --max-seq-len, --avg-seq-len or --concurrency") from None
+    # what a store with this config allocates (L1: its pool, scratch slots included; L2: the
+    # ring; L3: the bound its files grow to), floors included: at least one block record in L2,
+    # two segments in L3
+    l1 = pool_slots(hot_tokens // block_tokens, concurrency, layers) * (bf // layers) * block_tokens
+    l2, l3 = cfg["host_bytes"], cfg["disk_bytes"]
     achieved = Fraction(l2, l1)
     out = {
         "model": {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": dtype},
@@ -222,6 +231,9 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
                        for n in _SEED_LENGTHS},
         "tiers": {"l1_hbm_bytes": l1, "l2_dram_bytes": l2, "l3_ssd_bytes": l3,
                   "dram_to_hbm": round(float(achieved), 3), "ratio_in_range": 4 <= achieved <= 8},
+        # the encoded KV the workload puts past L1 (L2: the average working set; L3: every
+        # sequence at its longest): the tiers above are these rounded up to what a store allocates
+        "needed": {"l2_dram_bytes": need_l2, "l3_ssd_bytes": need_l3},
         "config": cfg,
     }
     if heads is not None:
@@ -323,9 +335,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"all seqs   avg {_fmt(plan['all_sequences_full']['avg'])}, max {_fmt(plan['all_sequences_full']['max'])} "
           f"at full precision")
     flag = "" if t["ratio_in_range"] else "  (outside the 1:4-1:8 range)"
-    print(f"L1 HBM     {_fmt(t['l1_hbm_bytes'])}  (hot_tokens={plan['config']['hot_tokens']:,} per sequence)")
-    print(f"L2 DRAM    {_fmt(t['l2_dram_bytes'])}  HBM:DRAM = 1:{t['dram_to_hbm']:.1f}{flag}")
-    print(f"L3 SSD     {_fmt(t['l3_ssd_bytes'])}  (every sequence at max length, {plan['codec']}, lz4 not assumed)")
+    need = plan["needed"]
+    print(f"L1 HBM     {_fmt(t['l1_hbm_bytes'])}  (hot_tokens={plan['config']['hot_tokens']:,} per sequence, "
+          f"scratch slots included)")
+    print(f"L2 DRAM    {_fmt(t['l2_dram_bytes'])}  HBM:DRAM = 1:{t['dram_to_hbm']:.1f}{flag}  (host_bytes; the "
+          f"working set past L1 is {_fmt(need['l2_dram_bytes'])} {plan['codec']}, at least one block record)")
+    print(f"L3 SSD     {_fmt(t['l3_ssd_bytes'])}  (disk_bytes; every sequence at max length is "
+          f"{_fmt(need['l3_ssd_bytes'])} {plan['codec']}, lz4 not assumed; at least two segments)")
     fields = ", ".join(f"{k}={v!r}" for k, v in plan["config"].items())
     print(f"config     KVTierConfig({fields})")
     return 0

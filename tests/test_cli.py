@@ -79,7 +79,8 @@ def test_every_plan_is_a_config_kvtier_accepts_in_integers(capsys, argv):
 def test_exact_integers_at_sizes_where_floats_drift():
     p = plan.make_plan(30, 3, 64, "float16", 100, 10 ** 8, 10 ** 8, "int4")
     per_block = p["bytes_per_token"]["codec_per_block"]
-    assert p["tiers"]["l3_ssd_bytes"] == -(-100 * 10 ** 8 * per_block // 64)  # ceil, exactly
+    assert p["needed"]["l3_ssd_bytes"] == -(-100 * 10 ** 8 * per_block // 64)  # ceil, exactly
+    assert p["tiers"]["l3_ssd_bytes"] == p["config"]["disk_bytes"] >= p["needed"]["l3_ssd_bytes"]
 
 
 @pytest.mark.parametrize("content, msg", [

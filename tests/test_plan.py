@@ -57,3 +57,31 @@ def test_cli_from_transformers_config(tmp_path, capsys):
 def test_cli_bad_input(argv, msg, capsys):
     assert plan.run(parse(*argv)) == 2
     assert msg in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("workload", [
+    dict(concurrency=1, avg_seq_len=1, max_seq_len=1, codec="int4"),  # the floors: one L2 record, two L3 segments
+    dict(concurrency=2, avg_seq_len=1000, max_seq_len=3000, block_tokens=16, codec="int8"),
+])
+def test_printed_tier_sizes_are_what_a_store_of_the_config_allocates(tmp_path, capsys, workload):
+    import torch
+
+    from kvtier.config import KVTierConfig
+    from kvtier.store import KVStore
+
+    out = plan.make_plan(30, 3, 64, "float16", disk_path=str(tmp_path / "l3"), **workload)
+    t = out["tiers"]
+    with KVStore(KVTierConfig.from_dict(out["config"]), 30, 3, 64, dtype=torch.float16) as st:
+        assert t["l1_hbm_bytes"] == st.l1.capacity_bytes == st.l1.storage.nbytes
+        assert t["l2_dram_bytes"] == st.l2.capacity_bytes
+        assert t["l3_ssd_bytes"] == st.l3.capacity_bytes
+    assert t["l2_dram_bytes"] >= out["needed"]["l2_dram_bytes"] and t["l3_ssd_bytes"] >= out["needed"]["l3_ssd_bytes"]
+    assert t["dram_to_hbm"] == round(t["l2_dram_bytes"] / t["l1_hbm_bytes"], 3)
+    argv = ["--layers", "30", "--kv-heads", "3", "--head-dim", "64"]
+    for k, v in workload.items():
+        argv += [f"--{k.replace('_', '-')}", str(v)]
+    assert plan.run(parse(*argv)) == 0
+    text = capsys.readouterr().out
+    for line, key in (("L1 HBM", "l1_hbm_bytes"), ("L2 DRAM", "l2_dram_bytes"), ("L3 SSD", "l3_ssd_bytes")):
+        assert f"{line:<10} {plan._fmt(t[key])} " in text
+    assert "L2 DRAM    0 B" not in text

@@ -6,5 +6,6 @@ See ``api.md`` for the contract with the integrations. Orchestration only: codec
 from .keys import block_key
 from .policy import POLICIES, EvictionPolicy, make_policy
 from .store import KVStore
+from .swap import SwapOutError
 
-__all__ = ["KVStore", "block_key", "EvictionPolicy", "POLICIES", "make_policy"]
+__all__ = ["KVStore", "SwapOutError", "block_key", "EvictionPolicy", "POLICIES", "make_policy"]

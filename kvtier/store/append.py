@@ -3,6 +3,16 @@ digest, content key) when the next one opens.
 
 Only a table's own caller writes its open block, and the worker never reads an open block, so
 the token data is written without a lock; the bookkeeping goes through ``Residency``.
+
+An append is all or nothing: one that opens blocks and fails on the way (no room in any tier)
+is undone, so the table holds what it held before:
+
+```
+ before   [ b0 ][ b1 open: f tokens ]            saved: a copy of b1's slot
+ failing  [ b0 ][ b1 sealed ][ b2 ][ b3 open ] -> no room for b4: raise
+ undone   [ b0 ][ b1 open: f tokens ]            b2, b3 dropped; b1 reopened (from the copy
+                                                 if it was evicted meanwhile: no lossy decode)
+```
 """
 from __future__ import annotations
 
@@ -12,15 +22,18 @@ from .content import ContentIndex
 from .evictor import Evictor
 from .layout import Layout
 from .residency import Residency
+from .surgery import SequenceSurgery
 from .table import BlockTable
 
 
 class Appender:
-    def __init__(self, layout: Layout, res: Residency, evictor: Evictor, content: ContentIndex | None) -> None:
+    def __init__(self, layout: Layout, res: Residency, evictor: Evictor, content: ContentIndex | None,
+                 surgery: SequenceSurgery) -> None:
         self.layout = layout
         self.res = res
         self.evictor = evictor
         self.content = content  # None without a fingerprint: no content keys
+        self.surgery = surgery
 
     def append(self, t: BlockTable, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [kv_heads, n, head_dim] on the store's device and dtype, n >= 1."""
@@ -33,6 +46,23 @@ class Appender:
                 self._write_open(t, fill, k, v)  # decode: the tokens fit in the open block
                 self.res.appended(t, ents[-1], t.length + n)
                 return
+        start = t.length
+        # the open block's data as it is: it may be sealed, evicted and stored lossy on the way
+        saved = t.open_view.clone() if ents else None  # [2, kv_heads, block_tokens, head_dim]
+        try:
+            self._append_blocks(t, k, v)
+        except BaseException:
+            # nothing of this table in flight while it is cut back
+            self.evictor.wait()
+            if self.content is not None and self.content.publisher is not None:
+                self.content.publisher.wait()
+            self.surgery.cut(t, start, saved)
+            raise
+
+    def _append_blocks(self, t: BlockTable, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [kv_heads, n, head_dim] from the open block on, opening blocks as needed."""
+        n = k.shape[1]
+        bt = self.layout.block_tokens
         pool = self.res.l1.pool
         pos = t.length
         off = 0

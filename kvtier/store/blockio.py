@@ -127,12 +127,17 @@ class BlockIO:
                 out[i] = self.decode(bufs[i], items[i][1], device)
         return out
 
-    def try_decode_l3(self, value) -> torch.Tensor | None:
-        """An L3/L4 value decoded on the store's device; None if absent, foreign or corrupt."""
+    def try_decode_l3(self, value, device: torch.device | None = None) -> torch.Tensor | None:
+        """An L3/L4 value decoded on ``device`` (default the store's); None if absent, foreign
+        or corrupt."""
+        return self.try_decode_stored(value, "l3", self.layout.device if device is None else device)
+
+    def try_decode_stored(self, value, tier: str, device: torch.device) -> torch.Tensor | None:
+        """:meth:`decode_stored`, None if ``value`` is absent, foreign or corrupt."""
         if value is None:
             return None
         try:
-            return self.decode_stored(value, "l3", self.layout.device)
+            return self.decode_stored(value, tier, device)
         except ValueError:  # foreign or corrupt bytes are a miss, never wrong data
             return None
 

@@ -133,34 +133,23 @@ class ContentIndex:
         return self.res.available(key) or self.lower.l3_holds(key)
 
     def read_blocks(self, block_hash: str) -> list[torch.Tensor] | None:
-        """Decoded [2, kv_heads, block_tokens, head_dim] blocks of ``block_hash``, one per layer,
-        from the nearest tier holding each: L1 copies first, then each lower tier read once for
-        all the layers it is asked for (a record of this process through ``read_copies``, then
-        an L3 copy by key, L4 last); None when a layer is in none of them (a corrupt copy is a
-        miss of its layer only)."""
+        """Decoded [2, kv_heads, block_tokens, head_dim] blocks of ``block_hash``, one per layer:
+        L1 copies first, then one ``read_copies`` for every other layer (each lower tier read
+        once for all of them: a record this process holds from the tiers it has copies in, any
+        other by key from L3 and L4); None when a layer is in none of them (a corrupt copy is a
+        miss of its layer, never its KV)."""
         keys = [self.key(layer, block_hash) for layer in range(self.layout.num_layers)]
         out: list[torch.Tensor | None] = []
-        held = []  # (layer, record) of the records this process holds outside L1
+        below = []  # (layer, record or bare key) of the layers not resident
         for layer, key in enumerate(keys):
             rec, data = self.res.resident_copy(key)
             out.append(data)
-            if data is None and rec is not None:
-                held.append((layer, rec))
-        if held:
-            for (layer, _), d in zip(held, self.lower.read_copies([r for _, r in held], self.layout.device)):
+            if data is None:
+                below.append((layer, key if rec is None else rec))
+        if below:
+            for (layer, _), d in zip(below, self.lower.read_copies([r for _, r in below], self.layout.device)):
                 out[layer] = d
-        missing = [layer for layer, d in enumerate(out) if d is None]
-        if missing:
-            for layer, d in zip(missing, self.lower.read_l3_many([keys[i] for i in missing])):
-                out[layer] = d
-            missing = [layer for layer in missing if out[layer] is None]
-        if missing:
-            got = self.lower.read_l4([keys[i] for i in missing]) if self.lower.l4 is not None else None
-            if got is None:
-                return None
-            for layer, d in zip(missing, got):
-                out[layer] = d
-        return out
+        return None if any(d is None for d in out) else out
 
     # -- export --------------------------------------------------------------------------------
 

@@ -58,17 +58,28 @@ class Evictor:
             if not items:
                 if t.resident + need <= hot:
                     return  # the victims were clean: freed at once
+                held = self.res.held_blocks(t)
+                if held:  # the failure that did it, if not raised yet, is raised with it
+                    raise RuntimeError(
+                        f"kvtier: the L1 budget of sequence {t.seq} layer {t.layer} is full: {held} of its "
+                        f"blocks failed to swap out and stay in L1; drop or truncate the sequence"
+                    ) from self.res.take_failure(t.seq)
                 raise AssertionError(f"L1 full for {t.seq}/{t.layer} with nothing evictable")
             self.worker.drain()
-            if t.resident >= before:
+            if t.resident >= before and not any(e.held for _, e in items):
                 why = ("host_bytes (and host_overflow_bytes) full and L3 full or refusing records (see the "
                        "warning above): raise host_bytes or disk_bytes, or free space under disk_path"
                        if self.lower.l3 is not None else
                        "host_bytes full and no L3: raise host_bytes or set disk_path")
                 raise RuntimeError(f"kvtier: L1 budget full and L2 refused the blocks ({why})")
+            # blocks whose swap-out failed are held in L1: the next round chooses others
 
     def drain(self) -> None:
         self.worker.drain()
+
+    def wait(self) -> None:
+        """Wait for the worker without raising its kept error (an undo after a failure)."""
+        self.worker.wait()
 
     def close(self) -> None:
         self.worker.close()
@@ -76,30 +87,64 @@ class Evictor:
     # -- worker thread -------------------------------------------------------------------------
 
     def _swap_out_batch(self, batch: list) -> None:
+        """Encode and put ``batch``'s (table, entry) items to L2, each settled on its own: a block
+        whose encoding, framing or put raises stays in L1 (``Residency.swap_failed``) and the
+        rest of the batch goes on."""
         t0 = time.perf_counter()
-        done = 0
         try:
-            if self._side is not None:
-                # quantize on the side stream, copy the encodings into pinned host memory
-                # asynchronously, wait once for the whole batch, then frame the records
-                with torch.cuda.stream(self._side):
-                    encs = [self._encode_slot(e) for _, e in batch]
-                    self._side.synchronize()
-            else:
-                encs = [self._encode_slot(e) for _, e in batch]
-            values = [None if enc is None else self.io.l2_record(pack_block(*enc[0])) for enc in encs]
-            backups = [(e, self.io.pack(pack_block(*enc[1]))) for (_, e), enc in zip(batch, encs)
-                       if enc is not None and enc[1] is not None]
+            ready = []  # (table, entry, L2 value or None when dropped, L3 backup or None)
+            for (t, e), enc in zip(batch, self._encode_batch(batch)):
+                if not isinstance(enc, Exception):
+                    try:
+                        ready.append((t, e, *self._frame(enc)))
+                        continue
+                    except Exception as exc:
+                        enc = exc
+                self.res.swap_failed(t, e, enc)
             with self.lower.lock:
+                backups = [(e, b) for _, e, _, b in ready if b is not None]
                 if backups:
-                    self._put_backups(backups)
-                for (t, e), value in zip(batch, values):
-                    self._put_l2(t, e, value)
-                    done += 1
+                    try:
+                        self._put_backups(backups)
+                    except Exception as exc:
+                        for t, e, _, b in ready:
+                            if b is not None:
+                                self.res.swap_failed(t, e, exc)
+                        ready = [r for r in ready if r[3] is None]
+                for t, e, value, _ in ready:
+                    try:
+                        self._put_l2(t, e, value)
+                    except Exception as exc:
+                        self.res.swap_failed(t, e, exc)
         finally:
-            self.res.release_pending(batch[done:])
+            self.res.release_pending(batch)  # only what a bug left pending
             if batch:
                 self.counters.sample("swap_out", (time.perf_counter() - t0) / len(batch))
+
+    def _encode_batch(self, batch: list) -> list:
+        """:meth:`_encode_slot` of each item, or the exception it raised."""
+        def one(e):
+            try:
+                return self._encode_slot(e)
+            except Exception as exc:
+                return exc
+
+        if self._side is None:
+            return [one(e) for _, e in batch]
+        # quantize on the side stream, copy the encodings into pinned host memory
+        # asynchronously, wait once for the whole batch, then frame the records
+        with torch.cuda.stream(self._side):
+            encs = [one(e) for _, e in batch]
+            self._side.synchronize()
+        return encs
+
+    def _frame(self, enc) -> tuple[bytes | None, bytes | None]:
+        """The L2 value and the L3 backup record (None: none) of :meth:`_encode_slot`'s encodings
+        (None: the block was dropped meanwhile)."""
+        if enc is None:
+            return None, None
+        value = self.io.l2_record(pack_block(*enc[0]))
+        return value, None if enc[1] is None else self.io.pack(pack_block(*enc[1]))
 
     def _put_l2(self, t: BlockTable, e, value: bytes | None) -> None:
         """Put one encoded block to L2 and settle its state (tier lock held)."""

@@ -54,6 +54,8 @@ def _check_tables(res: Residency):
                     "append views point away from the open block"
             for e in t.entries:
                 assert not e.pending and e.home != "none", f"block lost: {e}"
+                # a block whose swap-out failed is never a victim again: it stays in L1
+                assert not e.held or e.slot is not None, f"held block left L1: {e}"
                 homes[e.home] += 1
                 if e.slot is not None:
                     l1_keys.add(e.key)

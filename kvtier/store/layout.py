@@ -105,11 +105,21 @@ class Layout:
             digest_score=cfg.select_score if cfg.attention == "sparse" else None,
             digest_parts=bt // cfg.digest_tokens,
             digest_dtype=torch.int8 if cfg.digest_dtype == "int8" else dtype,
-            # a selection fits in the budget, so one read needs at most hot_blocks - 1 scratch
-            # slots; one read per live sequence may be in flight at a time
-            scratch_slots=max(1, hot - 1) * cfg.max_sequences, max_sequences=cfg.max_sequences,
+            scratch_slots=scratch_slots(hot, cfg.max_sequences), max_sequences=cfg.max_sequences,
             precision=PrecisionPlan.of(cfg),
         )
+
+
+def scratch_slots(hot_blocks: int, max_sequences: int) -> int:
+    """L1 slots past the regions: a selection fits in the budget, so one read needs at most
+    ``hot_blocks - 1`` scratch slots, and one read per live sequence may be in flight."""
+    return max(1, hot_blocks - 1) * max_sequences
+
+
+def pool_slots(hot_blocks: int, max_sequences: int, num_layers: int) -> int:
+    """Slots of the L1 pool: one region of ``hot_blocks`` per sequence and layer, then the
+    scratch slots (``KVStore`` allocates exactly these; ``kvtier plan`` prints their bytes)."""
+    return max_sequences * num_layers * hot_blocks + scratch_slots(hot_blocks, max_sequences)
 
 
 def _hot_blocks(cfg: KVTierConfig, slot_bytes: int, num_layers: int) -> int:

@@ -67,16 +67,24 @@ class LowerTiers:
         self.counters.sample("swap_in", (time.perf_counter() - t0) / len(entries), len(entries))
         return out
 
-    def read_copies(self, recs: list[BlockCopies], device: torch.device) -> list[torch.Tensor | None]:
+    def read_copies(self, recs: list[BlockCopies | str], device: torch.device) -> list[torch.Tensor | None]:
         """Each record's nearest readable copy decoded on ``device``; None where none could be
         read (absent, or corrupt: the tiers' CRCs turn damage into a miss). L2 and L3 are each
         read with one ``get_many`` for the batch, L2 first; what neither holds is asked of L4 in
         one round trip. A record marked for upgrade (``precision.py``) is read from its
-        higher-precision L3 copy, and its low L2 copy dropped once that decoded."""
+        higher-precision L3 copy, and its low L2 copy dropped once that decoded.
+
+        An item may be a bare tier key instead: content this process holds no record of (left
+        in L3 by an earlier process, or published to L4 by another), looked for in L3 and L4 by
+        key in the same reads; its L4 hits are noted (``Residency.note_l4``)."""
         out: list[torch.Tensor | None] = [None] * len(recs)
+        anywhere = (False, self.l3 is not None, self.l4 is not None)
         with self.lock:
             want = []  # (position, l2, l3, l4, key) of the records an upgrade did not serve
             for i, rec in enumerate(recs):
+                if isinstance(rec, str):
+                    want.append((i, *anywhere, rec))
+                    continue
                 if self.res.upgrade_due(rec):
                     out[i] = self._upgrade(rec, device)
                     if out[i] is not None:
@@ -94,23 +102,33 @@ class LowerTiers:
                 if value is not None:
                     found.append((i, value, tier))
                     break
-                n[f"misses_{tier}"] += 1
+                if not isinstance(recs[i], str):  # a bare key was only looked for: no copy missed
+                    n[f"misses_{tier}"] += 1
             else:
                 if in_l4:
                     l4.append((i, key))
         if found:
-            for (i, value, tier), d in zip(found, self.io.decode_stored_many([f[1:] for f in found], device)):
+            try:
+                decoded = self.io.decode_stored_many([f[1:] for f in found], device)
+            except ValueError:  # a record's own CRCs failed: each alone, the bad ones a miss
+                decoded = [self.io.try_decode_stored(value, tier, device) for _, value, tier in found]
+            for (i, value, tier), d in zip(found, decoded):
                 out[i] = d
-                n[f"hits_{tier}"] += 1
-                n[f"swap_in_{tier}_bytes"] += len(value)
+                n[f"hits_{tier}" if d is not None else f"misses_{tier}"] += 1
+                n[f"swap_in_{tier}_bytes"] += len(value) if d is not None else 0
         self.counters.add(**{k: x for k, x in n.items() if x})
         if l4:
-            for (i, _), v4 in zip(l4, self.l4.get_many([key for _, key in l4])):
-                out[i] = self.io.try_decode_l3(v4)
+            noted = []
+            for (i, key), v4 in zip(l4, self.l4.get_many([key for _, key in l4])):
+                out[i] = self.io.try_decode_l3(v4, device)
                 if out[i] is not None:
                     self.counters.add(hits_l4=1, swap_in_l4_bytes=len(v4))
+                    if isinstance(recs[i], str):
+                        noted.append(key)
                 else:
                     self.counters.add(misses_l4=1)
+            if noted:
+                self.res.note_l4(noted)
         return out
 
     @staticmethod
@@ -138,35 +156,6 @@ class LowerTiers:
         self.res.spilled([rec])
         self.counters.add(precision_upgrades=1, precision_upgrade_bytes=len(value), hits_l3=1,
                           swap_in_l3_bytes=len(value))
-        return out
-
-    def read_l3_many(self, keys: list[str]) -> list[torch.Tensor | None]:
-        """The L3 records under ``keys`` (one ``get_many``) decoded on the device (hits counted);
-        None for each one absent or corrupt, the others still read."""
-        if self.l3 is None or not keys:
-            return [None] * len(keys)
-        with self.lock:
-            values = self.l3.get_many(keys)
-        out = [self.io.try_decode_l3(v) for v in values]
-        hits = [len(v) for v, d in zip(values, out) if d is not None]
-        if hits:
-            self.counters.add(hits_l3=len(hits), swap_in_l3_bytes=sum(hits))
-        return out
-
-    def read_l4(self, keys: list[str]) -> list[torch.Tensor] | None:
-        """The L4 records under ``keys`` (one round trip) decoded on the device; None as soon as
-        one is missing."""
-        t0 = time.perf_counter()
-        out = []
-        for value in self.l4.get_many(keys):
-            d = self.io.try_decode_l3(value)
-            if d is None:
-                self.counters.add(misses_l4=1)
-                return None
-            self.counters.add(hits_l4=1, swap_in_l4_bytes=len(value))
-            out.append(d)
-        self.res.note_l4(keys)
-        self.counters.sample("swap_in", (time.perf_counter() - t0) / len(keys))
         return out
 
     def stored_record(self, key: str, l2: bool, l3: bool) -> bytes | None:

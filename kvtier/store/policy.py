@@ -52,7 +52,7 @@ class EvictionPolicy(ABC):
         # resident blocks only (a table holds many more below L1); the sorts below make the
         # order independent of the scan order
         for e in table.slotted.values():
-            if e.idx == open_idx or e.pending or e.idx in exclude or (only_clean and not e.clean):
+            if e.idx == open_idx or e.pending or e.held or e.idx in exclude or (only_clean and not e.clean):
                 continue
             (fallback if e.idx in prot else cand).append(e)
         cand.sort(key=self.sort_key)

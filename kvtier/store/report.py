@@ -35,7 +35,9 @@ def store_stats(store) -> dict:
         "swap_in_blocks": c["swap_in_blocks"],
         "swap_out_blocks": c["swap_out_blocks"],
         "evictions": {"clean": c["evicted_clean"], "dirty": c["evicted_dirty"],
-                      "failed": c["evict_failed"], "sync": c["sync_evictions"]},
+                      "failed": c["evict_failed"], "sync": c["sync_evictions"],
+                      # the codec or a tier put raised: the block stays in L1 (``held``)
+                      "swap_out_errors": c["swap_out_failed"], "held": fp["held"]},
         "scratch_uses": c["scratch_uses"],
         # gather_view: steps served as views of L1, steps that fell back to a copy, and block
         # copies made to keep each table's attended run contiguous
@@ -111,6 +113,7 @@ def _prefix_stats(refs: list[int], c: dict) -> dict:
         "adopted_l3": c["adopted_l3"], "orphans_deleted": c["orphans_deleted"], "l3_disk_full": c["l3_disk_full"],
         "published_l3": {"blocks": c["pub_l3_blocks"], "bytes": c["pub_l3_bytes"],
                          "failed": c["pub_l3_failed"]},
+        "publish_encode_failed": c["pub_encode_failed"],
     }
 
 

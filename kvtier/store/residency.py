@@ -17,6 +17,7 @@ from .keys import block_key
 from .layout import Layout
 from .regions import Regions
 from .stats import Counters
+from .swap import SwapOutError
 from .table import BlockCopies, BlockEntry, BlockTable
 
 _HOMES = ("l1", "l2", "l3")
@@ -42,6 +43,8 @@ class Residency:
         self.below = dict(copies_l2=0, copies_l3=0, bytes_l2=0, bytes_l3=0)
         self.touched: dict[int, BlockTable] = {}      # tables appended to or read since end_step
         self.known_l4: set[str] = set()               # keys just read from L4 (no need to publish)
+        # the first swap-out failure of each sequence not yet raised to its caller
+        self.failures: dict[int, SwapOutError] = {}
         # (L3, L4) content records are written through to; None: no write-through
         self.publish_to: tuple[bool, bool] | None = None
         self.step = 0
@@ -119,6 +122,7 @@ class Residency:
                     self.by_key.pop(e.key, None)
                 self.touched.pop(id(t), None)
             del self.tables[seq]
+            self.failures.pop(seq, None)
             self._free_groups.append(self._group.pop(seq))
         return drop2, drop3
 
@@ -297,6 +301,30 @@ class Residency:
                     t.free_slot(e)
                     self._rehome("l1", e)  # to l2, or l3 for a block clean there
             self._unpend(t, e)
+
+    def swap_failed(self, t: BlockTable, e: BlockEntry, exc: Exception) -> None:
+        """The worker could not swap pending ``e`` out (``exc`` raised): it stays resident at full
+        precision, ``held`` (never a victim again), and the failure is kept for ``t``'s sequence
+        (its first one only) until :meth:`take_failure` hands it to that sequence's caller."""
+        with self.lock:
+            if e.pending:
+                self._unpend(t, e)
+            if e.key not in self.by_key:
+                return  # dropped meanwhile: nobody to tell
+            e.held = True
+            self.counters.add(swap_out_failed=1)
+            if t.seq not in self.failures:
+                self.failures[t.seq] = SwapOutError(t.seq, t.layer, e.idx, exc)
+
+    def held_blocks(self, t: BlockTable) -> int:
+        """How many of ``t``'s resident blocks are held in L1 after a failed swap-out."""
+        with self.lock:
+            return sum(1 for e in t.slotted.values() if e.held)
+
+    def take_failure(self, seq: int) -> SwapOutError | None:
+        """The swap-out failure of ``seq`` not yet raised (then forgotten), or None."""
+        with self.lock:
+            return self.failures.pop(seq, None)
 
     def release_pending(self, items: list) -> None:
         """Items the worker could not process (an exception): no longer pending."""
@@ -649,12 +677,13 @@ class Residency:
         hold, digest bytes, blocks per home tier, copies and bytes below L1, references per
         content record."""
         bt = self.layout.block_tokens
-        out = dict(tokens=0, resident=0, l1_tokens=0, digest_bytes=0, digest_reserved=0)
+        out = dict(tokens=0, resident=0, l1_tokens=0, digest_bytes=0, digest_reserved=0, held=0)
         with self.lock:
             for tables in self.tables.values():
                 for t in tables:
                     out["tokens"] += t.length
                     out["resident"] += t.resident
+                    out["held"] += sum(1 for e in t.slotted.values() if e.held)
                     if t.entries:  # the open block holds length - sealed tokens, not block_tokens
                         out["l1_tokens"] += t.resident * bt - (len(t.entries) * bt - t.length)
                     if t.digest is not None:

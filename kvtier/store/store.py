@@ -32,7 +32,7 @@ from .append import Appender
 from .blockio import BlockIO
 from .content import ContentIndex
 from .evictor import Evictor
-from .layout import Layout
+from .layout import Layout, pool_slots
 from .lower import CONTENT_KEY, LowerTiers
 from .policy import make_policy
 from .prefetch import Prefetcher
@@ -87,8 +87,8 @@ class KVStore:
         ) if fingerprint else None
         # regions first (placed by the residency part: table.py), then the scratch slots
         regions = cfg.max_sequences * num_layers * lay.hot_blocks
-        self.l1 = DeviceTier(lay.slot_shape, regions + lay.scratch_slots, dtype=lay.dtype,
-                             device=lay.device, slot_axis=2, placed_slots=regions)
+        self.l1 = DeviceTier(lay.slot_shape, pool_slots(lay.hot_blocks, cfg.max_sequences, num_layers),
+                             dtype=lay.dtype, device=lay.device, slot_axis=2, placed_slots=regions)
         self.residency = Residency(lay, self.l1, self.policy, self.counters)
         self.lower.res = self.residency
         self.evictor = Evictor(lay, self.residency, self.io, self.lower, self.counters, cfg.evict_batch_blocks)
@@ -105,11 +105,11 @@ class KVStore:
         # competes with the decode step for the cores and the GIL (config.py, bench_store.py)
         self.prefetch = cfg.prefetch if cfg.prefetch != "auto" else lay.cuda
         self.prefetcher = Prefetcher(self.lower, self.counters, cfg.prefetch_blocks, self.prefetch)
+        self.surgery = SequenceSurgery(self.residency, self.lower, self.evictor, self.content)
         self.appender = Appender(lay, self.residency, self.evictor,
-                                 self.content if self.content_fp is not None else None)
+                                 self.content if self.content_fp is not None else None, self.surgery)
         self.reader = Reader(lay, self.residency, self.prefetcher, self.counters)
         self.selector = Selector(lay, self.residency)
-        self.surgery = SequenceSurgery(self.residency, self.lower, self.evictor, self.content)
         self._last_end_step: float | None = None
         self._closed = False
 
@@ -217,6 +217,7 @@ class KVStore:
         (copy-on-write). ValueError when no sequence is free, registering nothing."""
         self._check_open()
         tables = self.residency.tables_of(src)
+        self._raise_failure(src)
         dst = self.add_sequences(1)[0]
         try:
             self.surgery.fork(tables, self.residency.tables_of(dst))
@@ -241,6 +242,7 @@ class KVStore:
         """
         self._check_open()
         self.residency.tables_of(seq)
+        self._raise_failure(seq)
         if self.content_fp is None:
             raise ValueError("fingerprint must be a non-empty model fingerprint to use token ids "
                              "(KVStore(..., fingerprint=...)): keys are only shared within one model")
@@ -297,8 +299,7 @@ class KVStore:
         quantized again; only blocks with no such copy (resident in L1 only, or in L2 under another
         codec) are encoded here, from their full-precision L1 data or their decoded L2 copy.
         """
-        self._check_open()
-        t = self.residency.table(seq, layer)
+        t = self._table(seq, layer)
         n_full, rest = divmod(t.length, self.block_tokens)
         ents = list(t.entries)
         # a partial block is the open one, always resident in L1
@@ -309,8 +310,7 @@ class KVStore:
 
     def append(self, seq: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append tokens; k, v: floating-point [kv_heads, t, head_dim] (t = 0 appends nothing)."""
-        self._check_open()
-        t = self.residency.table(seq, layer)
+        t = self._table(seq, layer)
         if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
             raise ValueError(f"k and v must be torch tensors; got {type(k).__name__} and {type(v).__name__}")
         if k.dim() != 3 or k.shape != v.shape or k.shape[0] != self.kv_heads or k.shape[2] != self.head_dim:
@@ -323,11 +323,13 @@ class KVStore:
         if k.device != self.device or k.dtype != self.dtype:
             k = k.to(self.device, self.dtype)
             v = v.to(self.device, self.dtype)
-        # The codecs refuse NaN/Inf only when the block is evicted, on the swap-out worker, where
-        # the error would surface in a later call with the table half-appended: refuse it here,
-        # after the cast (float32 KV can overflow the store's 16-bit dtype). On CUDA the check
-        # would cost a host sync per layer and step; there the codec's check stands alone.
-        # (aminmax propagates NaN and is several times faster than isfinite().all() on CPU)
+        # Bad KV is refused here, after the cast (float32 KV can overflow the store's 16-bit
+        # dtype), with nothing appended. The codecs' own check cannot keep that promise: it runs
+        # only when a block is evicted (the open block never is; fp16/bf16 codecs do not check)
+        # and on the worker, whose failure keeps the block in L1 and reaches the caller one call
+        # late (SwapOutError). On CUDA the check would cost a host sync per layer and step; there
+        # that later SwapOutError is the report. (aminmax propagates NaN and is several times
+        # faster than isfinite().all() on CPU)
         if k.device.type == "cpu" and not all(
                 math.isfinite(x.item()) for x in (*torch.aminmax(k), *torch.aminmax(v))):
             raise ValueError(f"k and v must be finite (no NaN or Inf) in the store's dtype {self.dtype}; "
@@ -358,8 +360,7 @@ class KVStore:
         Blocks below L1 are swapped in (made resident while the budget has room, otherwise only
         streamed into the output); the next layer's missing blocks are prefetched meanwhile.
         """
-        self._check_open()
-        self.residency.table(seq, layer)  # checked
+        self._table(seq, layer)  # checked
         return self.reader.gather(self.residency.tables_of(seq), layer)
 
     def select(self, seq: int, layer: int, query: torch.Tensor, budget_tokens: int | None = None) -> list[int]:
@@ -376,7 +377,7 @@ class KVStore:
         if self.layout.digest_score is None:
             raise ValueError(f"select() needs attention='sparse' (key digests are kept only in sparse "
                              f"mode); this store's config has attention={self.cfg.attention!r}")
-        t = self.residency.table(seq, layer)
+        t = self._table(seq, layer)
         bt = self.block_tokens
         budget = self.budget_tokens if budget_tokens is None else budget_tokens
         if budget > self.hot_blocks * bt or budget < bt:
@@ -394,8 +395,7 @@ class KVStore:
             K, V: [kv_heads, n, head_dim] (owned: copied out of the pool); pos: LongTensor [n] of
             the token positions.
         """
-        self._check_open()
-        return self.reader.gather_blocks(self.residency.table(seq, layer), list(blocks))
+        return self.reader.gather_blocks(self._table(seq, layer), list(blocks))
 
     def gather_view(self, seq: int, layer: int, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
         """K, V of ``blocks`` (distinct sealed indices, any order) and the open block, as views
@@ -421,7 +421,7 @@ class KVStore:
         blocks = list(blocks)
         if len(set(blocks)) != len(blocks):
             raise ValueError(f"blocks must be distinct; got {sorted(blocks)}")
-        return self.reader.gather_view(self.residency.table(seq, layer), blocks)
+        return self.reader.gather_view(self._table(seq, layer), blocks)
 
     # -- attention feedback -----------------------------------------------------------------------
 
@@ -434,8 +434,7 @@ class KVStore:
                 sealed block in dense mode).
             mass: [len(blocks)] or [len(blocks) + 1] (the last one for the open block).
         """
-        self._check_open()
-        t = self.residency.table(seq, layer)
+        t = self._table(seq, layer)
         self.selector.observe(t, blocks, mass, self.cfg.snapkv_observe_steps)
 
     def observe_queries(self, seq: int, layer: int, query: torch.Tensor, keys: torch.Tensor | None = None) -> None:
@@ -443,8 +442,7 @@ class KVStore:
         [q_heads, w, head_dim]) over every token, pooled per block, fed to :meth:`observe`.
         ``keys``: every token's K as :meth:`gather` returns it ([kv_heads, T, head_dim]), when
         the caller has it (no second gather); by default gathered here."""
-        self._check_open()
-        t = self.residency.table(seq, layer)
+        t = self._table(seq, layer)
         if keys is None:
             keys, _ = self.gather(seq, layer)  # [kv_heads, T, hd]
         elif tuple(keys.shape) != (self.kv_heads, t.length, self.head_dim):
@@ -469,6 +467,19 @@ class KVStore:
         """
         self.flush()
         invariants.check(self.residency, self.lower)
+
+    def _table(self, seq: int, layer: int):
+        """The table of live (``seq``, ``layer``) of this open store; first raises the failed
+        swap-out of ``seq`` not yet raised (once: the block stays in L1, the store goes on)."""
+        self._check_open()
+        t = self.residency.table(seq, layer)
+        self._raise_failure(seq)
+        return t
+
+    def _raise_failure(self, seq: int) -> None:
+        err = self.residency.take_failure(seq)
+        if err is not None:
+            raise err
 
     def _check_open(self) -> None:
         if self._closed:

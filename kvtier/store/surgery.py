@@ -29,45 +29,58 @@ class SequenceSurgery:
 
     def truncate(self, tables: list[BlockTable], length: int) -> None:
         """Cut every table longer than ``length`` back to it (nothing of its blocks in flight)."""
+        for t in [t for t in tables if t.length > length]:
+            self.cut(t, length)
+        self.content.truncate(tables[0].seq, length)
+
+    def cut(self, t: BlockTable, length: int, reopened: torch.Tensor | None = None) -> None:
+        """Cut ``t`` back to ``length`` tokens (nothing of its blocks in flight); the token ids
+        noted for its sequence are the caller's to cut. ``reopened``: the L1 data
+        [2, kv_heads, block_tokens, head_dim] of the block that becomes the open one, when the
+        caller has it (an append undone: its copy below L1 may be lossy), instead of reading it from
+        that copy; a block still resident keeps its slot's data."""
         res = self.res
         bt = res.layout.block_tokens
         keep = -(-length // bt)  # blocks left, the last one open
-        for t in [t for t in tables if t.length > length]:
-            drop2, drop3 = [], []
-            reopen = keep and keep < len(t.entries)  # a sealed block becomes the open one
-            with res.lock:
-                for e in t.entries[keep:]:
-                    self._unlink(t, e, drop2, drop3)
-                del t.entries[keep:]
-                t.length = min(t.length, keep * bt)
-                t.gather_cache = t.view_cache = None
-                t.view_n = 0
-            fresh = None
-            if reopen:
-                e = t.entries[-1]
-                if e.slot is None:
-                    data = self.lower.load(e)  # [2, kv_heads, block_tokens, head_dim]
-                    self.evictor.make_room(t, 1)
-                    with res.lock:
-                        res._place(t, e, data)
-                if length < keep * bt:  # cut inside it: the next append makes new content
-                    with res.lock:
-                        self._unref(e, drop2, drop3)
-                        fresh = BlockCopies(e.key)
-            if drop2 or drop3:
-                self.lower.delete(drop2, drop3)
-            with res.lock:
-                if fresh is not None:  # registered only now: its key may have named a dropped copy
-                    e.rec = fresh
-                    fresh.entries.append(e)
-                    res.copies[e.key] = fresh
-                t.length = length
-                if t.entries:
-                    res._open_views(t)
-                else:
-                    t.open_view = t.open_np = None
-                res.touched[id(t)] = t
-        self.content.truncate(tables[0].seq, length)
+        drop2, drop3 = [], []
+        reopen = keep and keep < len(t.entries)  # a sealed block becomes the open one
+        with res.lock:
+            for e in t.entries[keep:]:
+                self._unlink(t, e, drop2, drop3)
+            del t.entries[keep:]
+            t.length = min(t.length, keep * bt)
+            t.gather_cache = t.view_cache = None
+            t.view_n = 0
+        fresh = None
+        if reopen:
+            e = t.entries[-1]
+            if e.slot is None:
+                data = self.lower.load(e) if reopened is None else reopened
+                self.evictor.make_room(t, 1)
+                with res.lock:
+                    res._place(t, e, data)
+        if keep:
+            e = t.entries[-1]
+            # cut inside the block that is open now: the next append makes new content (an
+            # undone append may have sealed it, even without opening the next one)
+            if length < keep * bt:
+                with res.lock:
+                    self._unref(e, drop2, drop3)
+                    fresh = BlockCopies(e.key)
+                    e.held = False  # new content: a failed swap-out of the old says nothing of it
+        if drop2 or drop3:
+            self.lower.delete(drop2, drop3)
+        with res.lock:
+            if fresh is not None:  # registered only now: its key may have named a dropped copy
+                e.rec = fresh
+                fresh.entries.append(e)
+                res.copies[e.key] = fresh
+            t.length = length
+            if t.entries:
+                res._open_views(t)
+            else:
+                t.open_view = t.open_np = None
+            res.touched[id(t)] = t
 
     def fork(self, src: list[BlockTable], dst: list[BlockTable]) -> None:
         """Fill the empty tables ``dst`` from ``src``: shared copies below L1, own L1 slots."""

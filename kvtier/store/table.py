@@ -93,7 +93,8 @@ def _delegate(name: str) -> property:
 
 class BlockEntry:
     __slots__ = ("idx", "key", "rec", "slot", "pending", "cancel",
-                 "last_used", "mass", "importance", "fence", "evict_codec", "rel_mass", "seen", "low_gen")
+                 "last_used", "mass", "importance", "fence", "evict_codec", "rel_mass", "seen", "low_gen",
+                 "held")
 
     def __init__(self, idx: int, key: str) -> None:
         self.idx = idx
@@ -113,6 +114,9 @@ class BlockEntry:
         # precision="importance": the record's generation (``rec.marks``) when the L1 copy was
         # decoded from a copy below the base codec; None when the L1 copy is not such a decode
         self.low_gen: int | None = None
+        # its swap-out failed (the codec or a tier put raised): it stays in L1 at full precision
+        # and is never chosen again, so that one bad block fails one swap-out, not every step's
+        self.held = False
 
     l2 = _delegate("l2")
     l3 = _delegate("l3")

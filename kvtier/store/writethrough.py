@@ -2,6 +2,8 @@
 processes): encoded in the disk format, batched, on the publisher thread off the decode path."""
 from __future__ import annotations
 
+import warnings
+
 from .blockio import BlockIO
 from .lower import LowerTiers
 from .residency import Residency
@@ -17,6 +19,7 @@ class WriteThrough:
         self.io = io
         self.lower = lower
         self.counters = counters
+        self.last_error: Exception | None = None  # the last encode or put that raised
         self._worker = SwapOutWorker(self._publish_batch, max(batch_blocks, 64), name="kvtier-publish")
 
     def submit(self, rec: BlockCopies, data) -> None:
@@ -26,18 +29,45 @@ class WriteThrough:
     def drain(self) -> None:
         self._worker.drain()
 
+    def wait(self) -> None:
+        """Wait for the worker without raising its kept error (an undo after a failure)."""
+        self._worker.wait()
+
     def close(self) -> None:
         self._worker.close()
 
     def _publish_batch(self, batch: list) -> None:
+        """Encode and put a batch. Write-through is best effort (nobody waits for it, and a
+        missing copy is a later miss), so a block whose encoding raises (NaN/Inf KV that no
+        append check saw, on CUDA; any codec error) or a put that raises is not published:
+        counted, kept in ``last_error`` and warned once, never raised into an unrelated call.
+        The block's swap-out, if the codec refuses it too, is reported to its sequence's
+        caller (evictor.py)."""
         todo = []
         for rec, data in batch:
             if self.res.needs_publish(rec):
-                todo.append((rec, self.io.disk_record(data)))
+                try:
+                    todo.append((rec, self.io.disk_record(data)))
+                except Exception as exc:
+                    self._failed(exc, pub_encode_failed=1)
         if todo and self.lower.l3 is not None:
-            self._put_l3(todo)
+            try:
+                self._put_l3(todo)
+            except Exception as exc:
+                self._failed(exc, pub_l3_failed=len(todo))
         if todo and self.lower.l4 is not None:
-            self._put_l4(todo)
+            try:
+                self._put_l4(todo)
+            except Exception as exc:
+                self._failed(exc, pub_l4_failed=len(todo))
+
+    def _failed(self, exc: Exception, **counts) -> None:
+        self.counters.add(**counts)
+        if self.last_error is None:
+            warnings.warn(f"kvtier: write-through to L3/L4 failed ({type(exc).__name__}: {exc}); the blocks "
+                          f"concerned are not published (counted in stats()); later ones are tried",
+                          RuntimeWarning, stacklevel=2)
+        self.last_error = exc
 
     def _put_l3(self, todo: list) -> None:
         lower = self.lower

@@ -168,34 +168,23 @@ class RecordIndex:
         return loc
 
     def get(self, key: str, default=None):
-        hot = self._hot
-        loc = hot.get(key)
-        if loc is not None:
-            return loc
-        frozen = self._frozen
-        if frozen is not None:
-            if key in hot:
-                return default  # removed since the freeze
-            loc = frozen.get(key)
-            if loc is not None:
-                return loc
-        base = self._base
-        if base is not None:
-            kb = _key_bytes(key)
-            r = base.find(kb) if kb is not None else -1
-            if r >= 0:
-                return base.loc(r)
-        loc = self._hot.get(key)  # moved meanwhile: out of the base, or the frozen dict thawed
+        loc = self._hot.get(key)
+        if loc is None:
+            loc = self._below(key)[0]
+            if loc is None:
+                loc = self._hot.get(key)  # moved meanwhile: out of the base, or the frozen dict thawed
         return default if loc is None else loc
 
     def _below(self, key: str) -> tuple[Loc | None, int]:
         """Where ``key`` is, for a caller that found no location for it in the dict: (its frozen
         location, -1) unless removed since, else (its base row's location, the row), else
-        (None, -1). Caller holds the tier lock."""
+        (None, -1). Safe without the tier lock (``get``): it reads the frozen dict and the base
+        once each, and a key moving between them meanwhile is found by the caller's second
+        look in the dict."""
         frozen = self._frozen
         if frozen is not None:
             if key in self._hot:
-                return None, -1
+                return None, -1  # removed since the freeze
             loc = frozen.get(key)
             if loc is not None:
                 return loc, -1

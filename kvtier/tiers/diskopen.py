@@ -8,16 +8,57 @@ the replay up to its watermark; only the tail after it is scanned, every record 
 A record whose header checks out but whose data does not is corrupt (the key is dropped,
 never an older version), except at the very end of the last segment, where it is an append
 that never completed (torn) and is erased.
+
+The directory itself (``prepare_directory``): created 0o700 when missing; an existing one that
+holds nothing but a tier's files (or nothing) is a tier's and is set to 0o700 as well; any other
+directory is the user's, never changed, and refused when group or others may write to it.
 """
 from __future__ import annotations
 
 import os
+import stat
 
 from kvtier._crc import crc32
 from . import diskindex
 from .diskspace import SEG_RE
 from .segfile import (FLAG_TOMB, REC_HEADER_BYTES, SEG_HDR, SEG_HEADER_BYTES, SEG_MAGIC, Segment, cut_record_at,
                       iter_headers)
+
+
+def _tier_file(name: str) -> bool:
+    return bool(SEG_RE.match(name)) or name in ("LOCK", diskindex.INDEX_NAME, diskindex.INDEX_NAME + ".tmp")
+
+
+def prepare_directory(path: str) -> None:
+    """Make ``path`` a directory fit for a tier's owner-only files.
+
+    Created 0o700 (parents as ``os.makedirs`` makes them) when missing. An existing directory
+    holding only a tier's files, or none (``mkdir cache`` before the first run), is the tier's:
+    set to 0o700 like one it creates, so the file names and sizes do not show either. Any other
+    directory is the user's: never chmod'ed; readable by others is fine (the files are 0o600),
+    but writable by group or others is refused (ValueError): another user could then replace
+    or plant the tier's files (its CRCs catch damage, not forgery)."""
+    try:
+        os.makedirs(path, mode=0o700)
+        os.chmod(path, 0o700)  # exactly, whatever the umask
+        return
+    except FileExistsError:
+        pass
+    mode = stat.S_IMODE(os.stat(path).st_mode)
+    if all(_tier_file(n) for n in os.listdir(path)):
+        if mode == 0o700:
+            return
+        try:
+            os.chmod(path, 0o700)
+            return
+        except PermissionError:  # not ours to change (another owner): judged as the user's below
+            pass
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = " and ".join(w for w, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH)) if mode & bit)
+        raise ValueError(
+            f"path {path!r} is writable by {who} (mode {mode:#o}) and holds files that are not kvtier's: "
+            f"another user could replace the L3 files there. Remove that write access (chmod go-w), "
+            f"or point disk_path at a new subdirectory (kvtier creates it owner-only)")
 
 
 class DiskRecovery:

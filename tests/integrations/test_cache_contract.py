@@ -86,6 +86,45 @@ def test_failed_step_is_rolled_back_and_hijacks_nothing(model_bf16, tokenizer, t
         torch.testing.assert_close(_fwd(model_bf16, ids[:, 108:109], cache), _fwd(model_bf16, ids[:, 108:109], twin))
 
 
+def test_a_failed_swap_out_fails_one_forward_of_its_cache_and_leaves_no_trace(model_bf16, tokenizer, tmp_path,
+                                                                              monkeypatch, restore_attention):
+    from kvtier.store import SwapOutError
+
+    restore_attention(model_bf16)
+    ids = text_ids(tokenizer, 140, offset=2000)
+    with kvtier.attach(model_bf16, cfg(tmp_path)) as cache, \
+            kvtier.attach(model_bf16, cfg(tmp_path, "twin")) as twin:
+        _fwd(model_bf16, ids[:, :100], cache)
+        _fwd(model_bf16, ids[:, :100], twin)
+        io, failed = cache.store.io, []
+        real = io.encode_pair
+
+        def encode_pair(block, tier, codec=None):  # the next block swapped out to L2 fails, once
+            if tier == "l2" and not failed:
+                failed.append(True)
+                raise OSError("injected codec failure")
+            return real(block, tier, codec)
+
+        monkeypatch.setattr(io, "encode_pair", encode_pair)
+        t = 100
+        while True:  # decode until a block leaves L1 and its failure reaches this cache
+            before = _lengths(cache)
+            try:
+                got = _fwd(model_bf16, ids[:, t:t + 1], cache)
+            except SwapOutError as e:
+                assert isinstance(e.__cause__, OSError)
+                break
+            torch.testing.assert_close(got, _fwd(model_bf16, ids[:, t:t + 1], twin))
+            t += 1
+            assert t < 130, "no swap-out failure surfaced"
+        assert _lengths(cache) == before and cache.stats()["integration"]["rolled_back_steps"] == 1
+        for t in range(t, t + 6):  # the same step again, and on: as a cache that never failed
+            step = ids[:, t:t + 1]
+            torch.testing.assert_close(_fwd(model_bf16, step, cache), _fwd(model_bf16, step, twin))
+        ev = cache.stats()["evictions"]
+        assert ev["swap_out_errors"] == 1 and ev["held"] == 1
+
+
 def test_sparse_refusal_without_kvtier_attention_leaves_nothing(model_bf16, tokenizer, tmp_path):
     c = cfg(tmp_path, attention="sparse", hot_tokens=128, budget_tokens=64)
     assert model_bf16.config._attn_implementation == "sdpa"

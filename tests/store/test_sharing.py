@@ -443,3 +443,32 @@ def test_an_l3_prefix_is_read_a_block_per_get_many_and_a_corrupt_layer_ends_it_t
     assert reader.stats()["prefix"]["adopted_l3"] == 9 * L  # the last block attached is still open
     assert_reads(reader, c, [(k[:, :10 * BT], v[:, :10 * BT]) for k, v in PREFIX_KV])
     reader.close()
+
+
+def test_a_held_record_that_fails_to_read_is_read_once_and_ends_the_prefix_there(tmp_path):
+    """attach_prefix reads a block's layers in one pass: a record this process holds, whose one
+    copy below L1 (in L3) is corrupt, is that layer's miss; L3 is not asked for it again by key."""
+    store = make(tmp_path, host_bytes=16 << 10)  # the ring spills most blocks to L3
+    a = fill(store, PREFIX_IDS, PREFIX_KV)
+    store.flush()
+    _, hashes = store.content.prefix_hashes(PREFIX_IDS)
+
+    def only_in_l3(b):
+        rec = store.residency.record_of(store.content.key(1, hashes[b]))
+        return rec.l3 and not rec.l2 and all(e.slot is None for e in rec.entries)
+
+    b = next(b for b in range(4, len(hashes)) if only_in_l3(b))
+    bad = store.content.key(1, hashes[b])
+    corrupt_l3_record(store.l3, bad)
+    asked = []
+    get_many, get = store.l3.get_many, store.l3.get
+    store.l3.get_many = lambda keys: asked.extend(keys) or get_many(keys)
+    store.l3.get = lambda key: asked.append(key) or get(key)
+    before = store.stats()["misses"]["l3"]
+    c = store.add_sequence()
+    assert store.attach_prefix(c, PREFIX_IDS) == b * BT
+    assert asked.count(bad) == 1 and store.l3.corrupt_keys == {bad}
+    assert store.stats()["misses"]["l3"] - before >= 1
+    assert_reads(store, c, [(k[:, :b * BT], v[:, :b * BT]) for k, v in PREFIX_KV])
+    assert_reads(store, a, PREFIX_KV[:1])  # the layer without the damage reads back whole
+    store.close()

@@ -8,6 +8,8 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvtier.store import SwapOutError
+
 from .conftest import check_invariants, make_store
 
 LAYERS = 2
@@ -16,8 +18,8 @@ LAYERS = 2
 class StoreMachine(RuleBasedStateMachine):
     @initialize(policy=st.sampled_from(["lru", "sink-window", "h2o", "snapkv"]),
                 order=st.sampled_from(["compress-then-tier", "tier-then-compress"]),
-                prefetch=st.booleans())
-    def setup(self, policy, order, prefetch):
+                prefetch=st.booleans(), fail=st.booleans())
+    def setup(self, policy, order, prefetch, fail):
         self.dir = tempfile.mkdtemp(prefix="kvtier-sm-")
         from pathlib import Path
 
@@ -26,6 +28,18 @@ class StoreMachine(RuleBasedStateMachine):
                                 attention="sparse", prefetch=prefetch, max_sequences=3)
         self.ref: dict[int, list[list[torch.Tensor]]] = {}
         self.counter = 0
+        # at most one injected swap-out failure per run (the first swap-out, or one after the
+        # rule arms it): armed -> fired (a block held in L1) -> reported (or its sequence dropped)
+        self.failure = "armed" if fail else None
+        io, encode_pair = self.store.io, self.store.io.encode_pair
+
+        def failing_encode_pair(block, tier, codec=None):
+            if tier == "l2" and self.failure == "armed":
+                self.failure = "fired"
+                raise OSError("injected codec failure")
+            return encode_pair(block, tier, codec)
+
+        io.encode_pair = failing_encode_pair
 
     def teardown(self):
         if hasattr(self, "store"):
@@ -39,6 +53,21 @@ class StoreMachine(RuleBasedStateMachine):
         k = (base[None, :, None] + torch.arange(8)[None, None, :] / 16 + torch.arange(2)[:, None, None] * 0.5)
         return k.half(), (-k).half()
 
+    def _call(self, s, fn, *args):
+        """``fn(*args)`` on sequence ``s``; a swap-out failure is raised once, by a call on its
+        own sequence, before that call did anything: then the call is made again."""
+        try:
+            return fn(*args)
+        except SwapOutError as e:
+            assert self.failure == "fired" and e.seq == s, (self.failure, e)
+            self.failure = "reported"
+            return fn(*args)
+
+    @precondition(lambda self: self.failure is None)
+    @rule()
+    def fail_next_swap_out(self):
+        self.failure = "armed"
+
     @precondition(lambda self: len(self.ref) < 3)
     @rule()
     def add(self):
@@ -50,7 +79,7 @@ class StoreMachine(RuleBasedStateMachine):
         s = data.draw(st.sampled_from(sorted(self.ref)))
         layer = data.draw(st.integers(0, LAYERS - 1))
         k, v = self._tokens(n)
-        self.store.append(s, layer, k, v)
+        self._call(s, self.store.append, s, layer, k, v)
         self.ref[s][layer].append(k)
 
     @rule()
@@ -65,12 +94,12 @@ class StoreMachine(RuleBasedStateMachine):
         if not self.ref[s][layer]:
             return
         q = torch.randn(4, 1, 8)
-        sel = self.store.select(s, layer, q)
+        sel = self._call(s, self.store.select, s, layer, q)
         assert sel == sorted(set(sel)) and len(sel) <= 2
-        K, V, pos = self.store.gather_blocks(s, layer, sel)
+        K, V, pos = self._call(s, self.store.gather_blocks, s, layer, sel)
         ref = torch.cat(self.ref[s][layer], 1)
         assert torch.equal(K, ref[:, pos]) and torch.equal(V, -ref[:, pos])
-        self.store.observe(s, layer, sel, torch.rand(len(sel) + 1))
+        self._call(s, self.store.observe, s, layer, sel, torch.rand(len(sel) + 1))
 
     @precondition(lambda self: self.ref)
     @rule(data=st.data())
@@ -83,19 +112,19 @@ class StoreMachine(RuleBasedStateMachine):
             return
         ns = -(-self.store.seq_len(s, layer) // 4) - 1
         blocks = data.draw(st.lists(st.integers(0, max(0, ns - 1)), max_size=2, unique=True)) if ns else []
-        K, V, pos, order = self.store.gather_view(s, layer, blocks)
+        K, V, pos, order = self._call(s, self.store.gather_view, s, layer, blocks)
         assert sorted(order[:-1]) == sorted(blocks) and order[-1] == ns
         assert torch.equal(pos, (torch.tensor(order)[:, None] * 4 + torch.arange(4)).view(-1)[: pos.numel()])
         ref = torch.cat(self.ref[s][layer], 1)
         assert torch.equal(K, ref[:, pos]) and torch.equal(V, -ref[:, pos])
-        self.store.observe(s, layer, order, torch.rand(len(order)))
+        self._call(s, self.store.observe, s, layer, order, torch.rand(len(order)))
 
     @precondition(lambda self: self.ref)
     @rule(data=st.data())
     def dense_read(self, data):
         s = data.draw(st.sampled_from(sorted(self.ref)))
         layer = data.draw(st.integers(0, LAYERS - 1))
-        K, V = self.store.gather(s, layer)
+        K, V = self._call(s, self.store.gather, s, layer)
         ref = torch.cat(self.ref[s][layer], 1) if self.ref[s][layer] else K
         assert torch.equal(K, ref) and torch.equal(V, -ref)
 
@@ -103,13 +132,17 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def drop(self, data):
         s = data.draw(st.sampled_from(sorted(self.ref)))
-        self.store.drop_sequence(s)
+        self.store.drop_sequence(s)  # forgets a failure not yet reported, with its held block
         del self.ref[s]
+        if self.failure == "fired" and not self.store.residency.failures:
+            self.failure = "reported"  # it was s's
 
     @invariant()
     def consistent(self):
         if hasattr(self, "store"):
             check_invariants(self.store)
+            errors = self.store.stats()["evictions"]["swap_out_errors"]
+            assert errors == (self.failure in ("fired", "reported")), (errors, self.failure)
             for s, layers in self.ref.items():
                 for layer, chunks in enumerate(layers):
                     assert self.store.seq_len(s, layer) == sum(c.shape[1] for c in chunks)

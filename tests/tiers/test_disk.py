@@ -50,6 +50,41 @@ def test_files_and_directory_are_owner_only(tmp_path):
         assert stat.S_IMODE(os.stat(tmp_path / "d" / name).st_mode) == 0o600, name
 
 
+def _mode(p) -> int:
+    return stat.S_IMODE(os.stat(p).st_mode)
+
+
+@pytest.mark.parametrize("mode", [0o755, 0o775, 0o777], ids=oct)
+def test_an_existing_directory_holding_only_tier_files_is_made_owner_only(tmp_path, mode):
+    for d in (tmp_path / "empty", tmp_path / "old"):  # made by the user before the first run; a tier's
+        d.mkdir()
+        if d.name == "old":
+            with open_tier(d) as t:
+                t.put("a", b"1")
+        os.chmod(d, mode)
+        with open_tier(d) as t:
+            t.put("b", b"2")
+        assert _mode(d) == 0o700, d
+
+
+def test_a_users_directory_is_never_chmoded_and_refused_when_others_may_write(tmp_path):
+    d = tmp_path / "home"
+    d.mkdir()
+    (d / "notes.txt").write_text("the user's")
+    os.chmod(d, 0o755)
+    with open_tier(d) as t:  # readable by others is fine: the tier's files are 0o600
+        t.put("a", b"1")
+    assert _mode(d) == 0o755 and _mode(d / "LOCK") == 0o600
+    for mode, who in ((0o775, "group"), (0o757, "others"), (0o1777, "group and others")):
+        os.chmod(d, mode)
+        with pytest.raises(ValueError, match=f"writable by {who} .*chmod go-w"):
+            open_tier(d)
+        assert stat.S_IMODE(os.stat(d).st_mode) == mode  # left as it was
+    os.chmod(d, 0o750)
+    with open_tier(d) as t:  # nothing held against the directory after a refusal
+        assert t.get("a") == b"1"
+
+
 def test_compaction_reclaims_dead_segments_and_survives_restart(tmp_path):
     with open_tier(tmp_path / "d", compact_threshold=0.5) as t:
         for i in range(60):
@@ -305,6 +340,55 @@ def test_reads_go_on_while_a_put_many_flushes_and_a_sync_waits_for_it(tmp_path, 
         writer.join(20)
         syncer.join(20)
         assert got == [(b"1", b"2")] and synced.is_set()
+
+
+def test_reads_keep_the_gil_for_their_size_probe_while_an_appender_runs(tmp_path, monkeypatch):
+    """While a put_many is under way (here, in its flush), gets probe the file size with the
+    GIL held (an os.lseek would hand the interpreter to the appender each time), reading the
+    same size as os.lseek, and check CRCs so too (damage still caught); before and after it,
+    and after a put_many that raised, none does."""
+    from kvtier.tiers import compactor, diskread
+
+    big, bad = os.urandom(8192), os.urandom(8192)  # CRCs that would let go of the GIL
+    with open_tier(tmp_path / "d", durability="batch") as t:
+        t.put_many([("old", b"1"), ("big", big), ("bad", bad)])
+        sid, off, _, _ = t._index["bad"]
+        with open(t._segs[sid].path, "r+b") as f:  # the mapping sees it at once
+            f.seek(off + disk_mod.REC_HEADER_BYTES + 3 + 100)
+            f.write(bytes([bad[100] ^ 1]))
+        held = []
+        probe = diskread._file_end_held
+        monkeypatch.setattr(diskread, "_file_end_held", lambda fd: held.append(probe(fd)) or held[-1])
+        assert t.get("old") == b"1" and not held and not t._appenders
+        flushing, release = threading.Event(), threading.Event()
+        real = compactor.fdatasync
+
+        def slow_fdatasync(fd):
+            flushing.set()
+            assert release.wait(20)
+            real(fd)
+
+        monkeypatch.setattr(compactor, "fdatasync", slow_fdatasync)
+        writer = threading.Thread(target=t.put_many, args=([("new", b"2")],))
+        writer.start()
+        assert flushing.wait(20)
+        assert len(t._appenders) == 1
+        assert t.get("old") == b"1" and t.get_many(["new", "old", "big"]) == [b"2", b"1", big]
+        assert t.get("big") == big and t.get("bad") is None and "bad" in t.corrupt_keys
+        fd = t._head.fd
+        assert held and held[-1] == os.lseek(fd, 0, os.SEEK_END) == diskread._file_end(fd)
+        release.set()
+        writer.join(20)
+        assert not t._appenders
+        with pytest.raises(ValueError, match="value"):
+            t.put_many([("k", b"x"), ("big", b"x" * SEG)])
+        assert not t._appenders
+        n = len(held)
+        assert t.get("old") == b"1" and len(held) == n
+    r, w = os.pipe()
+    os.close(r)
+    os.close(w)
+    assert diskread._file_end_held(r) == 0 == diskread._file_end(r)  # a closed fd: nothing may be touched
 
 
 def test_gets_are_served_while_a_put_many_writes_and_never_see_its_records_early(tmp_path, monkeypatch):

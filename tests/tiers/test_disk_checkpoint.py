@@ -342,6 +342,7 @@ def test_record_index_frozen_and_thawed_in_slices_matches_a_dict(tmp_path):
             if idx.thaw(snap, 3):
                 snap = None
         assert idx.get(k) == model.get(k) and (k in idx) == (k in model) and len(idx) == len(model), step
+        assert idx.get(k, -1) == model.get(k, -1), step
         if step % 300 == 0:
             assert dict(idx.items()) == model and sorted(idx) == sorted(model)
             assert idx.live_bytes() == ({1: 0, 2: 0} | {s: sum(v[2] for v in model.values() if v[0] == s)
