@@ -46,14 +46,12 @@ def test_store_specs_build_valid_configs():
 
 def test_int8_rows_and_only():
     specs = sweep.int8_store_specs()
-    picked = sweep.only(specs, "=store int8 g32,zero K+V")
-    assert [s.name for s in picked] == ["store int8 g32", "store int8 g32 zero K+V",
-                                        "store int8 g32 zero K+V, V per channel"]
+    picked = sweep.only(specs, "=store int8 g32,zero K")
+    assert [s.name for s in picked] == ["store int8 g32", "store int8 g32 zero K", "store int8 g32 zero K+V"]
     assert sweep.store_config(picked[0], 64, None).codec_kwargs("int8", "value") == {
-        "group_size": 32, "axis": "token"}  # the default
-    cfg = sweep.store_config(picked[-1], 64, None)
-    assert (cfg.int8_zero_point, cfg.codec_kwargs("int8", "value")) == (
-        "both", {"group_size": 32, "axis": "channel", "zero_point": True})
+        "group_size": 32, "axis": "channel", "zero_point": True}  # the default
+    cfg = sweep.store_config(picked[1], 64, None)
+    assert (cfg.int8_zero_point, cfg.codec_kwargs("int8", "value")) == ("key", {"group_size": 32, "axis": "token"})
     assert len(sweep.only(specs, "store int8 g32")) == len(specs) - 1  # all but the lossless row
 
 

@@ -40,13 +40,13 @@ def test_per_channel_values_are_more_accurate_at_the_same_bytes():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_value_records_of_the_other_axis_decode_in_a_store(dtype):
-    """A block record whose int8 values were grouped per token (the default) is declined by the
-    in-place decoder of a store with ``int8_value_axis="channel"`` and read by its codecs on the
-    general path, to the values it was written with; and the other way round."""
+def test_old_value_records_decode_in_a_store_of_the_new_default(dtype):
+    """A block record written under the old default (zero-point keys, symmetric values grouped
+    per token) is declined by the in-place decoder of the default codecs and read by those codecs
+    on the general path, to the values it was written with; and the other way round."""
     k, v = kv((3, 64, 64), 1, dtype), kv((3, 64, 64), 2, dtype)
-    new = KVTierConfig(int8_value_axis="channel", int8_zero_point="both")
-    old = KVTierConfig()
+    new = KVTierConfig()
+    old = KVTierConfig(int8_value_axis="token", int8_zero_point="key")
     codecs = {c: tuple(get_codec("int8", **c.codec_kwargs("int8", r)) for r in ("key", "value")) for c in (new, old)}
     rec_old = pack_block(codecs[old][0].encode(k), codecs[old][1].encode(v))
     ek, ev = unpack_block(rec_old)
@@ -60,12 +60,12 @@ def test_value_records_of_the_other_axis_decode_in_a_store(dtype):
 
 
 def test_config_chooses_int8_values_axis():
-    assert KVTierConfig().codec_kwargs("int8", "value") == {"group_size": 32, "axis": "token"}  # value_axis
-    cfg = KVTierConfig(int8_value_axis="channel", int8_zero_point="both")
+    cfg = KVTierConfig()
     assert cfg.codec_kwargs("int8", "value") == {"group_size": 32, "axis": "channel", "zero_point": True}
     assert cfg.codec_kwargs("int4", "value")["axis"] == "token"  # others follow value_axis
-    assert KVTierConfig(int8_value_axis="token", value_axis="channel").codec_kwargs("int8", "value")["axis"] == "token"
-    assert KVTierConfig(value_axis="channel").codec_kwargs("int8", "value")["axis"] == "channel"
+    assert KVTierConfig(int8_value_axis="token").codec_kwargs("int8", "value")["axis"] == "token"
+    assert KVTierConfig(int8_value_axis=None, value_axis="channel").codec_kwargs("int8", "value")["axis"] == "channel"
+    assert KVTierConfig(int8_value_axis=None).codec_kwargs("int8", "value")["axis"] == "token"
 
 
 @pytest.mark.parametrize("bad", ["tokens", "", True, 1])
