@@ -121,7 +121,7 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
         self._failed: BaseException | None = None  # the last environment failure reported to a caller
         self._closed = True
         self._lock_fd = -1
-        self._rfds: dict[int, int] = {}  # segment id -> read-only fd, oldest opened first
+        self._maps: dict[int, Segment] = {}  # the sealed segments mapped now, oldest mapped first (DiskReads._map)
         self._appenders: list[None] = []  # one entry per put_many, sync or compactor step under way (_at_work)
         self._worker: Compactor | None = None
         self._share = float(compact_share)
@@ -253,7 +253,7 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
             diskindex.remove(self.path)
             for sid in sorted(self._segs):  # oldest first: a crash leaves a suffix of the log, never stale versions
                 seg = self._segs.pop(sid)
-                self._drop_rfd(sid)
+                self._unmap(seg)
                 seg.close()
                 os.unlink(seg.path)
             self._index.clear()
@@ -352,8 +352,7 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
             if self._closed and self._lock_fd < 0:
                 return
             self._closed = True
-            for sid in list(self._rfds):
-                self._drop_rfd(sid)
+            self._maps.clear()
             for s in self._segs.values():
                 s.close()
             self._segs.clear()

@@ -1,0 +1,101 @@
+"""The fds and mappings a DiskTier holds stay bounded whatever the number of its segments:
+while it writes, reads in any order, compacts and reopens, and under a low RLIMIT_NOFILE."""
+from __future__ import annotations
+
+import os
+import random
+import resource
+
+import pytest
+
+from kvtier.tiers import DiskTier, diskread
+from tests.tiers._proc import run_in_child
+from tests.tiers.test_disk_compaction import wait_for
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts fds in /proc/self/fd")
+
+# the set's mappings (two fds each: the read fd and the one Python's mmap holds), the head's
+# two, the directory lock, and the few a sync, a checkpoint or a compaction step opens for a while
+CAP = 2 * diskread._MAPPED_SEGMENTS + 12
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _exercise(path, n_records: int, seed: int) -> dict:
+    """Write, read back in random order (get, get_many, get_into), delete and compact (inline and
+    in the background), reopen (from the checkpoint and by a full scan): the most fds open above
+    what the process held before, sampled at every mapping made, and the checks' results."""
+    rng = random.Random(seed)
+    base = _fds()
+    peak = [0]
+    real_map = DiskTier._map
+
+    def sampled_map(self, seg):  # each new mapping is where the count could grow
+        mm = real_map(self, seg)
+        peak[0] = max(peak[0], _fds() - base)
+        return mm
+
+    DiskTier._map = sampled_map
+    try:
+        vals = {f"r{i}": rng.randbytes(rng.randrange(500, 2500)) for i in range(n_records)}
+        keys = list(vals)
+        kw = dict(capacity_bytes=1 << 30, segment_bytes=8 << 10, durability="never", checkpoint_records=0)
+        with DiskTier(path, **kw) as t:
+            for i in range(0, n_records, 100):
+                assert all(t.put_many([(k, vals[k]) for k in keys[i:i + 100]]))
+                peak[0] = max(peak[0], _fds() - base)
+            segments = len(t._segs)
+            rng.shuffle(keys)
+            assert [t.get(k) for k in keys] == [vals[k] for k in keys]
+            rng.shuffle(keys)
+            assert t.get_many(keys) == [vals[k] for k in keys]
+            buf = bytearray(2500)
+            for k in keys[:500]:
+                assert t.get_into(k, buf) == len(vals[k]) and bytes(buf[:len(vals[k])]) == vals[k]
+            gone = set(keys[: n_records * 2 // 3])
+            assert all(t.delete_many(sorted(gone)))
+            for k in gone:
+                del vals[k]
+            t.compact()  # inline, then what the background worker finds meanwhile
+            inline = t.stats()["compactions"]
+            assert inline > 0 and wait_for(lambda: t.stats()["compactions"] > inline)
+            compactions = t.stats()["compactions"]
+            assert t.get_many(sorted(vals)) == [vals[k] for k in sorted(vals)]
+            assert all(t.get(k) is None for k in gone)
+        with DiskTier(path, **kw) as t:  # from the checkpoint close wrote
+            assert t.stats()["checkpoint_loaded"] == 1
+            assert t.get_many(sorted(vals)) == [vals[k] for k in sorted(vals)]
+        os.unlink(os.path.join(path, "INDEX"))
+        with DiskTier(path, **kw) as t:  # a full scan of every segment
+            assert t.stats()["checkpoint_loaded"] == 0
+            reopened = len(t._segs)
+            assert [t.get(k) for k in vals] == list(vals.values())
+        return dict(peak=peak[0], segments=segments, reopened=reopened, compactions=compactions, left=_fds() - base)
+    finally:
+        DiskTier._map = real_map
+
+
+def test_fds_stay_bounded_with_many_more_segments_than_mappings(tmp_path):
+    r = _exercise(str(tmp_path / "t"), 2000, seed=1)
+    assert r["segments"] > 4 * diskread._MAPPED_SEGMENTS and r["reopened"] > 2 * diskread._MAPPED_SEGMENTS
+    assert r["compactions"] > 0
+    assert r["peak"] <= CAP, r
+    assert r["left"] <= 0, r  # closed: nothing left open
+
+
+def _under_rlimit(path, soft: int) -> dict:
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return _exercise(path, 2000, seed=2)
+
+
+def test_a_tier_of_more_segments_than_the_fd_limit_works_under_it(tmp_path):
+    """In a child whose soft RLIMIT_NOFILE is 256: a tier of more segments than that (each
+    would hold an fd if every segment stayed mapped) writes, reads, compacts and reopens."""
+    soft = 256
+    assert CAP + _fds() < soft  # the parent's fds are the child's too
+    r = run_in_child(_under_rlimit, str(tmp_path / "t"), soft, timeout=300)
+    assert r["segments"] > soft and r["reopened"] > soft // 2, r
+    assert r["peak"] <= CAP, r
