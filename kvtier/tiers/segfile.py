@@ -283,11 +283,11 @@ class Segment:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return False
-        try:
-            if os.fstat(fd).st_size < self.size or not self.size:
-                os.close(fd)
-                return False
+        try:  # (mmap checks the file's size itself: ValueError when it is shorter)
             self.mm = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ, **_MMAP_KW)
+        except ValueError:
+            os.close(fd)
+            return False
         except BaseException:
             os.close(fd)
             raise
