@@ -1,4 +1,6 @@
-"""L3: a directory of append-only segment files, memory-mapped for reads.
+"""L3: a directory of append-only segment files, memory-mapped for reads (the head, and at most
+``diskread._MAPPED_SEGMENTS`` sealed segments at a time: the fds a tier holds do not grow with
+the number of its segments).
 
 ```
  path/ (0o700)

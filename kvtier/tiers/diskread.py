@@ -108,11 +108,13 @@ class DiskReads:
         see ``Segment.map_sealed``), mapped now if it is not. At most ``_MAPPED_SEGMENTS``
         sealed segments are mapped at a time (each holds two fds, see ``Segment``), the oldest
         mapped closed first: so the fds and mappings a tier holds are bounded whatever the
-        number of its segments. Mapping one again costs an open, an fstat and an mmap (its
-        pages stay in the page cache). A hit costs the caller one attribute test: keeping the
-        set in LRU order cost a 4 KiB get a fifth of its time. Closing is safe as every read
-        copies out of a mapping under the tier lock and holds no view of it afterwards (``_lock``
-        held; the head, mapped through its own fd, is never in the set)."""
+        number of its segments. A miss costs an open and an mmap, and closing the oldest a
+        munmap and two closes: about ten 4 KiB gets' time (its pages stay in the page cache, so
+        no disk read). A hit costs the caller one attribute test: keeping the set in LRU order
+        cost a 4 KiB get a fifth of its time. Closing is safe as every read copies out of a
+        mapping under the tier lock and holds no view of it afterwards (``_lock`` held; the
+        head, mapped through its own fd, is never in the set). A miss's system calls let go of
+        the GIL, also while an appender is under way."""
         if seg.mm is not None or seg.fd >= 0:
             return seg.mm
         maps = self._maps
