@@ -1,6 +1,6 @@
-"""L3: a directory of append-only segment files, memory-mapped for reads (the head, and at most
-``diskread._MAPPED_SEGMENTS`` sealed segments at a time: the fds a tier holds do not grow with
-the number of its segments).
+"""L3: a directory of append-only segment files, memory-mapped for reads (the head, and a
+bounded number of sealed segments at a time, ``diskread.mapped_segments``: the fds a tier holds
+do not grow with the number of its segments).
 
 ```
  path/ (0o700)
@@ -48,7 +48,7 @@ from . import diskindex
 from .base import Tier, TierStats, check_key
 from .compactor import CompactJob, Compactor, DiskCompaction
 from .diskopen import DiskRecovery, prepare_directory
-from .diskread import DiskReads
+from .diskread import DiskReads, mapped_segments
 from .diskspace import check_free_space, purge_directory, remove_tier_files
 from .diskwrite import DiskWrites, WriteLock
 from .errors import DirectoryLockedError, TierClosedError
@@ -124,6 +124,7 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
         self._closed = True
         self._lock_fd = -1
         self._maps: dict[int, Segment] = {}  # the sealed segments mapped now, oldest mapped first (DiskReads._map)
+        self._max_maps = mapped_segments()
         self._appenders: list[None] = []  # one entry per put_many, sync or compactor step under way (_at_work)
         self._worker: Compactor | None = None
         self._share = float(compact_share)

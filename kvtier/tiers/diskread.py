@@ -27,7 +27,7 @@ from kvtier._crc import crc32
 from .base import Tier, check_key, out_view
 from .segfile import REC, REC_HEADER_BYTES, REC_MAGIC, Segment, crc32_held
 
-_MAPPED_SEGMENTS = 64  # sealed segments mapped at a time (two fds each; see DiskReads._map)
+_MAPPED_MIN, _MAPPED_MAX = 16, 1024  # sealed segments a tier keeps mapped at a time (see mapped_segments)
 _by_loc = operator.itemgetter(2)  # (segment id, offset, ...): file order
 _check = struct.Struct("<I4x2xHII").unpack_from  # of a record header: magic, key length, value length, data crc
 _READAHEAD_MIN = 256 << 10  # a span below this is read around by the first page fault anyway
@@ -79,6 +79,23 @@ if _LSEEK is None:
     _file_end_held = _file_end  # noqa: F811 (no way to probe holding the GIL here)
 
 
+def mapped_segments() -> int:
+    """How many sealed segments a tier opened now keeps mapped at most (``DiskReads._map``):
+    each holds two fds (see ``Segment``), and together they take at most an eighth of the
+    process's soft RLIMIT_NOFILE, between ``_MAPPED_MIN`` and ``_MAPPED_MAX`` segments (64
+    under the usual limit of 1024: 4 GiB of 64 MiB segments; 1024 where it is 16k or more).
+    The rest of the limit stays the program's: mapping every segment of a large tier ran it
+    out of fds (EMFILE), in kvtier or anywhere else in the process."""
+    try:
+        import resource
+    except ImportError:  # no such limit here
+        return _MAPPED_MIN * 4
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return _MAPPED_MAX
+    return max(_MAPPED_MIN, min(_MAPPED_MAX, soft // 16))
+
+
 def _read_record(mm, limit: int, off: int, key: str, vlen: int, crc=crc32) -> bytes | None:
     """The value of the record at ``off`` of a mapping of which ``limit`` bytes may be touched,
     copied out once, after its header matched the index (magic, key and value lengths) and its
@@ -105,8 +122,8 @@ class DiskReads:
 
     def _map(self, seg: Segment):
         """``seg``'s mapping (None when its file cannot be mapped: then nothing of it is read,
-        see ``Segment.map_sealed``), mapped now if it is not. At most ``_MAPPED_SEGMENTS``
-        sealed segments are mapped at a time (each holds two fds, see ``Segment``), the oldest
+        see ``Segment.map_sealed``), mapped now if it is not. At most ``_max_maps`` sealed
+        segments are mapped at a time (``mapped_segments``), the oldest
         mapped closed first: so the fds and mappings a tier holds are bounded whatever the
         number of its segments. A miss costs an open and an mmap, and closing the oldest a
         munmap and two closes: about ten 4 KiB gets' time (its pages stay in the page cache, so
@@ -118,7 +135,7 @@ class DiskReads:
         if seg.mm is not None or seg.fd >= 0:
             return seg.mm
         maps = self._maps
-        while len(maps) >= _MAPPED_SEGMENTS:
+        while len(maps) >= self._max_maps:
             maps.pop(next(iter(maps))).unmap()
         if seg.map_sealed():
             maps[seg.id] = seg

@@ -14,9 +14,12 @@ from tests.tiers.test_disk_compaction import wait_for
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts fds in /proc/self/fd")
 
-# the set's mappings (two fds each: the read fd and the one Python's mmap holds), the head's
-# two, the directory lock, and the few a sync, a checkpoint or a compaction step opens for a while
-CAP = 2 * diskread._MAPPED_SEGMENTS + 12
+
+
+def _cap(maps: int) -> int:
+    """The set's mappings (two fds each: the read fd and the one Python's mmap holds), the head's
+    two, the directory lock, and the few a sync, a checkpoint or a compaction step opens for a while."""
+    return 2 * maps + 12
 
 
 def _fds() -> int:
@@ -43,6 +46,7 @@ def _exercise(path, n_records: int, seed: int) -> dict:
         keys = list(vals)
         kw = dict(capacity_bytes=1 << 30, segment_bytes=8 << 10, durability="never", checkpoint_records=0)
         with DiskTier(path, **kw) as t:
+            maps = t._max_maps
             for i in range(0, n_records, 100):
                 assert all(t.put_many([(k, vals[k]) for k in keys[i:i + 100]]))
                 peak[0] = max(peak[0], _fds() - base)
@@ -72,16 +76,17 @@ def _exercise(path, n_records: int, seed: int) -> dict:
             assert t.stats()["checkpoint_loaded"] == 0
             reopened = len(t._segs)
             assert [t.get(k) for k in vals] == list(vals.values())
-        return dict(peak=peak[0], segments=segments, reopened=reopened, compactions=compactions, left=_fds() - base)
+        return dict(maps=maps, peak=peak[0], segments=segments, reopened=reopened, compactions=compactions, left=_fds() - base)
     finally:
         DiskTier._map = real_map
 
 
-def test_fds_stay_bounded_with_many_more_segments_than_mappings(tmp_path):
+def test_fds_stay_bounded_with_many_more_segments_than_mappings(tmp_path, monkeypatch):
+    monkeypatch.setattr(diskread, "_MAPPED_MAX", 64)  # (else set by this process's fd limit)
     r = _exercise(str(tmp_path / "t"), 2000, seed=1)
-    assert r["segments"] > 4 * diskread._MAPPED_SEGMENTS and r["reopened"] > 2 * diskread._MAPPED_SEGMENTS
+    assert r["maps"] == 64 and r["segments"] > 4 * r["maps"] and r["reopened"] > 2 * r["maps"], r
     assert r["compactions"] > 0
-    assert r["peak"] <= CAP, r
+    assert r["peak"] <= _cap(r["maps"]), r
     assert r["left"] <= 0, r  # closed: nothing left open
 
 
@@ -93,9 +98,9 @@ def _under_rlimit(path, soft: int) -> dict:
 
 def test_a_tier_of_more_segments_than_the_fd_limit_works_under_it(tmp_path):
     """In a child whose soft RLIMIT_NOFILE is 256: a tier of more segments than that (each
-    would hold an fd if every segment stayed mapped) writes, reads, compacts and reopens."""
+    would hold an fd if every segment stayed mapped) writes, reads, compacts and reopens, its
+    set of mappings sized to the limit (an eighth of it in fds)."""
     soft = 256
-    assert CAP + _fds() < soft  # the parent's fds are the child's too
     r = run_in_child(_under_rlimit, str(tmp_path / "t"), soft, timeout=300)
-    assert r["segments"] > soft and r["reopened"] > soft // 2, r
-    assert r["peak"] <= CAP, r
+    assert r["maps"] == soft // 16 and r["segments"] > soft and r["reopened"] > soft // 2, r
+    assert r["peak"] <= _cap(r["maps"]), r
