@@ -106,11 +106,16 @@ def start_redis_server(workdir: Path, extra_args: tuple[str, ...] = ()) -> Redis
     raise RuntimeError(f"could not start redis-server: {last}")
 
 
-@pytest.fixture
-def redis_server(tmp_path_factory):
-    """A fresh redis-server for this test (:class:`RedisServer`: ``.url``, ``.kill()``, ``.restart()``)."""
+def require_redis() -> None:
+    """Skip the calling test when no redis-server is installed."""
     if REDIS_SERVER is None:
         pytest.skip("redis-server is not installed (Debian package redis-server; `make system-deps` installs it)")
+
+
+def serve_redis(tmp_path_factory):
+    """The body of a one-server fixture, whatever its scope: ``yield from serve_redis(...)``
+    starts a fresh server (or skips) and kills it when the fixture is torn down."""
+    require_redis()
     server = start_redis_server(tmp_path_factory.mktemp("redis"))
     try:
         yield server
@@ -119,10 +124,15 @@ def redis_server(tmp_path_factory):
 
 
 @pytest.fixture
+def redis_server(tmp_path_factory):
+    """A fresh redis-server for this test (:class:`RedisServer`: ``.url``, ``.kill()``, ``.restart()``)."""
+    yield from serve_redis(tmp_path_factory)
+
+
+@pytest.fixture
 def redis_server_factory(tmp_path_factory):
     """Start extra servers with their own options: ``redis_server_factory("--maxmemory", "2mb")``."""
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server is not installed (Debian package redis-server; `make system-deps` installs it)")
+    require_redis()
     started: list[RedisServer] = []
 
     def make(*extra_args: str) -> RedisServer:
