@@ -83,7 +83,31 @@ class DeviceMachine(RuleBasedStateMachine):
         self.tier.close()
 
 
-class HostMachine(RuleBasedStateMachine):
+class DictModelMachine(RuleBasedStateMachine):
+    """The delete and get rules of a tier (``self.tier``) checked against a plain dict
+    (``self.model``); subclasses add their puts and ``check_hit`` for more on a hit."""
+
+    tier: HostTier | DiskTier
+    model: dict[str, bytes]
+
+    @rule(key=KEYS)
+    def delete(self, key):
+        assert self.tier.delete(key) == (key in self.model)
+        self.model.pop(key, None)
+
+    @rule(key=KEYS)
+    def get(self, key):
+        got = self.tier.get(key)
+        assert (got is None) == (key not in self.model)
+        if got is not None:
+            assert got == self.model[key]
+            self.check_hit(key, got)
+
+    def check_hit(self, key, got):
+        """Further checks of a hit's value ``got`` (none by default)."""
+
+
+class HostMachine(DictModelMachine):
     def __init__(self):
         super().__init__()
         self.spilled: dict[str, bytes] = {}
@@ -119,19 +143,9 @@ class HostMachine(RuleBasedStateMachine):
                 assert self.tier.used_bytes + need > self.tier.capacity_bytes
             assert self.model == before  # whatever was not handed over is still here
 
-    @rule(key=KEYS)
-    def delete(self, key):
-        assert self.tier.delete(key) == (key in self.model)
-        self.model.pop(key, None)
-
-    @rule(key=KEYS)
-    def get(self, key):
-        got = self.tier.get(key)
-        assert (got is None) == (key not in self.model)
-        if got is not None:
-            assert got == self.model[key]
-            out = bytearray(len(got) + 3)
-            assert self.tier.get_into(key, out) == len(got) and bytes(out[: len(got)]) == got
+    def check_hit(self, key, got):
+        out = bytearray(len(got) + 3)  # get_into a caller's larger buffer reads the same bytes
+        assert self.tier.get_into(key, out) == len(got) and bytes(out[: len(got)]) == got
 
     @rule(fail=st.sampled_from([False, False, False, True]), attached=st.sampled_from([True, True, True, False]))
     def set_next_tier(self, fail, attached):
@@ -165,7 +179,7 @@ class HostNoNextTierMachine(HostMachine):
         raise AssertionError("unreachable")
 
 
-class DiskMachine(RuleBasedStateMachine):
+class DiskMachine(DictModelMachine):
     def __init__(self):
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="kvtier-sm-")
@@ -186,18 +200,6 @@ class DiskMachine(RuleBasedStateMachine):
         for (key, value), ok in zip(items, self.tier.put_many(items)):
             if ok:
                 self.model[key] = value
-
-    @rule(key=KEYS)
-    def delete(self, key):
-        assert self.tier.delete(key) == (key in self.model)
-        self.model.pop(key, None)
-
-    @rule(key=KEYS)
-    def get(self, key):
-        got = self.tier.get(key)
-        assert (got is None) == (key not in self.model)
-        if got is not None:
-            assert got == self.model[key]
 
     @rule()
     def reopen(self):
