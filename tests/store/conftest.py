@@ -60,13 +60,24 @@ def join_all(threads, errors: list, timeout: float = 80) -> None:
     assert not errors, errors[0]
 
 
+def assert_gathers(st: KVStore, ref: Ref, s: int, layer: int) -> None:
+    """``st.gather`` of (s, layer) is everything ``ref`` recorded for it, bit-exact."""
+    rk, rv = ref.kv(s, layer)
+    K, V = st.gather(s, layer)
+    assert torch.equal(K, rk) and torch.equal(V, rv)
+
+
+def assert_rows(ref: Ref, s: int, layer: int, K: torch.Tensor, V: torch.Tensor, pos: torch.Tensor) -> None:
+    """K and V (from gather_blocks or gather_view) hold the tokens ``pos`` of (s, layer)."""
+    rk, rv = ref.kv(s, layer)
+    assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+
+
 def assert_reads_back(st: KVStore, refs: dict) -> None:
     """Every (sequence, layer) of ``refs`` ({seq: Ref}) reads back bit-exact through gather."""
     for s, ref in refs.items():
         for (_, layer) in ref.chunks:
-            rk, rv = ref.kv(s, layer)
-            K, V = st.gather(s, layer)
-            assert torch.equal(K, rk) and torch.equal(V, rv)
+            assert_gathers(st, ref, s, layer)
 
 
 def corrupt_l3_record(l3, key: str) -> None:

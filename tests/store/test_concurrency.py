@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from .conftest import Ref, assert_reads_back, check_invariants, join_all, make_store, random_chunk
+from .conftest import (Ref, assert_gathers, assert_reads_back, assert_rows, check_invariants, join_all, make_store,
+                       random_chunk)
 
 
 def slow_swap_out(st, delay=0.002):
@@ -46,13 +47,10 @@ def test_swap_out_racing_swap_in_of_the_same_block(tmp_path):
         want = sorted(set(pending[:2]) | {rng.randrange(ns)})[: st.hot_blocks - 1]
         cancels += sum(1 for b in want if t.entries[b].pending)
         K, V, pos = st.gather_blocks(s, 0, want)
-        rk, rv = ref.kv(s, 0)
-        assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+        assert_rows(ref, s, 0, K, V, pos)
     assert cancels > 0, "the race was never exercised"
     check_invariants(st)
-    rk, rv = ref.kv(s, 0)
-    K, V = st.gather(s, 0)
-    assert torch.equal(K, rk) and torch.equal(V, rv)
+    assert_gathers(st, ref, s, 0)
     st.close()
 
 
@@ -74,17 +72,14 @@ def test_eviction_during_prefetch(tmp_path):
                 q = torch.randn(4, 1, 8)
                 sel = st.select(s, layer, q)  # prefetches layer+1 while eviction runs
                 K, V, pos = st.gather_blocks(s, layer, sel)
-                rk, rv = ref.kv(s, layer)
-                assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+                assert_rows(ref, s, layer, K, V, pos)
                 st.observe(s, layer, sel, torch.rand(len(sel) + 1))
         st.end_step()  # evicts and prefetches last step's selection
     stats = st.stats()
     assert stats["prefetch"]["issued"] > 0 and stats["swap_out_blocks"] > 0
     check_invariants(st)
     for (s, layer) in ref.chunks:
-        rk, rv = ref.kv(s, layer)
-        K, V = st.gather(s, layer)
-        assert torch.equal(K, rk) and torch.equal(V, rv)
+        assert_gathers(st, ref, s, layer)
     st.close()
 
 
@@ -112,15 +107,12 @@ def test_many_sequences_interleaved_from_threads(tmp_path):
                 if i % 3 == 0:
                     st.end_step()
                 if i % 50 == 0:
-                    K, V = st.gather(s, layer)
-                    rk, rv = ref.kv(s, layer)
-                    assert torch.equal(K, rk) and torch.equal(V, rv)
+                    assert_gathers(st, ref, s, layer)
                 elif i % 4 == 0 and st.seq_len(s, layer) > 8:
                     # old blocks asked for: swapped in through scratch slots (L1 is full of the window)
                     sel = st.select(s, layer, torch.randn(2, 1, 8, generator=gen))
                     K, V, pos = st.gather_blocks(s, layer, sel)
-                    rk, rv = ref.kv(s, layer)
-                    assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+                    assert_rows(ref, s, layer, K, V, pos)
         except BaseException as e:  # surfaced by the main thread
             errors.append(e)
 

@@ -6,7 +6,8 @@ import threading
 import pytest
 import torch
 
-from .conftest import Ref, assert_reads_back, check_invariants, join_all, make_store, random_chunk
+from .conftest import (Ref, assert_gathers, assert_reads_back, assert_rows, check_invariants, join_all, make_store,
+                       random_chunk)
 from .test_concurrency import slow_swap_out
 
 
@@ -21,8 +22,7 @@ def check_view(st, ref, s, layer, blocks, K, V, pos, order):
     ns = st.residency.tables[s][layer].n_sealed
     assert sorted(order[:-1]) == sorted(blocks) and order[-1] == ns
     assert torch.equal(pos, (torch.tensor(order)[:, None] * bt + torch.arange(bt)).view(-1)[: pos.numel()])
-    rk, rv = ref.kv(s, layer)
-    assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+    assert_rows(ref, s, layer, K, V, pos)
     K, V = K.clone(), V.clone()  # gather_blocks below may change the region
     Kc, Vc, pos_c = st.gather_blocks(s, layer, sorted(blocks))
     where = {b: i for i, b in enumerate(sorted(blocks) + [ns])}
@@ -102,9 +102,7 @@ def test_view_equals_copying_gather_across_changing_selections(tmp_path, policy,
     assert st.stats()["swap_in_blocks"] > 0 and st.stats()["swap_out_blocks"] > 0
     check_invariants(st)
     for (s, layer) in ref.chunks:
-        rk, rv = ref.kv(s, layer)
-        K, V = st.gather(s, layer)
-        assert torch.equal(K, rk) and torch.equal(V, rv)
+        assert_gathers(st, ref, s, layer)
     st.close()
 
 
@@ -219,8 +217,7 @@ def test_pending_block_is_never_moved_while_the_worker_reads_it(tmp_path):
         want = list(dict.fromkeys(pending[:2] + rng.sample(range(ns), min(ns, 2))))[: st.hot_blocks - 1]
         touched_pending += sum(1 for b in want if t.entries[b].pending)
         K, V, pos, order = st.gather_view(s, 0, want)
-        rk, rv = ref.kv(s, 0)
-        assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+        assert_rows(ref, s, 0, K, V, pos)
     assert touched_pending > 0, "the race was never exercised"
     g = st.stats()["gather"]
     assert g["views"] > 0 and g["copies"] > 0
@@ -263,8 +260,7 @@ def test_sequences_on_threads_with_views(tmp_path):
                     ref.add(s, layer, k, v)
                     sel = st.select(s, layer, torch.randn(4, 1, 8, generator=gen))
                     K, V, pos, order = st.gather_view(s, layer, sel)
-                    rk, rv = ref.kv(s, layer)
-                    assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+                    assert_rows(ref, s, layer, K, V, pos)
                     st.observe(s, layer, order, torch.rand(len(order)))
                 if i % 2 == 0:
                     st.end_step()
@@ -358,8 +354,7 @@ def test_block_freed_by_another_thread_during_a_swap_in(tmp_path, method):
     out = getattr(st, method)(s, 0, [0, 2])
     K, V, pos = out[:3]
     assert fired == [2]
-    rk, rv = ref.kv(s, 0)
-    assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+    assert_rows(ref, s, 0, K, V, pos)
     assert sorted(set((pos // 4).tolist())) == [0, 2, 7]
     check_invariants(st)
     st.close()
