@@ -42,10 +42,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from loopback_redis import LoopbackRedis
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.redis_server import REDIS_SERVER, start_redis_server  # noqa: E402  (the tests' loopback server)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _CODEC = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp16"}
@@ -219,10 +222,13 @@ def main(argv=None) -> int:
     disk = os.path.join(work, "l3")
     redis = None
     if not args.no_redis:
-        try:
-            redis = LoopbackRedis(os.path.join(work, "redis"))
-        except (FileNotFoundError, RuntimeError) as e:
-            print(f"# warm-redis skipped: {e}")
+        if REDIS_SERVER is None:
+            print("# warm-redis skipped: redis-server is not installed (apt-get install redis-server)")
+        else:
+            try:
+                redis = start_redis_server(Path(work) / "redis")
+            except RuntimeError as e:
+                print(f"# warm-redis skipped: {e}")
     rows = []
 
     def emit(row: dict) -> None:

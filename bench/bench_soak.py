@@ -43,11 +43,14 @@ import signal
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from loopback_redis import LoopbackRedis
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.redis_server import REDIS_SERVER, start_redis_server  # noqa: E402  (the tests' loopback server)
 
 LAYERS, KV_HEADS, HEAD_DIM, BT = 2, 2, 32, 16
 BLOCK_BYTES = 2 * KV_HEADS * BT * HEAD_DIM * 2  # fp16 K and V of one block of one layer
@@ -315,10 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         redis = None
         if a.redis == "auto":
-            try:
-                server = LoopbackRedis(os.path.join(root, "redis"))
-            except FileNotFoundError:
-                raise SystemExit("--redis auto needs redis-server (Debian package redis-server)") from None
+            if REDIS_SERVER is None:
+                raise SystemExit("--redis auto needs redis-server (Debian package redis-server)")
+            server = start_redis_server(Path(root) / "redis")
             redis = (server.url, f"soak{a.seed}:")
         elif a.redis is not None:
             redis = (a.redis, f"soak{a.seed}-{os.getpid()}:")

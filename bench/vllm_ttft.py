@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def start_redis(workdir: str) -> tuple[subprocess.Popen, str]:
-    from tests.conftest import REDIS_SERVER, start_redis_server
+    from tests.redis_server import REDIS_SERVER, start_redis_server
 
     if REDIS_SERVER is None:
         raise SystemExit("redis-server is not installed (`make system-deps` installs it)")
