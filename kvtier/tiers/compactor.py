@@ -437,6 +437,10 @@ class DiskCompaction:
     def _background_step(self) -> bool:
         """One paced unit of background work (compactor thread): a compaction step, the
         durable hand-over of a compacted segment, or an index checkpoint. True if more may follow."""
+        with self._at_work():
+            return self._background_work()
+
+    def _background_work(self) -> bool:
         with self._lock:  # a job under way only needs a look: no put waits for it
             if self._closed:
                 return False

@@ -48,7 +48,7 @@ from .compactor import CompactJob, Compactor, DiskCompaction
 from .diskopen import DiskRecovery, prepare_directory
 from .diskread import DiskReads
 from .diskspace import check_free_space, purge_directory, remove_tier_files
-from .diskwrite import DiskWrites
+from .diskwrite import DiskWrites, WriteLock
 from .errors import DirectoryLockedError, TierClosedError
 from .segfile import REC_HEADER_BYTES, SEG_HEADER_BYTES, Segment, fdatasync, record_size
 
@@ -99,7 +99,7 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
         self.compact_threshold = float(compact_threshold)
         self.checkpoint_records = checkpoint_records
         self._lock = threading.RLock()
-        self._write_lock = threading.RLock()
+        self._write_lock = self._writing = WriteLock()  # (_writing: what reads ask, see _holding_gil)
         self._cp_lock = threading.Lock()
         self._sync_lock = threading.Lock()
         self._stats = TierStats()
@@ -122,6 +122,7 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
         self._closed = True
         self._lock_fd = -1
         self._rfds: dict[int, int] = {}  # segment id -> read-only fd, oldest opened first
+        self._appenders: list[None] = []  # one entry per put_many, sync or compactor step under way (_at_work)
         self._worker: Compactor | None = None
         self._share = float(compact_share)
 
@@ -306,9 +307,10 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
                 raise
 
     def sync(self) -> None:
-        with self._lock:
-            self._check_open()
-        self._sync_unlocked()
+        with self._at_work():
+            with self._lock:
+                self._check_open()
+            self._sync_unlocked()
 
     def stats(self) -> dict:
         with self._lock:

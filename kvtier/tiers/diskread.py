@@ -6,9 +6,12 @@ Slicing the mapping costs no system call, so a small record costs about what one
 it would; the one call made is an ``lseek(SEEK_END)`` per segment (per batch in ``get_many``)
 bounding what may be touched, as a file truncated under us would SIGBUS (it reads the file
 size as ``fstat`` does, at a third of the cost: no stat result is built). The CRC (ISA-L, tens
-of GB/s) runs inline: handing it to a thread cost more than it saved. (It releases the GIL
-above 5 KiB, as the size probe does anyway; keeping it, in pieces, costs a small get more
-than the handoff.)
+of GB/s) runs inline: handing it to a thread cost more than it saved. Both let go of the GIL
+(the CRC above 5 KiB), which costs nothing alone; but while an appender of the tier is under
+way (a put_many, a sync, a compactor step) each release hands it the interpreter until its
+Python reaches its next system call, so then (unless it holds the write lock, which a put may
+be waiting for) the probe and the CRC are made keeping the GIL (``_file_end_held``,
+``segfile.crc32_held``: about 0.15 and 0.3 us more for a 4 or 8 KiB get).
 """
 from __future__ import annotations
 
@@ -22,12 +25,37 @@ import torch
 
 from kvtier._crc import crc32
 from .base import Tier, check_key, out_view
-from .segfile import REC, REC_HEADER_BYTES, REC_MAGIC, Segment
+from .segfile import REC, REC_HEADER_BYTES, REC_MAGIC, Segment, crc32_held
 
 _READ_FDS = 128  # read-only fds kept open for sealed segments
 _by_loc = operator.itemgetter(2)  # (segment id, offset, ...): file order
 _check = struct.Struct("<I4x2xHII").unpack_from  # of a record header: magic, key length, value length, data crc
 _READAHEAD_MIN = 256 << 10  # a span below this is read around by the first page fault anyway
+
+
+def _lseek_holding_gil() -> tuple | None:
+    """(libc's ``lseek`` through ctypes.PyDLL, a C zero offset for it), or None where off_t is
+    not a C long of 8 bytes (the call's types would not match) or libc cannot be loaded.
+
+    A PyDLL call keeps the GIL. ``os.lseek`` lets go of it around the system call, so each
+    read's size probe handed the interpreter to a thread waiting for it (a put_many, the
+    compactor), and the read then waited for that thread's Python to reach its next release
+    (up to the switch interval) before going on. The probe takes a fraction of a microsecond
+    and never waits for I/O (SEEK_END reads the inode's size), so holding the GIL through it
+    costs the other threads less than the handoff cost the read."""
+    try:
+        import ctypes
+
+        if ctypes.sizeof(ctypes.c_long) != 8:
+            return None
+        fn = ctypes.PyDLL(None).lseek
+    except (ImportError, OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int64  # (no argtypes: converting through them costs more than the call)
+    return fn, ctypes.c_int64(0)
+
+
+_LSEEK, _ZERO = _lseek_holding_gil() or (None, None)
 
 
 def _file_end(fd: int) -> int:
@@ -40,21 +68,33 @@ def _file_end(fd: int) -> int:
         return 0
 
 
-def _read_record(mm, limit: int, off: int, key: str, vlen: int) -> bytes | None:
+def _file_end_held(fd: int, _lseek=_LSEEK, _zero=_ZERO) -> int:
+    """``_file_end`` keeping the GIL (see ``_lseek_holding_gil``): for reads while an appender
+    of the tier is under way (``DiskWrites._holding_gil``)."""
+    end = _lseek(fd, _zero, 2)  # SEEK_END
+    return end if end > 0 else 0  # -1: a closed fd
+
+
+if _LSEEK is None:
+    _file_end_held = _file_end  # noqa: F811 (no way to probe holding the GIL here)
+
+
+def _read_record(mm, limit: int, off: int, key: str, vlen: int, crc=crc32) -> bytes | None:
     """The value of the record at ``off`` of a mapping of which ``limit`` bytes may be touched,
     copied out once, after its header matched the index (magic, key and value lengths) and its
     data CRC checked on that copy; None when any of that fails. The CRC is taken over the key
     the index was asked for, so it also proves the record is that key's: a record of another
     key (same lengths) fails it as damage does (every difference of up to 32 bits is caught).
     ``limit`` may be the file's size alone: every location the index holds lies inside its
-    segment's mapping (records are indexed below ``used``, which never passes ``size``)."""
+    segment's mapping (records are indexed below ``used``, which never passes ``size``).
+    ``crc``: ``crc32_held`` while an appender is under way (see ``_file_end_held``)."""
     kb = key.encode()  # (UTF-8)
     v0 = off + REC_HEADER_BYTES + len(kb)
     if v0 + vlen <= limit:
         magic, klen, vl, dcrc = _check(mm, off)
         if magic == REC_MAGIC and klen == len(kb) and vl == vlen:
             value = mm[v0:v0 + vlen]
-            if crc32(value, crc32(kb)) == dcrc:
+            if crc(value, crc32(kb)) == dcrc:
                 return value
     return None
 
@@ -95,12 +135,13 @@ class DiskReads:
         hits = nbytes = 0
         sid, mm, limit = -1, None, 0
         bad = []
+        crc = crc32_held if self._holding_gil() else crc32
         for pos, key, (s, off, _, vlen) in todo:  # (this loop is the per-record cost of a read)
             if s != sid:
                 sid = s
                 seg = self._segs[s]
                 mm, limit = seg.mm, self._mapped_bytes(seg)
-            value = _read_record(mm, limit, off, key, vlen)
+            value = _read_record(mm, limit, off, key, vlen, crc)
             if value is None:
                 bad.append(key)
             else:
@@ -142,7 +183,8 @@ class DiskReads:
 
     def _mapped_bytes(self, seg: Segment) -> int:
         """Bytes of ``seg``'s mapping that can be touched (see ``_file_end``)."""
-        return min(seg.size, _file_end(seg.fd if seg.fd >= 0 else self._rfd(seg)))
+        fd = seg.fd if seg.fd >= 0 else self._rfd(seg)
+        return min(seg.size, _file_end_held(fd) if self._holding_gil() else _file_end(fd))
 
     def _locate(self, key: str) -> tuple[Segment, int, int, int, int] | None:
         """(segment, value offset, value length, crc32 of the key, expected crc32 of key+value)
@@ -192,7 +234,12 @@ class DiskReads:
             sid, off, _, vlen = loc
             seg = self._segs[sid]
             fd = seg.fd
-            value = _read_record(seg.mm, _file_end(fd if fd >= 0 else self._rfd(seg)), off, key, vlen)
+            if fd < 0:
+                fd = self._rfd(seg)
+            if self._appenders and self._holding_gil():  # (the first test spares a quiet get the call)
+                value = _read_record(seg.mm, _file_end_held(fd), off, key, vlen, crc32_held)
+            else:
+                value = _read_record(seg.mm, _file_end(fd), off, key, vlen)
             if value is None:
                 self._mark_corrupt(key)
                 st.misses += 1

@@ -20,6 +20,7 @@ head, so the reservation still holds when it publishes. A caller already holding
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -32,6 +33,40 @@ _CHUNK_BYTES = 1 << 20  # put_many reserves, writes and publishes about this muc
 
 # A record image to append: (key, key bytes, record size, iovecs, value length or -1 for a tombstone)
 Record = tuple[str, bytes, int, list, int]
+
+
+class WriteLock:
+    """The appenders' lock (re-entrant), counting how deep its owner holds it (``held``).
+
+    Reads keep the GIL through their system calls while an appender is under way (see
+    ``DiskWrites._at_work``), except while one holds this lock: a put waiting for it waits
+    for the holder, so the holder must get the GIL back as soon as it can, not only when a
+    read's thread is made to give it up (the switch interval)."""
+
+    __slots__ = ("_lock", "held")
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self.held = 0  # (changed only by the owner)
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        if not self._lock.acquire(blocking, timeout):
+            return False
+        self.held += 1
+        return True
+
+    def release(self) -> None:
+        self.held -= 1
+        self._lock.release()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _is_owned(self) -> bool:
+        return self._lock._is_owned()
 
 
 @dataclass
@@ -56,6 +91,23 @@ class DiskWrites:
         """Both locks an append needs, in their order."""
         with self._write_lock, self._lock:
             yield
+
+    @contextlib.contextmanager
+    def _at_work(self) -> Iterator[None]:
+        """Counts an appender under way (a put_many, delete_many, sync or compactor step) from its
+        first lock to its last sync: meanwhile reads keep the GIL through their system calls
+        (``_holding_gil``), which the appender would otherwise take at each one and keep for
+        its Python until its next system call. (A list's append and pop are atomic: no lock.)"""
+        self._appenders.append(None)
+        try:
+            yield
+        finally:
+            self._appenders.pop()
+
+    def _holding_gil(self) -> bool:
+        """Whether a read should keep the GIL through its system calls now: an appender is under
+        way and none holds the write lock (``WriteLock``)."""
+        return bool(self._appenders) and not self._writing.held
 
     def _new_segment(self, need: int) -> Segment:
         sid = self._next_id
@@ -198,6 +250,10 @@ class DiskWrites:
         """Append a batch; with durability="batch" one fdatasync at the end. False per record that
         does not fit. Raises DiskFullError when the filesystem is full (earlier records stay).
         Gets are served while it writes (each record is indexed once written)."""
+        with self._at_work():
+            return self._put_records(self._images(items))
+
+    def _images(self, items: Iterable[tuple[str, BytesLike]]) -> list[Record]:
         limit = self.segment_bytes - SEG_HEADER_BYTES
         recs = []
         for key, value in items:
@@ -208,6 +264,9 @@ class DiskWrites:
                 raise ValueError(f"value is {mv.nbytes} bytes; a record must fit one segment "
                                  f"(value limit {limit - record_size(len(kb), 0)} bytes, segment_bytes={self.segment_bytes})")
             recs.append((key, kb, size, parts, n))
+        return recs
+
+    def _put_records(self, recs: list[Record]) -> list[bool]:
         res: list[bool] = []
         i = 0
         while i < len(recs):  # in chunks, so compaction's appends interleave with a long batch
@@ -239,6 +298,10 @@ class DiskWrites:
     def delete_many(self, keys: Iterable[str]) -> list[bool]:
         """Remove keys by appending tombstones (so a restart does not bring them back)."""
         keys = [check_key(k) for k in keys]
+        with self._at_work():
+            return self._delete_keys(keys)
+
+    def _delete_keys(self, keys: list[str]) -> list[bool]:
         with self._appending():
             self._check_open()
             out, recs, touched = [], [], set()

@@ -342,6 +342,55 @@ def test_reads_go_on_while_a_put_many_flushes_and_a_sync_waits_for_it(tmp_path, 
         assert got == [(b"1", b"2")] and synced.is_set()
 
 
+def test_reads_keep_the_gil_for_their_size_probe_while_an_appender_runs(tmp_path, monkeypatch):
+    """While a put_many is under way (here, in its flush), gets probe the file size with the
+    GIL held (an os.lseek would hand the interpreter to the appender each time), reading the
+    same size as os.lseek, and check CRCs so too (damage still caught); before and after it,
+    and after a put_many that raised, none does."""
+    from kvtier.tiers import compactor, diskread
+
+    big, bad = os.urandom(8192), os.urandom(8192)  # CRCs that would let go of the GIL
+    with open_tier(tmp_path / "d", durability="batch") as t:
+        t.put_many([("old", b"1"), ("big", big), ("bad", bad)])
+        sid, off, _, _ = t._index["bad"]
+        with open(t._segs[sid].path, "r+b") as f:  # the mapping sees it at once
+            f.seek(off + disk_mod.REC_HEADER_BYTES + 3 + 100)
+            f.write(bytes([bad[100] ^ 1]))
+        held = []
+        probe = diskread._file_end_held
+        monkeypatch.setattr(diskread, "_file_end_held", lambda fd: held.append(probe(fd)) or held[-1])
+        assert t.get("old") == b"1" and not held and not t._appenders
+        flushing, release = threading.Event(), threading.Event()
+        real = compactor.fdatasync
+
+        def slow_fdatasync(fd):
+            flushing.set()
+            assert release.wait(20)
+            real(fd)
+
+        monkeypatch.setattr(compactor, "fdatasync", slow_fdatasync)
+        writer = threading.Thread(target=t.put_many, args=([("new", b"2")],))
+        writer.start()
+        assert flushing.wait(20)
+        assert len(t._appenders) == 1
+        assert t.get("old") == b"1" and t.get_many(["new", "old", "big"]) == [b"2", b"1", big]
+        assert t.get("big") == big and t.get("bad") is None and "bad" in t.corrupt_keys
+        fd = t._head.fd
+        assert held and held[-1] == os.lseek(fd, 0, os.SEEK_END) == diskread._file_end(fd)
+        release.set()
+        writer.join(20)
+        assert not t._appenders
+        with pytest.raises(ValueError, match="value"):
+            t.put_many([("k", b"x"), ("big", b"x" * SEG)])
+        assert not t._appenders
+        n = len(held)
+        assert t.get("old") == b"1" and len(held) == n
+    r, w = os.pipe()
+    os.close(r)
+    os.close(w)
+    assert diskread._file_end_held(r) == 0 == diskread._file_end(r)  # a closed fd: nothing may be touched
+
+
 def test_gets_are_served_while_a_put_many_writes_and_never_see_its_records_early(tmp_path, monkeypatch):
     """put_many writes its records without the tier lock: a get of another key is served while
     a write is half done, the records being written are not visible (not even to a

@@ -7,6 +7,7 @@ ones for that key); anything else is not.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
@@ -124,10 +125,12 @@ def test_damage_while_open_is_caught_on_read(pristine, tmp_path):
 
 @pytest.mark.parametrize("read", ["get", "get_many", "get_into"])
 @pytest.mark.parametrize("which", ["head", "sealed"])
-def test_segment_truncated_by_another_process_is_read_as_missing(tmp_path, read, which):
+@pytest.mark.parametrize("appending", [False, True])
+def test_segment_truncated_by_another_process_is_read_as_missing(tmp_path, read, which, appending):
     """Each read bounds what it touches of a mapping by the file's size at that moment, so a
     segment cut short behind the tier's back (here, after reads that mapped its pages) makes
-    its records misses, never a SIGBUS; records in the other segments still read back."""
+    its records misses, never a SIGBUS; records in the other segments still read back. Also
+    while an appender is under way (reads then probe the size keeping the GIL)."""
     rng = random.Random(3)
     vals = {f"k{i}": rng.randbytes(2000) for i in range(40)}
     with open_tier(tmp_path / "t") as t:
@@ -140,12 +143,15 @@ def test_segment_truncated_by_another_process_is_read_as_missing(tmp_path, read,
         assert in_seg and len(in_seg) < len(vals)
         os.truncate(tmp_path / "t" / f"seg-{sid:012d}.kvs", 64)
         buf = bytearray(2000)
-        if read == "get_many":
-            got = t.get_many(list(vals))
-        elif read == "get":
-            got = [t.get(k) for k in vals]
-        else:
-            got = [bytes(buf) if t.get_into(k, buf) == len(v) else None for k, v in vals.items()]
+        with t._at_work() if appending else contextlib.nullcontext():
+            assert len(t._appenders) == appending
+            if read == "get_many":
+                got = t.get_many(list(vals))
+            elif read == "get":
+                got = [t.get(k) for k in vals]
+            else:
+                got = [bytes(buf) if t.get_into(k, buf) == len(v) else None for k, v in vals.items()]
+        assert not t._appenders
         assert got == [None if k in in_seg else v for k, v in vals.items()]
         assert set(in_seg) <= t.corrupt_keys
         assert t.stats()["corrupt"] == len(in_seg)
