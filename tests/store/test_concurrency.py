@@ -23,6 +23,20 @@ def slow_swap_out(st, delay=0.002):
     st.io.encode_pair = slow
 
 
+def racing_steps(st, s: int, ref: Ref, rng: random.Random, steps: int = 300):
+    """Append a random chunk to layer 0 of sequence ``s`` and end the step (victims go to the
+    slow worker), ``steps`` times; after each step with a sealed block, yield the layer's table
+    and the blocks pending swap-out then, for the caller to read while the worker runs."""
+    for _ in range(steps):
+        k, v = random_chunk(rng, sizes=(1, 2, 3))
+        st.append(s, 0, k, v)
+        ref.add(s, 0, k, v)
+        st.end_step()
+        t = st.residency.tables[s][0]
+        if t.n_sealed:
+            yield t, [e.idx for e in t.entries[:-1] if e.pending]
+
+
 @pytest.mark.timeout(60)
 def test_swap_out_racing_swap_in_of_the_same_block(tmp_path):
     st = make_store(tmp_path, num_layers=1, block_tokens=4, hot_tokens=16, budget_tokens=16,
@@ -33,18 +47,9 @@ def test_swap_out_racing_swap_in_of_the_same_block(tmp_path):
     rng = random.Random(3)
     ref = Ref()
     cancels = 0
-    for step in range(300):
-        k, v = random_chunk(rng, sizes=(1, 2, 3))
-        st.append(s, 0, k, v)
-        ref.add(s, 0, k, v)
-        st.end_step()  # queues victims for the (slow) worker
-        t = st.residency.tables[s][0]
-        pending = [e.idx for e in t.entries[:-1] if e.pending]
-        ns = t.n_sealed
-        if ns == 0:
-            continue
+    for t, pending in racing_steps(st, s, ref, rng):
         # attend to blocks being swapped out right now, and to blocks already gone
-        want = sorted(set(pending[:2]) | {rng.randrange(ns)})[: st.hot_blocks - 1]
+        want = sorted(set(pending[:2]) | {rng.randrange(t.n_sealed)})[: st.hot_blocks - 1]
         cancels += sum(1 for b in want if t.entries[b].pending)
         K, V, pos = st.gather_blocks(s, 0, want)
         assert_rows(ref, s, 0, K, V, pos)

@@ -8,7 +8,7 @@ import torch
 
 from .conftest import (Ref, assert_gathers, assert_reads_back, assert_rows, check_invariants, join_all, make_store,
                        random_chunk)
-from .test_concurrency import slow_swap_out
+from .test_concurrency import racing_steps, slow_swap_out
 
 
 def aliases_l1(st, x: torch.Tensor) -> bool:
@@ -204,16 +204,8 @@ def test_pending_block_is_never_moved_while_the_worker_reads_it(tmp_path):
     rng = random.Random(11)
     ref = Ref()
     touched_pending = 0
-    for step in range(300):
-        k, v = random_chunk(rng, sizes=(1, 2, 3))
-        st.append(s, 0, k, v)
-        ref.add(s, 0, k, v)
-        st.end_step()  # victims to the (slow) worker
-        t = st.residency.tables[s][0]
+    for t, pending in racing_steps(st, s, ref, rng):
         ns = t.n_sealed
-        if ns == 0:
-            continue
-        pending = [e.idx for e in t.entries[:-1] if e.pending]
         want = list(dict.fromkeys(pending[:2] + rng.sample(range(ns), min(ns, 2))))[: st.hot_blocks - 1]
         touched_pending += sum(1 for b in want if t.entries[b].pending)
         K, V, pos, order = st.gather_view(s, 0, want)
@@ -225,13 +217,12 @@ def test_pending_block_is_never_moved_while_the_worker_reads_it(tmp_path):
     st.flush()
     # every block's copy below L1 holds its own tokens
     t = st.residency.tables[s][0]
-    rk, rv = ref.kv(s, 0)
+    rk, _ = ref.kv(s, 0)
     for e in t.entries[:-1]:
         if e.l2:
             d = st.lower.load(e)
             assert torch.equal(d[0], rk[:, e.idx * 4:(e.idx + 1) * 4]), f"block {e.idx} written wrong"
-    K, V = st.gather(s, 0)
-    assert torch.equal(K, rk) and torch.equal(V, rv)
+    assert_gathers(st, ref, s, 0)
     st.close()
 
 
