@@ -1,5 +1,6 @@
 import os
 import random
+import threading
 
 import pytest
 import torch
@@ -58,6 +59,24 @@ def join_all(threads, errors: list, timeout: float = 80) -> None:
         th.join(timeout=timeout)
     assert not any(th.is_alive() for th in threads), "deadlock"
     assert not errors, errors[0]
+
+
+def sequences_on_threads(st: KVStore, n: int, body) -> dict:
+    """Run ``body(s, ref, rng, gen)`` on ``n`` threads at once, each with a sequence ``s`` of its
+    own, a Ref for what it appends and a random.Random and torch.Generator seeded by its index;
+    bounded and re-raised by :func:`join_all`. Returns {seq: Ref}."""
+    refs, errors = {}, []
+
+    def run(seed):
+        try:
+            s = st.add_sequence()
+            ref = refs[s] = Ref()
+            body(s, ref, random.Random(seed), torch.Generator().manual_seed(seed))
+        except BaseException as e:  # surfaced by the main thread
+            errors.append(e)
+
+    join_all([threading.Thread(target=run, args=(i,)) for i in range(n)], errors)
+    return refs
 
 
 def assert_gathers(st: KVStore, ref: Ref, s: int, layer: int) -> None:

@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from .conftest import (Ref, assert_gathers, assert_reads_back, assert_rows, check_invariants, join_all, make_store,
-                       random_chunk)
+from .conftest import (Ref, assert_gathers, assert_reads_back, assert_rows, check_invariants, make_store, random_chunk,
+                       sequences_on_threads)
 
 
 def slow_swap_out(st, delay=0.002):
@@ -93,35 +93,26 @@ def test_many_sequences_interleaved_from_threads(tmp_path):
     st = make_store(tmp_path, num_layers=2, block_tokens=4, hot_tokens=12, budget_tokens=12, host_bytes=8192,
                     max_sequences=6, policy="sink-window", sink_tokens=0, window_tokens=4, prefetch=True,
                     attention="sparse")
-    errors = []
-    refs = {}
 
-    def run(seed):
-        try:
-            rng = random.Random(seed)
-            gen = torch.Generator().manual_seed(seed)
-            s = st.add_sequence()
-            ref = refs[s] = Ref()
-            for i in range(300):
-                layer = rng.randrange(2)
-                n = rng.choice((1, 1, 2, 6))
-                k = torch.randn(2, n, 8, generator=gen).half()
-                v = torch.randn(2, n, 8, generator=gen).half()
-                st.append(s, layer, k, v)
-                ref.add(s, layer, k, v)
-                if i % 3 == 0:
-                    st.end_step()
-                if i % 50 == 0:
-                    assert_gathers(st, ref, s, layer)
-                elif i % 4 == 0 and st.seq_len(s, layer) > 8:
-                    # old blocks asked for: swapped in through scratch slots (L1 is full of the window)
-                    sel = st.select(s, layer, torch.randn(2, 1, 8, generator=gen))
-                    K, V, pos = st.gather_blocks(s, layer, sel)
-                    assert_rows(ref, s, layer, K, V, pos)
-        except BaseException as e:  # surfaced by the main thread
-            errors.append(e)
+    def body(s, ref, rng, gen):
+        for i in range(300):
+            layer = rng.randrange(2)
+            n = rng.choice((1, 1, 2, 6))
+            k = torch.randn(2, n, 8, generator=gen).half()
+            v = torch.randn(2, n, 8, generator=gen).half()
+            st.append(s, layer, k, v)
+            ref.add(s, layer, k, v)
+            if i % 3 == 0:
+                st.end_step()
+            if i % 50 == 0:
+                assert_gathers(st, ref, s, layer)
+            elif i % 4 == 0 and st.seq_len(s, layer) > 8:
+                # old blocks asked for: swapped in through scratch slots (L1 is full of the window)
+                sel = st.select(s, layer, torch.randn(2, 1, 8, generator=gen))
+                K, V, pos = st.gather_blocks(s, layer, sel)
+                assert_rows(ref, s, layer, K, V, pos)
 
-    join_all([threading.Thread(target=run, args=(i,)) for i in range(6)], errors)
+    refs = sequences_on_threads(st, 6, body)
     assert st.stats()["scratch_uses"] > 0
     check_invariants(st)
     assert_reads_back(st, refs)

@@ -1,13 +1,12 @@
 """gather_view: K and V as views of each table's L1 region, checked against the copying
 gather_blocks and a plain reference of everything appended, block by block via the returned order."""
 import random
-import threading
 
 import pytest
 import torch
 
-from .conftest import (Ref, assert_gathers, assert_reads_back, assert_rows, check_invariants, join_all, make_store,
-                       random_chunk)
+from .conftest import (Ref, assert_gathers, assert_reads_back, assert_rows, check_invariants, make_store, random_chunk,
+                       sequences_on_threads)
 from .test_concurrency import racing_steps, slow_swap_out
 
 
@@ -234,31 +233,23 @@ def test_sequences_on_threads_with_views(tmp_path):
                     max_sequences=4, policy="h2o", sink_tokens=4, window_tokens=4, prefetch=True,
                     attention="sparse")
     slow_swap_out(st, 0.001)
-    errors, refs = [], {}
 
-    def run(seed):
-        try:
-            rng = random.Random(seed)
-            gen = torch.Generator().manual_seed(seed)
-            s = st.add_sequence()
-            ref = refs[s] = Ref()
-            for i in range(200):
-                for layer in range(2):
-                    n = rng.choice((1, 1, 1, 3))
-                    k = torch.randn(2, n, 8, generator=gen).half()
-                    v = torch.randn(2, n, 8, generator=gen).half()
-                    st.append(s, layer, k, v)
-                    ref.add(s, layer, k, v)
-                    sel = st.select(s, layer, torch.randn(4, 1, 8, generator=gen))
-                    K, V, pos, order = st.gather_view(s, layer, sel)
-                    assert_rows(ref, s, layer, K, V, pos)
-                    st.observe(s, layer, order, torch.rand(len(order)))
-                if i % 2 == 0:
-                    st.end_step()
-        except BaseException as e:  # surfaced by the main thread
-            errors.append(e)
+    def body(s, ref, rng, gen):
+        for i in range(200):
+            for layer in range(2):
+                n = rng.choice((1, 1, 1, 3))
+                k = torch.randn(2, n, 8, generator=gen).half()
+                v = torch.randn(2, n, 8, generator=gen).half()
+                st.append(s, layer, k, v)
+                ref.add(s, layer, k, v)
+                sel = st.select(s, layer, torch.randn(4, 1, 8, generator=gen))
+                K, V, pos, order = st.gather_view(s, layer, sel)
+                assert_rows(ref, s, layer, K, V, pos)
+                st.observe(s, layer, order, torch.rand(len(order)))
+            if i % 2 == 0:
+                st.end_step()
 
-    join_all([threading.Thread(target=run, args=(i,)) for i in range(4)], errors)
+    refs = sequences_on_threads(st, 4, body)
     assert st.stats()["gather"]["moved_blocks"] > 0
     check_invariants(st)
     assert_reads_back(st, refs)
