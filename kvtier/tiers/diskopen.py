@@ -20,13 +20,9 @@ import stat
 
 from kvtier._crc import crc32
 from . import diskindex
-from .diskspace import SEG_RE
+from .diskspace import SEG_RE, is_tier_file
 from .segfile import (FLAG_TOMB, REC_HEADER_BYTES, SEG_HDR, SEG_HEADER_BYTES, SEG_MAGIC, Segment, cut_record_at,
                       iter_headers)
-
-
-def _tier_file(name: str) -> bool:
-    return bool(SEG_RE.match(name)) or name in ("LOCK", diskindex.INDEX_NAME, diskindex.INDEX_NAME + ".tmp")
 
 
 def prepare_directory(path: str) -> None:
@@ -45,7 +41,7 @@ def prepare_directory(path: str) -> None:
     except FileExistsError:
         pass
     mode = stat.S_IMODE(os.stat(path).st_mode)
-    if all(_tier_file(n) for n in os.listdir(path)):
+    if all(is_tier_file(n) for n in os.listdir(path)):
         if mode == 0o700:
             return
         try:
