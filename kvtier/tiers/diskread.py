@@ -84,8 +84,8 @@ def mapped_segments() -> int:
     each holds two fds (see ``Segment``), and together they take at most an eighth of the
     process's soft RLIMIT_NOFILE, between ``_MAPPED_MIN`` and ``_MAPPED_MAX`` segments (64
     under the usual limit of 1024: 4 GiB of 64 MiB segments; 1024 where it is 16k or more).
-    The rest of the limit stays the program's: mapping every segment of a large tier ran it
-    out of fds (EMFILE), in kvtier or anywhere else in the process."""
+    The rest of the limit stays the program's: mapping every segment of a large tier would run
+    it out of fds (EMFILE), in kvtier or anywhere else in the process."""
     try:
         import resource
     except ImportError:  # no such limit here
@@ -120,7 +120,7 @@ class DiskReads:
     """get / get_into / get_many over DiskTier's index and segments (caller-facing methods
     take the tier lock; the ``_``-methods expect it held)."""
 
-    def _map(self, seg: Segment):
+    def _map(self, seg: Segment) -> mmap.mmap | None:
         """``seg``'s mapping (None when its file cannot be mapped: then nothing of it is read,
         see ``Segment.map_sealed``), mapped now if it is not. At most ``_max_maps`` sealed
         segments are mapped at a time (``mapped_segments``), the oldest
@@ -128,7 +128,7 @@ class DiskReads:
         number of its segments. A miss costs an open and an mmap, and closing the oldest a
         munmap and two closes: about ten 4 KiB gets' time (its pages stay in the page cache, so
         no disk read). A hit costs the caller one attribute test: keeping the set in LRU order
-        cost a 4 KiB get a fifth of its time. Closing is safe as every read copies out of a
+        costs a 4 KiB get a fifth of its time. Closing is safe as every read copies out of a
         mapping under the tier lock and holds no view of it afterwards (``_lock`` held; the
         head, mapped through its own fd, is never in the set). A miss's system calls let go of
         the GIL, also while an appender is under way."""

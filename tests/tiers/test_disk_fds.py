@@ -104,3 +104,54 @@ def test_a_tier_of_more_segments_than_the_fd_limit_works_under_it(tmp_path):
     r = run_in_child(_under_rlimit, str(tmp_path / "t"), soft, timeout=300)
     assert r["maps"] == soft // 16 and r["segments"] > soft and r["reopened"] > soft // 2, r
     assert r["peak"] <= _cap(r["maps"]), r
+
+
+def test_reads_stay_right_while_puts_and_compaction_close_mappings(tmp_path, monkeypatch):
+    """Readers on threads over many more segments than the few kept mapped, while a writer
+    replaces records and the background compactor empties segments: every mapping a read
+    uses stays open until it has copied out (reads get a value once put for the key, never
+    None, another key's or damaged bytes, or an exception)."""
+    import threading
+
+    monkeypatch.setattr(diskread, "_MAPPED_MAX", 16)
+    rng = random.Random(5)
+    keys = [f"k{i}" for i in range(600)]
+    versions = {k: [rng.randbytes(rng.randrange(300, 1500))] for k in keys}
+    errors, stop = [], threading.Event()
+    with DiskTier(tmp_path / "t", capacity_bytes=1 << 30, segment_bytes=8 << 10, durability="never",
+                  checkpoint_records=0) as t:
+        assert all(t.put_many((k, v[0]) for k, v in versions.items()))
+        assert t._max_maps == 16 and len(t._segs) > 4 * 16
+
+        def reader(seed):
+            r = random.Random(seed)
+            buf = bytearray(1500)
+            while not stop.is_set():
+                try:
+                    batch = r.sample(keys, 8)
+                    got = t.get_many(batch) if r.random() < 0.5 else [t.get(k) for k in batch]
+                    n = t.get_into(batch[0], buf)
+                    got.append(bytes(buf[:n]) if n is not None else None)
+                    for k, g in zip(batch + batch[:1], got):
+                        if g not in versions[k]:
+                            errors.append((k, g is None))
+                except Exception as exc:  # noqa: BLE001 (reported below)
+                    errors.append(repr(exc))
+
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(2)]
+        for th in threads:
+            th.start()
+        try:
+            for _ in range(6):
+                for k in rng.sample(keys, 200):
+                    new = rng.randbytes(rng.randrange(300, 1500))
+                    versions[k].append(new)  # (appended before the put: a reader may see it first)
+                    assert t.put(k, new)
+            assert wait_for(lambda: t.stats()["compactions"] > 0)  # readers still at it
+        finally:
+            stop.set()
+            for th in threads:
+                th.join(30)
+        assert not errors, errors[:5]
+        assert t.get_many(keys) == [versions[k][-1] for k in keys]
+        assert t.stats()["corrupt"] == 0 and len(t._maps) <= 16
