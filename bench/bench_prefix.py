@@ -37,14 +37,18 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.redis_server import REDIS_SERVER, start_redis_server  # noqa: E402  (the tests' loopback server)
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _CODEC = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp16"}
@@ -167,40 +171,6 @@ def child(args) -> int:
     return 0
 
 
-class Redis:
-    """A throw-away redis-server on a free loopback port (nothing saved to disk)."""
-
-    def __init__(self, workdir: str) -> None:
-        exe = shutil.which("redis-server")
-        if exe is None:
-            raise FileNotFoundError("redis-server is not installed (apt-get install redis-server)")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", workdir],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
-                        return
-            except OSError:
-                time.sleep(0.05)
-        self.close()
-        raise RuntimeError("redis-server did not answer PING")
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def close(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-
 def run_child(args, kind: str, **extra) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--prompt", str(args.prompt),
            "--prefix", str(args.prefix), "--block-tokens", str(args.block_tokens),
@@ -252,10 +222,13 @@ def main(argv=None) -> int:
     disk = os.path.join(work, "l3")
     redis = None
     if not args.no_redis:
-        try:
-            redis = Redis(work)
-        except (FileNotFoundError, RuntimeError) as e:
-            print(f"# warm-redis skipped: {e}")
+        if REDIS_SERVER is None:
+            print("# warm-redis skipped: redis-server is not installed (apt-get install redis-server)")
+        else:
+            try:
+                redis = start_redis_server(Path(work) / "redis")
+            except RuntimeError as e:
+                print(f"# warm-redis skipped: {e}")
     rows = []
 
     def emit(row: dict) -> None:
@@ -307,7 +280,7 @@ def main(argv=None) -> int:
                                                     first_request=str(1 + 3 * r))})
     finally:
         if redis is not None:
-            redis.close()
+            redis.kill()
         shutil.rmtree(work, ignore_errors=True)
 
     l3 = next(r for r in rows if r["case"] == "warm-l3")

@@ -40,14 +40,17 @@ import os
 import random
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.redis_server import REDIS_SERVER, start_redis_server  # noqa: E402  (the tests' loopback server)
 
 LAYERS, KV_HEADS, HEAD_DIM, BT = 2, 2, 32, 16
 BLOCK_BYTES = 2 * KV_HEADS * BT * HEAD_DIM * 2  # fp16 K and V of one block of one layer
@@ -291,53 +294,6 @@ def _verify_all(path: str, synced: list, pipe, redis: tuple[str, str] | None, sy
     os.close(w)
 
 
-class LoopbackRedis:
-    """A redis-server on a free loopback port without persistence (a restart comes back empty)."""
-
-    def __init__(self, workdir: str) -> None:
-        import shutil as _sh
-
-        self.binary = _sh.which("redis-server")
-        if self.binary is None:
-            raise SystemExit("--redis auto needs redis-server (Debian package redis-server)")
-        os.makedirs(workdir, exist_ok=True)
-        self.workdir = workdir
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = None
-        self.start()
-
-    def start(self, timeout_s: float = 10.0) -> None:
-        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", self.workdir, "--protected-mode", "yes"],
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(64).startswith(b"+PONG"):
-                        return
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"redis-server did not start on port {self.port}")
-            time.sleep(0.01)
-
-    def kill(self) -> None:
-        """SIGKILL (a crash) and wait for it."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-
-    def restart(self) -> None:
-        self.kill()
-        self.start()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="about 15 s (CI)")
@@ -362,7 +318,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         redis = None
         if a.redis == "auto":
-            server = LoopbackRedis(os.path.join(root, "redis"))
+            if REDIS_SERVER is None:
+                raise SystemExit("--redis auto needs redis-server (Debian package redis-server)")
+            server = start_redis_server(Path(root) / "redis")
             redis = (server.url, f"soak{a.seed}:")
         elif a.redis is not None:
             redis = (a.redis, f"soak{a.seed}-{os.getpid()}:")

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def start_redis(workdir: str) -> tuple[subprocess.Popen, str]:
-    from tests.conftest import REDIS_SERVER, start_redis_server
+    from tests.redis_server import REDIS_SERVER, start_redis_server
 
     if REDIS_SERVER is None:
         raise SystemExit("redis-server is not installed (`make system-deps` installs it)")
@@ -136,20 +136,15 @@ def main() -> None:
                 e.close()
             if not tiers:
                 continue
-            e = Engine(model_dir, codec=codec, disk_path=disk)
-            e.warm_up(warm_up)
-            try:
-                s, matched = measure(e, batch(), cold=False)
-                rows.append(("warm from L3 (restarted engine)", codec, s, min(matched), None))
-            finally:
-                e.close()
-            e = Engine(model_dir, codec=codec, remote_url=url)
-            e.warm_up(warm_up)
-            try:
-                s, matched = measure(e, batch(), cold=False)
-                rows.append(("warm from L4 (another engine, Redis)", codec, s, min(matched), None))
-            finally:
-                e.close()
+            for case, tier in (("warm from L3 (restarted engine)", {"disk_path": disk}),
+                               ("warm from L4 (another engine, Redis)", {"remote_url": url})):
+                e = Engine(model_dir, codec=codec, **tier)
+                e.warm_up(warm_up)
+                try:
+                    s, matched = measure(e, batch(), cold=False)
+                    rows.append((case, codec, s, min(matched), None))
+                finally:
+                    e.close()
     finally:
         if redis is not None:
             redis.kill()

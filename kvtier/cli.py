@@ -11,32 +11,22 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtier", description="Tiered, quantized KV cache for LLM inference.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+    # Each subcommand's module gives add_arguments(parser) and run(args).
+    from kvtier import cachecli, plan
     from kvtier.eval import cli as eval_cli
-
-    p = sub.add_parser("eval", help="accuracy against footprint of cache configurations, side by side")
-    eval_cli.add_arguments(p)
-    p.set_defaults(func=eval_cli.run)
-
-    from kvtier import plan
-
-    p = sub.add_parser("plan", help="KV size per token/sequence and recommended tier sizes")
-    plan.add_arguments(p)
-    p.set_defaults(func=plan.run)
-
     from kvtier.integrations import chat
 
-    p = sub.add_parser("generate", help="chat with the embedded model through a kvtier cache")
-    chat.add_arguments(p)
-    p.set_defaults(func=chat.run)
-
-    from kvtier import cachecli
-
-    p = sub.add_parser("cache", help="manage L3 directories on disk (cache clear DIR)")
-    cachecli.add_arguments(p)
-    p.set_defaults(func=cachecli.run)
+    parser = argparse.ArgumentParser(prog="kvtier", description="Tiered, quantized KV cache for LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, module, summary in (
+        ("eval", eval_cli, "accuracy against footprint of cache configurations, side by side"),
+        ("plan", plan, "KV size per token/sequence and recommended tier sizes"),
+        ("generate", chat, "chat with the embedded model through a kvtier cache"),
+        ("cache", cachecli, "manage L3 directories on disk (cache clear DIR)"),
+    ):
+        p = sub.add_parser(name, help=summary)
+        module.add_arguments(p)
+        p.set_defaults(func=module.run)
     return parser
 
 

@@ -14,7 +14,7 @@ import pytest
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
-from tests.conftest import REDIS_SERVER, start_redis_server  # noqa: E402  (the main suite's real server)
+from tests.conftest import serve_redis  # noqa: E402  (the main suite's real server)
 
 
 @pytest.fixture(scope="session")
@@ -38,10 +38,4 @@ def token_ids(model_dir) -> list[int]:
 @pytest.fixture(scope="module")
 def redis_module(tmp_path_factory):
     """One redis-server for a whole module (engines are too slow to start one per test)."""
-    if REDIS_SERVER is None:
-        pytest.skip("redis-server is not installed (`make system-deps` installs it)")
-    server = start_redis_server(tmp_path_factory.mktemp("redis"))
-    try:
-        yield server
-    finally:
-        server.kill()
+    yield from serve_redis(tmp_path_factory)

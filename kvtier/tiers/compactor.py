@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvtier._crc import crc32
@@ -91,6 +91,21 @@ class CompactJob:
     copied_bytes: int = 0
     max_step_read: int = 0  # the most segment bytes one step read
     sync_pending: bool = False  # every record moved; the copies must be durable before the unlink
+
+
+def _data_keys(mm, used: int, cooperative: bool) -> set[str]:
+    """The keys of the data records (tombstones aside) in a segment's mapping up to ``used``;
+    ``cooperative``: offering the GIL every ``_SLICE_RECORDS`` records."""
+    keys = set()
+    for i, (pos, flags, klen, *_) in enumerate(iter_headers(mm, SEG_HEADER_BYTES, used)):
+        if cooperative and i % _SLICE_RECORDS == _SLICE_RECORDS - 1:
+            _yield_gil()
+        if not flags & FLAG_TOMB:
+            try:
+                keys.add(mm[pos + REC_HEADER_BYTES:pos + REC_HEADER_BYTES + klen].decode("utf-8"))
+            except UnicodeDecodeError:
+                continue
+    return keys
 
 
 class Compactor:
@@ -343,7 +358,10 @@ class DiskCompaction:
             rows, off = segscan.scan(buf, 0, end, room, budget, _STEP_RECORDS, pause=_yield_gil,
                                      every=_SLICE_RECORDS)
         else:
-            base, buf, end, room, view = 0, seg.mm, seg.used, seg.used, None
+            buf = self._map(seg)
+            if buf is None or self._mapped_bytes(seg) < seg.used:
+                raise _Truncated(seg.path)
+            base, end, room, view = 0, seg.used, seg.used, None
             rows, off = segscan.scan_py(buf, job.pos, end, room, budget, 1 << 62)
         hdr, row = REC_HEADER_BYTES, segscan.ROW
         # the data CRCs of the records still indexed here: in C with the GIL released after the
@@ -387,29 +405,45 @@ class DiskCompaction:
         written = {}
         if any(c[1] & FLAG_TOMB for c in cands):  # older segments' key sets, built here, not under the lock
             for o in list(self._segs.values()):
-                if o.id < seg.id and o.written is None:
-                    written[o] = {k for k, flags in self._record_keys(o, background) if not flags & FLAG_TOMB}
+                if o.id < seg.id and o.written is None and (keys := self._data_keys(o, background)) is not None:
+                    written[o] = keys
         return cands, base + off, read, written
 
     def _hides_older(self, key: str, seg: Segment) -> bool:
         for o in self._segs.values():
             if o.id < seg.id:
                 if o.written is None:
-                    o.written = {k for k, flags in self._record_keys(o) if not flags & FLAG_TOMB}
+                    o.written = self._data_keys(o)
+                    if o.written is None:  # unreadable now: keep the tombstone, it may hide a record there
+                        return True
                 if key in o.written:
                     return True
         return False
 
-    @staticmethod
-    def _record_keys(seg: Segment, cooperative: bool = False) -> Iterator[tuple[str, int]]:
-        mm = seg.mm
-        for i, (pos, flags, klen, *_) in enumerate(iter_headers(mm, SEG_HEADER_BYTES, seg.used)):
-            if cooperative and i % _SLICE_RECORDS == _SLICE_RECORDS - 1:
-                _yield_gil()
-            try:
-                yield mm[pos + REC_HEADER_BYTES:pos + REC_HEADER_BYTES + klen].decode("utf-8"), flags
-            except UnicodeDecodeError:
-                continue
+    def _data_keys(self, seg: Segment, private: bool = False) -> set[str] | None:
+        """The keys with a data record in sealed segment ``seg`` (its headers up to ``used``), or
+        None when its file cannot be read that far. Through the tier's mapping (``_lock`` held),
+        or with ``private`` (the background worker, no lock held: the tier's mapping may be
+        closed meanwhile) through one of its own, closed after, offering the GIL every slice."""
+        if not private:
+            mm = self._map(seg)
+            if mm is None or self._mapped_bytes(seg) < seg.used:
+                return None
+            return _data_keys(mm, seg.used, False)
+        try:
+            fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # deleted meanwhile (compacted, or cleared)
+            return None
+        try:
+            if os.fstat(fd).st_size < seg.used:
+                return None
+            mm = mmap.mmap(fd, seg.used, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)  # (the mapping keeps what it needs)
+        try:
+            return _data_keys(mm, seg.used, True)
+        finally:
+            mm.close()
 
     def _finish(self, job: CompactJob) -> Segment | None:
         """Forget the emptied segment (``_lock`` held) and return it for ``_dispose``; None
@@ -420,7 +454,7 @@ class DiskCompaction:
             return None
         del self._segs[seg.id]
         self._dirty.discard(seg.id)
-        self._drop_rfd(seg.id)
+        self._maps.pop(seg.id, None)  # out of the mapped set; _dispose unmaps it
         self._dir_dirty = True
         self._n["compactions"] += 1
         return seg

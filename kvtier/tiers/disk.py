@@ -1,4 +1,6 @@
-"""L3: a directory of append-only segment files, memory-mapped for reads.
+"""L3: a directory of append-only segment files, memory-mapped for reads (the head, and a
+bounded number of sealed segments at a time, ``diskread.mapped_segments``: the fds a tier holds
+do not grow with the number of its segments).
 
 ```
  path/ (0o700)
@@ -46,7 +48,7 @@ from . import diskindex
 from .base import Tier, TierStats, check_key
 from .compactor import CompactJob, Compactor, DiskCompaction
 from .diskopen import DiskRecovery, prepare_directory
-from .diskread import DiskReads
+from .diskread import DiskReads, mapped_segments
 from .diskspace import check_free_space, purge_directory, remove_tier_files
 from .diskwrite import DiskWrites, WriteLock
 from .errors import DirectoryLockedError, TierClosedError
@@ -121,7 +123,8 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
         self._failed: BaseException | None = None  # the last environment failure reported to a caller
         self._closed = True
         self._lock_fd = -1
-        self._rfds: dict[int, int] = {}  # segment id -> read-only fd, oldest opened first
+        self._maps: dict[int, Segment] = {}  # the sealed segments mapped now, oldest mapped first (DiskReads._map)
+        self._max_maps = mapped_segments()
         self._appenders: list[None] = []  # one entry per put_many, sync or compactor step under way (_at_work)
         self._worker: Compactor | None = None
         self._share = float(compact_share)
@@ -253,7 +256,7 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
             diskindex.remove(self.path)
             for sid in sorted(self._segs):  # oldest first: a crash leaves a suffix of the log, never stale versions
                 seg = self._segs.pop(sid)
-                self._drop_rfd(sid)
+                self._unmap(seg)
                 seg.close()
                 os.unlink(seg.path)
             self._index.clear()
@@ -352,8 +355,7 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
             if self._closed and self._lock_fd < 0:
                 return
             self._closed = True
-            for sid in list(self._rfds):
-                self._drop_rfd(sid)
+            self._maps.clear()
             for s in self._segs.values():
                 s.close()
             self._segs.clear()

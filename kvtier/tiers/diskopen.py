@@ -20,13 +20,9 @@ import stat
 
 from kvtier._crc import crc32
 from . import diskindex
-from .diskspace import SEG_RE
+from .diskspace import SEG_RE, is_tier_file
 from .segfile import (FLAG_TOMB, REC_HEADER_BYTES, SEG_HDR, SEG_HEADER_BYTES, SEG_MAGIC, Segment, cut_record_at,
                       iter_headers)
-
-
-def _tier_file(name: str) -> bool:
-    return bool(SEG_RE.match(name)) or name in ("LOCK", diskindex.INDEX_NAME, diskindex.INDEX_NAME + ".tmp")
 
 
 def prepare_directory(path: str) -> None:
@@ -45,7 +41,7 @@ def prepare_directory(path: str) -> None:
     except FileExistsError:
         pass
     mode = stat.S_IMODE(os.stat(path).st_mode)
-    if all(_tier_file(n) for n in os.listdir(path)):
+    if all(is_tier_file(n) for n in os.listdir(path)):
         if mode == 0o700:
             return
         try:
@@ -66,23 +62,28 @@ class DiskRecovery:
 
     def _recover(self) -> None:
         ids = sorted(int(m.group(1)) for n in os.listdir(self.path) if (m := SEG_RE.match(n)))
-        for sid in ids:
+        for sid in ids:  # (one fd at a time: a segment is mapped only while it is read)
             p = self._seg_path(sid)
             fd = os.open(p, os.O_RDWR | os.O_CLOEXEC)
-            st = os.fstat(fd)
-            if st.st_size < SEG_HEADER_BYTES + REC_HEADER_BYTES:
+            try:
+                st = os.fstat(fd)
+                head = os.pread(fd, SEG_HDR.size, 0)
+            finally:
                 os.close(fd)
+            if st.st_size < SEG_HEADER_BYTES + REC_HEADER_BYTES:
                 os.unlink(p)  # a segment torn while being created holds no record
                 self._dir_dirty = True
                 continue
-            seg = Segment(sid, p, fd, st.st_size, st.st_size)
-            magic, _, hsid, cap, _ = SEG_HDR.unpack_from(seg.mm, 0)
+            seg = Segment(sid, p, -1, st.st_size, st.st_size)
+            magic, _, hsid, cap, _ = SEG_HDR.unpack_from(head, 0)
             if magic == SEG_MAGIC and hsid == sid and st.st_size <= cap < 1 << 32:
                 # the last segment may grow again, up to the segment size of then and of now
                 seg.cap = max(st.st_size, min(cap, self.segment_bytes))
             seg.mtime_ns = st.st_mtime_ns
             self._segs[sid] = seg
         ids = sorted(self._segs)
+        if ids:  # the last may be the head again, and a torn tail there is erased: open read-write
+            self._segs[ids[-1]].reopen()
         cp = diskindex.load(self.path)
         if cp is not None and not self._usable(cp):
             cp = None
@@ -107,6 +108,9 @@ class DiskRecovery:
                 self._head = last
         for seg in self._segs.values():
             if seg is not self._head:
+                if seg.used < seg.size and seg.fd < 0:  # a tail past its records: truncated as sealing does
+                    self._unmap(seg)
+                    seg.reopen()
                 seg.seal()
                 seg.release_fd()
         self._n["recovered"] = len(self._index)
@@ -143,8 +147,12 @@ class DiskRecovery:
     def _scan(self, seg: Segment, start: int, check_data: bool, last: bool) -> None:
         """Index the records of ``seg`` from ``start``. Headers are always checked; data CRCs
         where asked (the tail after a checkpoint, or the last segment of a full scan: the only
-        place a torn append can be; elsewhere ``get`` checks them)."""
-        mm = seg.mm
+        place a torn append can be; elsewhere ``get`` checks them). A sealed segment is read
+        through the tier's bounded set of mappings (``_map``): a reopen maps no more at a time
+        than reads do."""
+        mm = self._map(seg)
+        if mm is None:  # (its file was checked just before: only a change under us gets here)
+            raise OSError(f"segment {seg.path!r} cannot be mapped")
         pending_bad: list[tuple[str | None, int]] = []  # header-valid, data-bad, not yet followed by a good record
         end, n = start, 0
         for pos, flags, klen, vlen, dcrc, size in iter_headers(mm, start, seg.size):

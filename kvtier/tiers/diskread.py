@@ -27,7 +27,7 @@ from kvtier._crc import crc32
 from .base import Tier, check_key, out_view
 from .segfile import REC, REC_HEADER_BYTES, REC_MAGIC, Segment, crc32_held
 
-_READ_FDS = 128  # read-only fds kept open for sealed segments
+_MAPPED_MIN, _MAPPED_MAX = 16, 1024  # sealed segments a tier keeps mapped at a time (see mapped_segments)
 _by_loc = operator.itemgetter(2)  # (segment id, offset, ...): file order
 _check = struct.Struct("<I4x2xHII").unpack_from  # of a record header: magic, key length, value length, data crc
 _READAHEAD_MIN = 256 << 10  # a span below this is read around by the first page fault anyway
@@ -79,6 +79,23 @@ if _LSEEK is None:
     _file_end_held = _file_end  # noqa: F811 (no way to probe holding the GIL here)
 
 
+def mapped_segments() -> int:
+    """How many sealed segments a tier opened now keeps mapped at most (``DiskReads._map``):
+    each holds two fds (see ``Segment``), and together they take at most an eighth of the
+    process's soft RLIMIT_NOFILE, between ``_MAPPED_MIN`` and ``_MAPPED_MAX`` segments (64
+    under the usual limit of 1024: 4 GiB of 64 MiB segments; 1024 where it is 16k or more).
+    The rest of the limit stays the program's: mapping every segment of a large tier would run
+    it out of fds (EMFILE), in kvtier or anywhere else in the process."""
+    try:
+        import resource
+    except ImportError:  # no such limit here
+        return _MAPPED_MIN * 4
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY or soft < 0:
+        return _MAPPED_MAX
+    return max(_MAPPED_MIN, min(_MAPPED_MAX, soft // 16))
+
+
 def _read_record(mm, limit: int, off: int, key: str, vlen: int, crc=crc32) -> bytes | None:
     """The value of the record at ``off`` of a mapping of which ``limit`` bytes may be touched,
     copied out once, after its header matched the index (magic, key and value lengths) and its
@@ -103,25 +120,31 @@ class DiskReads:
     """get / get_into / get_many over DiskTier's index and segments (caller-facing methods
     take the tier lock; the ``_``-methods expect it held)."""
 
-    def _rfd(self, seg: Segment) -> int:
-        """A read fd for ``seg``: the head's own, else one of a bounded set of read-only fds,
-        the oldest opened closed first (sealed segments hold none of their own, so a large tier
-        does not run out of fds). A hit is one dict lookup: keeping the set in LRU order cost
-        a 4 KiB get a fifth of its time, and reopening an fd closed too early costs one open."""
-        if seg.fd >= 0:
-            return seg.fd
-        fd = self._rfds.get(seg.id)
-        if fd is None:
-            fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
-            if len(self._rfds) >= _READ_FDS:
-                os.close(self._rfds.pop(next(iter(self._rfds))))
-            self._rfds[seg.id] = fd
-        return fd
+    def _map(self, seg: Segment) -> mmap.mmap | None:
+        """``seg``'s mapping (None when its file cannot be mapped: then nothing of it is read,
+        see ``Segment.map_sealed``), mapped now if it is not. At most ``_max_maps`` sealed
+        segments are mapped at a time (``mapped_segments``), the oldest
+        mapped closed first: so the fds and mappings a tier holds are bounded whatever the
+        number of its segments. A miss costs an open and an mmap, and closing the oldest a
+        munmap and two closes: about ten 4 KiB gets' time (its pages stay in the page cache, so
+        no disk read). A hit costs the caller one attribute test: keeping the set in LRU order
+        costs a 4 KiB get a fifth of its time. Closing is safe as every read copies out of a
+        mapping under the tier lock and holds no view of it afterwards (``_lock`` held; the
+        head, mapped through its own fd, is never in the set). A miss's system calls let go of
+        the GIL, also while an appender is under way."""
+        if seg.mm is not None or seg.fd >= 0:
+            return seg.mm
+        maps = self._maps
+        while len(maps) >= self._max_maps:
+            maps.pop(next(iter(maps))).unmap()
+        if seg.map_sealed():
+            maps[seg.id] = seg
+        return seg.mm
 
-    def _drop_rfd(self, sid: int) -> None:
-        fd = self._rfds.pop(sid, None)
-        if fd is not None:
-            os.close(fd)
+    def _unmap(self, seg: Segment) -> None:
+        """Close ``seg``'s mapping if the set holds it (``_lock`` held)."""
+        if self._maps.pop(seg.id, None) is not None:
+            seg.unmap()
 
     def _read_batch(self, todo: list[tuple[int, str, tuple]], out: list, readahead: bool = False) -> None:
         """Records [(position in the batch, key, loc)]: each value (None if corrupt) goes to
@@ -140,7 +163,10 @@ class DiskReads:
             if s != sid:
                 sid = s
                 seg = self._segs[s]
-                mm, limit = seg.mm, self._mapped_bytes(seg)
+                mm = seg.mm
+                if mm is None:
+                    mm = self._map(seg)
+                limit = self._mapped_bytes(seg)
             value = _read_record(mm, limit, off, key, vlen, crc)
             if value is None:
                 bad.append(key)
@@ -174,20 +200,20 @@ class DiskReads:
             seg = self._segs[sid]
             a &= ~(mmap.PAGESIZE - 1)
             b = min(last[1] + last[2], seg.size)
-            if a + _READAHEAD_MIN <= b <= a + 4 * want:
+            if a + _READAHEAD_MIN <= b <= a + 4 * want and (mm := self._map(seg)) is not None:
                 try:
-                    seg.mm.madvise(mmap.MADV_WILLNEED, a, b - a)
+                    mm.madvise(mmap.MADV_WILLNEED, a, b - a)
                 except (OSError, ValueError):
                     pass
             i = j
 
     def _mapped_bytes(self, seg: Segment) -> int:
-        """Bytes of ``seg``'s mapping that can be touched (see ``_file_end``)."""
-        fd = seg.fd if seg.fd >= 0 else self._rfd(seg)
+        """Bytes of ``seg``'s mapping (``_map``ped first) that can be touched (see ``_file_end``)."""
+        fd = seg.rfd
         return min(seg.size, _file_end_held(fd) if self._holding_gil() else _file_end(fd))
 
-    def _locate(self, key: str) -> tuple[Segment, int, int, int, int] | None:
-        """(segment, value offset, value length, crc32 of the key, expected crc32 of key+value)
+    def _locate(self, key: str) -> tuple[mmap.mmap, int, int, int, int] | None:
+        """(mapping, value offset, value length, crc32 of the key, expected crc32 of key+value)
         after checking the record's header against the index; None when absent or when the
         header/bounds are already wrong (that is counted as corrupt)."""
         loc = self._index.lookup(key)
@@ -195,12 +221,13 @@ class DiskReads:
             return None
         sid, off, size, vlen = loc
         seg = self._segs[sid]
+        mm = self._map(seg)
         kb = key.encode("utf-8")
         if off + size <= self._mapped_bytes(seg):  # a file truncated under us would SIGBUS
-            magic, _, _, klen, vl, dcrc, _ = REC.unpack_from(seg.mm, off)
+            magic, _, _, klen, vl, dcrc, _ = REC.unpack_from(mm, off)
             k0 = off + REC_HEADER_BYTES
-            if magic == REC_MAGIC and klen == len(kb) and vl == vlen and seg.mm[k0:k0 + klen] == kb:
-                return seg, k0 + klen, vlen, crc32(kb), dcrc
+            if magic == REC_MAGIC and klen == len(kb) and vl == vlen and mm[k0:k0 + klen] == kb:
+                return mm, k0 + klen, vlen, crc32(kb), dcrc
         self._mark_corrupt(key)
         return None
 
@@ -233,13 +260,14 @@ class DiskReads:
                 return None
             sid, off, _, vlen = loc
             seg = self._segs[sid]
-            fd = seg.fd
-            if fd < 0:
-                fd = self._rfd(seg)
+            mm = seg.mm
+            if mm is None:
+                mm = self._map(seg)
+            fd = seg.rfd  # (-1 when it could not be mapped: probed as size 0, nothing is touched)
             if self._appenders and self._holding_gil():  # (the first test spares a quiet get the call)
-                value = _read_record(seg.mm, _file_end_held(fd), off, key, vlen, crc32_held)
+                value = _read_record(mm, _file_end_held(fd), off, key, vlen, crc32_held)
             else:
-                value = _read_record(seg.mm, _file_end(fd), off, key, vlen)
+                value = _read_record(mm, _file_end(fd), off, key, vlen)
             if value is None:
                 self._mark_corrupt(key)
                 st.misses += 1
@@ -264,8 +292,8 @@ class DiskReads:
             r = self._locate(key)
             if r is None:
                 return self._count(key, None, False)
-            seg, voff, vlen, kcrc, dcrc = r
-            with memoryview(seg.mm) as src:  # released before the mapping can be closed
+            mm, voff, vlen, kcrc, dcrc = r
+            with memoryview(mm) as src:  # released before the mapping can be closed
                 mv[:vlen] = src[voff:voff + vlen]
             ok = crc32(mv[:vlen], kcrc) == dcrc
             return vlen if self._count(key, mv[:vlen], ok) is not None else None

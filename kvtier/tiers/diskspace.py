@@ -13,6 +13,12 @@ from .segfile import FIRST_BYTES
 SEG_RE = re.compile(r"^seg-(\d{12})\.kvs$")
 
 
+def is_tier_file(name: str) -> bool:
+    """Whether ``name`` is one a DiskTier writes in its directory: a segment, the INDEX
+    checkpoint (or its temporary) or the LOCK file."""
+    return bool(SEG_RE.match(name)) or name in ("LOCK", diskindex.INDEX_NAME, diskindex.INDEX_NAME + ".tmp")
+
+
 def check_free_space(path: str, segment_bytes: int, capacity_bytes: int, held_bytes: int) -> None:
     """Refuse a filesystem without room for a segment's first allocation; warn when
     ``capacity_bytes`` is more than the filesystem has left (``held_bytes``: what the tier's
@@ -35,7 +41,7 @@ def remove_tier_files(path: str) -> int:
     the directory too when it is then empty. Returns the bytes freed."""
     freed = 0
     for name in os.listdir(path):
-        if SEG_RE.match(name) or name in (diskindex.INDEX_NAME, diskindex.INDEX_NAME + ".tmp", "LOCK"):
+        if is_tier_file(name):
             p = os.path.join(path, name)
             freed += os.stat(p).st_size
             os.unlink(p)
@@ -55,8 +61,7 @@ def purge_directory(path: str | os.PathLike) -> tuple[int, int]:
     if not os.path.isdir(path):
         raise ValueError(f"{path!r} is not a directory")
     names = os.listdir(path)
-    ours = [n for n in names if SEG_RE.match(n) or n in ("LOCK", diskindex.INDEX_NAME, diskindex.INDEX_NAME + ".tmp")]
-    if names and not ours:
+    if names and not any(is_tier_file(n) for n in names):
         raise ValueError(f"{path!r} holds no kvtier L3 files (LOCK, INDEX, seg-*.kvs); nothing removed")
     fd = os.open(os.path.join(path, "LOCK"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:

@@ -17,6 +17,7 @@ import errno
 import mmap
 import os
 import struct
+import sys
 from collections.abc import Iterator
 
 from kvtier._crc import IMPLEMENTATION, crc32
@@ -34,6 +35,9 @@ IOV_MAX = 1020
 FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 FIRST_BYTES = 256 << 10  # a new segment file's first allocation
 fdatasync = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
+# Python 3.13+ can map without duplicating the fd (the segment's own fd serves every use);
+# before, each mapping holds a duplicate of it until closed
+_MMAP_KW = {"trackfd": False} if sys.version_info >= (3, 13) else {}
 
 
 _CRC_HELD_MAX = 64 << 10  # up to this, a CRC keeps the GIL (see crc32_held)
@@ -171,20 +175,27 @@ def cut_record_at(mm, pos: int, limit: int) -> bool:
 
 
 class Segment:
-    """One segment file: ``size`` bytes allocated and mapped, ``used`` of them written, at most
-    ``cap``. Sealed segments keep only their mapping (no fd), so a large tier does not run out
-    of file descriptors.
+    """One segment file: ``size`` bytes allocated, ``used`` of them written, at most ``cap``.
+
+    The head (the segment appended to) holds its read-write ``fd`` and stays mapped. A sealed
+    segment holds no fd of its own; while the tier keeps it mapped (``map_sealed``, a bounded
+    set of them) it holds its mapping and a read-only ``rfd`` (the fd a read's size probe
+    asks; the head's is its ``fd``), and neither otherwise: so the fds a large tier holds do
+    not grow with its segments (each mapping holds one more, the fd Python's mmap duplicates
+    for its own use, until it is closed).
 
     ``written`` is the set of keys with a data record here (live or dead), which decides
     whether a tombstone still hides something; None until needed for a segment indexed from
     a checkpoint (then rebuilt from its headers).
     """
 
-    __slots__ = ("id", "path", "fd", "mm", "size", "cap", "used", "live", "tomb_bytes", "written", "mtime_ns")
+    __slots__ = ("id", "path", "fd", "rfd", "mm", "size", "cap", "used", "live", "tomb_bytes", "written",
+                 "mtime_ns")
 
     def __init__(self, sid: int, path: str, fd: int, size: int, cap: int) -> None:
-        self.id, self.path, self.fd, self.size, self.cap = sid, path, fd, size, cap
-        self.mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
+        """With ``fd`` >= 0 (a head) the segment is mapped through it; with -1 it is not mapped."""
+        self.id, self.path, self.fd, self.rfd, self.size, self.cap = sid, path, fd, fd, size, cap
+        self.mm = mmap.mmap(fd, size, access=mmap.ACCESS_READ, **_MMAP_KW) if size and fd >= 0 else None
         self.used = SEG_HEADER_BYTES  # append offset
         self.live = 0  # bytes of records the index points to
         self.tomb_bytes = 0  # bytes of tombstones here
@@ -226,7 +237,7 @@ class Segment:
     def _remap(self, size: int) -> None:
         if self.mm is not None:
             self.mm.close()
-        self.mm = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ)
+        self.mm = mmap.mmap(self.fd, size, access=mmap.ACCESS_READ, **_MMAP_KW)
         self.size = size
 
     def write(self, off: int, iov: list) -> None:
@@ -248,10 +259,50 @@ class Segment:
         except OSError as exc:
             raise full_error(exc, f"writing {self.path!r}") from exc
 
+    def reopen(self) -> None:
+        """Open a sealed segment read-write and map it through that fd, as a head is (to erase
+        a torn tail, or to truncate it to its records, at open)."""
+        assert self.fd < 0 and self.mm is None, f"reopen of {self.path}, which is open"
+        self.fd = self.rfd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC)
+        if self.size:
+            self.mm = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_READ, **_MMAP_KW)
+
     def release_fd(self) -> None:
+        """Close the head's fd and its mapping (a sealed segment is mapped again when read)."""
         if self.fd >= 0:
+            self.unmap()
             os.close(self.fd)
-            self.fd = -1
+            self.fd = self.rfd = -1
+
+    def map_sealed(self) -> bool:
+        """Map a sealed segment read-only (``mm`` and ``rfd``); False when its file cannot be
+        mapped whole (deleted, or shorter than it was sealed: damaged under us): then nothing
+        of it is readable (reads probe ``rfd`` = -1 as size 0), and the next read tries again."""
+        assert self.fd < 0 and self.mm is None, f"{self.path} is mapped already"
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return False
+        try:  # (mmap checks the file's size itself: ValueError when it is shorter)
+            self.mm = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ, **_MMAP_KW)
+        except ValueError:
+            os.close(fd)
+            return False
+        except BaseException:
+            os.close(fd)
+            raise
+        self.rfd = fd
+        return True
+
+    def unmap(self) -> None:
+        """Close the mapping and a sealed segment's read fd. The caller makes sure no one reads
+        the mapping now: reads copy out of it under the tier lock, and hold no view of it after."""
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None
+        if self.rfd >= 0 and self.rfd != self.fd:
+            os.close(self.rfd)
+        self.rfd = self.fd
 
     def file_size(self) -> int:
         try:
@@ -260,7 +311,5 @@ class Segment:
             return 0
 
     def close(self) -> None:
-        if self.mm is not None:
-            self.mm.close()
-            self.mm = None
+        self.unmap()
         self.release_fd()

@@ -1,5 +1,6 @@
 import os
 import random
+import threading
 
 import pytest
 import torch
@@ -60,13 +61,42 @@ def join_all(threads, errors: list, timeout: float = 80) -> None:
     assert not errors, errors[0]
 
 
+def sequences_on_threads(st: KVStore, n: int, body) -> dict:
+    """Run ``body(s, ref, rng, gen)`` on ``n`` threads at once, each with a sequence ``s`` of its
+    own, a Ref for what it appends and a random.Random and torch.Generator seeded by its index;
+    bounded and re-raised by :func:`join_all`. Returns {seq: Ref}."""
+    refs, errors = {}, []
+
+    def run(seed):
+        try:
+            s = st.add_sequence()
+            ref = refs[s] = Ref()
+            body(s, ref, random.Random(seed), torch.Generator().manual_seed(seed))
+        except BaseException as e:  # surfaced by the main thread
+            errors.append(e)
+
+    join_all([threading.Thread(target=run, args=(i,)) for i in range(n)], errors)
+    return refs
+
+
+def assert_gathers(st: KVStore, ref: Ref, s: int, layer: int) -> None:
+    """``st.gather`` of (s, layer) is everything ``ref`` recorded for it, bit-exact."""
+    rk, rv = ref.kv(s, layer)
+    K, V = st.gather(s, layer)
+    assert torch.equal(K, rk) and torch.equal(V, rv)
+
+
+def assert_rows(ref: Ref, s: int, layer: int, K: torch.Tensor, V: torch.Tensor, pos: torch.Tensor) -> None:
+    """K and V (from gather_blocks or gather_view) hold the tokens ``pos`` of (s, layer)."""
+    rk, rv = ref.kv(s, layer)
+    assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+
+
 def assert_reads_back(st: KVStore, refs: dict) -> None:
     """Every (sequence, layer) of ``refs`` ({seq: Ref}) reads back bit-exact through gather."""
     for s, ref in refs.items():
         for (_, layer) in ref.chunks:
-            rk, rv = ref.kv(s, layer)
-            K, V = st.gather(s, layer)
-            assert torch.equal(K, rk) and torch.equal(V, rv)
+            assert_gathers(st, ref, s, layer)
 
 
 def corrupt_l3_record(l3, key: str) -> None:

@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from .conftest import Ref, assert_reads_back, check_invariants, join_all, make_store, random_chunk
+from .conftest import (Ref, assert_gathers, assert_reads_back, assert_rows, check_invariants, make_store, random_chunk,
+                       sequences_on_threads)
 
 
 def slow_swap_out(st, delay=0.002):
@@ -22,6 +23,20 @@ def slow_swap_out(st, delay=0.002):
     st.io.encode_pair = slow
 
 
+def racing_steps(st, s: int, ref: Ref, rng: random.Random, steps: int = 300):
+    """Append a random chunk to layer 0 of sequence ``s`` and end the step (victims go to the
+    slow worker), ``steps`` times; after each step with a sealed block, yield the layer's table
+    and the blocks pending swap-out then, for the caller to read while the worker runs."""
+    for _ in range(steps):
+        k, v = random_chunk(rng, sizes=(1, 2, 3))
+        st.append(s, 0, k, v)
+        ref.add(s, 0, k, v)
+        st.end_step()
+        t = st.residency.tables[s][0]
+        if t.n_sealed:
+            yield t, [e.idx for e in t.entries[:-1] if e.pending]
+
+
 @pytest.mark.timeout(60)
 def test_swap_out_racing_swap_in_of_the_same_block(tmp_path):
     st = make_store(tmp_path, num_layers=1, block_tokens=4, hot_tokens=16, budget_tokens=16,
@@ -32,27 +47,15 @@ def test_swap_out_racing_swap_in_of_the_same_block(tmp_path):
     rng = random.Random(3)
     ref = Ref()
     cancels = 0
-    for step in range(300):
-        k, v = random_chunk(rng, sizes=(1, 2, 3))
-        st.append(s, 0, k, v)
-        ref.add(s, 0, k, v)
-        st.end_step()  # queues victims for the (slow) worker
-        t = st.residency.tables[s][0]
-        pending = [e.idx for e in t.entries[:-1] if e.pending]
-        ns = t.n_sealed
-        if ns == 0:
-            continue
+    for t, pending in racing_steps(st, s, ref, rng):
         # attend to blocks being swapped out right now, and to blocks already gone
-        want = sorted(set(pending[:2]) | {rng.randrange(ns)})[: st.hot_blocks - 1]
+        want = sorted(set(pending[:2]) | {rng.randrange(t.n_sealed)})[: st.hot_blocks - 1]
         cancels += sum(1 for b in want if t.entries[b].pending)
         K, V, pos = st.gather_blocks(s, 0, want)
-        rk, rv = ref.kv(s, 0)
-        assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+        assert_rows(ref, s, 0, K, V, pos)
     assert cancels > 0, "the race was never exercised"
     check_invariants(st)
-    rk, rv = ref.kv(s, 0)
-    K, V = st.gather(s, 0)
-    assert torch.equal(K, rk) and torch.equal(V, rv)
+    assert_gathers(st, ref, s, 0)
     st.close()
 
 
@@ -74,17 +77,14 @@ def test_eviction_during_prefetch(tmp_path):
                 q = torch.randn(4, 1, 8)
                 sel = st.select(s, layer, q)  # prefetches layer+1 while eviction runs
                 K, V, pos = st.gather_blocks(s, layer, sel)
-                rk, rv = ref.kv(s, layer)
-                assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+                assert_rows(ref, s, layer, K, V, pos)
                 st.observe(s, layer, sel, torch.rand(len(sel) + 1))
         st.end_step()  # evicts and prefetches last step's selection
     stats = st.stats()
     assert stats["prefetch"]["issued"] > 0 and stats["swap_out_blocks"] > 0
     check_invariants(st)
     for (s, layer) in ref.chunks:
-        rk, rv = ref.kv(s, layer)
-        K, V = st.gather(s, layer)
-        assert torch.equal(K, rk) and torch.equal(V, rv)
+        assert_gathers(st, ref, s, layer)
     st.close()
 
 
@@ -93,38 +93,26 @@ def test_many_sequences_interleaved_from_threads(tmp_path):
     st = make_store(tmp_path, num_layers=2, block_tokens=4, hot_tokens=12, budget_tokens=12, host_bytes=8192,
                     max_sequences=6, policy="sink-window", sink_tokens=0, window_tokens=4, prefetch=True,
                     attention="sparse")
-    errors = []
-    refs = {}
 
-    def run(seed):
-        try:
-            rng = random.Random(seed)
-            gen = torch.Generator().manual_seed(seed)
-            s = st.add_sequence()
-            ref = refs[s] = Ref()
-            for i in range(300):
-                layer = rng.randrange(2)
-                n = rng.choice((1, 1, 2, 6))
-                k = torch.randn(2, n, 8, generator=gen).half()
-                v = torch.randn(2, n, 8, generator=gen).half()
-                st.append(s, layer, k, v)
-                ref.add(s, layer, k, v)
-                if i % 3 == 0:
-                    st.end_step()
-                if i % 50 == 0:
-                    K, V = st.gather(s, layer)
-                    rk, rv = ref.kv(s, layer)
-                    assert torch.equal(K, rk) and torch.equal(V, rv)
-                elif i % 4 == 0 and st.seq_len(s, layer) > 8:
-                    # old blocks asked for: swapped in through scratch slots (L1 is full of the window)
-                    sel = st.select(s, layer, torch.randn(2, 1, 8, generator=gen))
-                    K, V, pos = st.gather_blocks(s, layer, sel)
-                    rk, rv = ref.kv(s, layer)
-                    assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
-        except BaseException as e:  # surfaced by the main thread
-            errors.append(e)
+    def body(s, ref, rng, gen):
+        for i in range(300):
+            layer = rng.randrange(2)
+            n = rng.choice((1, 1, 2, 6))
+            k = torch.randn(2, n, 8, generator=gen).half()
+            v = torch.randn(2, n, 8, generator=gen).half()
+            st.append(s, layer, k, v)
+            ref.add(s, layer, k, v)
+            if i % 3 == 0:
+                st.end_step()
+            if i % 50 == 0:
+                assert_gathers(st, ref, s, layer)
+            elif i % 4 == 0 and st.seq_len(s, layer) > 8:
+                # old blocks asked for: swapped in through scratch slots (L1 is full of the window)
+                sel = st.select(s, layer, torch.randn(2, 1, 8, generator=gen))
+                K, V, pos = st.gather_blocks(s, layer, sel)
+                assert_rows(ref, s, layer, K, V, pos)
 
-    join_all([threading.Thread(target=run, args=(i,)) for i in range(6)], errors)
+    refs = sequences_on_threads(st, 6, body)
     assert st.stats()["scratch_uses"] > 0
     check_invariants(st)
     assert_reads_back(st, refs)

@@ -1,13 +1,13 @@
 """gather_view: K and V as views of each table's L1 region, checked against the copying
 gather_blocks and a plain reference of everything appended, block by block via the returned order."""
 import random
-import threading
 
 import pytest
 import torch
 
-from .conftest import Ref, assert_reads_back, check_invariants, join_all, make_store, random_chunk
-from .test_concurrency import slow_swap_out
+from .conftest import (Ref, assert_gathers, assert_reads_back, assert_rows, check_invariants, make_store, random_chunk,
+                       sequences_on_threads)
+from .test_concurrency import racing_steps, slow_swap_out
 
 
 def aliases_l1(st, x: torch.Tensor) -> bool:
@@ -21,8 +21,7 @@ def check_view(st, ref, s, layer, blocks, K, V, pos, order):
     ns = st.residency.tables[s][layer].n_sealed
     assert sorted(order[:-1]) == sorted(blocks) and order[-1] == ns
     assert torch.equal(pos, (torch.tensor(order)[:, None] * bt + torch.arange(bt)).view(-1)[: pos.numel()])
-    rk, rv = ref.kv(s, layer)
-    assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+    assert_rows(ref, s, layer, K, V, pos)
     K, V = K.clone(), V.clone()  # gather_blocks below may change the region
     Kc, Vc, pos_c = st.gather_blocks(s, layer, sorted(blocks))
     where = {b: i for i, b in enumerate(sorted(blocks) + [ns])}
@@ -102,9 +101,7 @@ def test_view_equals_copying_gather_across_changing_selections(tmp_path, policy,
     assert st.stats()["swap_in_blocks"] > 0 and st.stats()["swap_out_blocks"] > 0
     check_invariants(st)
     for (s, layer) in ref.chunks:
-        rk, rv = ref.kv(s, layer)
-        K, V = st.gather(s, layer)
-        assert torch.equal(K, rk) and torch.equal(V, rv)
+        assert_gathers(st, ref, s, layer)
     st.close()
 
 
@@ -206,21 +203,12 @@ def test_pending_block_is_never_moved_while_the_worker_reads_it(tmp_path):
     rng = random.Random(11)
     ref = Ref()
     touched_pending = 0
-    for step in range(300):
-        k, v = random_chunk(rng, sizes=(1, 2, 3))
-        st.append(s, 0, k, v)
-        ref.add(s, 0, k, v)
-        st.end_step()  # victims to the (slow) worker
-        t = st.residency.tables[s][0]
+    for t, pending in racing_steps(st, s, ref, rng):
         ns = t.n_sealed
-        if ns == 0:
-            continue
-        pending = [e.idx for e in t.entries[:-1] if e.pending]
         want = list(dict.fromkeys(pending[:2] + rng.sample(range(ns), min(ns, 2))))[: st.hot_blocks - 1]
         touched_pending += sum(1 for b in want if t.entries[b].pending)
         K, V, pos, order = st.gather_view(s, 0, want)
-        rk, rv = ref.kv(s, 0)
-        assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+        assert_rows(ref, s, 0, K, V, pos)
     assert touched_pending > 0, "the race was never exercised"
     g = st.stats()["gather"]
     assert g["views"] > 0 and g["copies"] > 0
@@ -228,13 +216,12 @@ def test_pending_block_is_never_moved_while_the_worker_reads_it(tmp_path):
     st.flush()
     # every block's copy below L1 holds its own tokens
     t = st.residency.tables[s][0]
-    rk, rv = ref.kv(s, 0)
+    rk, _ = ref.kv(s, 0)
     for e in t.entries[:-1]:
         if e.l2:
             d = st.lower.load(e)
             assert torch.equal(d[0], rk[:, e.idx * 4:(e.idx + 1) * 4]), f"block {e.idx} written wrong"
-    K, V = st.gather(s, 0)
-    assert torch.equal(K, rk) and torch.equal(V, rv)
+    assert_gathers(st, ref, s, 0)
     st.close()
 
 
@@ -246,32 +233,23 @@ def test_sequences_on_threads_with_views(tmp_path):
                     max_sequences=4, policy="h2o", sink_tokens=4, window_tokens=4, prefetch=True,
                     attention="sparse")
     slow_swap_out(st, 0.001)
-    errors, refs = [], {}
 
-    def run(seed):
-        try:
-            rng = random.Random(seed)
-            gen = torch.Generator().manual_seed(seed)
-            s = st.add_sequence()
-            ref = refs[s] = Ref()
-            for i in range(200):
-                for layer in range(2):
-                    n = rng.choice((1, 1, 1, 3))
-                    k = torch.randn(2, n, 8, generator=gen).half()
-                    v = torch.randn(2, n, 8, generator=gen).half()
-                    st.append(s, layer, k, v)
-                    ref.add(s, layer, k, v)
-                    sel = st.select(s, layer, torch.randn(4, 1, 8, generator=gen))
-                    K, V, pos, order = st.gather_view(s, layer, sel)
-                    rk, rv = ref.kv(s, layer)
-                    assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
-                    st.observe(s, layer, order, torch.rand(len(order)))
-                if i % 2 == 0:
-                    st.end_step()
-        except BaseException as e:  # surfaced by the main thread
-            errors.append(e)
+    def body(s, ref, rng, gen):
+        for i in range(200):
+            for layer in range(2):
+                n = rng.choice((1, 1, 1, 3))
+                k = torch.randn(2, n, 8, generator=gen).half()
+                v = torch.randn(2, n, 8, generator=gen).half()
+                st.append(s, layer, k, v)
+                ref.add(s, layer, k, v)
+                sel = st.select(s, layer, torch.randn(4, 1, 8, generator=gen))
+                K, V, pos, order = st.gather_view(s, layer, sel)
+                assert_rows(ref, s, layer, K, V, pos)
+                st.observe(s, layer, order, torch.rand(len(order)))
+            if i % 2 == 0:
+                st.end_step()
 
-    join_all([threading.Thread(target=run, args=(i,)) for i in range(4)], errors)
+    refs = sequences_on_threads(st, 4, body)
     assert st.stats()["gather"]["moved_blocks"] > 0
     check_invariants(st)
     assert_reads_back(st, refs)
@@ -358,8 +336,7 @@ def test_block_freed_by_another_thread_during_a_swap_in(tmp_path, method):
     out = getattr(st, method)(s, 0, [0, 2])
     K, V, pos = out[:3]
     assert fired == [2]
-    rk, rv = ref.kv(s, 0)
-    assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+    assert_rows(ref, s, 0, K, V, pos)
     assert sorted(set((pos // 4).tolist())) == [0, 2, 7]
     check_invariants(st)
     st.close()

@@ -6,7 +6,7 @@ import torch
 
 from kvtier.store import KVStore
 
-from .conftest import Ref, check_invariants, make_store, random_chunk
+from .conftest import Ref, assert_gathers, assert_rows, check_invariants, make_store, random_chunk
 
 
 @pytest.mark.parametrize("stage", [{}, {"byte_stage": "zstd", "byte_stage_l2": True}], ids=["lz4", "zstd-l2"])
@@ -25,15 +25,12 @@ def test_nothing_lost_fp16_tiny_tiers(tmp_path, rng, stage):
         if rng.random() < 0.3:
             st.end_step()
         if it % 150 == 0:
-            K, V = st.gather(s, layer)
-            rk, rv = ref.kv(s, layer)
-            assert torch.equal(K, rk) and torch.equal(V, rv)
+            assert_gathers(st, ref, s, layer)
         if it % 40 == 0 and st.seq_len(s, layer) > 8:
             ns = st.seq_len(s, layer) // 4 - (st.seq_len(s, layer) % 4 == 0)
             blocks = sorted(rng.sample(range(ns), 1))  # hot_blocks - 1
             K, V, pos = st.gather_blocks(s, layer, blocks)
-            rk, rv = ref.kv(s, layer)
-            assert torch.equal(K, rk[:, pos]) and torch.equal(V, rv[:, pos])
+            assert_rows(ref, s, layer, K, V, pos)
     check_invariants(st)
     for (s, layer) in ref.chunks:
         K, V = st.gather(s, layer)
@@ -263,9 +260,7 @@ def test_drop_sequence_frees_every_tier(tmp_path, rng):
     check_invariants(st)
     assert not any(key.startswith(f"{a}/") for tier in (st.l1, st.l2, st.l3) for key in tier.keys())
     for layer in range(2):
-        rk, rv = ref.kv(b, layer)
-        K, V = st.gather(b, layer)
-        assert torch.equal(K, rk) and torch.equal(V, rv)
+        assert_gathers(st, ref, b, layer)
     st.close()
 
 

@@ -10,7 +10,7 @@ import torch
 
 from kvtier.store import SwapOutError
 
-from .conftest import Ref, check_invariants, make_store
+from .conftest import Ref, assert_gathers, check_invariants, make_store
 
 BAD = 7.0  # a K value that makes the injected codec failure fire
 
@@ -36,9 +36,7 @@ def _chunk(n, g, bad_at=None):
 
 
 def _exact(st, ref, s):
-    K, V = st.gather(s, 0)
-    rk, rv = ref.kv(s, 0)
-    assert torch.equal(K, rk) and torch.equal(V, rv)
+    assert_gathers(st, ref, s, 0)
 
 
 def _failing_l2_put(st, monkeypatch, bad_key):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvtier.tiers import DeviceTier, DiskTier, HostTier, RemoteTier
-from tests.conftest import REDIS_SERVER, start_redis_server
+from tests.redis_server import REDIS_SERVER, start_redis_server
 
 _namespaces = itertools.count()
 _SERVER = None  # one real redis-server for the conformance runs of RemoteTier

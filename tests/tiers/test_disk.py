@@ -1,6 +1,7 @@
 """DiskTier specifics: restart recovery, tombstones, compaction, locking, permissions, full disk."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import resource
@@ -22,6 +23,31 @@ def open_tier(path, **kw):
     kw.setdefault("capacity_bytes", 64 * SEG)
     kw.setdefault("segment_bytes", SEG)
     return DiskTier(path, **kw)
+
+
+@contextlib.contextmanager
+def put_many_held_in_flush(t, monkeypatch, items):
+    """A ``t.put_many(items)`` on a thread, stopped inside its flush (the fdatasync of
+    durability="batch") for the body of the block; let go and joined at its end."""
+    from kvtier.tiers import compactor
+
+    flushing, release = threading.Event(), threading.Event()
+    real = compactor.fdatasync
+
+    def slow_fdatasync(fd):
+        flushing.set()
+        assert release.wait(20)
+        real(fd)
+
+    monkeypatch.setattr(compactor, "fdatasync", slow_fdatasync)
+    writer = threading.Thread(target=t.put_many, args=(items,))
+    writer.start()
+    assert flushing.wait(20)
+    try:
+        yield
+    finally:
+        release.set()
+        writer.join(20)
 
 
 def test_reopen_recovers_everything_including_deletes(tmp_path):
@@ -312,32 +338,17 @@ def test_reopen_with_another_segment_size_respects_capacity(tmp_path):
 def test_reads_go_on_while_a_put_many_flushes_and_a_sync_waits_for_it(tmp_path, monkeypatch):
     """durability="batch" flushes outside the tier lock: a get is served meanwhile, and a
     sync() started during the flush returns only after it."""
-    from kvtier.tiers import compactor
-
     with open_tier(tmp_path / "d", durability="batch") as t:
         t.put("old", b"1")
-        flushing, release = threading.Event(), threading.Event()
-        real = compactor.fdatasync
-
-        def slow_fdatasync(fd):
-            flushing.set()
-            assert release.wait(20)
-            real(fd)
-
-        monkeypatch.setattr(compactor, "fdatasync", slow_fdatasync)
-        writer = threading.Thread(target=t.put_many, args=([("new", b"2")],))
-        writer.start()
-        assert flushing.wait(20)
-        got = []
-        reader = threading.Thread(target=lambda: got.append((t.get("old"), t.get("new"))))
-        reader.start()
-        reader.join(20)  # would hang if the flush held the tier lock
-        synced = threading.Event()
-        syncer = threading.Thread(target=lambda: (t.sync(), synced.set()))
-        syncer.start()
-        assert not synced.wait(0.2)  # waits for the flush begun before it
-        release.set()
-        writer.join(20)
+        with put_many_held_in_flush(t, monkeypatch, [("new", b"2")]):
+            got = []
+            reader = threading.Thread(target=lambda: got.append((t.get("old"), t.get("new"))))
+            reader.start()
+            reader.join(20)  # would hang if the flush held the tier lock
+            synced = threading.Event()
+            syncer = threading.Thread(target=lambda: (t.sync(), synced.set()))
+            syncer.start()
+            assert not synced.wait(0.2)  # waits for the flush begun before it
         syncer.join(20)
         assert got == [(b"1", b"2")] and synced.is_set()
 
@@ -347,7 +358,7 @@ def test_reads_keep_the_gil_for_their_size_probe_while_an_appender_runs(tmp_path
     GIL held (an os.lseek would hand the interpreter to the appender each time), reading the
     same size as os.lseek, and check CRCs so too (damage still caught); before and after it,
     and after a put_many that raised, none does."""
-    from kvtier.tiers import compactor, diskread
+    from kvtier.tiers import diskread
 
     big, bad = os.urandom(8192), os.urandom(8192)  # CRCs that would let go of the GIL
     with open_tier(tmp_path / "d", durability="batch") as t:
@@ -360,25 +371,12 @@ def test_reads_keep_the_gil_for_their_size_probe_while_an_appender_runs(tmp_path
         probe = diskread._file_end_held
         monkeypatch.setattr(diskread, "_file_end_held", lambda fd: held.append(probe(fd)) or held[-1])
         assert t.get("old") == b"1" and not held and not t._appenders
-        flushing, release = threading.Event(), threading.Event()
-        real = compactor.fdatasync
-
-        def slow_fdatasync(fd):
-            flushing.set()
-            assert release.wait(20)
-            real(fd)
-
-        monkeypatch.setattr(compactor, "fdatasync", slow_fdatasync)
-        writer = threading.Thread(target=t.put_many, args=([("new", b"2")],))
-        writer.start()
-        assert flushing.wait(20)
-        assert len(t._appenders) == 1
-        assert t.get("old") == b"1" and t.get_many(["new", "old", "big"]) == [b"2", b"1", big]
-        assert t.get("big") == big and t.get("bad") is None and "bad" in t.corrupt_keys
-        fd = t._head.fd
-        assert held and held[-1] == os.lseek(fd, 0, os.SEEK_END) == diskread._file_end(fd)
-        release.set()
-        writer.join(20)
+        with put_many_held_in_flush(t, monkeypatch, [("new", b"2")]):
+            assert len(t._appenders) == 1
+            assert t.get("old") == b"1" and t.get_many(["new", "old", "big"]) == [b"2", b"1", big]
+            assert t.get("big") == big and t.get("bad") is None and "bad" in t.corrupt_keys
+            fd = t._head.fd
+            assert held and held[-1] == os.lseek(fd, 0, os.SEEK_END) == diskread._file_end(fd)
         assert not t._appenders
         with pytest.raises(ValueError, match="value"):
             t.put_many([("k", b"x"), ("big", b"x" * SEG)])
@@ -499,17 +497,18 @@ def test_concurrent_reads_see_whole_records_in_write_order_while_compaction_runs
         assert t.stats()["corrupt"] == 0 and t.stats()["compactions"] > 0
 
 
-def test_read_fds_of_sealed_segments_stay_bounded(tmp_path):
-    """Reads of more sealed segments than the tier keeps read fds for close the oldest opened
-    and open again on the next read of theirs: every read still right, the set bounded."""
+def test_mappings_of_sealed_segments_stay_bounded(tmp_path, monkeypatch):
+    """Reads of more sealed segments than the tier keeps mapped close the oldest mapped and map
+    it again on the next read of its: every read still right, the set bounded."""
     from kvtier.tiers import diskread
 
-    vals = {f"k{i}": bytes([i % 251]) * 3000 for i in range(diskread._READ_FDS + 20)}  # one a segment
+    monkeypatch.setattr(diskread, "_MAPPED_MAX", 32)  # (else set by this process's fd limit)
+    vals = {f"k{i}": bytes([i % 251]) * 3000 for i in range(32 + 20)}  # one a segment
     with DiskTier(tmp_path / "t", capacity_bytes=1 << 22, segment_bytes=4096) as t:
         assert all(t.put_many(vals.items()))
     with DiskTier(tmp_path / "t", capacity_bytes=1 << 22, segment_bytes=4096) as t:
-        assert len(t._segs) > diskread._READ_FDS
+        assert t._max_maps == 32 and len(t._segs) > 32
         for _ in range(2):
             assert [t.get(k) for k in vals] == list(vals.values())
             assert t.get_many(list(vals)) == list(vals.values())
-            assert len(t._rfds) == diskread._READ_FDS
+            assert len(t._maps) == 32

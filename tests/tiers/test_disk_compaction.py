@@ -189,7 +189,9 @@ def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_p
             def __getitem__(self, i):
                 raise AssertionError("mapping sliced")
 
-        mm, seg.mm = seg.mm, Unmapped()
+        with t._lock:
+            mm = t._map(seg)  # (a sealed segment is mapped while the tier's set keeps it)
+        seg.mm = Unmapped()
         steps = big_preads = 0
         try:
             while not job.sync_pending:

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REDIS_SERVER
+from tests.redis_server import REDIS_SERVER
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -27,7 +27,32 @@ def values(max_size: int) -> st.SearchStrategy[bytes]:
 SETTINGS = settings(max_examples=40, stateful_step_count=40, deadline=None)
 
 
-class DeviceMachine(RuleBasedStateMachine):
+class DictModelMachine(RuleBasedStateMachine):
+    """The delete and get rules of a tier (``self.tier``) checked against a plain dict
+    (``self.model``); subclasses add their puts, ``check_hit`` for more on a hit, and may
+    replace ``delete`` with a rule of their own."""
+
+    tier: DeviceTier | HostTier | DiskTier
+    model: dict[str, bytes]
+
+    @rule(key=KEYS)
+    def delete(self, key):
+        assert self.tier.delete(key) == (key in self.model)
+        self.model.pop(key, None)
+
+    @rule(key=KEYS)
+    def get(self, key):
+        got = self.tier.get(key)
+        assert (got is None) == (key not in self.model)
+        if got is not None:
+            assert got == self.model[key]
+            self.check_hit(key, got)
+
+    def check_hit(self, key, got):
+        """Further checks of a hit's value ``got`` (none by default)."""
+
+
+class DeviceMachine(DictModelMachine):
     def __init__(self):
         super().__init__()
         self.tier = DeviceTier((64,), num_slots=6, dtype=torch.uint8)
@@ -43,7 +68,7 @@ class DeviceMachine(RuleBasedStateMachine):
             assert self.tier.free_slots == 0
 
     @rule(key=KEYS, fenced=st.booleans())
-    def delete(self, key, fenced):
+    def delete(self, key, fenced):  # replaces the base rule: a delete may wait on a copy's fence
         fence = None
         if fenced:
             fence = threading.Event()
@@ -63,13 +88,6 @@ class DeviceMachine(RuleBasedStateMachine):
         if self.fences:
             self.fences.pop(0).set()
 
-    @rule(key=KEYS)
-    def get(self, key):
-        got = self.tier.get(key)
-        assert (got is None) == (key not in self.model)
-        if got is not None:
-            assert got == self.model[key]
-
     @invariant()
     def accounting(self):
         t = self.tier
@@ -83,7 +101,7 @@ class DeviceMachine(RuleBasedStateMachine):
         self.tier.close()
 
 
-class HostMachine(RuleBasedStateMachine):
+class HostMachine(DictModelMachine):
     def __init__(self):
         super().__init__()
         self.spilled: dict[str, bytes] = {}
@@ -119,19 +137,9 @@ class HostMachine(RuleBasedStateMachine):
                 assert self.tier.used_bytes + need > self.tier.capacity_bytes
             assert self.model == before  # whatever was not handed over is still here
 
-    @rule(key=KEYS)
-    def delete(self, key):
-        assert self.tier.delete(key) == (key in self.model)
-        self.model.pop(key, None)
-
-    @rule(key=KEYS)
-    def get(self, key):
-        got = self.tier.get(key)
-        assert (got is None) == (key not in self.model)
-        if got is not None:
-            assert got == self.model[key]
-            out = bytearray(len(got) + 3)
-            assert self.tier.get_into(key, out) == len(got) and bytes(out[: len(got)]) == got
+    def check_hit(self, key, got):
+        out = bytearray(len(got) + 3)  # get_into a caller's larger buffer reads the same bytes
+        assert self.tier.get_into(key, out) == len(got) and bytes(out[: len(got)]) == got
 
     @rule(fail=st.sampled_from([False, False, False, True]), attached=st.sampled_from([True, True, True, False]))
     def set_next_tier(self, fail, attached):
@@ -165,7 +173,7 @@ class HostNoNextTierMachine(HostMachine):
         raise AssertionError("unreachable")
 
 
-class DiskMachine(RuleBasedStateMachine):
+class DiskMachine(DictModelMachine):
     def __init__(self):
         super().__init__()
         self.dir = tempfile.mkdtemp(prefix="kvtier-sm-")
@@ -186,18 +194,6 @@ class DiskMachine(RuleBasedStateMachine):
         for (key, value), ok in zip(items, self.tier.put_many(items)):
             if ok:
                 self.model[key] = value
-
-    @rule(key=KEYS)
-    def delete(self, key):
-        assert self.tier.delete(key) == (key in self.model)
-        self.model.pop(key, None)
-
-    @rule(key=KEYS)
-    def get(self, key):
-        got = self.tier.get(key)
-        assert (got is None) == (key not in self.model)
-        if got is not None:
-            assert got == self.model[key]
 
     @rule()
     def reopen(self):
