@@ -16,9 +16,10 @@ N_PROMPTS = 4
 # int4 0.28 (0.19, 0.25, 0.62, 0.06: greedy decoding drifts within a few tokens over a 4-bit
 # prefix of this 135M model). The floors catch a broken codec (which agrees ~0), not drift.
 FLOORS = {"int8": 0.75, "int4": 0.1}
-# Stored bytes per value: codes + one scale (int8) or scale and zero (int4) per 32-value group,
-# in the KV dtype (float32 here): int8 (32 + 4) / 32, int4 (16 + 8) / 32; record headers aside.
-BYTES_PER_VALUE = {"int8": 36 / 32, "int4": 24 / 32}
+# Stored bytes per value: codes + a scale and a zero per 32-value group (int8 keys and values
+# have zero points by default, as in TieredCache), in the KV dtype (float32 here): int8
+# (32 + 8) / 32, int4 (16 + 8) / 32; record headers aside.
+BYTES_PER_VALUE = {"int8": 40 / 32, "int4": 24 / 32}
 
 
 def agreement(a: list[int], b: list[int]) -> float:

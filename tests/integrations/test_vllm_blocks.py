@@ -184,3 +184,29 @@ def test_another_store_finds_blocks_through_redis(tmp_path, redis_server):
         assert reader.lookup(hs) == 0, "a dead server holds nothing"
     finally:
         reader.close()
+
+
+
+def test_the_connector_encodes_with_the_caches_codecs(tmp_path):
+    """A block saved through vLLM is encoded as TieredCache encodes it for the same config
+    (int8's zero points, its values' axis): what loads equals that codec's round trip."""
+    from kvtier.compress import get_codec
+
+    store = make_store(tmp_path, "int8")
+    try:
+        hs, staged = hashes(2), staged_blocks(2)
+        store.save(hs, [t.clone() for t in staged])
+        store.flush_hashes(hs)
+        kw = {role: store.cfg.codec_kwargs("int8", role) for role in ("key", "value")}
+        assert kw["key"].get("zero_point") and kw["value"]["axis"] == "channel"  # the defaults
+        pages = pages_of(4)
+        for layer in range(SHAPE.num_layers):
+            recs = store.fetch_layer(layer, hs, {"l2": 0, "l3": 0, "l4": 0})
+            assert store.write_layer(recs, pages, [3, 0]) is None
+            for role, i in (("key", 0), ("value", 1)):
+                codec = get_codec("int8", **kw[role])
+                for j, page in enumerate((3, 0)):
+                    x = staged[layer][j, :, i]  # [kv_heads, block_tokens, head_dim]
+                    assert torch.equal(pages[page, :, i], codec.decode(codec.encode(x)))
+    finally:
+        store.close()

@@ -178,8 +178,11 @@ class BlockStore:
         self.fp = content_fp(cfg, codec, shape, model_id)
         kv_shape = (shape.kv_heads, shape.block_tokens, shape.head_dim)  # one role of one block
         name = stored_codec(codec, shape.dtype)
-        self._kc = get_codec(name, group_size=cfg.group_size, axis=cfg.key_axis)
-        self._vc = get_codec(name, group_size=cfg.group_size, axis=cfg.value_axis)
+        # the same codecs as TieredCache's for this config (int8's zero points and value axis,
+        # int2's kept key channels): every record names its own parameters, so blocks written
+        # with other settings still decode
+        self._kc = get_codec(name, **cfg.codec_kwargs(name, "key"))
+        self._vc = get_codec(name, **cfg.codec_kwargs(name, "value"))
         self._decoder = BlockDecoder(self._kc, self._vc, kv_shape, shape.dtype) if codec.startswith("int") else None
         self.l2 = HostTier(cfg.host_bytes, spill=self._dropped_from_l2, pin_memory=False)
         self.l3 = DiskTier(cfg.disk_path, capacity_bytes=cfg.disk_bytes, segment_bytes=cfg.disk_segment_bytes,
