@@ -5,15 +5,20 @@ both build this way: the shared object is cached under ``$KVTIER_CACHE_DIR`` (de
 ``~/.cache/kvtier``, owner-only), named by a hash of the source, flags, compiler and CPU, so a
 cache directory shared between machines never hands one CPU's ``-march=native`` build to another.
 No compiler (or a failed build) is not an error: :meth:`CLibrary.load` returns None once, with a
-warning, and callers take their torch path.
+warning, and callers take their torch path. :class:`CExtension` builds a CPython extension
+module the same way, for hot paths where a ctypes call's own cost (about a microsecond with
+its argument conversions) would be most of the work.
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.machinery
+import importlib.util
 import os
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import warnings
@@ -59,7 +64,15 @@ class CLibrary:
         self._lib: ctypes.CDLL | None = None
         self.error: str | None = None
 
-    def _build(self) -> ctypes.CDLL:
+    def _build(self):
+        return self._open(self._compile())
+
+    def _open(self, path: Path):
+        lib = ctypes.CDLL(str(path))
+        self.declare(lib)
+        return lib
+
+    def _compile(self) -> Path:
         cc = os.environ.get("CC", "cc")
         key = "\0".join([self.src, " ".join(self.flags), cc, sys.platform, cpu_id()])
         tag = hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -73,11 +86,9 @@ class CLibrary:
                                timeout=120)
                 os.chmod(so, 0o700)
                 os.replace(so, out)  # atomic: concurrent builders race harmlessly
-        lib = ctypes.CDLL(str(out))
-        self.declare(lib)
-        return lib
+        return out
 
-    def load(self) -> ctypes.CDLL | None:
+    def load(self):
         """The loaded library, or None (and :attr:`error` says why) when it cannot be built."""
         if self._lib is not None or self.error is not None:
             return self._lib
@@ -91,3 +102,26 @@ class CLibrary:
                     warnings.warn(f"kvtier: compiled {self.name} code unavailable, {self.fallback} ({self.error})",
                                   RuntimeWarning, stacklevel=3)
         return self._lib
+
+
+class CExtension(CLibrary):
+    """A CPython extension module built from one C source (``PyInit_<name>``), loaded as
+    module ``kvtier_<name>``; ``declare(module)`` checks it (raising OSError refuses it, as a
+    failed build is refused). Built against this interpreter's headers, and named by them and
+    its ABI tag as well, so another Python never loads it."""
+
+    def __init__(self, name: str, src: str, flags: list[str], declare: Callable, fallback: str) -> None:
+        include = sysconfig.get_paths()["include"]
+        super().__init__(name, src, [*flags, f"-I{include}", f"-DKVT_ABI={sys.implementation.cache_tag}"],
+                         declare, fallback)
+
+    def _open(self, path: Path):
+        name = f"kvtier_{self.name}"
+        loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+        spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+        if spec is None:
+            raise OSError(f"cannot load {path}")
+        mod = importlib.util.module_from_spec(spec)
+        loader.exec_module(mod)
+        self.declare(mod)
+        return mod

@@ -44,7 +44,7 @@ import warnings
 from collections.abc import Iterator
 from typing import Literal
 
-from . import diskindex
+from . import diskindex, diskread
 from .base import Tier, TierStats, check_key
 from .compactor import CompactJob, Compactor, DiskCompaction
 from .diskopen import DiskRecovery, prepare_directory
@@ -94,6 +94,7 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
             raise ValueError(f"compact_share must be a float in (0, 1], got {compact_share!r}")
         if not isinstance(checkpoint_records, int) or checkpoint_records < 0:
             raise ValueError(f"checkpoint_records must be an int >= 0, got {checkpoint_records!r}")
+        diskread.load_compiled()  # (here, not at import: see recread on the SIGBUS guard)
         self.path = os.path.abspath(os.fspath(path))
         self.segment_bytes = segment_bytes
         self._capacity = capacity_bytes

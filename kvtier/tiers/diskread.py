@@ -2,8 +2,13 @@
 
 A value is copied out of its segment's mapping once (into the ``bytes`` handed back), after
 the record's header is checked against the index, and its data CRC is verified on that copy.
-Slicing the mapping costs no system call, so a small record costs about what one ``read`` of
-it would; the one call made is an ``lseek(SEEK_END)`` per segment (per batch in ``get_many``)
+Where the ``recread`` extension builds (a C compiler, Python's headers, ISA-L), get and
+get_many make those checks, the copy and the CRC in one C call a record, which keeps the GIL
+below 64 KiB and catches a SIGBUS from a segment truncated under us (see ``recread``): a 4 KiB
+get then costs about what one ``f.read`` of it does, and no system call.
+
+Elsewhere (and for get_into) it is done in Python: slicing the mapping costs no system call,
+and the one call made is an ``lseek(SEEK_END)`` per segment (per batch in ``get_many``)
 bounding what may be touched, as a file truncated under us would SIGBUS (it reads the file
 size as ``fstat`` does, at a third of the cost: no stat result is built). The CRC (ISA-L, tens
 of GB/s) runs inline: handing it to a thread cost more than it saved. Both let go of the GIL
@@ -24,6 +29,7 @@ from collections.abc import Iterable
 import torch
 
 from kvtier._crc import crc32
+from . import recread
 from .base import Tier, check_key, out_view
 from .segfile import REC, REC_HEADER_BYTES, REC_MAGIC, Segment, crc32_held
 
@@ -77,6 +83,22 @@ def _file_end_held(fd: int, _lseek=_LSEEK, _zero=_ZERO) -> int:
 
 if _LSEEK is None:
     _file_end_held = _file_end  # noqa: F811 (no way to probe holding the GIL here)
+
+# read(mm, fd, limit, off, key, vlen): one record's checks, copy and CRC in one C call
+# (``recread``), or None: then ``_read_record`` does them in Python. Set by the first tier
+# opened (``load_compiled``), which also installs the SIGBUS guard (``_GUARDED``).
+_UNSET = object()
+_READ = _UNSET
+_GUARDED = False
+
+
+def load_compiled() -> None:
+    """Build or load the compiled read once (a tier's open calls it)."""
+    global _READ, _GUARDED
+    if _READ is _UNSET:
+        read = recread.reader()
+        _GUARDED = read is not None and recread.guarded()
+        _READ = read
 
 
 def mapped_segments() -> int:
@@ -158,6 +180,7 @@ class DiskReads:
         hits = nbytes = 0
         sid, mm, limit = -1, None, 0
         bad = []
+        read = _READ
         crc = crc32_held if self._holding_gil() else crc32
         for pos, key, (s, off, _, vlen) in todo:  # (this loop is the per-record cost of a read)
             if s != sid:
@@ -166,8 +189,13 @@ class DiskReads:
                 mm = seg.mm
                 if mm is None:
                     mm = self._map(seg)
-                limit = self._mapped_bytes(seg)
-            value = _read_record(mm, limit, off, key, vlen, crc)
+                # the C read catches a SIGBUS (see recread) where the size probe would prevent it
+                # (and probes itself, with the fd, should the guard have been taken down since)
+                limit, fd = (seg.size, seg.rfd) if _GUARDED else (self._mapped_bytes(seg), -1)
+            if read is not None:
+                value = read(mm, fd, limit, off, key, vlen)
+            else:
+                value = _read_record(mm, limit, off, key, vlen, crc)
             if value is None:
                 bad.append(key)
             else:
@@ -264,7 +292,9 @@ class DiskReads:
             if mm is None:
                 mm = self._map(seg)
             fd = seg.rfd  # (-1 when it could not be mapped: probed as size 0, nothing is touched)
-            if self._appenders and self._holding_gil():  # (the first test spares a quiet get the call)
+            if _READ is not None:
+                value = _READ(mm, fd, seg.size, off, key, vlen)
+            elif self._appenders and self._holding_gil():  # (the first test spares a quiet get the call)
                 value = _read_record(mm, _file_end_held(fd), off, key, vlen, crc32_held)
             else:
                 value = _read_record(mm, _file_end(fd), off, key, vlen)

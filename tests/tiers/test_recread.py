@@ -1,0 +1,137 @@
+"""The compiled L3 record read (kvtier/tiers/recread.py) against the Python one it replaces:
+the same value or None for every record, damaged or not, and a SIGBUS caught only inside it."""
+from __future__ import annotations
+
+import mmap
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from kvtier._crc import crc32
+from kvtier.tiers import diskread, recread
+from kvtier.tiers.segfile import REC, REC_HEADER_BYTES, REC_MAGIC, pad8
+
+READ = recread.reader()  # (also installs the SIGBUS guard, as a tier's open does)
+pytestmark = pytest.mark.skipif(READ is None, reason=f"the compiled read is not available: {recread._EXT.error}")
+
+
+def record(key: str, value: bytes) -> bytes:
+    kb = key.encode()
+    head = REC.pack(REC_MAGIC, 0, 0, len(kb), len(value), crc32(value, crc32(kb)), 0)
+    head = head[:4] + crc32(head[8:]).to_bytes(4, "little") + head[8:]
+    body = head + kb + value
+    return body + bytes(pad8(len(body)) - len(body))
+
+
+@pytest.fixture
+def mapped(tmp_path):
+    """A file of records (key, value, offset) and a read-only mapping of it."""
+    rng = random.Random(5)
+    recs, buf = [], bytearray(64)
+    for i in range(60):
+        key = f"seq{i}/layer{i % 7}/é"  # a non-ASCII key: its UTF-8 bytes are what the CRC covers
+        value = rng.randbytes(rng.choice([1, 100, 4096, 8000, 70_000, 200_000]))
+        recs.append((key, value, len(buf)))
+        buf += record(key, value)
+    path = tmp_path / "seg"
+    path.write_bytes(bytes(buf))
+    fd = os.open(path, os.O_RDWR)
+    mm = mmap.mmap(fd, len(buf), access=mmap.ACCESS_READ)
+    yield path, fd, mm, recs
+    mm.close()
+    os.close(fd)
+
+
+def test_every_record_reads_as_the_python_path_reads_it(mapped):
+    _, fd, mm, recs = mapped
+    for key, value, off in recs:
+        for probe in (fd, -1):
+            assert READ(mm, probe, len(mm), off, key, len(value)) == value
+        assert diskread._read_record(mm, len(mm), off, key, len(value)) == value
+
+
+def test_what_does_not_match_reads_as_none_as_in_python(mapped):
+    path, fd, mm, recs = mapped
+    key, value, off = recs[3]
+    other = key.replace("seq3", "seq9")  # same length, another key: its CRC fails
+    cases = [(off, other, len(value), len(mm)), (off, key, len(value) + 1, len(mm)),
+             (off, key[:-1], len(value), len(mm)), (off + 8, key, len(value), len(mm)),
+             (off, key, len(value), off + len(value)), (-8, key, len(value), len(mm))]
+    for o, k, vlen, limit in cases:
+        assert READ(mm, -1, limit, o, k, vlen) is None
+        if o >= 0:
+            assert diskread._read_record(mm, limit, o, k, vlen) is None
+    for flip in (4, REC_HEADER_BYTES + len(key.encode()) + len(value) - 1):  # header crc stays; value
+        with open(path, "r+b") as f:
+            f.seek(off + flip if flip > 4 else off)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x10]))
+        assert READ(mm, fd, len(mm), off, key, len(value)) is None
+        assert diskread._read_record(mm, len(mm), off, key, len(value)) is None
+    assert READ(None, -1, 1 << 20, off, key, len(value)) is None  # a segment that could not be mapped
+    with pytest.raises(TypeError):
+        READ(mm, -1, len(mm), off, key)
+
+
+@pytest.mark.skipif(not recread.guarded(), reason="no SIGBUS guard here")
+def test_a_truncated_file_reads_as_none_on_threads_too(mapped):
+    """Pages past the new end SIGBUS; the guard turns that into a miss, on the thread that read
+    (the copy of a large record lets go of the GIL: the guard is per thread)."""
+    path, fd, mm, recs = mapped
+    for key, value, off in recs:
+        assert READ(mm, -1, len(mm), off, key, len(value)) == value  # every page mapped and touched
+    cut = recs[len(recs) // 2][2] + 4096
+    os.truncate(path, cut)
+    want = [value if off + REC_HEADER_BYTES + len(key.encode()) + len(value) <= cut else None
+            for key, value, off in recs]
+    got: dict[int, list] = {}
+
+    def reader(i: int) -> None:
+        got[i] = [READ(mm, -1, len(mm), off, key, len(value)) for key, value, off in recs]
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    reader(3)
+    for t in threads:
+        t.join(30)
+    # a record cut short reads as None: its tail is gone, or past the end's page, zeros fail the CRC
+    assert all(g == want for g in got.values()) and len(got) == 4
+
+
+CHILD = textwrap.dedent("""
+    import faulthandler, mmap, os, sys
+    if sys.argv[1] == "faulthandler":
+        faulthandler.enable()
+    from kvtier.tiers import recread
+    assert recread.reader() is not None and recread.guarded()
+    path = sys.argv[2]
+    with open(path, "wb") as f:
+        f.write(b"x" * 65536)
+    fd = os.open(path, os.O_RDONLY)
+    mm = mmap.mmap(fd, 65536, access=mmap.ACCESS_READ)
+    os.truncate(path, 0)
+    print("touching", flush=True)
+    print(mm[40000])  # outside any guarded read: a SIGBUS as without kvtier
+""")
+
+
+@pytest.mark.skipif(not recread.guarded(), reason="no SIGBUS guard here")
+@pytest.mark.parametrize("before", ["default", "faulthandler"])
+def test_a_sigbus_outside_a_read_is_not_swallowed(tmp_path, before):
+    """The guard hands any SIGBUS but its own to what was installed before it: the process
+    dies of it (faulthandler, when it was enabled, prints its traceback first)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", CHILD, before, str(tmp_path / "f")], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert "touching" in out.stdout
+    assert out.returncode == -signal.SIGBUS, (out.returncode, out.stderr[-2000:])
+    if before == "faulthandler":
+        assert "Bus error" in out.stderr
