@@ -89,15 +89,17 @@ if _LSEEK is None:
 # opened (``load_compiled``), which also installs the SIGBUS guard (``_GUARDED``).
 _UNSET = object()
 _READ = _UNSET
+_READ_INTO = None
 _GUARDED = False
 
 
 def load_compiled() -> None:
     """Build or load the compiled read once (a tier's open calls it)."""
-    global _READ, _GUARDED
+    global _READ, _READ_INTO, _GUARDED
     if _READ is _UNSET:
         read = recread.reader()
         _GUARDED = read is not None and recread.guarded()
+        _READ_INTO = recread.reader_into()
         _READ = read
 
 
@@ -319,6 +321,12 @@ class DiskReads:
             self._check_open()
             loc = self._index.lookup(key)
             mv, _ = out_view(out, loc[3] if loc is not None else 0)  # checked before counting
+            if loc is not None and _READ is not None and _READ_INTO is not None:
+                sid, off, _, vlen = loc
+                seg = self._segs[sid]
+                mm = seg.mm if seg.mm is not None else self._map(seg)
+                ok = _READ_INTO(mm, seg.rfd, seg.size, off, key, vlen, mv)
+                return vlen if self._count(key, mv[:vlen], ok) is not None else None
             r = self._locate(key)
             if r is None:
                 return self._count(key, None, False)

@@ -167,12 +167,64 @@ static PyObject *read_record(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
+/* read_into(mm, fd, limit, off, key, vlen, out) -> bool: read's checks, the value copied into
+   the writable buffer ``out`` (at least vlen bytes: checked by the caller) and its CRC checked
+   there; False (``out`` may then hold damaged bytes) where read gives None. */
+static PyObject *read_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7 || CRC == NULL) {
+        PyErr_SetString(PyExc_TypeError, "read_into(mm, fd, limit, off, key, vlen, out), after set_crc");
+        return NULL;
+    }
+    if (args[0] == Py_None) Py_RETURN_FALSE;
+    long long fd = PyLong_AsLongLong(args[1]), limit = PyLong_AsLongLong(args[2]);
+    long long off = PyLong_AsLongLong(args[3]), vlen = PyLong_AsLongLong(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    Py_ssize_t klen;
+    const char *key = PyUnicode_AsUTF8AndSize(args[4], &klen);
+    if (key == NULL) return NULL;
+    Py_buffer o;
+    if (PyObject_GetBuffer(args[6], &o, PyBUF_WRITABLE) < 0) return NULL;
+    if (o.len < vlen) {
+        PyBuffer_Release(&o);
+        PyErr_SetString(PyExc_ValueError, "out is smaller than the value");
+        return NULL;
+    }
+    Py_buffer b;
+    if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&o);
+        return NULL;
+    }
+    if (b.len < limit) limit = b.len;
+    if (fd >= 0 && !guarded) {
+        off_t end = lseek((int)fd, 0, SEEK_END);
+        if (end < limit) limit = end < 0 ? 0 : end;
+    }
+    int bad = 1;
+    if (off >= 0 && vlen >= 0 && off + HDR + klen + vlen <= limit) {
+        const uint8_t *h = (const uint8_t *)b.buf + off;
+        uint32_t c = CRC(0, (const unsigned char *)key, (uint64_t)klen);
+        unsigned char *dst = (unsigned char *)o.buf;
+        if (vlen > RELEASE) {
+            Py_BEGIN_ALLOW_THREADS
+            bad = copy_record(h, klen, vlen, dst, &c);
+            Py_END_ALLOW_THREADS
+        } else {
+            bad = copy_record(h, klen, vlen, dst, &c);
+        }
+    }
+    PyBuffer_Release(&b);
+    PyBuffer_Release(&o);
+    return PyBool_FromLong(bad == 0);
+}
+
 static PyMethodDef methods[] = {
     {"set_crc", (PyCFunction)set_crc, METH_O, "install crc32(seed, buf, len) by address"},
     {"install_guard", (PyCFunction)install_guard, METH_NOARGS, "install the SIGBUS guard"},
     {"guarded", (PyCFunction)is_guarded, METH_NOARGS, "whether the SIGBUS guard is installed"},
     {"crc", (PyCFunction)(void (*)(void))crc, METH_FASTCALL, "crc(data, seed)"},
     {"read", (PyCFunction)(void (*)(void))read_record, METH_FASTCALL, "read(mm, fd, limit, off, key, vlen)"},
+    {"read_into", (PyCFunction)(void (*)(void))read_into, METH_FASTCALL,
+     "read_into(mm, fd, limit, off, key, vlen, out)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -228,3 +280,10 @@ def guarded() -> bool:
     """Whether reads through :func:`reader` catch a SIGBUS instead of probing the file's size."""
     mod = _EXT.load()
     return mod is not None and mod.guarded()
+
+
+def reader_into() -> Callable | None:
+    """``read_into(mm, fd, limit, off, key, vlen, out) -> bool``: :func:`reader`'s read, the
+    value copied into the writable buffer ``out`` instead (False where that gives None; ``out``
+    may then hold damaged bytes). None when the extension cannot be built here."""
+    return None if reader() is None else _EXT.load().read_into

@@ -56,6 +56,20 @@ def test_every_record_reads_as_the_python_path_reads_it(mapped):
         assert diskread._read_record(mm, len(mm), off, key, len(value)) == value
 
 
+def test_read_into_writes_what_read_returns(mapped):
+    _, fd, mm, recs = mapped
+    into = recread.reader_into()
+    for key, value, off in recs[:12]:
+        buf = bytearray(len(value) + 3)
+        assert into(mm, fd, len(mm), off, key, len(value), buf) is True
+        assert bytes(buf[:len(value)]) == value and buf[len(value):] == bytes(3)
+        assert into(mm, fd, len(mm), off, key + "x", len(value), buf) is False
+    with pytest.raises(ValueError, match="smaller"):
+        into(mm, fd, len(mm), recs[0][2], recs[0][0], len(recs[0][1]), bytearray(len(recs[0][1]) - 1))
+    with pytest.raises(BufferError):
+        into(mm, fd, len(mm), recs[0][2], recs[0][0], len(recs[0][1]), bytes(len(recs[0][1])))  # read-only
+
+
 def test_what_does_not_match_reads_as_none_as_in_python(mapped):
     path, fd, mm, recs = mapped
     key, value, off = recs[3]
