@@ -121,7 +121,10 @@ class CExtension(CLibrary):
         spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
         if spec is None:
             raise OSError(f"cannot load {path}")
-        mod = importlib.util.module_from_spec(spec)
-        loader.exec_module(mod)
+        try:  # (dlopen can refuse it, e.g. with no static TLS left: then the callers' fallback)
+            mod = importlib.util.module_from_spec(spec)
+            loader.exec_module(mod)
+        except ImportError as e:
+            raise OSError(f"cannot load {path}: {e}") from e
         self.declare(mod)
         return mod
