@@ -116,14 +116,16 @@ def attend_blocks(
     """
     b, qh, ql, d = query.shape
     probs = attention_probs(query, keys, mask, scaling)  # [B, kv_heads, G*q_len, n]
-    out = torch.matmul(probs, values.float())  # [B, kv_heads, G*q_len, D]
+    out = torch.matmul(probs, values.to(probs.dtype))  # [B, kv_heads, G*q_len, D]
     out = out.view(b, qh, ql, d).transpose(1, 2).to(query.dtype).contiguous()  # [B, q_len, q_heads, D]
-    return out, probs.sum(dim=(1, 2))  # mass: [B, n]
+    return out, probs.sum(dim=(1, 2)).float()  # mass: [B, n]
 
 
 def attention_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None,
                     scaling: float) -> torch.Tensor:
-    """float32 softmax(q K^T * scaling) with grouped KV heads (shapes as in :func:`attend_blocks`).
+    """softmax(q K^T * scaling) with grouped KV heads (shapes as in :func:`attend_blocks`),
+    computed in a wider type than the KV's: float32 for fp16/bf16, and on CPU float64 for
+    float32 (a GPU's float64 can be tens of times slower: there float32 stays float32).
 
     Returns:
         [B, kv_heads, G*q_len, n]: row ``g * q_len + i`` of kv head h is query head ``h * G + g``
@@ -132,11 +134,16 @@ def attention_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor 
     b, qh, ql, d = query.shape
     kvh = keys.shape[1]
     g = qh // kvh
-    # fp32 throughout: the budget keeps n small, and half-precision products lose logits' digits
-    q = query.reshape(b, kvh, g * ql, d).float()  # [B, kv_heads, G*q_len, D] (head h uses kv head h // G)
-    scores = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling  # [B, kv_heads, G*q_len, n]
+    # wider than the inputs throughout, the output rounded once at the end (the budget keeps n
+    # small): half-precision products lose logits' digits, and float32 ones leave an fp32 model's
+    # output with a few roundings more than SDPA's kernel (up to twice its RMS error against a
+    # float64 computation, by CPU: what the BLAS kernels sum in which order)
+    wide = query.dtype in (torch.float32, torch.float64) and query.device.type == "cpu"
+    work = torch.float64 if wide else torch.float32
+    q = query.reshape(b, kvh, g * ql, d).to(work)  # [B, kv_heads, G*q_len, D] (head h uses kv head h // G)
+    scores = torch.matmul(q, keys.to(work).transpose(-1, -2)) * scaling  # [B, kv_heads, G*q_len, n]
     if mask is not None:
-        bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
-        bias.masked_fill_(~mask, torch.finfo(torch.float32).min)  # [B, 1, q_len, n]
+        bias = torch.zeros(mask.shape, dtype=work, device=mask.device)
+        bias.masked_fill_(~mask, torch.finfo(work).min)  # [B, 1, q_len, n]
         scores = (scores.view(b, kvh, g, ql, -1) + bias.unsqueeze(2)).view(b, kvh, g * ql, -1)
     return torch.softmax(scores, dim=-1)
