@@ -89,17 +89,17 @@ if _LSEEK is None:
 # opened (``load_compiled``), which also installs the SIGBUS guard (``_GUARDED``).
 _UNSET = object()
 _READ = _UNSET
-_READ_INTO = None
+_READ_INTO = _READ_RUN = None
 _GUARDED = False
 
 
 def load_compiled() -> None:
     """Build or load the compiled read once (a tier's open calls it)."""
-    global _READ, _READ_INTO, _GUARDED
+    global _READ, _READ_INTO, _READ_RUN, _GUARDED
     if _READ is _UNSET:
         read = recread.reader()
         _GUARDED = read is not None and recread.guarded()
-        _READ_INTO = recread.reader_into()
+        _READ_INTO, _READ_RUN = recread.reader_into(), recread.run_reader()
         _READ = read
 
 
@@ -179,10 +179,43 @@ class DiskReads:
         todo.sort(key=_by_loc)
         if readahead:
             self._readahead(todo)
+        if _READ_RUN is not None:
+            hits, nbytes, bad = self._read_runs(todo, out)
+        else:
+            hits, nbytes, bad = self._read_each(todo, out)
+        for key in bad:
+            self._mark_corrupt(key)
+        st = self._stats
+        st.gets += len(todo)
+        st.hits += hits
+        st.misses += len(todo) - hits
+        st.bytes_out += nbytes
+
+    def _read_runs(self, todo: list, out: list) -> tuple[int, int, list[str]]:
+        """``_read_batch``'s reads through the compiled ``read_run``, a call per segment:
+        (hits, bytes, keys that failed). Each segment's mapping is handed over with its size,
+        the C read catching a SIGBUS (see recread), or with the size probed (``fd``) where the
+        guard is not installed."""
+        hits = nbytes = i = 0
+        bad: list[str] = []
+        run, segs = _READ_RUN, self._segs
+        while i < len(todo):
+            seg = segs[todo[i][2][0]]
+            mm = seg.mm
+            if mm is None:
+                mm = self._map(seg)
+            i, h, nb, failed = run(mm, seg.rfd, seg.size, todo, i, out)
+            hits += h
+            nbytes += nb
+            bad += failed
+        return hits, nbytes, bad
+
+    def _read_each(self, todo: list, out: list) -> tuple[int, int, list[str]]:
+        """``_read_batch``'s reads in Python, one size probe a segment: (hits, bytes, keys that
+        failed)."""
         hits = nbytes = 0
         sid, mm, limit = -1, None, 0
         bad = []
-        read = _READ
         crc = crc32_held if self._holding_gil() else crc32
         for pos, key, (s, off, _, vlen) in todo:  # (this loop is the per-record cost of a read)
             if s != sid:
@@ -191,26 +224,15 @@ class DiskReads:
                 mm = seg.mm
                 if mm is None:
                     mm = self._map(seg)
-                # the C read catches a SIGBUS (see recread) where the size probe would prevent it
-                # (and probes itself, with the fd, should the guard have been taken down since)
-                limit, fd = (seg.size, seg.rfd) if _GUARDED else (self._mapped_bytes(seg), -1)
-            if read is not None:
-                value = read(mm, fd, limit, off, key, vlen)
-            else:
-                value = _read_record(mm, limit, off, key, vlen, crc)
+                limit = self._mapped_bytes(seg)
+            value = _read_record(mm, limit, off, key, vlen, crc)
             if value is None:
                 bad.append(key)
             else:
                 out[pos] = value
                 hits += 1
                 nbytes += vlen
-        for key in bad:
-            self._mark_corrupt(key)
-        st = self._stats
-        st.gets += len(todo)
-        st.hits += hits
-        st.misses += len(todo) - hits
-        st.bytes_out += nbytes
+        return hits, nbytes, bad
 
     def _readahead(self, todo: list[tuple[int, str, tuple]]) -> None:
         """MADV_WILLNEED over each segment's records in ``todo`` (sorted by location), when

@@ -217,12 +217,107 @@ static PyObject *read_into(PyObject *self, PyObject *const *args, Py_ssize_t nar
     return PyBool_FromLong(bad == 0);
 }
 
+/* One record at ``off`` of the mapping ``base`` (``limit`` bytes touchable) as read() takes it:
+   a new bytes, None (Py_None, new reference) when it does not match, NULL on an error. */
+static PyObject *take(const uint8_t *base, long long limit, long long off, PyObject *key, long long vlen) {
+    Py_ssize_t klen;
+    const char *kb = PyUnicode_AsUTF8AndSize(key, &klen);
+    if (kb == NULL) return NULL;
+    if (off < 0 || vlen < 0 || off + HDR + klen + vlen > limit) Py_RETURN_NONE;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)vlen);
+    if (out == NULL) return NULL;
+    uint32_t c = CRC(0, (const unsigned char *)kb, (uint64_t)klen);
+    unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
+    int bad;
+    if (vlen > RELEASE) {
+        Py_BEGIN_ALLOW_THREADS
+        bad = copy_record(base + off, klen, vlen, dst, &c);
+        Py_END_ALLOW_THREADS
+    } else {
+        bad = copy_record(base + off, klen, vlen, dst, &c);
+    }
+    if (bad != 0) {
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    return out;
+}
+
+/* read_run(mm, fd, limit, todo, i, out) -> (next i, hits, bytes, [keys that failed]): the
+   records todo[i:] of one segment (todo: [(position, key, (segment id, offset, size, value
+   length))], in file order; it stops at the first of another segment), each value read as
+   read() reads it, stored at out[position]. */
+static PyObject *read_run(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 6 || CRC == NULL || !PyList_CheckExact(args[3]) || !PyList_CheckExact(args[5])) {
+        PyErr_SetString(PyExc_TypeError, "read_run(mm, fd, limit, todo: list, i, out: list), after set_crc");
+        return NULL;
+    }
+    long long fd = PyLong_AsLongLong(args[1]), limit = PyLong_AsLongLong(args[2]);
+    Py_ssize_t i = PyLong_AsSsize_t(args[4]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *todo = args[3], *out = args[5], *bad = PyList_New(0);
+    if (bad == NULL) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(todo);
+    long long hits = 0, nbytes = 0, sid = -1;
+    int mapped = args[0] != Py_None;
+    Py_buffer b;
+    if (mapped) {
+        if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) goto fail;
+        if (b.len < limit) limit = b.len;
+        if (fd >= 0 && !guarded) {
+            off_t end = lseek((int)fd, 0, SEEK_END);
+            if (end < limit) limit = end < 0 ? 0 : end;
+        }
+    }
+    for (; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(todo, i), *loc, *key, *pos;
+        if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 3 || !PyTuple_CheckExact(loc = PyTuple_GET_ITEM(item, 2))
+            || PyTuple_GET_SIZE(loc) != 4) {
+            PyErr_SetString(PyExc_TypeError, "todo items are (position, key, (sid, off, size, vlen))");
+            goto fail_release;
+        }
+        long long s = PyLong_AsLongLong(PyTuple_GET_ITEM(loc, 0));
+        if (sid == -1) sid = s;
+        else if (s != sid) break;
+        pos = PyTuple_GET_ITEM(item, 0);
+        key = PyTuple_GET_ITEM(item, 1);
+        long long off = PyLong_AsLongLong(PyTuple_GET_ITEM(loc, 1)), vlen = PyLong_AsLongLong(PyTuple_GET_ITEM(loc, 3));
+        Py_ssize_t p = PyLong_AsSsize_t(pos);
+        if (PyErr_Occurred()) goto fail_release;
+        if (p < 0 || p >= PyList_GET_SIZE(out)) {
+            PyErr_SetString(PyExc_IndexError, "position outside out");
+            goto fail_release;
+        }
+        PyObject *v = mapped ? take((const uint8_t *)b.buf, limit, off, key, vlen) : (Py_INCREF(Py_None), Py_None);
+        if (v == NULL) goto fail_release;
+        if (v == Py_None) {
+            Py_DECREF(v);
+            if (PyList_Append(bad, key) < 0) goto fail_release;
+        } else {
+            PyObject *old = PyList_GET_ITEM(out, p);
+            PyList_SET_ITEM(out, p, v);
+            Py_XDECREF(old);
+            hits++;
+            nbytes += vlen;
+        }
+    }
+    if (mapped) PyBuffer_Release(&b);
+    return Py_BuildValue("(nLLN)", i, hits, nbytes, bad);
+fail_release:
+    if (mapped) PyBuffer_Release(&b);
+fail:
+    Py_DECREF(bad);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"set_crc", (PyCFunction)set_crc, METH_O, "install crc32(seed, buf, len) by address"},
     {"install_guard", (PyCFunction)install_guard, METH_NOARGS, "install the SIGBUS guard"},
     {"guarded", (PyCFunction)is_guarded, METH_NOARGS, "whether the SIGBUS guard is installed"},
     {"crc", (PyCFunction)(void (*)(void))crc, METH_FASTCALL, "crc(data, seed)"},
     {"read", (PyCFunction)(void (*)(void))read_record, METH_FASTCALL, "read(mm, fd, limit, off, key, vlen)"},
+    {"read_run", (PyCFunction)(void (*)(void))read_run, METH_FASTCALL,
+     "read_run(mm, fd, limit, todo, i, out)"},
     {"read_into", (PyCFunction)(void (*)(void))read_into, METH_FASTCALL,
      "read_into(mm, fd, limit, off, key, vlen, out)"},
     {NULL, NULL, 0, NULL},
@@ -287,3 +382,12 @@ def reader_into() -> Callable | None:
     value copied into the writable buffer ``out`` instead (False where that gives None; ``out``
     may then hold damaged bytes). None when the extension cannot be built here."""
     return None if reader() is None else _EXT.load().read_into
+
+
+def run_reader() -> Callable | None:
+    """``read_run(mm, fd, limit, todo, i, out) -> (next i, hits, bytes, failed keys)``: the
+    records ``todo[i:]`` of one segment (``todo``: ``[(position, key, (segment id, offset,
+    size, value length))]`` in file order; it stops at the first record of another segment),
+    each read as :func:`reader` reads it and stored at ``out[position]`` (``mm`` None: every
+    one fails). None when the extension cannot be built here."""
+    return None if reader() is None else _EXT.load().read_run

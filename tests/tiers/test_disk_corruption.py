@@ -137,7 +137,8 @@ def test_segment_truncated_by_another_process_is_read_as_missing(tmp_path, monke
     from kvtier.tiers import diskread, recread
 
     if path == "python":
-        monkeypatch.setattr(diskread, "_READ", None)
+        for name in ("_READ", "_READ_RUN", "_READ_INTO"):  # the Python read path
+            monkeypatch.setattr(diskread, name, None)
         monkeypatch.setattr(diskread, "_GUARDED", False)
     elif not recread.guarded():
         pytest.skip(f"the compiled read is not available here: {recread._EXT.error}")

@@ -70,6 +70,25 @@ def test_read_into_writes_what_read_returns(mapped):
         into(mm, fd, len(mm), recs[0][2], recs[0][0], len(recs[0][1]), bytes(len(recs[0][1])))  # read-only
 
 
+def test_read_run_reads_one_segments_records_into_their_positions(mapped):
+    _, fd, mm, recs = mapped
+    run = recread.run_reader()
+    todo = [(len(recs) - 1 - j, key, (7, off, 0, len(value))) for j, (key, value, off) in enumerate(recs)]
+    todo[5] = (todo[5][0], todo[5][1] + "x", todo[5][2])  # another key: fails
+    todo.append((len(recs), "other", (8, 64, 0, 1)))  # the next segment's: not read
+    out = [None] * (len(recs) + 1)
+    for probe in (fd, -1):
+        i, hits, nbytes, bad = run(mm, probe, len(mm), todo, 0, out)
+        assert i == len(recs) and hits == len(recs) - 1 and bad == [todo[5][1]]
+        assert nbytes == sum(len(v) for j, (_, v, _) in enumerate(recs) if j != 5)
+        assert out == [None if j == len(recs) - 1 - 5 else recs[len(recs) - 1 - j][1] for j in range(len(recs))] + [None]
+    i, hits, _, bad = run(None, -1, 0, todo, 3, out)  # an unmappable segment: every record fails
+    assert (i, hits, len(bad)) == (len(recs), 0, len(recs) - 3)
+    for broken in ([(0, "k", (7, 64, 0))], [(0, "k")], [(99, "k", (7, 64, 0, 1))]):
+        with pytest.raises((TypeError, IndexError)):
+            run(mm, -1, len(mm), broken, 0, out)
+
+
 def test_what_does_not_match_reads_as_none_as_in_python(mapped):
     path, fd, mm, recs = mapped
     key, value, off = recs[3]
