@@ -122,6 +122,52 @@ static PyObject *crc(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     return PyLong_FromUnsignedLong(c);
 }
 
+/* ``mm``'s buffer into ``b``, with ``*limit`` cut to its length and, where the guard is not
+   installed and ``fd`` >= 0, to that file's size now: -1 (an exception set) on an error. */
+static int open_mapping(PyObject *mm, long long fd, long long *limit, Py_buffer *b) {
+    if (PyObject_GetBuffer(mm, b, PyBUF_SIMPLE) < 0) return -1;
+    if (b->len < *limit) *limit = b->len;
+    if (fd >= 0 && !guarded) {
+        off_t end = lseek((int)fd, 0, SEEK_END);
+        if (end < *limit) *limit = end < 0 ? 0 : end;
+    }
+    return 0;
+}
+
+/* The value of the record at ``off`` of ``base`` (``limit`` bytes touchable) for the key ``kb``
+   copied to ``dst`` and its CRC checked: 0, or nonzero when it is out of bounds, its header does
+   not match or its CRC fails (or it SIGBUSes). The GIL is let go of for a large value. */
+static int copy_value(const uint8_t *base, long long limit, long long off, const char *kb, Py_ssize_t klen,
+                      long long vlen, unsigned char *dst) {
+    if (off < 0 || vlen < 0 || off + HDR + klen + vlen > limit) return 1;
+    uint32_t c = CRC(0, (const unsigned char *)kb, (uint64_t)klen);
+    int bad;
+    if (vlen > RELEASE) {
+        Py_BEGIN_ALLOW_THREADS
+        bad = copy_record(base + off, klen, vlen, dst, &c);
+        Py_END_ALLOW_THREADS
+    } else {
+        bad = copy_record(base + off, klen, vlen, dst, &c);
+    }
+    return bad;
+}
+
+/* The value for ``key`` at ``off`` of ``base`` as a new bytes; None (a new reference) when it
+   does not read back (see copy_value); NULL on an error. */
+static PyObject *take(const uint8_t *base, long long limit, long long off, PyObject *key, long long vlen) {
+    Py_ssize_t klen;
+    const char *kb = PyUnicode_AsUTF8AndSize(key, &klen);
+    if (kb == NULL) return NULL;
+    if (off < 0 || vlen < 0 || off + HDR + klen + vlen > limit) Py_RETURN_NONE;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)vlen);
+    if (out == NULL) return NULL;
+    if (copy_value(base, limit, off, kb, klen, vlen, (unsigned char *)PyBytes_AS_STRING(out)) != 0) {
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    return out;
+}
+
 /* read(mm, fd, limit, off, key, vlen) -> bytes | None; see recread.py. */
 static PyObject *read_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6 || CRC == NULL) {
@@ -132,43 +178,15 @@ static PyObject *read_record(PyObject *self, PyObject *const *args, Py_ssize_t n
     long long fd = PyLong_AsLongLong(args[1]), limit = PyLong_AsLongLong(args[2]);
     long long off = PyLong_AsLongLong(args[3]), vlen = PyLong_AsLongLong(args[5]);
     if (PyErr_Occurred()) return NULL;
-    Py_ssize_t klen;
-    const char *key = PyUnicode_AsUTF8AndSize(args[4], &klen);
-    if (key == NULL) return NULL;
     Py_buffer b;
-    if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) return NULL;
-    if (b.len < limit) limit = b.len;
-    if (fd >= 0 && !guarded) {
-        off_t end = lseek((int)fd, 0, SEEK_END);
-        if (end < limit) limit = end < 0 ? 0 : end;
-    }
-    PyObject *out = NULL;
-    if (off >= 0 && vlen >= 0 && off + HDR + klen + vlen <= limit) {
-        const uint8_t *h = (const uint8_t *)b.buf + off;
-        out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)vlen);
-        if (out == NULL) {
-            PyBuffer_Release(&b);
-            return NULL;
-        }
-        unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
-        uint32_t c = CRC(0, (const unsigned char *)key, (uint64_t)klen);
-        int bad;
-        if (vlen > RELEASE) {
-            Py_BEGIN_ALLOW_THREADS
-            bad = copy_record(h, klen, vlen, dst, &c);
-            Py_END_ALLOW_THREADS
-        } else {
-            bad = copy_record(h, klen, vlen, dst, &c);
-        }
-        if (bad != 0) Py_CLEAR(out);
-    }
+    if (open_mapping(args[0], fd, &limit, &b) < 0) return NULL;
+    PyObject *out = take((const uint8_t *)b.buf, limit, off, args[4], vlen);
     PyBuffer_Release(&b);
-    if (out != NULL) return out;
-    Py_RETURN_NONE;
+    return out;
 }
 
 /* read_into(mm, fd, limit, off, key, vlen, out) -> bool: read's checks, the value copied into
-   the writable buffer ``out`` (at least vlen bytes: checked by the caller) and its CRC checked
+   the writable buffer ``out`` (ValueError when it is smaller than vlen) and its CRC checked
    there; False (``out`` may then hold damaged bytes) where read gives None. */
 static PyObject *read_into(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 7 || CRC == NULL) {
@@ -180,67 +198,23 @@ static PyObject *read_into(PyObject *self, PyObject *const *args, Py_ssize_t nar
     long long off = PyLong_AsLongLong(args[3]), vlen = PyLong_AsLongLong(args[5]);
     if (PyErr_Occurred()) return NULL;
     Py_ssize_t klen;
-    const char *key = PyUnicode_AsUTF8AndSize(args[4], &klen);
-    if (key == NULL) return NULL;
-    Py_buffer o;
+    const char *kb = PyUnicode_AsUTF8AndSize(args[4], &klen);
+    if (kb == NULL) return NULL;
+    Py_buffer o, b;
     if (PyObject_GetBuffer(args[6], &o, PyBUF_WRITABLE) < 0) return NULL;
     if (o.len < vlen) {
         PyBuffer_Release(&o);
         PyErr_SetString(PyExc_ValueError, "out is smaller than the value");
         return NULL;
     }
-    Py_buffer b;
-    if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) {
+    if (open_mapping(args[0], fd, &limit, &b) < 0) {
         PyBuffer_Release(&o);
         return NULL;
     }
-    if (b.len < limit) limit = b.len;
-    if (fd >= 0 && !guarded) {
-        off_t end = lseek((int)fd, 0, SEEK_END);
-        if (end < limit) limit = end < 0 ? 0 : end;
-    }
-    int bad = 1;
-    if (off >= 0 && vlen >= 0 && off + HDR + klen + vlen <= limit) {
-        const uint8_t *h = (const uint8_t *)b.buf + off;
-        uint32_t c = CRC(0, (const unsigned char *)key, (uint64_t)klen);
-        unsigned char *dst = (unsigned char *)o.buf;
-        if (vlen > RELEASE) {
-            Py_BEGIN_ALLOW_THREADS
-            bad = copy_record(h, klen, vlen, dst, &c);
-            Py_END_ALLOW_THREADS
-        } else {
-            bad = copy_record(h, klen, vlen, dst, &c);
-        }
-    }
+    int bad = copy_value((const uint8_t *)b.buf, limit, off, kb, klen, vlen, (unsigned char *)o.buf);
     PyBuffer_Release(&b);
     PyBuffer_Release(&o);
     return PyBool_FromLong(bad == 0);
-}
-
-/* One record at ``off`` of the mapping ``base`` (``limit`` bytes touchable) as read() takes it:
-   a new bytes, None (Py_None, new reference) when it does not match, NULL on an error. */
-static PyObject *take(const uint8_t *base, long long limit, long long off, PyObject *key, long long vlen) {
-    Py_ssize_t klen;
-    const char *kb = PyUnicode_AsUTF8AndSize(key, &klen);
-    if (kb == NULL) return NULL;
-    if (off < 0 || vlen < 0 || off + HDR + klen + vlen > limit) Py_RETURN_NONE;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)vlen);
-    if (out == NULL) return NULL;
-    uint32_t c = CRC(0, (const unsigned char *)kb, (uint64_t)klen);
-    unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
-    int bad;
-    if (vlen > RELEASE) {
-        Py_BEGIN_ALLOW_THREADS
-        bad = copy_record(base + off, klen, vlen, dst, &c);
-        Py_END_ALLOW_THREADS
-    } else {
-        bad = copy_record(base + off, klen, vlen, dst, &c);
-    }
-    if (bad != 0) {
-        Py_DECREF(out);
-        Py_RETURN_NONE;
-    }
-    return out;
 }
 
 /* read_run(mm, fd, limit, todo, i, out) -> (next i, hits, bytes, [keys that failed]): the
@@ -261,38 +235,33 @@ static PyObject *read_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
     long long hits = 0, nbytes = 0, sid = -1;
     int mapped = args[0] != Py_None;
     Py_buffer b;
-    if (mapped) {
-        if (PyObject_GetBuffer(args[0], &b, PyBUF_SIMPLE) < 0) goto fail;
-        if (b.len < limit) limit = b.len;
-        if (fd >= 0 && !guarded) {
-            off_t end = lseek((int)fd, 0, SEEK_END);
-            if (end < limit) limit = end < 0 ? 0 : end;
-        }
+    if (mapped && open_mapping(args[0], fd, &limit, &b) < 0) {
+        Py_DECREF(bad);
+        return NULL;
     }
     for (; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(todo, i), *loc, *key, *pos;
+        PyObject *item = PyList_GET_ITEM(todo, i), *loc;
         if (!PyTuple_CheckExact(item) || PyTuple_GET_SIZE(item) != 3 || !PyTuple_CheckExact(loc = PyTuple_GET_ITEM(item, 2))
             || PyTuple_GET_SIZE(loc) != 4) {
             PyErr_SetString(PyExc_TypeError, "todo items are (position, key, (sid, off, size, vlen))");
-            goto fail_release;
+            goto fail;
         }
         long long s = PyLong_AsLongLong(PyTuple_GET_ITEM(loc, 0));
         if (sid == -1) sid = s;
         else if (s != sid) break;
-        pos = PyTuple_GET_ITEM(item, 0);
-        key = PyTuple_GET_ITEM(item, 1);
+        PyObject *key = PyTuple_GET_ITEM(item, 1);
         long long off = PyLong_AsLongLong(PyTuple_GET_ITEM(loc, 1)), vlen = PyLong_AsLongLong(PyTuple_GET_ITEM(loc, 3));
-        Py_ssize_t p = PyLong_AsSsize_t(pos);
-        if (PyErr_Occurred()) goto fail_release;
+        Py_ssize_t p = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, 0));
+        if (PyErr_Occurred()) goto fail;
         if (p < 0 || p >= PyList_GET_SIZE(out)) {
             PyErr_SetString(PyExc_IndexError, "position outside out");
-            goto fail_release;
+            goto fail;
         }
         PyObject *v = mapped ? take((const uint8_t *)b.buf, limit, off, key, vlen) : (Py_INCREF(Py_None), Py_None);
-        if (v == NULL) goto fail_release;
+        if (v == NULL) goto fail;
         if (v == Py_None) {
             Py_DECREF(v);
-            if (PyList_Append(bad, key) < 0) goto fail_release;
+            if (PyList_Append(bad, key) < 0) goto fail;
         } else {
             PyObject *old = PyList_GET_ITEM(out, p);
             PyList_SET_ITEM(out, p, v);
@@ -303,9 +272,8 @@ static PyObject *read_run(PyObject *self, PyObject *const *args, Py_ssize_t narg
     }
     if (mapped) PyBuffer_Release(&b);
     return Py_BuildValue("(nLLN)", i, hits, nbytes, bad);
-fail_release:
-    if (mapped) PyBuffer_Release(&b);
 fail:
+    if (mapped) PyBuffer_Release(&b);
     Py_DECREF(bad);
     return NULL;
 }
