@@ -36,7 +36,7 @@ def budgeted_attention(store: KVStore, seqs: list[int], layer: int, query: torch
         query: [batch, q_heads, 1, head_dim]; attention_mask: bool [batch|1, 1, 1, T] or None.
         observe: collect the attention mass per block (H2O/SnapKV policies).
         sdpa_module: attend with transformers' SDPA attention of this attention module, in the
-            KV dtype (``attention_math="sdpa"``), instead of :func:`attend_blocks`' float32.
+            KV dtype (``attention_math="sdpa"``), instead of :func:`attend_blocks`' wider type.
     """
     sels, ks, vs, ps = [], [], [], []
     for row, seq in enumerate(seqs):
