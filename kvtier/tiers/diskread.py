@@ -3,7 +3,8 @@
 A value is copied out of its segment's mapping once (into the ``bytes`` handed back), after
 the record's header is checked against the index, and its data CRC is verified on that copy.
 Where the ``recread`` extension builds (a C compiler, Python's headers, ISA-L), get and
-get_many make those checks, the copy and the CRC in one C call a record, which keeps the GIL
+get_many make those checks, the copy and the CRC in one C call a record (get: with the index
+look-up, for a key in the index's dict whose segment is mapped), which keeps the GIL
 below 64 KiB and catches a SIGBUS from a segment truncated under us (see ``recread``): a 4 KiB
 get then costs about what one ``f.read`` of it does, and no system call.
 
@@ -89,17 +90,19 @@ if _LSEEK is None:
 # opened (``load_compiled``), which also installs the SIGBUS guard (``_GUARDED``).
 _UNSET = object()
 _READ = _UNSET
-_READ_INTO = _READ_RUN = None
+_READ_INTO = _READ_RUN = _GET = None
+_PASS = object()
 _GUARDED = False
 
 
 def load_compiled() -> None:
     """Build or load the compiled read once (a tier's open calls it)."""
-    global _READ, _READ_INTO, _READ_RUN, _GUARDED
+    global _READ, _READ_INTO, _READ_RUN, _GET, _PASS, _GUARDED
     if _READ is _UNSET:
         read = recread.reader()
         _GUARDED = read is not None and recread.guarded()
         _READ_INTO, _READ_RUN = recread.reader_into(), recread.run_reader()
+        _GET, _PASS = recread.getter() or (None, _PASS)
         _READ = read
 
 
@@ -305,6 +308,16 @@ class DiskReads:
                 self._check_open()
             st = self._stats
             st.gets += 1
+            if _GET is not None:
+                value = _GET(self._index._hot, self._segs, key)
+                if value is not _PASS:
+                    if value is None:
+                        self._mark_corrupt(key)
+                        st.misses += 1
+                        return None
+                    st.hits += 1
+                    st.bytes_out += len(value)
+                    return value
             loc = self._index.lookup(key)
             if loc is None:
                 check_key(key)  # an indexed key was checked when put

@@ -278,12 +278,60 @@ fail:
     return NULL;
 }
 
+static PyObject *PASS = NULL, *S_MM = NULL, *S_SIZE = NULL, *S_RFD = NULL;
+
+/* get(hot, segs, key) -> bytes | None | PASS: DiskTier.get's look-up and read in one call where
+   it is the common case (``key`` in the index's dict ``hot``, its segment in ``segs`` mapped):
+   the value, or None when the record does not read back; PASS for anything else, which the
+   caller's Python path then handles as it would have. */
+static PyObject *get_mapped(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3 || CRC == NULL || !PyDict_CheckExact(args[0]) || !PyDict_CheckExact(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "get(hot: dict, segs: dict, key), after set_crc");
+        return NULL;
+    }
+    PyObject *loc = PyDict_GetItemWithError(args[0], args[2]);
+    if (loc == NULL || !PyTuple_CheckExact(loc) || PyTuple_GET_SIZE(loc) != 4) {
+        if (PyErr_Occurred()) return NULL;
+        Py_INCREF(PASS);
+        return PASS;
+    }
+    PyObject *seg = PyDict_GetItemWithError(args[1], PyTuple_GET_ITEM(loc, 0));
+    if (seg == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        Py_INCREF(PASS);
+        return PASS;
+    }
+    Py_INCREF(seg);  /* (its attributes are read through calls that may run Python) */
+    PyObject *mm = PyObject_GetAttr(seg, S_MM), *size = NULL, *rfd = NULL, *out = NULL;
+    if (mm == NULL) goto done;
+    if (mm == Py_None) {  /* not mapped now: the caller maps it */
+        Py_INCREF(PASS);
+        out = PASS;
+        goto done;
+    }
+    if ((size = PyObject_GetAttr(seg, S_SIZE)) == NULL || (rfd = PyObject_GetAttr(seg, S_RFD)) == NULL) goto done;
+    long long limit = PyLong_AsLongLong(size), fd = PyLong_AsLongLong(rfd);
+    long long off = PyLong_AsLongLong(PyTuple_GET_ITEM(loc, 1)), vlen = PyLong_AsLongLong(PyTuple_GET_ITEM(loc, 3));
+    if (PyErr_Occurred()) goto done;
+    Py_buffer b;
+    if (open_mapping(mm, fd, &limit, &b) < 0) goto done;
+    out = take((const uint8_t *)b.buf, limit, off, args[2], vlen);
+    PyBuffer_Release(&b);
+done:
+    Py_XDECREF(rfd);
+    Py_XDECREF(size);
+    Py_XDECREF(mm);
+    Py_DECREF(seg);
+    return out;
+}
+
 static PyMethodDef methods[] = {
     {"set_crc", (PyCFunction)set_crc, METH_O, "install crc32(seed, buf, len) by address"},
     {"install_guard", (PyCFunction)install_guard, METH_NOARGS, "install the SIGBUS guard"},
     {"guarded", (PyCFunction)is_guarded, METH_NOARGS, "whether the SIGBUS guard is installed"},
     {"crc", (PyCFunction)(void (*)(void))crc, METH_FASTCALL, "crc(data, seed)"},
     {"read", (PyCFunction)(void (*)(void))read_record, METH_FASTCALL, "read(mm, fd, limit, off, key, vlen)"},
+    {"get", (PyCFunction)(void (*)(void))get_mapped, METH_FASTCALL, "get(hot, segs, key)"},
     {"read_run", (PyCFunction)(void (*)(void))read_run, METH_FASTCALL,
      "read_run(mm, fd, limit, todo, i, out)"},
     {"read_into", (PyCFunction)(void (*)(void))read_into, METH_FASTCALL,
@@ -293,7 +341,27 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvtier_recread", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit_kvtier_recread(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit_kvtier_recread(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PASS == NULL) {
+        PASS = PyObject_CallNoArgs((PyObject *)&PyBaseObject_Type);
+        S_MM = PyUnicode_InternFromString("mm");
+        S_SIZE = PyUnicode_InternFromString("size");
+        S_RFD = PyUnicode_InternFromString("rfd");
+        if (PASS == NULL || S_MM == NULL || S_SIZE == NULL || S_RFD == NULL) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
+    Py_INCREF(PASS);
+    if (PyModule_AddObject(m, "PASS", PASS) < 0) {
+        Py_DECREF(PASS);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
 """.replace("MAGIC", f"{REC_MAGIC:#x}u").replace("HDR", str(REC_HEADER_BYTES)) \
    .replace("RELEASE", str(_RELEASE_BYTES))
 
@@ -359,3 +427,15 @@ def run_reader() -> Callable | None:
     each read as :func:`reader` reads it and stored at ``out[position]`` (``mm`` None: every
     one fails). None when the extension cannot be built here."""
     return None if reader() is None else _EXT.load().read_run
+
+
+def getter() -> tuple[Callable, object] | None:
+    """``(get, PASS)``: ``get(hot, segs, key) -> bytes | None | PASS``, DiskTier.get's look-up
+    and read in one call for a key in the index's dict ``hot`` whose segment in ``segs`` is
+    mapped (the value, or None when the record does not read back as :func:`reader` reads it);
+    PASS where it is not that case, for the caller's own path. None when the extension cannot
+    be built here."""
+    if reader() is None:
+        return None
+    mod = _EXT.load()
+    return mod.get, mod.PASS

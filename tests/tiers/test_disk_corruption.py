@@ -137,7 +137,7 @@ def test_segment_truncated_by_another_process_is_read_as_missing(tmp_path, monke
     from kvtier.tiers import diskread, recread
 
     if path == "python":
-        for name in ("_READ", "_READ_RUN", "_READ_INTO"):  # the Python read path
+        for name in ("_READ", "_READ_RUN", "_READ_INTO", "_GET"):  # the Python read path
             monkeypatch.setattr(diskread, name, None)
         monkeypatch.setattr(diskread, "_GUARDED", False)
     elif not recread.guarded():

@@ -89,6 +89,35 @@ def test_read_run_reads_one_segments_records_into_their_positions(mapped):
             run(mm, -1, len(mm), broken, 0, out)
 
 
+def test_get_reads_an_indexed_mapped_record_and_passes_on_the_rest(mapped):
+    """The one-call get: a key in the dict whose segment is mapped reads as read() reads it;
+    anything else comes back as PASS, for DiskTier.get's Python path."""
+    _, fd, mm, recs = mapped
+    get, PASS = recread.getter()
+
+    class Seg:
+        __slots__ = ("mm", "size", "rfd")
+
+        def __init__(self, mm, size, rfd):
+            self.mm, self.size, self.rfd = mm, size, rfd
+
+    key, value, off = recs[4]
+    hot = {key: (3, off, 0, len(value)), "gone": None, "odd": (3, off), "elsewhere": (9, off, 0, len(value))}
+    segs = {3: Seg(mm, len(mm), fd), 4: Seg(None, len(mm), -1)}
+    assert get(hot, segs, key) == value
+    segs[3].rfd = -1
+    assert get(hot, segs, key) == value
+    assert get(hot, {3: Seg(mm, off + 8, fd)}, key) is None  # past what may be touched: a failed read
+    hot["bad"] = (3, off, 0, len(value))  # another key's record: its CRC fails
+    assert get(hot, segs, "bad") is None
+    for k in ("absent", "gone", "odd", "elsewhere"):
+        assert get(hot, segs, k) is PASS
+    hot[key] = (4, off, 0, len(value))
+    assert get(hot, segs, key) is PASS  # not mapped now: the caller maps it
+    with pytest.raises(TypeError):
+        get(list(hot.items()), segs, key)
+
+
 def test_what_does_not_match_reads_as_none_as_in_python(mapped):
     path, fd, mm, recs = mapped
     key, value, off = recs[3]
