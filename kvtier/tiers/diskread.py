@@ -5,7 +5,7 @@ the record's header is checked against the index, and its data CRC is verified o
 Where the ``recread`` extension builds (a C compiler, Python's headers, ISA-L), get and
 get_many make those checks, the copy and the CRC in one C call a record (get: with the index
 look-up, for a key in the index's dict whose segment is mapped), which keeps the GIL
-below 64 KiB and catches a SIGBUS from a segment truncated under us (see ``recread``): a 4 KiB
+up to 1 MiB and catches a SIGBUS from a segment truncated under us (see ``recread``): a 4 KiB
 get then costs about what one ``f.read`` of it does, and no system call.
 
 Elsewhere (and for get_into) it is done in Python: slicing the mapping costs no system call,

@@ -5,10 +5,13 @@ What it does is what the Python path in ``diskread`` does, in one call: check th
 header against the index (magic, key and value lengths), copy the value into a new ``bytes`` and
 check the data CRC (over the key asked for and the copy) with ISA-L's CRC-32. In Python those
 are a dozen interpreter-level calls; for a 4 KiB record they cost more than the copy and the CRC
-together, and twice what a plain ``f.read`` of the same bytes takes. The C call keeps the GIL for
-small records (releasing it would hand the interpreter to a writer thread and wait for it back),
-and lets go of it around the copy and the CRC of records over ``_RELEASE_BYTES``, where those
-take tens of microseconds.
+together, and twice what a plain ``f.read`` of the same bytes takes. The C call keeps the GIL
+through the copy and the CRC of records up to ``_RELEASE_BYTES`` (1 MiB: about 0.1 ms), and lets
+go of it only for larger ones: releasing it hands the interpreter to a waiting thread (a writer)
+until that thread's Python reaches its next system call, and beside a writer thread that cost a
+256 KiB get a quarter of its speed (``bench_tiers.py --only L3``: 0.66-0.77x an ``f.read`` with
+the release above 64 KiB, 0.93-0.99x without), while a writer waits at most that 0.1 ms, far
+below the interpreter's 5 ms switch interval.
 
 A segment file truncated under us (by another process: the tier never shortens a mapped file)
 would SIGBUS the first access to a page past its new end. The Python path probes the file's size
@@ -31,7 +34,7 @@ from kvtier._clib import CExtension
 from kvtier._crc import IMPLEMENTATION, crc32
 from .segfile import REC_HEADER_BYTES, REC_MAGIC
 
-_RELEASE_BYTES = 64 << 10
+_RELEASE_BYTES = 1 << 20  # see the module docstring
 
 _SRC = r"""
 #define PY_SSIZE_T_CLEAN
