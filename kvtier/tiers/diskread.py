@@ -85,25 +85,23 @@ def _file_end_held(fd: int, _lseek=_LSEEK, _zero=_ZERO) -> int:
 if _LSEEK is None:
     _file_end_held = _file_end  # noqa: F811 (no way to probe holding the GIL here)
 
-# read(mm, fd, limit, off, key, vlen): one record's checks, copy and CRC in one C call
-# (``recread``), or None: then ``_read_record`` does them in Python. Set by the first tier
-# opened (``load_compiled``), which also installs the SIGBUS guard (``_GUARDED``).
+# The compiled reads (``recread``: one record's checks, copy and CRC in one C call), or None:
+# then ``_read_record`` does them in Python. Set by the first tier opened (``load_compiled``),
+# which also installs recread's SIGBUS guard.
 _UNSET = object()
 _READ = _UNSET
 _READ_INTO = _READ_RUN = _GET = None
 _PASS = object()
-_GUARDED = False
 
 
 def load_compiled() -> None:
-    """Build or load the compiled read once (a tier's open calls it)."""
-    global _READ, _READ_INTO, _READ_RUN, _GET, _PASS, _GUARDED
+    """Build or load the compiled reads once (a tier's open calls it)."""
+    global _READ, _READ_INTO, _READ_RUN, _GET, _PASS
     if _READ is _UNSET:
-        read = recread.reader()
-        _GUARDED = read is not None and recread.guarded()
-        _READ_INTO, _READ_RUN = recread.reader_into(), recread.run_reader()
-        _GET, _PASS = recread.getter() or (None, _PASS)
-        _READ = read
+        mod = recread.load()
+        if mod is not None:
+            _READ_INTO, _READ_RUN, _GET, _PASS = mod.read_into, mod.read_run, mod.get, mod.PASS
+        _READ = None if mod is None else mod.read
 
 
 def mapped_segments() -> int:
@@ -308,7 +306,7 @@ class DiskReads:
                 self._check_open()
             st = self._stats
             st.gets += 1
-            if _GET is not None:
+            if _GET is not None:  # (the index's dict itself: a method call would cost a tenth of the get)
                 value = _GET(self._index._hot, self._segs, key)
                 if value is not _PASS:
                     if value is None:
@@ -356,7 +354,7 @@ class DiskReads:
             self._check_open()
             loc = self._index.lookup(key)
             mv, _ = out_view(out, loc[3] if loc is not None else 0)  # checked before counting
-            if loc is not None and _READ is not None and _READ_INTO is not None:
+            if loc is not None and _READ_INTO is not None:
                 sid, off, _, vlen = loc
                 seg = self._segs[sid]
                 mm = seg.mm if seg.mm is not None else self._map(seg)

@@ -1,5 +1,5 @@
 """One L3 record read in C: DiskTier's get and get_many copy each value out of its segment's
-mapping through :func:`reader`, a function of a compiled CPython extension.
+mapping through the functions of a compiled CPython extension (:func:`load`).
 
 What it does is what the Python path in ``diskread`` does, in one call: check the record's
 header against the index (magic, key and value lengths), copy the value into a new ``bytes`` and
@@ -22,14 +22,12 @@ other SIGBUS to the handler that was there before it (faulthandler's, or the def
 dies as it would have). :func:`guarded` tells whether it is installed; where it is not, the read
 probes the size as the Python path does.
 
-Without a compiler, the Python headers or ISA-L, :func:`reader` returns None and reads take the
+Without a compiler, the Python headers or ISA-L, :func:`load` returns None and reads take the
 Python path, with the same results.
 """
 from __future__ import annotations
 
 import ctypes
-from typing import Callable
-
 from kvtier._clib import CExtension
 from kvtier._crc import IMPLEMENTATION, crc32
 from .segfile import REC_HEADER_BYTES, REC_MAGIC
@@ -393,52 +391,36 @@ def _declare(mod) -> None:
 _EXT = CExtension("recread", _SRC, _FLAGS, _declare, "L3 reads parse records in Python")
 
 
-def reader() -> Callable | None:
-    """``read(mm, fd, limit, off, key, vlen) -> bytes | None``: the value of the record at
-    ``off`` of mapping ``mm`` for ``key``, of ``vlen`` bytes, copied out once its header matched
-    and its data CRC checked; None when any of that fails, or when ``mm`` is None. At most
-    ``limit`` bytes of the mapping are touched, and with ``fd`` >= 0 no more than that file's
-    size now. None when the extension cannot be built here."""
+def load():
+    """The compiled module, its SIGBUS guard installed (where it can be), or None when the
+    extension cannot be built here. Its functions (``mm`` a segment's mapping or None, ``limit``
+    the bytes of it that may be touched, ``fd`` >= 0 to bound them by that file's size too where
+    the guard is not installed):
+
+    - ``read(mm, fd, limit, off, key, vlen) -> bytes | None``: the value of the record at
+      ``off`` for ``key``, of ``vlen`` bytes, copied out once its header matched and its data
+      CRC checked; None when any of that fails, or when ``mm`` is None.
+    - ``read_into(mm, fd, limit, off, key, vlen, out) -> bool``: ``read`` into the writable
+      buffer ``out`` instead (False where ``read`` gives None; ``out`` may then hold damaged
+      bytes).
+    - ``read_run(mm, fd, limit, todo, i, out) -> (next i, hits, bytes, failed keys)``: the
+      records ``todo[i:]`` of one segment (``todo``: ``[(position, key, (segment id, offset,
+      size, value length))]`` in file order; it stops at the first record of another segment),
+      each read as ``read`` reads it and stored at ``out[position]``.
+    - ``get(hot, segs, key) -> bytes | None | PASS``: DiskTier.get's look-up and read in one
+      call for a key in the index's dict ``hot`` whose segment in ``segs`` is mapped (the value,
+      or None when it does not read back); ``PASS`` for anything else, for the caller's own path.
+    """
     mod = _EXT.load()
-    if mod is None:
-        return None
-    if not mod.guarded():
+    if mod is not None and not mod.guarded():
         try:
             mod.install_guard()
         except OSError:  # reads probe the file's size instead
             pass
-    return mod.read
+    return mod
 
 
 def guarded() -> bool:
-    """Whether reads through :func:`reader` catch a SIGBUS instead of probing the file's size."""
+    """Whether reads through :func:`load`'s module catch a SIGBUS instead of probing the file's size."""
     mod = _EXT.load()
     return mod is not None and mod.guarded()
-
-
-def reader_into() -> Callable | None:
-    """``read_into(mm, fd, limit, off, key, vlen, out) -> bool``: :func:`reader`'s read, the
-    value copied into the writable buffer ``out`` instead (False where that gives None; ``out``
-    may then hold damaged bytes). None when the extension cannot be built here."""
-    return None if reader() is None else _EXT.load().read_into
-
-
-def run_reader() -> Callable | None:
-    """``read_run(mm, fd, limit, todo, i, out) -> (next i, hits, bytes, failed keys)``: the
-    records ``todo[i:]`` of one segment (``todo``: ``[(position, key, (segment id, offset,
-    size, value length))]`` in file order; it stops at the first record of another segment),
-    each read as :func:`reader` reads it and stored at ``out[position]`` (``mm`` None: every
-    one fails). None when the extension cannot be built here."""
-    return None if reader() is None else _EXT.load().read_run
-
-
-def getter() -> tuple[Callable, object] | None:
-    """``(get, PASS)``: ``get(hot, segs, key) -> bytes | None | PASS``, DiskTier.get's look-up
-    and read in one call for a key in the index's dict ``hot`` whose segment in ``segs`` is
-    mapped (the value, or None when the record does not read back as :func:`reader` reads it);
-    PASS where it is not that case, for the caller's own path. None when the extension cannot
-    be built here."""
-    if reader() is None:
-        return None
-    mod = _EXT.load()
-    return mod.get, mod.PASS

@@ -363,7 +363,6 @@ def test_reads_keep_the_gil_for_their_size_probe_while_an_appender_runs(tmp_path
 
     for name in ("_READ", "_READ_RUN", "_READ_INTO", "_GET"):  # the Python read path
         monkeypatch.setattr(diskread, name, None)
-    monkeypatch.setattr(diskread, "_GUARDED", False)
     big, bad = os.urandom(8192), os.urandom(8192)  # CRCs that would let go of the GIL
     with open_tier(tmp_path / "d", durability="batch") as t:
         t.put_many([("old", b"1"), ("big", big), ("bad", bad)])

@@ -139,7 +139,6 @@ def test_segment_truncated_by_another_process_is_read_as_missing(tmp_path, monke
     if path == "python":
         for name in ("_READ", "_READ_RUN", "_READ_INTO", "_GET"):  # the Python read path
             monkeypatch.setattr(diskread, name, None)
-        monkeypatch.setattr(diskread, "_GUARDED", False)
     elif not recread.guarded():
         pytest.skip(f"the compiled read is not available here: {recread._EXT.error}")
     rng = random.Random(3)

@@ -17,7 +17,8 @@ from kvtier._crc import crc32
 from kvtier.tiers import diskread, recread
 from kvtier.tiers.segfile import REC, REC_HEADER_BYTES, REC_MAGIC, pad8
 
-READ = recread.reader()  # (also installs the SIGBUS guard, as a tier's open does)
+MOD = recread.load()  # (also installs the SIGBUS guard, as a tier's open does)
+READ = MOD.read if MOD is not None else None
 pytestmark = pytest.mark.skipif(READ is None, reason=f"the compiled read is not available: {recread._EXT.error}")
 
 
@@ -59,7 +60,7 @@ def test_every_record_reads_as_the_python_path_reads_it(mapped):
 
 def test_read_into_writes_what_read_returns(mapped):
     _, fd, mm, recs = mapped
-    into = recread.reader_into()
+    into = MOD.read_into
     for key, value, off in recs[:12]:
         buf = bytearray(len(value) + 3)
         assert into(mm, fd, len(mm), off, key, len(value), buf) is True
@@ -73,7 +74,7 @@ def test_read_into_writes_what_read_returns(mapped):
 
 def test_read_run_reads_one_segments_records_into_their_positions(mapped):
     _, fd, mm, recs = mapped
-    run = recread.run_reader()
+    run = MOD.read_run
     todo = [(len(recs) - 1 - j, key, (7, off, 0, len(value))) for j, (key, value, off) in enumerate(recs)]
     todo[5] = (todo[5][0], todo[5][1] + "x", todo[5][2])  # another key: fails
     todo.append((len(recs), "other", (8, 64, 0, 1)))  # the next segment's: not read
@@ -94,7 +95,7 @@ def test_get_reads_an_indexed_mapped_record_and_passes_on_the_rest(mapped):
     """The one-call get: a key in the dict whose segment is mapped reads as read() reads it;
     anything else comes back as PASS, for DiskTier.get's Python path."""
     _, fd, mm, recs = mapped
-    get, PASS = recread.getter()
+    get, PASS = MOD.get, MOD.PASS
 
     class Seg:
         __slots__ = ("mm", "size", "rfd")
@@ -174,7 +175,7 @@ CHILD = textwrap.dedent("""
     if sys.argv[1] == "faulthandler":
         faulthandler.enable()
     from kvtier.tiers import recread
-    assert recread.reader() is not None and recread.guarded()
+    assert recread.load() is not None and recread.guarded()
     path = sys.argv[2]
     with open(path, "wb") as f:
         f.write(b"x" * 65536)
