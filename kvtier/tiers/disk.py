@@ -95,7 +95,7 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
         if not isinstance(checkpoint_records, int) or checkpoint_records < 0:
             raise ValueError(f"checkpoint_records must be an int >= 0, got {checkpoint_records!r}")
         diskread.load_compiled()  # (here, not at import: see recread on the SIGBUS guard)
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
         self.segment_bytes = segment_bytes
         self._capacity = capacity_bytes
         self.durability = durability
