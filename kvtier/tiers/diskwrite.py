@@ -251,7 +251,59 @@ class DiskWrites:
         does not fit. Raises DiskFullError when the filesystem is full (earlier records stay).
         Gets are served while it writes (each record is indexed once written)."""
         with self._at_work():
-            return self._put_records(self._images(items))
+            recs = self._images(items)
+            self._make_room(sum(r[2] for r in recs))
+            return self._put_records(recs)
+
+    def offer_many(self, items: Iterable[tuple[str, BytesLike]]) -> list[bool | None]:
+        """A put subject to the admission policy, for copies the caller may lose (a published
+        prefix block; never the only copy of anything). Per item: True when stored (a key
+        already stored is kept as it is: content-addressed keys name their bytes), None when
+        admission turned it away, False when it did not fit."""
+        items = list(items)
+        pol = self._policy
+        out: list[bool | None] = [None] * len(items)
+        todo: list[int] = []
+        with self._lock:
+            self._check_open()
+            for i, (key, _) in enumerate(items):
+                if type(key) is not str:
+                    check_key(key)
+                if key in self._index:
+                    out[i] = True
+                    if self._touch is not None:
+                        self._touch(key)
+                elif pol.admit(key):
+                    todo.append(i)
+            self._n["offered"] += len(items)
+            self._n["admission_refused"] += out.count(None) - len(todo)
+        if todo:
+            for i, ok in zip(todo, self.put_many([items[i] for i in todo])):
+                out[i] = ok
+        return out
+
+    def _make_room(self, incoming: int) -> None:
+        """Evict (``eviction`` != "none") when ``incoming`` more bytes would take the live
+        records past ``evict_high_bytes``: down to an eighth of it below, in policy order,
+        skipping pinned records and those the owner keeps. Takes no lock while the owner is
+        asked (``keep``), nor while it deletes (``delete_many``'s own)."""
+        pol = self._policy
+        if not pol.tracking:
+            return
+        high = self.evict_high_bytes
+        with self._lock:
+            self._check_open()
+            live = self.used_bytes
+            if live + incoming <= high:
+                return
+            ranked = pol.rank(self._index.items())
+        need = live + incoming - (high - high // 8)
+        victims = pol.victims(ranked, need)
+        if victims:
+            gone = self._delete_keys([k for k, _ in victims])
+            with self._lock:
+                self._n["evictions"] += sum(gone)
+                self._n["evicted_bytes"] += sum(size for (_, size), g in zip(victims, gone) if g)
 
     def _images(self, items: Iterable[tuple[str, BytesLike]]) -> list[Record]:
         limit = self.segment_bytes - SEG_HEADER_BYTES
@@ -285,6 +337,8 @@ class DiskWrites:
                         if ok:
                             self._stats.puts += 1
                             self._stats.bytes_in += rec[4]
+                            if self._touch is not None:
+                                self._touch(rec[0])
                     self._after_batch(touched)
             res += got
             i = j
@@ -312,6 +366,7 @@ class DiskWrites:
                 if loc is not None:
                     touched.add(loc[0])
                     recs.append((k, *self._image(k, None)))
+            self._policy.forget(keys)
             if recs:
                 res = self._append(recs)
                 for (k, *_), ok in zip(recs, res):
