@@ -214,11 +214,19 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
         return self._capacity
 
     @property
-    def evict_high_bytes(self) -> int:
-        """Live bytes above which a put evicts first: two segments below capacity (room for
-        the dead space compaction needs to work with), or half of it when that is smaller."""
+    def _file_limit(self) -> int:
+        """What the segment files may take outside a compaction: with eviction on and room for
+        four segments, one segment below capacity, so that the segment a compaction may add
+        before it deletes one keeps them within it."""
         cap, seg = self._capacity, self.segment_bytes
-        return cap - 2 * seg if cap >= 4 * seg else cap // 2
+        return cap - seg if self._policy.tracking and cap >= 4 * seg else cap
+
+    @property
+    def evict_high_bytes(self) -> int:
+        """Live bytes above which a put evicts first: two segments below the files' limit
+        (room for the dead space compaction needs to work with), or half of capacity when
+        that is smaller."""
+        return max(self._file_limit - 2 * self.segment_bytes, self._capacity // 2)
 
     @property
     def eviction(self) -> str:

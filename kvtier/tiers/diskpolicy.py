@@ -78,17 +78,23 @@ class DiskPolicy:
         self._last.clear()
         self._uses.clear()
 
-    def admit(self, key: str) -> bool:
-        """Whether an offered record (not stored yet) is written now."""
+    def admit(self, keys: list[str]) -> list[bool]:
+        """Whether each offered record (not stored yet) is written now: one decision per block
+        name in the call, so the layers of a block offered together are one touch."""
         if self.admission == "always":
-            return True
-        name = block_name(key)
-        if name in self._ghost:
-            return True  # (stays until pushed out: the block's other layers are offered with it)
-        self._ghost[name] = None
-        if len(self._ghost) > GHOST_NAMES:
-            self._ghost.popitem(last=False)
-        return False
+            return [True] * len(keys)
+        ghost, seen = self._ghost, {}
+        out = []
+        for k in keys:
+            name = block_name(k)
+            if name not in seen:
+                seen[name] = name in ghost  # (stays until pushed out: later layers may follow)
+                if not seen[name]:
+                    ghost[name] = None
+                    if len(ghost) > GHOST_NAMES:
+                        ghost.popitem(last=False)
+            out.append(seen[name])
+        return out
 
     def rank(self, items: Iterable[tuple[str, tuple]]) -> list[tuple[str, int]]:
         """(key, record size) of every record that is not pinned, first to evict first."""

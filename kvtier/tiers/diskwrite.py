@@ -136,9 +136,10 @@ class DiskWrites:
     def _full(self) -> bool:
         """No room for one more segment: sealed files count at their size, the head at the most
         it may grow to. A compaction may go one segment over, as the segment it empties is
-        deleted right after."""
+        deleted right after (``_file_limit``: so that a tier that evicts stays within capacity
+        even then)."""
         held = self.disk_bytes + (self._head.cap - self._head.size if self._head is not None else 0)
-        return held + self.segment_bytes > self._capacity + (self.segment_bytes if self._compacting else 0)
+        return held + self.segment_bytes > self._file_limit + (self.segment_bytes if self._compacting else 0)
 
     def _seal(self, seg: Segment) -> None:
         """The head is full: truncate it to its records, make them durable per the durability
@@ -253,7 +254,16 @@ class DiskWrites:
         with self._at_work():
             recs = self._images(items)
             self._make_room(sum(r[2] for r in recs))
-            return self._put_records(recs)
+            res = self._put_records(recs)
+            if self._policy.tracking and not all(res):
+                # full of dead space no compaction could reclaim in place: evict a segment's
+                # worth more (so some sealed segment is mostly dead and cheap to compact), retry once
+                redo = [i for i, ok in enumerate(res) if not ok]
+                again = [recs[i] for i in redo]
+                self._make_room(sum(r[2] for r in again), at_least=self.segment_bytes)
+                for i, ok in zip(redo, self._put_records(again)):
+                    res[i] = ok
+            return res
 
     def offer_many(self, items: Iterable[tuple[str, BytesLike]]) -> list[bool | None]:
         """A put subject to the admission policy, for copies the caller may lose (a published
@@ -263,9 +273,9 @@ class DiskWrites:
         items = list(items)
         pol = self._policy
         out: list[bool | None] = [None] * len(items)
-        todo: list[int] = []
         with self._lock:
             self._check_open()
+            new: list[int] = []
             for i, (key, _) in enumerate(items):
                 if type(key) is not str:
                     check_key(key)
@@ -273,8 +283,9 @@ class DiskWrites:
                     out[i] = True
                     if self._touch is not None:
                         self._touch(key)
-                elif pol.admit(key):
-                    todo.append(i)
+                else:
+                    new.append(i)
+            todo = [i for i, ok in zip(new, pol.admit([items[i][0] for i in new])) if ok]
             self._n["offered"] += len(items)
             self._n["admission_refused"] += out.count(None) - len(todo)
         if todo:
@@ -282,7 +293,7 @@ class DiskWrites:
                 out[i] = ok
         return out
 
-    def _make_room(self, incoming: int) -> None:
+    def _make_room(self, incoming: int, at_least: int = 0) -> None:
         """Evict (``eviction`` != "none") when ``incoming`` more bytes would take the live
         records past ``evict_high_bytes``: down to an eighth of it below, in policy order,
         skipping pinned records and those the owner keeps. Takes no lock while the owner is
@@ -294,10 +305,10 @@ class DiskWrites:
         with self._lock:
             self._check_open()
             live = self.used_bytes
-            if live + incoming <= high:
+            if live + incoming <= high and not at_least:
                 return
             ranked = pol.rank(self._index.items())
-        need = live + incoming - (high - high // 8)
+        need = max(live + incoming - (high - high // 8), at_least)
         victims = pol.victims(ranked, need)
         if victims:
             gone = self._delete_keys([k for k, _ in victims])
