@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("eval", eval_cli, "accuracy against footprint of cache configurations, side by side"),
         ("plan", plan, "KV size per token/sequence and recommended tier sizes"),
         ("generate", chat, "chat with the embedded model through a kvtier cache"),
-        ("cache", cachecli, "manage L3 directories on disk (cache clear DIR)"),
+        ("cache", cachecli, "inspect and manage L3 directories (ls, stat, verify, pin, evict, clear)"),
     ):
         p = sub.add_parser(name, help=summary)
         module.add_arguments(p)

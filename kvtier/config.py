@@ -37,6 +37,8 @@ Axis = Literal["channel", "token"]
 #: ``int2_key_outliers`` at most (``kvtier.compress.codecs.MAX_OUTLIERS``)
 MAX_KEY_OUTLIERS = 32
 Durability = Literal["never", "close", "batch"]
+DiskEviction = Literal["lru", "lfu", "none"]
+DiskAdmission = Literal["always", "second-touch"]
 DType = Literal["float16", "bfloat16", "float32"]
 ByteStageName = Literal["lz4", "zstd", "none"]
 Precision = Literal["fixed", "importance"]
@@ -162,6 +164,17 @@ class KVTierConfig:
     disk_kept_bytes: Optional[int] = None
     """The most bytes of kept L3 records left when a store opens ``disk_path`` (the oldest go
     first); ``None``: only ``disk_bytes`` bounds them."""
+
+    disk_eviction: DiskEviction = "lru"
+    """What a full L3 does: ``lru`` / ``lfu`` evict records no live sequence uses and no pin
+    keeps (``kvtier cache pin``), least recently / least often used first, once the live
+    records near ``disk_bytes`` (two segments below it); ``none`` refuses new records instead
+    (then a store deletes every unused record at once to make room)."""
+
+    disk_admission: DiskAdmission = "always"
+    """Which published blocks L3 writes: ``always``; ``second-touch``: a block only when it is
+    offered a second time (seen again before its name leaves a list of recent refusals), so
+    one-off prompts cost no SSD writes. Spilled blocks of live sequences are always written."""
 
     codec: str = "int4"
     """Codec of the tiers below L1 (see ``order``): one of ``CODECS``."""
@@ -439,6 +452,8 @@ class KVTierConfig:
         self._check_codecs()
         self._check_selection()
         check_choice("durability", self.durability, get_args(Durability))
+        check_choice("disk_eviction", self.disk_eviction, get_args(DiskEviction))
+        check_choice("disk_admission", self.disk_admission, get_args(DiskAdmission))
         if self.dtype is not None:
             check_choice("dtype", self.dtype, get_args(DType))
         self._check_remote()

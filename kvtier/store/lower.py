@@ -41,6 +41,8 @@ class LowerTiers:
         self._disk_full_warned = False
         # L3 first: an unwritable disk_path fails before anything is allocated.
         self.l3 = open_disk(cfg) if cfg.disk_path is not None else None
+        if self.l3 is not None:
+            self.l3.set_keep(self._in_use)
         self.l4 = RemoteTier(cfg.remote_url, key_prefix=cfg.remote_key_prefix) \
             if cfg.remote_url is not None else None
         self.l2 = HostTier(cfg.host_bytes, spill=self._spill if self.l3 is not None else None,
@@ -215,6 +217,23 @@ class LowerTiers:
                             "L2 (free space there or lower disk_bytes)", exc)
             return [self.l3.contains(k) for k, _ in items]  # the ones written before it filled are kept
 
+    def _in_use(self, keys: list[str]) -> list[bool]:
+        """Which L3 records eviction must keep: process-local ones (a live sequence's only
+        copy) and content records a live block references."""
+        res = self.res
+        live = res.referenced(keys) if res is not None else [True] * len(keys)
+        return [ref or not CONTENT_KEY.fullmatch(k) for k, ref in zip(keys, live)]
+
+    def offer_l3(self, items: list) -> list[bool | None]:
+        """``l3.offer_many`` (the admission policy decides; None: turned away), with
+        ``put_l3``'s reclaim of unreferenced records when L3 is full (tier lock held)."""
+        oks = self.l3.offer_many(items)
+        if False in oks and self._reclaim_orphans():
+            redo = [i for i, ok in enumerate(oks) if ok is False]
+            for i, ok in zip(redo, self._l3_put_many([items[i] for i in redo])):
+                oks[i] = ok
+        return oks
+
     def _reclaim_orphans(self) -> int:
         """Delete L3 content records no live block references (tier lock held)."""
         orphans = [k for k in self.res.unreferenced(self.l3.keys()) if CONTENT_KEY.fullmatch(k)]
@@ -286,7 +305,7 @@ def open_disk(cfg: KVTierConfig):
         raise ValueError(f"disk_path must be a writable directory; {path!r} is not")
     try:
         l3 = DiskTier(path, capacity_bytes=cfg.disk_bytes, segment_bytes=cfg.disk_segment_bytes,
-                      durability=cfg.durability)
+                      durability=cfg.durability, eviction=cfg.disk_eviction, admission=cfg.disk_admission)
     except PermissionError as e:
         raise ValueError(f"disk_path must be a writable directory; {path!r}: {e}") from e
     # Process-local keys name (sequence, layer, block) of an earlier store: they cannot be

@@ -54,6 +54,11 @@ def store_stats(store) -> dict:
         "fingerprint": store.fingerprint,
         "prefix": _prefix_stats(fp["refs"], c),
         "remote": _remote_stats(lower.l4, c),
+        # the L3 tier's own numbers: records, capacity, evictions, admission, bytes written,
+        # compactions, corrupt records (None without L3)
+        "disk": lower.l3.stats() if lower.l3 is not None else None,
+        # stored blocks whose identity did not match this store's: read as misses
+        "identity_refusals": c["identity_refusals"],
     }
 
 
@@ -112,7 +117,7 @@ def _prefix_stats(refs: list[int], c: dict) -> dict:
         "max_refs": max(refs, default=0), "dedup_seals": c["dedup_seals"],
         "adopted_l3": c["adopted_l3"], "orphans_deleted": c["orphans_deleted"], "l3_disk_full": c["l3_disk_full"],
         "published_l3": {"blocks": c["pub_l3_blocks"], "bytes": c["pub_l3_bytes"],
-                         "failed": c["pub_l3_failed"]},
+                         "failed": c["pub_l3_failed"], "not_admitted": c["pub_l3_not_admitted"]},
         "publish_encode_failed": c["pub_encode_failed"],
     }
 

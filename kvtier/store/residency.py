@@ -581,6 +581,11 @@ class Residency:
         with self.lock:
             rec.l4 = True
 
+    def referenced(self, keys: list[str]) -> list[bool]:
+        """Per key, whether a live block record holds it."""
+        with self.lock:
+            return [k in self.copies for k in keys]
+
     def unreferenced(self, keys) -> list[str]:
         with self.lock:
             return [k for k in keys if k not in self.copies]

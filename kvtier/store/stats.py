@@ -59,7 +59,9 @@ COUNTERS = (
     "gather_copies", "region_moves", "l3_disk_full",
     "precision_int8", "precision_int4", "precision_int2", "precision_backups",
     "precision_backup_failed", "precision_upgrades", "precision_marked", "precision_upgrade_bytes",
-    "precision_upgrade_failed", "precision_refetched",
+    "precision_upgrade_failed", "precision_refetched", "pub_l3_not_admitted",
+    # stored blocks refused because their identity did not match the reader's (a miss, never data)
+    "identity_refusals",
 )
 
 

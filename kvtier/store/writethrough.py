@@ -74,10 +74,12 @@ class WriteThrough:
         with lower.lock:
             # a spill may have put some meanwhile
             put3 = [(r, p) for r, p in todo if self.res.needs_l3(r)]
-            oks = lower.put_l3([(r.key, p) for r, p in put3]) if put3 else []
+            oks = lower.offer_l3([(r.key, p) for r, p in put3]) if put3 else []
             stale = []
             for (rec, packed), ok in zip(put3, oks):
-                if not ok:
+                if ok is None:
+                    self.counters.add(pub_l3_not_admitted=1)
+                elif not ok:
                     self.counters.add(pub_l3_failed=1)
                 elif self.res.landed_l3(rec, len(packed), written_through=True):
                     self.counters.add(pub_l3_blocks=1, pub_l3_bytes=len(packed))

@@ -569,8 +569,8 @@ class DiskCompaction:
 
     def expire(self, max_age_s: float | None = None, max_bytes: int | None = None,
                keep=lambda key: False) -> int:
-        """Delete records not kept by ``keep(key)``: those written more than ``max_age_s`` ago,
-        then the oldest of the rest until they hold at most ``max_bytes``. A record's age is its
+        """Delete records neither pinned nor kept by ``keep(key)``: those written more than
+        ``max_age_s`` ago, then the oldest of the rest until they hold at most ``max_bytes``. A record's age is its
         segment's (since its file was last written: never older than the record really is).
         Returns how many were deleted."""
         if max_age_s is not None and (not isinstance(max_age_s, (int, float)) or max_age_s < 0):
@@ -580,7 +580,9 @@ class DiskCompaction:
         with self._appending():  # then delete_many's, in their order
             self._check_open()
             now = time.time_ns()
-            cand = sorted((loc[0], loc[1], loc[2], k) for k, loc in self._index.items() if not keep(k))
+            pinned = self._policy.pins.current().matches
+            cand = sorted((loc[0], loc[1], loc[2], k) for k, loc in self._index.items()
+                          if not keep(k) and not pinned(k))
             # a segment's last write dates every record in it (a lower bound of their age)
             mt = {sid: (s.mtime_ns if s is not self._head else os.fstat(s.fd).st_mtime_ns)
                   for sid, s in self._segs.items()}

@@ -48,6 +48,7 @@ from . import diskindex, diskread
 from .base import Tier, TierStats, check_key
 from .compactor import CompactJob, Compactor, DiskCompaction
 from .diskopen import DiskRecovery, prepare_directory
+from .diskpolicy import Admission, DiskPolicy, Eviction
 from .diskread import DiskReads, mapped_segments
 from .diskspace import check_free_space, purge_directory, remove_tier_files
 from .diskwrite import DiskWrites, WriteLock
@@ -74,13 +75,19 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
         compact_share: the most of the time background compaction spends on I/O while it runs.
         checkpoint_records: write an index checkpoint in the background once this many records
             were appended since the last one (and always on ``close``); 0 = only on close.
+        eviction: "none" = a full tier refuses puts; "lru" / "lfu" = once the live records pass
+            the high watermark (``evict_high_bytes``) a put first evicts, in that order, records
+            neither pinned nor kept by ``set_keep``'s function, down to the low watermark
+            (``diskpolicy.py``).
+        admission: "always" or "second-touch": which records ``offer_many`` writes.
     """
 
     name = "disk"
 
     def __init__(self, path: str | os.PathLike, capacity_bytes: int = 64 << 30, segment_bytes: int = 64 << 20,
                  durability: Durability = "batch", compact_threshold: float = 0.5, compact_share: float = 0.25,
-                 checkpoint_records: int = 100_000) -> None:
+                 checkpoint_records: int = 100_000, eviction: Eviction = "none",
+                 admission: Admission = "always") -> None:
         if not isinstance(segment_bytes, int) or not (4096 <= segment_bytes < 1 << 32):
             raise ValueError(f"segment_bytes must be an int in [4096, 2**32), got {segment_bytes!r}")
         if not isinstance(capacity_bytes, int) or capacity_bytes < segment_bytes:
@@ -96,6 +103,8 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
             raise ValueError(f"checkpoint_records must be an int >= 0, got {checkpoint_records!r}")
         diskread.load_compiled()  # (here, not at import: see recread on the SIGBUS guard)
         self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+        self._policy = DiskPolicy(self.path, eviction, admission)
+        self._touch = self._policy.touch if self._policy.tracking else None  # (reads test it: one attribute)
         self.segment_bytes = segment_bytes
         self._capacity = capacity_bytes
         self.durability = durability
@@ -108,7 +117,8 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
         self._stats = TierStats()
         self._n = dict(compactions=0, corrupt=0, scan_corrupt=0, torn=0, syncs=0, recovered=0, tail_records=0,
                        checkpoints=0, checkpoint_loaded=0, checkpoint_rejected=0, bytes_written=0,
-                       compact_bytes_written=0, checkpoint_bytes_written=0, disk_full_errors=0)
+                       compact_bytes_written=0, checkpoint_bytes_written=0, disk_full_errors=0,
+                       evictions=0, evicted_bytes=0, offered=0, admission_refused=0)
         self.open_seconds = 0.0
         self._corrupt_keys: set[str] = set()
         self._index = diskindex.RecordIndex()  # key -> (seg id, offset, size, vlen)
@@ -204,6 +214,38 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
         return self._capacity
 
     @property
+    def _file_limit(self) -> int:
+        """What the segment files may take outside a compaction: with eviction on and room for
+        four segments, one segment below capacity, so that the segment a compaction may add
+        before it deletes one keeps them within it."""
+        cap, seg = self._capacity, self.segment_bytes
+        return cap - seg if self._policy.tracking and cap >= 4 * seg else cap
+
+    @property
+    def evict_high_bytes(self) -> int:
+        """Live bytes above which a put evicts first: two segments below the files' limit
+        (room for the dead space compaction needs to work with), or half of capacity when
+        that is smaller."""
+        return max(self._file_limit - 2 * self.segment_bytes, self._capacity // 2)
+
+    @property
+    def eviction(self) -> str:
+        return self._policy.eviction
+
+    @property
+    def admission(self) -> str:
+        return self._policy.admission
+
+    def set_keep(self, keep) -> None:
+        """``keep(keys) -> [bool]``: the owner's records in use, never evicted (called with
+        no tier lock held, from the thread of the put that evicts)."""
+        self._policy.keep = keep
+
+    def pinned(self, key: str) -> bool:
+        """Whether the directory's PINS file pins ``key`` (re-read when it changed)."""
+        return self._policy.pins.current().matches(key)
+
+    @property
     def max_segments(self) -> int:
         return self._capacity // self.segment_bytes
 
@@ -261,6 +303,7 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
                 seg.close()
                 os.unlink(seg.path)
             self._index.clear()
+            self._policy.clear()
             self._corrupt_keys.clear()
             self._dirty.clear()
             self._stuck.clear()

@@ -293,6 +293,8 @@ class DiskReads:
             return None
         self._stats.hits += 1
         self._stats.bytes_out += len(value)
+        if self._touch is not None:
+            self._touch(key)
         return value
 
     def get(self, key: str) -> bytes | None:
@@ -315,6 +317,8 @@ class DiskReads:
                         return None
                     st.hits += 1
                     st.bytes_out += len(value)
+                    if self._touch is not None:
+                        self._touch(key)
                     return value
             loc = self._index.lookup(key)
             if loc is None:
@@ -339,6 +343,8 @@ class DiskReads:
                 return None
             st.hits += 1
             st.bytes_out += vlen
+            if self._touch is not None:
+                self._touch(key)
             return value
         finally:
             lock.release()
@@ -384,6 +390,10 @@ class DiskReads:
                         check_key(k)  # an indexed key was checked when put
             if todo:
                 self._read_batch(todo, out, readahead=True)
+                if self._touch is not None:
+                    for i, k, _ in todo:
+                        if out[i] is not None:
+                            self._touch(k)
             st = self._stats
             st.gets += missed
             st.misses += missed

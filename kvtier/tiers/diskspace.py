@@ -7,6 +7,7 @@ import re
 import warnings
 
 from . import diskindex
+from .diskpins import PINS_LOCK, PINS_NAME
 from .errors import DirectoryLockedError, DiskFullError
 from .segfile import FIRST_BYTES
 
@@ -15,8 +16,9 @@ SEG_RE = re.compile(r"^seg-(\d{12})\.kvs$")
 
 def is_tier_file(name: str) -> bool:
     """Whether ``name`` is one a DiskTier writes in its directory: a segment, the INDEX
-    checkpoint (or its temporary) or the LOCK file."""
-    return bool(SEG_RE.match(name)) or name in ("LOCK", diskindex.INDEX_NAME, diskindex.INDEX_NAME + ".tmp")
+    checkpoint (or its temporary), the LOCK file or the PINS file (and its temporary and lock)."""
+    return bool(SEG_RE.match(name)) or name in ("LOCK", diskindex.INDEX_NAME, diskindex.INDEX_NAME + ".tmp",
+                                                 PINS_NAME, PINS_NAME + ".tmp", PINS_LOCK)
 
 
 def check_free_space(path: str, segment_bytes: int, capacity_bytes: int, held_bytes: int) -> None:

@@ -136,9 +136,10 @@ class DiskWrites:
     def _full(self) -> bool:
         """No room for one more segment: sealed files count at their size, the head at the most
         it may grow to. A compaction may go one segment over, as the segment it empties is
-        deleted right after."""
+        deleted right after (``_file_limit``: so that a tier that evicts stays within capacity
+        even then)."""
         held = self.disk_bytes + (self._head.cap - self._head.size if self._head is not None else 0)
-        return held + self.segment_bytes > self._capacity + (self.segment_bytes if self._compacting else 0)
+        return held + self.segment_bytes > self._file_limit + (self.segment_bytes if self._compacting else 0)
 
     def _seal(self, seg: Segment) -> None:
         """The head is full: truncate it to its records, make them durable per the durability
@@ -251,7 +252,69 @@ class DiskWrites:
         does not fit. Raises DiskFullError when the filesystem is full (earlier records stay).
         Gets are served while it writes (each record is indexed once written)."""
         with self._at_work():
-            return self._put_records(self._images(items))
+            recs = self._images(items)
+            self._make_room(sum(r[2] for r in recs))
+            res = self._put_records(recs)
+            if self._policy.tracking and not all(res):
+                # full of dead space no compaction could reclaim in place: evict a segment's
+                # worth more (so some sealed segment is mostly dead and cheap to compact), retry once
+                redo = [i for i, ok in enumerate(res) if not ok]
+                again = [recs[i] for i in redo]
+                self._make_room(sum(r[2] for r in again), at_least=self.segment_bytes)
+                for i, ok in zip(redo, self._put_records(again)):
+                    res[i] = ok
+            return res
+
+    def offer_many(self, items: Iterable[tuple[str, BytesLike]]) -> list[bool | None]:
+        """A put subject to the admission policy, for copies the caller may lose (a published
+        prefix block; never the only copy of anything). Per item: True when stored (a key
+        already stored is kept as it is: content-addressed keys name their bytes), None when
+        admission turned it away, False when it did not fit."""
+        items = list(items)
+        pol = self._policy
+        out: list[bool | None] = [None] * len(items)
+        with self._lock:
+            self._check_open()
+            new: list[int] = []
+            for i, (key, _) in enumerate(items):
+                if type(key) is not str:
+                    check_key(key)
+                if key in self._index:
+                    out[i] = True
+                    if self._touch is not None:
+                        self._touch(key)
+                else:
+                    new.append(i)
+            todo = [i for i, ok in zip(new, pol.admit([items[i][0] for i in new])) if ok]
+            self._n["offered"] += len(items)
+            self._n["admission_refused"] += out.count(None) - len(todo)
+        if todo:
+            for i, ok in zip(todo, self.put_many([items[i] for i in todo])):
+                out[i] = ok
+        return out
+
+    def _make_room(self, incoming: int, at_least: int = 0) -> None:
+        """Evict (``eviction`` != "none") when ``incoming`` more bytes would take the live
+        records past ``evict_high_bytes``: down to an eighth of it below, in policy order,
+        skipping pinned records and those the owner keeps. Takes no lock while the owner is
+        asked (``keep``), nor while it deletes (``delete_many``'s own)."""
+        pol = self._policy
+        if not pol.tracking:
+            return
+        high = self.evict_high_bytes
+        with self._lock:
+            self._check_open()
+            live = self.used_bytes
+            if live + incoming <= high and not at_least:
+                return
+            ranked = pol.rank(self._index.items())
+        need = max(live + incoming - (high - high // 8), at_least)
+        victims = pol.victims(ranked, need)
+        if victims:
+            gone = self._delete_keys([k for k, _ in victims])
+            with self._lock:
+                self._n["evictions"] += sum(gone)
+                self._n["evicted_bytes"] += sum(size for (_, size), g in zip(victims, gone) if g)
 
     def _images(self, items: Iterable[tuple[str, BytesLike]]) -> list[Record]:
         limit = self.segment_bytes - SEG_HEADER_BYTES
@@ -285,6 +348,8 @@ class DiskWrites:
                         if ok:
                             self._stats.puts += 1
                             self._stats.bytes_in += rec[4]
+                            if self._touch is not None:
+                                self._touch(rec[0])
                     self._after_batch(touched)
             res += got
             i = j
@@ -312,6 +377,7 @@ class DiskWrites:
                 if loc is not None:
                     touched.add(loc[0])
                     recs.append((k, *self._image(k, None)))
+            self._policy.forget(keys)
             if recs:
                 res = self._append(recs)
                 for (k, *_), ok in zip(recs, res):

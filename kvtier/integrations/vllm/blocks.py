@@ -186,7 +186,8 @@ class BlockStore:
         self._decoder = BlockDecoder(self._kc, self._vc, kv_shape, shape.dtype) if codec.startswith("int") else None
         self.l2 = HostTier(cfg.host_bytes, spill=self._dropped_from_l2, pin_memory=False)
         self.l3 = DiskTier(cfg.disk_path, capacity_bytes=cfg.disk_bytes, segment_bytes=cfg.disk_segment_bytes,
-                           durability=cfg.durability) if cfg.disk_path else None
+                           durability=cfg.durability, eviction=cfg.disk_eviction,
+                           admission=cfg.disk_admission) if cfg.disk_path else None
         self.l4 = RemoteTier(cfg.remote_url, key_prefix=cfg.remote_key_prefix,
                              socket_timeout_s=_REMOTE_TIMEOUT_S) if cfg.remote_url else None
         self._lock = threading.Lock()  # guards _pending and _n
@@ -237,8 +238,8 @@ class BlockStore:
                 for key, rec in items:
                     if self.l2.record_bytes(key, len(rec)) <= self.l2.capacity_bytes:  # else only L3/L4
                         self.l2.put(key, rec)
-                if self.l3 is not None:
-                    self.l3.put_many(items)
+                if self.l3 is not None:  # copies of vLLM's blocks: admission may turn them away
+                    self.l3.offer_many(items)
                 if self.l4 is not None:
                     self.l4.put_many(items)
                 with self._lock:
