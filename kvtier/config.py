@@ -126,10 +126,18 @@ class KVTierConfig:
 
     hot_bytes: Optional[int] = None
     """Alternative L1 budget: total bytes of the device pool across all layers and
-    ``max_sequences`` sequences; the per-sequence budget is derived from the model shape."""
+    ``max_sequences`` sequences; the per-sequence budget is derived from the model shape (a pool
+    grown for more sequences gives each the same)."""
 
     max_sequences: int = 4
-    """Concurrent sequences the L1 pool is sized for (each gets the full ``hot_tokens`` budget)."""
+    """Concurrent sequences the L1 pool is sized for when the store opens (each gets the full
+    ``hot_tokens`` budget). More live sequences (beams, ``num_return_sequences``, forks, other open
+    caches) grow the pool on demand, doubling its sequences, up to ``hot_max_bytes``."""
+
+    hot_max_bytes: Optional[int] = None
+    """Most bytes the L1 pool may grow to as live sequences outnumber ``max_sequences``. None:
+    bounded by the device's memory only (a growth it cannot hold raises MemoryError naming the
+    bytes)."""
 
     host_bytes: int = 256 << 20
     """L2 capacity: bytes of the DRAM ring buffer. At least 4096 and at most the machine's RAM;
@@ -457,6 +465,8 @@ class KVTierConfig:
         else:
             check_int("hot_bytes", self.hot_bytes, 1, MAX_BYTES)
         check_int("max_sequences", self.max_sequences, 1, MAX_SEQUENCES)
+        if self.hot_max_bytes is not None:
+            check_int("hot_max_bytes", self.hot_max_bytes, 1, MAX_BYTES)
 
     def _check_tiers(self) -> None:
         """L2 and L3 sizes, L3 retention and directory."""
