@@ -365,20 +365,22 @@ class KVTierConfig:
     time grows with the centroids scored (kvtier/store/api.md). Probe figures under
     ``digest_tokens``."""
 
-    attention_math: AttentionMath = "float32"
-    """How kvtier's own attention computes, where it replaces SDPA (sparse decode steps, and
-    multi-token steps over cached tokens, e.g. a chat's next turn, in either mode).
-    ``float32``: products and softmax accumulate in float32 and round once, at the end (sparse
-    decode: one packed-GQA matmul; multi-token steps: two unmasked passes over the prefix and the
-    new tokens merged by log-sum-exp, no ``[q, past + q]`` mask): at least as close to a float64
-    reference as SDPA in every dtype (tests/integrations/test_attention_exact.py), but in
-    fp16/bf16 not bit-equal to SDPA, so greedy tokens can part from ``DynamicCache``'s after a
-    few turns. ``sdpa``: the same steps call transformers' SDPA attention on the gathered K/V in
-    the KV dtype, with the model's mask and scale: with a lossless codec (``fp16``/``bf16``/``fp32``
-    on every tier, or nothing evicted) and a budget covering the context, every step computes
-    what SDPA over ``DynamicCache`` computes, and tokens are identical to it. Costs: a
-    multi-token step over cached tokens builds the explicit mask SDPA takes, and with ``h2o``/
-    ``snapkv`` a sparse step computes the attention mass per block in a second pass."""
+    attention_math: AttentionMath = "sdpa"
+    """How kvtier's own attention computes, where it replaces the model's (sparse decode steps,
+    and multi-token steps over cached tokens, e.g. a chat's next turn, in either mode).
+    ``sdpa`` (default): those steps call the model's own attention (SDPA, or its eager function
+    for a model loaded with ``attn_implementation="eager"``) on the gathered K/V in the KV dtype,
+    with the model's mask and scale: with a lossless codec (``fp16``/``bf16``/``fp32`` on every
+    tier, or nothing evicted) and a budget covering the context, every step computes what that
+    attention over ``DynamicCache`` computes, and tokens are identical to it in every
+    ``generate`` mode. Costs: a multi-token step over cached tokens builds the explicit mask SDPA
+    takes, and with ``h2o``/``snapkv`` a sparse step computes the attention mass per block in a
+    second pass. ``float32`` (opt-in): products and softmax accumulate in a wider type (float32;
+    float64 for fp32 KV on CPU) and round once, at the end (sparse decode: one packed-GQA matmul;
+    multi-token steps: two unmasked passes over the prefix and the new tokens merged by
+    log-sum-exp, no ``[q, past + q]`` mask): at least as close to a float64 reference as SDPA in
+    every dtype (tests/integrations/test_attention_exact.py), but not bit-equal to SDPA, so
+    tokens can part from ``DynamicCache``'s after a few steps."""
 
     prefetch: bool | Literal["auto"] = "auto"
     """Asynchronously decode blocks predicted to be needed (last selection, next layer), on a
