@@ -129,10 +129,18 @@ class KVTierConfig:
 
     hot_bytes: Optional[int] = None
     """Alternative L1 budget: total bytes of the device pool across all layers and
-    ``max_sequences`` sequences; the per-sequence budget is derived from the model shape."""
+    ``max_sequences`` sequences; the per-sequence budget is derived from the model shape (a pool
+    grown for more sequences gives each the same)."""
 
     max_sequences: int = 4
-    """Concurrent sequences the L1 pool is sized for (each gets the full ``hot_tokens`` budget)."""
+    """Concurrent sequences the L1 pool is sized for when the store opens (each gets the full
+    ``hot_tokens`` budget). More live sequences (beams, ``num_return_sequences``, forks, other open
+    caches) grow the pool on demand, doubling its sequences, up to ``hot_max_bytes``."""
+
+    hot_max_bytes: Optional[int] = None
+    """Most bytes the L1 pool may grow to as live sequences outnumber ``max_sequences``. None:
+    bounded by the device's memory only (a growth it cannot hold raises MemoryError naming the
+    bytes)."""
 
     host_bytes: int = 256 << 20
     """L2 capacity: bytes of the DRAM ring buffer. At least 4096 and at most the machine's RAM;
@@ -371,20 +379,22 @@ class KVTierConfig:
     time grows with the centroids scored (kvtier/store/api.md). Probe figures under
     ``digest_tokens``."""
 
-    attention_math: AttentionMath = "float32"
-    """How kvtier's own attention computes, where it replaces SDPA (sparse decode steps, and
-    multi-token steps over cached tokens, e.g. a chat's next turn, in either mode).
-    ``float32``: products and softmax accumulate in float32 and round once, at the end (sparse
-    decode: one packed-GQA matmul; multi-token steps: two unmasked passes over the prefix and the
-    new tokens merged by log-sum-exp, no ``[q, past + q]`` mask): at least as close to a float64
-    reference as SDPA in every dtype (tests/integrations/test_attention_exact.py), but in
-    fp16/bf16 not bit-equal to SDPA, so greedy tokens can part from ``DynamicCache``'s after a
-    few turns. ``sdpa``: the same steps call transformers' SDPA attention on the gathered K/V in
-    the KV dtype, with the model's mask and scale: with a lossless codec (``fp16``/``bf16``/``fp32``
-    on every tier, or nothing evicted) and a budget covering the context, every step computes
-    what SDPA over ``DynamicCache`` computes, and tokens are identical to it. Costs: a
-    multi-token step over cached tokens builds the explicit mask SDPA takes, and with ``h2o``/
-    ``snapkv`` a sparse step computes the attention mass per block in a second pass."""
+    attention_math: AttentionMath = "sdpa"
+    """How kvtier's own attention computes, where it replaces the model's (sparse decode steps,
+    and multi-token steps over cached tokens, e.g. a chat's next turn, in either mode).
+    ``sdpa`` (default): those steps call the model's own attention (SDPA, or its eager function
+    for a model loaded with ``attn_implementation="eager"``) on the gathered K/V in the KV dtype,
+    with the model's mask and scale: with a lossless codec (``fp16``/``bf16``/``fp32`` on every
+    tier, or nothing evicted) and a budget covering the context, every step computes what that
+    attention over ``DynamicCache`` computes, and tokens are identical to it in every
+    ``generate`` mode. Costs: a multi-token step over cached tokens builds the explicit mask SDPA
+    takes, and with ``h2o``/``snapkv`` a sparse step computes the attention mass per block in a
+    second pass. ``float32`` (opt-in): products and softmax accumulate in a wider type (float32;
+    float64 for fp32 KV on CPU) and round once, at the end (sparse decode: one packed-GQA matmul;
+    multi-token steps: two unmasked passes over the prefix and the new tokens merged by
+    log-sum-exp, no ``[q, past + q]`` mask): at least as close to a float64 reference as SDPA in
+    every dtype (tests/integrations/test_attention_exact.py), but not bit-equal to SDPA, so
+    tokens can part from ``DynamicCache``'s after a few steps."""
 
     prefetch: bool | Literal["auto"] = "auto"
     """Asynchronously decode blocks predicted to be needed (last selection, next layer), on a
@@ -480,6 +490,8 @@ class KVTierConfig:
         else:
             check_int("hot_bytes", self.hot_bytes, 1, MAX_BYTES)
         check_int("max_sequences", self.max_sequences, 1, MAX_SEQUENCES)
+        if self.hot_max_bytes is not None:
+            check_int("hot_max_bytes", self.hot_max_bytes, 1, MAX_BYTES)
 
     def _check_tiers(self) -> None:
         """L2 and L3 sizes, L3 retention and directory."""

@@ -29,26 +29,38 @@ are merged exactly with their log-sum-exp:
                    (GQA packed)       |
  out = w1 * out1 + (1 - w1) * out2,   w1 = sigmoid(lse1 - lse2)
 ```
-Everything else (another cache, a first prefill, padding, any other mask, decode) runs
-transformers' own SDPA attention, so a model switched to ``"kvtier"`` still works with any cache.
-With ``attention_math="sdpa"`` nothing is split and the sparse step calls that SDPA too (on the
-blocks it selected), so a lossless cache attending everything reproduces ``DynamicCache``'s
-rounding exactly (see ``KVTierConfig.attention_math``).
+Everything else (another cache, a first prefill, padding, any other mask, decode) runs the
+model's own attention (:func:`base_attention`), so a model switched to kvtier's attention still
+works with any cache. Two names are registered, one per attention a model may come with:
+``"kvtier"`` over SDPA (``sdpa_mask``: boolean masks) and ``"kvtier_eager"`` over the modeling
+module's ``eager_attention_forward`` (``eager_mask``: additive float masks), so that switching
+changes no rounding. With ``attention_math="sdpa"`` (the default) nothing is split and the sparse
+step calls that same attention (on the blocks it selected), so a lossless cache attending
+everything reproduces ``DynamicCache``'s tokens exactly (see ``KVTierConfig.attention_math``).
+
+``output_attentions=True``: dense mode returns the base attention's weights (eager: its own; over
+SDPA, which has none, the eager formula's, computed only when asked); sparse mode refuses at the
+first step with a ValueError, since a budgeted step attends a subset whose weights would not be
+the model's.
 """
 from __future__ import annotations
 
 import math
+import sys
 import threading
 import weakref
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask, sdpa_mask
 
 from .handover import HANDOVER_KWARG, StepKind
 
-ATTN_IMPLEMENTATION = "kvtier"
+ATTN_IMPLEMENTATION = "kvtier"  # over SDPA
+ATTN_IMPLEMENTATION_EAGER = "kvtier_eager"  # over the model's eager attention
+#: the implementation kvtier's attention replaces -> the name it registers for it
+KVTIER_NAMES = {"eager": ATTN_IMPLEMENTATION_EAGER}
 
 # _offset_causal's answer for the mask tensor it last checked, per thread (a pure function of
 # that tensor, which transformers hands to every layer of one forward)
@@ -60,11 +72,70 @@ _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 _SPLIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def register() -> str:
-    """Register kvtier's attention and mask functions with transformers (idempotent)."""
+def register(base: str | None = None) -> str:
+    """Register kvtier's attention and mask functions with transformers (idempotent); returns
+    the name that replaces attention implementation ``base`` (``"eager"``: the eager one; any
+    other: the one over SDPA)."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, kvtier_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
-    return ATTN_IMPLEMENTATION
+    AttentionInterface.register(ATTN_IMPLEMENTATION_EAGER, kvtier_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION_EAGER, eager_mask)
+    return KVTIER_NAMES.get(base, ATTN_IMPLEMENTATION)
+
+
+def _eager_base(module: torch.nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    return getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION_EAGER
+
+
+def _eager_function(module: torch.nn.Module):
+    """The modeling module's own ``eager_attention_forward`` (models differ: softcapping, sinks)."""
+    fn = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if fn is None:
+        from transformers.models.llama.modeling_llama import eager_attention_forward as fn
+    return fn
+
+
+def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """A boolean mask (True = attend) as eager attention takes it: 0 or dtype's min, added to
+    the scores (what ``eager_mask`` makes); a float mask is returned as it is."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
+
+
+def base_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, *, scaling: float | None, dropout: float = 0.0,
+                   **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The attention the model had before kvtier's replaced it: its eager function for a model
+    switched as ``"kvtier_eager"``, else transformers' SDPA; with ``output_attentions`` over SDPA,
+    the weights of the eager formula as well (SDPA has none to give).
+
+    Args:
+        query: [batch, q_heads, q_len, head_dim]; key, value: [batch, kv_heads, kv_len, head_dim].
+        attention_mask: [batch|1, 1, q_len, kv_len], boolean (True = attend) or additive float.
+    Returns:
+        ``(out [batch, q_len, q_heads, head_dim], weights [batch, q_heads, q_len, kv_len] or None)``.
+    """
+    if _eager_base(module):
+        if attention_mask is None and query.shape[2] > 1:
+            # an eager mask is never skipped for a causal prefill; this one came from elsewhere
+            q, kv = query.shape[2], key.shape[2]
+            attention_mask = torch.ones(q, kv, dtype=torch.bool, device=query.device).tril_(kv - q)[None, None]
+        return _eager_function(module)(module, query, key, value, additive_mask(attention_mask, query.dtype),
+                                       scaling=scaling, dropout=dropout, **kwargs)
+    want = kwargs.pop("output_attentions", False)  # SDPA would only warn that it has no weights
+    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                    scaling=scaling, **kwargs)
+    if not want:
+        return out, None
+    mask = attention_mask
+    if mask is None and query.shape[2] > 1:  # SDPA ran is_causal: the same, explicitly
+        q, kv = query.shape[2], key.shape[2]
+        mask = torch.ones(q, kv, dtype=torch.bool, device=query.device).tril_(kv - q)[None, None]
+    _, weights = _eager_function(module)(module, query, key, value, additive_mask(mask, query.dtype),
+                                         scaling=scaling, dropout=0.0)
+    return out, weights
 
 
 def kvtier_attention(
@@ -84,24 +155,29 @@ def kvtier_attention(
             (for a pending sparse step, only the new token's k, v: the cache holds the rest).
         attention_mask: boolean [batch|1, 1, q_len, kv_len_total] (True = attend) or None.
     Returns:
-        ``(attn_output [batch, q_len, q_heads, head_dim], None)``.
+        ``(attn_output [batch, q_len, q_heads, head_dim], weights or None)`` (weights only for
+        ``output_attentions``: :func:`base_attention`).
     """
     hand = kwargs.pop(HANDOVER_KWARG, None)
     kind = hand.claim(getattr(module, "layer_idx", None), key) if hand is not None else None
     if kind is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      dropout=dropout, scaling=scaling, **kwargs)
+        return base_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                              **kwargs)
     if scaling is None:
         scaling = 1.0 / math.sqrt(query.shape[-1])
     cache = hand.cache
+    if kwargs.get("output_attentions") and cache.config.attention == "sparse":
+        raise ValueError("output_attentions=True needs attention='dense' with a TieredCache: a sparse "
+                         "(budgeted) step attends only the blocks it selects, so it has no weights "
+                         "over the whole context to return")
     if kind is StepKind.SPARSE:
         return cache.sparse_attention(hand.layer, query, attention_mask, scaling, module), None
-    if cache.config.attention_math != "sdpa" and _splittable(module, query, key, value, attention_mask,
-                                                              dropout, kwargs):
+    if cache.config.attention_math != "sdpa" and not kwargs.get("output_attentions") \
+            and _splittable(module, query, key, value, attention_mask, dropout, kwargs):
         out = split_prefix_attention(query, key, value, key.shape[2] - query.shape[2], scaling), None
     else:
-        out = sdpa_attention_forward(module, query, key, value, attention_mask,
-                                     dropout=dropout, scaling=scaling, **kwargs)
+        out = base_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                             **kwargs)
     if kind is StepKind.DENSE:
         cache.after_dense_attention(hand.layer, query)
     return out

@@ -18,11 +18,12 @@ from . import attention as _attn
 def switch_attention(model) -> None:
     """Register kvtier's attention and make ``model`` use it (previous choice kept for :func:`detach`).
 
-    Without a TieredCache hand-over, kvtier's attention is transformers' SDPA, so the switched
-    model still runs with any cache."""
-    name = _attn.register()
+    Without a TieredCache hand-over, kvtier's attention is the model's own (eager for an eager
+    model, else SDPA: :func:`kvtier.integrations.attention.base_attention`), so the switched
+    model still runs with any cache, rounding as before."""
     current = model.config._attn_implementation
-    if current != name:
+    name = _attn.register(current)
+    if current not in (_attn.ATTN_IMPLEMENTATION, _attn.ATTN_IMPLEMENTATION_EAGER):
         model._kvtier_previous_attn = current
         model.set_attn_implementation(name)
 

@@ -1,9 +1,9 @@
 """Batch rows of a TieredCache: row ``b`` is store sequence ``seqs[b]``.
 
-Every change of the batch is all or nothing: the sequences a change needs are counted against
-``max_sequences`` before any is registered, and a failure half-way gives back what it took, so
-a refused ``batch_repeat_interleave`` (or a first batch larger than the store allows) leaves the
-store exactly as it was. A repeated row is a fork (:meth:`KVStore.fork_sequence`): it shares the
+Every change of the batch is all or nothing: the room the new sequences need in L1 is made
+(the store's pool grows on demand: :meth:`KVStore.reserve_sequences`) before any is registered,
+and a failure half-way gives back what it took, so a refused ``batch_repeat_interleave`` (L1
+cannot grow: MemoryError naming the bytes) leaves the store exactly as it was. A repeated row is a fork (:meth:`KVStore.fork_sequence`): it shares the
 sealed blocks by reference count instead of copying the KV.
 """
 from __future__ import annotations
@@ -34,20 +34,24 @@ class BatchRows:
         """New batch whose row i is old row ``rows[i]``: repeats are forks, rows left out are dropped.
 
         Raises:
-            ValueError (nothing changed) for an index out of range or too few free sequences.
+            ValueError (nothing changed) for an index out of range; MemoryError (nothing changed)
+            when L1 cannot grow for the forks.
         """
         n = len(self.seqs)
         if not n:
             return
         if any(not 0 <= r < n for r in rows):
             raise ValueError(f"{method}: indices must be in [0, {n}); got {rows}")
-        repeats = len(rows) - len(set(rows))
-        free = self.store.free_sequences()
-        if repeats > free:
-            raise ValueError(
-                f"{method}: the new batch of {len(rows)} rows needs {repeats} more store sequences and "
-                f"only {free} are free (max_sequences={self.store.cfg.max_sequences}); raise "
-                f"KVTierConfig.max_sequences to at least batch x beams (x num_return_sequences)")
+        kept = set(rows)
+        left_out = [r for r in range(n) if r not in kept]
+        repeats = len(rows) - len(kept)
+        # the only step that may refuse (nothing changed then): room for the forks the rows left
+        # out do not make; beam search's reorder (as many forks as rows left out) never grows L1
+        self.store.reserve_sequences(max(0, repeats - len(left_out)))
+        if repeats > self.store.free_sequences():  # the room is theirs: give them back first
+            for r in left_out:
+                self.store.drop_sequence(self.seqs[r], keep_prefix=True)
+            left_out = []
         seen: set[int] = set()
         new: list[int] = []
         forks: list[int] = []
@@ -63,19 +67,14 @@ class BatchRows:
             for seq in forks:
                 self.store.drop_sequence(seq)
             raise
-        for r in range(n):
-            if r not in seen:
-                self.store.drop_sequence(self.seqs[r], keep_prefix=True)
+        for r in left_out:
+            self.store.drop_sequence(self.seqs[r], keep_prefix=True)
         self.seqs = new
         self.forked += len(forks)
 
     def fork_all(self) -> list[int]:
         """A fork of every row, in order (all or none)."""
-        if len(self.seqs) > self.store.free_sequences():
-            raise ValueError(
-                f"fork: {len(self.seqs)} rows need as many free store sequences and only "
-                f"{self.store.free_sequences()} are free (max_sequences={self.store.cfg.max_sequences}); "
-                f"raise KVTierConfig.max_sequences or close caches you no longer use")
+        self.store.reserve_sequences(len(self.seqs))
         forks: list[int] = []
         try:
             for seq in self.seqs:

@@ -4,8 +4,9 @@
  per batch row:  store.select(seq, l, q)        sinks + window + top-k by key digest
                  store.gather_view(seq, l, sel)  swap-in from L2/L3 if needed; views of L1
  all rows:       stack (pad rows that attend fewer tokens, masked out)
-                 softmax(q K^T) V                one batched matmul, GQA packed, float32
-                                                 (attention_math="sdpa": transformers' SDPA call)
+                 softmax(q K^T) V                attention_math="sdpa" (default): the model's own
+                                                 attention (SDPA or eager) on the gathered blocks;
+                                                 "float32": one batched matmul, GQA packed, wider type
                  attention mass per block        for H2O (handed to the store at the step's end)
 ```
 """
@@ -14,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
 from kvtier.store import KVStore
+
+from .attention import base_attention
 
 
 @dataclass
@@ -35,8 +36,9 @@ def budgeted_attention(store: KVStore, seqs: list[int], layer: int, query: torch
     Args:
         query: [batch, q_heads, 1, head_dim]; attention_mask: bool [batch|1, 1, 1, T] or None.
         observe: collect the attention mass per block (H2O/SnapKV policies).
-        sdpa_module: attend with transformers' SDPA attention of this attention module, in the
-            KV dtype (``attention_math="sdpa"``), instead of :func:`attend_blocks`' wider type.
+        sdpa_module: attend with this attention module's own attention (SDPA, or its eager
+            function: :func:`.attention.base_attention`), in the KV dtype
+            (``attention_math="sdpa"``), instead of :func:`attend_blocks`' wider type.
     """
     sels, ks, vs, ps = [], [], [], []
     for row, seq in enumerate(seqs):
@@ -78,11 +80,13 @@ def budgeted_attention(store: KVStore, seqs: list[int], layer: int, query: torch
     if sdpa_module is None:
         out, mass = attend_blocks(query, k, v, mask, scaling)  # out [B, 1, q_heads, D], mass [B, n]
     else:
-        # the call SDPA over DynamicCache makes: with every block selected (in order, so the
-        # gathered mask is the model's own; None stays None) the same kernel sees the same inputs
-        out = sdpa_attention_forward(sdpa_module, query, k.contiguous(), v.contiguous(), mask,
-                                     scaling=scaling)[0]  # [B, 1, q_heads, D]
-        mass = attention_probs(query, k, mask, scaling).sum(dim=(1, 2)) if observe else None
+        # the call the model's attention over DynamicCache makes: with every block selected (in
+        # order, so the gathered mask is the model's own; None stays None) the same kernel sees
+        # the same inputs
+        out = base_attention(sdpa_module, query, k.contiguous(), v.contiguous(), mask,
+                             scaling=scaling)[0]  # [B, 1, q_heads, D]
+        # the mass ranks blocks (H2O): float32 is precise enough, the output does not use it
+        mass = attention_probs(query, k, mask, scaling, wide=False).sum(dim=(1, 2)) if observe else None
     observed = []
     if observe:
         bt = store.block_tokens
@@ -122,10 +126,11 @@ def attend_blocks(
 
 
 def attention_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None,
-                    scaling: float) -> torch.Tensor:
+                    scaling: float, wide: bool = True) -> torch.Tensor:
     """softmax(q K^T * scaling) with grouped KV heads (shapes as in :func:`attend_blocks`),
     computed in a wider type than the KV's: float32 for fp16/bf16, and on CPU float64 for
-    float32 (a GPU's float64 can be tens of times slower: there float32 stays float32).
+    float32 (a GPU's float64 can be tens of times slower: there float32 stays float32);
+    ``wide=False``: float32 throughout.
 
     Returns:
         [B, kv_heads, G*q_len, n]: row ``g * q_len + i`` of kv head h is query head ``h * G + g``
@@ -138,7 +143,7 @@ def attention_probs(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor 
     # small): half-precision products lose logits' digits, and float32 ones leave an fp32 model's
     # output with a few roundings more than SDPA's kernel (up to twice its RMS error against a
     # float64 computation, by CPU: what the BLAS kernels sum in which order)
-    wide = query.dtype in (torch.float32, torch.float64) and query.device.type == "cpu"
+    wide = wide and query.dtype in (torch.float32, torch.float64) and query.device.type == "cpu"
     work = torch.float64 if wide else torch.float32
     q = query.reshape(b, kvh, g * ql, d).to(work)  # [B, kv_heads, G*q_len, D] (head h uses kv head h // G)
     scores = torch.matmul(q, keys.to(work).transpose(-1, -2)) * scaling  # [B, kv_heads, G*q_len, n]

@@ -2,7 +2,8 @@
 digest, content key) when the next one opens.
 
 Only a table's own caller writes its open block, and the worker never reads an open block, so
-the token data is written without a lock; the bookkeeping goes through ``Residency``.
+the token data is written without the state lock (only under the pool lock, which keeps the
+pool from growing under the write); the bookkeeping goes through ``Residency``.
 
 An append is all or nothing: one that opens blocks and fails on the way (no room in any tier)
 is undone, so the table holds what it held before:
@@ -37,6 +38,10 @@ class Appender:
 
     def append(self, t: BlockTable, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [kv_heads, n, head_dim] on the store's device and dtype, n >= 1."""
+        with self.res.pool_lock:  # the pool does not move (grow) while the slot is written
+            self._append(t, k, v)
+
+    def _append(self, t: BlockTable, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[1]
         bt = self.layout.block_tokens
         ents = t.entries

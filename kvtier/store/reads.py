@@ -26,8 +26,12 @@ class Reader:
         self.res = res
         self.prefetcher = prefetcher
         self.counters = counters
-        self.pool_kv = res.l1.storage  # [2, kv_heads, slots, block_tokens, head_dim]
         self._arange_bt = np.arange(layout.block_tokens, dtype=np.int64)
+
+    @property
+    def pool_kv(self) -> torch.Tensor:
+        """[2, kv_heads, slots, block_tokens, head_dim]: read at each use (the pool may grow)."""
+        return self.res.l1.storage
 
     def gather(self, tables: list[BlockTable], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token of ``tables[layer]`` in order: K, V [kv_heads, T, head_dim]."""
@@ -151,12 +155,13 @@ class Reader:
             rows = np.asarray(order, dtype=np.int64)[:, None] * bt + self._arange_bt  # [n, bt]
             pos = torch.from_numpy(rows.ravel()).to(lay.device)
             t.view_cache = (order[:], pos)  # a copy: the caller owns the returned list
-        if t.run_kv is None:
-            # the whole region per plane and head as one run of tokens (the storage never moves)
-            t.run_kv = self.pool_kv[:, :, t.base:t.base + t.cap].view(
+        run = t.run_kv  # read once: a growing pool resets it from another thread
+        if run is None:
+            # the whole region per plane and head as one run of tokens (reset when the pool grows)
+            run = t.run_kv = self.pool_kv[:, :, t.base:t.base + t.cap].view(
                 2, lay.kv_heads, t.cap * bt, lay.head_dim).unbind(0)  # 2 x [kv_heads, cap*bt, hd]
         total = (n - 1) * bt + (t.length - (len(t.entries) - 1) * bt)  # the open block's tail is past the end
-        k_run, v_run = t.run_kv
+        k_run, v_run = run
         return k_run.narrow(1, 0, total), v_run.narrow(1, 0, total), pos.narrow(0, 0, total), order
 
     def _gather_index(self, t: BlockTable, slots: list[int], blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

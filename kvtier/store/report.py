@@ -39,6 +39,9 @@ def store_stats(store) -> dict:
                       # the codec or a tier put raised: the block stays in L1 (``held``)
                       "swap_out_errors": c["swap_out_failed"], "held": fp["held"]},
         "scratch_uses": c["scratch_uses"],
+        # the L1 pool: live sequences it holds without growing, and how often it grew for more
+        "l1_pool": {"sequences": store.residency.groups, "capacity_bytes": store.l1.capacity_bytes,
+                    "growths": c["l1_growths"]},
         # gather_view: steps served as views of L1, steps that fell back to a copy, and block
         # copies made to keep each table's attended run contiguous
         "gather": {"views": c["gather_views"], "copies": c["gather_copies"],

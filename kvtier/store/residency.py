@@ -26,6 +26,9 @@ _HOMES = ("l1", "l2", "l3")
 class Residency:
     def __init__(self, layout: Layout, l1, policy, counters: Counters) -> None:
         self.lock = threading.Lock()
+        # held by appends (they write the open block's slot without the state lock) and by a
+        # growing pool (store.reserve_sequences); taken before ``lock``
+        self.pool_lock = threading.Lock()
         self.layout = layout
         self.l1 = l1
         # CPU: the pool as a numpy array for decode appends (16-bit floats viewed as int16)
@@ -49,27 +52,62 @@ class Residency:
         self.publish_to: tuple[bool, bool] | None = None
         self.step = 0
         self._next_seq = 0
-        self._free_groups = list(range(layout.max_sequences))  # region groups (one region per layer)
+        # region groups: one region of hot_blocks slots per layer, for one live sequence; the
+        # first max_sequences of them at the front of the pool, more appended by add_groups
+        group = layout.num_layers * layout.hot_blocks
+        self._group_base = [g * group for g in range(layout.max_sequences)]  # first slot per group
+        self._free_groups = list(range(layout.max_sequences))
         self._group: dict[int, int] = {}
         self._scratch_ids = itertools.count()
 
     # -- sequences -----------------------------------------------------------------------------
 
-    def add_sequence(self) -> int:
+    def add_sequence(self) -> int | None:
+        """A new sequence in a free region group; None when every group is taken (add_groups)."""
         lay = self.layout
         with self.lock:
-            if len(self.tables) >= lay.max_sequences:
-                raise ValueError(f"max_sequences ({lay.max_sequences}) live sequences already; "
-                                 f"raise max_sequences or drop a sequence first")
+            if not self._free_groups:
+                return None
             seq = self._next_seq
             self._next_seq += 1
             g = self._group[seq] = self._free_groups.pop(0)
             c = lay.hot_blocks
+            base = self._group_base[g]
             self.tables[seq] = [BlockTable(seq, layer, lay.kv_heads, lay.head_dim, lay.device, lay.digest_dtype,
                                            lay.digest_score, lay.digest_parts,
-                                           base=(g * lay.num_layers + layer) * c, cap=c)
+                                           base=base + layer * c, cap=c)
                                 for layer in range(lay.num_layers)]
             return seq
+
+    @property
+    def groups(self) -> int:
+        """Region groups in the pool (live sequences it holds without growing)."""
+        return len(self._group_base)
+
+    def free_groups(self) -> int:
+        with self.lock:
+            return len(self._free_groups)
+
+    def add_groups(self, n: int, scratch_per_group: int) -> None:
+        """Grow the L1 pool by ``n`` region groups and their scratch slots (MemoryError naming
+        the bytes, changing nothing, when the device cannot hold it). The caller keeps every
+        writer off the pool (the store's pool lock, nothing in flight); this re-points the views
+        of the pool that tables and this part keep."""
+        lay = self.layout
+        group = lay.num_layers * lay.hot_blocks
+        with self.lock:
+            first = self.l1.grow(n * group, n * scratch_per_group)
+            g0 = len(self._group_base)
+            self._group_base += [first + i * group for i in range(n)]
+            self._free_groups += range(g0, g0 + n)
+            if self._pool_np is not None:
+                l1 = self.l1
+                self._pool_np = (l1.pool if self.np_view is None else l1.pool.view(self.np_view)).numpy()
+            for tables in self.tables.values():
+                for t in tables:
+                    t.run_kv = None  # reads.py builds it again from the new storage
+                    if t.entries and t.entries[-1].slot is not None:
+                        self._open_views(t)
 
     def table(self, seq: int, layer: int) -> BlockTable:
         tables = self.tables_of(seq)

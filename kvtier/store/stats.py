@@ -56,7 +56,7 @@ COUNTERS = (
     "pub_encode_failed", "pub_l3_blocks", "pub_l3_bytes", "pub_l3_failed", "pub_l4_blocks", "pub_l4_bytes",
     "pub_l4_failed", "orphans_deleted", "prefix_lookups", "prefix_lookup_tokens",
     "prefix_hit_tokens", "prefill_tokens_saved", "dedup_seals", "adopted_l3", "gather_views",
-    "gather_copies", "region_moves", "l3_disk_full",
+    "gather_copies", "region_moves", "l3_disk_full", "l1_growths",
     "precision_int8", "precision_int4", "precision_int2", "precision_backups",
     "precision_backup_failed", "precision_upgrades", "precision_marked", "precision_upgrade_bytes",
     "precision_upgrade_failed", "precision_refetched", "pub_l3_not_admitted",

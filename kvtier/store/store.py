@@ -32,7 +32,7 @@ from .append import Appender
 from .blockio import BlockIO
 from .content import ContentIndex
 from .evictor import Evictor
-from .layout import Layout, pool_slots
+from .layout import Layout, pool_slots, scratch_slots
 from .lower import CONTENT_KEY, LowerTiers
 from .policy import make_policy
 from .prefetch import Prefetcher
@@ -133,9 +133,51 @@ class KVStore:
     # -- sequences ------------------------------------------------------------------------------
 
     def add_sequence(self) -> int:
-        """Register a new sequence; returns its id."""
+        """Register a new sequence; returns its id. The L1 pool grows when every region group
+        is taken (:meth:`reserve_sequences`)."""
         self._check_open()
-        return self.residency.add_sequence()
+        while True:
+            seq = self.residency.add_sequence()
+            if seq is not None:
+                return seq
+            self.reserve_sequences(1)
+
+    def reserve_sequences(self, n: int) -> None:
+        """Make room in L1 for ``n`` more live sequences, growing the pool if needed: to twice
+        its sequences or to what ``n`` needs, whichever is more, within ``hot_max_bytes``.
+
+        Raises:
+            MemoryError naming the bytes when the bound or the device cannot hold them (the
+            pool stays as it was).
+        """
+        res = self.residency
+        with res.pool_lock:  # no append writes the pool while it moves
+            short = n - res.free_groups()
+            if short <= 0:
+                return
+            lay = self.layout
+            per = (lay.num_layers * lay.hot_blocks + scratch_slots(lay.hot_blocks, 1)) * lay.slot_bytes
+            have = res.groups
+            want = max(2 * have, have + short)
+            limit = self.cfg.hot_max_bytes
+            if limit is not None:
+                want = min(want, limit // per)
+            if want < have + short:
+                raise MemoryError(
+                    f"kvtier L1: {len(self.sequences()) + n} live sequences need {(have + short) * per:,} "
+                    f"bytes of device pool ({per:,} per sequence: hot_tokens x {lay.num_layers} layers "
+                    f"and its scratch slots); hot_max_bytes={limit:,}. Raise hot_max_bytes, lower "
+                    f"hot_tokens, or close caches you no longer use")
+            self.flush()  # no swap-out reads a slot while the pool moves
+            try:
+                res.add_groups(want - have, scratch_slots(lay.hot_blocks, 1))
+            except MemoryError as exc:
+                raise MemoryError(
+                    f"kvtier L1: growing the device pool from {have} to {want} sequences "
+                    f"({have * per:,} -> {want * per:,} bytes, {per:,} per sequence) failed on "
+                    f"{lay.device}; lower hot_tokens, set hot_max_bytes, or close caches you no "
+                    f"longer use ({exc})") from exc
+            self.counters.add(l1_growths=1)
 
     def seq_len(self, seq: int, layer: int) -> int:
         return self.residency.table(seq, layer).length
@@ -165,21 +207,16 @@ class KVStore:
         return self._closed
 
     def free_sequences(self) -> int:
-        """How many more sequences may be registered now (``max_sequences`` less the live ones)."""
-        return self.cfg.max_sequences - len(self.residency.sequences())
+        """How many more sequences the L1 pool holds now without growing."""
+        return self.residency.free_groups()
 
     def add_sequences(self, n: int) -> list[int]:
-        """Register ``n`` new sequences, all or none (ValueError, registering nothing, when
-        fewer than ``n`` are free)."""
+        """Register ``n`` new sequences, all or none (the pool grown first if needed; a
+        MemoryError from :meth:`reserve_sequences` registers nothing)."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"n must be an int >= 0; got {n!r}")
         self._check_open()
-        if n > self.free_sequences():
-            raise ValueError(
-                f"max_sequences ({self.cfg.max_sequences}) is too small: {n} more sequences wanted, "
-                f"{len(self.sequences())} live already (every batch row of every open cache on this "
-                f"store is one; beams and num_return_sequences multiply the batch). Raise "
-                f"KVTierConfig.max_sequences, or close caches you no longer use")
+        self.reserve_sequences(n)
         seqs: list[int] = []
         try:
             for _ in range(n):
@@ -212,7 +249,7 @@ class KVStore:
     def fork_sequence(self, src: int) -> int:
         """A new sequence holding what ``src`` holds: its sealed blocks share ``src``'s copies
         below L1 (reference count + 1); L1 is copied region for region, the open block included
-        (copy-on-write). ValueError when no sequence is free, registering nothing."""
+        (copy-on-write). MemoryError when L1 cannot grow for it, registering nothing."""
         self._check_open()
         tables = self.residency.tables_of(src)
         self._raise_failure(src)

@@ -27,6 +27,10 @@ Two options serve a caller that lays blocks out itself (the KV store's per-table
   contiguous run of ``n * bt`` tokens. ``pool`` is always ``[num_slots, *slot_shape]`` (a view).
 - ``placed_slots``: slots ``[0, placed_slots)`` are never handed out by ``put``; the caller
   chooses them with ``put_at`` and rearranges them with ``move``/``swap``.
+
+``grow`` adds slots at the end (placed ones, then free ones): a new pool is allocated and the
+live slots copied into it, so every view of the old pool (``pool``, ``storage``, ``get_tensor``)
+goes stale; the owner re-reads them and keeps writers off the pool meanwhile.
 """
 from __future__ import annotations
 
@@ -116,15 +120,11 @@ class DeviceTier(Tier):
         self.device = torch.device(device)
         self.slot_axis = slot_axis
         self.placed_slots = placed_slots
-        phys = (*slot_shape[:slot_axis], num_slots, *slot_shape[slot_axis:])
-        self.storage = _zeros(phys, dtype, self.device)
-        self.pool = self.storage.movedim(slot_axis, 0)  # [num_slots, *slot_shape]
-        elem = self.pool.element_size()
-        self.slot_bytes = prod(slot_shape) * elem
-        # [num_slots, slot_bytes] byte view of the pool (slot-major only; else a slot's bytes are
-        # gathered per access); numpy view on CPU for cheap byte copies
-        self._bytes = self.pool.view(num_slots, -1).view(torch.uint8) if slot_axis == 0 else None
-        self._np = self._bytes.numpy() if self._bytes is not None and self.device.type == "cpu" else None
+        self.slot_bytes = prod(slot_shape) * torch.empty((), dtype=dtype).element_size()
+        self._bind(self._allocate(num_slots))
+        # 1 where a slot is placed (handed out by put_at only): a prefix at first, and each
+        # grow() appends placed slots past the free ones it added before
+        self._placed_mask = bytearray(b"\x01") * placed_slots + bytearray(num_slots - placed_slots)
         self._slot: dict[str, int] = {}
         self._length: dict[str, int] = {}  # byte length of a bytes put, _TENSOR for tensor puts
         self._fence: dict[int, list] = {}  # fences on live slots (mark_pending); placed slots keep
@@ -135,6 +135,62 @@ class DeviceTier(Tier):
         self._lock = threading.RLock()
         self._stats = TierStats()
         self._closed = False
+
+    def _allocate(self, num_slots: int) -> torch.Tensor:
+        """A zeroed storage tensor of ``num_slots`` slots; MemoryError naming the bytes when the
+        device cannot hold it."""
+        ax = self.slot_axis
+        phys = (*self.slot_shape[:ax], num_slots, *self.slot_shape[ax:])
+        try:
+            return _zeros(phys, self.dtype, self.device)
+        except (RuntimeError, MemoryError, OSError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            raise MemoryError(f"DeviceTier: a pool of {num_slots} slots ({num_slots * self.slot_bytes:,} "
+                              f"bytes) does not fit {self.device}: {exc}") from exc
+
+    def _bind(self, storage: torch.Tensor) -> None:
+        self.storage = storage
+        self.pool = storage.movedim(self.slot_axis, 0)  # [num_slots, *slot_shape]
+        # [num_slots, slot_bytes] byte view of the pool (slot-major only; else a slot's bytes are
+        # gathered per access); numpy view on CPU for cheap byte copies
+        self._bytes = self.pool.view(self.num_slots, -1).view(torch.uint8) if self.slot_axis == 0 else None
+        self._np = self._bytes.numpy() if self._bytes is not None and self.device.type == "cpu" else None
+
+    def grow(self, placed: int, free: int) -> int:
+        """Add ``placed`` placed slots and then ``free`` slots for ``put`` at the end of the pool.
+
+        The pool is reallocated and the slots holding keys are copied (on a CPU device only
+        those pages are committed); slot numbers and keys stay as they were. Views of the old
+        pool stay valid for reading what it held, but writes through them are lost: the caller
+        holds writers off and re-reads ``pool``/``storage``.
+
+        Returns:
+            the first new placed slot (``num_slots`` before the call).
+        Raises:
+            MemoryError naming the bytes when the device cannot hold the larger pool (nothing
+            changed).
+        """
+        for name, v in (("placed", placed), ("free", free)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0; got {v!r}")
+        with self._lock:
+            self._check_open()
+            first = self.num_slots
+            n = first + placed + free
+            storage = self._allocate(n)
+            live = sorted(self._slot.values())
+            if live:
+                idx = torch.tensor(live, device=self.device)
+                storage.index_copy_(self.slot_axis, idx, self.storage.index_select(self.slot_axis, idx))
+            self.num_slots = n
+            self._bind(storage)
+            self._placed_mask += bytearray(b"\x01") * placed + bytearray(free)
+            self.placed_slots += placed
+            self._free.extend(range(first + placed, n))
+            return first
+
+    def is_placed(self, slot: int) -> bool:
+        """Whether ``slot`` is a placed slot (handed out by ``put_at`` only)."""
+        return 0 <= slot < self.num_slots and bool(self._placed_mask[slot])
 
     # -- capacity ---------------------------------------------------------------------------
     @property
@@ -172,7 +228,7 @@ class DeviceTier(Tier):
 
     def _release(self, slot: int) -> None:
         fences = [f for f in self._fence.pop(slot, ()) if not _fence_done(f)]
-        if slot < self.placed_slots:
+        if self._placed_mask[slot]:
             self._placed.pop(slot, None)
             if fences:  # put_at/move refuse the slot until they complete
                 self._fence[slot] = fences
@@ -271,8 +327,9 @@ class DeviceTier(Tier):
         return True
 
     def _check_placed(self, slot: object) -> None:
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.placed_slots:
-            raise ValueError(f"slot must be a placed slot in [0, {self.placed_slots}), got {slot!r}")
+        if isinstance(slot, bool) or not isinstance(slot, int) or not self.is_placed(slot):
+            raise ValueError(f"slot must be a placed slot (in [0, {self.placed_slots}) before any "
+                             f"grow()), got {slot!r}")
 
     def put_at(self, key: str, slot: int, value: torch.Tensor | None) -> bool:
         """Bind the new key ``key`` to placed slot ``slot`` and copy ``value`` (a ``slot_shape``
@@ -333,7 +390,7 @@ class DeviceTier(Tier):
             a, b = self._slot.get(key_a), self._slot.get(key_b)
             if a is None or b is None:
                 raise ValueError(f"keys must both be in this DeviceTier; got {key_a!r} -> {a}, {key_b!r} -> {b}")
-            if not (a < self.placed_slots and b < self.placed_slots):
+            if not (self._placed_mask[a] and self._placed_mask[b]):
                 raise ValueError(f"swap needs two placed slots (< {self.placed_slots}); got {a} and {b}")
             if not all(_fence_done(f) for f in (*self._fence.get(a, ()), *self._fence.get(b, ()))):
                 return False

@@ -143,28 +143,41 @@ def test_sparse_refusal_without_kvtier_attention_leaves_nothing(model_bf16, toke
 # -- 2. refused batch changes roll back; reset empties the store of the cache ---------------------------
 
 
+def _seq_bytes(store) -> int:
+    """L1 bytes one sequence takes: its regions in every layer and its scratch slots."""
+    return (store.num_layers * store.hot_blocks + max(1, store.hot_blocks - 1)) * store.slot_bytes
+
+
 def test_refused_batch_changes_roll_back(model_bf16, tokenizer, tmp_path):
     ids = torch.cat([text_ids(tokenizer, 20, offset=o) for o in (0, 500, 900, 1300, 1700)])
-    with kvtier.attach(model_bf16, cfg(tmp_path, max_sequences=4)) as cache:
+    probe = kvtier.attach(model_bf16, cfg(tmp_path, "probe"))
+    limit = 4 * _seq_bytes(probe.store)  # L1 may grow to 4 sequences, no further
+    probe.close()
+    with kvtier.attach(model_bf16, cfg(tmp_path, max_sequences=2, hot_max_bytes=limit)) as cache:
         store = cache.store
-        with pytest.raises(ValueError, match="max_sequences"):
+        with pytest.raises(MemoryError, match=f"hot_max_bytes={limit:,}"):
             _fwd(model_bf16, ids, cache)  # a first batch of 5
         assert store.sequences() == [] and cache.get_seq_length() == 0
         _fwd(model_bf16, ids[:2], cache)
         seqs, lengths = list(cache.seqs), _lengths(cache)
-        with pytest.raises(ValueError, match="max_sequences"):
+        with pytest.raises(MemoryError, match="bytes of device pool"):
             cache.batch_repeat_interleave(3)  # 6 rows > 4
         assert cache.seqs == seqs and store.sequences() == sorted(seqs) and _lengths(cache) == lengths
+        cache.batch_repeat_interleave(2)  # 4 rows: the pool grows to them
+        assert len(store.sequences()) == 4 and store.stats()["l1_pool"]["sequences"] == 4
         cache.reset()
         assert store.sequences() == [] and cache.get_seq_length() == 0
         _fwd(model_bf16, ids[:1], cache)
         assert len(store.sequences()) == 1
 
 
-def test_beam_search_beyond_max_sequences_fails_before_registering(model_bf16, tokenizer, tmp_path):
+def test_beam_search_beyond_the_l1_bound_fails_before_registering(model_bf16, tokenizer, tmp_path):
     ids = torch.cat([text_ids(tokenizer, 24, offset=o) for o in (0, 700, 1400)])
-    with kvtier.attach(model_bf16, cfg(tmp_path, max_sequences=4)) as cache:
-        with pytest.raises(ValueError, match="max_sequences"):
+    probe = kvtier.attach(model_bf16, cfg(tmp_path, "probe"))
+    limit = 4 * _seq_bytes(probe.store)
+    probe.close()
+    with kvtier.attach(model_bf16, cfg(tmp_path, hot_max_bytes=limit)) as cache:
+        with pytest.raises(MemoryError, match="9 live sequences need"):
             greedy_generate(model_bf16, ids, cache, 4, num_beams=3)
         assert cache.store.sequences() == []
 

@@ -75,7 +75,9 @@ def test_offset_causal_accepts_only_the_exact_pattern():
 
 
 def _cfg(**kw):
-    base = dict(block_tokens=16, hot_tokens=64, host_bytes=32 << 20, codec="fp16", policy="lru")
+    # the split prefill is the attention_math="float32" path (the default "sdpa" never splits)
+    base = dict(block_tokens=16, hot_tokens=64, host_bytes=32 << 20, codec="fp16", policy="lru",
+                attention_math="float32")
     base.update(kw)
     return KVTierConfig(**base)
 

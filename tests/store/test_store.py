@@ -226,9 +226,10 @@ def test_bad_store_config(tmp_path):
         make_store(None, disk_path=str(f / "sub"))
     with pytest.raises(ValueError, match="hot_bytes"):
         make_store(None, hot_bytes=100)
-    st = make_store(None, max_sequences=1)
+    # one sequence's L1: (2 layers x 4 hot blocks + 3 scratch slots) x 256-byte slots
+    st = make_store(None, max_sequences=1, hot_max_bytes=2816)
     st.add_sequence()
-    with pytest.raises(ValueError, match="max_sequences"):
+    with pytest.raises(MemoryError, match=r"need 5,632 bytes .*hot_max_bytes=2,816"):
         st.add_sequence()
     with pytest.raises(ValueError, match="layer"):
         st.seq_len(0, 5)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .conftest import check_invariants, make_store
+from .conftest import check_invariants, make_store, random_chunk
 
 
 def _fill(st, seq, n, seed):
@@ -86,16 +86,53 @@ def test_fork_shares_sealed_blocks_and_copies_on_write(tmp_path):
 
 
 def test_add_sequences_is_all_or_none(tmp_path):
-    st = make_store(tmp_path, max_sequences=3)
+    # L1 may hold 3 sequences (2816 bytes each: see test_store.test_bad_store_config), 2 at first
+    st = make_store(tmp_path, max_sequences=2, hot_max_bytes=3 * 2816)
     try:
         st.add_sequences(2)
-        with pytest.raises(ValueError, match="max_sequences"):
+        with pytest.raises(MemoryError, match="hot_max_bytes"):
             st.add_sequences(2)
         assert len(st.sequences()) == 2
-        with pytest.raises(ValueError, match="max_sequences"):
+        with pytest.raises(MemoryError, match="hot_max_bytes"):
             st.fork_sequence(st.sequences()[0]) and st.fork_sequence(st.sequences()[0])
         assert len(st.sequences()) == 3
         with pytest.raises(ValueError, match="length"):
             st.truncate_sequence(st.sequences()[0], -1)
+    finally:
+        st.close()
+
+
+def test_pool_grows_past_max_sequences_keeping_every_block(tmp_path, rng):
+    """More live sequences than the pool was sized for: it grows (doubling), every sequence's
+    blocks (resident, open, evicted) read back bit-exact, and the views appends write through
+    follow the new pool."""
+    st = make_store(tmp_path, max_sequences=1)
+    try:
+        seqs, ref = [], {}
+        for i in range(5):
+            s = st.add_sequence()
+            seqs.append(s)
+            for _ in range(3):  # interleaved with the growths: 1 -> 2 -> 4 -> 8 sequences
+                for layer in range(2):
+                    k, v = random_chunk(rng, sizes=(1, 3, 7))
+                    st.append(s, layer, k, v)
+                    ref.setdefault((s, layer), []).append((k, v))
+                st.end_step()
+        f = st.fork_sequence(seqs[0])
+        for (s, layer), parts in list(ref.items()):
+            if s == seqs[0]:
+                ref[(f, layer)] = list(parts)
+        for layer in range(2):  # the fork and its source grow apart after the fork
+            for s in (f, seqs[0]):
+                k, v = random_chunk(rng, sizes=(2,))
+                st.append(s, layer, k, v)
+                ref[(s, layer)].append((k, v))
+        check_invariants(st)
+        pool = st.stats()["l1_pool"]
+        assert pool["sequences"] == 8 and pool["growths"] == 3
+        for (s, layer), parts in ref.items():
+            K, V = st.gather(s, layer)
+            assert torch.equal(K, torch.cat([k for k, _ in parts], 1))
+            assert torch.equal(V, torch.cat([v for _, v in parts], 1))
     finally:
         st.close()
