@@ -185,13 +185,14 @@ class CacheDirectory:
 
     # -- pins ----------------------------------------------------------------------------------
     def pin(self, label: str, token_ids: Sequence[int] | None = None, block_tokens: int | None = None,
-            keys: Sequence[str] | None = None) -> int:
+            keys: Sequence[str] | None = None, salt: str = "") -> int:
         """Pin under ``label`` the blocks of a token prefix (for every model identity stored
-        here; ``block_tokens`` found from what is stored when not given) or explicit ``keys``.
+        here; ``block_tokens`` found from what is stored when not given; ``salt``: the tenant
+        whose conversations stored it, as given to ``kvtier.attach``) or explicit ``keys``.
         Safe while serving. Returns how many block names were pinned."""
         names = set(block_name(k) for k in (keys or ()))
         if token_ids is not None:
-            names |= self._prefix_names(list(token_ids), block_tokens)
+            names |= self._prefix_names(list(token_ids), block_tokens, salt)
         if not names:
             raise ValueError("pin needs token ids (a prefix of at least one block) or keys")
         PinFile(self.path).add(label, names)
@@ -203,7 +204,7 @@ class CacheDirectory:
     def pins(self) -> dict[str, tuple[str, ...]]:
         return dict(PinFile(self.path).current().by_label)
 
-    def _prefix_names(self, token_ids: list[int], block_tokens: int | None) -> set[str]:
+    def _prefix_names(self, token_ids: list[int], block_tokens: int | None, salt: str = "") -> set[str]:
         from kvtier.store.prefix import chained_block_hashes
 
         stored = {block_name(r.key) for r in self.records(check=False)}
@@ -215,7 +216,7 @@ class CacheDirectory:
         found = set()
         for fp in idents:
             for bt in sizes:
-                hashes = chained_block_hashes(token_ids, bt, fp)
+                hashes = chained_block_hashes(token_ids, bt, fp, salt=salt)
                 names = {f"{fp}/*/{h}" for h in hashes}
                 if block_tokens is not None or names & stored:
                     found |= names

@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--text", help="the prefix as text (needs --tokenizer)")
     c.add_argument("--tokenizer", help="a local tokenizer directory (transformers AutoTokenizer)")
     c.add_argument("--block-tokens", type=int, help="tokens per block (default: found from what is stored)")
+    c.add_argument("--salt", default="", help="the tenant whose conversations stored the prefix "
+                   "(the salt given to kvtier.attach; default: none)")
     c = sub.add_parser("unpin", help="drop a pin by its label")
     c.add_argument("dir", metavar="DIR")
     c.add_argument("label")
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{len(bad)} damaged record(s)" + (" deleted" if args.drop and bad else ""))
         return 1 if bad and not args.drop else 0
     elif cmd == "pin":
-        n = cd.pin(args.label, _token_ids(args), block_tokens=args.block_tokens)
+        n = cd.pin(args.label, _token_ids(args), block_tokens=args.block_tokens, salt=args.salt)
         print(f"pinned {n} block(s) as {args.label!r}")
     elif cmd == "unpin":
         cd.unpin(args.label)

@@ -173,16 +173,17 @@ class KVTierConfig:
     """The most bytes of kept L3 records left when a store opens ``disk_path`` (the oldest go
     first); ``None``: only ``disk_bytes`` bounds them."""
 
-    disk_eviction: DiskEviction = "lru"
-    """What a full L3 does: ``lru`` / ``lfu`` evict records no live sequence uses and no pin
-    keeps (``kvtier cache pin``), least recently / least often used first, once the live
+    disk_eviction: DiskEviction = "lfu"
+    """What a full L3 does: ``lfu`` / ``lru`` evict records no live sequence uses and no pin
+    keeps (``kvtier cache pin``), least often / least recently used first, once the live
     records near ``disk_bytes`` (two segments below it); ``none`` refuses new records instead
-    (then a store deletes every unused record at once to make room)."""
+    (then a store deletes every unused record at once to make room). docs/operations.md."""
 
     disk_admission: DiskAdmission = "always"
     """Which published blocks L3 writes: ``always``; ``second-touch``: a block only when it is
     offered a second time (seen again before its name leaves a list of recent refusals), so
-    one-off prompts cost no SSD writes. Spilled blocks of live sequences are always written."""
+    one-off prompts cost no SSD writes, but a prompt seen once is not found after a restart.
+    Spilled blocks of live sequences are always written. docs/operations.md."""
 
     codec: str = "int4"
     """Codec of the tiers below L1 (see ``order``): one of ``CODECS``."""
