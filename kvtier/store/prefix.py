@@ -2,14 +2,16 @@
 
 A block's identity is a hash chained over the token ids of everything before it, so a block
 is shared only when its whole prefix is identical (attention makes a block's K/V depend on
-every earlier token). The chain is seeded with a model fingerprint key that folds in the model,
-the codec and ``block_tokens``: different models or encodings never produce the same key.
+every earlier token). The chain is seeded with a model fingerprint key that folds in the model
+(its weights digest: ``kvtier.identity``), the codec and its parameters, the layout, ``block_tokens``
+and the deployment namespace, and then with the request's salt (its tenant): different models,
+encodings, namespaces or tenants never produce the same key.
 
 ```
  tokens   | t0 .. t63 | t64 .. t127 | t128 .. t191 | t192 .. t200 (partial: no key)
  hash     |    h0     |     h1      |     h2       |
-          h0 = H(seed(fp),  tokens of block 0)
-          h1 = H(h0,        tokens of block 1)        seed(fp) = H(fp)
+          h0 = H(seed,      tokens of block 0)
+          h1 = H(h0,        tokens of block 1)        seed = H(fp) ; H(fp, salt) with a salt
           h2 = H(h1,        tokens of block 2)
  key(b, layer) = f"{fp}/{layer}/{hex(h_b)}"
 ```
@@ -32,8 +34,11 @@ import torch
 TokenIds = Union[Sequence[int], np.ndarray, torch.Tensor]
 
 HASH_BYTES = 16
-_PERSON_SEED = b"kvtier-fp-v1"
-_PERSON_BLOCK = b"kvtier-blk-v1"
+# v2: the identity gained the weights digest, the full codec parameters and the namespace; the
+# new personalisation keeps every key of the v1 scheme a miss even where its inputs coincide
+_PERSON_SEED = b"kvtier-fp-v2"
+_PERSON_SALT = b"kvtier-salt-v2"
+_PERSON_BLOCK = b"kvtier-blk-v2"
 
 
 def _nonempty_str(name: str, value: object) -> str:
@@ -51,7 +56,7 @@ def _positive_int(name: str, value: object) -> int:
 def model_fingerprint_key(fingerprint: str, codec: str, block_tokens: int, *,
                           codec_params: Mapping[str, object] | None = None,
                           dtype: str | torch.dtype | None = None,
-                          extra: Mapping[str, object] | None = None) -> str:
+                          extra: Mapping[str, object] | None = None, namespace: str = "") -> str:
     """A short key naming everything that makes two blocks' stored bytes interchangeable.
 
     Args:
@@ -62,6 +67,8 @@ def model_fingerprint_key(fingerprint: str, codec: str, block_tokens: int, *,
         codec_params: parameters of the codec's output format (group size, axis, ...), JSON-able.
         dtype: the dtype blocks decode to (``"float16"`` or ``torch.float16``).
         extra: any other JSON-able settings that change the stored bytes.
+        namespace: the deployment's namespace (``KVTierConfig.namespace``): stores of different
+            namespaces never share a key, even on one L3 directory or L4 server.
 
     Returns:
         ``"m"`` + 32 hex digits; used as the first path component of every block key.
@@ -71,8 +78,11 @@ def model_fingerprint_key(fingerprint: str, codec: str, block_tokens: int, *,
     block_tokens = _positive_int("block_tokens", block_tokens)
     if isinstance(dtype, torch.dtype):
         dtype = str(dtype).removeprefix("torch.")
+    if not isinstance(namespace, str):
+        raise ValueError(f"namespace must be a str; got {namespace!r}")
     payload = {"fingerprint": fingerprint, "codec": codec, "block_tokens": block_tokens,
-               "codec_params": dict(codec_params or {}), "dtype": dtype, "extra": dict(extra or {})}
+               "codec_params": dict(codec_params or {}), "dtype": dtype, "extra": dict(extra or {}),
+               "namespace": namespace}
     try:
         text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
     except TypeError as e:
@@ -100,8 +110,20 @@ def _token_bytes(token_ids: TokenIds) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype="<i8")
 
 
+def chain_seed(fp: str, salt: str = "") -> bytes:
+    """The digest a chain starts from: the fingerprint key, and the request's salt (a tenant's
+    isolation key, as vLLM's ``cache_salt``) when there is one."""
+    _nonempty_str("fp", fp)
+    if not isinstance(salt, str):
+        raise ValueError(f"salt must be a str; got {salt!r}")
+    h = hashlib.blake2b(fp.encode("utf-8"), digest_size=HASH_BYTES, person=_PERSON_SEED).digest()
+    if salt:
+        h = hashlib.blake2b(h + salt.encode("utf-8"), digest_size=HASH_BYTES, person=_PERSON_SALT).digest()
+    return h
+
+
 def chained_block_hashes(token_ids: TokenIds, block_tokens: int, fp: str,
-                         parent: str | None = None) -> list[str]:
+                         parent: str | None = None, salt: str = "") -> list[str]:
     """Hex hash of every full block of ``token_ids``, each chained over all blocks before it.
 
     Args:
@@ -110,6 +132,8 @@ def chained_block_hashes(token_ids: TokenIds, block_tokens: int, fp: str,
         fp: the model fingerprint key (:func:`model_fingerprint_key`), which seeds the chain.
         parent: hex hash of the block just before ``token_ids[0]`` when continuing a chain
             (``token_ids`` then holds only the new tokens, starting on a block boundary).
+        salt: the request's tenant key (:func:`chain_seed`); ignored with ``parent``, which
+            already carries it.
 
     Returns:
         ``len(token_ids) // block_tokens`` hex strings of ``2 * HASH_BYTES`` digits.
@@ -118,7 +142,7 @@ def chained_block_hashes(token_ids: TokenIds, block_tokens: int, fp: str,
     block_tokens = _positive_int("block_tokens", block_tokens)
     ids = _token_bytes(token_ids)
     if parent is None:
-        prev = hashlib.blake2b(fp.encode("utf-8"), digest_size=HASH_BYTES, person=_PERSON_SEED).digest()
+        prev = chain_seed(fp, salt)
     else:
         try:
             prev = bytes.fromhex(parent)
@@ -145,7 +169,7 @@ def block_key(fp: str, layer: int, block_hash: str) -> str:
 
 
 def chained_block_keys(token_ids: TokenIds, block_tokens: int, layer_count: int, fp: str,
-                       parent: str | None = None) -> list[list[str]]:
+                       parent: str | None = None, salt: str = "") -> list[list[str]]:
     """Tier keys of every (full block, layer) of ``token_ids``.
 
     Returns:
@@ -154,4 +178,4 @@ def chained_block_keys(token_ids: TokenIds, block_tokens: int, layer_count: int,
     """
     layer_count = _positive_int("layer_count", layer_count)
     return [[block_key(fp, layer, h) for layer in range(layer_count)]
-            for h in chained_block_hashes(token_ids, block_tokens, fp, parent)]
+            for h in chained_block_hashes(token_ids, block_tokens, fp, parent, salt)]

@@ -71,19 +71,17 @@ class KVStore:
         self.counters = Counters()
         self.io = BlockIO(cfg, lay, self.counters)
         self.lower = LowerTiers(cfg, lay, self.io, self.counters)
-        # content-addressed keys: the chain seed names the model, both codecs and their parameters,
-        # the dtype and block_tokens, so blocks of another model or encoding never match
-        # (with precision="importance" the records of one key may carry any of its codecs)
-        codecs = f"{lay.host_codec}|{lay.disk_codec}" + (
-            "" if lay.precision is None else f"|importance:{'/'.join(lay.precision.codecs)}")
-        codec_params = {"group_size": cfg.group_size, "key_axis": cfg.key_axis, "value_axis": cfg.value_axis}
-        if "int2" in codecs and cfg.int2_key_outliers:  # named only where it changes the bytes
-            codec_params["int2_key_outliers"] = cfg.int2_key_outliers
-        if lay.precision is not None and cfg.cold_key_outliers is not None:
-            codec_params["cold_key_outliers"] = cfg.cold_key_outliers
+        # content-addressed keys: the chain seed names the model (weights digest included), every
+        # codec a record of this store may carry with the parameters of its K and V encodings as
+        # the codecs themselves state them (so no setting that changes the bytes is left out), the
+        # dtype, the layout, block_tokens and the namespace: blocks of another model, encoding or
+        # deployment never match
         self.content_fp = model_fingerprint_key(
-            fingerprint, codecs, lay.block_tokens, codec_params=codec_params,
-            dtype=lay.dtype, extra={"kv_heads": kv_heads, "head_dim": head_dim, "num_layers": num_layers},
+            fingerprint, "|".join(sorted(self.io.by_name)), lay.block_tokens,
+            codec_params=self.io.codec_identity(), dtype=lay.dtype,
+            extra={"layout": "kvtier", "kv_heads": kv_heads, "head_dim": head_dim, "num_layers": num_layers,
+                   "precision": None if lay.precision is None else list(lay.precision.codecs)},
+            namespace=cfg.namespace,
         ) if fingerprint else None
         # regions first (placed by the residency part: table.py), then the scratch slots
         regions = cfg.max_sequences * num_layers * lay.hot_blocks
@@ -228,7 +226,7 @@ class KVStore:
 
     # -- token ids and content-addressed keys ---------------------------------------------------
 
-    def note_tokens(self, seq: int, token_ids) -> None:
+    def note_tokens(self, seq: int, token_ids, salt: str = "") -> None:
         """Token ids of tokens appended (or about to be appended) to ``seq``, in order.
 
         Every full block whose ids are known when it is sealed gets a content-addressed key
@@ -239,6 +237,8 @@ class KVStore:
 
         Args:
             token_ids: 1-D ints (list, array or tensor), the next tokens of ``seq``.
+            salt: the tenant key of ``seq`` (the same on every call for one sequence): blocks
+                of sequences with different salts never share a key.
         """
         self._check_open()
         self.residency.tables_of(seq)
@@ -246,22 +246,22 @@ class KVStore:
         if self.content_fp is None:
             raise ValueError("fingerprint must be a non-empty model fingerprint to use token ids "
                              "(KVStore(..., fingerprint=...)): keys are only shared within one model")
-        self.content.note_tokens(seq, token_ids)
+        self.content.note_tokens(seq, token_ids, salt)
 
     def tokens_noted(self, seq: int) -> int:
         """How many token ids of ``seq`` the store was given."""
         return self.content.tokens_noted(seq)
 
-    def match_prefix(self, token_ids) -> int:
+    def match_prefix(self, token_ids, salt: str = "") -> int:
         """Leading tokens of ``token_ids`` available in some tier (L1 of any sequence, L2, L3 or
         L4) for every layer, in whole blocks. 0 without a fingerprint.
 
         Local tiers are checked first; whatever they lack past the locally available blocks is
         asked of L4 in one pipelined round trip (not one per key)."""
         self._check_open()
-        return self.content.match_prefix(token_ids)
+        return self.content.match_prefix(token_ids, salt)
 
-    def attach_prefix(self, seq: int, token_ids) -> int:
+    def attach_prefix(self, seq: int, token_ids, salt: str = "") -> int:
         """Link the longest available prefix of ``token_ids`` into the empty sequence ``seq``.
 
         Each whole block found (every layer, in any tier) is read and appended to ``seq`` as if
@@ -276,14 +276,14 @@ class KVStore:
         if any(t.length for t in tables) or self.tokens_noted(seq):
             raise ValueError(f"seq must be an empty sequence to attach a prefix; sequence {seq} holds "
                              f"{tables[0].length} tokens")
-        ids, hashes = self.content.prefix_hashes(token_ids)
+        ids, hashes = self.content.prefix_hashes(token_ids, salt)
         bt = self.block_tokens
         n = 0
         for b, h in enumerate(hashes):
             data = self.content.read_blocks(h)
             if data is None:
                 break
-            self.note_tokens(seq, ids[b * bt:(b + 1) * bt])
+            self.note_tokens(seq, ids[b * bt:(b + 1) * bt], salt)
             for layer, d in enumerate(data):
                 self.append(seq, layer, d[0], d[1])  # d: [2, kv_heads, block_tokens, head_dim]
             n += 1

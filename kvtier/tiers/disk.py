@@ -102,7 +102,7 @@ class DiskTier(DiskRecovery, DiskWrites, DiskReads, DiskCompaction, Tier):
         if not isinstance(checkpoint_records, int) or checkpoint_records < 0:
             raise ValueError(f"checkpoint_records must be an int >= 0, got {checkpoint_records!r}")
         diskread.load_compiled()  # (here, not at import: see recread on the SIGBUS guard)
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = os.path.abspath(os.path.expanduser(os.fspath(path)))
         self._policy = DiskPolicy(self.path, eviction, admission)
         self._touch = self._policy.touch if self._policy.tracking else None  # (reads test it: one attribute)
         self.segment_bytes = segment_bytes

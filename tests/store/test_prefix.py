@@ -129,9 +129,23 @@ def test_bad_input_names_the_field(call, field):
 
 
 def test_keys_are_pinned_across_releases():
-    # blocks written to L3/Redis by an earlier kvtier must be found again: the hash format is frozen
+    # blocks written to L3/Redis by an earlier kvtier of this identity scheme (v2) must be found
+    # again: the hash format is frozen
     fp = model_fingerprint_key("llama-0123456789abcdef", "int4", 16, codec_params={"group_size": 32},
                                dtype="float16")
-    assert fp == "m5b55068bf538f1f342832a511adbb73f"
+    assert fp == "m4fbce9eb3e598fa9c3661c5b6e21b4d4"
     assert chained_block_hashes(list(range(40)), 16, fp) == [
+        "25f5aed036e01811d54296c5e2be44a3", "90e8852f357dee4252c49fd0f16adf23"]
+
+
+def test_keys_of_the_previous_identity_scheme_never_match():
+    # the v1 scheme named a model by its architecture config alone (every fine-tune shared it):
+    # its keys, as that release pinned them, are never produced by this one, so its records are
+    # misses (recomputed), never served
+    v1_fp, v1_hashes = "m5b55068bf538f1f342832a511adbb73f", [
         "57adbcea96914c7c2fd4787f916fdecc", "95b2a00af4e5123d36e7e7ce530b5062"]
+    fp = model_fingerprint_key("llama-0123456789abcdef", "int4", 16, codec_params={"group_size": 32},
+                               dtype="float16")
+    assert fp != v1_fp
+    assert not set(chained_block_hashes(list(range(40)), 16, fp)) & set(v1_hashes)
+    assert not set(chained_block_hashes(list(range(40)), 16, v1_fp)) & set(v1_hashes)
