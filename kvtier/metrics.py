@@ -40,7 +40,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_tier_bytes": ("gauge", ("tier",), "bytes of this store's blocks held in each tier (L1: resident "
                                               "slots and key digests)"),
     "kvtier_tier_used_bytes": ("gauge", ("tier",), "bytes each tier has in use (its own accounting)"),
-    "kvtier_tokens": ("gauge", (), "tokens of the live sequences"),
+    "kvtier_tokens": ("gauge", (), "tokens of the live sequences, summed over layers"),
     "kvtier_sequences": ("gauge", (), "live sequences"),
     "kvtier_swap_in_bytes": ("counter", ("tier",), "encoded bytes read back from each tier below L1"),
     "kvtier_swap_out_bytes": ("counter", ("tier",), "encoded bytes written to each tier on eviction"),

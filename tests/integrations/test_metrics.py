@@ -16,14 +16,12 @@ import urllib.request
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 import kvtier
 import kvtier.metrics
 from kvtier.config import KVTierConfig
 from kvtier.integrations.model import load_text
-
-prometheus_client = pytest.importorskip("prometheus_client")
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 
 def _scrape(url: str) -> dict[tuple, float]:
