@@ -10,14 +10,16 @@ MAX_TOKENS = 16
 
 
 @contextlib.contextmanager
-def engine(model_dir: str, prefix_caching: bool = False, **fields):
-    """A vLLM ``LLM`` with kvtier's connector configured by ``fields``; shut down on exit."""
+def engine(model_dir: str, prefix_caching: bool = False, log_stats: bool = False, **fields):
+    """A vLLM ``LLM`` with kvtier's connector configured by ``fields``; shut down on exit.
+    ``log_stats``: vLLM's stats loggers on (its Prometheus registry, ``llm.get_metrics()``)."""
     from vllm import LLM
 
     from kvtier.integrations.vllm import kv_transfer_config
 
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=2048,
-              enable_prefix_caching=prefix_caching, seed=0, kv_transfer_config=kv_transfer_config(**fields))
+              enable_prefix_caching=prefix_caching, seed=0, kv_transfer_config=kv_transfer_config(**fields),
+              disable_log_stats=not log_stats)
     try:
         yield llm
     finally:

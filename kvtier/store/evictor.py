@@ -119,7 +119,8 @@ class Evictor:
         finally:
             self.res.release_pending(batch)  # only what a bug left pending
             if batch:
-                self.counters.sample("swap_out", (time.perf_counter() - t0) / len(batch))
+                # one sample per block, as swap-in counts: the samples' total is the seconds spent
+                self.counters.sample("swap_out", (time.perf_counter() - t0) / len(batch), len(batch))
 
     def _encode_batch(self, batch: list) -> list:
         """:meth:`_encode_slot` of each item, or the exception it raised."""

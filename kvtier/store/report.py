@@ -49,6 +49,9 @@ def store_stats(store) -> dict:
         "swap_in_latency": lat["swap_in"],
         "swap_out_latency": lat["swap_out"],
         "step_time": lat["step"],
+        # the same steps split by whether any block was swapped in during them
+        "step_time_swapped": lat["step_swapped"],
+        "step_time_unswapped": lat["step_unswapped"],
         "prefetch": _prefetch_stats(store, c),
         "compression": _compression_stats(store, c),
         "precision": _precision_stats(store, c),

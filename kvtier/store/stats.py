@@ -30,6 +30,8 @@ class Latency:
             "mean_ms": (self.total / self.count * 1e3) if self.count else 0.0,
             "p50_ms": _pct(s, 0.50) * 1e3,
             "p99_ms": _pct(s, 0.99) * 1e3,
+            # every sample ever taken (not only the recent ones the percentiles see)
+            "total_s": self.total,
         }
 
 
@@ -75,7 +77,10 @@ class Counters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._n = dict.fromkeys(COUNTERS, 0)
-        self._lat = {"swap_in": Latency(), "swap_out": Latency(), "step": Latency()}
+        # step_swapped / step_unswapped: the same steps as ``step``, split by whether a block was
+        # swapped in since the previous step (the TPOT jitter swaps cause, seen apart)
+        self._lat = {"swap_in": Latency(), "swap_out": Latency(), "step": Latency(),
+                     "step_swapped": Latency(), "step_unswapped": Latency()}
 
     def add(self, **deltas: int) -> None:
         with self._lock:
@@ -84,7 +89,8 @@ class Counters:
                 n[name] += d
 
     def sample(self, latency: str, seconds: float, n: int = 1) -> None:
-        """``n`` samples of ``latency`` (swap_in, swap_out or step), ``seconds`` each."""
+        """``n`` samples of ``latency`` (swap_in, swap_out, step, step_swapped or step_unswapped),
+        ``seconds`` each."""
         with self._lock:
             self._lat[latency].add(seconds, n)
 

@@ -109,6 +109,7 @@ class KVStore:
         self.reader = Reader(lay, self.residency, self.prefetcher, self.counters)
         self.selector = Selector(lay, self.residency)
         self._last_end_step: float | None = None
+        self._swaps_at_step = 0  # swap_in_blocks at the last end_step
         self._closed = False
 
     # -- the model shape and the derived sizes (read-only) --------------------------------------
@@ -377,9 +378,13 @@ class KVStore:
         """Step boundary: evict to the watermarks (asynchronously) and kick off prefetch."""
         self._check_open()
         now = time.perf_counter()
+        swaps = self.counters["swap_in_blocks"]
         if self._last_end_step is not None:
             self.counters.sample("step", now - self._last_end_step)
+            self.counters.sample("step_swapped" if swaps != self._swaps_at_step else "step_unswapped",
+                                 now - self._last_end_step)
         self._last_end_step = now
+        self._swaps_at_step = swaps
         self.evictor.end_step()
         self.prefetcher.end_step(self.residency.live_tables)
 

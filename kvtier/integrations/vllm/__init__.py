@@ -11,8 +11,9 @@ llm = LLM(model=..., kv_transfer_config={
     "kv_connector_extra_config": {"codec": "int8", "disk_path": "/var/cache/kvtier"},
 })
 ```
-Importing this package does not import vLLM; ``KVTierConnector`` (in ``connector.py``, the only
-module that imports it) is loaded on first access. ``blocks.py`` and ``lookup.py`` are vLLM-free.
+Importing this package does not import vLLM; ``KVTierConnector`` (in ``connector.py``, which with
+``metrics.py`` is the only module that imports it) is loaded on first access. ``blocks.py``,
+``counters.py`` and ``lookup.py`` are vLLM-free.
 """
 from __future__ import annotations
 

