@@ -60,7 +60,8 @@ def _safetensors_tensors(path: Path) -> list[tuple[str, torch.Tensor]]:
             raise NoIdentity(f"{path}: unreadable safetensors header ({e})") from None
     header.pop("__metadata__", None)
     size = path.stat().st_size
-    data = np.memmap(path, dtype=np.uint8, mode="r") if size > 8 + n else np.empty(0, np.uint8)
+    # copy-on-write: torch wants a writable buffer, and nothing here writes (no page is copied)
+    data = np.memmap(path, dtype=np.uint8, mode="c") if size > 8 + n else np.empty(0, np.uint8)
     out = []
     for name, info in header.items():
         dtype = _ST_DTYPES.get(info.get("dtype"))
@@ -79,7 +80,7 @@ def _gguf_tensors(path: Path) -> list[tuple[str, torch.Tensor]]:
     except ImportError:
         raise NoIdentity(f"{path}: reading a GGUF file needs the 'gguf' package") from None
     try:
-        reader = gguf.GGUFReader(str(path), "r")
+        reader = gguf.GGUFReader(str(path), "c")  # copy-on-write, as for safetensors
     except (ValueError, OSError) as e:
         raise NoIdentity(f"{path}: unreadable GGUF file ({e})") from None
     # a quantized tensor's data is its GGML blocks as bytes: the type is named with it
