@@ -318,11 +318,36 @@ def test_engine_identity_names_weights_config_and_quantization(tmp_path):
     with pytest.raises(NoIdentity, match="load_format"):
         engine_identity(d, None, "dummy", cfg, None)  # random weights: nothing to name
     with pytest.raises(NoIdentity, match="revision"):
-        engine_identity("org/model", None, "auto", cfg, None)
+        engine_identity("org/model", None, "auto", cfg, None)  # not in the local cache either
     with pytest.raises(NoIdentity, match="revision"):
-        engine_identity("org/model", "main", "auto", cfg, None)  # a branch moves
+        engine_identity("org/model", "main", "auto", cfg, None)
     a = engine_identity("org/model", "a" * 40, "auto", cfg, None)
     assert a != engine_identity("org/model", "b" * 40, "auto", cfg, None)
+
+
+def test_engine_identity_of_a_hub_id_is_the_commit_its_cached_snapshot_holds(tmp_path, monkeypatch):
+    from kvtier.integrations.vllm.identity import NoIdentity, engine_identity
+
+    # the layout huggingface_hub writes: refs/<branch> names the commit, snapshots/<commit>/ the files
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    import huggingface_hub.constants as hc
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--org--model"
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+
+    def cache(commit):
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
+        (repo / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+
+    with pytest.raises(NoIdentity, match="cache"):
+        engine_identity("org/model", None, "auto", cfg, None)  # not downloaded
+    cache("c" * 40)
+    first = engine_identity("org/model", None, "auto", cfg, None)
+    assert first == engine_identity("org/model", "c" * 40, "auto", cfg, None)
+    cache("d" * 40)  # main moved to a new commit: other weights
+    assert engine_identity("org/model", None, "auto", cfg, None) != first
 
 
 def test_adapter_digest_names_its_weights_and_config(tmp_path):

@@ -10,15 +10,16 @@ is read from the checkpoint files the engine loads:
  checkpoint digest = weights_digest over the checkpoint's tensors, read in place (mmap):
      safetensors  every *.safetensors file vLLM loads (the index's weight_map when there is one)
      GGUF         every tensor, named with its GGML type (quantized blocks are its bytes)
-     hub id       the commit it was pinned to (revision=<40 hex digits>): a commit names its files
+     hub id       the commit it was pinned to (revision=<40 hex digits>), or the one the local
+                  Hugging Face cache resolves it to (the snapshot vLLM loads): a commit names its files
  block key      = H( kvtier chain over token ids      seeded by the engine identity, codec, layout,
                                                       namespace, and the request's salt,
                    vLLM's block hash of the block )   which folds LoRA name+path, multimodal item
                                                       hashes, prompt-embedding digests, cache_salt
  request salt   = cache_salt, and the LoRA adapter's name, path and weights digest
 ```
-Anything else (``.bin``/``.pt`` pickles, ``load_format="dummy"``, a hub id without a pinned
-revision, an adapter that is not a local directory of safetensors) gives no identity: nothing of
+Anything else (``.bin``/``.pt`` pickles, ``load_format="dummy"``, a hub id neither pinned to a
+commit nor in the local cache, an adapter that is not a local directory of safetensors) gives no identity: nothing of
 that engine (or request) is stored or loaded, rather than a guess.
 """
 from __future__ import annotations
@@ -153,12 +154,32 @@ def engine_identity(model: str, revision: str | None, load_format: str, hf_confi
         weights = checkpoint_digest(model)
     elif revision and _COMMIT.fullmatch(revision):
         weights = f"hub:{model}@{revision}"  # a git commit names its files' contents
+    elif (commit := _cached_commit(model, revision)) is not None:
+        weights = f"hub:{model}@{commit}"
     else:
-        raise NoIdentity(f"model {model!r} is not a local path and revision {revision!r} is not a commit "
-                         f"hash: its weights cannot be named")
+        raise NoIdentity(f"model {model!r} is not a local path, revision {revision!r} is not a commit "
+                         f"hash, and the local Hugging Face cache does not resolve it to one: its weights "
+                         f"cannot be named")
     arch = hf_config.get("architectures") or [hf_config.get("model_type", "model")]
     config = dict(config_identity(hf_config), quantization=quantization)
     return identity_of(f"vllm:{arch[0]}", config, weights, {})
+
+
+def _cached_commit(model: str, revision: str | None) -> str | None:
+    """The commit a hub id (at ``revision``, default ``main``) resolves to in the local Hugging
+    Face cache, the snapshot vLLM loads its files from; None when it is not cached there."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        found = try_to_load_from_cache(model, "config.json", revision=revision or "main")
+    except (ValueError, OSError):  # not a valid repo id
+        return None
+    if not isinstance(found, str):  # None or the "known missing" sentinel
+        return None
+    commit = Path(found).parent.name  # .../snapshots/<commit>/config.json
+    return commit if _COMMIT.fullmatch(commit) else None
 
 
 def adapter_digest(path: str | os.PathLike) -> str:
