@@ -10,16 +10,18 @@ MAX_TOKENS = 16
 
 
 @contextlib.contextmanager
-def engine(model_dir: str, prefix_caching: bool = False, log_stats: bool = False, **fields):
-    """A vLLM ``LLM`` with kvtier's connector configured by ``fields``; shut down on exit.
-    ``log_stats``: vLLM's stats loggers on (its Prometheus registry, ``llm.get_metrics()``)."""
+def engine(model_dir: str, prefix_caching: bool = False, log_stats: bool = False,
+           engine_args: dict | None = None, **fields):
+    """A vLLM ``LLM`` with kvtier's connector configured by ``fields`` (and more ``LLM``
+    arguments in ``engine_args``); shut down on exit. ``log_stats``: vLLM's stats loggers on
+    (its Prometheus registry, ``llm.get_metrics()``)."""
     from vllm import LLM
 
     from kvtier.integrations.vllm import kv_transfer_config
 
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=2048,
               enable_prefix_caching=prefix_caching, seed=0, kv_transfer_config=kv_transfer_config(**fields),
-              disable_log_stats=not log_stats)
+              disable_log_stats=not log_stats, **(engine_args or {}))
     try:
         yield llm
     finally:
@@ -38,15 +40,20 @@ def worker(llm, op: str) -> dict:
     return worker_call(engine_id(llm), op)
 
 
-def run(llm, prompt: list[int], load: bool = True, save: bool = True, max_tokens: int = MAX_TOKENS):
-    """Greedy generation of one prompt; returns ``(token ids, kvtier's matched tokens, vLLM's cached tokens)``.
+def run(llm, prompt: list[int], load: bool = True, save: bool = True, max_tokens: int = MAX_TOKENS,
+        cache_salt: str | None = None, lora=None):
+    """Greedy generation of one prompt (with vLLM's ``cache_salt`` and ``LoRARequest`` when
+    given); returns ``(token ids, kvtier's matched tokens, vLLM's cached tokens)``.
 
     ``load=False, save=False`` is a cold run: kvtier neither supplies nor stores anything."""
     from vllm import SamplingParams
 
     extra = {} if load and save else {"kv_transfer_params": {"kvtier": {"load": load, "save": save}}}
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=extra or None)
-    out = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0]
+    inputs = {"prompt_token_ids": prompt}
+    if cache_salt is not None:
+        inputs["cache_salt"] = cache_salt
+    out = llm.generate([inputs], sp, use_tqdm=False, lora_request=lora)[0]
     worker(llm, "flush")  # the save is asynchronous: make it visible to the next step of the test
     return list(out.outputs[0].token_ids), out.kv_transfer_params["kvtier"]["matched_tokens"], out.num_cached_tokens
 

@@ -3,6 +3,9 @@ socket. (The connector on a real engine is tested in tests_vllm/, in the vLLM ve
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -210,3 +213,196 @@ def test_the_connector_encodes_with_the_caches_codecs(tmp_path):
                     assert torch.equal(pages[page, :, i], codec.decode(codec.encode(x)))
     finally:
         store.close()
+
+
+# ---- identity: the engine's weights, the codecs, the request's inputs -------------------------
+
+def write_checkpoint(path, tensors: dict, shards: int = 1) -> str:
+    """A safetensors checkpoint directory (``shards`` files and an index when more than one)."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    if shards == 1:
+        save_file(tensors, str(path / "model.safetensors"))
+        return str(path)
+    weight_map = {}
+    for i in range(shards):
+        file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {n: tensors[n] for n in names[i::shards]}
+        save_file(part, str(path / file))
+        weight_map.update({n: file for n in part})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return str(path)
+
+
+def small_weights(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"embed.weight": torch.randn(64, 16, generator=g),
+            "layers.0.mlp.weight": torch.randn(32, 16, generator=g).to(torch.bfloat16),
+            "layers.1.mlp.weight": torch.randn(32, 16, generator=g),
+            "norm.weight": torch.ones(16, dtype=torch.float16)}
+
+
+def test_checkpoint_digest_sees_one_changed_element_and_not_the_path_or_sharding(tmp_path):
+    from kvtier.integrations.vllm.identity import checkpoint_digest
+
+    w = small_weights()
+    base = checkpoint_digest(write_checkpoint(tmp_path / "base", w))
+    assert checkpoint_digest(write_checkpoint(tmp_path / "copy", w)) == base  # another path
+    assert checkpoint_digest(write_checkpoint(tmp_path / "sharded", w, shards=3)) == base
+    assert checkpoint_digest(tmp_path / "base" / "model.safetensors") == base
+    for name in w:  # one element of any tensor, however small the change
+        t = w[name].clone()
+        t.reshape(-1).view(torch.uint8)[t.numel() // 2 * t.element_size()] ^= 1  # its lowest bit
+        assert checkpoint_digest(write_checkpoint(tmp_path / f"tuned-{name}", {**w, name: t})) != base, name
+    other = dict(w, **{"norm.weight": w["norm.weight"].float()})  # same values, another dtype
+    assert checkpoint_digest(write_checkpoint(tmp_path / "dtype", other)) != base
+
+
+def test_checkpoint_digest_refuses_what_it_cannot_read(tmp_path):
+    from kvtier.integrations.vllm.identity import NoIdentity, checkpoint_digest
+
+    (tmp_path / "bin").mkdir()
+    torch.save({"w": torch.ones(2)}, tmp_path / "bin" / "pytorch_model.bin")
+    with pytest.raises(NoIdentity, match="no safetensors"):
+        checkpoint_digest(tmp_path / "bin")  # a pickle is never read
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "model.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(NoIdentity, match="not a safetensors"):
+        checkpoint_digest(tmp_path / "bad")
+    write_checkpoint(tmp_path / "shards", small_weights(), shards=2)
+    os.remove(tmp_path / "shards" / "model-00002-of-00002.safetensors")
+    with pytest.raises(NoIdentity, match="shard missing"):
+        checkpoint_digest(tmp_path / "shards")
+    with pytest.raises(NoIdentity, match="not a local"):
+        checkpoint_digest(tmp_path / "nowhere")
+
+
+def write_gguf(path, tensors: dict) -> str:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    for name, t in tensors.items():
+        w.add_tensor(name, t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def test_checkpoint_digest_of_a_gguf_file(tmp_path):
+    from kvtier.integrations.vllm.identity import checkpoint_digest
+
+    w = {"a.weight": torch.randn(8, 16), "b.weight": torch.randn(4, 16).half()}
+    base = checkpoint_digest(write_gguf(tmp_path / "a.gguf", w))
+    assert checkpoint_digest(write_gguf(tmp_path / "copy.gguf", w)) == base
+    tuned = dict(w, **{"b.weight": w["b.weight"].clone()})
+    tuned["b.weight"][3, 15] += 1
+    assert checkpoint_digest(write_gguf(tmp_path / "tuned.gguf", tuned)) != base
+
+
+def test_engine_identity_names_weights_config_and_quantization(tmp_path):
+    from kvtier.integrations.vllm.identity import NoIdentity, engine_identity
+
+    d = write_checkpoint(tmp_path / "m", small_weights())
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "rope_theta": 1e4,
+           "_name_or_path": d}
+    base = engine_identity(d, None, "auto", cfg, None)
+    assert engine_identity(d, None, "safetensors", dict(cfg, _name_or_path="elsewhere"), None) == base
+    assert engine_identity(d, None, "auto", dict(cfg, rope_theta=1e5), None) != base
+    assert engine_identity(d, None, "auto", cfg, "fp8") != base
+    tuned = write_checkpoint(tmp_path / "t", small_weights(seed=1))
+    assert engine_identity(tuned, None, "auto", cfg, None) != base
+    with pytest.raises(NoIdentity, match="load_format"):
+        engine_identity(d, None, "dummy", cfg, None)  # random weights: nothing to name
+    with pytest.raises(NoIdentity, match="revision"):
+        engine_identity("org/model", None, "auto", cfg, None)  # not in the local cache either
+    with pytest.raises(NoIdentity, match="revision"):
+        engine_identity("org/model", "main", "auto", cfg, None)
+    a = engine_identity("org/model", "a" * 40, "auto", cfg, None)
+    assert a != engine_identity("org/model", "b" * 40, "auto", cfg, None)
+
+
+def test_engine_identity_of_a_hub_id_is_the_commit_its_cached_snapshot_holds(tmp_path, monkeypatch):
+    from kvtier.integrations.vllm.identity import NoIdentity, engine_identity
+
+    # the layout huggingface_hub writes: refs/<branch> names the commit, snapshots/<commit>/ the files
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    import huggingface_hub.constants as hc
+    monkeypatch.setattr(hc, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--org--model"
+    cfg = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+
+    def cache(commit):
+        (repo / "refs").mkdir(parents=True, exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
+        (repo / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+
+    with pytest.raises(NoIdentity, match="cache"):
+        engine_identity("org/model", None, "auto", cfg, None)  # not downloaded
+    cache("c" * 40)
+    first = engine_identity("org/model", None, "auto", cfg, None)
+    assert first == engine_identity("org/model", "c" * 40, "auto", cfg, None)
+    cache("d" * 40)  # main moved to a new commit: other weights
+    assert engine_identity("org/model", None, "auto", cfg, None) != first
+
+
+def test_adapter_digest_names_its_weights_and_config(tmp_path):
+    from kvtier.integrations.vllm.identity import NoIdentity, adapter_digest
+
+    def adapter(name, seed=0, r=4):
+        p = tmp_path / name
+        write_checkpoint(p, {"a.lora_A.weight": torch.randn(r, 8, generator=torch.Generator().manual_seed(seed))})
+        (p / "adapter_config.json").write_text(json.dumps({"r": r, "lora_alpha": 8, "base_model_name_or_path": name}))
+        return p
+
+    base = adapter_digest(adapter("x"))
+    assert adapter_digest(adapter("x-copy")) == base  # where it was trained from is not named
+    assert adapter_digest(adapter("y", seed=1)) != base
+    p = adapter("z")
+    (p / "adapter_config.json").write_text(json.dumps({"r": 4, "lora_alpha": 16}))
+    assert adapter_digest(p) != base
+    with pytest.raises(NoIdentity, match="adapter_config"):
+        adapter_digest(tmp_path / "none")
+
+
+def test_request_keys_fold_salt_adapter_and_vllms_block_hash():
+    from kvtier.integrations.vllm.identity import fold_block_hashes, request_salt
+
+    assert request_salt(None, None) == request_salt("", None) == ""  # plain requests share one chain
+    salts = {request_salt("a", None), request_salt("b", None), request_salt(None, ("x", "/p", "d1")),
+             request_salt(None, ("x", "/p", "d2")), request_salt("a", ("x", "/p", "d1")), ""}
+    assert len(salts) == 6
+    fp = content_fp(*connector_config({"codec": "raw"}, SHAPE.block_tokens), SHAPE, "model-a")
+    toks = list(range(3 * SHAPE.block_tokens))
+    chains = {s: chained_block_hashes(toks, SHAPE.block_tokens, fp, salt=s) for s in salts}
+    assert len({c[0] for c in chains.values()}) == 6  # every salt its own chain from block 0
+    v1, v2 = [b"\x01" * 32] * 3, [b"\x01" * 32, b"\x02" * 32, b"\x01" * 32]
+    folded = fold_block_hashes(chains[""], v1)
+    assert folded == fold_block_hashes(chains[""], list(v1))  # deterministic
+    other = fold_block_hashes(chains[""], v2)  # vLLM saw another image/embedding/adapter in block 1
+    assert other[0] == folded[0] and other[1] != folded[1]
+    assert len(set(folded) | set(fold_block_hashes(chains[request_salt("a", None)], v1))) == 6
+    with pytest.raises(ValueError, match="one entry per block"):
+        fold_block_hashes(chains[""], v1[:2])
+
+
+def test_content_fp_names_every_codec_parameter_and_the_namespace():
+    from kvtier.config import KVTierConfig
+
+    def fp(codec="int8", **fields):
+        cfg = KVTierConfig.from_dict(dict(block_tokens=SHAPE.block_tokens, hot_tokens=SHAPE.block_tokens,
+                                          codec=codec, **fields))
+        return content_fp(cfg, codec, SHAPE, "model-a")
+
+    base = fp()
+    assert fp() == base
+    assert fp(int8_zero_point="none") != base  # int8 without zero points: other records
+    assert fp(int8_value_axis="token") != base
+    assert fp(namespace="tenant-1") != base
+    assert fp("int2", int2_key_outliers=2) != fp("int2", int2_key_outliers=0)
+    assert content_fp(connector_config({"codec": "int8", "namespace": "n"}, SHAPE.block_tokens)[0], "int8",
+                      SHAPE, "model-a") == fp(namespace="n")

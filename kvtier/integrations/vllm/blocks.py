@@ -10,8 +10,9 @@ hashes, so this part runs (and is unit-testable) without an engine.
  load: keys ─► L2, else L3, else L4 (one batched round trip) ─► decode ─► vLLM's pages
 ```
 A record's key is ``f"{fp}/{layer}/{block_hash}"``: ``block_hash`` is chained over the token
-ids of the block and every block before it (``kvtier.store.prefix``), ``fp`` folds in the
-model, codec, group size, block size and KV shape, so two engines of the same model and codec
+ids and vLLM's extra keys of the block and every block before it (``identity.py``), ``fp`` folds
+in the engine's identity (checkpoint weights, KV config), the codecs and their parameters, the
+block size, KV shape and the namespace, so two engines of the same weights, codec and namespace
 find each other's blocks and nothing else.
 
 Every record is written through to every configured tier (L3 so a restarted engine finds it,
@@ -49,7 +50,8 @@ log = logging.getLogger(__name__)
 # KVTierConfig fields the connector reads; the rest (L1 budget, policies, sparse attention)
 # belong to kvtier's own cache and have no meaning under vLLM, which owns the device pages.
 CONNECTOR_FIELDS = ("codec", "group_size", "key_axis", "value_axis", "host_bytes", "disk_path",
-                    "disk_bytes", "disk_segment_bytes", "durability", "remote_url", "remote_key_prefix")
+                    "disk_bytes", "disk_segment_bytes", "durability", "remote_url", "remote_key_prefix",
+                    "namespace")
 _SAVE_QUEUE_JOBS = 8  # steps of staged KV waiting to be encoded before save_kv_layer blocks
 # Redis round-trip bound. One step's save is a pipeline of (blocks x layers) records, MBs; under
 # load (this 2-core machine at load 10) RemoteTier's 0.5 s default timed such puts out and marked
@@ -136,14 +138,25 @@ class BlockShape:
     dtype: torch.dtype
 
 
+def block_codecs(cfg: KVTierConfig, codec: str, dtype: torch.dtype):
+    """The ``(key, value)`` codec objects a connector encodes with: the same codecs as
+    TieredCache's for this config (int8's zero points and value axis, int2's kept key channels)."""
+    name = stored_codec(codec, dtype)
+    return get_codec(name, **cfg.codec_kwargs(name, "key")), get_codec(name, **cfg.codec_kwargs(name, "value"))
+
+
 def content_fp(cfg: KVTierConfig, codec: str, shape: BlockShape, model_id: str) -> str:
-    """The seed of every block key: the model and everything that makes two records interchangeable."""
+    """The seed of every block key: the engine's identity (weights, KV config:
+    :func:`identity.engine_identity`), the codecs' parameters as the codec objects state them,
+    the KV dtype and page layout, and the deployment's namespace."""
+    kc, vc = block_codecs(cfg, codec, shape.dtype)
     return model_fingerprint_key(
         model_id, stored_codec(codec, shape.dtype), shape.block_tokens,
-        codec_params={"group_size": cfg.group_size, "key_axis": cfg.key_axis, "value_axis": cfg.value_axis},
+        codec_params={"key": [kc.name, kc.params], "value": [vc.name, vc.params]},
         dtype=shape.dtype,
         extra={"layout": "vllm", "num_layers": shape.num_layers, "kv_heads": shape.kv_heads,
-               "head_dim": shape.head_dim})
+               "head_dim": shape.head_dim},
+        namespace=cfg.namespace)
 
 
 @dataclass
@@ -177,12 +190,7 @@ class BlockStore:
         self.cfg, self.codec, self.shape = cfg, codec, shape
         self.fp = content_fp(cfg, codec, shape, model_id)
         kv_shape = (shape.kv_heads, shape.block_tokens, shape.head_dim)  # one role of one block
-        name = stored_codec(codec, shape.dtype)
-        # the same codecs as TieredCache's for this config (int8's zero points and value axis,
-        # int2's kept key channels): every record names its own parameters, so blocks written
-        # with other settings still decode
-        self._kc = get_codec(name, **cfg.codec_kwargs(name, "key"))
-        self._vc = get_codec(name, **cfg.codec_kwargs(name, "value"))
+        self._kc, self._vc = block_codecs(cfg, codec, shape.dtype)
         self._decoder = BlockDecoder(self._kc, self._vc, kv_shape, shape.dtype) if codec.startswith("int") else None
         self.l2 = HostTier(cfg.host_bytes, spill=self._dropped_from_l2, pin_memory=False)
         self.l3 = DiskTier(cfg.disk_path, capacity_bytes=cfg.disk_bytes, segment_bytes=cfg.disk_segment_bytes,

