@@ -764,6 +764,16 @@ class KVTierConfig:
             window = min(2 * bt, (room // 2 // bt) * bt)
         return sink, window
 
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "KVTierConfig":
+        """A named starting point (``kvtier.presets.PRESET_NAMES``: "long-context", "offload",
+        "lossless", "serve") with any field overridden by keyword, e.g.
+        ``KVTierConfig.preset("long-context", disk_path="kvtier-cache")``. What each costs and
+        gives: docs/configuration.md."""
+        from kvtier.presets import preset_fields
+
+        return cls(**preset_fields(name, overrides))
+
     # -- (de)serialisation --------------------------------------------------------------------
 
     def to_dict(self, resolved: bool = False) -> dict[str, Any]:
