@@ -117,7 +117,7 @@ def no_model(monkeypatch):
 
 @pytest.mark.parametrize("argv, msg", [
     (("--config", "/nonexistent/kv.toml"), "config file '/nonexistent/kv.toml' does not exist"),
-    (("--codec", "zip"), "codec must be one of"),
+    (("--codec", "zip"), "invalid choice: 'zip'"),
     (("--hot-tokens", "3"), "hot_tokens must be >= block_tokens"),
     (("--max-new-tokens", "0"), "--max-new-tokens must be >= 1"),
 ])
@@ -126,7 +126,7 @@ def test_generate_bad_input_is_a_sentence_before_the_model_loads(no_model, capsy
         main(["generate", "--prompt", "hi", *argv])
     assert ei.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("kvtier generate: error: ") and msg in err
+    assert "kvtier generate: error: " in err and msg in err
 
 
 def test_generate_config_file_fields_are_re_derived_with_the_flags(tmp_path):

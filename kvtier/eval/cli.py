@@ -100,7 +100,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep each sample's shared prefill in DIR (safetensors) and reuse it on later runs "
                         "of the same model, dtype and sample (a 32k prefill is tens of CPU-minutes); "
                         "TTFT then reports the prefill's time when it was computed")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the text windows, the samples and sampling (default 0)")
     p.add_argument("--out", default="results", help="output directory for eval.json, eval.png and eval.md")
 
 
