@@ -1,6 +1,6 @@
 """Which dtype a model computes in, by machine.
 
-The rule (stated in the README and docs/transformers.md):
+The rule (stated in docs/transformers.md, "Compute dtype by machine"):
 
 - CUDA: the model's own dtype (``preferred``), else bfloat16 where the GPU supports it, else float16.
 - CPU with native bf16 matrix instructions (x86 ``avx512_bf16`` or ``amx_bf16``; Arm ``bf16``):
