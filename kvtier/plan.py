@@ -230,10 +230,54 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
         "needed": {"l2_dram_bytes": need_l2, "l3_ssd_bytes": need_l3},
         "config": cfg,
     }
+    out["sparse"] = _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, hot_tokens,
+                                 block_tokens, cfg, bf)
     if heads is not None:
         out["gqa"] = {"heads": heads, "kv_heads": kv_heads, "mha_bytes_per_token": bf * heads // kv_heads,
                       "reduction": heads // kv_heads}
     return out
+
+
+#: L1 share of the context of the sparse alternative: the share the demo (RULER NIAH at 8k) and
+#: the NIAH family at 32k measured (docs/results/2026-12-01-ruler-niah.md)
+SPARSE_SHARE = Fraction(3, 100)
+
+
+def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, dense_hot, dense_block, dense_cfg,
+                 bf) -> dict:
+    """The long-context preset for this workload: L1 = 3% of the longest sequence (whole 16-token
+    blocks, at least four), its L1 bytes with the key digests of every sealed block (an int8
+    centroid per ``digest_tokens`` tokens and a float32 scale: ``head_dim + 4`` bytes per kv head
+    and layer), and whether dense attention would read most of each sequence back every step
+    (L1 under a quarter of the longest sequence)."""
+    from kvtier.config import KVTierConfig
+    from kvtier.presets import preset_fields
+    from kvtier.store.layout import pool_slots
+
+    probe = KVTierConfig.preset("long-context")
+    bt = probe.block_tokens
+    hot = max(4 * bt, int(max_seq_len * SPARSE_SHARE) // bt * bt)
+    fields = preset_fields("long-context", {
+        "hot_tokens": hot, "max_sequences": concurrency, "host_bytes": dense_cfg["host_bytes"],
+        "disk_path": dense_cfg["disk_path"], "disk_bytes": dense_cfg["disk_bytes"],
+        "disk_segment_bytes": dense_cfg["disk_segment_bytes"], "codec": dense_cfg["codec"],
+        "group_size": dense_cfg["group_size"]})
+    cfg = KVTierConfig(**fields)
+    cfg.check_model(layers, kv_heads, head_dim, _torch_dtype(dtype), machine=False)
+    digest_tokens = cfg.digest_tokens
+    digest_per_token = Fraction(layers * kv_heads * (head_dim + 4), digest_tokens)
+    l1_kv = pool_slots(hot // bt, concurrency, layers) * (bf // layers) * bt
+    l1_digests = _ceil(digest_per_token * max_seq_len * concurrency)
+    return {
+        "recommended": dense_hot * 4 < max_seq_len,
+        "share": float(SPARSE_SHARE),
+        "hot_tokens": hot,
+        "l1_kv_bytes": l1_kv,
+        "l1_digest_bytes": l1_digests,
+        "digest_bytes_per_token": round(float(digest_per_token), 3),
+        "config": {"preset": "long-context", **{k: v for k, v in fields.items()
+                                                 if k not in ("attention", "policy")}},
+    }
 
 
 def _config(layers, kv_heads, head_dim, dtype, block_tokens, hot_tokens, concurrency, l2_tokens, l3, codec,
@@ -341,6 +385,17 @@ def run(args: argparse.Namespace) -> int:
           f"{_fmt(need['l3_ssd_bytes'])} {plan['codec']}, lz4 not assumed; at least two segments)")
     fields = ", ".join(f"{k}={v!r}" for k, v in plan["config"].items())
     print(f"config     KVTierConfig({fields})")
+    sp = plan["sparse"]
+    why = ("recommended: with dense attention each decode step reads back every block outside L1, here most "
+           "of each sequence" if sp["recommended"] else "an alternative: L1 already holds a quarter or more of "
+                                                           "each sequence, so dense attention reads back little")
+    print(f"sparse     {why}. Sparse attention (the long-context preset) attends the sink, the recent "
+          f"window and the blocks the query selects, {sp['share']:.0%} of the context per step:")
+    print(f"  L1       {_fmt(sp['l1_kv_bytes'] + sp['l1_digest_bytes'])} = KV {_fmt(sp['l1_kv_bytes'])} "
+          f"(hot_tokens={sp['hot_tokens']:,}) + key digests {_fmt(sp['l1_digest_bytes'])} "
+          f"({sp['digest_bytes_per_token']:,.0f} B/token at max length)")
+    sfields = ", ".join(f"{k}={v!r}" for k, v in sp["config"].items() if k != "preset")
+    print(f"  config   KVTierConfig.preset({sp['config']['preset']!r}, {sfields})")
     return 0
 
 

@@ -23,7 +23,8 @@ def _ints(obj, path=""):
         for k, v in obj.items():
             _ints(v, f"{path}.{k}")
     elif "bytes" in path or "sequence" in path or path.endswith((".avg", ".max", "_full", "_codec")):
-        if not path.endswith(("codec_ratio", "dram_to_hbm", "ratio_in_range", "bytes_per_token.codec")):
+        if not path.endswith(("codec_ratio", "dram_to_hbm", "ratio_in_range", "bytes_per_token.codec",
+                              "digest_bytes_per_token", "sparse.share")):
             assert type(obj) is int, f"{path} = {obj!r}"
 
 

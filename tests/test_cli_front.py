@@ -129,3 +129,47 @@ def test_cache_clear_on_a_read_only_directory_is_a_sentence(tmp_path):
         subprocess.run(["chattr", "-i", str(d)], check=True)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and "cannot" in r.stderr and str(d) in r.stderr
+
+
+def test_plan_recommends_sparse_for_a_long_context_with_a_config_attach_accepts(capsys):
+    import json
+
+    from kvtier.config import KVTierConfig
+
+    assert main([*PLAN, "--max-seq-len", "128k", "--concurrency", "4", "--json"]) == 0
+    sp = json.loads(capsys.readouterr().out)["sparse"]
+    assert sp["recommended"] and sp["hot_tokens"] == int(131072 * 0.03) // 16 * 16
+    fields = dict(sp["config"])
+    cfg = KVTierConfig.preset(fields.pop("preset"), **fields)
+    assert cfg.attention == "sparse" and cfg.hot_tokens == sp["hot_tokens"]
+    cfg.check_model(32, 8, 128, __import__("torch").bfloat16, machine=False)
+    # the digests' L1 cost is stated: an int8 centroid per 2 tokens plus its float32 scale
+    assert sp["digest_bytes_per_token"] == 32 * 8 * (128 + 4) / 2
+    assert main([*PLAN, "--max-seq-len", "128k", "--concurrency", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "sparse     recommended" in text and "key digests" in text and "KVTierConfig.preset('long-context'" in text
+
+
+def test_plans_digest_bytes_are_what_a_store_holds():
+    # the plan's per-token digest figure against a real store's digest table after a prefill
+    import torch
+
+    from kvtier import plan
+    from kvtier.config import KVTierConfig
+    from kvtier.store import KVStore
+
+    layers, kvh, hd, tokens = 2, 2, 64, 16 * 40
+    p = plan.make_plan(layers, kvh, hd, "bfloat16", 1, tokens, tokens, "int4")
+    cfg = KVTierConfig.preset("long-context", hot_tokens=128, host_bytes=8 << 20)
+    store = KVStore(cfg, num_layers=layers, kv_heads=kvh, head_dim=hd, dtype=torch.bfloat16,
+                    device=torch.device("cpu"))
+    try:
+        seq = store.add_sequence()
+        for layer in range(layers):
+            kv = torch.randn(kvh, tokens + 1, hd).to(torch.bfloat16)  # +1: the last full block seals
+            store.append(seq, layer, kv, kv)
+        st = store.stats()
+        sealed_tokens = tokens  # every block but the open one
+        assert st["digest_bytes"] == p["sparse"]["digest_bytes_per_token"] * sealed_tokens
+    finally:
+        store.close()
