@@ -163,6 +163,11 @@ class _Plan:
             specs = [s for s in specs if s.kind == "dynamic"] + chosen
         check_configs(specs, self.contexts, where=f"--configs {args.configs}: " if args.configs else "")
         self.ref, self.specs = with_reference(specs)
+        try:
+            # made last of the checks, before the model loads: an unwritable place costs a second
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--out {args.out}: cannot create the directory ({e.strerror or e})") from None
 
     @staticmethod
     def _check_text(text: str | None) -> str | None:
