@@ -6,7 +6,7 @@ import argparse
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     # no subcommand prints this command's help (run() below) rather than argparse's terse error
-    sub = p.add_subparsers(dest="cache_command", required=False, metavar="{clear}")
+    sub = p.add_subparsers(dest="cache_command", required=False)
     c = sub.add_parser("clear", help="delete an L3 directory's records and files (refused while in use)")
     c.add_argument("dirs", nargs="+", metavar="DIR", help="a disk_path kvtier used")
 
