@@ -12,11 +12,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 def build_parser() -> argparse.ArgumentParser:
     # Each subcommand's module gives add_arguments(parser) and run(args).
-    from kvtier import cachecli, plan
+    from kvtier import __version__, cachecli, plan
     from kvtier.eval import cli as eval_cli
     from kvtier.integrations import chat
-
-    from kvtier import __version__
 
     parser = argparse.ArgumentParser(prog="kvtier", description="Tiered, quantized KV cache for LLM inference.")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")

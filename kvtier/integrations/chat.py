@@ -18,21 +18,21 @@ import torch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prompt", action="append", default=None,
-                   help="a user turn (repeatable); without it, turns are read from standard input, one per line")
-    p.add_argument("--model", default=None, help="local transformers directory or .gguf (default: embedded SmolLM2)")
-    p.add_argument("--config", default=None, help="KVTierConfig TOML file (flags below override its fields)")
     from kvtier.cliargs import choices_of, size, token_count
     from kvtier.config import CODECS, Attention, Order, Policy
     from kvtier.hardware import DTYPE_CHOICES
     from kvtier.presets import PRESET_NAMES
 
+    p.add_argument("--prompt", action="append", default=None,
+                   help="a user turn (repeatable); without it, turns are read from standard input, one per line")
+    p.add_argument("--model", default=None, help="local transformers directory or .gguf (default: embedded SmolLM2)")
+    p.add_argument("--config", default=None, help="KVTierConfig TOML file (flags below override its fields)")
     p.add_argument("--preset", default=None, choices=PRESET_NAMES,
                    help="a named KVTierConfig preset (docs/configuration.md); --config and the flags below override it")
     p.add_argument("--codec", default=None, choices=CODECS, help="codec of blocks below L1 (default int4)")
     p.add_argument("--order", default=None, choices=choices_of(Order),
                    help="where blocks are quantized: on the L1->L2 move (compress-then-tier, default) or L2->L3")
-    p.add_argument("--policy", default=None, choices=choices_of(Policy), help="which blocks leave L1 first (default lru)")
+    p.add_argument("--policy", default=None, choices=choices_of(Policy), help="which blocks leave L1 first (default h2o)")
     p.add_argument("--attention", default=None, choices=choices_of(Attention),
                    help="dense: attend to every token; sparse: sink + recent window + the blocks the query selects")
     p.add_argument("--hot-tokens", type=token_count, default=None,
