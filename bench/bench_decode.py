@@ -170,11 +170,16 @@ def main(argv=None) -> int:
     ap.add_argument("--block-tokens", type=int, default=64)
     ap.add_argument("--l1-fraction", type=float, default=0.25)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    ap.add_argument("--dtype", choices=["auto", *sorted(_DTYPES)], default="auto",
+                    help="model dtype; auto: kvtier.hardware.compute_dtype (bf16 only on a CPU with native bf16)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: leave as is)")
     ap.add_argument("--configs", nargs="+", default=list(BASELINE_CONFIGS) + list(KVTIER_CONFIGS))
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
+    if args.dtype == "auto":
+        from kvtier.hardware import compute_dtype
+
+        args.dtype = str(compute_dtype(args.device)).removeprefix("torch.")
     if args.smoke:
         args.contexts, args.steps, args.warmup, args.block_tokens = [128], 2, 1, 16
         # CI machines are small and shared: oversubscribed OpenMP threads are ~10x slower

@@ -192,7 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--block-tokens", type=int, default=64)
     ap.add_argument("--hot-tokens", type=int, default=512, help="L1 budget per sequence and layer")
     ap.add_argument("--host-mb", type=int, default=512, help="L2 ring size")
-    ap.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    ap.add_argument("--dtype", choices=["auto", *sorted(_DTYPES)], default="auto",
+                    help="model dtype; auto: kvtier.hardware.compute_dtype (bf16 only on a CPU with native bf16)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: leave as is)")
     ap.add_argument("--repeat", type=int, default=3, help="warm/cold pairs per case (median reported)")
     ap.add_argument("--masked", action="store_true", help="also warm-l2 with the split prefill off")
@@ -203,6 +204,10 @@ def main(argv=None) -> int:
     ap.add_argument("--redis-url", help=argparse.SUPPRESS)
     ap.add_argument("--first-request", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.dtype == "auto":
+        from kvtier.hardware import compute_dtype
+
+        args.dtype = str(compute_dtype("cpu")).removeprefix("torch.")
     if args.smoke:
         args.prompt, args.prefix, args.block_tokens, args.hot_tokens = 256, 192, 32, 64
         args.threads = args.threads or 1

@@ -71,11 +71,16 @@ def main(argv=None) -> int:
     p.add_argument("--new", type=int, default=64, help="new tokens per run")
     p.add_argument("--draft-layers", type=int, default=10)
     p.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    p.add_argument("--dtype", choices=["auto", *sorted(_DTYPES)], default="auto",
+                    help="model dtype; auto: kvtier.hardware.compute_dtype (bf16 only on a CPU with native bf16)")
     p.add_argument("--caches", default="dynamic,kvtier-dense,kvtier-int4")
     p.add_argument("--smoke", action="store_true", help="128-token prompt, 6 new tokens, two caches")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    if args.dtype == "auto":
+        from kvtier.hardware import compute_dtype
+
+        args.dtype = str(compute_dtype("cpu")).removeprefix("torch.")
     if args.smoke:
         args.context, args.new, args.caches = 128, 6, "dynamic,kvtier-dense"
 

@@ -6,7 +6,8 @@ import json
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    sub = p.add_subparsers(dest="cache_command", required=True)
+    # no subcommand prints this command's help (run() below) rather than argparse's terse error
+    sub = p.add_subparsers(dest="cache_command", required=False)
     c = sub.add_parser("clear", help="delete an L3 directory's records and files (refused while in use)")
     c.add_argument("dirs", nargs="+", metavar="DIR", help="a disk_path kvtier used")
     c = sub.add_parser("ls", help="what is stored, by model identity and codec, with bytes and ages")
@@ -55,7 +56,22 @@ def _token_ids(args) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from kvtier.cache_admin import CacheDirectory
+    from kvtier.tiers import DirectoryLockedError
 
+    if args.cache_command is None:
+        args.parser.print_help()
+        return 0
+    try:
+        return _dispatch(args, CacheDirectory)
+    except DirectoryLockedError as e:
+        raise ValueError(str(e)) from e
+    except PermissionError as e:
+        raise ValueError(f"{e.filename}: not writable by this user ({e.strerror})") from None
+    except OSError as e:
+        raise ValueError(f"{e.filename or 'cache directory'}: {e.strerror or e}") from None
+
+
+def _dispatch(args: argparse.Namespace, CacheDirectory) -> int:
     cmd = args.cache_command
     if cmd == "clear":
         for d in args.dirs:

@@ -12,11 +12,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 def build_parser() -> argparse.ArgumentParser:
     # Each subcommand's module gives add_arguments(parser) and run(args).
-    from kvtier import cachecli, plan
+    from kvtier import __version__, cachecli, plan
     from kvtier.eval import cli as eval_cli
     from kvtier.integrations import chat
 
     parser = argparse.ArgumentParser(prog="kvtier", description="Tiered, quantized KV cache for LLM inference.")
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, module, summary in (
         ("eval", eval_cli, "accuracy against footprint of cache configurations, side by side"),
@@ -24,9 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("generate", chat, "chat with the embedded model through a kvtier cache"),
         ("cache", cachecli, "inspect and manage L3 directories (ls, stat, verify, pin, evict, clear)"),
     ):
-        p = sub.add_parser(name, help=summary)
+        p = sub.add_parser(name, help=summary, description=summary)
         module.add_arguments(p)
-        p.set_defaults(func=module.run)
+        p.set_defaults(func=module.run, parser=p)
     return parser
 
 
@@ -37,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except ValueError as e:
         parser.exit(2, f"kvtier {args.command}: error: {e}\n")
+    except BrokenPipeError:
+        # the reader went away (`kvtier plan --json | head`): what it wanted it has; point
+        # stdout at /dev/null so the interpreter's final flush does not raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

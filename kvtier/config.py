@@ -246,7 +246,7 @@ class KVTierConfig:
     encoding per store). SmolLM2-135M in bf16: a plain int2 block (0) takes 4,320 bytes per token,
     one with the default 8 kept channels 5,771, int4's 7,200. None is the default because plain
     int2 for the coldest 50% / 75% of the ranks over int4 measured below the fixed-precision
-    line on no more than two of three texts, never with an interval on all three (README:
+    line on no more than two of three texts, never with an interval on all three (docs/results/codec-accuracy.md:
     "A cold level cheaper than fixed int2")."""
 
     recall_mass: float = 2.0
@@ -275,7 +275,7 @@ class KVTierConfig:
     codecs ignore it. Costs ``n * (2 * block_tokens + 1)`` bytes per block and KV head with a
     16-bit dtype (SmolLM2-135M in bf16, 64-token blocks, groups of 32: int2's blocks take 4,320
     bytes per token, all layers, with none kept, 5,046 with 4, 5,771 with 8; int4's 7,200).
-    The default is the count that measured better than none on every text (README: through the
+    The default is the count that measured better than none on every text (docs/results/codec-accuracy.md: through the
     store, 8 windows each, pydoc / essays / squad Δppl +2.8 / +2.2 / +0.8% with 8, +3.7 / +2.0 /
     +2.6% with 4, +6.3 / +3.2 / +1.5% with none)."""
 
@@ -301,7 +301,7 @@ class KVTierConfig:
     ``value_axis``. Same bytes either way. On SmolLM2-135M's real KV (bf16, 64-token blocks,
     groups of 32, zero point) per-channel groups take int8 values' relative error from 0.0052 to
     0.0045 (0.0061 symmetric per token). The default is the setting measured best through the
-    store in bf16 (README: 2,048-token context, 8-12 windows x 1,024 scored tokens per text,
+    store in bf16 (docs/results/codec-accuracy.md: 2,048-token context, 8-12 windows x 1,024 scored tokens per text,
     against ``DynamicCache`` fed the same chunks): with ``int8_zero_point="both"``, Δppl pydoc /
     essays / squad +0.001 / +0.047 / -0.040% and a per-window RMS of 0.18 / 0.14 / 0.08%, where
     zero-point keys with symmetric per-token values gave -0.097 / +0.141 / +0.042% and 0.24 /
@@ -377,7 +377,7 @@ class KVTierConfig:
     On SmolLM2's real keys and queries (2k windows of pydoc, essays, SQuAD; every layer; the
     12.5% budget's top 12 blocks) int8 centroids select 98% the same blocks as bf16 ones, the
     rest near-ties: 0.840 of the oracle selection's attention mass against 0.841. The scorer's
-    time grows with the centroids scored (kvtier/store/api.md). Probe figures under
+    time grows with the centroids scored (docs/architecture.md). Probe figures under
     ``digest_tokens``."""
 
     attention_math: AttentionMath = "sdpa"
@@ -802,6 +802,16 @@ class KVTierConfig:
             room = max(0, budget_tokens - bt - _round_up(sink, bt))
             window = min(2 * bt, (room // 2 // bt) * bt)
         return sink, window
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "KVTierConfig":
+        """A named starting point (``kvtier.presets.PRESET_NAMES``: "long-context", "offload",
+        "lossless", "serve") with any field overridden by keyword, e.g.
+        ``KVTierConfig.preset("long-context", disk_path="kvtier-cache")``. What each costs and
+        gives: docs/configuration.md."""
+        from kvtier.presets import preset_fields
+
+        return cls(**preset_fields(name, overrides))
 
     # -- (de)serialisation --------------------------------------------------------------------
 

@@ -42,6 +42,8 @@ import os
 import sys
 from fractions import Fraction
 
+from kvtier.cliargs import size as _size, token_count
+
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp16": 2, "bf16": 2, "fp32": 4}
 _CANONICAL = {"float16": "float16", "bfloat16": "bfloat16", "float32": "float32", "fp16": "float16",
               "bf16": "bfloat16", "fp32": "float32"}
@@ -51,6 +53,8 @@ _SEED_LENGTHS = (4096, 32768, 131072)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``kvtier plan`` options to ``parser``."""
+    from kvtier.config import CODECS, GROUP_SIZES
+
     m = parser.add_argument_group("model shape (a transformers config, or explicit numbers)")
     m.add_argument("--config", help="transformers config.json, or a directory holding one")
     m.add_argument("--layers", type=int, help="number of layers")
@@ -58,33 +62,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     m.add_argument("--head-dim", type=int, help="dimension of one head")
     m.add_argument("--heads", type=int, help="query heads (with --kv-heads: states the GQA saving)")
     m.add_argument("--hidden-size", type=int, help="model width; head_dim = hidden_size / heads")
-    m.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), help="KV dtype (default: the config's, else float16)")
+    m.add_argument("--dtype", choices=sorted(_DTYPE_BYTES), metavar="{" + ",".join(sorted(_DTYPE_BYTES)) + "}",
+                   help="KV dtype (default: the config's, else float16)")
     w = parser.add_argument_group("workload")
     w.add_argument("--concurrency", type=int, default=1, help="sequences served at once")
-    w.add_argument("--avg-seq-len", type=int, required=False, default=None, help="average tokens per sequence")
-    w.add_argument("--max-seq-len", type=int, required=False, default=None, help="longest sequence, in tokens")
+    w.add_argument("--avg-seq-len", type=token_count, required=False, default=None,
+                   help="average tokens per sequence (e.g. 8192 or 32k)")
+    w.add_argument("--max-seq-len", type=token_count, required=False, default=None,
+                   help="longest sequence, in tokens (e.g. 128k)")
     c = parser.add_argument_group("storage")
-    c.add_argument("--codec", default="int4", help="codec of L2/L3 (fp16, bf16, fp32, int8, int4, int2, nf4, fp4, dyn8)")
-    c.add_argument("--group-size", type=int, default=32, help="quantization group size")
+    c.add_argument("--codec", default="int4", choices=CODECS, help="codec of L2/L3 (default int4)")
+    c.add_argument("--group-size", type=int, default=32, choices=GROUP_SIZES, help="quantization group size")
     c.add_argument("--block-tokens", type=int, default=64, help="tokens per block")
-    c.add_argument("--ratio", type=float, default=6.0, help="DRAM:HBM capacity ratio to aim for (4-8)")
+    c.add_argument("--ratio", type=float, default=None,
+                   help="DRAM:HBM capacity ratio to aim for (default 6; 4-8 recommended); not with --hbm-bytes")
     c.add_argument("--hbm-bytes", type=_size, default=None,
                    help="HBM available for KV (e.g. 40G); the ratio then follows from it")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-
-
-def _size(text: str) -> int:
-    """A byte count like ``40G``, ``512M``, ``1.5T`` or ``123456`` (binary units), exactly."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    try:
-        unit = units.get(t[-1:], 1)
-        n = Fraction(t[:-1] if t[-1:] in units else t) * unit
-    except (ValueError, ZeroDivisionError):
-        raise argparse.ArgumentTypeError(f"a size like 40G or 512M, got {text!r}") from None
-    if n < 1 or n.denominator != 1 and n < 1 << 10 or n > 1 << 62:
-        raise argparse.ArgumentTypeError(f"a size between 1 byte and 4 EiB, got {text!r}")
-    return int(n)
 
 
 def _read_config(path: str) -> dict:
@@ -236,10 +230,54 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
         "needed": {"l2_dram_bytes": need_l2, "l3_ssd_bytes": need_l3},
         "config": cfg,
     }
+    out["sparse"] = _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, hot_tokens,
+                                 block_tokens, cfg, bf)
     if heads is not None:
         out["gqa"] = {"heads": heads, "kv_heads": kv_heads, "mha_bytes_per_token": bf * heads // kv_heads,
                       "reduction": heads // kv_heads}
     return out
+
+
+#: L1 share of the context of the sparse alternative: the share the demo (RULER NIAH at 8k) and
+#: the NIAH family at 32k measured (docs/results/2026-12-01-ruler-niah.md)
+SPARSE_SHARE = Fraction(3, 100)
+
+
+def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, dense_hot, dense_block, dense_cfg,
+                 bf) -> dict:
+    """The long-context preset for this workload: L1 = 3% of the longest sequence (whole 16-token
+    blocks, at least four), its L1 bytes with the key digests of every sealed block (an int8
+    centroid per ``digest_tokens`` tokens and a float32 scale: ``head_dim + 4`` bytes per kv head
+    and layer), and whether dense attention would read most of each sequence back every step
+    (L1 under a quarter of the longest sequence)."""
+    from kvtier.config import KVTierConfig
+    from kvtier.presets import preset_fields
+    from kvtier.store.layout import pool_slots
+
+    probe = KVTierConfig.preset("long-context")
+    bt = probe.block_tokens
+    hot = max(4 * bt, int(max_seq_len * SPARSE_SHARE) // bt * bt)
+    fields = preset_fields("long-context", {
+        "hot_tokens": hot, "max_sequences": concurrency, "host_bytes": dense_cfg["host_bytes"],
+        "disk_path": dense_cfg["disk_path"], "disk_bytes": dense_cfg["disk_bytes"],
+        "disk_segment_bytes": dense_cfg["disk_segment_bytes"], "codec": dense_cfg["codec"],
+        "group_size": dense_cfg["group_size"]})
+    cfg = KVTierConfig(**fields)
+    cfg.check_model(layers, kv_heads, head_dim, _torch_dtype(dtype), machine=False)
+    digest_tokens = cfg.digest_tokens
+    digest_per_token = Fraction(layers * kv_heads * (head_dim + 4), digest_tokens)
+    l1_kv = pool_slots(hot // bt, concurrency, layers) * (bf // layers) * bt
+    l1_digests = _ceil(digest_per_token * max_seq_len * concurrency)
+    return {
+        "recommended": dense_hot * 4 < max_seq_len,
+        "share": float(SPARSE_SHARE),
+        "hot_tokens": hot,
+        "l1_kv_bytes": l1_kv,
+        "l1_digest_bytes": l1_digests,
+        "digest_bytes_per_token": round(float(digest_per_token), 3),
+        "config": {"preset": "long-context", **{k: v for k, v in fields.items()
+                                                 if k not in ("attention", "policy")}},
+    }
 
 
 def _config(layers, kv_heads, head_dim, dtype, block_tokens, hot_tokens, concurrency, l2_tokens, l3, codec,
@@ -298,6 +336,9 @@ def _shape(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     """Print the plan; 0 on success, 2 on bad input (message on stderr)."""
     try:
+        if args.ratio is not None and args.hbm_bytes is not None:
+            raise ValueError("--ratio and --hbm-bytes exclude each other: with --hbm-bytes the L1 size is given and "
+                             "the DRAM:HBM ratio follows from it; pass one of them")
         shape = _shape(args)
         if args.avg_seq_len is None and args.max_seq_len is None:
             raise ValueError("avg_seq_len or max_seq_len needed (--avg-seq-len, --max-seq-len)")
@@ -305,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
         mx = args.max_seq_len if args.max_seq_len is not None else avg
         plan = make_plan(shape["layers"], shape["kv_heads"], shape["head_dim"], shape["dtype"] or "float16",
                          args.concurrency, avg, mx, args.codec, args.group_size, args.block_tokens,
-                         args.ratio, args.hbm_bytes, heads=shape["heads"])
+                         6.0 if args.ratio is None else args.ratio, args.hbm_bytes, heads=shape["heads"])
     except ValueError as e:
         print(f"kvtier plan: error: {e}", file=sys.stderr)
         return 2
@@ -344,6 +385,17 @@ def run(args: argparse.Namespace) -> int:
           f"{_fmt(need['l3_ssd_bytes'])} {plan['codec']}, lz4 not assumed; at least two segments)")
     fields = ", ".join(f"{k}={v!r}" for k, v in plan["config"].items())
     print(f"config     KVTierConfig({fields})")
+    sp = plan["sparse"]
+    why = ("recommended: with dense attention each decode step reads back every block outside L1, here most "
+           "of each sequence" if sp["recommended"] else "an alternative: L1 already holds a quarter or more of "
+                                                           "each sequence, so dense attention reads back little")
+    print(f"sparse     {why}. Sparse attention (the long-context preset) attends the sink, the recent "
+          f"window and the blocks the query selects, {sp['share']:.0%} of the context per step:")
+    print(f"  L1       {_fmt(sp['l1_kv_bytes'] + sp['l1_digest_bytes'])} = KV {_fmt(sp['l1_kv_bytes'])} "
+          f"(hot_tokens={sp['hot_tokens']:,}) + key digests {_fmt(sp['l1_digest_bytes'])} "
+          f"({sp['digest_bytes_per_token']:,.0f} B/token at max length)")
+    sfields = ", ".join(f"{k}={v!r}" for k, v in sp["config"].items() if k != "preset")
+    print(f"  config   KVTierConfig.preset({sp['config']['preset']!r}, {sfields})")
     return 0
 
 

@@ -50,13 +50,18 @@ def test_cli_from_transformers_config(tmp_path, capsys):
 @pytest.mark.parametrize("argv, msg", [
     (("--layers", "2", "--kv-heads", "1", "--max-seq-len", "10"), "head_dim"),
     (("--layers", "2", "--kv-heads", "1", "--head-dim", "8"), "avg_seq_len"),
-    (("--layers", "2", "--kv-heads", "1", "--head-dim", "8", "--max-seq-len", "10", "--codec", "zip"), "codec"),
     (("--layers", "2", "--kv-heads", "1", "--head-dim", "8", "--avg-seq-len", "20", "--max-seq-len", "10"),
      "avg_seq_len"),
 ])
 def test_cli_bad_input(argv, msg, capsys):
     assert plan.run(parse(*argv)) == 2
     assert msg in capsys.readouterr().err
+
+
+def test_cli_unknown_codec_lists_the_codecs(capsys):
+    with pytest.raises(SystemExit) as ei:
+        parse("--layers", "2", "--kv-heads", "1", "--head-dim", "8", "--max-seq-len", "10", "--codec", "zip")
+    assert ei.value.code == 2 and "invalid choice: 'zip'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("workload", [

@@ -807,7 +807,7 @@ def main(argv=None) -> int:
                     help="no measuring: pool the per-window lines of these logs (runs of one dtype) into rows; "
                          "with --from-json, those rows' Δppl replace the JSONs' (bytes kept) for --plot/--json")
     ap.add_argument("--table", action="store_true",
-                    help="with --from-json: print the store rows as a markdown table (README)")
+                    help="with --from-json: print the store rows as a markdown table (docs/results/codec-accuracy.md)")
     ap.add_argument("--smoke", action="store_true", help="one 256-token window of pydoc, three configs")
     args = ap.parse_args(argv)
     pooled = None

@@ -1,12 +1,13 @@
-"""Copy real `kvtier eval` runs into the README: their tables between the eval markers and the
+"""Copy real `kvtier eval` runs into a results page: their tables between the eval markers and the
 runs' plot as docs/eval.png (one panel per context). Nothing is hand-edited; rerun after `kvtier eval`:
 
     .venv/bin/kvtier eval --suite ruler --model qwen2.5-coder-0.5b --out results
-    .venv/bin/python tools/readme_results.py results [more result directories...]
+    .venv/bin/python tools/readme_results.py --into docs/results/2026-12-01-ruler-niah.md results [more dirs...]
 """
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -36,8 +37,11 @@ def describe(doc: dict) -> str:
 
 
 def main(argv: list[str]) -> int:
-    dirs = [Path(a) for a in argv] or [Path("results")]
     root = Path(__file__).resolve().parent.parent
+    target = root / "docs" / "results" / "2026-12-01-ruler-niah.md"
+    if argv[:1] == ["--into"]:
+        target, argv = Path(argv[1]).resolve(), argv[2:]
+    dirs = [Path(a) for a in argv] or [Path("results")]
     docs = []
     for d in dirs:
         doc = json.loads((d / "eval.json").read_text())
@@ -47,14 +51,14 @@ def main(argv: list[str]) -> int:
     for doc in docs:
         parts += [describe(doc), "", report.markdown_table(doc), ""]
     parts[1] += " " + LEGEND
-    parts += ["![accuracy vs footprint](docs/eval.png)", END]
-    readme = root / "README.md"
-    text = readme.read_text()
+    plot = Path(os.path.relpath(root / "docs" / "eval.png", target.parent))
+    parts += [f"![accuracy vs footprint]({plot})", END]
+    text = target.read_text()
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"README.md has no {BEGIN} ... {END} block")
+        raise SystemExit(f"{target} has no {BEGIN} ... {END} block")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    readme.write_text(head + "\n".join(parts) + tail)
+    target.write_text(head + "\n".join(parts) + tail)
     (root / "docs").mkdir(exist_ok=True)
     # drawn again, not copied from the run, so the plot follows the current report code; several
     # runs make one panel per context
@@ -64,7 +68,7 @@ def main(argv: list[str]) -> int:
             seen.add((r["config"], r["context"]))
             rows.append(r)
     report.plot(dict(docs[0], results=rows), root / "docs" / "eval.png")
-    print(f"README.md and docs/eval.png updated from {', '.join(str(d / 'eval.json') for d in dirs)}")
+    print(f"{target.name} and docs/eval.png updated from {', '.join(str(d / 'eval.json') for d in dirs)}")
     return 0
 
 

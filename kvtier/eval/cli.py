@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvtier.hardware import DTYPE_CHOICES, cpu_has_native_bf16, cpu_name, parse_dtype
 from kvtier.eval.sweep import (
     check_configs,
     demo_configs,
@@ -27,15 +28,20 @@ from kvtier.eval.sweep import (
 QUICK = {"contexts": [1024], "continuation": 32, "windows": 1}
 DEFAULT = {"contexts": [1024, 2048, 4096], "continuation": 64, "windows": 2}
 RULER_DEFAULT = {"contexts": [8192], "samples": 4}
-DEMO = {"model": "qwen2.5-coder-0.5b", "contexts": [8192], "samples": 3, "tasks": ["niah_single_2"]}
+# two samples keep `make demo` within ~5 minutes on a 2-core CPU without native bf16 (float32
+# there); `--samples N` is the longer run
+DEMO = {"model": "qwen2.5-coder-0.5b", "contexts": [8192], "samples": 2, "tasks": ["niah_single_2"]}
 TEXTS = ("pydoc", "essays")
 
 
 def _int_list(s: str) -> list[int]:
+    from kvtier.cliargs import token_list
+
     try:
-        vals = [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--contexts must be comma-separated integers, got {s!r}") from None
+        vals = token_list(s)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"--contexts must be comma-separated token counts (8192,16k), "
+                                         f"got {s!r}") from None
     if not vals or any(v < 128 or v > 131072 for v in vals):
         raise argparse.ArgumentTypeError(f"--contexts values must be in 128..131072, got {s!r}")
     return vals
@@ -63,14 +69,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"small text sweep that finishes in about 5 minutes on 2 cores ({QUICK})")
     p.add_argument("--demo", action="store_true",
                    help=f"the product's point in a few minutes: RULER {DEMO['tasks'][0]} at {DEMO['contexts'][0]} "
-                        "tokens on Qwen2.5-Coder-0.5B, full attention vs StreamingLLM vs kvtier sparse at 3%%")
+                        f"tokens on Qwen2.5-Coder-0.5B, {DEMO['samples']} samples (--samples N for more), "
+                        "full attention vs StreamingLLM vs kvtier sparse at 3%%")
     p.add_argument("--model", default=None,
                    help="embedded model name (smollm2-135m, the default; qwen2.5-coder-0.5b), "
                         "or a local transformers directory or .gguf file")
     p.add_argument("--text", default=None,
                    help="text of the text suite: 'pydoc' (default: pydoc_data.topics), 'essays' "
                         "(RULER's Paul Graham essays) or a UTF-8 file")
-    p.add_argument("--contexts", type=_int_list, default=None, help="context lengths, e.g. 8192,16384,32768")
+    p.add_argument("--contexts", type=_int_list, default=None, help="context lengths, e.g. 8192,16k,32k")
     p.add_argument("--continuation", type=_positive("--continuation", 2, 4096), default=None,
                    help="text suite: teacher-forced decode steps per window")
     p.add_argument("--windows", type=_positive("--windows", 1, 1000), default=None,
@@ -84,15 +91,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--configs", default=None, help="TOML file of [[config]] tables (see kvtier/eval/sweep.py)")
     p.add_argument("--only", default=None, help="comma-separated substrings: keep configs whose name contains one")
     p.add_argument("--no-probe", action="store_true", help="skip the recall-probe windows")
-    p.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16",
-                   help="model and KV dtype (bfloat16: the fast one on CPUs with AVX-512/AMX)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="model and KV dtype; auto: bfloat16 on a CPU with native bf16 matmul (AVX512_BF16, AMX, "
+                        "Arm BF16), float32 on any other CPU (bf16 is emulated there, several times slower)")
     p.add_argument("--threads", type=_positive("--threads", 1, 1024), default=None,
                    help="torch threads (default: torch's choice, the physical cores)")
     p.add_argument("--prefill-cache", default=None, metavar="DIR",
                    help="keep each sample's shared prefill in DIR (safetensors) and reuse it on later runs "
                         "of the same model, dtype and sample (a 32k prefill is tens of CPU-minutes); "
                         "TTFT then reports the prefill's time when it was computed")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the text windows, the samples and sampling (default 0)")
     p.add_argument("--out", default="results", help="output directory for eval.json, eval.png and eval.md")
 
 
@@ -155,6 +163,11 @@ class _Plan:
             specs = [s for s in specs if s.kind == "dynamic"] + chosen
         check_configs(specs, self.contexts, where=f"--configs {args.configs}: " if args.configs else "")
         self.ref, self.specs = with_reference(specs)
+        try:
+            # made last of the checks, before the model loads: an unwritable place costs a second
+            self.out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"--out {args.out}: cannot create the directory ({e.strerror or e})") from None
 
     @staticmethod
     def _check_text(text: str | None) -> str | None:
@@ -227,12 +240,19 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     console = Console(width=max(150, Console().width))
     t_start = time.perf_counter()
+
+    def say(msg: str) -> None:
+        # rich draws its status spinners and bars only on a terminal; a log or a pipe gets these
+        # lines instead, flushed, so a long run never looks hung
+        if not console.is_terminal:
+            print(f"[{time.perf_counter() - t_start:5.0f} s] {msg}", flush=True)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
     # tasks first (the tokenizer alone loads in a second): a text too short fails before the model
     tok = load_tokenizer(args.model)
     tasks: dict[int, list] = {}
+    say("building tasks")
     with console.status("building tasks"):
         if plan.suite == "text":
             text = _load_text(plan.text)
@@ -247,8 +267,10 @@ def run(args: argparse.Namespace) -> int:
             for ctx in plan.contexts:
                 tasks[ctx] = [s for task in plan.tasks
                               for s in ruler.generate(task, tok, tok_dir, ctx, plan.samples, seed=42 + args.seed)]
+    dtype = parse_dtype(args.dtype)
+    say(f"loading model in {str(dtype).removeprefix('torch.')} (CPU: {cpu_name()}, native bf16 matmul: "
+        f"{cpu_has_native_bf16()})")
     with console.status("loading model"):
-        dtype = getattr(torch, args.dtype)
         model, tok = load_model(args.model, dtype=dtype)
         model.eval()
         warm_up(model)
@@ -259,7 +281,8 @@ def run(args: argparse.Namespace) -> int:
     model_info = {"name": label, "layers": cfg.num_hidden_layers, "kv_heads": cfg.num_key_value_heads,
                   "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
                   "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-                  "max_positions": cfg.max_position_embeddings, "threads": torch.get_num_threads()}
+                  "max_positions": cfg.max_position_embeddings, "threads": torch.get_num_threads(),
+                  "cpu": cpu_name(), "native_bf16": cpu_has_native_bf16()}
     specs = [plan.ref] + plan.specs
     console.print(f"{plan.suite} suite: contexts {plan.contexts}; "
                   + (f"tasks {plan.tasks}, {plan.samples} samples each" if plan.suite == "ruler" else
@@ -293,7 +316,10 @@ def run(args: argparse.Namespace) -> int:
             per_spec: list[list] = [[] for _ in specs]
 
             def tick(r, bar=bar, ctx=ctx):
-                progress.update(bar, advance=1, description=f"context {ctx}: {getattr(r, 'spec', None) and r.spec.name}")
+                name = getattr(r, "spec", None) and r.spec.name
+                progress.update(bar, advance=1, description=f"context {ctx}: {name}")
+                say(f"context {ctx}: {name or 'a configuration'} done "
+                    f"({progress.tasks[bar].completed:.0f}/{progress.tasks[bar].total:.0f})")
 
             for done, sample in enumerate(samples, 1):
                 results = run_all(model, specs, sample, Path(tmp), tokenizer=tok,

@@ -1,6 +1,6 @@
 """Turns sweep rows into the three outputs of `kvtier eval`: a table, a JSON file and a PNG plot.
 
-JSON schema (version 2), documented in the README::
+JSON schema (version 2)::
 
     {"schema": "kvtier-eval/2", "kvtier_version": str, "created": ISO-8601 str,
      "model": {"name": str, "layers": int, "kv_heads": int, "head_dim": int, "dtype": str, ...},

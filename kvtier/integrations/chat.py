@@ -18,30 +18,53 @@ import torch
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from kvtier.cliargs import choices_of, size, token_count
+    from kvtier.config import CODECS, Attention, Order, Policy
+    from kvtier.hardware import DTYPE_CHOICES
+    from kvtier.presets import PRESET_NAMES
+
     p.add_argument("--prompt", action="append", default=None,
                    help="a user turn (repeatable); without it, turns are read from standard input, one per line")
     p.add_argument("--model", default=None, help="local transformers directory or .gguf (default: embedded SmolLM2)")
     p.add_argument("--config", default=None, help="KVTierConfig TOML file (flags below override its fields)")
-    p.add_argument("--codec", default=None)
-    p.add_argument("--order", default=None)
-    p.add_argument("--policy", default=None)
-    p.add_argument("--attention", default=None)
-    p.add_argument("--hot-tokens", type=int, default=None)
-    p.add_argument("--budget-tokens", type=int, default=None)
-    p.add_argument("--block-tokens", type=int, default=None)
-    p.add_argument("--host-bytes", type=int, default=None)
+    p.add_argument("--preset", default=None, choices=PRESET_NAMES,
+                   help="a named KVTierConfig preset (docs/configuration.md); --config and the flags below override it")
+    p.add_argument("--codec", default=None, choices=CODECS, help="codec of blocks below L1 (default int4)")
+    p.add_argument("--order", default=None, choices=choices_of(Order),
+                   help="where blocks are quantized: on the L1->L2 move (compress-then-tier, default) or L2->L3")
+    p.add_argument("--policy", default=None, choices=choices_of(Policy), help="which blocks leave L1 first (default h2o)")
+    p.add_argument("--attention", default=None, choices=choices_of(Attention),
+                   help="dense: attend to every token; sparse: sink + recent window + the blocks the query selects")
+    p.add_argument("--hot-tokens", type=token_count, default=None,
+                   help="tokens per sequence and layer kept in L1 at full precision (e.g. 512 or 4k)")
+    p.add_argument("--budget-tokens", type=token_count, default=None,
+                   help="sparse attention: tokens attended per step (default: hot-tokens)")
+    p.add_argument("--block-tokens", type=int, default=None, help="tokens per block (default 16 sparse, 64 dense)")
+    p.add_argument("--host-bytes", type=size, default=None, help="L2 DRAM ring size, e.g. 256M or 2G")
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="model and KV dtype; auto: bfloat16 on a CPU with native bf16 matmul, else float32")
     p.add_argument("--disk-path", default=None,
                    help="L3 directory, kept across runs (default: a per-run temporary directory; '' for no L3)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="cap on each reply's tokens (default 128)")
     p.add_argument("--sample", action="store_true", help="sample (temperature 0.7, top-p 0.9) instead of greedy")
     p.add_argument("--stats-json", action="store_true", help="print the stats as JSON instead of a summary")
 
 
 def _fields(args) -> dict:
-    """KVTierConfig fields: the --config file's, then the flags over them."""
+    """KVTierConfig fields: the --preset's, the --config file's over them, then the flags."""
     from kvtier.config import KVTierConfig
 
-    fields = KVTierConfig.from_toml(args.config).to_dict() if args.config else {}
+    fields = {}
+    if args.preset:
+        from kvtier.presets import preset_fields
+
+        from kvtier.hardware import parse_dtype
+
+        # the model's dtype, so "lossless" takes the exact codec of that dtype
+        dtype = str(parse_dtype(args.dtype)).removeprefix("torch.")
+        fields = preset_fields(args.preset, {"dtype": dtype})
+    if args.config:
+        fields.update(KVTierConfig.from_toml(args.config).to_dict())
     for name in ("codec", "order", "policy", "attention", "hot_tokens", "budget_tokens", "block_tokens",
                  "host_bytes"):
         v = getattr(args, name)
@@ -101,7 +124,9 @@ def _chat(args: argparse.Namespace, cfg) -> int:
 
     from kvtier.integrations.model import load_model
 
-    model, tok = load_model(path=args.model) if args.model else load_model()
+    from kvtier.hardware import parse_dtype
+
+    model, tok = load_model(path=args.model, dtype=parse_dtype(args.dtype))
     cache = _attach(model, cfg)
     streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True)
     messages: list[dict] = []

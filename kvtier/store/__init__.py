@@ -1,6 +1,6 @@
 """The store: block tables, eviction, async swap, prefetch and stats over the tiers.
 
-See ``api.md`` for the contract with the integrations. Orchestration only: codecs live in
+See docs/architecture.md ("Store contract") for the contract with the integrations. Orchestration only: codecs live in
 ``kvtier.compress``, byte stores in ``kvtier.tiers``.
 """
 from .keys import block_key

@@ -183,7 +183,7 @@ class Prefetcher:
     def fetch_many(self, entries: list[BlockEntry]) -> list[Fetched]:
         """Non-resident blocks' data: each kept from a scratch read, or from the prefetch buffer
         if there and of its record's current generation; the others in one synchronous load."""
-        gens = [self.lower.res.generation(e.rec) for e in entries]  # the state lock before ours (api.md's order)
+        gens = [self.lower.res.generation(e.rec) for e in entries]  # the state lock before ours (docs/architecture.md's lock order)
         out: list[Fetched | None] = []
         futs: list[Future | None] = []
         used = stale = 0

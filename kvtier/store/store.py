@@ -15,7 +15,7 @@
    miss: prefetched? else L2 / L3 -> unpack -> decode on the device -> slot (or scratch)
 ```
 
-This class checks arguments and hands the work to its parts; ``api.md`` shows them, who calls
+This class checks arguments and hands the work to its parts; docs/architecture.md shows them, who calls
 whom, and the lock order.
 """
 from __future__ import annotations

@@ -28,6 +28,7 @@ def test_files(capsys, tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
     assert "--out" in _err(capsys, "--out", str(f))
+    assert "--out" in _err(capsys, "--out", str(f / "under-a-file"))  # a directory that cannot be made
     assert "--prefill-cache" in _err(capsys, "--prefill-cache", str(f))
     assert "--configs" in _err(capsys, "--configs", str(tmp_path / "none.toml"))
 

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -356,19 +354,6 @@ def test_locked_directory_names_the_way_out(model_bf16, tmp_path):
             kvtier.attach(model_bf16, cfg(tmp_path))
     finally:
         other.close()
-
-
-@pytest.mark.slow
-def test_readme_example_runs_as_written_twice(monkeypatch, tmp_path):
-    text = (Path(__file__).parents[2] / "README.md").read_text()
-    code = re.search(r"## Using it\n\n```python\n(.*?)```", text, re.S).group(1)
-    assert "cache=cache" in code and "past_key_values=cache" not in code
-    monkeypatch.chdir(tmp_path)  # its disk_path and file are relative
-    code = code.replace("max_new_tokens=64", "max_new_tokens=8")  # the speed is not what is tested
-    for _ in range(2):  # a second run in the same process (a notebook cell run again)
-        exec(compile(code, "README.md", "exec"), {})
-    gc.collect()
-    assert not any(s.cfg.disk_path == "kvtier-cache" for s in registry.open_stores())
 
 
 def test_chat_keeps_the_part_of_the_cache_the_rerendered_conversation_shares():
