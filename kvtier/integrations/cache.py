@@ -232,6 +232,7 @@ class TieredCache(Cache):
             return  # built without a model: its blocks are never shared, any model of its shape may use it
         theirs = model_fingerprint(model)
         if theirs != self.fingerprint:
+            self.store.counters.add(identity_refusals=1)
             raise ValueError(f"this TieredCache belongs to another model: it was built for identity "
                              f"{self.fingerprint}, and the forward is of {type(model).__name__} with identity "
                              f"{theirs or '(unknown: weights not readable)'} (other weights, adapter or "
