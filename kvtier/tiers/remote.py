@@ -144,14 +144,20 @@ def check_url(url: object) -> str:
     return url
 
 
+def frame_header(key: str, value: memoryview) -> bytes:
+    """The ``HEADER_BYTES`` that precede ``value`` stored under ``key`` (its CRC included); a
+    tier that assembles frames in a buffer of its own writes these, then the value."""
+    crc = zlib.crc32(value, zlib.crc32(key.encode("utf-8")))
+    return _FRAME.pack(MAGIC, VERSION, 0, value.nbytes, crc)
+
+
 def frame(key: str, value: memoryview) -> bytes:
     """Frame ``value`` for storage under ``key`` (owned bytes)."""
-    crc = zlib.crc32(value, zlib.crc32(key.encode("utf-8")))
-    return b"".join((_FRAME.pack(MAGIC, VERSION, 0, value.nbytes, crc), value))
+    return b"".join((frame_header(key, value), value))
 
 
-def unframe(key: str, raw: bytes | None) -> memoryview | None:
-    """The payload of a framed value, or None when absent, not ours, or damaged."""
+def unframe(key: str, raw: bytes | memoryview | None) -> memoryview | None:
+    """The payload of a framed value (a view into ``raw``), or None when absent, not ours, or damaged."""
     if raw is None or len(raw) < HEADER_BYTES:
         return None
     magic, version, _flags, n, crc = _FRAME.unpack_from(raw, 0)
