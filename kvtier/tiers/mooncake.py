@@ -42,6 +42,7 @@ Ownership: ``put`` copies (into the staging buffer); ``get`` returns bytes of it
 """
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import re
@@ -84,6 +85,79 @@ _WARN_EVERY_S = 10.0
 _USED_TTL_S = 1.0        # how old the namespace's listed bytes may be for a quota decision
 _INFO_TTL_S = 10.0       # how old the pool's segment figures may be
 _FIRST_SLOT = 64 << 10   # read slot per key before any value size was seen
+
+
+class _SharedClient:
+    """The one Mooncake client of this process for one pool configuration, shared by every
+    MooncakeTier opened on it (different prefixes, the store and the vLLM connector): a client's
+    setup and close each hold a library-wide lock (close ~1 s), and a process needs one
+    transfer engine per pool, as it needs one connection pool per Redis server.
+
+    It is set up on a thread of its own (setup blocks for minutes when the master hangs); callers
+    wait for it until ``deadline``. A failed setup leaves ``store`` None and ``rc`` the code, and
+    the next :meth:`start` tries again. The client leaves the master at process exit."""
+
+    def __init__(self, cfg: "MooncakeURL") -> None:
+        self.cfg = cfg
+        self.lock = threading.Lock()  # guards thread, store, rc, deadline
+        self.thread: threading.Thread | None = None
+        self.done = threading.Event()
+        self.store = None
+        self.rc: int | None = None
+        self.deadline = 0.0
+
+    def start(self, wait_s: float) -> None:
+        """Begin a setup unless one is under way or done."""
+        with self.lock:
+            if self.thread is not None or self.store is not None:
+                return
+            self.done.clear()
+            self.deadline = time.monotonic() + wait_s
+            self.thread = threading.Thread(target=self._setup, name="kvtier-mooncake-setup", daemon=True)
+            self.thread.start()
+
+    @property
+    def connecting(self) -> bool:
+        return self.thread is not None
+
+    def wait(self):
+        """The client once set up (waiting until the deadline of the attempt under way), else None."""
+        self.done.wait(max(0.0, self.deadline - time.monotonic()))
+        return self.store
+
+    def _setup(self) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        c = self.cfg
+        host = c.local_hostname or _route_address(c.host, c.rpc_port)
+        store = MooncakeDistributedStore()
+        rc = store.setup(host, c.metadata, c.segment_bytes, c.buffer_bytes, c.protocol, "", c.master)
+        with self.lock:
+            self.rc, self.thread = rc, None
+            if rc == 0:
+                self.store = store
+        self.done.set()
+
+
+_clients: dict[tuple, _SharedClient] = {}
+_clients_lock = threading.Lock()
+
+
+def _shared_client(cfg: "MooncakeURL") -> _SharedClient:
+    key = (cfg.master, cfg.metadata, cfg.segment_bytes, cfg.buffer_bytes, cfg.protocol, cfg.local_hostname)
+    with _clients_lock:
+        if key not in _clients:
+            _clients[key] = _SharedClient(cfg)
+        return _clients[key]
+
+
+@atexit.register
+def _close_clients() -> None:
+    with _clients_lock:
+        stores = [c.store for c in _clients.values() if c.store is not None]
+        _clients.clear()
+    for store in stores:
+        store.close()
 
 
 def _bad_url(url: object, why: str) -> ValueError:
@@ -218,7 +292,7 @@ class MooncakeTier(Tier):
         except ImportError as e:  # an optional dependency: only this L4 needs it
             raise ImportError("MooncakeTier needs the Mooncake client: pip install 'kvtier[mooncake]' "
                               "(and the libibverbs1/librdmacm1 system packages, even for TCP)") from e
-        self._client_cls = MooncakeDistributedStore
+        del MooncakeDistributedStore  # loaded here so that a missing wheel fails at construction
         self.key_prefix = key_prefix
         self.retry_interval_s = float(retry_interval_s)
         self.probe_timeout_s = float(probe_timeout_s)
@@ -232,11 +306,8 @@ class MooncakeTier(Tier):
         self._lock = threading.Lock()
         self._put_lock = threading.Lock()
         self._get_lock = threading.Lock()
-        self._store = None                     # the connected client, once setup succeeded
-        self._staging: np.ndarray | None = None
-        self._connecting: threading.Thread | None = None
-        self._connected_ev = threading.Event()
-        self._setup_rc: int | None = None
+        self._store = None                     # the process's client, once set up, this tier's buffer registered
+        self._staging: np.ndarray | None = None  # [put half | get half], registered with the client
         self._stats = TierStats()
         self._errors = self._skipped = self._rejected = self._corrupt = self._outages = self._evicted = 0
         self._latency_s: deque[float] = deque(maxlen=latency_window)
@@ -270,68 +341,46 @@ class MooncakeTier(Tier):
         except OSError:
             return False
 
-    def _connect(self) -> None:
-        """Set the client up (on its own thread: setup blocks for minutes when the master hangs)."""
-        c = self.cfg
-        host = c.local_hostname or _route_address(c.host, c.rpc_port)
-        store = self._client_cls()
-        rc = store.setup(host, c.metadata, c.segment_bytes, c.buffer_bytes, c.protocol, "", c.master)
-        staging = None
-        if rc == 0:
-            staging = np.zeros(2 * self._half, dtype=np.uint8)
-            rc = store.register_buffer(staging.ctypes.data, staging.nbytes)
-        with self._lock:
-            self._setup_rc = rc
-            if rc == 0 and not self._closed:
-                self._store, self._staging = store, staging
-        if rc != 0 or self._closed:
-            store.close()
-        self._connected_ev.set()
-
     def _client(self, n_keys: int):
         """The connected client, or None (counted as ``n_keys`` skipped) while the master is
         down, being probed, or the client is still connecting."""
         self._check_open()
         if self._store is not None and self._down_since is None:
             return self._store
-        now = time.monotonic()
         with self._lock:
-            if self._down_since is not None and now < self._next_try:
+            if self._down_since is not None and time.monotonic() < self._next_try:
                 self._skipped += n_keys
                 return None
-        if self._store is None:
-            with self._lock:
-                start = self._connecting is None
-                if start:
-                    self._connecting = threading.Thread(target=self._connect, name="kvtier-mooncake-setup",
-                                                        daemon=True)
-            if start:
-                if not self._probe():
-                    with self._lock:
-                        self._connecting = None
-                    self._went_down(f"no answer on {self.cfg.master}")
-                    self._count_skipped(n_keys)
-                    return None
-                self._connecting.start()
-            if not self._connected_ev.wait(self.connect_wait_s if start else 0.0):
-                self._count_skipped(n_keys)
-                return None
-            if self._store is None:
-                with self._lock:
-                    self._connecting = None
-                    self._connected_ev.clear()
-                    rc = self._setup_rc
-                self._went_down(f"client setup returned {rc}")
-                self._count_skipped(n_keys)
-                return None
-            return self._store
-        # connected before, down since: probe before handing the client out again (its calls
-        # block for seconds while it reconnects to a master that is not there)
-        if not self._probe():
+        shared = _shared_client(self.cfg)
+        store = shared.store
+        # Probe before calling the client: while the master is away, its calls block for seconds
+        # (it reconnects), and a setup for minutes.
+        if (store is None and not shared.connecting or self._down_since is not None) and not self._probe():
             self._went_down(f"no answer on {self.cfg.master}")
             self._count_skipped(n_keys)
             return None
-        return self._store
+        if store is None:
+            shared.start(self.connect_wait_s)
+            store = shared.wait()
+            if store is None:
+                if shared.rc is not None and not shared.connecting:
+                    self._went_down(f"client setup returned {shared.rc}")
+                self._count_skipped(n_keys)
+                return None
+        if self._staging is None:
+            staging = np.zeros(2 * self._half, dtype=np.uint8)
+            rc = store.register_buffer(staging.ctypes.data, staging.nbytes)
+            if rc != 0:
+                self._went_down(f"register_buffer returned {rc}")
+                self._count_skipped(n_keys)
+                return None
+            with self._lock:
+                if self._closed:  # closed meanwhile by another thread
+                    store.unregister_buffer(staging.ctypes.data)
+                    self._check_open()
+                self._staging = staging
+        self._store = store
+        return store
 
     def _count_skipped(self, n: int) -> None:
         with self._lock:
@@ -743,16 +792,17 @@ class MooncakeTier(Tier):
         return sum(1 for _ in self.keys())
 
     def close(self) -> None:
+        """Unregister and free this tier's staging buffer; the process's client stays for other
+        tiers of the same pool (and leaves the master at exit)."""
         if self._closed:
             return
-        with self._lock:
-            self._closed = True
-            store, self._store = self._store, None
-        if store is not None:
-            with self._put_lock, self._get_lock:
-                if self._staging is not None:
-                    store.unregister_buffer(self._staging.ctypes.data)
-                store.close()
+        with self._put_lock, self._get_lock:  # no call of this tier is using the buffer now
+            with self._lock:
+                self._closed = True
+                store, self._store = self._store, None
+                staging, self._staging = self._staging, None
+        if store is not None and staging is not None:
+            store.unregister_buffer(staging.ctypes.data)
 
     def __repr__(self) -> str:
         return f"MooncakeTier({self.url!r}, key_prefix={self.key_prefix!r})"
