@@ -530,10 +530,13 @@ class MooncakeTier(Tier):
                 todo = [i for i in range(n) if admit[i]]
                 start = 0
                 while start < len(todo):
-                    # as many frames as fit the put half of the staging buffer
-                    end, nbytes = start, 0
-                    while end < len(todo) and nbytes + HEADER_BYTES + checked[todo[end]][2].nbytes <= self._half:
+                    # as many frames as fit the put half of the staging buffer, no key twice (the
+                    # client's batch does not say which of two puts of a key lands last)
+                    end, nbytes, keys_in = start, 0, set()
+                    while end < len(todo) and nbytes + HEADER_BYTES + checked[todo[end]][2].nbytes <= self._half \
+                            and checked[todo[end]][1] not in keys_in:
                         nbytes += HEADER_BYTES + checked[todo[end]][2].nbytes
+                        keys_in.add(checked[todo[end]][1])
                         end += 1
                     part = todo[start:end]
                     codes = self._upsert(store, [checked[i] for i in part])
@@ -620,8 +623,15 @@ class MooncakeTier(Tier):
         seen = [False] * n  # a value came back (whether or not its frame checked out)
         store = self._client(n)
         if store is not None:
+            # each key read once (a key twice in one batch_get_into reads torn bytes)
+            first = {}
+            for i, sk in enumerate(skeys):
+                first.setdefault(sk, i)
             with self._get_lock:
-                self._read(store, keys, skeys, list(range(n)), out, seen)
+                self._read(store, keys, skeys, list(first.values()), out, seen)
+            for i, sk in enumerate(skeys):
+                j = first[sk]
+                out[i], seen[i] = out[j], seen[j]
         bad = [k for k, s, o in zip(keys, seen, out) if s and o is None]
         with self._lock:
             self._stats.gets += n
