@@ -172,3 +172,17 @@ def start_mooncake_pool(workdir: Path, **kw) -> MooncakePool:
         except RuntimeError as e:
             last = e
     raise RuntimeError(f"could not start a Mooncake pool: {last}")
+
+
+def raw_client(pool: MooncakePool):
+    """A plain Mooncake client on ``pool`` (what another program writing into it would use);
+    the caller closes it."""
+    from mooncake.store import MooncakeDistributedStore
+
+    from kvtier.tiers.mooncake import MooncakeURL
+
+    c = MooncakeURL(pool.url)
+    store = MooncakeDistributedStore()
+    rc = store.setup("127.0.0.1", c.metadata, 0, 16 << 20, "tcp", "", c.master)
+    assert rc == 0, f"setup returned {rc}"
+    return store

@@ -22,6 +22,8 @@ from kvtier.tiers.mooncake import MooncakeTier, MooncakeURL
 from kvtier.tiers.remote import HEADER_BYTES, RemoteTier
 from kvtier.tiers.remotes import open_remote
 
+from tests.mooncake_server import raw_client
+
 from .test_remote import QUOTA, RemoteMachine
 
 LOGGER = "kvtier.tiers.mooncake"
@@ -30,16 +32,6 @@ _prefixes = itertools.count()
 
 def _unreachable(records) -> list:
     return [r for r in records if r.name == LOGGER and "unreachable" in r.getMessage()]
-
-
-def raw_client(pool):
-    """A plain Mooncake client on ``pool`` (what another program writing into it would use)."""
-    from mooncake.store import MooncakeDistributedStore
-
-    c = MooncakeURL(pool.url)
-    store = MooncakeDistributedStore()
-    assert store.setup("127.0.0.1", c.metadata, 0, 16 << 20, "tcp", "", c.master) == 0
-    return store
 
 
 @pytest.fixture
