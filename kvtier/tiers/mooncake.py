@@ -51,7 +51,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections import deque
 from collections.abc import Iterable, Iterator
 from urllib.parse import parse_qsl, urlsplit
 
@@ -60,7 +59,8 @@ import torch
 
 from .base import BytesLike, Tier, TierStats, as_byte_view, check_key, out_view
 from .errors import TierClosedError
-from .remote import HEADER_BYTES, frame_header, unframe
+from .reach import Reach, Reachable, check_seconds, check_window
+from .remote import HEADER_BYTES, check_key_prefix, check_quota, frame_header, unframe
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,6 @@ BUFFER_TOO_SMALL = -600  # INVALID_PARAMS from batch_get_into: the value is larg
 NOT_FOUND = -704         # OBJECT_NOT_FOUND
 RPC_FAIL = -900          # and below: the master (or the metadata/HA service) could not be reached
 
-_WARN_EVERY_S = 10.0
 _USED_TTL_S = 1.0        # how old the namespace's listed bytes may be for a quota decision
 _INFO_TTL_S = 10.0       # how old the pool's segment figures may be
 _FIRST_SLOT = 64 << 10   # read slot per key before any value size was seen
@@ -250,7 +249,7 @@ def _route_address(host: str, port: int) -> str:
         return "127.0.0.1"
 
 
-class MooncakeTier(Tier):
+class MooncakeTier(Reachable, Tier):
     """Key -> bytes in a Mooncake Store pool, shared by every process using the same master and prefix.
 
     Args:
@@ -274,19 +273,12 @@ class MooncakeTier(Tier):
                  capacity_bytes: int | None = None, latency_window: int = 4096) -> None:
         self.cfg = MooncakeURL(url)
         self.url = url
-        if not isinstance(key_prefix, str) or "\x00" in key_prefix or len(key_prefix.encode()) > 128:
-            raise ValueError(f"key_prefix must be a str of at most 128 UTF-8 bytes without NUL; got {key_prefix!r:.80}")
-        for name, v, allow_zero in (("retry_interval_s", retry_interval_s, True),
-                                    ("probe_timeout_s", probe_timeout_s, False),
-                                    ("connect_wait_s", connect_wait_s, True)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 if allow_zero else v > 0) \
-                    or v == float("inf"):
-                raise ValueError(f"{name} must be a finite number {'>=' if allow_zero else '>'} 0; got {v!r}")
-        if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
-                                           or capacity_bytes < 1):
-            raise ValueError(f"capacity_bytes must be an int >= 1 or None; got {capacity_bytes!r}")
-        if isinstance(latency_window, bool) or not isinstance(latency_window, int) or latency_window < 1:
-            raise ValueError(f"latency_window must be an int >= 1; got {latency_window!r}")
+        check_key_prefix(key_prefix)
+        retry_interval_s = check_seconds("retry_interval_s", retry_interval_s, allow_zero=True)
+        self.probe_timeout_s = check_seconds("probe_timeout_s", probe_timeout_s, allow_zero=False)
+        self.connect_wait_s = check_seconds("connect_wait_s", connect_wait_s, allow_zero=True)
+        check_quota(capacity_bytes)
+        check_window(latency_window)
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:  # an optional dependency: only this L4 needs it
@@ -294,9 +286,8 @@ class MooncakeTier(Tier):
                               "(and the libibverbs1/librdmacm1 system packages, even for TCP)") from e
         del MooncakeDistributedStore  # loaded here so that a missing wheel fails at construction
         self.key_prefix = key_prefix
-        self.retry_interval_s = float(retry_interval_s)
-        self.probe_timeout_s = float(probe_timeout_s)
-        self.connect_wait_s = float(connect_wait_s)
+        # probes back off to 8x the interval: a master that stays away costs ever fewer connects
+        self._reach = Reach(f"MooncakeTier {self.cfg.master}", log, retry_interval_s, 8.0, latency_window)
         self._quota = capacity_bytes
         # Largest framed value: one half of the staging buffer (puts in one, gets in the other).
         self._half = self.cfg.buffer_bytes // 2
@@ -309,12 +300,7 @@ class MooncakeTier(Tier):
         self._store = None                     # the process's client, once set up, this tier's buffer registered
         self._staging: np.ndarray | None = None  # [put half | get half], registered with the client
         self._stats = TierStats()
-        self._errors = self._skipped = self._rejected = self._corrupt = self._outages = self._evicted = 0
-        self._latency_s: deque[float] = deque(maxlen=latency_window)
-        self._down_since: float | None = None
-        self._next_try = 0.0
-        self._backoff = self.retry_interval_s
-        self._last_warn = -1e9
+        self._rejected = self._corrupt = 0
         self._slot = _FIRST_SLOT               # read slot per key: the largest frame seen so far
         self._used: int | None = None          # namespace bytes for quota decisions
         self._used_at = -1e9
@@ -324,11 +310,6 @@ class MooncakeTier(Tier):
         self._closed = False
 
     # -- connection ------------------------------------------------------------------------------
-
-    @property
-    def connected(self) -> bool:
-        """False while the master is known to be unreachable (True before first contact)."""
-        return self._down_since is None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -345,34 +326,33 @@ class MooncakeTier(Tier):
         """The connected client, or None (counted as ``n_keys`` skipped) while the master is
         down, being probed, or the client is still connecting."""
         self._check_open()
-        if self._store is not None and self._down_since is None:
+        reach = self._reach
+        if self._store is not None and reach.connected:
             return self._store
-        with self._lock:
-            if self._down_since is not None and time.monotonic() < self._next_try:
-                self._skipped += n_keys
-                return None
+        if reach.skip(n_keys):
+            return None
         shared = _shared_client(self.cfg)
         store = shared.store
         # Probe before calling the client: while the master is away, its calls block for seconds
         # (it reconnects), and a setup for minutes.
-        if (store is None and not shared.connecting or self._down_since is not None) and not self._probe():
-            self._went_down(f"no answer on {self.cfg.master}")
-            self._count_skipped(n_keys)
+        if (store is None and not shared.connecting or not reach.connected) and not self._probe():
+            reach.went_down(f"no answer on {self.cfg.master}")
+            reach.count_skipped(n_keys)
             return None
         if store is None:
             shared.start(self.connect_wait_s)
             store = shared.wait()
             if store is None:
                 if shared.rc is not None and not shared.connecting:
-                    self._went_down(f"client setup returned {shared.rc}")
-                self._count_skipped(n_keys)
+                    reach.went_down(f"client setup returned {shared.rc}")
+                reach.count_skipped(n_keys)
                 return None
         if self._staging is None:
             staging = np.zeros(2 * self._half, dtype=np.uint8)
             rc = store.register_buffer(staging.ctypes.data, staging.nbytes)
             if rc != 0:
-                self._went_down(f"register_buffer returned {rc}")
-                self._count_skipped(n_keys)
+                reach.went_down(f"register_buffer returned {rc}")
+                reach.count_skipped(n_keys)
                 return None
             with self._lock:
                 if self._closed:  # closed meanwhile by another thread
@@ -382,53 +362,13 @@ class MooncakeTier(Tier):
         self._store = store
         return store
 
-    def _count_skipped(self, n: int) -> None:
-        with self._lock:
-            self._skipped += n
-
-    def _went_down(self, why: str) -> None:
-        now = time.monotonic()
-        with self._lock:
-            self._errors += 1
-            first = self._down_since is None
-            if first:
-                self._down_since = now
-                self._outages += 1
-                self._backoff = self.retry_interval_s
-            else:
-                self._backoff = min(2 * self._backoff, 8 * self.retry_interval_s)
-            self._next_try = now + self._backoff
-        if first:
-            log.warning("MooncakeTier %s unreachable (%s): serving misses, retrying from every %.1fs",
-                        self.cfg.master, why, self.retry_interval_s)
-        else:
-            log.debug("MooncakeTier %s still unreachable: %s", self.cfg.master, why)
-
-    def _came_up(self) -> None:
-        if self._down_since is None:
-            return
-        with self._lock:
-            since, self._down_since = self._down_since, None
-        if since is not None:
-            log.warning("MooncakeTier %s reachable again after %.1fs", self.cfg.master, time.monotonic() - since)
-
     def _result(self, codes: list[int], t0: float) -> bool:
         """Record a round trip's outcome; False (and the outage noted) when the master failed it."""
         if any(c <= RPC_FAIL for c in codes):
-            self._went_down(f"RPC error {min(codes)}")
+            self._reach.went_down(f"RPC error {min(codes)}")
             return False
-        with self._lock:
-            self._latency_s.append(time.perf_counter() - t0)
-        self._came_up()
+        self._reach.came_up(time.perf_counter() - t0)
         return True
-
-    def _warn_limited(self, msg: str, *args) -> None:
-        now = time.monotonic()
-        with self._lock:
-            due = now - self._last_warn >= _WARN_EVERY_S
-            if due:
-                self._last_warn = now
-        (log.warning if due else log.debug)(msg, *args)
 
     # -- the master's admin port -----------------------------------------------------------------
 
@@ -437,7 +377,7 @@ class MooncakeTier(Tier):
             with urllib.request.urlopen(self.cfg.admin + path, timeout=max(self.probe_timeout_s, 1.0)) as r:
                 return r.read()
         except (OSError, urllib.error.URLError, ValueError) as e:
-            self._warn_limited("MooncakeTier: admin port %s did not answer %s (%s); listings are empty",
+            self._reach.warn_limited("MooncakeTier: admin port %s did not answer %s (%s); listings are empty",
                                self.cfg.admin, path, e)
             return None
 
@@ -545,7 +485,7 @@ class MooncakeTier(Tier):
                     for i, c in zip(part, codes):
                         ok[i] = c == 0
                     if NO_SPACE in codes:
-                        self._warn_limited("MooncakeTier %s: the pool had no room for %d value(s) (no store server, "
+                        self._reach.warn_limited("MooncakeTier %s: the pool had no room for %d value(s) (no store server, "
                                            "or every segment full of leased objects)", self.cfg.master,
                                            codes.count(NO_SPACE))
                     start = end
@@ -633,15 +573,7 @@ class MooncakeTier(Tier):
                 j = first[sk]
                 out[i], seen[i] = out[j], seen[j]
         bad = [k for k, s, o in zip(keys, seen, out) if s and o is None]
-        with self._lock:
-            self._stats.gets += n
-            for o, s in zip(out, seen):
-                if o is None:
-                    self._stats.misses += 1
-                    self._corrupt += s
-                else:
-                    self._stats.hits += 1
-                    self._stats.bytes_out += len(o)
+        self._count_gets(out, seen)
         if bad:
             log.warning("MooncakeTier %s: %d value(s) failed their frame/CRC check (first: %r); treated as misses",
                         self.cfg.master, len(bad), bad[0])
@@ -703,15 +635,26 @@ class MooncakeTier(Tier):
                 mv[:len(got)] = got
             elif got:
                 dev[:len(got)].copy_(torch.frombuffer(bytearray(got), dtype=torch.uint8))
-        with self._lock:
-            self._stats.gets += 1
-            if got is None:
-                self._stats.misses += 1
-                self._corrupt += seen[0]
-            else:
-                self._stats.hits += 1
-                self._stats.bytes_out += len(got)
+        self._count_gets(res, seen)
         return None if got is None else len(got)
+
+    def _count_gets(self, values: list[bytes | None], seen: list[bool]) -> None:
+        """Account reads: a value that came back but failed its frame/CRC check is a corrupt miss."""
+        with self._lock:
+            self._stats.gets += len(values)
+            for got, came in zip(values, seen):
+                if got is None:
+                    self._stats.misses += 1
+                    self._corrupt += came
+                else:
+                    self._stats.hits += 1
+                    self._stats.bytes_out += len(got)
+
+    def _begin(self, keys: Iterable[str]):
+        """Server keys of ``keys`` (checked) and the client, None when there are none or no client."""
+        self._check_open()
+        skeys = [self._skey(k) for k in keys]
+        return skeys, (self._client(len(skeys)) if skeys else None)
 
     def contains(self, key: str) -> bool:
         return self.contains_many([key])[0]
@@ -719,11 +662,7 @@ class MooncakeTier(Tier):
     def contains_many(self, keys: Iterable[str]) -> list[bool]:
         """Whether each key is in the pool, in one round trip (``batch_is_exist``). Presence only:
         a value that fails its frame/CRC check still reads as a miss. Nothing is counted."""
-        self._check_open()
-        skeys = [self._skey(k) for k in keys]
-        if not skeys:
-            return []
-        store = self._client(len(skeys))
+        skeys, store = self._begin(keys)
         if store is None:
             return [False] * len(skeys)
         t0 = time.perf_counter()
@@ -751,11 +690,7 @@ class MooncakeTier(Tier):
     def delete_many(self, keys: Iterable[str]) -> list[bool]:
         """Remove every key in one round trip (``batch_remove``, leases overridden: a reader that
         raced the removal fails its CRC check); False where absent or the master was unreachable."""
-        self._check_open()
-        skeys = [self._skey(k) for k in keys]
-        if not skeys:
-            return []
-        store = self._client(len(skeys))
+        skeys, store = self._begin(keys)
         if store is None:
             return [False] * len(skeys)
         with self._put_lock:
@@ -783,19 +718,14 @@ class MooncakeTier(Tier):
         (puts not stored), corrupt, outages, latency_p50_ms/latency_p99_ms per round trip,
         connected, and the pool's pool_bytes/pool_used_bytes/pool_segments."""
         self._check_open()
+        reach = self._reach.stats()  # snapshot before this call's own round trips
         with self._lock:
-            lat = np.array(self._latency_s, dtype=np.float64) * 1e3
             s = self._stats.as_dict()
-            s.update(errors=self._errors, skipped=self._skipped, rejected=self._rejected,
-                     corrupt=self._corrupt, outages=self._outages)
+            s.update(rejected=self._rejected, corrupt=self._corrupt)
+        s.update(reach)
         keys = list(self.keys())
-        s.update(
-            latency_p50_ms=float(np.percentile(lat, 50)) if lat.size else 0.0,
-            latency_p99_ms=float(np.percentile(lat, 99)) if lat.size else 0.0,
-            round_trips=int(lat.size),
-            used_bytes=self.used_bytes, capacity_bytes=self.capacity_bytes, records=len(keys),
-            connected=self.connected, **{k: int(v) for k, v in self._pool_info().items()},
-        )
+        s.update(used_bytes=self.used_bytes, capacity_bytes=self.capacity_bytes, records=len(keys),
+                 connected=self.connected, **{k: int(v) for k, v in self._pool_info().items()})
         return s
 
     def __len__(self) -> int:
