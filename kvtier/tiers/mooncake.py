@@ -52,7 +52,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Iterator
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, quote, urlsplit
 
 import numpy as np
 import torch
@@ -84,6 +84,7 @@ RPC_FAIL = -900          # and below: the master (or the metadata/HA service) co
 _USED_TTL_S = 1.0        # how old the namespace's listed bytes may be for a quota decision
 _INFO_TTL_S = 10.0       # how old the pool's segment figures may be
 _FIRST_SLOT = 64 << 10   # read slot per key before any value size was seen
+_QUERY_KEYS = 256        # keys per size query to the admin port (URL length)
 
 
 class _SharedClient:
@@ -293,8 +294,10 @@ class MooncakeTier(Reachable, Tier):
         self._half = self.cfg.buffer_bytes // 2
         self.max_value_bytes = self._half - HEADER_BYTES
 
-        # Lock order: _put_lock or _get_lock (one staging half each), then _lock (counters, state).
+        # Lock order: _put_lock or _get_lock (one staging half each), then _setup_lock (the staging
+        # buffer's registration), then _lock (counters, state).
         self._lock = threading.Lock()
+        self._setup_lock = threading.Lock()
         self._put_lock = threading.Lock()
         self._get_lock = threading.Lock()
         self._store = None                     # the process's client, once set up, this tier's buffer registered
@@ -347,19 +350,20 @@ class MooncakeTier(Reachable, Tier):
                     reach.went_down(f"client setup returned {shared.rc}")
                 reach.count_skipped(n_keys)
                 return None
-        if self._staging is None:
-            staging = np.zeros(2 * self._half, dtype=np.uint8)
-            rc = store.register_buffer(staging.ctypes.data, staging.nbytes)
-            if rc != 0:
-                reach.went_down(f"register_buffer returned {rc}")
-                reach.count_skipped(n_keys)
-                return None
-            with self._lock:
-                if self._closed:  # closed meanwhile by another thread
-                    store.unregister_buffer(staging.ctypes.data)
-                    self._check_open()
-                self._staging = staging
-        self._store = store
+        with self._setup_lock:  # one staging buffer per tier, registered once
+            if self._staging is None:
+                staging = np.zeros(2 * self._half, dtype=np.uint8)
+                rc = store.register_buffer(staging.ctypes.data, staging.nbytes)
+                if rc != 0:
+                    reach.went_down(f"register_buffer returned {rc}")
+                    reach.count_skipped(n_keys)
+                    return None
+                with self._lock:
+                    if self._closed:  # closed meanwhile by another thread
+                        store.unregister_buffer(staging.ctypes.data)
+                        self._check_open()
+                    self._staging = staging
+            self._store = store
         return store
 
     def _result(self, codes: list[int], t0: float) -> bool:
@@ -378,7 +382,7 @@ class MooncakeTier(Reachable, Tier):
                 return r.read()
         except (OSError, urllib.error.URLError, ValueError) as e:
             self._reach.warn_limited("MooncakeTier: admin port %s did not answer %s (%s); listings are empty",
-                               self.cfg.admin, path, e)
+                                     self.cfg.admin, path, e)
             return None
 
     def _namespace_keys(self) -> list[str]:
@@ -389,8 +393,22 @@ class MooncakeTier(Reachable, Tier):
         return sorted({k[len(p):] for k in raw.decode("utf-8", "replace").split("\n") if k.startswith(p) and k != p})
 
     def _sizes(self, store, skeys: list[str]) -> list[int]:
-        """Stored (framed) size of each server key; 0 where absent."""
-        return [max(store.get_size(k), 0) for k in skeys]
+        """Stored (framed) size of each server key; 0 where absent. Asked of the admin port in
+        batches (one HTTP request for hundreds of keys), of the client (one RPC each) for what
+        that did not answer."""
+        sizes: dict[str, int] = {}
+        for i in range(0, len(skeys), _QUERY_KEYS):
+            part = skeys[i:i + _QUERY_KEYS]
+            raw = self._admin("/batch_query_keys?keys=" + ",".join(quote(k, safe="") for k in part))
+            try:
+                data = json.loads(raw)["data"] if raw is not None else {}
+                for k in part:
+                    d = data.get(k)
+                    if isinstance(d, dict):
+                        sizes[k] = int(d["values"][0]["size_"]) if d.get("ok") and d.get("values") else 0
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+                pass
+        return [sizes[k] if k in sizes else max(store.get_size(k), 0) for k in skeys]
 
     def _listed_bytes(self) -> int | None:
         store = self._client(1)
@@ -403,7 +421,7 @@ class MooncakeTier(Reachable, Tier):
         return total
 
     def _pool_info(self) -> dict:
-        if time.monotonic() - self._pool_at > _INFO_TTL_S:
+        if self.connected and time.monotonic() - self._pool_at > _INFO_TTL_S:
             raw = self._admin("/get_segments_detail")
             if raw is not None:
                 try:

@@ -229,3 +229,12 @@ def test_url_defaults_and_dispatch():
     r = open_remote("redis://127.0.0.1:1/0", key_prefix="p:", redis_timeout_s=2.0)
     assert isinstance(r, RemoteTier) and r.socket_timeout_s == 2.0
     r.close()
+
+
+def test_used_bytes_of_keys_with_commas_and_escapes(tier):
+    """Sizes come from the admin port's batch query (comma-separated, percent-encoded keys);
+    keys it cannot answer for are asked of the client one by one."""
+    keys = ["a,b", "c%2Cd", "é/ü", "plain"]
+    assert all(tier.put_many([(k, b"x" * (10 * (i + 1))) for i, k in enumerate(keys)]))
+    assert tier.used_bytes == sum(10 * (i + 1) + HEADER_BYTES for i in range(4))
+    assert sorted(tier.keys()) == sorted(keys)
