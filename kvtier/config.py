@@ -412,7 +412,7 @@ class KVTierConfig:
     back to it; a dead server is a miss, never an error. ``None``: no L4."""
 
     remote_key_prefix: str = "kvtier:"
-    """Namespace of this store's keys on the L4 server (or in the Mooncake pool)."""
+    """Namespace of this store's keys on the L4 server."""
 
     write_through: bool = True
     """Content-addressed blocks (token ids known) are written to L3 and L4 as they seal, off the
