@@ -34,12 +34,13 @@ import logging
 import struct
 import threading
 import time
-import zlib
 from collections.abc import Iterable, Iterator
 from hashlib import sha1
 from urllib.parse import urlsplit, urlunsplit
 
 import torch
+
+from kvtier._crc import crc32  # zlib's CRC-32, computed by ISA-L where installed
 
 from .base import BytesLike, Tier, TierStats, as_byte_view, check_key, out_view
 from .errors import TierClosedError
@@ -159,7 +160,7 @@ def check_quota(capacity_bytes: object) -> int | None:
 def frame_header(key: str, value: memoryview) -> bytes:
     """The ``HEADER_BYTES`` that precede ``value`` stored under ``key`` (its CRC included); a
     tier that assembles frames in a buffer of its own writes these, then the value."""
-    crc = zlib.crc32(value, zlib.crc32(key.encode("utf-8")))
+    crc = crc32(value, crc32(key.encode("utf-8")))
     return _FRAME.pack(MAGIC, VERSION, 0, value.nbytes, crc)
 
 
@@ -176,7 +177,7 @@ def unframe(key: str, raw: bytes | memoryview | None) -> memoryview | None:
     if magic != MAGIC or version != VERSION or n != len(raw) - HEADER_BYTES:
         return None
     payload = memoryview(raw)[HEADER_BYTES:]
-    if zlib.crc32(payload, zlib.crc32(key.encode("utf-8"))) != crc:
+    if crc32(payload, crc32(key.encode("utf-8"))) != crc:
         return None
     return payload
 
