@@ -92,7 +92,7 @@ class MooncakePool:
         return self.url_with()
 
     def _spawn(self, args: list[str], log: str) -> subprocess.Popen:
-        env = dict(os.environ, GLOG_minloglevel="1")  # the binaries log every request at INFO
+        env = dict(os.environ, GLOG_minloglevel="1")  # the master's INFO lines, one per request, left out
         with open(self.workdir / log, "ab") as f:
             return subprocess.Popen(args, cwd=self.workdir, stdin=subprocess.DEVNULL, stdout=f,
                                     stderr=subprocess.STDOUT, env=env)
