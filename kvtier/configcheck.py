@@ -75,13 +75,19 @@ def device_memory(device) -> int | None:
 
 
 def check_remote_url(url: Any) -> None:
-    """``remote_url`` as kvtier's L4 tier and the Redis client will both read it."""
+    """``remote_url`` as kvtier's L4 tier and its client (Redis or Mooncake) will read it."""
     from kvtier.tiers.remote import check_url  # imports no client: the URL is parsed only
+    from kvtier.tiers.remotes import is_mooncake
 
+    if isinstance(url, str) and is_mooncake(url):
+        from kvtier.tiers.mooncake import check_url as check_mooncake_url
+
+        check_mooncake_url(url)  # its ValueError names remote_url and the form
+        return
     try:
         check_url(url)
     except ValueError as e:
-        raise ValueError(f"remote_url must be a Redis URL or None; {e}") from None
+        raise ValueError(f"remote_url must be a Redis URL, a mooncake:// URL or None; {e}") from None
     try:
         from redis.connection import parse_url
     except ImportError:  # the L4 tier then reports itself unavailable; the form is checked above

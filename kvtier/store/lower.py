@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 
 class LowerTiers:
     def __init__(self, cfg: KVTierConfig, layout: Layout, io: BlockIO, counters: Counters) -> None:
-        from kvtier.tiers import HostTier, RemoteTier
+        from kvtier.tiers import HostTier
+        from kvtier.tiers.remotes import open_remote
 
         self.lock = threading.Lock()
         self.layout = layout
@@ -43,7 +44,7 @@ class LowerTiers:
         self.l3 = open_disk(cfg) if cfg.disk_path is not None else None
         if self.l3 is not None:
             self.l3.set_keep(self._in_use)
-        self.l4 = RemoteTier(cfg.remote_url, key_prefix=cfg.remote_key_prefix) \
+        self.l4 = open_remote(cfg.remote_url, key_prefix=cfg.remote_key_prefix) \
             if cfg.remote_url is not None else None
         self.l2 = HostTier(cfg.host_bytes, spill=self._spill if self.l3 is not None else None,
                            pin_memory=layout.cuda, overflow_bytes=cfg.host_overflow_bytes if self.l3 is not None else 0)

@@ -1,7 +1,8 @@
 """Storage tiers: L1 device block pool, L2 DRAM ring buffer, L3 segment files, L4 remote store.
 
-All tiers share one interface (:class:`Tier`): a bounded key -> bytes store. ``RemoteTier`` is
-imported on first use (it lives in :mod:`kvtier.tiers.remote`).
+All tiers share one interface (:class:`Tier`): a bounded key -> bytes store. The L4 tiers are
+imported on first use: ``RemoteTier`` (Redis/Valkey, :mod:`kvtier.tiers.remote`) and
+``MooncakeTier`` (Mooncake Store, :mod:`kvtier.tiers.mooncake`); ``open_remote`` picks one by URL.
 """
 from .base import MAX_KEY_BYTES, BytesLike, Tier, as_byte_view, check_key
 from .device import DeviceTier
@@ -10,8 +11,8 @@ from .errors import DirectoryLockedError, DiskFullError, TierClosedError, TierEr
 from .host import HostTier
 
 __all__ = [
-    "Tier", "DeviceTier", "HostTier", "DiskTier", "RemoteTier", "TierError", "DiskFullError",
-    "DirectoryLockedError", "TierClosedError", "BytesLike", "MAX_KEY_BYTES", "check_key", "as_byte_view",
+    "Tier", "DeviceTier", "HostTier", "DiskTier", "RemoteTier", "MooncakeTier", "open_remote", "TierError",
+    "DiskFullError", "DirectoryLockedError", "TierClosedError", "BytesLike", "MAX_KEY_BYTES", "check_key", "as_byte_view",
 ]
 
 
@@ -20,4 +21,12 @@ def __getattr__(name: str):
         from .remote import RemoteTier
 
         return RemoteTier
+    if name == "MooncakeTier":
+        from .mooncake import MooncakeTier
+
+        return MooncakeTier
+    if name == "open_remote":
+        from .remotes import open_remote
+
+        return open_remote
     raise AttributeError(f"module 'kvtier.tiers' has no attribute {name!r}")

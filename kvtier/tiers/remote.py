@@ -34,17 +34,17 @@ import logging
 import struct
 import threading
 import time
-import zlib
-from collections import deque
 from collections.abc import Iterable, Iterator
 from hashlib import sha1
 from urllib.parse import urlsplit, urlunsplit
 
-import numpy as np
 import torch
+
+from kvtier._crc import crc32  # zlib's CRC-32, computed by ISA-L where installed
 
 from .base import BytesLike, Tier, TierStats, as_byte_view, check_key, out_view
 from .errors import TierClosedError
+from .reach import Reach, Reachable, check_seconds, check_window
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,6 @@ MAX_VALUE_BYTES = (512 << 20) - HEADER_BYTES
 _CHUNK_KEYS = 512
 _CHUNK_BYTES = 32 << 20
 
-_WARN_EVERY_S = 10.0
 _URL_FORM = "redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or unix:///path/to.sock[?db=N]"
 
 # KEYS[1] = namespace byte counter, KEYS[2..] = record keys; ARGV[1] = capacity (0: none),
@@ -144,21 +143,41 @@ def check_url(url: object) -> str:
     return url
 
 
+def check_key_prefix(key_prefix: object) -> str:
+    """A namespace on a shared server: a str of at most 128 UTF-8 bytes without NUL."""
+    if not isinstance(key_prefix, str) or "\x00" in key_prefix or len(key_prefix.encode()) > 128:
+        raise ValueError(f"key_prefix must be a str of at most 128 UTF-8 bytes without NUL; got {key_prefix!r:.80}")
+    return key_prefix
+
+
+def check_quota(capacity_bytes: object) -> int | None:
+    if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
+                                       or capacity_bytes < 1):
+        raise ValueError(f"capacity_bytes must be an int >= 1 or None; got {capacity_bytes!r}")
+    return capacity_bytes
+
+
+def frame_header(key: str, value: memoryview) -> bytes:
+    """The ``HEADER_BYTES`` that precede ``value`` stored under ``key`` (its CRC included); a
+    tier that assembles frames in a buffer of its own writes these, then the value."""
+    crc = crc32(value, crc32(key.encode("utf-8")))
+    return _FRAME.pack(MAGIC, VERSION, 0, value.nbytes, crc)
+
+
 def frame(key: str, value: memoryview) -> bytes:
     """Frame ``value`` for storage under ``key`` (owned bytes)."""
-    crc = zlib.crc32(value, zlib.crc32(key.encode("utf-8")))
-    return b"".join((_FRAME.pack(MAGIC, VERSION, 0, value.nbytes, crc), value))
+    return b"".join((frame_header(key, value), value))
 
 
-def unframe(key: str, raw: bytes | None) -> memoryview | None:
-    """The payload of a framed value, or None when absent, not ours, or damaged."""
+def unframe(key: str, raw: bytes | memoryview | None) -> memoryview | None:
+    """The payload of a framed value (a view into ``raw``), or None when absent, not ours, or damaged."""
     if raw is None or len(raw) < HEADER_BYTES:
         return None
     magic, version, _flags, n, crc = _FRAME.unpack_from(raw, 0)
     if magic != MAGIC or version != VERSION or n != len(raw) - HEADER_BYTES:
         return None
     payload = memoryview(raw)[HEADER_BYTES:]
-    if zlib.crc32(payload, zlib.crc32(key.encode("utf-8"))) != crc:
+    if crc32(payload, crc32(key.encode("utf-8"))) != crc:
         return None
     return payload
 
@@ -174,7 +193,7 @@ def _chunks(n_items: int, sizes: list[int] | None = None) -> Iterator[slice]:
         yield slice(start, n_items)
 
 
-class RemoteTier(Tier):
+class RemoteTier(Reachable, Tier):
     """Key -> bytes on a Redis/Valkey server, shared by every process using the same URL and prefix.
 
     Args:
@@ -203,22 +222,16 @@ class RemoteTier(Tier):
             raise ImportError("RemoteTier needs the Redis client: pip install 'redis>=5'") from e
 
         self.url = check_url(url)
-        if not isinstance(key_prefix, str) or "\x00" in key_prefix or len(key_prefix.encode()) > 128:
-            raise ValueError(f"key_prefix must be a str of at most 128 UTF-8 bytes without NUL; got {key_prefix!r:.80}")
-        for name, v, allow_zero in (("socket_timeout_s", socket_timeout_s, False),
-                                    ("retry_interval_s", retry_interval_s, True)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 if allow_zero else v > 0) \
-                    or v == float("inf"):
-                raise ValueError(f"{name} must be a finite number {'>=' if allow_zero else '>'} 0; got {v!r}")
-        if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
-                                           or capacity_bytes < 1):
-            raise ValueError(f"capacity_bytes must be an int >= 1 or None; got {capacity_bytes!r}")
-        if isinstance(latency_window, bool) or not isinstance(latency_window, int) or latency_window < 1:
-            raise ValueError(f"latency_window must be an int >= 1; got {latency_window!r}")
+        check_key_prefix(key_prefix)
+        socket_timeout_s = check_seconds("socket_timeout_s", socket_timeout_s, allow_zero=False)
+        retry_interval_s = check_seconds("retry_interval_s", retry_interval_s, allow_zero=True)
+        check_quota(capacity_bytes)
+        check_window(latency_window)
 
         self.key_prefix = key_prefix
-        self.socket_timeout_s = float(socket_timeout_s)
-        self.retry_interval_s = float(retry_interval_s)
+        self.socket_timeout_s = socket_timeout_s
+        # a fixed retry interval: each try costs at most socket_timeout_s
+        self._reach = Reach(f"RemoteTier {_redact(url)}", log, retry_interval_s, 1.0, latency_window)
         self._quota = capacity_bytes
         self._prefix_b = key_prefix.encode("utf-8")
         self._used_key = self._prefix_b + b"\x00used"
@@ -233,26 +246,14 @@ class RemoteTier(Tier):
         self._del_sha = sha1(_DEL_LUA.encode()).hexdigest()
         self._lock = threading.Lock()
         self._stats = TierStats()
-        self._errors = 0
-        self._skipped = 0
         self._rejected = 0
         self._corrupt = 0
-        self._outages = 0
-        self._latency_s: deque[float] = deque(maxlen=latency_window)
-        self._down_since: float | None = None
-        self._next_try = 0.0
         self._last_used = 0
-        self._last_warn = -1e9
         self._server_info: dict = {}
         self._server_info_at = -1e9
         self._closed = False
 
     # -- connection state ------------------------------------------------------------------------
-
-    @property
-    def connected(self) -> bool:
-        """False while the server is known to be unreachable (True before first contact)."""
-        return self._down_since is None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -261,10 +262,8 @@ class RemoteTier(Tier):
     def _round_trip(self, fn, fallback, n_keys: int = 1):
         """Run ``fn`` (one round trip) unless the server is known down; a failure returns ``fallback``."""
         self._check_open()
-        with self._lock:
-            if self._down_since is not None and time.monotonic() < self._next_try:
-                self._skipped += n_keys
-                return fallback
+        if self._reach.skip(n_keys):
+            return fallback
         errs = self._redis.exceptions
         t0 = time.perf_counter()
         try:
@@ -274,49 +273,16 @@ class RemoteTier(Tier):
             return fallback
         except errs.RedisError as e:
             # The server answered but refused (OOM under noeviction, read-only replica, ...).
-            with self._lock:
-                self._errors += 1
-            self._warn_limited("RemoteTier %s refused a request: %s", _redact(self.url), e)
-            self._came_up()
+            self._reach.count_error()
+            self._reach.warn_limited("RemoteTier %s refused a request: %s", _redact(self.url), e)
+            self._reach.came_up()
             return fallback
-        dt = time.perf_counter() - t0
-        with self._lock:
-            self._latency_s.append(dt)
-        self._came_up()
+        self._reach.came_up(time.perf_counter() - t0)
         return out
-
-    def _warn_limited(self, msg: str, *args) -> None:
-        """A warning at most every ``_WARN_EVERY_S`` (a full server refuses every put of a decode loop)."""
-        now = time.monotonic()
-        with self._lock:
-            due = now - self._last_warn >= _WARN_EVERY_S
-            if due:
-                self._last_warn = now
-        (log.warning if due else log.debug)(msg, *args)
 
     def _went_down(self, e: Exception) -> None:
         self._r.connection_pool.disconnect()  # drop sockets to the old server process
-        now = time.monotonic()
-        with self._lock:
-            self._errors += 1
-            self._next_try = now + self.retry_interval_s
-            first = self._down_since is None
-            if first:
-                self._down_since = now
-                self._outages += 1
-        if first:
-            log.warning("RemoteTier %s unreachable (%s: %s): serving misses, retrying every %.1fs",
-                        _redact(self.url), type(e).__name__, e, self.retry_interval_s)
-        else:
-            log.debug("RemoteTier %s still unreachable: %s", _redact(self.url), e)
-
-    def _came_up(self) -> None:
-        if self._down_since is None:
-            return
-        with self._lock:
-            since, self._down_since = self._down_since, None
-        if since is not None:
-            log.warning("RemoteTier %s reachable again after %.1fs", _redact(self.url), time.monotonic() - since)
+        self._reach.went_down(f"{type(e).__name__}: {e}")
 
     # -- scripts ---------------------------------------------------------------------------------
 
@@ -363,7 +329,7 @@ class RemoteTier(Tier):
         raw = self._round_trip(lambda: self._r.get(self._used_key), None)
         if raw is not None:
             self._last_used = int(raw)
-        elif self._down_since is None:
+        elif self._reach.connected:
             self._last_used = 0
         return self._last_used
 
@@ -410,9 +376,8 @@ class RemoteTier(Tier):
         if res is not None:
             for s, r in zip(spans, res):
                 if isinstance(r, Exception):
-                    with self._lock:
-                        self._errors += 1
-                    self._warn_limited("RemoteTier %s refused %d puts: %s", _redact(self.url), s.stop - s.start, r)
+                    self._reach.count_error()
+                    self._reach.warn_limited("RemoteTier %s refused %d puts: %s", _redact(self.url), s.stop - s.start, r)
                     continue
                 ok[s] = [bool(x) for x in r]
         with self._lock:
@@ -570,17 +535,13 @@ class RemoteTier(Tier):
         was down), rejected (puts not stored), corrupt, outages, latency_p50_ms/latency_p99_ms per
         round trip, connected, and the server's used_memory/maxmemory/maxmemory_policy."""
         self._check_open()
-        with self._lock:  # snapshot before this call's own round trips
-            lat = np.array(self._latency_s, dtype=np.float64) * 1e3
+        reach = self._reach.stats()  # snapshot before this call's own round trips
         info = self._info(max_age_s=0.0)
         with self._lock:
             s = self._stats.as_dict()
-            s.update(errors=self._errors, skipped=self._skipped, rejected=self._rejected,
-                     corrupt=self._corrupt, outages=self._outages)
+            s.update(rejected=self._rejected, corrupt=self._corrupt)
+        s.update(reach)
         s.update(
-            latency_p50_ms=float(np.percentile(lat, 50)) if lat.size else 0.0,
-            latency_p99_ms=float(np.percentile(lat, 99)) if lat.size else 0.0,
-            round_trips=int(lat.size),
             used_bytes=self.used_bytes, capacity_bytes=self.capacity_bytes, records=len(self),
             server_used_memory=int(info.get("used_memory", 0)),
             server_maxmemory=int(info.get("maxmemory", 0)),

@@ -171,19 +171,30 @@ def test_lookup_socket(tmp_path):
     assert dead.lookup(["a"]) == 0, "an unreachable worker holds nothing"
 
 
-def test_another_store_finds_blocks_through_redis(tmp_path, redis_server):
+@pytest.fixture(params=["redis", "mooncake"])
+def l4_server(request):
+    """(remote_url, kill) of a fresh L4 server: a redis-server, or a Mooncake master + store server."""
+    if request.param == "redis":
+        server = request.getfixturevalue("redis_server")
+        return server.url, server.kill
+    pool = request.getfixturevalue("mooncake_pool")
+    return pool.url, pool.kill_master
+
+
+def test_another_store_finds_blocks_through_l4(tmp_path, l4_server):
+    url, kill = l4_server
     hs, staged = hashes(2), staged_blocks(2)
-    writer = make_store(tmp_path, remote_url=redis_server.url)
+    writer = make_store(tmp_path, remote_url=url)
     writer.save(hs, [t.clone() for t in staged])
     writer.close()  # writes what is queued
-    reader = make_store(tmp_path, remote_url=redis_server.url)
+    reader = make_store(tmp_path, remote_url=url)
     try:
         assert reader.lookup(hs) == 2
         counts = {"l2": 0, "l3": 0, "l4": 0}
         pages = pages_of(2)
         assert reader.write_layer(reader.fetch_layer(2, hs, counts), pages, [1, 0]) is None
         assert counts["l4"] == 2 and torch.equal(pages[[1, 0]], staged[2])
-        redis_server.kill()
+        kill()
         assert reader.lookup(hs) == 0, "a dead server holds nothing"
     finally:
         reader.close()

@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from kvtier.tiers import DeviceTier, DiskTier, HostTier, RemoteTier
+from tests.mooncake_server import mooncake_unavailable
 from tests.redis_server import REDIS_SERVER, start_redis_server
 
 _namespaces = itertools.count()
 _SERVER = None  # one real redis-server for the conformance runs of RemoteTier
+_POOL = None  # and one Mooncake pool (master + store server) for MooncakeTier's
 
 
 class Spec:
@@ -39,12 +41,21 @@ def _remote(tmp_path):
     return RemoteTier(_SERVER.url, key_prefix=f"conf{next(_namespaces)}:", capacity_bytes=16 << 10)
 
 
+def _mooncake(tmp_path):
+    if _POOL is None:
+        pytest.skip(mooncake_unavailable() or "no Mooncake pool")
+    from kvtier.tiers import MooncakeTier
+
+    return MooncakeTier(_POOL.url, key_prefix=f"conf{next(_namespaces)}:", capacity_bytes=16 << 10)
+
+
 SPECS = {
     # max_value: largest value the suite puts; fill_value: size used to fill the tier up
     "device": Spec("device", _device, 128, 100),
     "host": Spec("host", _host, 1024, 900),
     "disk": Spec("disk", _disk, 1024, 900),
     "remote": Spec("remote", _remote, 1024, 900),
+    "mooncake": Spec("mooncake", _mooncake, 1024, 900),
 }
 
 
@@ -59,8 +70,17 @@ def _redis_for_conformance(tmp_path_factory):
     _SERVER.kill()
 
 
+def _ensure_pool(request) -> None:
+    """The session's pool, started by the first test of MooncakeTier that runs (it takes seconds)."""
+    global _POOL
+    if _POOL is None and mooncake_unavailable() is None:
+        _POOL = request.getfixturevalue("mooncake_shared")
+
+
 @pytest.fixture(params=sorted(SPECS))
 def spec(request):
+    if request.param == "mooncake":
+        _ensure_pool(request)
     return SPECS[request.param]
 
 

@@ -382,7 +382,8 @@ QUOTA = 6000
 
 class RemoteMachine(RuleBasedStateMachine):
     """RemoteTier against a dict, quota decisions predicted exactly; reconnecting (a new client,
-    as another process would be) keeps everything."""
+    as another process would be) keeps everything. ``tests/tiers/test_mooncake.py`` runs the same
+    machine on MooncakeTier."""
 
     url = ""
     namespaces = itertools.count()
@@ -390,8 +391,12 @@ class RemoteMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.prefix = f"sm{next(self.namespaces)}:"
-        self.tier = RemoteTier(self.url, key_prefix=self.prefix, capacity_bytes=QUOTA)
+        self.tier = self.open()
         self.model: dict[str, bytes] = {}
+
+    def open(self) -> Tier:
+        """A client of the namespace under test (the Mooncake machine opens a MooncakeTier)."""
+        return RemoteTier(self.url, key_prefix=self.prefix, capacity_bytes=QUOTA)
 
     def _used(self, model) -> int:
         return sum(len(v) + HEADER_BYTES for v in model.values())
@@ -434,7 +439,7 @@ class RemoteMachine(RuleBasedStateMachine):
     @rule()
     def reconnect(self):
         self.tier.close()
-        self.tier = RemoteTier(self.url, key_prefix=self.prefix, capacity_bytes=QUOTA)
+        self.tier = self.open()
 
     @invariant()
     def matches_model(self):

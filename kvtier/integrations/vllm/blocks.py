@@ -6,7 +6,7 @@ hashes, so this part runs (and is unit-testable) without an engine.
 ```
  save: save_kv_layer ─copy─► staged [n, H, 2, bs, hd] per layer ─queue─► encoder thread
                                    encode K, V (codec) ─► one block record per (block, layer)
-                                   ─► L2 ring (HostTier), L3 segments (DiskTier), L4 (RemoteTier)
+                                   ─► L2 ring (HostTier), L3 segments (DiskTier), L4 (RemoteTier or MooncakeTier)
  load: keys ─► L2, else L3, else L4 (one batched round trip) ─► decode ─► vLLM's pages
 ```
 A record's key is ``f"{fp}/{layer}/{block_hash}"``: ``block_hash`` is chained over the token
@@ -43,7 +43,8 @@ from kvtier.compress.codecs import get_codec
 from kvtier.config import LOSSLESS_CODECS, KVTierConfig, lossless_codec
 from kvtier.store.blockrecord import BlockDecoder, pack_block, unpack_block
 from kvtier.store.prefix import block_key, model_fingerprint_key
-from kvtier.tiers import DiskTier, HostTier, RemoteTier
+from kvtier.tiers import DiskTier, HostTier
+from kvtier.tiers.remotes import open_remote
 
 log = logging.getLogger(__name__)
 
@@ -196,8 +197,8 @@ class BlockStore:
         self.l3 = DiskTier(cfg.disk_path, capacity_bytes=cfg.disk_bytes, segment_bytes=cfg.disk_segment_bytes,
                            durability=cfg.durability, eviction=cfg.disk_eviction,
                            admission=cfg.disk_admission) if cfg.disk_path else None
-        self.l4 = RemoteTier(cfg.remote_url, key_prefix=cfg.remote_key_prefix,
-                             socket_timeout_s=_REMOTE_TIMEOUT_S) if cfg.remote_url else None
+        self.l4 = open_remote(cfg.remote_url, key_prefix=cfg.remote_key_prefix,
+                              redis_timeout_s=_REMOTE_TIMEOUT_S) if cfg.remote_url else None
         self._lock = threading.Lock()  # guards _pending and _n
         self._pending: dict[str, _SaveJob] = {}  # block hash -> the job that is writing it
         self._n = dict(saved_blocks=0, stored_bytes=0, l2_dropped=0, loaded_blocks=0, load_failures=0,
@@ -277,7 +278,7 @@ class BlockStore:
         block's layers are written in order in one batch, and L2 drops records oldest first."""
         last = self.shape.num_layers - 1
         keys = [k for h in hashes for k in (self.key(0, h), self.key(last, h))]
-        if isinstance(tier, RemoteTier):
+        if tier is self.l4:  # one round trip for the lot (Redis and Mooncake both batch it)
             got = tier.contains_many(keys)
         else:
             got = [tier.contains(k) for k in keys]
