@@ -1,13 +1,18 @@
 """C sources compiled on first use with the system compiler and loaded with ctypes.
 
-The compress kernel (``kvtier/compress/cpu.py``) and the block scorer (``kvtier/store/cscore.py``)
-both build this way: the shared object is cached under ``$KVTIER_CACHE_DIR`` (default
-``~/.cache/kvtier``, owner-only), named by a hash of the source, flags, compiler and CPU, so a
-cache directory shared between machines never hands one CPU's ``-march=native`` build to another.
-No compiler (or a failed build) is not an error: :meth:`CLibrary.load` returns None once, with a
-warning, and callers take their torch path. :class:`CExtension` builds a CPython extension
-module the same way, for hot paths where a ctypes call's own cost (about a microsecond with
-its argument conversions) would be most of the work.
+Each source is one self-contained file ``kvtier/csrc/<name>.c`` (shipped as package data), read
+when its library is first loaded: the compress kernel (``quant``, wrapped by
+``kvtier/compress/cpu.py``), the block scorer (``score``, ``kvtier/store/cscore.py``) and the L3
+segment scan and record read (``segscan``, ``recread``, ``kvtier/tiers/``). The shared object is
+cached under ``$KVTIER_CACHE_DIR`` (default ``~/.cache/kvtier``, owner-only), named by a hash of
+the source file's text, flags, compiler and CPU, so an edited source is rebuilt and a cache
+directory shared between machines never hands one CPU's ``-march=native`` build to another.
+Every build has the compiler's warnings on (:data:`WARNINGS`; ``tests/test_csrc.py`` builds each
+source with them as errors). No compiler (or a failed build) is not an error:
+:meth:`CLibrary.load` returns None once, with a warning, and callers take their Python path.
+:class:`CExtension` builds a CPython extension module the same way, for hot paths where a
+ctypes call's own cost (about a microsecond with its argument conversions) would be most of the
+work.
 """
 from __future__ import annotations
 
@@ -24,6 +29,9 @@ import threading
 import warnings
 from pathlib import Path
 from typing import Callable
+
+SOURCES = Path(__file__).parent / "csrc"
+WARNINGS = ["-Wall", "-Wextra"]
 
 
 def cache_dir() -> Path:
@@ -51,15 +59,18 @@ class CLibrary:
     """One C source, built and loaded once per process (thread-safe).
 
     Args:
-        name: file stem of the cached object (``kvtier_<name>_<hash>.so``).
-        src, flags: the C source and compiler flags (``-shared -fPIC`` included).
+        name: the source is ``kvtier/csrc/<name>.c``; the cached object ``kvtier_<name>_<hash>.so``.
+        flags: compiler flags (``-shared -fPIC`` included; ``-D`` for the constants the source
+            takes from Python); :data:`WARNINGS` are added.
         declare: sets ``argtypes``/``restype`` of the loaded functions.
         fallback: what callers do without it, for the warning (e.g. "select() uses torch ops").
     """
 
-    def __init__(self, name: str, src: str, flags: list[str], declare: Callable[[ctypes.CDLL], None],
+    def __init__(self, name: str, flags: list[str], declare: Callable[[ctypes.CDLL], None],
                  fallback: str) -> None:
-        self.name, self.src, self.flags, self.declare, self.fallback = name, src, flags, declare, fallback
+        self.name, self.declare, self.fallback = name, declare, fallback
+        self.path = SOURCES / f"{name}.c"
+        self.flags = [*flags, *WARNINGS]
         self._lock = threading.Lock()
         self._lib: ctypes.CDLL | None = None
         self.error: str | None = None
@@ -72,18 +83,21 @@ class CLibrary:
         self.declare(lib)
         return lib
 
+    def command(self, src: Path, out: Path) -> list[str]:
+        """The compiler's command line that builds ``src`` into ``out``."""
+        return [os.environ.get("CC", "cc"), *self.flags, str(src), "-o", str(out), "-lm"]
+
     def _compile(self) -> Path:
-        cc = os.environ.get("CC", "cc")
-        key = "\0".join([self.src, " ".join(self.flags), cc, sys.platform, cpu_id()])
+        text = self.path.read_text()  # (a missing file is an OSError: the callers' fallback)
+        key = "\0".join([text, " ".join(self.command(Path("src.c"), Path("out.so"))), sys.platform, cpu_id()])
         tag = hashlib.sha256(key.encode()).hexdigest()[:16]
         out = cache_dir() / f"kvtier_{self.name}_{tag}.so"
         if not out.exists():
             with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
                 src = Path(tmp) / f"{self.name}.c"
-                src.write_text(self.src)
+                src.write_text(text)  # the text the name hashes, not whatever the file holds by now
                 so = Path(tmp) / f"{self.name}.so"
-                subprocess.run([cc, *self.flags, str(src), "-o", str(so), "-lm"], check=True, capture_output=True,
-                               timeout=120)
+                subprocess.run(self.command(src, so), check=True, capture_output=True, timeout=120)
                 os.chmod(so, 0o700)
                 os.replace(so, out)  # atomic: concurrent builders race harmlessly
         return out
@@ -110,9 +124,9 @@ class CExtension(CLibrary):
     failed build is refused). Built against this interpreter's headers, and named by them and
     its ABI tag as well, so another Python never loads it."""
 
-    def __init__(self, name: str, src: str, flags: list[str], declare: Callable, fallback: str) -> None:
+    def __init__(self, name: str, flags: list[str], declare: Callable, fallback: str) -> None:
         include = sysconfig.get_paths()["include"]
-        super().__init__(name, src, [*flags, f"-I{include}", f"-DKVT_ABI={sys.implementation.cache_tag}"],
+        super().__init__(name, [*flags, f"-I{include}", f"-DKVT_ABI={sys.implementation.cache_tag}"],
                          declare, fallback)
 
     def _open(self, path: Path):

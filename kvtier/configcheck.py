@@ -4,10 +4,7 @@ Kept apart so config.py holds the fields and how they fit together."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from kvtier.config import KVTierConfig
+from typing import Any
 
 # Bounds that keep every size far from int64 overflow in the tiers' arithmetic; the real limits
 # (the device's memory, the machine's RAM) are checked against them where they are known.
@@ -36,7 +33,9 @@ class DerivedInt(Derived, int):
     __slots__ = ()
 
 
-def derive(cfg: "KVTierConfig", name: str, value: Any) -> None:
+def derive(cfg: Any, name: str, value: Any) -> None:
+    """Set field ``name`` of the frozen dataclass ``cfg`` (a KVTierConfig in its ``__post_init__``)
+    to ``value``, marked as derived."""
     object.__setattr__(cfg, name, DerivedStr(value) if isinstance(value, str) else DerivedInt(value))
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import sys
 import random
 import tempfile
 import time
@@ -384,9 +383,3 @@ def _write(doc: dict, out: Path, plot: bool = True) -> None:
     if plot:
         report.plot(doc, out / "eval.png")
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m kvtier.eval.cli`: the same as `kvtier eval`."""
-    from kvtier.cli import main as kvtier_main
-
-    return kvtier_main(["eval"] + list(argv if argv is not None else sys.argv[1:]))

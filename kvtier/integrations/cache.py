@@ -56,7 +56,7 @@ from kvtier.store import KVStore
 
 from . import registry
 from .handover import HANDOVER_KWARG, Handover, Step, StepKind
-from .hooks import detach, register_hooks, switch_attention
+from .hooks import ForwardObserver, detach, register_hooks, switch_attention
 from .layer import TieredLayer
 from .model import model_fingerprint
 from .rows import BatchRows
@@ -87,7 +87,7 @@ def _release(rows: BatchRows, lease: registry.StoreLease) -> None:
         lease.release()
 
 
-class TieredCache(Cache):
+class TieredCache(Cache, ForwardObserver):
     """A transformers ``Cache`` backed by kvtier's tiered store.
 
     Args:
@@ -354,7 +354,7 @@ class TieredCache(Cache):
         for layer in self.layers:
             layer.length = min(layer.length, step.start)
 
-    def _forward_ended(self, failed: bool) -> None:
+    def forward_ended(self, failed: bool) -> None:
         """The model's forward returned (``failed``: it raised). Called by the forward hook."""
         step = self._step
         if step is None:

@@ -1,11 +1,12 @@
 """The model side of kvtier's transformers integration: its attention switched to ``"kvtier"``,
-and two hooks on its forward that give a :class:`~kvtier.integrations.cache.TieredCache` what
-transformers does not pass to a cache:
+and two hooks on its forward that give a cache that is a :class:`ForwardObserver` (a
+:class:`~kvtier.integrations.cache.TieredCache`) what transformers does not pass to a cache:
 
 ```
- pre-hook   forward(input_ids, cache=c)  ──► c.set_input_ids(input_ids)   (content-addressed keys)
+ pre-hook   forward(input_ids, cache=c)  ──► c.check_model(model)        (the identity it stores under)
+                                         ──► c.set_input_ids(input_ids)   (content-addressed keys)
  post-hook  (always_call: also when the forward raised)
-                                         ──► c._forward_ended(failed)     (a failed step rolled back)
+                                         ──► c.forward_ended(failed)      (a failed step rolled back)
 ```
 """
 from __future__ import annotations
@@ -28,11 +29,27 @@ def switch_attention(model) -> None:
         model.set_attn_implementation(name)
 
 
-def _forward_cache(kwargs: dict):
-    from .cache import TieredCache  # the cache module imports this one
+class ForwardObserver:
+    """What a cache implements to be told about the forwards it serves: the hooks find it among a
+    forward's arguments and call these. It is a transformers ``Cache`` too (the pre-hook reads
+    ``layers[0].length`` for the positions it expects)."""
 
+    def check_model(self, model) -> None:
+        """Before a forward of ``model``: raise where its K/V must not be stored in this cache."""
+        raise NotImplementedError
+
+    def set_input_ids(self, input_ids: torch.Tensor | None) -> None:
+        """Before a forward: its token ids ([batch, t]), or None where they alone do not name its K/V."""
+        raise NotImplementedError
+
+    def forward_ended(self, failed: bool) -> None:
+        """After a forward, also one that raised (``failed``)."""
+        raise NotImplementedError
+
+
+def _forward_cache(kwargs: dict) -> ForwardObserver | None:
     cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    return cache if isinstance(cache, TieredCache) else None
+    return cache if isinstance(cache, ForwardObserver) else None
 
 
 # forward arguments that change nothing a block's K/V depend on beyond its token ids (or whose
@@ -79,7 +96,7 @@ def _end_hook(module, args, kwargs, result):
     # always_call: runs after a forward that raised too (result None), so its step is rolled back
     cache = _forward_cache(kwargs)
     if cache is not None:
-        cache._forward_ended(failed=result is None)
+        cache.forward_ended(failed=result is None)
     return None
 
 

@@ -18,8 +18,8 @@ fallback and the CUDA path; tests/store/test_cscore.py compares the two):
 Scores agree with torch to float32 rounding (summation order differs), so the top-k ranking is
 the same except between blocks whose scores tie to within rounding.
 
-Build: as :mod:`kvtier.compress.cpu` (system C compiler, ``$KVTIER_CACHE_DIR``, a name hashing the
-source, flags and CPU; loaded with ctypes). Without a compiler :func:`available` is False and
+Build: ``kvtier/csrc/score.c``, as :mod:`kvtier.compress.cpu` (system C compiler,
+``$KVTIER_CACHE_DIR``, a name hashing the source, flags and CPU; loaded with ctypes). Without a compiler :func:`available` is False and
 the store keeps the torch path.
 """
 from __future__ import annotations
@@ -29,179 +29,6 @@ import ctypes
 import torch
 
 from kvtier._clib import CLibrary
-
-_SRC = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <math.h>
-
-typedef float v8 __attribute__((vector_size(32)));   /* 8 floats: AVX, or two SSE registers */
-
-static inline v8 ld8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* exp(x) for x <= 0 without a libm call, so that the softmax loop vectorizes: x = n ln2 + r,
-   |r| <= ln2/2, degree-6 Taylor polynomial (relative error ~2e-7, float32 rounding level);
-   x < -87 gives ~exp(-87) instead of a denormal (both are ~0 next to the row's max, which is 1). */
-static inline float exp_neg(float x) {
-    x = x < -87.f ? -87.f : x;
-    float n = __builtin_rintf(x * 1.44269504088896341f);
-    float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-    float p = 1.f + r * (1.f + r * (0.5f + r * (1.f / 6 + r * (1.f / 24 + r * (1.f / 120 + r * (1.f / 720))))));
-    int32_t e = ((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &e, 4);
-    return p * two_n;
-}
-
-enum { DIG_F32 = 0, DIG_BF16 = 1, DIG_INT8 = 2 };
-
-/* One digest row (width elements) as float32 into buf; returns a pointer to it. int8 rows come
-   back as their codes: the caller multiplies the row's score by its scale. */
-static inline const float *row_f32(const void *dig, int64_t off, int64_t width, int kind, float *buf) {
-    if (kind == DIG_F32) return (const float *)dig + off;
-    if (kind == DIG_BF16) {
-        const uint16_t *p = (const uint16_t *)dig + off;
-        for (int64_t d = 0; d < width; d++) buf[d] = bf16_to_f32(p[d]);
-    } else {
-        const int8_t *p = (const int8_t *)dig + off;
-        for (int64_t d = 0; d < width; d++) buf[d] = (float)p[d];
-    }
-    return buf;
-}
-
-/* a . b over n floats: 8-wide partial sums (the order differs from torch's: float32 rounding) */
-static inline float dot(const float *a, const float *b, int64_t n) {
-    v8 acc = {0};
-    int64_t d = 0;
-    for (; d + 8 <= n; d += 8) acc += ld8(a + d) * ld8(b + d);
-    float s = 0.f;
-    for (; d < n; d++) s += a[d] * b[d];
-    /* pairwise: a chain of 8 dependent adds would cost more than the 8 lanes of FMAs */
-    return s + (((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])));
-}
-
-/* q: [H][R][hd] float32 (contiguous). dig: digest rows of the m candidate blocks, row j of head h
-   at element offset h*head_stride + j*width (kind: float32, bf16 or int8); width = hd (centroid:
-   mean) or 2*hd (quest: max | min). int8: row j of head h stands for its codes times
-   rscale[h*rscale_stride + j] (float32, >= 0); rscale is unread otherwise. out: [m] float32.
-   Returns 0, or -1 when out of memory. */
-int kvt_block_scores(const float *q, int64_t H, int64_t R, int64_t hd, const void *dig,
-                     int64_t head_stride, int64_t width, int kind, const float *rscale,
-                     int64_t rscale_stride, int64_t m, _Bool quest, float scale, float *out) {
-    float *s = (float *)malloc(sizeof(float) * (size_t)(R * m + 2 * width + 2 * R * hd));
-    if (!s) return -1;
-    float *buf = s + R * m;            /* one converted digest row */
-    float *qq = buf + width;           /* quest: [R][max(q,0) | min(q,0)] of the current head */
-    for (int64_t j = 0; j < m; j++) out[j] = quest ? 0.f : -INFINITY;
-    for (int64_t h = 0; h < H; h++) {
-        const float *qh = q + h * R * hd;
-        if (quest) {
-            for (int64_t r = 0; r < R; r++)
-                for (int64_t d = 0; d < hd; d++) {
-                    float x = qh[r * hd + d];
-                    qq[r * 2 * hd + d] = x > 0.f ? x : 0.f;
-                    qq[r * 2 * hd + hd + d] = x < 0.f ? x : 0.f;
-                }
-            for (int64_t j = 0; j < m; j++) {
-                const float *row = row_f32(dig, h * head_stride + j * width, width, kind, buf);
-                float best = -INFINITY;
-                for (int64_t r = 0; r < R; r++) {
-                    float v = dot(qq + r * 2 * hd, row, 2 * hd);
-                    if (v > best) best = v;
-                }
-                /* a scale >= 0 commutes with the max over rows */
-                out[j] += kind == DIG_INT8 ? best * rscale[h * rscale_stride + j] : best;
-            }
-            continue;
-        }
-        for (int64_t j = 0; j < m; j++) {
-            const float *row = row_f32(dig, h * head_stride + j * width, width, kind, buf);
-            float sj = kind == DIG_INT8 ? scale * rscale[h * rscale_stride + j] : scale;
-            for (int64_t r = 0; r < R; r++) s[r * m + j] = sj * dot(qh + r * hd, row, hd);
-        }
-        for (int64_t r = 0; r < R; r++) {
-            float *sr = s + r * m;
-            float mx = -INFINITY, sum = 0.f;
-            for (int64_t j = 0; j < m; j++) if (sr[j] > mx) mx = sr[j];
-            for (int64_t j = 0; j < m; j++) { sr[j] = exp_neg(sr[j] - mx); sum += sr[j]; }
-            float inv = 1.f / sum;
-            for (int64_t j = 0; j < m; j++) { float p = sr[j] * inv; if (p > out[j]) out[j] = p; }
-        }
-    }
-    free(s);
-    return 0;
-}
-
-/* k-th largest of a[0..n) (0-based k < n); reorders a (Hoare quickselect, middle pivot). */
-static float kth_largest(float *a, int64_t n, int64_t k) {
-    int64_t lo = 0, hi = n - 1;
-    while (lo < hi) {
-        float pv = a[lo + (hi - lo) / 2];
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (a[i] > pv) i++;
-            while (a[j] < pv) j--;
-            if (i <= j) { float t = a[i]; a[i] = a[j]; a[j] = t; i++; j--; }
-        }
-        if (k <= j) hi = j;
-        else if (k >= i) lo = i;
-        else break;
-    }
-    return a[k];
-}
-
-/* The k best of m blocks as ascending indices into idx[k]: every block scoring above the k-th
-   best score, then the lowest-indexed ties at it. NaN scores (a NaN query) rank last. With
-   parts > 1 (centroid only) each block is `parts` consecutive digest rows of `width` floats
-   (sub-block centroids): the rows are scored as m * parts candidates (one softmax over all of
-   them) and a block scores as its best row; int8 scales are per row, so rscale holds m * parts
-   of them per head. Other arguments as kvt_block_scores (m = blocks).
-   Returns 0, or -1 when out of memory. */
-int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *dig,
-                  int64_t head_stride, int64_t width, int kind, const float *rscale,
-                  int64_t rscale_stride, int64_t m, _Bool quest, float scale, int64_t parts,
-                  int64_t k, int64_t *idx) {
-    float *sc = (float *)malloc(sizeof(float) * (size_t)(m * parts + m));
-    if (!sc) return -1;
-    if (kvt_block_scores(q, H, R, hd, dig, head_stride, width, kind, rscale, rscale_stride, m * parts,
-                         quest, scale, sc)) {
-        free(sc);
-        return -1;
-    }
-    if (parts > 1)   /* in place: block j's best row; row j*parts+p >= j, so nothing unread is overwritten */
-        for (int64_t j = 0; j < m; j++) {
-            float b = sc[j * parts];
-            for (int64_t p = 1; p < parts; p++) {
-                float v = sc[j * parts + p];
-                if (v > b || b != b) b = v;
-            }
-            sc[j] = b;
-        }
-    float *tmp = sc + m * parts;
-    for (int64_t j = 0; j < m; j++) {
-        if (sc[j] != sc[j]) sc[j] = -INFINITY;
-        tmp[j] = sc[j];
-    }
-    float thr = kth_largest(tmp, m, k - 1);
-    int64_t above = 0;
-    for (int64_t j = 0; j < m; j++) above += sc[j] > thr;
-    int64_t ties = k - above, n = 0;   /* ties >= 1: thr itself is one of the k best */
-    for (int64_t j = 0; j < m && n < k; j++) {
-        if (sc[j] > thr) idx[n++] = j;
-        else if (sc[j] == thr && ties > 0) { idx[n++] = j; ties--; }
-    }
-    free(sc);
-    return 0;
-}
-"""
 
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11"]
 
@@ -215,7 +42,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvt_block_top.restype = c_int
 
 
-_LIB = CLibrary("score", _SRC, _FLAGS, _declare, "select() uses torch ops")
+_LIB = CLibrary("score", _FLAGS, _declare, "select() uses torch ops")
 _load = _LIB.load
 
 
