@@ -65,10 +65,10 @@ def run(args: argparse.Namespace) -> int:
         return _dispatch(args, CacheDirectory)
     except DirectoryLockedError as e:
         raise ValueError(str(e)) from e
-    except PermissionError as e:
-        raise ValueError(f"{e.filename}: not writable by this user ({e.strerror})") from None
-    except OSError as e:
-        raise ValueError(f"{e.filename or 'cache directory'}: {e.strerror or e}") from None
+    except OSError as e:  # a read-only or immutable directory, a full disk: a sentence, not a traceback
+        where = getattr(args, "dir", None) or ", ".join(getattr(args, "dirs", []))
+        raise ValueError(f"{where}: cannot {args.cache_command} it ({e.strerror or e}"
+                         f"{f': {e.filename}' if e.filename else ''}); is it writable by this user?") from None
 
 
 def _dispatch(args: argparse.Namespace, CacheDirectory) -> int:
