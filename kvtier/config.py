@@ -812,7 +812,7 @@ class KVTierConfig:
         gives: docs/configuration.md."""
         from kvtier.presets import preset_fields
 
-        return cls(**preset_fields(name, overrides))
+        return cls(**preset_fields(name, overrides, lossless_codec))
 
     # -- (de)serialisation --------------------------------------------------------------------
 

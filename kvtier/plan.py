@@ -250,7 +250,7 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
     centroid per ``digest_tokens`` tokens and a float32 scale: ``head_dim + 4`` bytes per kv head
     and layer), and whether dense attention would read most of each sequence back every step
     (L1 under a quarter of the longest sequence)."""
-    from kvtier.config import KVTierConfig
+    from kvtier.config import KVTierConfig, lossless_codec
     from kvtier.presets import preset_fields
     from kvtier.store.layout import pool_slots
 
@@ -261,7 +261,7 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
         "hot_tokens": hot, "max_sequences": concurrency, "host_bytes": dense_cfg["host_bytes"],
         "disk_path": dense_cfg["disk_path"], "disk_bytes": dense_cfg["disk_bytes"],
         "disk_segment_bytes": dense_cfg["disk_segment_bytes"], "codec": dense_cfg["codec"],
-        "group_size": dense_cfg["group_size"]})
+        "group_size": dense_cfg["group_size"]}, lossless_codec)
     cfg = KVTierConfig(**fields)
     cfg.check_model(layers, kv_heads, head_dim, _torch_dtype(dtype), machine=False)
     digest_tokens = cfg.digest_tokens

@@ -6,7 +6,7 @@ docs/configuration.md ("Presets").
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["PRESETS", "PRESET_NAMES", "preset_fields"]
 
@@ -35,10 +35,10 @@ PRESETS: dict[str, tuple[dict[str, Any], str]] = {
 PRESET_NAMES = tuple(PRESETS)
 
 
-def preset_fields(name: str, overrides: dict[str, Any]) -> dict[str, Any]:
-    """The fields of preset ``name`` with ``overrides`` over them (ValueError for an unknown name)."""
-    from kvtier.config import lossless_codec
-
+def preset_fields(name: str, overrides: dict[str, Any], lossless_codec: Callable[[str], str]) -> dict[str, Any]:
+    """The fields of preset ``name`` with ``overrides`` over them (ValueError for an unknown name).
+    ``lossless_codec``: the full-precision codec of a KV dtype name (the config's rule, handed in
+    so that this table stays below the config it feeds)."""
     if name not in PRESETS:
         raise ValueError(f"preset must be one of {', '.join(PRESET_NAMES)}; got {name!r}")
     fields = dict(PRESETS[name][0])

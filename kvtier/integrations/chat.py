@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _fields(args) -> dict:
     """KVTierConfig fields: the --preset's, the --config file's over them, then the flags."""
-    from kvtier.config import KVTierConfig
+    from kvtier.config import KVTierConfig, lossless_codec
 
     fields = {}
     if args.preset:
@@ -62,7 +62,7 @@ def _fields(args) -> dict:
 
         # the model's dtype, so "lossless" takes the exact codec of that dtype
         dtype = str(parse_dtype(args.dtype)).removeprefix("torch.")
-        fields = preset_fields(args.preset, {"dtype": dtype})
+        fields = preset_fields(args.preset, {"dtype": dtype}, lossless_codec)
     if args.config:
         fields.update(KVTierConfig.from_toml(args.config).to_dict())
     for name in ("codec", "order", "policy", "attention", "hot_tokens", "budget_tokens", "block_tokens",
