@@ -37,12 +37,23 @@ static void on_sigbus(int Py_UNUSED(sig), siginfo_t *Py_UNUSED(info), void *Py_U
     sigaction(SIGBUS, &prev_bus, NULL);
 }
 
+/* Whether the handler in place is on_sigbus: a library loaded later may have put its own there
+   (glog's failure handler, faulthandler.enable()), and then a guarded read would die. */
+static int handler_is_ours(void) {
+    struct sigaction cur;
+    if (sigaction(SIGBUS, NULL, &cur) != 0) return 0;
+    return (cur.sa_flags & SA_SIGINFO) && cur.sa_sigaction == on_sigbus;
+}
+
 static PyObject *is_guarded(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(unused)) {
+    if (guarded && !handler_is_ours()) guarded = 0;  /* reads probe the size until reinstalled */
     return PyBool_FromLong(guarded);
 }
 
+/* Install the guard, or put it back where another handler replaced it (that one becomes the
+   handler faults outside a guarded access go to). */
 static PyObject *install_guard(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(unused)) {
-    if (!guarded) {
+    if (!guarded || !handler_is_ours()) {
         struct sigaction sa;
         memset(&sa, 0, sizeof sa);
         sa.sa_sigaction = on_sigbus;

@@ -95,8 +95,11 @@ _PASS = object()
 
 
 def load_compiled() -> None:
-    """Build or load the compiled reads once (a tier's open calls it)."""
+    """Build or load the compiled reads once (a tier's open calls it); every call checks that
+    the SIGBUS guard is still the handler in place (``recread.load``)."""
     global _READ, _READ_INTO, _READ_RUN, _GET, _PASS
+    if _READ is not _UNSET and _READ is not None:
+        recread.load()
     if _READ is _UNSET:
         mod = recread.load()
         if mod is not None:

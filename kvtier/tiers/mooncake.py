@@ -132,6 +132,10 @@ class _SharedClient:
         host = c.local_hostname or _route_address(c.host, c.rpc_port)
         store = MooncakeDistributedStore()
         rc = store.setup(host, c.metadata, c.segment_bytes, c.buffer_bytes, c.protocol, "", c.master)
+        # the client's glog puts its own SIGBUS handler in place of L3's read guard: put it back
+        from . import recread
+
+        recread.load()
         with self.lock:
             self.rc, self.thread = rc, None
             if rc == 0:

@@ -82,8 +82,10 @@ def load():
       or None when it does not read back); ``PASS`` for anything else, for the caller's own path.
     """
     mod = _EXT.load()
-    if mod is not None and not mod.guarded():
+    if mod is not None:
         try:
+            # also where a library loaded since replaced the handler (glog's, in the Mooncake
+            # client; faulthandler): checked at every load, which every tier open makes
             mod.install_guard()
         except OSError:  # reads probe the file's size instead
             pass

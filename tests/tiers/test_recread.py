@@ -199,3 +199,29 @@ def test_a_sigbus_outside_a_read_is_not_swallowed(tmp_path, before):
     assert out.returncode == -signal.SIGBUS, (out.returncode, out.stderr[-2000:])
     if before == "faulthandler":
         assert "Bus error" in out.stderr
+
+
+REPLACED = textwrap.dedent("""
+    import faulthandler, mmap, os, sys
+    from kvtier.tiers import DiskTier, recread
+    assert recread.load() is not None and recread.guarded()
+    faulthandler.enable()  # a library loaded later puts its own SIGBUS handler in place (glog does)
+    assert not recread.guarded()  # seen: reads probe the size instead of trusting a lost guard
+    DiskTier(sys.argv[1])  # a tier's open puts the guard back, in front of the newcomer
+    assert recread.guarded()
+    path = sys.argv[1] + "/f"
+    with open(path, "wb") as f:
+        f.write(b"x" * 65536)
+    fd = os.open(path, os.O_RDONLY)
+    mm = mmap.mmap(fd, 65536, access=mmap.ACCESS_READ)
+    os.truncate(path, 0)
+    print(recread.load().read(mm, -1, len(mm), 0, "k", 4096))  # guarded: a miss, not a death
+""")
+
+
+@pytest.mark.skipif(not recread.guarded(), reason="no SIGBUS guard here")
+def test_a_guard_another_handler_replaced_is_seen_and_put_back(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", REPLACED, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "None", (out.returncode, out.stderr[-2000:])
