@@ -138,6 +138,16 @@ def adapter_identity(model) -> dict:
             active = None
         out["active"] = sorted(active) if isinstance(active, (list, tuple, set)) else active
         out["disabled"] = bool(getattr(model, "_adapters_disabled", False))
+    # PEFT's tuner layers carry the switches themselves (``with model.disable_adapter():``,
+    # ``set_adapter``) without a change to any weight: their states are part of what computes
+    layers = set()
+    for m in model.modules():
+        if hasattr(m, "disable_adapters") and hasattr(m, "active_adapters"):
+            active = m.active_adapters
+            layers.add((bool(m.disable_adapters), tuple(sorted(active)) if isinstance(active, (list, tuple, set))
+                        else str(active)))
+    if layers:
+        out["layers"] = sorted(layers)
     return out
 
 
@@ -181,7 +191,9 @@ def model_identity(model) -> str:
     backend); changed by any fine-tune, merged or active adapter, or KV-relevant config change.
     Memoized per model object (recomputed after a weight is modified or replaced).
     """
-    state = _state(model)
+    # adapters switch on and off without a weight changing: their state is part of the memo's key
+    adapters = adapter_identity(model)
+    state = (_state(model), json.dumps(adapters, sort_keys=True, default=str))
     with _memo.lock:
         hit = _memo.by_model.get(model)
         if hit is not None and hit[0] == state:
@@ -191,8 +203,7 @@ def model_identity(model) -> str:
     except NoIdentity:
         ident = ""
     else:
-        ident = identity_of(type(model).__name__, config_identity(model.config), weights,
-                            adapter_identity(model))
+        ident = identity_of(type(model).__name__, config_identity(model.config), weights, adapters)
     with _memo.lock:
         _memo.by_model[model] = (state, ident)
     return ident

@@ -288,3 +288,28 @@ def test_computations_that_differ_never_share_a_key(a, b):
         assert not ka & kb
     else:
         assert ka == kb
+
+
+def test_an_adapter_switched_off_is_another_computation():
+    """PEFT-style tuner layers switch adapters without a weight changing: the identity follows."""
+    class Tuner(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(4, 4)
+            self.disable_adapters = False
+            self.active_adapters = ["a"]
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = type("C", (), {"to_dict": lambda self: {"model_type": "toy"}})()
+            self.layer = Tuner()
+
+    m = Model()
+    on = model_identity(m)
+    m.layer.disable_adapters = True
+    off = model_identity(m)
+    m.layer.disable_adapters, m.layer.active_adapters = False, ["b"]
+    other = model_identity(m)
+    assert len({on, off, other}) == 3
+    m.layer.active_adapters = ["a"]
+    assert model_identity(m) == on
