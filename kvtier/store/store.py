@@ -411,7 +411,7 @@ class KVStore:
         Args:
             query: [q_heads, q_len, head_dim], q_heads a multiple of kv_heads (GQA groups
                 consecutive query heads per kv head, as transformers' ``repeat_kv``).
-            budget_tokens: tokens to attend, the open block included (default: the config's).
+            budget_tokens: tokens to attend, the open block included, whole blocks (default: the config's).
         Returns:
             Sorted block indices.
         """
@@ -422,8 +422,10 @@ class KVStore:
         t = self._table(seq, layer)
         bt = self.block_tokens
         budget = self.budget_tokens if budget_tokens is None else budget_tokens
-        if budget > self.hot_blocks * bt or budget < bt:
-            raise ValueError(f"budget_tokens must be in [{bt}, {self.hot_blocks * bt}]; got {budget}")
+        if budget > self.hot_blocks * bt or budget < bt or budget % bt:
+            # whole blocks only: a selection is whole blocks, another count would be rounded down
+            raise ValueError(f"budget_tokens must be a whole number of blocks (block_tokens={bt}) in "
+                             f"[{bt}, {self.hot_blocks * bt}]; got {budget}")
         sel = self.selector.select(t, query, budget)
         self.prefetcher.selected(self.residency.tables_of(seq), layer, sel)
         return sel
