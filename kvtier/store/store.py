@@ -38,7 +38,7 @@ from .policy import make_policy
 from .prefetch import Prefetcher
 from .prefix import model_fingerprint_key
 from .reads import Reader
-from .report import store_stats
+from .report import sequences_stats, store_stats
 from .residency import Residency
 from .select import Selector
 from .stats import Counters
@@ -501,6 +501,11 @@ class KVStore:
     def stats(self) -> dict:
         """Plain, JSON-serialisable dict of what the store holds and what it cost."""
         return store_stats(self)
+
+    def sequences_stats(self, seqs: list[int]) -> dict:
+        """What live sequences ``seqs`` hold, per tier, in the README's units (see
+        :func:`kvtier.store.report.sequences_stats`)."""
+        return sequences_stats(self, seqs)
 
     def check_invariants(self) -> None:
         """Wait for the background work (:meth:`flush`), then check that every block has one
