@@ -95,3 +95,14 @@ def test_sparse_conversation_counts_its_key_digests_in_l1(model, tokenizer):
     digests = 7 * BT // cfg.digest_tokens * kvh * (hd + 4) * layers
     assert conv["digest_bytes"] == digests
     assert conv["bytes"]["l1"] == conv["blocks"]["l1"] * BT * 2 * kvh * hd * 4 + digests
+
+
+def test_summary_prints_the_conversations_bytes_per_token(model, tokenizer):
+    from kvtier.integrations.chat import summary
+
+    cfg = KVTierConfig(block_tokens=BT, hot_tokens=4 * BT, host_bytes=8 << 20, codec="int8", policy="lru")
+    with kvtier.attach(model, cfg) as cache:
+        _prefill(model, cache, text_ids(tokenizer, 7 * BT, offset=800))
+        st = cache.stats()
+    per = st["conversation"]["bytes_per_token_all_layers"]
+    assert f"L1 {per['l1']:,.0f} B, L2 {per['l2']:,.0f} B (this conversation, all layers)" in summary(st)
