@@ -124,7 +124,7 @@ class KVTierConfig:
     0.47-0.78 of the reference's accuracy where 16-token ones kept 0.79-0.87)."""
 
     hot_tokens: Optional[int] = 512
-    """L1 budget per sequence and layer, in tokens (rounded down to whole blocks; the open block
+    """L1 budget per sequence and layer, in tokens: a whole number of blocks (the open block
     counts). Ignored when ``hot_bytes`` is set."""
 
     hot_bytes: Optional[int] = None
@@ -312,12 +312,12 @@ class KVTierConfig:
     mass), ``snapkv`` (importance observed at the end of prefill)."""
 
     sink_tokens: Optional[int] = None
-    """Leading tokens always kept and always attended (rounded up to blocks). Default: one block
+    """Leading tokens always kept and always attended: a whole number of blocks. Default: one block
     when the budget has room for it, else 0."""
 
     window_tokens: Optional[int] = None
-    """Recent sealed tokens (before the open block) always kept and attended (rounded up to blocks).
-    Default: up to two blocks, at most half of the budget left after the sink and open blocks
+    """Recent sealed tokens (before the open block) always kept and attended: a whole number of
+    blocks. Default: up to two blocks, at most half of the budget left after the sink and open blocks
     (the rest is selected by query; see ``sink_window``)."""
 
     snapkv_observe_steps: int = 1
@@ -338,8 +338,8 @@ class KVTierConfig:
     (digests are kept only in sparse mode, on the L1 device, and counted in its bytes)."""
 
     budget_tokens: Optional[int] = None
-    """Sparse mode: tokens attended per step (open block included); at most ``hot_tokens``.
-    Default: ``hot_tokens``."""
+    """Sparse mode: tokens attended per step (open block included): a whole number of blocks, at
+    most ``hot_tokens``. Default: ``hot_tokens``."""
 
     select_score: SelectScore = "centroid"
     """Sparse mode: how blocks are ranked against the query. ``centroid``: q.mean(keys of the
@@ -489,6 +489,7 @@ class KVTierConfig:
             if self.hot_tokens < self.block_tokens:
                 raise ValueError(
                     f"hot_tokens must be >= block_tokens ({self.block_tokens}); got {self.hot_tokens}")
+            self._check_whole_blocks("hot_tokens", self.hot_tokens, self.block_tokens)
         else:
             check_int("hot_bytes", self.hot_bytes, 1, MAX_BYTES)
         check_int("max_sequences", self.max_sequences, 1, MAX_SEQUENCES)
@@ -628,20 +629,21 @@ class KVTierConfig:
         hot = self.hot_tokens if self.hot_bytes is None else None
         if self.budget_tokens is None:
             if hot is not None:
-                derive(self, "budget_tokens", (hot // bt) * bt)
+                derive(self, "budget_tokens", hot)
         else:
             check_int("budget_tokens", self.budget_tokens, 1, MAX_TOKENS)
             if self.budget_tokens < bt:
                 raise ValueError(f"budget_tokens must be >= block_tokens ({bt}); got {self.budget_tokens}")
+            self._check_whole_blocks("budget_tokens", self.budget_tokens, bt)
             if hot is not None and self.budget_tokens > hot:
                 raise ValueError(
                     f"budget_tokens must be <= hot_tokens ({hot}): the attended blocks are resident "
                     f"in L1 while attention runs; got {self.budget_tokens}")
         budget = self.budget_tokens
-        if self.sink_tokens is not None:
-            check_int("sink_tokens", self.sink_tokens, 0, MAX_TOKENS)
-        if self.window_tokens is not None:
-            check_int("window_tokens", self.window_tokens, 0, MAX_TOKENS)
+        for name in ("sink_tokens", "window_tokens"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 0, MAX_TOKENS)
+                self._check_whole_blocks(name, getattr(self, name), bt)
         if budget is None:
             # hot_bytes without budget_tokens: the store fills the defaults once it knows the budget
             return
@@ -655,6 +657,17 @@ class KVTierConfig:
             raise ValueError(
                 f"budget_tokens must be >= sink_tokens + window_tokens + one open block "
                 f"(= {fixed} with block_tokens={bt}); got {budget}")
+
+    def _check_whole_blocks(self, name: str, tokens: int, bt: int) -> None:
+        """``tokens`` is a whole number of ``bt``-token blocks: the store keeps, evicts and attends
+        whole blocks, so any other count would be rounded to a size the user did not ask for."""
+        if tokens % bt == 0:
+            return
+        low, high = tokens // bt * bt, (tokens // bt + 1) * bt
+        nearest = f"{low:,} or {high:,}" if low > 0 or name in ("sink_tokens", "window_tokens") else f"{high:,}"
+        why = f", the default for {self.attention} attention" if isinstance(self.block_tokens, Derived) else ""
+        raise ValueError(f"{name} must be a whole number of blocks (block_tokens={bt}{why}): {nearest}; "
+                         f"got {tokens:,}")
 
     def _check_precision(self) -> None:
         check_choice("precision", self.precision, get_args(Precision))

@@ -53,6 +53,7 @@ from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from kvtier.config import KVTierConfig
 from kvtier.store import KVStore
+from kvtier.store.report import store_summary
 
 from . import registry
 from .handover import HANDOVER_KWARG, Handover, Step, StepKind
@@ -607,7 +608,10 @@ class TieredCache(Cache, ForwardObserver):
     # -- reporting and lifecycle -------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """The store's statistics plus this cache's own (JSON-serialisable)."""
+        """The store's statistics plus this cache's own (JSON-serialisable): ``"conversation"``
+        (this cache's rows) and ``"store"`` (every cache on the shared store) in the README's
+        units, the store's raw figures at the top level and this cache's counters under
+        ``"integration"`` (docs/transformers.md, "Reading stats()")."""
         self._check_open()
         s = self.store.stats()
         c = dict(self._counters)
@@ -617,6 +621,11 @@ class TieredCache(Cache, ForwardObserver):
         c["seq_length"] = self.get_seq_length()
         c["copied_sequences"] = self._rows.forked
         s["integration"] = c
+        conv = self.store.sequences_stats(list(self._rows.seqs))
+        conv.update(batch=c["batch"], seq_length=c["seq_length"],
+                    prefix_tokens_reused=c.get("prefix_tokens", 0), attended_share=c["attended_fraction"])
+        s["conversation"] = conv
+        s["store"] = store_summary(s, self.num_layers)
         return s
 
     def close(self) -> None:

@@ -201,4 +201,8 @@ def summary(st: dict, turns: int | None = None) -> str:
     hits, misses = st.get("hits", {}), st.get("misses", {})
     lines.append("hits/misses   " + ", ".join(f"{t.upper()} {hits.get(t, 0):,}/{misses.get(t, 0):,}"
                                                for t in ("l1", "l2", "l3")))
+    per_token = (st.get("conversation") or {}).get("bytes_per_token_all_layers") or {}
+    held = [f"{t.upper()} {v:,.0f} B" for t, v in per_token.items() if v is not None]
+    if held:
+        lines.append("per token     " + ", ".join(held) + " (this conversation, all layers)")
     return "\n".join(lines)

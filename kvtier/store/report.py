@@ -68,6 +68,50 @@ def store_stats(store) -> dict:
     }
 
 
+def sequences_stats(store, seqs: list[int]) -> dict:
+    """What the live sequences ``seqs`` (one conversation's rows) hold: ``tokens`` (each token
+    once, not once per layer), blocks (one layer's block each) and bytes per tier, and
+    ``bytes_per_token_all_layers``: a tier's bytes per token it holds, summed over the layers
+    (the unit of the README's tables). A block shared with other sequences (a common prefix) is
+    counted in full here and in theirs."""
+    lay = store.layout
+    fp = store.residency.footprint_of(seqs)
+    nbytes = {"l1": fp["resident"] * lay.slot_bytes + fp["digest_bytes"], "l2": fp["bytes_l2"],
+              "l3": fp["bytes_l3"]}
+    # tokens held per tier, counted once per (token, layer)
+    tok = {"l1": fp["l1_tokens"], "l2": fp["copies_l2"] * lay.block_tokens,
+           "l3": fp["copies_l3"] * lay.block_tokens}
+    return {
+        "tokens": fp["tokens"] // lay.num_layers,
+        "blocks": {"l1": fp["resident"], "l2": fp["copies_l2"], "l3": fp["copies_l3"]},
+        "bytes": nbytes,
+        "digest_bytes": fp["digest_bytes"],
+        "bytes_per_token_all_layers": {k: ratio(nbytes[k] * lay.num_layers, tok[k]) for k in nbytes},
+    }
+
+
+def store_summary(st: dict, num_layers: int) -> dict:
+    """The whole store's figures of ``st`` (a :func:`store_stats` dict) in the README's units:
+    tokens each counted once, bytes per token summed over the layers, hits as shares of the
+    block reads (one block of one layer that a step attends)."""
+    hits, misses = st["hits"], st["misses"]
+    reads = hits["l1"] + misses["l1"]
+    remote = st["remote"]
+    below = {"l2": hits["l2"], "l3": hits["l3"], "l4": remote["hits"] if remote else 0}
+    return {
+        "layers": num_layers,
+        "sequences": st["sequences"],
+        "tokens": st["tokens"] // num_layers,
+        "bytes": dict(st["bytes"]),
+        "bytes_per_token_all_layers": {k: None if v is None else v * num_layers
+                                       for k, v in st["bytes_per_token"].items()},
+        "block_reads": reads,
+        "l1_hit_share": ratio(hits["l1"], reads),
+        # blocks read from each lower tier (swap-ins and prefetches) per block read
+        "read_share": {k: ratio(v, reads) for k, v in below.items()},
+    }
+
+
 def _prefetch_stats(store, c: dict) -> dict:
     on = store.prefetch
     return {

@@ -715,6 +715,36 @@ class Residency:
 
     # -- reporting -----------------------------------------------------------------------------
 
+    def footprint_of(self, seqs: list[int]) -> dict:
+        """What the tables of live sequences ``seqs`` hold, for a conversation's ``stats()``:
+        tokens (x layers), resident blocks and the tokens they hold, digest bytes, and the copies
+        below L1 with their bytes. A copy shared with other sequences is counted in full, once."""
+        bt = self.layout.block_tokens
+        out = dict(tokens=0, resident=0, l1_tokens=0, digest_bytes=0,
+                   copies_l2=0, bytes_l2=0, copies_l3=0, bytes_l3=0)
+        seen: set[int] = set()
+        with self.lock:
+            for seq in seqs:
+                for t in self.tables.get(seq, ()):
+                    out["tokens"] += t.length
+                    out["resident"] += t.resident
+                    if t.entries:  # the open block holds length - sealed tokens, not block_tokens
+                        out["l1_tokens"] += t.resident * bt - (len(t.entries) * bt - t.length)
+                    if t.digest is not None:
+                        out["digest_bytes"] += t.n_sealed * t.digest_row_bytes()
+                    for e in t.entries:
+                        rec = e.rec
+                        if id(rec) in seen:
+                            continue
+                        seen.add(id(rec))
+                        if rec.l2:
+                            out["copies_l2"] += 1
+                            out["bytes_l2"] += rec.l2_bytes
+                        if rec.l3:
+                            out["copies_l3"] += 1
+                            out["bytes_l3"] += rec.l3_bytes
+        return out
+
     def footprint(self) -> dict:
         """What the tables hold, for ``stats()``: tokens, resident blocks and the tokens they
         hold, digest bytes, blocks per home tier, copies and bytes below L1, references per

@@ -38,7 +38,7 @@ from .policy import make_policy
 from .prefetch import Prefetcher
 from .prefix import model_fingerprint_key
 from .reads import Reader
-from .report import store_stats
+from .report import sequences_stats, store_stats
 from .residency import Residency
 from .select import Selector
 from .stats import Counters
@@ -411,7 +411,7 @@ class KVStore:
         Args:
             query: [q_heads, q_len, head_dim], q_heads a multiple of kv_heads (GQA groups
                 consecutive query heads per kv head, as transformers' ``repeat_kv``).
-            budget_tokens: tokens to attend, the open block included (default: the config's).
+            budget_tokens: tokens to attend, the open block included, whole blocks (default: the config's).
         Returns:
             Sorted block indices.
         """
@@ -422,8 +422,10 @@ class KVStore:
         t = self._table(seq, layer)
         bt = self.block_tokens
         budget = self.budget_tokens if budget_tokens is None else budget_tokens
-        if budget > self.hot_blocks * bt or budget < bt:
-            raise ValueError(f"budget_tokens must be in [{bt}, {self.hot_blocks * bt}]; got {budget}")
+        if budget > self.hot_blocks * bt or budget < bt or budget % bt:
+            # whole blocks only: a selection is whole blocks, another count would be rounded down
+            raise ValueError(f"budget_tokens must be a whole number of blocks (block_tokens={bt}) in "
+                             f"[{bt}, {self.hot_blocks * bt}]; got {budget}")
         sel = self.selector.select(t, query, budget)
         self.prefetcher.selected(self.residency.tables_of(seq), layer, sel)
         return sel
@@ -499,6 +501,11 @@ class KVStore:
     def stats(self) -> dict:
         """Plain, JSON-serialisable dict of what the store holds and what it cost."""
         return store_stats(self)
+
+    def sequences_stats(self, seqs: list[int]) -> dict:
+        """What live sequences ``seqs`` hold, per tier, in the README's units (see
+        :func:`kvtier.store.report.sequences_stats`)."""
+        return sequences_stats(self, seqs)
 
     def check_invariants(self) -> None:
         """Wait for the background work (:meth:`flush`), then check that every block has one

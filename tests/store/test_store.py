@@ -88,6 +88,9 @@ def test_select_sinks_window_and_topk():
     assert st.select(s, 0, q, budget_tokens=16) == [0, 5, 9]
     with pytest.raises(ValueError, match="budget_tokens"):
         st.select(s, 0, q, budget_tokens=64)
+    # a per-call budget is whole blocks too: 18 tokens would be rounded down to 16
+    with pytest.raises(ValueError, match=r"budget_tokens must be a whole number of blocks \(block_tokens=4\)"):
+        st.select(s, 0, q, budget_tokens=18)
     st.close()
 
 
