@@ -26,6 +26,7 @@ from kvtier.configcheck import (
     MIN_HOST_BYTES, MIN_SEGMENT_BYTES, check_bool, check_choice, check_int, check_remote_url,
     derive, device_memory, physical_memory,
 )
+from kvtier.configdoc import class_doc, field_docs
 
 Order = Literal["compress-then-tier", "tier-then-compress"]
 Policy = Literal["lru", "sink-window", "h2o", "snapkv"]
@@ -119,9 +120,8 @@ class KVTierConfig:
     """Tokens per block: the unit of eviction, swap, compression and (sparse mode) selection.
     Default (derived, see ``default_block_tokens``): 64 for ``attention="dense"``, where every
     step swaps in every block outside L1 and the per-block cost dominates; 16 for ``"sparse"``,
-    where a block is what a step selects (recall probe, figures under ``digest_tokens``: 64-token
-    blocks leave a 12.5% budget at 2k context no room to select anything, 32-token ones kept
-    0.47-0.78 of the reference's accuracy where 16-token ones kept 0.79-0.87)."""
+    where a block is what a step selects and smaller blocks leave a small budget room to select
+    (why: docs/results/config-defaults.md#block_tokens)."""
 
     hot_tokens: Optional[int] = 512
     """L1 budget per sequence and layer, in tokens: a whole number of blocks (the open block
@@ -206,20 +206,11 @@ class KVTierConfig:
     """Quantization group size (elements sharing one scale/zero): 32, 64 or 128."""
 
     precision: Precision = "fixed"
-    """``fixed``: every block below L1 is stored in its tier's codec. ``importance``: a block's
-    codec is chosen when it is evicted, by where its attention statistic (the mean, over the
-    observations that saw it, of its mass over the mean mass per block; observed as for ``h2o``
-    and ``snapkv``) ranks among the sealed blocks of its (sequence, layer): the heaviest ``heavy_fraction`` in ``heavy_codec``, the lightest ``cold_fraction`` in
-    ``cold_codec``, the rest in ``codec``, so the records of one sequence carry different codecs.
-    A block stored in fewer bits than ``codec`` also gets a ``codec`` copy in L3 when there is an
-    L3 and ``recall_mass`` is finite (written by the swap-out worker, off the decode path; a
-    content block written through already has it), and when one observation gives such a block ``recall_mass`` times that
-    observation's ``recall_reference`` or more, the low copy leaves L2 and later reads decode
-    the L3 copy. Needs
-    ``policy`` ``h2o`` or ``snapkv`` (dense attention then observes every step, one extra
-    attention pass over the keys per layer, where the model attends through kvtier's attention:
-    ``kvtier.attach``; without statistics every block is stored in ``codec``), ``order="compress-then-tier"``, integer codecs and
-    no per-tier codec override."""
+    """``fixed``: every block below L1 is stored in its tier's codec. ``importance``: a block's codec
+    is chosen at eviction by how its attention mass ranks among its (sequence, layer)'s sealed blocks:
+    the heaviest ``heavy_fraction`` in ``heavy_codec``, the lightest ``cold_fraction`` in ``cold_codec``,
+    the rest in ``codec``; a low block that turns heavy (``recall_mass``) is read from a ``codec`` copy in
+    L3. Needs ``policy`` h2o/snapkv, ``order="compress-then-tier"``, integer codecs (docs/configuration.md#details)."""
 
     heavy_codec: str = "int8"
     """``precision="importance"``: codec of the heaviest blocks; one of ``PRECISION_CODECS`` with
@@ -238,16 +229,11 @@ class KVTierConfig:
     of a table's sealed blocks whose statistic makes them cold."""
 
     cold_key_outliers: Optional[int] = None
-    """``precision="importance"``: key channels of each block and KV head that the records of
-    ``cold_codec`` keep exactly (``key_axis="channel"``; 0 to 32 and at most ``head_dim``), so the
-    cold level may be cheaper than the same codec at fixed precision: the cold blocks take little
-    of the attention mass. None: as that codec keeps at fixed precision (``int2_key_outliers``
-    for int2, none for int4). Only where ``cold_codec`` differs from ``codec`` (one codec name, one
-    encoding per store). SmolLM2-135M in bf16: a plain int2 block (0) takes 4,320 bytes per token,
-    one with the default 8 kept channels 5,771, int4's 7,200. None is the default because plain
-    int2 for the coldest 50% / 75% of the ranks over int4 measured below the fixed-precision
-    line on no more than two of three texts, never with an interval on all three (docs/results/codec-accuracy.md:
-    "A cold level cheaper than fixed int2")."""
+    """``precision="importance"``: key channels of each block and KV head that ``cold_codec`` records
+    keep exactly (``key_axis="channel"``; 0 to 32, at most ``head_dim``), so the cold level may be cheaper
+    than that codec at fixed precision. None: as that codec keeps at fixed precision
+    (``int2_key_outliers`` for int2). Only where ``cold_codec`` differs from ``codec``. Default None:
+    no cheaper cold level measured better (docs/results/config-defaults.md#cold_key_outliers)."""
 
     recall_mass: float = 2.0
     """``precision="importance"``: a block stored below ``codec`` whose mass in one observation
@@ -268,44 +254,25 @@ class KVTierConfig:
     """Grouping axis for values (KIVI: per token)."""
 
     int2_key_outliers: int = 8
-    """Key channels of each block and KV head that ``int2`` key records (``key_axis="channel"``)
-    also keep exactly, in the KV dtype with a one-byte index each: the channels of widest range
-    in that block, where 2-bit codes lose most (the large post-RoPE channels whose sign the
-    rotation turns within a block). 0 to 32 (and at most ``head_dim``); 0: plain int2. Other
-    codecs ignore it. Costs ``n * (2 * block_tokens + 1)`` bytes per block and KV head with a
-    16-bit dtype (SmolLM2-135M in bf16, 64-token blocks, groups of 32: int2's blocks take 4,320
-    bytes per token, all layers, with none kept, 5,046 with 4, 5,771 with 8; int4's 7,200).
-    The default is the count that measured better than none on every text (docs/results/codec-accuracy.md: through the
-    store, 8 windows each, pydoc / essays / squad Δppl +2.8 / +2.2 / +0.8% with 8, +3.7 / +2.0 /
-    +2.6% with 4, +6.3 / +3.2 / +1.5% with none)."""
+    """Key channels of each block and KV head that ``int2`` key records (``key_axis="channel"``) also
+    keep exactly, in the KV dtype with a one-byte index each: the widest-range channels of the block,
+    where 2-bit codes lose most. 0 to 32 (at most ``head_dim``); 0: plain int2; other codecs ignore it.
+    Costs ``n * (2 * block_tokens + 1)`` bytes per block and KV head (16-bit dtype). Default: the count
+    that beat none on every text (docs/results/config-defaults.md#int2_key_outliers)."""
 
     int8_zero_point: Int8ZeroPoint = "both"
-    """Which roles' ``int8`` records are asymmetric (uint8 codes over each group's [min, max] with
-    a zero per group, ``kvtier.compress.get_codec(..., zero_point=True)``) instead of symmetric
-    (int8 codes over [-absmax, absmax]): ``none``, ``key``, ``value`` or ``both``. Other codecs
-    ignore it. Post-RoPE keys in per-channel groups often sit off zero, where the symmetric range
-    spends half its codes on values the group never takes: on SmolLM2-135M's KV (64-token blocks,
-    groups of 32) the zero point takes int8 keys' relative error from 0.0042 to 0.0023 and
-    values' from 0.0060 to 0.0052. It costs one 16-bit zero per group: int8 blocks take 12,240
-    bytes per token (all layers, bf16) with none, 12,600 with ``key``, 12,960 with ``both``.
-    Records of either form decode under any setting. In float32 (4 windows x 512 scored tokens
-    after a 2,048-token context, sink + 128 recent tokens kept, each older 64-token block through
-    the codec), pydoc / essays / squad: ``none`` -0.049 / +0.018 / +0.020%, ``key`` -0.017 /
-    +0.004 / -0.001%, ``both`` -0.021 / +0.005 / -0.003%. The default, ``both`` with values in
-    per-channel groups (``int8_value_axis``), is the setting measured best through the store in
-    bf16."""
+    """Which roles' ``int8`` records are asymmetric (uint8 codes over each group's [min, max], one
+    16-bit zero per group) instead of symmetric (int8 codes over [-absmax, absmax]): ``none``, ``key``,
+    ``value`` or ``both``; other codecs ignore it. Post-RoPE keys often sit off zero, where a symmetric
+    range wastes codes. Records of either form decode under any setting. Default ``both`` (with
+    ``int8_value_axis="channel"``): the best measured (docs/results/config-defaults.md#int8_zero_point)."""
 
     int8_value_axis: Optional[Axis] = "channel"
     """Grouping axis of ``int8`` values: ``channel`` (one scale and zero per channel per group of
-    tokens, as keys have), ``token``, or None for ``value_axis``. Other codecs use
-    ``value_axis``. Same bytes either way. On SmolLM2-135M's real KV (bf16, 64-token blocks,
-    groups of 32, zero point) per-channel groups take int8 values' relative error from 0.0052 to
-    0.0045 (0.0061 symmetric per token). The default is the setting measured best through the
-    store in bf16 (docs/results/codec-accuracy.md: 2,048-token context, 8-12 windows x 1,024 scored tokens per text,
-    against ``DynamicCache`` fed the same chunks): with ``int8_zero_point="both"``, Δppl pydoc /
-    essays / squad +0.001 / +0.047 / -0.040% and a per-window RMS of 0.18 / 0.14 / 0.08%, where
-    zero-point keys with symmetric per-token values gave -0.097 / +0.141 / +0.042% and 0.24 /
-    0.21 / 0.22%. Records of either axis decode under any setting."""
+    tokens, as keys have), ``token``, or None for ``value_axis``; other codecs use ``value_axis``.
+    Same bytes either way; records of either axis decode under any setting. Default ``channel`` (with
+    ``int8_zero_point="both"``): the best setting measured through the store in bf16
+    (docs/results/config-defaults.md#int8_value_axis)."""
 
     policy: Policy = "h2o"
     """Eviction policy: ``lru``, ``sink-window`` (StreamingLLM), ``h2o`` (accumulated attention
@@ -342,68 +309,38 @@ class KVTierConfig:
     most ``hot_tokens``. Default: ``hot_tokens``."""
 
     select_score: SelectScore = "centroid"
-    """Sparse mode: how blocks are ranked against the query. ``centroid``: q.mean(keys of the
-    block, or of each ``digest_tokens`` sub-block), softmax-normalised over the candidate blocks
-    per head, best head wins (ArkVale's centre; one dominant head, e.g. an induction head, can
-    claim a block). ``quest``: Quest's upper bound sum_d max(q_d*min_d, q_d*max_d), summed over
-    heads. The digest kept per sealed block and kv head is what the score reads, stored as
-    ``digest_dtype`` says: the means (``head_dim`` values each) or max | min (``2 * head_dim``). Recall probe
-    (tools/sparse_sweep.py, SmolLM2, int4, 2k context, L1 = budget = 12.5%, 16-token blocks,
-    pydoc + essays + SQuAD x 3 windows): centroid 0.79 of the reference's accuracy with one
-    centroid per block, 0.87 with 4-token ones; quest 0.29."""
+    """Sparse mode: how blocks are ranked against the query, from the digest kept per sealed block
+    and kv head (stored as ``digest_dtype`` says). ``centroid``: q.mean(keys of each ``digest_tokens``
+    sub-block), softmax-normalised over candidate blocks per head, best head wins (ArkVale). ``quest``:
+    Quest's bound sum_d max(q_d*min_d, q_d*max_d) over a max | min digest, summed over heads. Default
+    ``centroid``: the better recall measured (docs/results/config-defaults.md#select_score)."""
 
     digest_tokens: Optional[int] = None
-    """``centroid`` only: tokens summarised by one key centroid; a block's score is its best
-    sub-block's. A divisor of ``block_tokens``; default (derived) 2, or gcd(``block_tokens``, 2)
-    when 2 does not divide it; ``block_tokens`` with ``quest``. One key that matches the query
-    stands out of the mean of 2 keys, not of 16. Recall probe as in ``select_score`` (lru, 9
-    windows, bf16 digests), ratio to the reference [95% CI]: 16-token blocks, 4-token centroids
-    0.87 [0.79, 0.95], 8-token 0.78 [0.67, 0.87], 16-token 0.79 [0.62, 0.93]; 32-token blocks
-    0.78, 0.65, 0.47 with 4-, 8-, 32-token centroids; 64-token blocks 0.09 (a 256-token budget
-    leaves no room for any selected block). At 2k and 4k (h2o, 12 windows, bf16 digests):
-    4-token centroids 0.87 [0.78, 0.95] at 5.0 kB of L1 per token, 2-token 0.95 [0.90, 0.99] at
-    7.9 kB, per key 0.99 at 13.6 kB (the reference holds 23 kB); the default, 2-token int8
-    centroids, 0.95 [0.88, 1.01] at 2k and 0.98 [0.89, 1.07] at 4k at 5.2 kB. Costs ``block_tokens /
-    digest_tokens`` digest rows per block in L1, each ``head_dim + 4`` bytes per kv head with
-    the default int8 ``digest_dtype`` (``2 * head_dim`` in a 16-bit KV dtype): 2-token int8
-    centroids cost 1.06x what 4-token bf16 ones did."""
+    """``centroid`` only: tokens summarised by one key centroid; a block's score is its best sub-block's
+    (one key that matches the query stands out of the mean of 2 keys, not of 16). A divisor of
+    ``block_tokens``; default (derived) 2, or gcd(``block_tokens``, 2); ``block_tokens`` with ``quest``.
+    Costs ``block_tokens / digest_tokens`` digest rows per block and kv head in L1, ``head_dim + 4``
+    bytes each with int8 ``digest_dtype``. Why 2: docs/results/config-defaults.md#digest_tokens."""
 
     digest_dtype: DigestDType = "int8"
-    """How the key digests are stored in L1. ``int8``: each centroid (each quest max | min row)
-    as int8 codes against its own absmax, with a float32 scale: ``head_dim + 4`` bytes per
-    centroid against ``2 * head_dim`` in a 16-bit KV dtype, so 2-token centroids cost about what
-    4-token ones do in bf16; the scorer reads the codes in place and applies the scale per row
-    (error per channel at most absmax / 254). ``kv``: in the KV dtype, as the model wrote them.
-    On SmolLM2's real keys and queries (2k windows of pydoc, essays, SQuAD; every layer; the
-    12.5% budget's top 12 blocks) int8 centroids select 98% the same blocks as bf16 ones, the
-    rest near-ties: 0.840 of the oracle selection's attention mass against 0.841. The scorer's
-    time grows with the centroids scored (docs/architecture.md). Probe figures under
-    ``digest_tokens``."""
+    """How the key digests are stored in L1. ``int8``: each centroid (each quest max | min row) as int8
+    codes against its own absmax with a float32 scale: ``head_dim + 4`` bytes against ``2 * head_dim``
+    in a 16-bit KV dtype; the scorer reads the codes in place (error per channel at most absmax / 254).
+    ``kv``: in the KV dtype, as the model wrote them. Default ``int8``: nearly the same blocks selected
+    for about half the bytes (docs/results/config-defaults.md#digest_dtype)."""
 
     attention_math: AttentionMath = "sdpa"
-    """How kvtier's own attention computes, where it replaces the model's (sparse decode steps,
-    and multi-token steps over cached tokens, e.g. a chat's next turn, in either mode).
-    ``sdpa`` (default): those steps call the model's own attention (SDPA, or its eager function
-    for a model loaded with ``attn_implementation="eager"``) on the gathered K/V in the KV dtype,
-    with the model's mask and scale: with a lossless codec (``fp16``/``bf16``/``fp32`` on every
-    tier, or nothing evicted) and a budget covering the context, every step computes what that
-    attention over ``DynamicCache`` computes, and tokens are identical to it in every
-    ``generate`` mode. Costs: a multi-token step over cached tokens builds the explicit mask SDPA
-    takes, and with ``h2o``/``snapkv`` a sparse step computes the attention mass per block in a
-    second pass. ``float32`` (opt-in): products and softmax accumulate in a wider type (float32;
-    float64 for fp32 KV on CPU) and round once, at the end (sparse decode: one packed-GQA matmul;
-    multi-token steps: two unmasked passes over the prefix and the new tokens merged by
-    log-sum-exp, no ``[q, past + q]`` mask): at least as close to a float64 reference as SDPA in
-    every dtype (tests/integrations/test_attention_exact.py), but not bit-equal to SDPA, so
-    tokens can part from ``DynamicCache``'s after a few steps."""
+    """How kvtier's own attention computes where it replaces the model's (sparse decode, and multi-token
+    steps over cached tokens, e.g. a chat's next turn). ``sdpa`` (default): the model's own attention on
+    the gathered K/V, its mask and scale: with lossless codecs and a budget covering the context, tokens
+    equal ``DynamicCache``'s. ``float32``: accumulates wider and rounds once: closer to a float64
+    reference, but tokens can part from ``DynamicCache``'s (docs/configuration.md#details)."""
 
     prefetch: bool | Literal["auto"] = "auto"
     """Asynchronously decode blocks predicted to be needed (last selection, next layer), on a
-    background thread. ``"auto"``: on when the store's device is a GPU, off on a CPU store. On a
-    CPU host the prefetch thread decodes with the same cores, and holds the GIL while it does,
-    that the decode step needs: bench_store at 8k context, L1 25%, sparse, int4 (2 cores), the
-    store overhead went from 0.28 of the reference step without it to 0.35 with it (select
-    waits for the GIL), and at 4k, where nothing misses, 0.21 -> 0.22. ``True`` forces it on."""
+    background thread. ``"auto"``: on when the store's device is a GPU, off on a CPU store, where the
+    thread competes for the cores and the GIL the decode step needs and made steps slower
+    (docs/results/config-defaults.md#prefetch). ``True`` forces it on."""
 
     prefetch_blocks: int = 64
     """Bound on decoded blocks held in the prefetch buffer."""
@@ -418,9 +355,9 @@ class KVTierConfig:
 
     byte_stage: ByteStageName = "lz4"
     """Lossless stage on encoded records on their way to L3: ``lz4`` (fast; saves nothing on
-    quantized records, which are then stored raw), ``zstd`` (entropy coded: about 5% off int4
-    records of real KV, so lower ``lz4_min_saving`` to ~0.02 with it; ~10 us more per swap-in of
-    a 64-token block) or ``none``."""
+    quantized records, which are then stored raw), ``zstd`` (entropy coded: saves a few percent of int4
+    records for some time per swap-in, so lower ``lz4_min_saving`` with it;
+    docs/results/config-defaults.md#byte_stage) or ``none``."""
 
     byte_stage_l2: bool = False
     """Also pass L2 (DRAM) records through ``byte_stage``: fewer host bytes, one decompression per
@@ -869,6 +806,11 @@ class KVTierConfig:
         if "kvtier" in data and isinstance(data["kvtier"], dict):
             data = data["kvtier"]
         return cls.from_dict(data)
+
+
+# help(KVTierConfig) and pydoc show what each field means: the docstring under each field is in
+# the source only, so the class docstring is built from it (the parser tools/config_doc.py uses).
+KVTierConfig.__doc__ = class_doc(KVTierConfig.__doc__, field_docs(Path(__file__).read_text(), "KVTierConfig"))
 
 
 def _plain(v: Any) -> Any:

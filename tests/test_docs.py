@@ -3,6 +3,7 @@ README's quickstart twice in one process, as a notebook cell run again), and the
 reference is what tools/config_doc.py makes of the field docstrings today."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import re
 import subprocess
@@ -71,3 +72,55 @@ def test_every_preset_is_documented():
     text = (ROOT / "docs" / "configuration.md").read_text()
     for name in PRESET_NAMES:
         assert f"| `{name}` |" in text, name
+
+
+# A figure in a field docstring goes stale when a default or the code moves: intervals, signed or
+# decimal percentages, ratios ("1.06x"), throughput, perplexity deltas, dates, bench names, byte
+# counts written with thousands separators, timings. "the best setting measured" with a link is fine.
+MEASUREMENT = re.compile(
+    r"±|\bCI\b|\[[-+]?\d+\.\d+, [-+]?\d|tok/s|Δ|\bppl\b|\b\d+(\.\d+)?x\b|[-+]\d+(\.\d+)?%|\b\d+\.\d+%"
+    r"|\b\d\.\d{2,}\b|\b\d{4}-\d{2}-\d{2}\b|\bbench_\w+|\b\d{1,3}(,\d{3})+\b|\d+ ?[kKM]B\b|\d ?(us|ms)\b")
+
+
+def _field_docs():
+    from kvtier.configdoc import field_docs
+
+    return field_docs((ROOT / "kvtier" / "config.py").read_text(), "KVTierConfig")
+
+
+def test_help_shows_every_field_description():
+    import pydoc
+
+    from kvtier import KVTierConfig
+
+    text = pydoc.render_doc(KVTierConfig, renderer=pydoc.plaintext)
+    docs = _field_docs()
+    assert len(docs) == len(dataclasses.fields(KVTierConfig))
+    for f in docs:
+        assert f.doc, f"{f.name} has no docstring"
+        assert f.doc.splitlines()[0] in text, f.name
+
+
+def test_field_docstrings_say_what_a_field_means_not_what_it_measured():
+    for f in _field_docs():
+        assert len(f.doc.splitlines()) <= 5, f"{f.name}: {len(f.doc.splitlines())} lines (at most 5)"
+        hit = MEASUREMENT.search(f.doc)
+        assert hit is None, f"{f.name} carries a measurement ({hit.group()!r}): move it to docs/results/"
+
+
+def test_measurement_pattern_flags_figures_and_spares_meanings():
+    assert MEASUREMENT.search("Δppl +2.8 / +2.2%")
+    assert MEASUREMENT.search("0.87 [0.79, 0.95]")
+    assert MEASUREMENT.search("cost 1.06x what 4-token bf16 ones did")
+    assert MEASUREMENT.search("a plain int2 block takes 4,320 bytes per token")
+    assert MEASUREMENT.search("~10 us more per swap-in")
+    assert not MEASUREMENT.search("Size of one L3 segment file, in [4096, 2**32); 64 MiB by default")
+    assert not MEASUREMENT.search("fraction (by rank, in [0, 1]); the best setting measured")
+
+
+def test_every_measurement_link_of_a_docstring_has_its_section():
+    text = (ROOT / "docs" / "results" / "config-defaults.md").read_text()
+    sections = set(re.findall(r"^## `(\w+)`", text, re.M))
+    for f in _field_docs():
+        for anchor in re.findall(r"config-defaults\.md#(\w+)", f.doc):
+            assert anchor in sections, (f.name, anchor)

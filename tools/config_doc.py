@@ -9,12 +9,14 @@ research settings last ("Advanced"). tests/test_docs.py fails when the file is s
 """
 from __future__ import annotations
 
-import ast
 import sys
-import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout: this checkout's kvtier
+
+from kvtier.configdoc import field_docs  # noqa: E402  (the parser help(KVTierConfig) uses too)
+
 CONFIG = ROOT / "kvtier" / "config.py"
 DOC = ROOT / "docs" / "configuration.md"
 BEGIN, END = "<!-- fields:begin (tools/config_doc.py) -->", "<!-- fields:end -->"
@@ -31,19 +33,7 @@ ADVANCED = {
 
 def fields() -> list[tuple[str, str, str, str]]:
     """(name, type, default, docstring) of every KVTierConfig field, in source order."""
-    tree = ast.parse(CONFIG.read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "KVTierConfig")
-    out = []
-    body = cls.body
-    for i, node in enumerate(body):
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        nxt = body[i + 1] if i + 1 < len(body) else None
-        doc = (nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-               and isinstance(nxt.value.value, str) else "")
-        default = ast.unparse(node.value) if node.value is not None else ""
-        out.append((node.target.id, ast.unparse(node.annotation), default, textwrap.dedent(doc).strip()))
-    return out
+    return field_docs(CONFIG.read_text(), "KVTierConfig")
 
 
 def _entry(name: str, typ: str, default: str, doc: str) -> str:
@@ -56,7 +46,9 @@ def render() -> str:
     main = [_entry(*r) for r in rows if r[0] not in ADVANCED]
     adv = [_entry(*r) for r in rows if r[0] in ADVANCED]
     return "\n".join([BEGIN, "", "### Fields", "", *main, "", "### Advanced", "",
-                      "Research settings: the defaults are what the studies in [results/](results/) measured best.",
+                      "Research settings: the defaults are what the studies in [results/](results/) measured best; "
+                      "why each: [results/config-defaults.md](results/config-defaults.md).", "",
+                      "See also [Details](#details) below.",
                       "", *adv, "", END])
 
 
