@@ -67,6 +67,14 @@ def _tensor_summary(name: str, t: torch.Tensor) -> bytes:
     if t.device.type == "meta":
         raise NoIdentity(f"weight {name!r} is on the meta device (offloaded or not loaded)")
     t = t.detach()
+    if t.is_quantized:  # its integers, and the scales and zero points that give them meaning
+        if t.qscheme() in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            params = json.dumps([str(t.qscheme()), t.q_scale(), t.q_zero_point()]).encode()
+        else:
+            params = (_tensor_summary(f"{name}:scales", t.q_per_channel_scales())
+                      + _tensor_summary(f"{name}:zero_points", t.q_per_channel_zero_points())
+                      + str(t.q_per_channel_axis()).encode())
+        return params + _tensor_summary(f"{name}:{t.dtype}", t.int_repr())
     if t.is_sparse or t.layout != torch.strided:
         t = t.to_dense()
     if t.dtype == torch.bool:
@@ -111,7 +119,12 @@ def weights_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
             raise ValueError(f"named_tensors must name each tensor once; {name!r} came twice")
         seen.add(name)
         with torch.no_grad():
-            s = _tensor_summary(name, t)
+            try:
+                s = _tensor_summary(name, t)
+            except (RuntimeError, TypeError, NotImplementedError) as e:
+                # a tensor whose bytes cannot be viewed here (a torch-quantized or distributed
+                # tensor, an unusual layout): what cannot be named is not shared
+                raise NoIdentity(f"weight {name!r} cannot be read ({type(e).__name__}: {e})") from None
         h.update(len(s).to_bytes(4, "little"))
         h.update(s)
     return h.hexdigest()

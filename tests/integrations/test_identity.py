@@ -313,3 +313,15 @@ def test_an_adapter_switched_off_is_another_computation():
     assert len({on, off, other}) == 3
     m.layer.active_adapters = ["a"]
     assert model_identity(m) == on
+
+
+def test_quantized_tensors_are_named_by_their_integers_and_scales():
+    x = torch.randn(4, 4)
+    q = torch.quantize_per_tensor(x, 0.1, 0, torch.qint8)
+    base = weights_digest([("q", q)])
+    assert weights_digest([("q", torch.quantize_per_tensor(x, 0.2, 0, torch.qint8))]) != base  # the scale
+    assert weights_digest([("q", torch.quantize_per_tensor(x + 1, 0.1, 0, torch.qint8))]) != base  # the values
+    pc = torch.quantize_per_channel(x, torch.full((4,), 0.1), torch.zeros(4, dtype=torch.long), 0, torch.qint8)
+    pc2 = torch.quantize_per_channel(x, torch.tensor([0.1, 0.1, 0.1, 0.2]), torch.zeros(4, dtype=torch.long), 0,
+                                     torch.qint8)
+    assert len({base, weights_digest([("q", pc)]), weights_digest([("q", pc2)])}) == 3
