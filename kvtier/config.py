@@ -45,6 +45,7 @@ ByteStageName = Literal["lz4", "zstd", "none"]
 Precision = Literal["fixed", "importance"]
 RecallReference = Literal["median", "mean", "all-mean"]
 Int8ZeroPoint = Literal["none", "key", "value", "both"]
+KeyTransform = Literal["none", "hadamard"]
 
 #: Codec names known to ``kvtier.compress.get_codec`` (kept here so a config is checked before
 #: any codec module is imported).
@@ -90,7 +91,6 @@ def block_record_bytes(cfg: "KVTierConfig", num_layers: int, kv_heads: int, head
     """
     import torch
 
-    from kvtier.compress import get_codec
     from kvtier.store.blockrecord import pack_block
     from kvtier.tiers.disk import SEG_HEADER_BYTES, record_size
     from kvtier.tiers.host import HostTier
@@ -103,9 +103,8 @@ def block_record_bytes(cfg: "KVTierConfig", num_layers: int, kv_heads: int, head
     def block(name: str) -> int:
         if name in ("fp16", "bf16") and dtype != torch.float32:
             name = full  # a 16-bit tier codec follows the KV dtype, as in the store
-        k = get_codec(name, **cfg.codec_kwargs(name, "key")).encode(x)
-        v = get_codec(name, **cfg.codec_kwargs(name, "value")).encode(x)
-        return len(pack_block(k, v))
+        kc, vc = cfg.codec_pair(name)
+        return len(pack_block(kc.encode(x), vc.encode(x)))
 
     l2 = HostTier.record_bytes(key, block(cfg.host_codec))
     l3 = SEG_HEADER_BYTES + record_size(len(key), block(cfg.disk_codec))
@@ -187,6 +186,19 @@ class KVTierConfig:
 
     codec: str = "int4"
     """Codec of the tiers below L1 (see ``order``): one of ``CODECS``."""
+
+    key_codec: Optional[str] = None
+    """Codec of the keys wherever a tier stores ``codec`` (None: ``codec``), e.g. ``int4`` keys with
+    ``value_codec="int2"`` values (K4V2: keys carry the attention pattern and lose more per bit).
+    One of ``CODECS`` except the 16-bit pass-through ones; ``precision="importance"`` needs None."""
+
+    value_codec: Optional[str] = None
+    """Codec of the values wherever a tier stores ``codec`` (None: ``codec``); as ``key_codec``."""
+
+    key_transform: KeyTransform = "none"
+    """``hadamard``: integer-coded keys are multiplied by an orthonormal Hadamard matrix (per token,
+    over head_dim) before quantizing and again after dequantizing, spreading the few wide channels
+    over all (QuaRot/RotateKV); ``none``: keys are quantized as they are. Part of the codec's identity."""
 
     order: Order = "compress-then-tier"
     """``compress-then-tier``: quantize on L1->L2, L2 and L3 hold ``codec`` records.
@@ -480,11 +492,35 @@ class KVTierConfig:
         check_choice("int8_zero_point", self.int8_zero_point, get_args(Int8ZeroPoint))
         if self.int8_value_axis is not None:
             check_choice("int8_value_axis", self.int8_value_axis, get_args(Axis))
+        role_codecs = tuple(c for c in CODECS if c not in LOSSLESS_CODECS)
+        for name in ("key_codec", "value_codec"):
+            if getattr(self, name) is not None:
+                check_choice(name, getattr(self, name), role_codecs)
+                if self.precision == "importance" and getattr(self, name) != self.codec:
+                    raise ValueError(f"{name} must be None (or equal codec {self.codec!r}) with "
+                                     f"precision='importance'; got {getattr(self, name)!r}")
+        check_choice("key_transform", self.key_transform, get_args(KeyTransform))
+
+    def role_codec(self, name: str, role: str) -> str:
+        """The codec ``role`` (``"key"`` or ``"value"``) is stored in where a tier stores codec
+        ``name``: ``key_codec``/``value_codec`` in place of ``codec``, else ``name`` itself."""
+        assert role in ("key", "value"), f"role is 'key' or 'value', got {role!r}"
+        own = self.key_codec if role == "key" else self.value_codec
+        return own if name == self.codec and own is not None else name
+
+    def codec_pair(self, name: str) -> tuple:
+        """The (key, value) ``kvtier.compress`` codec objects of tier codec ``name``: each role's
+        codec (:meth:`role_codec`) with its arguments (:meth:`codec_kwargs`)."""
+        from kvtier.compress import get_codec
+
+        return tuple(get_codec(c, **self.codec_kwargs(c, role))
+                     for role, c in (("key", self.role_codec(name, "key")), ("value", self.role_codec(name, "value"))))
 
     def codec_kwargs(self, name: str, role: str) -> dict:
         """The ``kvtier.compress.get_codec`` arguments of tier codec ``name`` for ``role``
         (``"key"`` or ``"value"``): group size, axis (for int8 values ``int8_value_axis``), for
-        int2 keys ``int2_key_outliers``, and for int8 the role's ``int8_zero_point``."""
+        int2 keys ``int2_key_outliers``, for int8 the role's ``int8_zero_point``, and for integer
+        keys ``key_transform``."""
         assert role in ("key", "value"), f"role is 'key' or 'value', got {role!r}"
         axis = self.key_axis if role == "key" else self.value_axis
         if name == "int8" and role == "value" and self.int8_value_axis is not None:
@@ -495,6 +531,8 @@ class KVTierConfig:
             kw["outliers"] = n
         if name == "int8" and self.int8_zero_point in (role, "both"):
             kw["zero_point"] = True
+        if role == "key" and name in PRECISION_CODECS and self.key_transform != "none":
+            kw["transform"] = self.key_transform
         return kw
 
     def key_outliers(self, name: str) -> int:

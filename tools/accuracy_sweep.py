@@ -232,6 +232,7 @@ class Spec:
     key_rope: str = "post"  # "pre": keys rotated back to before RoPE for quantizing (kvtier.compress.rope);
     # "block": rotated back by their offsets within their block (a constant rotation per block is left)
     key_outliers: int = 0  # the key codec's ``outliers``: channels per block and head kept exactly
+    key_transform: str = "none"  # the key codec's ``transform`` (kvtier.compress.rotation)
 
 
 def default_specs() -> list[Spec]:
@@ -258,6 +259,16 @@ def default_specs() -> list[Spec]:
         kv("kvtier int2 g32 K+2", codec="int2", key_outliers=2),
         kv("kvtier int2 g32 K+4", codec="int2", key_outliers=4),
         kv("kvtier int2 g32 K+8", codec="int2", key_outliers=8),
+        # keys Hadamard-rotated before quantizing (per-channel groups as above, or per-token groups
+        # as QuaRot/RotateKV quantize rotated keys), values as the rows above
+        kv("kvtier int4 g32 K hadamard", key_transform="hadamard"),
+        kv("kvtier int4 g32 K hadamard token", key_transform="hadamard", key_axis="token"),
+        kv("kvtier int2 g32 K hadamard", codec="int2", key_transform="hadamard"),
+        kv("kvtier int2 g32 K hadamard K+8", codec="int2", key_transform="hadamard", key_outliers=8),
+        kv("kvtier int2 g32 K hadamard token", codec="int2", key_transform="hadamard", key_axis="token"),
+        kv("kvtier K int4 hadamard V int2 g32", codec="int4", value_codec="int2", key_transform="hadamard"),
+        kv("kvtier K int4 hadamard token V int2 g32", codec="int4", value_codec="int2", key_transform="hadamard",
+           key_axis="token"),
         Spec("hqq int4", "hqq", nbits=4),
         Spec("quanto int4", "quanto", nbits=4),
         Spec("quanto int2", "quanto", nbits=2),
@@ -290,7 +301,8 @@ def _encode_decode_blocks(x: torch.Tensor, spec: Spec, role: str, block: int, st
     encoder = spec.value_encoder if role == "v" and spec.value_encoder else spec.encoder
     name = spec.value_codec if role == "v" and spec.value_codec else spec.codec
     outliers = spec.key_outliers if role == "k" else 0
-    c = get_codec(name, group_size=spec.group_size, axis=axis, encoder=encoder, outliers=outliers)
+    c = get_codec(name, group_size=spec.group_size, axis=axis, encoder=encoder, outliers=outliers,
+                  transform=spec.key_transform if role == "k" else "none")
     xb = x.view(h, t // block, block, d).transpose(0, 1).reshape(-1, block, d)  # [blocks * kv_heads, block, D]
     enc = c.encode(xb.contiguous())
     y = c.decode(enc).view(t // block, h, block, d).transpose(0, 1).reshape(h, t, d)
@@ -407,6 +419,27 @@ def teacher_forced(model, cache, ctx: torch.Tensor, cont: torch.Tensor, chunk: i
         logits.append(o.logits[0].float())
     lg = torch.cat(logits)  # [M, vocab]
     return -torch.log_softmax(lg, -1).gather(1, cont.view(-1, 1)).squeeze(1).double()
+
+
+@torch.inference_mode()
+def run_users_anchors(model, ctx: torch.Tensor, cont: torch.Tensor, kinds: list[str],
+                      residual_length: int = 128, q_group_size: int = 64) -> dict:
+    """transformers' ``QuantizedCache`` run as its users run it: the context in one forward
+    (QuantizedCache quantizes all of it on that first update and attends it at full precision),
+    then ``cont[:-1]`` one token per forward, as ``generate`` feeds it (teacher-forced). With
+    ``residual_length`` >= the continuation the decoded tokens stay in its full-precision
+    residual, so every scored token attends the dequantized context plus exact recent tokens.
+    ``kinds``: ``make_baseline`` kinds (``hqq-int4``, ``quanto-int2``, ...). Returns
+    ``{name: (nll, bytes held at the end, seconds)}``, named ``"<kind> QuantizedCache"``."""
+    from kvtier.eval.baselines import cache_bytes, make_baseline
+
+    out = {}
+    for kind in kinds:
+        t0 = time.perf_counter()
+        cache = make_baseline(kind, model, q_group_size=q_group_size, residual_length=residual_length)
+        nll = teacher_forced(model, cache, ctx, cont, ctx.numel(), 1)
+        out[kind.replace("-int", " int") + " QuantizedCache"] = (nll, cache_bytes(cache), time.perf_counter() - t0)
+    return out
 
 
 @torch.inference_mode()
@@ -792,6 +825,11 @@ def main(argv=None) -> int:
     ap.add_argument("--chunked-anchors", default=None,
                     help="--store: comma-separated make_baseline kinds (e.g. hqq-int8,hqq-int4) run on the store's "
                          "chunks against the chunked reference (default: hqq-int8 with --int8, else none)")
+    ap.add_argument("--users-anchors", default="",
+                    help="comma-separated make_baseline kinds (e.g. hqq-int4,quanto-int2) run through transformers' "
+                         "QuantizedCache as its users run it (one prefill, then one token per forward), on the same "
+                         "windows, against the single-prefill reference")
+    ap.add_argument("--residual-length", type=int, default=128, help="--users-anchors: QuantizedCache residual_length")
     ap.add_argument("--chunk", type=int, default=256, help="--store: prefill chunk, tokens")
     ap.add_argument("--decode-chunk", type=int, default=32,
                     help="--store: continuation tokens per forward (1: one decode step per token)")
@@ -902,6 +940,8 @@ def main(argv=None) -> int:
         for o in offsets:
             ctx, cont = ids[o:o + args.context], ids[o + args.context:o + span]
             w = run_window(model, ctx, cont, specs, args.recent, args.block_tokens, args.sink)
+            users = [a for a in args.users_anchors.split(",") if a]
+            w.update(run_users_anchors(model, ctx, cont, users, args.residual_length) if users else {})
             for name, val in w.items():
                 per.setdefault(name, []).append(val)
             if store_specs:
@@ -937,6 +977,14 @@ def main(argv=None) -> int:
                             "encode_s_per_window": enc}
             print(f"{src:7s} | {s.name:34s} | dppl {100 * d:+7.3f}% [{100 * lo:+7.3f}, {100 * hi:+7.3f}] | "
                   f"{bpt:8.0f} B/tok ctx | {end:8.0f} B/tok end | encode {enc:6.2f} s/window", flush=True)
+        for name in (n for n in per if n.endswith(" QuantizedCache")):
+            got = [v[0] for v in per[name]]
+            d, lo, hi = bootstrap_ci(ref, got, args.boot, args.seed)
+            end = sum(v[1] for v in per[name]) / len(got) / held
+            rows[name] = {"delta_ppl": d, "ci95": [lo, hi], "bytes_per_token_end": end,
+                          "residual_length": args.residual_length}
+            print(f"{src:7s} | {name:34s} | dppl {100 * d:+7.3f}% [{100 * lo:+7.3f}, {100 * hi:+7.3f}] | "
+                  f"{end:8.0f} B/tok end (residual_length {args.residual_length})", flush=True)
         base = [v[0] for v in per[STORE_LOSSLESS]] if STORE_LOSSLESS in per else None
         ref_chunked = [v[0] for v in per[REF_CHUNKED]] if REF_CHUNKED in per else None
         for name in [REF_CHUNKED, *(n for n in per if n.endswith(" chunked") and n != REF_CHUNKED)]:

@@ -22,11 +22,13 @@ import torch
 
 from kvtier.compress import cpu as _cpu
 from kvtier.compress import reference as _ref
+from kvtier.compress import rotation as _rot
 from kvtier.compress.base import Codec, Encoded
 
 NAMES = ("fp16", "bf16", "fp32", "int8", "int4", "int2", "nf4", "fp4", "dyn8")
 AXES = ("token", "channel")
 GROUP_SIZES = (32, 64, 128)
+TRANSFORMS = _rot.TRANSFORMS
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INT_BITS = {"int8": 8, "int4": 4, "int2": 2}
 MAX_RANK = 4
@@ -49,7 +51,8 @@ MAX_OUTLIERS = 32
 
 
 def get_codec(name: str, *, group_size: int = 64, axis: str | None = None, check_finite: bool = True,
-              encoder: str | None = None, outliers: int = 0, zero_point: bool = False) -> Codec:
+              encoder: str | None = None, outliers: int = 0, zero_point: bool = False,
+              transform: str = "none") -> Codec:
     """Build a codec by name.
 
     Args:
@@ -75,6 +78,11 @@ def get_codec(name: str, *, group_size: int = 64, axis: str | None = None, check
             [-absmax, absmax]). Costs one more 16-bit value per group; on SmolLM2's post-RoPE keys
             (per-channel groups, where a channel often sits off zero) it lowers int8's relative
             error from 0.0042 to 0.0023. Either int8 codec decodes the other's records.
+        transform: int8/int4/int2 only: ``"hadamard"`` multiplies each token's head_dim vector by
+            an orthonormal block Hadamard matrix before quantizing and again after dequantizing
+            (:mod:`kvtier.compress.rotation`), spreading a few wide channels over all; ``"none"``
+            (default) does not. Part of ``params`` (``transform="hadamard"``), so records say
+            which; any decoder of the codec reads records of either.
     """
     if not isinstance(name, str) or name not in NAMES:
         raise ValueError(f"codec name must be one of {NAMES}; got {name!r}")
@@ -97,6 +105,11 @@ def get_codec(name: str, *, group_size: int = 64, axis: str | None = None, check
         raise ValueError(f"zero_point must be True or False; got {zero_point!r}")
     if zero_point and name != "int8":
         raise ValueError(f"zero_point is an int8 option (int4/int2 always have a zero); got codec {name!r}")
+    if transform not in TRANSFORMS:
+        raise ValueError(f"transform must be one of {TRANSFORMS}; got {transform!r}")
+    if transform != "none" and name not in _INT_BITS:
+        raise ValueError(f"transform must be 'none' unless the codec is int8, int4 or int2; "
+                         f"got transform={transform!r} for {name!r}")
     if name in ("fp16", "bf16"):
         return PassthroughCodec(name)
     if name == "fp32":
@@ -106,7 +119,7 @@ def get_codec(name: str, *, group_size: int = 64, axis: str | None = None, check
         if bits == 8 and encoder not in (None, "minmax"):
             raise ValueError(f"encoder must be 'minmax' or None for int8 (absmax scales); got {encoder!r}")
         return IntCodec(_ref.ASYM8 if zero_point else bits, group_size, axis, check_finite,
-                        encoder or DEFAULT_ENCODER[(bits, axis)], outliers)
+                        encoder or DEFAULT_ENCODER[(bits, axis)], outliers, transform)
     return BnbCodec(name, group_size, axis, check_finite)
 
 
@@ -233,10 +246,15 @@ class IntCodec(Codec):
     ``outliers=n``. The codes of those channels stay in ``q`` (a per-channel group spends its
     scale on its own channel only), so the layout of the other parts, and their decoders, are
     those of the plain codec: a decoder reads the count from the record, any count.
+
+    ``transform`` ("hadamard"): the input is rotated (:func:`kvtier.compress.rotation.apply`)
+    before everything above, which then describes the rotated tensor, and the decoded tensor is
+    rotated back; ``params`` then says ``transform="hadamard"``. A record of the other form is
+    decoded by its :meth:`twin`.
     """
 
     def __init__(self, bits: int, group_size: int, axis: str, check_finite: bool = True,
-                 encoder: str = "minmax", outliers: int = 0):
+                 encoder: str = "minmax", outliers: int = 0, transform: str = "none"):
         self.bits = bits  # the reference's ``bits``: 8, 4, 2 or ASYM8
         self.name = f"int{_ref.code_width(bits)}"
         self.group_size = group_size
@@ -244,6 +262,7 @@ class IntCodec(Codec):
         self.check_finite = check_finite
         self.encoder = encoder
         self.outliers = outliers
+        self.transform = transform
         self._specs: dict = {}  # (shape, dtype) -> (shape, q shape, q dtype, scale shape): _parts
         self._twins: dict = {}  # (bits, axis) -> the codec of records of that form (twin)
 
@@ -254,6 +273,8 @@ class IntCodec(Codec):
             p["zero_point"] = 1
         if self.outliers:
             p["outliers"] = self.outliers
+        if self.transform != "none":
+            p["transform"] = self.transform
         return p
 
     def encode(self, x: torch.Tensor) -> Encoded:
@@ -261,6 +282,7 @@ class IntCodec(Codec):
         bits, g, axis = self.bits, self.group_size, self.axis
         if self.outliers > x.shape[-1]:
             raise ValueError(f"outliers must be <= head_dim ({x.shape[-1]}); got {self.outliers}")
+        x = _rot.apply(x, self.transform)  # [..., T, D], rotated (a fresh tensor) or x itself
         if self.encoder == "mse" and x.device.type == "cpu" and _cpu.available():
             q, scale, zero, nonfinite = _cpu.quantize_mse_checked(x.contiguous(), bits, g, axis)
             if self.check_finite and nonfinite:
@@ -322,7 +344,7 @@ class IntCodec(Codec):
             q, scale = parts.get("q"), parts.get("scale")
             zero = parts.get("zero") if self.bits != 8 else None
             if (p.get("group_size") == self.group_size and p.get("axis") == self.axis
-                    and q is not None and q.dtype == qdtype and q.shape == qshape
+                    and p.get("transform", "none") == self.transform and q is not None and q.dtype == qdtype and q.shape == qshape
                     and scale is not None and scale.dtype == enc.dtype and scale.shape == sshape
                     and (self.bits == 8 or (zero is not None and zero.dtype == enc.dtype
                                             and zero.shape == sshape))):
@@ -336,7 +358,8 @@ class IntCodec(Codec):
     def _parts_checked(self, enc: Encoded):
         _check_encoded(enc, self.name)
         p = enc.params
-        if p.get("group_size") != self.group_size or p.get("axis") != self.axis:
+        if p.get("group_size") != self.group_size or p.get("axis") != self.axis \
+                or p.get("transform", "none") != self.transform:
             raise ValueError(f"enc.params must be {self.params} for this codec; got {p}")
         shape = tuple(int(s) for s in enc.shape)
         *lead, t, d = shape
@@ -349,11 +372,15 @@ class IntCodec(Codec):
 
     def twin(self, enc: Encoded) -> IntCodec | None:
         """The codec of ``enc``'s own form when that is not this codec's, else None: for int8 the
-        other zero-point form, for any of them the other grouping axis. Decoding follows the
-        record, so records written under another ``int8_zero_point`` or axis still read."""
+        other zero-point form, for any of them the other grouping axis or transform. Decoding
+        follows the record, so records written under another ``int8_zero_point``, axis or key
+        transform still read."""
         if not isinstance(enc, Encoded) or enc.codec != self.name:
             return None
         bits, axis = self.bits, enc.params.get("axis")
+        transform = enc.params.get("transform", "none")
+        if transform not in TRANSFORMS:
+            raise ValueError(f"enc.params['transform'] must be one of {TRANSFORMS}; got {transform!r}")
         if self.name == "int8":
             zp = enc.params.get("zero_point", 0)
             if isinstance(zp, bool) or zp not in (0, 1):
@@ -361,12 +388,13 @@ class IntCodec(Codec):
             bits = _ref.ASYM8 if zp else 8
         if axis not in AXES:
             axis = self.axis  # the full checks name what is wrong
-        if (bits, axis) == (self.bits, self.axis):
+        if (bits, axis, transform) == (self.bits, self.axis, self.transform):
             return None
-        other = self._twins.get((bits, axis))
+        other = self._twins.get((bits, axis, transform))
         if other is None:
-            other = self._twins[(bits, axis)] = IntCodec(bits, self.group_size, axis, self.check_finite,
-                                                          self.encoder, self.outliers if axis == "channel" else 0)
+            other = self._twins[(bits, axis, transform)] = IntCodec(
+                bits, self.group_size, axis, self.check_finite, self.encoder,
+                self.outliers if axis == "channel" else 0, transform)
         return other
 
     def decode(self, enc: Encoded, device=None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -395,11 +423,17 @@ class IntCodec(Codec):
             if kept is not None:
                 idx, val = kept[0].to(dev).contiguous(), kept[1].to(dev).contiguous()
                 _cpu.merge_kept_ptrs(idx.data_ptr(), val.data_ptr(), shape, idx.shape[-1], enc.dtype, y)
-                return y  # indices checked by _outlier_parts
+                kept = None  # indices checked by _outlier_parts
         else:
             y = _ref.dequantize_ref(*args)
             y = out.copy_(y) if out is not None else y
-        return y if kept is None else _ref.outlier_merge(y, *kept)
+        y = self.untransform(y if kept is None else _ref.outlier_merge(y, *kept))
+        return out.copy_(y) if out is not None and y is not out else y
+
+    def untransform(self, y: torch.Tensor) -> torch.Tensor:
+        """Rotate a dequantized ``y`` back (the transform is its own inverse), in place when it is
+        a contiguous CPU tensor; returns ``y`` (or, off the CPU, a fresh tensor)."""
+        return _rot.apply(y, self.transform, out=y if y.device.type == "cpu" and y.is_contiguous() else None)
 
 
 @lru_cache(maxsize=None)

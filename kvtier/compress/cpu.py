@@ -35,6 +35,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvt_quant_mse.restype = c_int
     lib.kvt_merge_kept.argtypes = [vp, vp, i64, i64, i64, i64, i64, vp]
     lib.kvt_merge_kept.restype = c_int
+    lib.kvt_fwht.argtypes = [vp, c_int, i64, i64, i64, ctypes.c_float, vp]
+    lib.kvt_fwht.restype = None
 
 
 _LIB = CLibrary("quant", _FLAGS, _declare, "using the slow torch reference")
@@ -159,3 +161,19 @@ def merge_kept_ptrs(idx: int, val: int, shape: tuple[int, ...], n: int, dtype: t
     *_, t, d = shape
     b = out.numel() // (t * d)
     return lib.kvt_merge_kept(idx, val, b, t, d, n, dtype.itemsize, out.data_ptr()) == 0
+
+
+def fwht(x: torch.Tensor, block: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The block Walsh-Hadamard transform of :mod:`kvtier.compress.rotation` (``block``: a power
+    of two dividing head_dim; ``scale``: the float32 ``1/sqrt(block)``) of ``x`` ``[..., D]``
+    (contiguous, CPU), bit for bit as its torch reference, into ``out`` (default a fresh tensor;
+    ``x`` itself is allowed: in place)."""
+    lib = _load()
+    assert lib is not None, "cpu kernel unavailable; check available() first"
+    assert x.device.type == "cpu" and x.is_contiguous(), "cpu.fwht needs a contiguous CPU tensor"
+    if out is None:
+        out = torch.empty_like(x)
+    assert out.dtype == x.dtype and out.is_contiguous() and out.shape == x.shape
+    d = x.shape[-1]
+    lib.kvt_fwht(x.data_ptr(), _DT[x.dtype], x.numel() // d, d, block, scale, out.data_ptr())
+    return out

@@ -841,3 +841,31 @@ int kvt_merge_kept(const uint8_t *idx, const void *val, int64_t B, int64_t T, in
         }
     return 0;
 }
+
+/* Orthonormal block Walsh-Hadamard transform of each row of `rows` x D elements (dtype dt), in
+   blocks of `b` (a power of two dividing D), into `out` (may be `x`): the butterflies of
+   kvtier/compress/rotation.py in the same order, then one multiply by `scale` (1/sqrt(b)), in
+   float32, rounded once to dt. */
+void kvt_fwht(const void *x, int dt, int64_t rows, int64_t D, int64_t b, float scale, void *out) {
+    #pragma omp parallel if (rows * D > 32768)
+    {
+        float *buf = (float *)malloc((size_t)D * sizeof(float));
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            load_row(dt, x, r * D, buf, D);
+            for (int64_t o = 0; o < D; o += b) {
+                float *y = buf + o;
+                for (int64_t h = 1; h < b; h *= 2)
+                    for (int64_t i = 0; i < b; i += 2 * h)
+                        for (int64_t j = i; j < i + h; j++) {
+                            float a = y[j], c = y[j + h];
+                            y[j] = a + c;
+                            y[j + h] = a - c;
+                        }
+            }
+            for (int64_t i = 0; i < D; i++) buf[i] = buf[i] * scale;
+            store_row(dt, buf, out, r * D, D);
+        }
+        free(buf);
+    }
+}

@@ -56,6 +56,10 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torc
 _STR_ATTRS = ("format", "fingerprint", "dtype", "codec", "key_codec_params", "value_codec_params",
               "config", "datasets")
 _INT_ATTRS = ("version", "num_layers", "kv_heads", "head_dim", "block_tokens", "batch", "tokens")
+# present only when a role's codec is not ``codec`` (key_codec/value_codec): files of one codec
+# for both roles are written, and read, as before
+_ROLE_ATTRS = ("key_codec", "value_codec")
+_CODEC_PARAMS = {"group_size", "axis", "outliers", "zero_point", "transform"}
 # bounds on the shape a header may declare (far above any model; they keep the arithmetic exact)
 _MAX_DIM = 1 << 16
 _MAX_TOKENS = 1 << 31
@@ -101,8 +105,7 @@ def save_cache(cache, path) -> None:
     bt = cfg.block_tokens
     # the codec the store really uses (16-bit ones follow the KV dtype); plain str for HDF5
     name = str(store.disk_codec)
-    kc = get_codec(name, **cfg.codec_kwargs(name, "key"))
-    vc = get_codec(name, **cfg.codec_kwargs(name, "value"))
+    kc, vc = cfg.codec_pair(name)
     tokens = cache.get_seq_length()
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     # Created owner-only before HDF5 opens it: truncating an existing file keeps its mode.
@@ -135,6 +138,7 @@ def save_cache(cache, path) -> None:
                 "config": json.dumps(cfg.to_dict()), "batch": len(cache.seqs), "tokens": int(tokens),
                 "datasets": json.dumps(datasets, sort_keys=True),
             }
+            header.update({attr: c.name for attr, c in zip(_ROLE_ATTRS, (kc, vc)) if c.name != name})
             f.attrs.update(header)
             f.attrs["header_crc"] = _header_crc(header)
         os.chmod(tmp, 0o600)
@@ -174,6 +178,12 @@ class _Reader:
             if not isinstance(v, want) or isinstance(v, bool):
                 raise self.bad(f"attribute {name!r} must be {kind}; got {v!r:.80}")
             h[name] = v
+        for name in _ROLE_ATTRS:
+            v = _attr(a, name)
+            if v is not None:
+                if not isinstance(v, str):
+                    raise self.bad(f"attribute {name!r} must be a str; got {v!r:.80}")
+                h[name] = v
         crc = _attr(a, "header_crc")
         if not isinstance(crc, int) or crc != _header_crc(h):
             raise self.bad("the header's checksum (header_crc) does not match its attributes: "
@@ -189,19 +199,20 @@ class _Reader:
             raise self.bad(f"attribute 'tokens' must be in [1, {_MAX_TOKENS}]; got {h['tokens']}")
         if h["dtype"] not in _DTYPES:
             raise self.bad(f"attribute 'dtype' must be one of {sorted(_DTYPES)}; got {h['dtype']!r}")
-        if h["codec"] not in CODECS:
-            raise self.bad(f"attribute 'codec' must be one of {CODECS}; got {h['codec']!r}")
+        for name in ("codec", *_ROLE_ATTRS):
+            if h.get(name, h["codec"]) not in CODECS:
+                raise self.bad(f"attribute {name!r} must be one of {CODECS}; got {h[name]!r}")
         params = {}
         for role in ("key_codec_params", "value_codec_params"):
             try:
                 p = json.loads(h[role])
             except ValueError:
                 raise self.bad(f"attribute {role!r} is not JSON") from None
-            if not isinstance(p, dict) or not set(p) <= {"group_size", "axis", "outliers", "zero_point"} \
+            if not isinstance(p, dict) or not set(p) <= _CODEC_PARAMS \
                     or p.get("group_size", GROUP_SIZES[0]) not in GROUP_SIZES \
                     or p.get("zero_point", 1) not in (0, 1) or isinstance(p.get("zero_point"), bool):
                 raise self.bad(f"attribute {role!r} must be codec parameters (group_size, axis, outliers, "
-                               f"zero_point); got {p!r:.80}")
+                               f"zero_point, transform); got {p!r:.80}")
             if "zero_point" in p:  # a record param (0 or 1); get_codec takes a bool
                 p = {**p, "zero_point": p["zero_point"] == 1}
             params[role] = p
@@ -214,12 +225,13 @@ class _Reader:
         dtype = _DTYPES[h["dtype"]]
         shape = (h["kv_heads"], h["block_tokens"], h["head_dim"])  # one role of one block
         try:
-            kc = get_codec(h["codec"], **params["key_codec_params"])
-            vc = get_codec(h["codec"], **params["value_codec_params"])
+            kc = get_codec(h.get("key_codec", h["codec"]), **params["key_codec_params"])
+            vc = get_codec(h.get("value_codec", h["codec"]), **params["value_codec_params"])
             zero = torch.zeros(shape, dtype=dtype)
             record_bytes = len(pack_block(kc.encode(zero), vc.encode(zero)))
         except ValueError as e:
-            raise self.bad(f"codec {h['codec']!r} with {params} cannot encode a {dtype} block of "
+            raise self.bad(f"codecs {h.get('key_codec', h['codec'])!r} / {h.get('value_codec', h['codec'])!r} "
+                           f"with {params} cannot encode a {dtype} block of "
                            f"{shape}: {e}") from None
         n_blocks, rest = divmod(h["tokens"], h["block_tokens"])
         elem = torch.empty((), dtype=dtype).element_size()

@@ -21,23 +21,22 @@ _CPU = torch.device("cpu")
 class BlockIO:
     def __init__(self, cfg: KVTierConfig, layout: Layout, counters: Counters) -> None:
         from kvtier.compress import cpu as cpu_kernels
-        from kvtier.compress import get_codec
         from kvtier.compress.bytestage import ByteStage
         from kvtier.compress.codecs import IntCodec
 
-        def pair(name: str):
-            return (get_codec(name, **cfg.codec_kwargs(name, "key")),
-                    get_codec(name, **cfg.codec_kwargs(name, "value")))
-
+        pair = cfg.codec_pair
         self.layout = layout
         self.counters = counters
         self.codecs = {"l2": pair(layout.host_codec), "l3": pair(layout.disk_codec)}
-        # (K, V) codecs by name: a record is decoded by the codec it names (its header says),
-        # so that with precision="importance" records of one tier may carry different codecs
+        # (K, V) codecs by tier codec name (with key_codec/value_codec the two differ), for
+        # precision="importance", whose records of one tier may carry different codecs
         self.by_name = {layout.host_codec: self.codecs["l2"], layout.disk_codec: self.codecs["l3"]}
         if layout.precision is not None:
             for name in layout.precision.codecs:
                 self.by_name.setdefault(name, pair(name))
+        # per role: a record's codec name -> its decoder; each half of a block record is decoded
+        # by the codec its own header names
+        self.by_role = ({k.name: k for k, _ in self.by_name.values()}, {v.name: v for _, v in self.by_name.values()})
         shape = (layout.kv_heads, layout.block_tokens, layout.head_dim)
         fast = {name: cs for name, cs in self.by_name.items() if all(isinstance(c, IntCodec) for c in cs)}
         self.fast_decoder = None
@@ -47,8 +46,9 @@ class BlockIO:
         self.stage = ByteStage(cfg.byte_stage, cfg.lz4_min_saving)
 
     def codec_identity(self) -> dict:
-        """Every codec a record of this store may carry, with its K and V encodings' parameters
-        as the codecs state them: what a key must name so that records of other encodings miss."""
+        """Every codec a record of this store may carry, by tier codec name, with its K and V
+        codecs' names and parameters as the codecs state them (key transform included): what a
+        key must name so that records of other encodings (another role's codec) miss."""
         return {name: {"key": [k.name, k.params], "value": [v.name, v.params]}
                 for name, (k, v) in sorted(self.by_name.items())}
 
@@ -109,8 +109,9 @@ class BlockIO:
                 return out
         ek, ev = unpack_block(buf)
         kc, vc = self.codecs[tier]
-        if ek.codec != kc.name and ek.codec in self.by_name:
-            kc, vc = self.by_name[ek.codec]  # a record stored in another of this store's codecs
+        # a record stored in another of this store's codecs decodes by its own; an unknown name
+        # reaches the tier's codec, which refuses it (ValueError)
+        kc, vc = self.by_role[0].get(ek.codec, kc), self.by_role[1].get(ev.codec, vc)
         k = kc.decode(ek, device=device)
         v = vc.decode(ev, device=device)
         return torch.stack((k, v)).to(self.layout.dtype)

@@ -56,8 +56,9 @@ def unpack_block(buf) -> tuple[Encoded, Encoded]:
 
 
 class BlockDecoder:
-    """Block records of integer codecs (a (K, V) pair per codec name) decoded straight into one
-    ``[2, *shape]`` CPU tensor by the compiled kernel, reading the parts in place.
+    """Block records of integer codecs decoded straight into one ``[2, *shape]`` CPU tensor by the
+    compiled kernel, reading the parts in place. Each half is decoded by the codec of its role
+    that its own record names (keys and values may carry different codecs).
 
     The checks are :func:`unpack_block`'s (framing, both headers, both CRCs: corrupt bytes raise
     ``CorruptRecordError``); what it skips is the per-part tensors, the :class:`Encoded` objects
@@ -67,9 +68,11 @@ class BlockDecoder:
     """
 
     def __init__(self, kc, vc, shape: tuple[int, ...], dtype: torch.dtype, others: dict | None = None) -> None:
-        """``kc``, ``vc``: the K and V codecs of one name; ``others``: more (K, V) pairs by name."""
-        assert kc.name == vc.name, f"K and V codecs of one name: {kc.name} != {vc.name}"
-        self._codecs = {kc.name: (kc, vc), **(others or {})}  # codec name -> (K codec, V codec)
+        """``kc``, ``vc``: the K and V codecs; ``others``: more (K, V) pairs by tier codec name."""
+        pairs = [(kc, vc), *(others or {}).values()]
+        # per role (0: K, 1: V): the record's codec name -> the codec that decodes it; one codec
+        # per name and role, since a role's codec arguments follow from its name (config.codec_kwargs)
+        self._roles = ({k.name: k for k, _ in pairs}, {v.name: v for _, v in pairs})
         self._shape = tuple(shape)
         self._dtype = dtype
         self._plans: dict = {}  # (role, layout) -> part offsets and kernel arguments, or None
@@ -78,10 +81,9 @@ class BlockDecoder:
         from kvtier.compress import reference as ref
 
         name, dtype, shape, params, specs = layout
-        pair = self._codecs.get(name)
-        if pair is None:
+        codec = self._roles[role].get(name)
+        if codec is None:
             return None
-        codec = pair[role]
         params = dict(params)
         n = params.pop("outliers", 0)  # any count decodes (the record says which)
         base = {k: v for k, v in codec.params.items() if k != "outliers"}
@@ -102,7 +104,8 @@ class BlockDecoder:
             return None
         offs = [off for *_, off, _ in specs]
         kept = (n, offs[-2], offs[-1]) if n else None
-        return bits, codec.group_size, codec.axis, offs[0], offs[1], offs[2] if bits != 8 else None, kept
+        rot = codec if codec.transform != "none" else None  # rotates the decoded half back
+        return bits, codec.group_size, codec.axis, offs[0], offs[1], offs[2] if bits != 8 else None, kept, rot
 
     def decode(self, buf) -> torch.Tensor | None:
         """``[2, *shape]`` (K, V) of one block record, or None when its layout is not this
@@ -136,12 +139,14 @@ class BlockDecoder:
         halves = out.view(2 * n, *self._shape).unbind(0)
         shape, dtype = self._shape, self._dtype
         for j, (base, kjob, vjob) in enumerate(jobs):
-            for half, (payload, (bits, group, axis, q, s, z, kept)) in zip((halves[2 * j], halves[2 * j + 1]),
-                                                                           (kjob, vjob)):
+            for half, (payload, (bits, group, axis, q, s, z, kept, rot)) in zip(
+                    (halves[2 * j], halves[2 * j + 1]), (kjob, vjob)):
                 p = base + payload
                 cpu.dequantize_ptrs(p + q, p + s, None if z is None else p + z, bits, group, axis, shape, dtype, half)
                 if kept is not None:
                     self._merge_kept(p, kept, half)
+                if rot is not None:
+                    rot.untransform(half)  # in place: halves are contiguous
         del keep
         blocks = out.unbind(0) if n > 1 else (out,)  # a lone block owns its tensor
         return [None if j is None else blocks[j] for j in which]
@@ -164,7 +169,7 @@ class BlockDecoder:
                 return None
             jobs.append((start + header_len, plan))
         base = np.frombuffer(mv, dtype=np.uint8).ctypes.data  # the caller keeps mv alive
-        for payload, (_, _, _, _, s, z, _) in jobs:  # scales/zeros unaligned for their dtype (a v1
+        for payload, (_, _, _, _, s, z, _, _) in jobs:  # scales/zeros unaligned for their dtype (a v1
             if (base + payload + s) % item or (z is not None and (base + payload + z) % item):
                 return None                       # header): the general path copies them
         return mv, base, jobs[0], jobs[1]

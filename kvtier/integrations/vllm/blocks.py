@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.compress.codecs import get_codec
+from kvtier.compress.codecs import IntCodec
 from kvtier.config import LOSSLESS_CODECS, KVTierConfig, lossless_codec
 from kvtier.store.blockrecord import BlockDecoder, pack_block, unpack_block
 from kvtier.store.prefix import block_key, model_fingerprint_key
@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 
 # KVTierConfig fields the connector reads; the rest (L1 budget, policies, sparse attention)
 # belong to kvtier's own cache and have no meaning under vLLM, which owns the device pages.
-CONNECTOR_FIELDS = ("codec", "group_size", "key_axis", "value_axis", "host_bytes", "disk_path",
+CONNECTOR_FIELDS = ("codec", "key_codec", "value_codec", "key_transform", "group_size", "key_axis", "value_axis",
+                    "host_bytes", "disk_path",
                     "disk_bytes", "disk_segment_bytes", "durability", "remote_url", "remote_key_prefix",
                     "namespace")
 _SAVE_QUEUE_JOBS = 8  # steps of staged KV waiting to be encoded before save_kv_layer blocks
@@ -124,6 +125,10 @@ def connector_config(extra: dict, block_tokens: int) -> tuple[KVTierConfig, str]
         raise ValueError(f"kv_connector_extra_config: codec must be one of {CODEC_CHOICES}; got {codec!r}")
     if codec == RAW:
         data.pop("codec")
+        for name in ("key_codec", "value_codec"):
+            if data.get(name) is not None:
+                raise ValueError(f"kv_connector_extra_config: {name} must be unset with codec 'raw' (raw "
+                                 f"stores both roles as vLLM holds them); got {data[name]!r}")
     data.update(block_tokens=block_tokens, hot_tokens=block_tokens)
     return KVTierConfig.from_dict(data), codec
 
@@ -141,9 +146,9 @@ class BlockShape:
 
 def block_codecs(cfg: KVTierConfig, codec: str, dtype: torch.dtype):
     """The ``(key, value)`` codec objects a connector encodes with: the same codecs as
-    TieredCache's for this config (int8's zero points and value axis, int2's kept key channels)."""
-    name = stored_codec(codec, dtype)
-    return get_codec(name, **cfg.codec_kwargs(name, "key")), get_codec(name, **cfg.codec_kwargs(name, "value"))
+    TieredCache's for this config (each role's codec, int8's zero points and value axis, int2's
+    kept key channels, the key transform)."""
+    return cfg.codec_pair(stored_codec(codec, dtype))
 
 
 def content_fp(cfg: KVTierConfig, codec: str, shape: BlockShape, model_id: str) -> str:
@@ -192,7 +197,8 @@ class BlockStore:
         self.fp = content_fp(cfg, codec, shape, model_id)
         kv_shape = (shape.kv_heads, shape.block_tokens, shape.head_dim)  # one role of one block
         self._kc, self._vc = block_codecs(cfg, codec, shape.dtype)
-        self._decoder = BlockDecoder(self._kc, self._vc, kv_shape, shape.dtype) if codec.startswith("int") else None
+        ints = isinstance(self._kc, IntCodec) and isinstance(self._vc, IntCodec)
+        self._decoder = BlockDecoder(self._kc, self._vc, kv_shape, shape.dtype) if ints else None
         self.l2 = HostTier(cfg.host_bytes, spill=self._dropped_from_l2, pin_memory=False)
         self.l3 = DiskTier(cfg.disk_path, capacity_bytes=cfg.disk_bytes, segment_bytes=cfg.disk_segment_bytes,
                            durability=cfg.durability, eviction=cfg.disk_eviction,
