@@ -95,6 +95,27 @@ def test_int2_kept_key_channels_round_trip(model_bf16, tokenizer, tmp_path):
         assert torch.nn.functional.cosine_similarity(got[n], expected).item() > 0.99
 
 
+def test_per_role_codecs_and_key_transform_round_trip(model_bf16, tokenizer, tmp_path):
+    """K4V2 with Hadamard-rotated keys: the file names each role's codec and the transform, its
+    records load into a store of the same codecs and continue the conversation, and a file of one
+    codec for both roles names neither."""
+    import json
+
+    k4v2 = dict(codec="int4", value_codec="int2", key_transform="hadamard")
+    ids, path, expected = _prefill_and_save(model_bf16, tokenizer, tmp_path, **k4v2)
+    with h5py.File(path, "r") as f:
+        assert (f.attrs["codec"], f.attrs["value_codec"], "key_codec" in f.attrs) == ("int4", "int2", False)
+        assert json.loads(f.attrs["key_codec_params"])["transform"] == "hadamard"
+        assert "transform" not in json.loads(f.attrs["value_codec_params"])
+    with TieredCache.load(path, cfg_for(tmp_path, "b", **k4v2), model_bf16) as cache, torch.inference_mode():
+        got = model_bf16(input_ids=ids[:, -1:], cache=cache, use_cache=True).logits[:, -1].float()
+    assert got.argmax() == expected.argmax()
+    assert torch.nn.functional.cosine_similarity(got, expected).item() > 0.99
+    _, plain, _ = _prefill_and_save(model_bf16, tokenizer, tmp_path / "p", codec="int4")
+    with h5py.File(plain, "r") as f:
+        assert "key_codec" not in f.attrs and "value_codec" not in f.attrs
+
+
 _CHILD = textwrap.dedent("""
     import sys, numpy as np, torch
     torch.set_num_threads(1)

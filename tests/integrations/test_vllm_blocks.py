@@ -417,3 +417,31 @@ def test_content_fp_names_every_codec_parameter_and_the_namespace():
     assert fp("int2", int2_key_outliers=2) != fp("int2", int2_key_outliers=0)
     assert content_fp(connector_config({"codec": "int8", "namespace": "n"}, SHAPE.block_tokens)[0], "int8",
                       SHAPE, "model-a") == fp(namespace="n")
+
+
+def test_per_role_codecs_and_key_transform(tmp_path):
+    """K4V2 with rotated keys: fields of the connector, in the blocks' identity, and each role at
+    its codec's error through save and load."""
+    fields = dict(value_codec="int2", key_transform="hadamard")
+    cfg, codec = connector_config({"codec": "int4", **fields}, SHAPE.block_tokens)
+    assert (codec, cfg.value_codec, cfg.key_transform) == ("int4", "int2", "hadamard")
+    fps = {content_fp(connector_config({"codec": "int4", **f}, SHAPE.block_tokens)[0], "int4", SHAPE, "model-a")
+           for f in ({}, {"value_codec": "int2"}, fields, {"key_codec": "int8"})}
+    assert len(fps) == 4
+    with pytest.raises(ValueError, match="key_codec must be unset with codec 'raw'"):
+        connector_config({"codec": "raw", "key_codec": "int4"}, SHAPE.block_tokens)
+    with pytest.raises(ValueError, match="value_codec must be one of"):
+        connector_config({"codec": "int4", "value_codec": "int3"}, SHAPE.block_tokens)
+    store = make_store(tmp_path, "int4", **fields)
+    try:
+        hs, staged = hashes(2), staged_blocks(2, seed=3)
+        store.save(hs, [t.clone() for t in staged])
+        store.flush_hashes(hs)
+        pages = pages_of(4)
+        recs = store.fetch_layer(0, hs, {"l2": 0, "l3": 0, "l4": 0})
+        assert store.write_layer(recs, pages, [2, 0]) is None
+        got, want = pages[[2, 0]], staged[0]  # [n, kv_heads, 2, block_tokens, head_dim]
+        rel = [((got[:, :, r] - want[:, :, r]).norm() / want[:, :, r].norm()).item() for r in (0, 1)]
+        assert rel[0] < 0.15 and 0.25 < rel[1] < 0.5  # int4 keys, int2 values
+    finally:
+        store.close()
