@@ -333,8 +333,17 @@ def _anchor(x: torch.Tensor, spec: Spec) -> tuple[torch.Tensor, int]:
 
 @torch.inference_mode()
 def run_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[Spec], recent: int, block: int,
-               sink: int = 0):
-    """Per-token NLL of ``cont`` after ``ctx`` for the reference and every spec, and bytes."""
+               sink: int = 0, users: tuple[str, ...] = (), residual_length: int = 128):
+    """Per-token NLL of ``cont`` after ``ctx`` for the reference and every spec, and bytes.
+
+    ``users``: ``make_baseline`` kinds (``hqq-int4``, ``quanto-int2``, ...) run through
+    transformers' ``QuantizedCache`` as its users run it, named ``"<kind> QuantizedCache"``: the
+    prefill's K/V reach ``QuantizedCache.update`` as the prefill forward hands them (its first
+    update quantizes all of them; the prefill itself attended them at full precision, so its
+    logits are the reference's), then ``cont[:-1]`` is teacher-forced in one forward. With
+    ``residual_length`` >= the continuation that is what ``generate`` computes token by token:
+    every scored token attends the dequantized context, and the continuation's own keys at full
+    precision (the residual; QuantizedCache requantizes only when the residual fills)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
@@ -353,6 +362,17 @@ def run_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[Spec], 
         return -torch.log_softmax(logits, -1).gather(1, cont.view(-1, 1)).squeeze(1).double()
 
     res = {"ref": (score(kv), 0, 0.0)}
+    for kind in users:
+        from kvtier.eval.baselines import cache_bytes, make_baseline
+
+        t0 = time.perf_counter()
+        qc = make_baseline(kind, model, q_group_size=64, residual_length=residual_length)
+        for i, (k, v) in enumerate(kv):
+            qc.update(k.clone(), v.clone(), i)
+        o = model(input_ids=cont[:-1].view(1, -1), cache=qc, use_cache=True)
+        logits = torch.cat([first.view(1, -1), o.logits[0].float()])  # [M, vocab]
+        nll = -torch.log_softmax(logits, -1).gather(1, cont.view(-1, 1)).squeeze(1).double()
+        res[kind.replace("-int", " int") + " QuantizedCache"] = (nll, cache_bytes(qc), time.perf_counter() - t0)
     inv_freq = model.model.rotary_emb.inv_freq if any(s.key_rope != "post" for s in specs) else None
     for spec in specs:
         t0 = time.perf_counter()
@@ -419,27 +439,6 @@ def teacher_forced(model, cache, ctx: torch.Tensor, cont: torch.Tensor, chunk: i
         logits.append(o.logits[0].float())
     lg = torch.cat(logits)  # [M, vocab]
     return -torch.log_softmax(lg, -1).gather(1, cont.view(-1, 1)).squeeze(1).double()
-
-
-@torch.inference_mode()
-def run_users_anchors(model, ctx: torch.Tensor, cont: torch.Tensor, kinds: list[str],
-                      residual_length: int = 128, q_group_size: int = 64) -> dict:
-    """transformers' ``QuantizedCache`` run as its users run it: the context in one forward
-    (QuantizedCache quantizes all of it on that first update and attends it at full precision),
-    then ``cont[:-1]`` one token per forward, as ``generate`` feeds it (teacher-forced). With
-    ``residual_length`` >= the continuation the decoded tokens stay in its full-precision
-    residual, so every scored token attends the dequantized context plus exact recent tokens.
-    ``kinds``: ``make_baseline`` kinds (``hqq-int4``, ``quanto-int2``, ...). Returns
-    ``{name: (nll, bytes held at the end, seconds)}``, named ``"<kind> QuantizedCache"``."""
-    from kvtier.eval.baselines import cache_bytes, make_baseline
-
-    out = {}
-    for kind in kinds:
-        t0 = time.perf_counter()
-        cache = make_baseline(kind, model, q_group_size=q_group_size, residual_length=residual_length)
-        nll = teacher_forced(model, cache, ctx, cont, ctx.numel(), 1)
-        out[kind.replace("-int", " int") + " QuantizedCache"] = (nll, cache_bytes(cache), time.perf_counter() - t0)
-    return out
 
 
 @torch.inference_mode()
@@ -827,8 +826,8 @@ def main(argv=None) -> int:
                          "chunks against the chunked reference (default: hqq-int8 with --int8, else none)")
     ap.add_argument("--users-anchors", default="",
                     help="comma-separated make_baseline kinds (e.g. hqq-int4,quanto-int2) run through transformers' "
-                         "QuantizedCache as its users run it (one prefill, then one token per forward), on the same "
-                         "windows, against the single-prefill reference")
+                         "QuantizedCache as its users run it (run_window), on the same windows, against the "
+                         "single-prefill reference")
     ap.add_argument("--residual-length", type=int, default=128, help="--users-anchors: QuantizedCache residual_length")
     ap.add_argument("--chunk", type=int, default=256, help="--store: prefill chunk, tokens")
     ap.add_argument("--decode-chunk", type=int, default=32,
@@ -939,9 +938,8 @@ def main(argv=None) -> int:
         layers = model.config.num_hidden_layers
         for o in offsets:
             ctx, cont = ids[o:o + args.context], ids[o + args.context:o + span]
-            w = run_window(model, ctx, cont, specs, args.recent, args.block_tokens, args.sink)
-            users = [a for a in args.users_anchors.split(",") if a]
-            w.update(run_users_anchors(model, ctx, cont, users, args.residual_length) if users else {})
+            w = run_window(model, ctx, cont, specs, args.recent, args.block_tokens, args.sink,
+                           tuple(a for a in args.users_anchors.split(",") if a), args.residual_length)
             for name, val in w.items():
                 per.setdefault(name, []).append(val)
             if store_specs:
