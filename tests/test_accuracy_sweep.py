@@ -262,3 +262,21 @@ def test_pareto_table_has_a_line_per_store_row():
     assert len(lines) == 2 + 3 and "ref chunked" not in table  # header, rule, the three store rows
     assert lines[-1] == "| importance x | +1.00% [+0.00, +2.00] | 2 | 8,000 | 8,000 | -1.50% [-2.00, -1.00] |"
     assert lines[2].split(" | ")[2] == "3"  # the source's window count where the row has none
+
+
+def test_key_transform_rows_rotate_keys_only():
+    """The hadamard rows quantize keys with the codec's ``transform`` and values without it."""
+    from kvtier.compress import get_codec
+
+    x = torch.randn(3, 128, 64, dtype=torch.bfloat16)  # [kv_heads, T, D]
+    blocks = lambda t: t.view(3, 2, 64, 64).transpose(0, 1).reshape(-1, 64, 64)  # noqa: E731
+    unblock = lambda t: t.view(2, 3, 64, 64).transpose(0, 1).reshape(3, 128, 64)  # noqa: E731
+    rows = {s.name: s for s in sweep.default_specs()}
+    spec = rows["kvtier K int4 hadamard V int2 g32"]
+    kc = get_codec("int4", group_size=32, axis="channel", transform="hadamard")
+    vc = get_codec("int2", group_size=32, axis="token", encoder="minmax")
+    yk, _ = sweep._encode_decode_blocks(x, spec, "k", 64)
+    yv, _ = sweep._encode_decode_blocks(x, spec, "v", 64)
+    assert torch.equal(yk, unblock(kc.decode(kc.encode(blocks(x)))))
+    assert torch.equal(yv, unblock(vc.decode(vc.encode(blocks(x)))))
+    assert rows["kvtier int2 g32 K hadamard token"].key_axis == "token"

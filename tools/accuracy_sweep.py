@@ -26,6 +26,10 @@ logits bit for bit, and anchors can run on those chunks too (``--chunked-anchors
     python tools/accuracy_sweep.py --store-only --pareto --flush-steps --texts essays --windows 4 --context 1024
     python tools/accuracy_sweep.py --pool *.log --from-json *.json --table --plot pareto.png
     python tools/accuracy_sweep.py --smoke
+
+``--users-anchors hqq-int4,quanto-int2`` adds transformers' ``QuantizedCache`` run as its users
+run it (``residual_length`` 128, ``q_group_size`` 64: its defaults) on the same windows, beside
+the simulated anchors above (``run_window``).
 """
 from __future__ import annotations
 
