@@ -23,7 +23,8 @@ context, int2 g32 keys with the mse encoder) it did not lower Δppl: pydoc / ess
 +2.71 / -1.16 / +6.05% against +1.82 / -0.82 / +4.81% post-RoPE (2 windows each), and with 4
 kept channels (``outliers``) +3.00 / +2.79 / +2.15% against +2.30 / +1.81 / +2.35% (4 windows).
 Most of the int2 key error sits in a few wide channels, which keeping them exactly removes
-whichever side of the rotation they are quantized on, so the store's codecs do not rotate.
+whichever side of the rotation they are quantized on, so the store's codecs do not undo RoPE
+(``key_transform`` is another rotation: docs/results/role-codecs.md).
 """
 from __future__ import annotations
 
