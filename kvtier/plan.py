@@ -163,6 +163,7 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
     """
     from kvtier.config import CODECS, GROUP_SIZES, KVTierConfig
     from kvtier.store.layout import pool_slots
+    from kvtier.store.sizing import check_model
 
     for name, v in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
                     ("concurrency", concurrency), ("avg_seq_len", avg_seq_len), ("max_seq_len", max_seq_len),
@@ -202,7 +203,7 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
     try:
         cfg = _config(layers, kv_heads, head_dim, dtype, block_tokens, hot_tokens, concurrency,
                       max(0, live - hot_tokens * concurrency), need_l3, codec, group_size, disk_path)
-        KVTierConfig.from_dict(cfg).check_model(layers, kv_heads, head_dim, _torch_dtype(dtype), machine=False)
+        check_model(KVTierConfig.from_dict(cfg), layers, kv_heads, head_dim, _torch_dtype(dtype), machine=False)
     except ValueError as e:
         raise ValueError(f"this workload needs a configuration KVTierConfig does not accept ({e}); "
                          f"lower --max-seq-len, --avg-seq-len or --concurrency") from None
@@ -253,6 +254,7 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
     from kvtier.config import KVTierConfig, lossless_codec
     from kvtier.presets import preset_fields
     from kvtier.store.layout import pool_slots
+    from kvtier.store.sizing import check_model
 
     probe = KVTierConfig.preset("long-context")
     bt = probe.block_tokens
@@ -263,7 +265,7 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
         "disk_segment_bytes": dense_cfg["disk_segment_bytes"], "codec": dense_cfg["codec"],
         "group_size": dense_cfg["group_size"]}, lossless_codec)
     cfg = KVTierConfig(**fields)
-    cfg.check_model(layers, kv_heads, head_dim, _torch_dtype(dtype), machine=False)
+    check_model(cfg, layers, kv_heads, head_dim, _torch_dtype(dtype), machine=False)
     digest_tokens = cfg.digest_tokens
     digest_per_token = Fraction(layers * kv_heads * (head_dim + 4), digest_tokens)
     l1_kv = pool_slots(hot // bt, concurrency, layers) * (bf // layers) * bt
@@ -285,7 +287,8 @@ def _config(layers, kv_heads, head_dim, dtype, block_tokens, hot_tokens, concurr
     """KVTierConfig fields for the plan. L2 holds ``l2_tokens`` as ring records (headers
     included) and at least one block; L3 holds ``l3`` bytes in whole segments, at least two
     (compaction needs a second one), each segment at least one record."""
-    from kvtier.config import KVTierConfig, block_record_bytes
+    from kvtier.config import KVTierConfig
+    from kvtier.store.sizing import block_record_bytes
 
     probe = KVTierConfig(block_tokens=block_tokens, hot_tokens=hot_tokens, codec=codec, group_size=group_size)
     rec_l2, rec_l3 = block_record_bytes(probe, layers, kv_heads, head_dim, _torch_dtype(dtype))

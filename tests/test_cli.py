@@ -8,6 +8,7 @@ import torch
 from kvtier import plan
 from kvtier.cli import main
 from kvtier.config import KVTierConfig
+from kvtier.store.sizing import check_model
 
 GIB = 1 << 30
 
@@ -40,7 +41,7 @@ def test_seed_table_for_llama2_70b_as_the_seed_counts_it(capsys):
     tiers = p["tiers"]
     assert tiers["ratio_in_range"] and tiers["l1_hbm_bytes"] < tiers["l2_dram_bytes"] < tiers["l3_ssd_bytes"]
     _ints(p)
-    KVTierConfig.from_dict(p["config"]).check_model(80, 64, 128, torch.float16, machine=False)
+    check_model(KVTierConfig.from_dict(p["config"]), 80, 64, 128, torch.float16, machine=False)
 
 
 def test_seed_table_with_the_gqa_correction(capsys):
@@ -68,7 +69,7 @@ def test_every_plan_is_a_config_kvtier_accepts_in_integers(capsys, argv):
     _ints(p)
     cfg = KVTierConfig.from_dict(p["config"])
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[p["model"]["dtype"]]
-    cfg.check_model(30, 3, 64, dtype, machine=False)
+    check_model(cfg, 30, 3, 64, dtype, machine=False)
     assert cfg.host_bytes >= p["tiers"]["l2_dram_bytes"] and cfg.disk_bytes >= p["tiers"]["l3_ssd_bytes"]
     assert cfg.disk_bytes % cfg.disk_segment_bytes == 0
     assert main(["plan", "--layers", "30", "--kv-heads", "3", "--head-dim", "64", *argv]) == 0

@@ -12,6 +12,7 @@ import pytest
 from kvtier import __version__
 from kvtier.cli import build_parser, main
 from kvtier.config import CODECS
+from kvtier.store.sizing import check_model
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -142,7 +143,7 @@ def test_plan_recommends_sparse_for_a_long_context_with_a_config_attach_accepts(
     fields = dict(sp["config"])
     cfg = KVTierConfig.preset(fields.pop("preset"), **fields)
     assert cfg.attention == "sparse" and cfg.hot_tokens == sp["hot_tokens"]
-    cfg.check_model(32, 8, 128, __import__("torch").bfloat16, machine=False)
+    check_model(cfg, 32, 8, 128, __import__("torch").bfloat16, machine=False)
     # the digests' L1 cost is stated: an int8 centroid per 2 tokens plus its float32 scale
     assert sp["digest_bytes_per_token"] == 32 * 8 * (128 + 4) / 2
     assert main([*PLAN, "--max-seq-len", "128k", "--concurrency", "4"]) == 0

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvtier.config import DEFAULT_DIGEST_TOKENS, DERIVED_FIELDS, KVTierConfig
+from kvtier.store.sizing import check_model
 
 # SmolLM2-135M's KV shape: 30 layers, 3 kv heads, head_dim 64 (float32 as load_model() gives)
 SHAPE = dict(num_layers=30, kv_heads=3, head_dim=64)
@@ -171,7 +172,7 @@ def test_host_bytes_beyond_this_machine_is_refused_at_attach_and_accepted_for_a_
     from kvtier.configcheck import physical_memory
 
     cfg = KVTierConfig(host_bytes=physical_memory() + (1 << 30))  # a plan for a bigger machine
-    cfg.check_model(**SHAPE, dtype=torch.float32, machine=False)
+    check_model(cfg, **SHAPE, dtype=torch.float32, machine=False)
     with pytest.raises(ValueError, match=r"host_bytes must be at most this machine's memory \([\d,]+ bytes\)"):
         store(cfg)
 

@@ -12,6 +12,7 @@ import torch
 from kvtier.config import LOSSLESS_CODECS, KVTierConfig, lossless_codec
 
 from .precision import PrecisionPlan
+from .sizing import check_model
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -70,9 +71,9 @@ class Layout:
             dtype = DTYPES[cfg.dtype]
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be one of torch.float16, torch.bfloat16, torch.float32; got {dtype}")
-        # -- config sizes against this model's shape (kvtier.config owns the checks and messages:
+        # -- config sizes against this model's shape (sizing.py owns the checks and messages:
         # each names the user's field and the bound in bytes), before anything is allocated --
-        cfg.check_model(num_layers, kv_heads, head_dim, dtype, device)
+        check_model(cfg, num_layers, kv_heads, head_dim, dtype, device)
         # -- end of the config checks --
         bt = cfg.block_tokens
         slot_bytes = 2 * kv_heads * bt * head_dim * torch.empty((), dtype=dtype).element_size()

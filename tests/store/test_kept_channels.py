@@ -5,6 +5,7 @@ import torch
 
 from kvtier.compress import get_codec, pack_record, unpack_record
 from kvtier.compress.record import CorruptRecordError
+from kvtier.store.sizing import check_model
 from tests.compress.test_outliers import rel_err, roped_keys
 
 
@@ -67,8 +68,8 @@ def test_config_field_checked_and_used_for_int2_keys_only():
     assert KVTierConfig(codec="int2", int2_key_outliers=0).codec_kwargs("int2", "key") == \
         {"group_size": 32, "axis": "channel"}
     with pytest.raises(ValueError, match="int2_key_outliers must be <= head_dim"):
-        KVTierConfig(codec="int2", int2_key_outliers=16).check_model(2, 2, 8, torch.float16, machine=False)
-    KVTierConfig(codec="int4", int2_key_outliers=16).check_model(2, 2, 8, torch.float16, machine=False)  # no int2
+        check_model(KVTierConfig(codec="int2", int2_key_outliers=16), 2, 2, 8, torch.float16, machine=False)
+    check_model(KVTierConfig(codec="int4", int2_key_outliers=16), 2, 2, 8, torch.float16, machine=False)  # no int2
 
 
 def test_store_l3_records_reopen_and_decode(tmp_path):

@@ -7,6 +7,7 @@ from kvtier.compress import get_codec
 from kvtier.config import KVTierConfig
 from kvtier.store.blockrecord import pack_block, unpack_block
 from kvtier.store.precision import PrecisionPlan
+from kvtier.store.sizing import check_model
 
 from .conftest import make_store
 
@@ -410,10 +411,10 @@ def test_cold_key_outliers_follow_only_the_cold_codec():
     # a fixed store ignores it (its int2 is the fixed one)
     assert KVTierConfig(codec="int2", cold_key_outliers=0).key_outliers("int2") == 8
     with pytest.raises(ValueError, match="cold_key_outliers must be <= head_dim"):
-        KVTierConfig(precision="importance", cold_key_outliers=20).check_model(1, 2, 16, torch.float16)
+        check_model(KVTierConfig(precision="importance", cold_key_outliers=20), 1, 2, 16, torch.float16)
     # the fixed int2's count no longer applies to a cold level that sets its own
-    KVTierConfig(precision="importance", int2_key_outliers=20, cold_key_outliers=4).check_model(
-        1, 2, 16, torch.float16, machine=False)
+    check_model(KVTierConfig(precision="importance", int2_key_outliers=20, cold_key_outliers=4),
+                1, 2, 16, torch.float16, machine=False)
 
 
 @pytest.mark.parametrize("kw", [
