@@ -15,6 +15,7 @@ again from what the user set instead of pinning the old ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import tomllib
@@ -23,8 +24,9 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from kvtier.configcheck import (
-    CODECS, GROUP_SIZES, MAX_KEY_OUTLIERS, MAX_TOKENS, MIN_SEGMENT_BYTES, PRECISION_CODECS, Derived,
-    DerivedInt, DerivedStr, check_fields, check_int, check_remote_url, derive,
+    CODECS, GROUP_SIZES, MAX_KEY_OUTLIERS, MAX_TOKENS, MIN_SEGMENT_BYTES, PRECISION_CODECS,
+    RENAMED_FIELDS, Derived, DerivedInt, DerivedStr, check_fields, check_int, check_remote_url, derive,
+    renamed_fields,
 )
 from kvtier.configdoc import class_doc, field_docs
 
@@ -84,21 +86,21 @@ class KVTierConfig:
     where a block is what a step selects and smaller blocks leave a small budget room to select
     (why: docs/results/config-defaults.md#block_tokens)."""
 
-    hot_tokens: Optional[int] = 512
+    device_tokens: Optional[int] = 512
     """L1 budget per sequence and layer, in tokens: a whole number of blocks (the open block
-    counts). Ignored when ``hot_bytes`` is set."""
+    counts). Ignored when ``device_bytes`` is set."""
 
-    hot_bytes: Optional[int] = None
+    device_bytes: Optional[int] = None
     """Alternative L1 budget: total bytes of the device pool across all layers and
     ``max_sequences`` sequences; the per-sequence budget is derived from the model shape (a pool
     grown for more sequences gives each the same)."""
 
     max_sequences: int = 4
     """Concurrent sequences the L1 pool is sized for when the store opens (each gets the full
-    ``hot_tokens`` budget). More live sequences (beams, ``num_return_sequences``, forks, other open
-    caches) grow the pool on demand, doubling its sequences, up to ``hot_max_bytes``."""
+    ``device_tokens`` budget). More live sequences (beams, ``num_return_sequences``, forks, other open
+    caches) grow the pool on demand, doubling its sequences, up to ``device_max_bytes``."""
 
-    hot_max_bytes: Optional[int] = None
+    device_max_bytes: Optional[int] = None
     """Most bytes the L1 pool may grow to as live sequences outnumber ``max_sequences``. None:
     bounded by the device's memory only (a growth it cannot hold raises MemoryError naming the
     bytes)."""
@@ -267,7 +269,7 @@ class KVTierConfig:
 
     budget_tokens: Optional[int] = None
     """Sparse mode: tokens attended per step (open block included): a whole number of blocks, at
-    most ``hot_tokens``. Default: ``hot_tokens``."""
+    most ``device_tokens``. Default: ``device_tokens``."""
 
     select_score: SelectScore = "centroid"
     """Sparse mode: how blocks are ranked against the query, from the digest kept per sealed block
@@ -310,14 +312,14 @@ class KVTierConfig:
     """L3 durability: ``never`` (left to the OS: a clean ``close`` leaves the records readable by
     the next process, a machine crash may lose recent ones), ``close`` (fdatasync on sync/close), ``batch`` (fdatasync after every spilled batch)."""
 
-    lz4_min_saving: float = 0.05
+    byte_stage_min_saving: float = 0.05
     """The byte stage's output (lz4 or zstd, see ``byte_stage``) is kept only when it saves at least
     this fraction of the record; otherwise the record is stored raw."""
 
     byte_stage: ByteStageName = "lz4"
     """Lossless stage on encoded records on their way to L3: ``lz4`` (fast; saves nothing on
     quantized records, which are then stored raw), ``zstd`` (entropy coded: saves a few percent of int4
-    records for some time per swap-in, so lower ``lz4_min_saving`` with it;
+    records for some time per swap-in, so lower ``byte_stage_min_saving`` with it;
     docs/results/config-defaults.md#byte_stage) or ``none``."""
 
     byte_stage_l2: bool = False
@@ -373,17 +375,17 @@ class KVTierConfig:
     # value is filled before the first check that reads it) --------------------------------------
 
     def _check_l1(self) -> None:
-        """Block size and the L1 budget (``hot_tokens`` or ``hot_bytes``)."""
+        """Block size and the L1 budget (``device_tokens`` or ``device_bytes``)."""
         if self.block_tokens is None:
             derive(self, "block_tokens", default_block_tokens(self.attention))
-        if self.hot_bytes is None:
-            if self.hot_tokens is None:
-                raise ValueError("hot_tokens or hot_bytes must be set (hot_tokens: int >= block_tokens)")
-            check_int("hot_tokens", self.hot_tokens, 1, MAX_TOKENS)
-            if self.hot_tokens < self.block_tokens:
+        if self.device_bytes is None:
+            if self.device_tokens is None:
+                raise ValueError("device_tokens or device_bytes must be set (device_tokens: int >= block_tokens)")
+            check_int("device_tokens", self.device_tokens, 1, MAX_TOKENS)
+            if self.device_tokens < self.block_tokens:
                 raise ValueError(
-                    f"hot_tokens must be >= block_tokens ({self.block_tokens}); got {self.hot_tokens}")
-            self._check_whole_blocks("hot_tokens", self.hot_tokens, self.block_tokens)
+                    f"device_tokens must be >= block_tokens ({self.block_tokens}); got {self.device_tokens}")
+            self._check_whole_blocks("device_tokens", self.device_tokens, self.block_tokens)
 
     def _check_tiers(self) -> None:
         """L3 segments within ``disk_bytes``, and the L3 directory."""
@@ -449,8 +451,8 @@ class KVTierConfig:
     def _check_sparse_budget(self) -> None:
         """The sparse budget and its fixed parts (sink, window, one open block), filled when known."""
         bt = self.block_tokens
-        # The sparse budget and its fixed parts are only known in tokens when hot_tokens is.
-        hot = self.hot_tokens if self.hot_bytes is None else None
+        # The sparse budget and its fixed parts are only known in tokens when device_tokens is.
+        hot = self.device_tokens if self.device_bytes is None else None
         if self.budget_tokens is None:
             if hot is not None:
                 derive(self, "budget_tokens", hot)
@@ -460,14 +462,14 @@ class KVTierConfig:
             self._check_whole_blocks("budget_tokens", self.budget_tokens, bt)
             if hot is not None and self.budget_tokens > hot:
                 raise ValueError(
-                    f"budget_tokens must be <= hot_tokens ({hot}): the attended blocks are resident "
+                    f"budget_tokens must be <= device_tokens ({hot}): the attended blocks are resident "
                     f"in L1 while attention runs; got {self.budget_tokens}")
         budget = self.budget_tokens
         for name in ("sink_tokens", "window_tokens"):
             if getattr(self, name) is not None:
                 self._check_whole_blocks(name, getattr(self, name), bt)
         if budget is None:
-            # hot_bytes without budget_tokens: the store fills the defaults once it knows the budget
+            # device_bytes without budget_tokens: the store fills the defaults once it knows the budget
             return
         sink, window = self.sink_window(budget)
         if self.sink_tokens is None:
@@ -576,7 +578,7 @@ class KVTierConfig:
             raise ValueError(f"a KVTierConfig is built from a table of fields (a dict); got a "
                              f"{type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names, key=str)
+        unknown = sorted(set(data) - names - RENAMED_FIELDS.keys(), key=str)
         if unknown:
             raise ValueError(f"unknown KVTierConfig field(s) {unknown}; allowed: {sorted(names)}")
         return cls(**data)
@@ -598,6 +600,17 @@ class KVTierConfig:
             data = data["kvtier"]
         return cls.from_dict(data)
 
+
+_dataclass_init = KVTierConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self, *args: Any, **fields: Any) -> None:
+    # renamed fields keep working for one release (configcheck.RENAMED_FIELDS)
+    _dataclass_init(self, *args, **renamed_fields(fields))
+
+
+KVTierConfig.__init__ = _init
 
 # help(KVTierConfig) and pydoc show what each field means: the docstring under each field is in
 # the source only, so the class docstring is built from it (the parser tools/config_doc.py uses).

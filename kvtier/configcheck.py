@@ -5,10 +5,13 @@ marker of derived values; this machine's memory. Kept apart so config.py holds t
 how they fit together."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
+import sys
 import types
 import typing
+import warnings
 from typing import Any, Callable, Literal, get_args, get_origin
 
 # Bounds that keep every size far from int64 overflow in the tiers' arithmetic; the real limits
@@ -110,6 +113,37 @@ def check_remote_url(url: Any) -> None:
                          f"{REDIS_DBS}`); got db {db}")
 
 
+#: Old field name -> its name now. The old names are accepted (with a DeprecationWarning naming
+#: the new field) for one release, wherever a config is built from names: keyword arguments,
+#: ``dataclasses.replace``, presets' overrides, ``from_dict``/``from_toml``, CLI flags.
+RENAMED_FIELDS = {
+    "hot_tokens": "device_tokens", "hot_bytes": "device_bytes", "hot_max_bytes": "device_max_bytes",
+    "lz4_min_saving": "byte_stage_min_saving",
+}
+
+
+def renamed_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with each old field name of ``RENAMED_FIELDS`` replaced by its new one, with a
+    DeprecationWarning pointing at the user's code (the first caller outside kvtier and
+    dataclasses). An old name given beside its new one wins: ``dataclasses.replace(cfg,
+    hot_tokens=...)`` passes every current field along with the change."""
+    if not RENAMED_FIELDS.keys() & fields.keys():
+        return fields
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    out = dict(fields)
+    for old, new in RENAMED_FIELDS.items():
+        if old in out:
+            warnings.warn(f"KVTierConfig field {old!r} is renamed {new!r}; the old name will stop "
+                          f"working in the next release", DeprecationWarning, stacklevel=level)
+            out[new] = out.pop(old)
+    return out
+
+
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)), os.path.abspath(dataclasses.__file__))
+
+
 #: Codec names known to ``kvtier.compress.get_codec`` (kept here so a config is checked before
 #: any codec module is imported).
 CODECS = ("fp16", "bf16", "fp32", "int8", "int4", "int2", "nf4", "fp4", "dyn8")
@@ -129,8 +163,8 @@ CHOICES: dict[str, tuple] = {
 }
 #: integer field -> (minimum, maximum)
 RANGES: dict[str, tuple[int, int]] = {
-    "block_tokens": (1, MAX_TOKENS), "hot_bytes": (1, MAX_BYTES), "max_sequences": (1, MAX_SEQUENCES),
-    "hot_max_bytes": (1, MAX_BYTES), "host_bytes": (MIN_HOST_BYTES, MAX_BYTES),
+    "block_tokens": (1, MAX_TOKENS), "device_bytes": (1, MAX_BYTES), "max_sequences": (1, MAX_SEQUENCES),
+    "device_max_bytes": (1, MAX_BYTES), "host_bytes": (MIN_HOST_BYTES, MAX_BYTES),
     "host_overflow_bytes": (0, MAX_BYTES), "disk_bytes": (1, MAX_BYTES),
     "disk_segment_bytes": (MIN_SEGMENT_BYTES, MAX_SEGMENT_BYTES), "disk_kept_bytes": (0, MAX_BYTES),
     "cold_key_outliers": (0, MAX_KEY_OUTLIERS), "int2_key_outliers": (0, MAX_KEY_OUTLIERS),
@@ -147,7 +181,7 @@ NUMBERS: dict[str, tuple[Callable[[float], bool], str]] = {
     "recall_mass": (lambda v: v > 0, "a number > 0 (math.inf: never)"),
     "high_watermark": (lambda v: 0 < v <= 1, "a float in (0, 1]"),
     "low_watermark": (lambda v: 0 < v <= 1, "a float in (0, 1]"),
-    "lz4_min_saving": (lambda v: 0 <= v < 1, "a float in [0, 1)"),
+    "byte_stage_min_saving": (lambda v: 0 <= v < 1, "a float in [0, 1)"),
 }
 #: text field -> most UTF-8 bytes (never a NUL: it would end the name in C and Redis clients)
 TEXTS = {"namespace": 256, "remote_key_prefix": 128}

@@ -120,7 +120,7 @@ def no_model(monkeypatch):
 @pytest.mark.parametrize("argv, msg", [
     (("--config", "/nonexistent/kv.toml"), "config file '/nonexistent/kv.toml' does not exist"),
     (("--codec", "zip"), "invalid choice: 'zip'"),
-    (("--hot-tokens", "3"), "hot_tokens must be >= block_tokens"),
+    (("--device-tokens", "3"), "device_tokens must be >= block_tokens"),
     (("--max-new-tokens", "0"), "--max-new-tokens must be >= 1"),
 ])
 def test_generate_bad_input_is_a_sentence_before_the_model_loads(no_model, capsys, argv, msg):
@@ -140,7 +140,7 @@ def test_generate_config_file_fields_are_re_derived_with_the_flags(tmp_path):
     toml.write_text('codec = "int4"\nhot_tokens = 256\n')
     p = argparse.ArgumentParser()
     chat.add_arguments(p)
-    cfg = chat._config(p.parse_args(["--config", str(toml), "--codec", "int8", "--hot-tokens", "128"]), "/scratch")
+    cfg = chat._config(p.parse_args(["--config", str(toml), "--codec", "int8", "--device-tokens", "128"]), "/scratch")
     assert (cfg.host_codec, cfg.disk_codec, cfg.budget_tokens) == ("int8", "int8", 128)
     assert cfg.disk_path == "/scratch"  # neither the file nor a flag names L3: the per-run directory
     toml.write_text('disk_path = "/kept"\n')

@@ -86,7 +86,7 @@ class Layout:
         if sink_blocks + window_blocks + 1 > budget // bt:
             raise ValueError(f"budget_tokens must be >= sink_tokens + window_tokens + one open block; "
                              f"got budget {budget} with sink_tokens={sink}, window_tokens={window}, "
-                             f"block_tokens={bt} (L1 budget from hot_bytes: {hot} blocks)")
+                             f"block_tokens={bt} (L1 budget from device_bytes: {hot} blocks)")
         high = min(hot, max(1, math.ceil(cfg.high_watermark * hot)))
         # A full-precision 16-bit tier codec follows the KV dtype (the config may be built before
         # the model's dtype is known; fp16 <-> bf16 would not be lossless and the codecs refuse it).
@@ -124,11 +124,11 @@ def pool_slots(hot_blocks: int, max_sequences: int, num_layers: int) -> int:
 
 
 def _hot_blocks(cfg: KVTierConfig, slot_bytes: int, num_layers: int) -> int:
-    if cfg.hot_bytes is None:
-        return cfg.hot_tokens // cfg.block_tokens
+    if cfg.device_bytes is None:
+        return cfg.device_tokens // cfg.block_tokens
     per = slot_bytes * num_layers * cfg.max_sequences
-    hot = cfg.hot_bytes // per
+    hot = cfg.device_bytes // per
     if hot < 1:
-        raise ValueError(f"hot_bytes must hold at least one block per layer and sequence "
-                         f"(>= {per} bytes for this model and max_sequences); got {cfg.hot_bytes}")
+        raise ValueError(f"device_bytes must hold at least one block per layer and sequence "
+                         f"(>= {per} bytes for this model and max_sequences); got {cfg.device_bytes}")
     return hot

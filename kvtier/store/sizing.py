@@ -45,7 +45,7 @@ def check_model(cfg: KVTierConfig, num_layers: int, kv_heads: int, head_dim: int
     """Check ``cfg``'s sizes against one model's KV shape, before anything is allocated.
 
     Raises ValueError naming the user's field and the bound in bytes for this model: L1
-    (``hot_tokens``/``hot_bytes`` x ``max_sequences``) that the device cannot hold,
+    (``device_tokens``/``device_bytes`` x ``max_sequences``) that the device cannot hold,
     ``host_bytes`` beyond this machine's RAM or below one block record,
     ``disk_segment_bytes`` below one L3 record, ``disk_bytes`` below the two segments L3
     needs to reclaim space by compaction.
@@ -101,18 +101,18 @@ def _check_memory(cfg: KVTierConfig, slot_bytes: int, num_layers: int, device: t
     room = device_memory(device)
     if not room:
         return
-    if cfg.hot_bytes is not None:
-        if cfg.hot_bytes > room:
-            raise ValueError(f"hot_bytes must fit the L1 device ({device}: {room:,} bytes); "
-                             f"got {cfg.hot_bytes:,}")
+    if cfg.device_bytes is not None:
+        if cfg.device_bytes > room:
+            raise ValueError(f"device_bytes must fit the L1 device ({device}: {room:,} bytes); "
+                             f"got {cfg.device_bytes:,}")
         return
-    hot_blocks = cfg.hot_tokens // bt
+    hot_blocks = cfg.device_tokens // bt
     # the store adds up to hot_blocks - 1 scratch slots per sequence (a selection's swap-ins)
     l1 = slot_bytes * cfg.max_sequences * (num_layers * hot_blocks + max(1, hot_blocks - 1))
     if l1 > room:
         most = room // (slot_bytes * cfg.max_sequences * (num_layers + 1)) * bt
         raise ValueError(
-            f"hot_tokens x max_sequences must fit the L1 device ({device}: {room:,} bytes): "
-            f"hot_tokens={cfg.hot_tokens:,} with max_sequences={cfg.max_sequences} needs "
+            f"device_tokens x max_sequences must fit the L1 device ({device}: {room:,} bytes): "
+            f"device_tokens={cfg.device_tokens:,} with max_sequences={cfg.max_sequences} needs "
             f"{l1:,} bytes for this model ({slot_bytes * num_layers // bt:,} bytes per token "
-            f"and sequence); at most about hot_tokens={max(bt, most):,}")
+            f"and sequence); at most about device_tokens={max(bt, most):,}")

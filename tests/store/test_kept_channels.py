@@ -82,7 +82,7 @@ def test_store_l3_records_reopen_and_decode(tmp_path):
     from kvtier.store.stats import Counters
     from kvtier.tiers import DiskTier
 
-    base = dict(block_tokens=64, hot_tokens=256, codec="int2", disk_path=str(tmp_path / "l3"))
+    base = dict(block_tokens=64, device_tokens=256, codec="int2", disk_path=str(tmp_path / "l3"))
     blocks = [torch.stack((roped_keys(start=64 * i, seed=i), torch.randn(3, 64, 64).to(torch.bfloat16)))
               for i in range(3)]  # [2, kv_heads, block_tokens, head_dim], blocks at positions 0, 64, 128
 
