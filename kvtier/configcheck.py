@@ -89,7 +89,7 @@ def check_remote_url(url: Any) -> None:
     from kvtier.tiers.remotes import is_mooncake
 
     if isinstance(url, str) and is_mooncake(url):
-        from kvtier.tiers.mooncake import check_url as check_mooncake_url
+        from kvtier.tiers.mooncake_url import check_url as check_mooncake_url
 
         check_mooncake_url(url)  # its ValueError names remote_url and the form
         return

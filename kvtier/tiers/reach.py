@@ -14,6 +14,9 @@ from collections import deque
 
 import numpy as np
 
+from .base import TierStats
+from .errors import TierClosedError
+
 WARN_EVERY_S = 10.0
 
 
@@ -131,6 +134,25 @@ class Reachable:
     """What a tier holding a :class:`Reach` in ``self._reach`` shows of it."""
 
     _reach: Reach
+
+    def _start(self, label: str, shown_url: str, key_prefix: str, capacity_bytes: int | None,
+               retry_interval_s: float, max_backoff: float, latency_window: int,
+               logger: logging.Logger) -> None:
+        """The state every L4 tier starts with, from arguments its constructor has checked:
+        the server's reach (warnings name it ``label``), the key prefix and quota, the counters
+        its ``_lock`` guards, and open. ``shown_url``: the URL as errors may show it."""
+        self.key_prefix = key_prefix
+        self._shown_url = shown_url
+        self._reach = Reach(label, logger, retry_interval_s, max_backoff, latency_window)
+        self._quota = capacity_bytes
+        self._lock = threading.Lock()
+        self._stats = TierStats()
+        self._rejected = self._corrupt = 0
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierClosedError(f"{type(self).__name__}({self._shown_url!r}) is closed")
 
     @property
     def connected(self) -> bool:
