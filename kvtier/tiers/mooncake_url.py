@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from urllib.parse import parse_qsl, urlsplit
 
+from .reach import split_url
+
 _URL_FORM = ("mooncake://HOST:RPC_PORT?metadata=http://HOST:PORT/metadata[&admin=http://HOST:PORT]"
              "[&segment_bytes=N][&buffer_bytes=N][&protocol=tcp|rdma][&local_hostname=IP]")
 _PARAMS = ("metadata", "admin", "segment_bytes", "buffer_bytes", "protocol", "local_hostname")
@@ -33,13 +35,7 @@ class MooncakeURL:
     """A parsed, checked ``mooncake://`` URL (see the module docstring)."""
 
     def __init__(self, url: object) -> None:
-        if not isinstance(url, str) or not url:
-            raise _bad_url(url, "got a non-str or empty value")
-        try:
-            u = urlsplit(url)
-            port = u.port
-        except ValueError as e:
-            raise _bad_url(url, f"unparsable ({e})") from None
+        u, port = split_url(url, _bad_url)
         if u.scheme != "mooncake":
             raise _bad_url(url, f"unsupported scheme {u.scheme!r}")
         if not u.hostname or port is None or not 0 < port < 65536:

@@ -11,6 +11,8 @@ import logging
 import threading
 import time
 from collections import deque
+from typing import Callable
+from urllib.parse import SplitResult, urlsplit
 
 import numpy as np
 
@@ -128,6 +130,18 @@ class Reach:
                  latency_p99_ms=float(np.percentile(lat, 99)) if lat.size else 0.0,
                  round_trips=int(lat.size), connected=self.connected)
         return s
+
+
+def split_url(url: object, bad: Callable[[object, str], ValueError]) -> tuple[SplitResult, int | None]:
+    """``url`` split, and its port: a remote tier's URL before its own checks. ``bad(url, why)``
+    makes the ValueError for a non-str, empty or unparsable one."""
+    if not isinstance(url, str) or not url:
+        raise bad(url, "got a non-str or empty value")
+    try:
+        u = urlsplit(url)
+        return u, u.port
+    except ValueError as e:
+        raise bad(url, f"unparsable ({e})") from None
 
 
 class Reachable:

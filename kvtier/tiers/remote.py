@@ -42,7 +42,7 @@ import torch
 from kvtier._crc import crc32  # zlib's CRC-32, computed by ISA-L where installed
 
 from .base import BytesLike, Tier, as_byte_view, check_key, out_view
-from .reach import Reachable, check_seconds, check_window
+from .reach import Reachable, check_seconds, check_window, split_url
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +118,7 @@ def _redact(url: object) -> object:
 
 def check_url(url: object) -> str:
     """Validate a server URL (see ``_URL_FORM``); returns it unchanged. Raises ValueError naming ``url``."""
-    if not isinstance(url, str) or not url:
-        raise _bad_url(url, "got a non-str or empty value")
-    try:
-        u = urlsplit(url)
-        port = u.port
-    except ValueError as e:
-        raise _bad_url(url, f"unparsable ({e})") from None
+    u, port = split_url(url, _bad_url)
     if u.scheme in ("redis", "rediss"):
         if not u.hostname:
             raise _bad_url(url, "no host")
