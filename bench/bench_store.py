@@ -255,7 +255,7 @@ def swap_in(shape: str, ctx: int, blocks: int, steps: int, disk_dir: str) -> dic
         st.append(seq, 0, torch.randn(kvh, 1024, hd, generator=g), torch.randn(kvh, 1024, hd, generator=g))
     st.end_step()
     st.flush()
-    l3 = st.lower.l3
+    l3 = st.offload.l3
     spent = [0.0]          # seconds inside this step's L3 calls
     asked: list[str] = []  # the keys they were asked for
 
@@ -296,7 +296,7 @@ def swap_in(shape: str, ctx: int, blocks: int, steps: int, disk_dir: str) -> dic
     modes = ("batched", "per_record", "one_by_one")
     out: dict[str, list[tuple]] = {m: [] for m in modes}  # (l3 s, swap-in s, raw s, records)
     batch0 = reads._SWAP_IN_BATCH
-    io, res = st.lower.io, st.residency
+    io, res = st.offload.io, st.residency
     decode_many, make_room = io.decode_stored_many, res.make_room
 
     def decode_each(items, device):

@@ -18,15 +18,14 @@ import dataclasses
 import functools
 import math
 import os
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 from kvtier.configcheck import (
     CODECS, GROUP_SIZES, MAX_KEY_OUTLIERS, MAX_TOKENS, MIN_SEGMENT_BYTES, PRECISION_CODECS,
-    RENAMED_FIELDS, Derived, DerivedInt, DerivedStr, check_fields, check_int, check_remote_url, derive,
-    renamed_fields,
+    RENAMED_FIELDS, Derived, check_fields, check_int, check_remote_url, check_whole_blocks, derive, plain,
+    read_toml, renamed_fields,
 )
 from kvtier.configdoc import class_doc, field_docs
 
@@ -385,7 +384,7 @@ class KVTierConfig:
             if self.device_tokens < self.block_tokens:
                 raise ValueError(
                     f"device_tokens must be >= block_tokens ({self.block_tokens}); got {self.device_tokens}")
-            self._check_whole_blocks("device_tokens", self.device_tokens, self.block_tokens)
+            check_whole_blocks(self, "device_tokens", self.device_tokens, self.block_tokens)
 
     def _check_tiers(self) -> None:
         """L3 segments within ``disk_bytes``, and the L3 directory."""
@@ -459,7 +458,7 @@ class KVTierConfig:
         else:
             if self.budget_tokens < bt:
                 raise ValueError(f"budget_tokens must be >= block_tokens ({bt}); got {self.budget_tokens}")
-            self._check_whole_blocks("budget_tokens", self.budget_tokens, bt)
+            check_whole_blocks(self, "budget_tokens", self.budget_tokens, bt)
             if hot is not None and self.budget_tokens > hot:
                 raise ValueError(
                     f"budget_tokens must be <= device_tokens ({hot}): the attended blocks are resident "
@@ -467,7 +466,7 @@ class KVTierConfig:
         budget = self.budget_tokens
         for name in ("sink_tokens", "window_tokens"):
             if getattr(self, name) is not None:
-                self._check_whole_blocks(name, getattr(self, name), bt)
+                check_whole_blocks(self, name, getattr(self, name), bt)
         if budget is None:
             # device_bytes without budget_tokens: the store fills the defaults once it knows the budget
             return
@@ -482,16 +481,6 @@ class KVTierConfig:
                 f"budget_tokens must be >= sink_tokens + window_tokens + one open block "
                 f"(= {fixed} with block_tokens={bt}); got {budget}")
 
-    def _check_whole_blocks(self, name: str, tokens: int, bt: int) -> None:
-        """``tokens`` is a whole number of ``bt``-token blocks: the store keeps, evicts and attends
-        whole blocks, so any other count would be rounded to a size the user did not ask for."""
-        if tokens % bt == 0:
-            return
-        low, high = tokens // bt * bt, (tokens // bt + 1) * bt
-        nearest = f"{low:,} or {high:,}" if low > 0 or name in ("sink_tokens", "window_tokens") else f"{high:,}"
-        why = f", the default for {self.attention} attention" if isinstance(self.block_tokens, Derived) else ""
-        raise ValueError(f"{name} must be a whole number of blocks (block_tokens={bt}{why}): {nearest}; "
-                         f"got {tokens:,}")
 
     def codec_kwargs(self, name: str, role: str) -> dict:
         """The ``kvtier.compress.get_codec`` arguments of tier codec ``name`` for ``role``
@@ -570,7 +559,7 @@ class KVTierConfig:
         """
         if not resolved:
             return self.user_set()
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "KVTierConfig":
@@ -587,18 +576,7 @@ class KVTierConfig:
     def from_toml(cls, path: str | Path) -> "KVTierConfig":
         """Load from a TOML file: fields at top level or under a ``[kvtier]`` table. A missing,
         unreadable or malformed file raises ValueError naming it."""
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ValueError(f"config file {str(path)!r} does not exist") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"config file {str(path)!r} cannot be read: {e}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
-        if "kvtier" in data and isinstance(data["kvtier"], dict):
-            data = data["kvtier"]
-        return cls.from_dict(data)
+        return cls.from_dict(read_toml(path))
 
 
 _dataclass_init = KVTierConfig.__init__
@@ -615,15 +593,6 @@ KVTierConfig.__init__ = _init
 # help(KVTierConfig) and pydoc show what each field means: the docstring under each field is in
 # the source only, so the class docstring is built from it (the parser tools/config_doc.py uses).
 KVTierConfig.__doc__ = class_doc(KVTierConfig.__doc__, field_docs(Path(__file__).read_text(), "KVTierConfig"))
-
-
-def _plain(v: Any) -> Any:
-    """A derived value as the plain str/int it stands for."""
-    if isinstance(v, DerivedStr):
-        return str(v)
-    if isinstance(v, DerivedInt):
-        return int(v)
-    return v
 
 
 def _round_up(x: int, m: int) -> int:

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import os
 import sys
+import tomllib
 import types
 import typing
 import warnings
@@ -47,6 +48,44 @@ def derive(cfg: Any, name: str, value: Any) -> None:
     """Set field ``name`` of the frozen dataclass ``cfg`` (a KVTierConfig in its ``__post_init__``)
     to ``value``, marked as derived."""
     object.__setattr__(cfg, name, DerivedStr(value) if isinstance(value, str) else DerivedInt(value))
+
+
+def plain(v: Any) -> Any:
+    """A derived value as the plain str/int it stands for."""
+    if isinstance(v, DerivedStr):
+        return str(v)
+    if isinstance(v, DerivedInt):
+        return int(v)
+    return v
+
+
+def check_whole_blocks(cfg: Any, name: str, tokens: int, bt: int) -> None:
+    """``tokens`` is a whole number of ``bt``-token blocks: the store keeps, evicts and attends
+    whole blocks, so any other count would be rounded to a size the user did not ask for."""
+    if tokens % bt == 0:
+        return
+    low, high = tokens // bt * bt, (tokens // bt + 1) * bt
+    nearest = f"{low:,} or {high:,}" if low > 0 or name in ("sink_tokens", "window_tokens") else f"{high:,}"
+    why = f", the default for {cfg.attention} attention" if isinstance(cfg.block_tokens, Derived) else ""
+    raise ValueError(f"{name} must be a whole number of blocks (block_tokens={bt}{why}): {nearest}; "
+                     f"got {tokens:,}")
+
+
+def read_toml(path: Any) -> dict:
+    """The fields in TOML file ``path``: at top level or under a ``[kvtier]`` table. A missing,
+    unreadable or malformed file raises ValueError naming it."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ValueError(f"config file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"config file {str(path)!r} cannot be read: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    if "kvtier" in data and isinstance(data["kvtier"], dict):
+        data = data["kvtier"]
+    return data
 
 
 def check_choice(name: str, value: Any, allowed: tuple) -> None:
