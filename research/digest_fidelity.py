@@ -14,7 +14,7 @@ context leaves for query selection), and
 for bf16 and int8 centroids at 4, 2 and 1 tokens. Cheap next to ``sparse_sweep.py`` (one
 forward pass per window, no decode), and free of the probe's noise: it isolates the digest.
 
-    python tools/digest_fidelity.py --texts pydoc,essays,squad --windows 1
+    python research/digest_fidelity.py --texts pydoc,essays,squad --windows 1
 """
 from __future__ import annotations
 

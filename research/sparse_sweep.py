@@ -16,9 +16,9 @@ fields plus ``hot_fraction`` / ``host_fraction``); "default" is ``KVTierConfig``
 only ``attention="sparse"`` and L1 set, so the table says what a user who changes nothing else
 gets. L2 holds 2% of the context's 16-bit KV, so most evicted blocks live on L3.
 
-    python tools/sparse_sweep.py --grid split --contexts 2048,4096 --windows 6
-    python tools/sparse_sweep.py --grid defaults --l1 0.125,0.06,0.03
-    python tools/sparse_sweep.py --smoke
+    python research/sparse_sweep.py --grid split --contexts 2048,4096 --windows 6
+    python research/sparse_sweep.py --grid defaults --l1 0.125,0.06,0.03
+    python research/sparse_sweep.py --smoke
 """
 from __future__ import annotations
 

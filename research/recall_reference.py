@@ -15,7 +15,7 @@ probabilities) replays what the store observes in dense mode, without the store'
 The statistic and the cold set are the store's (``kvtier.store.precision``); the masses are the
 unquantized model's, so this measures the criterion, not the codecs.
 
-    python tools/recall_reference.py --texts pydoc,essays,squad --windows 2
+    python research/recall_reference.py --texts pydoc,essays,squad --windows 2
 """
 from __future__ import annotations
 

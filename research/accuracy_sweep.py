@@ -21,11 +21,11 @@ Store rows (``--store``) are compared with ``DynamicCache`` fed the store's own 
 (``REF_CHUNKED``), where a lossless store with ``--store-math sdpa`` (the default) gives the same
 logits bit for bit, and anchors can run on those chunks too (``--chunked-anchors``)::
 
-    python tools/accuracy_sweep.py --texts pydoc,essays,squad --windows 8
-    python tools/accuracy_sweep.py --store --int8 --only int8,lossless --windows 4
-    python tools/accuracy_sweep.py --store-only --pareto --flush-steps --texts essays --windows 4 --context 1024
-    python tools/accuracy_sweep.py --pool *.log --from-json *.json --table --plot pareto.png
-    python tools/accuracy_sweep.py --smoke
+    python research/accuracy_sweep.py --texts pydoc,essays,squad --windows 8
+    python research/accuracy_sweep.py --store --int8 --only int8,lossless --windows 4
+    python research/accuracy_sweep.py --store-only --pareto --flush-steps --texts essays --windows 4 --context 1024
+    python research/accuracy_sweep.py --pool *.log --from-json *.json --table --plot pareto.png
+    python research/accuracy_sweep.py --smoke
 """
 from __future__ import annotations
 
@@ -229,7 +229,7 @@ class Spec:
     value_codec: str | None = None  # values' codec when it differs from keys'
     nbits: int = 4
     params: dict = field(default_factory=dict)
-    key_rope: str = "post"  # "pre": keys rotated back to before RoPE for quantizing (kvtier.compress.rope);
+    key_rope: str = "post"  # "pre": keys rotated back to before RoPE for quantizing (rope.py);
     # "block": rotated back by their offsets within their block (a constant rotation per block is left)
     key_outliers: int = 0  # the key codec's ``outliers``: channels per block and head kept exactly
 
@@ -275,7 +275,7 @@ def _encode_decode_blocks(x: torch.Tensor, spec: Spec, role: str, block: int, st
     first and forward again after decoding (``"block"``: by their offsets in their block);
     ``key_outliers`` is the key codec's ``outliers`` (channels per block and head kept exactly)."""
     from kvtier.compress import get_codec
-    from kvtier.compress.rope import rotate
+    from rope import rotate
 
     if role == "k" and spec.key_rope != "post":
         h, t, d = x.shape
