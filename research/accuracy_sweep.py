@@ -21,6 +21,15 @@ Store rows (``--store``) are compared with ``DynamicCache`` fed the store's own 
 (``REF_CHUNKED``), where a lossless store with ``--store-math sdpa`` (the default) gives the same
 logits bit for bit, and anchors can run on those chunks too (``--chunked-anchors``)::
 
+Decided (2026-12-01 .. 12-04; the tables, dates and full commands are in
+docs/results/codec-accuracy.md and docs/results/config-defaults.md): the default encoder per
+codec and axis (commit 9a58359: mse for int2 keys, min/max otherwise; ``DEFAULT_ENCODER`` in
+kvtier/compress/codecs.py), ``int8_zero_point`` (ae43b24), ``int8_value_axis`` (f7fefd1),
+``int2_key_outliers`` and ``cold_key_outliers`` (9656c3c), the importance-driven precision
+levels against fixed ones (``--pareto``), and that the store's codecs do not rotate keys back
+before RoPE (rope.py). ``kvtier eval`` is the accuracy harness users run; this one builds the
+cache content directly, so many windows of several texts fit in minutes.
+
     python research/accuracy_sweep.py --texts pydoc,essays,squad --windows 8
     python research/accuracy_sweep.py --store --int8 --only int8,lossless --windows 4
     python research/accuracy_sweep.py --store-only --pareto --flush-steps --texts essays --windows 4 --context 1024
@@ -40,6 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.baselines: the transformers anchors
 
 RULER_JSON = "long_context_eval/data/synthetic/json"
 
@@ -416,7 +427,7 @@ def run_chunked_anchors(model, ctx: torch.Tensor, cont: torch.Tensor, anchors: l
     of ``anchors`` (``make_baseline`` kinds, e.g. ``hqq-int8``: QuantizedCache, 128 residual
     tokens, re-quantizing all it holds whenever the residual fills, so that later chunks attend to
     quantized history as the store's do). Returns ``{name: (nll, bytes held, seconds)}``."""
-    from kvtier.eval.baselines import cache_bytes, make_baseline
+    from tests.baselines import cache_bytes, make_baseline
 
     out = {}
     for kind in ["dynamic", *anchors]:

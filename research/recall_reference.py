@@ -15,6 +15,10 @@ probabilities) replays what the store observes in dense mode, without the store'
 The statistic and the cold set are the store's (``kvtier.store.precision``); the masses are the
 unquantized model's, so this measures the criterion, not the codecs.
 
+Decided (2026-12-01, commits c124c6b and f0a6be7): ``recall_reference="median"`` is the
+default, the reference that fires where the all-block mean marks almost nothing (the counts
+per text and layer: docs/results/codec-accuracy.md, "Recall upgrades").
+
     python research/recall_reference.py --texts pydoc,essays,squad --windows 2
 """
 from __future__ import annotations

@@ -24,7 +24,13 @@ context, int2 g32 keys with the mse encoder) it did not lower Δppl: pydoc / ess
 kept channels (``outliers``) +3.00 / +2.79 / +2.15% against +2.30 / +1.81 / +2.35% (4 windows).
 Most of the int2 key error sits in a few wide channels, which keeping them exactly removes
 whichever side of the rotation they are quantized on, so the store's codecs do not rotate.
+
+Decided (2026-12-01, commit 9656c3c): the store's codecs do not rotate keys back before
+quantizing (the figures above: the simulated ``key_rope`` rows, ``python
+research/accuracy_sweep.py --texts T --windows 2 --only RoPE``; docs/results/codec-accuracy.md,
+"int2 with its widest key channels kept").
 """
+
 from __future__ import annotations
 
 import torch
