@@ -111,13 +111,16 @@ STORE_LOSSLESS = "store lossless"
 REF_CHUNKED = "ref chunked"
 
 
+def fixed_store_specs() -> list[StoreSpec]:
+    """The fixed-precision store rows (int8, int4, int2) the others are compared with."""
+    return [StoreSpec(f"store {c} g32", codec=c) for c in ("int8", "int4", "int2")]
+
+
 def default_store_specs() -> list[StoreSpec]:
     imp = lambda name, **p: StoreSpec(name, precision="importance", **p)  # noqa: E731
     return [
         StoreSpec(STORE_LOSSLESS, codec="lossless"),
-        StoreSpec("store int8 g32", codec="int8"),
-        StoreSpec("store int4 g32", codec="int4"),
-        StoreSpec("store int2 g32", codec="int2"),
+        *fixed_store_specs(),
         imp("store importance 10/50", heavy_fraction=0.1, cold_fraction=0.5),
         imp("store importance 5/75", heavy_fraction=0.05, cold_fraction=0.75),
         StoreSpec("store int4 g64 L1=1 block", group_size=64, hot_tokens=64, sink_tokens=0, window_tokens=0),
@@ -130,9 +133,7 @@ def recall_store_specs() -> list[StoreSpec]:
     int8 heavy / int2 cold."""
     imp = lambda name, **p: StoreSpec(name, precision="importance", **p)  # noqa: E731
     return [
-        StoreSpec("store int8 g32", codec="int8"),
-        StoreSpec("store int4 g32", codec="int4"),
-        StoreSpec("store int2 g32", codec="int2"),
+        *fixed_store_specs(),
         imp("store importance 0/50 median", heavy_fraction=0.0, cold_fraction=0.5),
         imp("store importance 0/75 median", heavy_fraction=0.0, cold_fraction=0.75),
         imp("store importance 0/90 median", heavy_fraction=0.0, cold_fraction=0.9),
@@ -153,9 +154,7 @@ def pareto_store_specs() -> list[StoreSpec]:
     chunked reference, bit for bit)."""
     imp = lambda name, **p: StoreSpec(name, precision="importance", **p)  # noqa: E731
     return [
-        StoreSpec("store int8 g32", codec="int8"),
-        StoreSpec("store int4 g32", codec="int4"),
-        StoreSpec("store int2 g32", codec="int2"),
+        *fixed_store_specs(),
         imp("store importance int8 10% / int4", heavy_fraction=0.1, cold_fraction=0.0),
         imp("store importance int8 25% / int4", heavy_fraction=0.25, cold_fraction=0.0),
         imp("store importance int8 50% / int4", heavy_fraction=0.5, cold_fraction=0.0),
@@ -765,6 +764,16 @@ def plot(doc: dict, path: str) -> None:
         fig.text(0.01, 0.0, "\n".join("     ".join(key[j:j + cols]) for j in range(0, len(key), cols)),
                  fontsize=8, va="top", family="monospace")
     fig.savefig(path, dpi=130, bbox_inches="tight")  # "tight" takes the key below the panels in
+
+
+def window_parser(doc: str, windows: int, context: int, block_tokens: int) -> argparse.ArgumentParser:
+    """The options of the studies that replay a model over seeded windows of texts (load_source)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--texts", default="pydoc,essays,squad", help="comma-separated: pydoc, essays, squad or files")
+    ap.add_argument("--windows", type=int, default=windows, help="windows per text")
+    ap.add_argument("--context", type=int, default=context)
+    ap.add_argument("--block-tokens", type=int, default=block_tokens)
+    return ap
 
 
 def main(argv=None) -> int:

@@ -22,7 +22,6 @@ they select 98% the same blocks as bf16 ones, covering the same share of the ora
 """
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -33,11 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--texts", default="pydoc,essays,squad")
-    ap.add_argument("--windows", type=int, default=1)
-    ap.add_argument("--context", type=int, default=2048)
-    ap.add_argument("--block-tokens", type=int, default=16)
+    from accuracy_sweep import window_parser
+
+    ap = window_parser(__doc__, windows=1, context=2048, block_tokens=16)
     ap.add_argument("--budget", type=float, default=0.125)
     ap.add_argument("--queries", type=int, default=32, help="query positions per window (the last ones)")
     args = ap.parse_args(argv)
