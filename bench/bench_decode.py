@@ -32,6 +32,8 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.baselines
+
 KVTIER_CONFIGS = {
     # name: (codec, attention, policy)
     "kvtier-int8-dense": ("int8", "dense", "lru"),
@@ -89,7 +91,7 @@ class PeakMemory:
 
 def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: float):
     from kvtier.config import KVTierConfig
-    from kvtier.eval.baselines import make_baseline
+    from tests.baselines import make_baseline
     from kvtier.integrations.cache import TieredCache
 
     if name in BASELINE_CONFIGS:
@@ -106,7 +108,7 @@ def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: f
 
 
 def kv_bytes(cache) -> int:
-    from kvtier.eval.baselines import cache_bytes
+    from tests.baselines import cache_bytes
     from kvtier.integrations.cache import TieredCache
 
     if isinstance(cache, TieredCache):

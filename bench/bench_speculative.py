@@ -26,10 +26,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
+import sys
 import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.baselines
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -43,7 +47,7 @@ def _draft(model, layers: int):
 
 def _cache(kind: str, model, ctx: int, tmp: str):
     import kvtier
-    from kvtier.eval.baselines import make_baseline
+    from tests.baselines import make_baseline
 
     if kind == "dynamic":
         return make_baseline("dynamic", model)
@@ -56,7 +60,7 @@ def _cache(kind: str, model, ctx: int, tmp: str):
 
 
 def _run(model, ids, cache, new: int, gen: dict):
-    from kvtier.eval.baselines import greedy_generate
+    from tests.baselines import greedy_generate
 
     t0 = time.perf_counter()
     out = greedy_generate(model, ids, cache, new, **gen)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import kvtier
 from kvtier.config import KVTierConfig
 from kvtier.integrations.sparse import attend_blocks
-from kvtier.eval.baselines import greedy_generate, make_baseline, teacher_forced_logits
+from tests.baselines import greedy_generate, make_baseline, teacher_forced_logits
 from kvtier.integrations.cache import TieredCache
 from kvtier.integrations.model import text_ids
 

@@ -16,7 +16,7 @@ import torch
 import kvtier
 from kvtier.config import KVTierConfig
 from kvtier.integrations import registry
-from kvtier.eval.baselines import greedy_generate, make_baseline, teacher_forced_logits
+from tests.baselines import greedy_generate, make_baseline, teacher_forced_logits
 from kvtier.integrations.cache import TieredCache
 from kvtier.integrations.model import text_ids
 from kvtier.tiers import DiskTier

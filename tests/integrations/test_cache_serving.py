@@ -11,7 +11,7 @@ import torch
 
 import kvtier
 from kvtier.config import KVTierConfig
-from kvtier.eval.baselines import greedy_generate, make_baseline
+from tests.baselines import greedy_generate, make_baseline
 from kvtier.store.store import CONTENT_KEY
 
 SYSTEM = ("You are a patient assistant for Python programmers. Answer in one or two short sentences, "

@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 import kvtier
 from kvtier.config import KVTierConfig
-from kvtier.eval.baselines import _greedy_kwargs
+from tests.baselines import _greedy_kwargs
 from kvtier.integrations.cache import detach
 from kvtier.integrations.model import text_ids
 

@@ -10,7 +10,7 @@ import torch
 
 import kvtier
 from kvtier import KVTierConfig
-from kvtier.eval.baselines import make_baseline
+from tests.baselines import make_baseline
 from kvtier.integrations.model import text_ids
 from kvtier.presets import PRESETS, PRESET_NAMES
 

@@ -12,7 +12,7 @@ import torch
 
 import kvtier
 from kvtier.config import KVTierConfig
-from kvtier.eval.baselines import greedy_generate, make_baseline, teacher_forced_logits
+from tests.baselines import greedy_generate, make_baseline, teacher_forced_logits
 from kvtier.integrations.cache import detach
 from kvtier.integrations.model import text_ids
 

@@ -10,7 +10,7 @@ from transformers.masking_utils import sdpa_mask
 
 import kvtier.integrations.attention as attn
 from kvtier.config import KVTierConfig
-from kvtier.eval.baselines import make_baseline
+from tests.baselines import make_baseline
 from kvtier.integrations.cache import TieredCache, attach
 from kvtier.integrations.model import text_ids
 

@@ -8,7 +8,7 @@ import torch
 
 from kvtier import KVTierConfig, attach
 from kvtier.integrations.model import text_ids
-from kvtier.eval.baselines import make_baseline
+from tests.baselines import make_baseline
 
 TURNS = ("What is a Python list?", "And a tuple?", "Which one is faster to create?")
 

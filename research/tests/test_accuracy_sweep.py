@@ -1,4 +1,4 @@
-"""tools/accuracy_sweep.py's pure parts: the paired bootstrap and the Pareto plot."""
+"""research/accuracy_sweep.py's pure parts: the paired bootstrap and the Pareto plot."""
 import importlib.util
 import math
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 _spec = importlib.util.spec_from_file_location(
-    "accuracy_sweep", Path(__file__).resolve().parents[1] / "tools" / "accuracy_sweep.py")
+    "accuracy_sweep", Path(__file__).resolve().parents[1] / "accuracy_sweep.py")
 sweep = importlib.util.module_from_spec(_spec)
 sys.modules.setdefault("accuracy_sweep", sweep)  # dataclasses resolve their module by name
 _spec.loader.exec_module(sweep)
@@ -162,7 +162,7 @@ def test_int2_rows_pre_rope_and_kept_channels():
     their cache positions (``"block"``: by their offsets in their block) around the codec, and
     the kept-channel rows are the key codec's own ``outliers`` (its bytes)."""
     from kvtier.compress import get_codec
-    from kvtier.compress.rope import rotate
+    from rope import rotate
 
     for s in sweep.int2_store_specs():
         cfg = sweep.store_config(s, 64, None)

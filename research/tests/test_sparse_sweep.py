@@ -1,4 +1,4 @@
-"""tools/sparse_sweep.py's statistics and table, on records whose answer is known (no model)."""
+"""research/sparse_sweep.py's statistics and table, on records whose answer is known (no model)."""
 from __future__ import annotations
 
 import importlib.util
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[2] / "tools" / "sparse_sweep.py"
+_PATH = Path(__file__).resolve().parents[1] / "sparse_sweep.py"
 
 
 @pytest.fixture(scope="module")

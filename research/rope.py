@@ -18,13 +18,19 @@ first ``R = 2 * len(inv_freq)`` channels of ``head_dim`` are rotated as halves
 ``x[:R/2]``/``x[R/2:R]``, the rest (partial rotary) pass through. Angles and the rotation are
 computed in float32 and the result is cast back to the input dtype.
 
-Used by ``tools/accuracy_sweep.py``'s simulated ``key_rope`` rows. On SmolLM2-135M (bf16, 2k
+Used by ``research/accuracy_sweep.py``'s simulated ``key_rope`` rows. On SmolLM2-135M (bf16, 2k
 context, int2 g32 keys with the mse encoder) it did not lower Δppl: pydoc / essays / squad
 +2.71 / -1.16 / +6.05% against +1.82 / -0.82 / +4.81% post-RoPE (2 windows each), and with 4
 kept channels (``outliers``) +3.00 / +2.79 / +2.15% against +2.30 / +1.81 / +2.35% (4 windows).
 Most of the int2 key error sits in a few wide channels, which keeping them exactly removes
 whichever side of the rotation they are quantized on, so the store's codecs do not rotate.
+
+Decided (2026-12-01, commit 9656c3c): the store's codecs do not rotate keys back before
+quantizing (the figures above: the simulated ``key_rope`` rows, ``python
+research/accuracy_sweep.py --texts T --windows 2 --only RoPE``; docs/results/codec-accuracy.md,
+"int2 with its widest key channels kept").
 """
+
 from __future__ import annotations
 
 import torch

@@ -16,9 +16,15 @@ fields plus ``hot_fraction`` / ``host_fraction``); "default" is ``KVTierConfig``
 only ``attention="sparse"`` and L1 set, so the table says what a user who changes nothing else
 gets. L2 holds 2% of the context's 16-bit KV, so most evicted blocks live on L3.
 
-    python tools/sparse_sweep.py --grid split --contexts 2048,4096 --windows 6
-    python tools/sparse_sweep.py --grid defaults --l1 0.125,0.06,0.03
-    python tools/sparse_sweep.py --smoke
+Decided (2026-11-30 .. 12-01): the sparse defaults, 16-token blocks, 2-token key centroids
+(``digest_tokens``, commit 7dcb4d0; 2-token and per-key digests in the grid: 0cba3bf), kept as
+int8 with a float32 scale (``digest_dtype``, d6e0df2), one sink block, the recent window, h2o;
+the figures (ratio to the reference with 95% intervals) are in docs/transformers.md and
+docs/results/config-defaults.md (``select_score``, ``digest_tokens``, ``digest_dtype``).
+
+    python research/sparse_sweep.py --grid split --contexts 2048,4096 --windows 6
+    python research/sparse_sweep.py --grid defaults --l1 0.125,0.06,0.03
+    python research/sparse_sweep.py --smoke
 """
 from __future__ import annotations
 

@@ -15,11 +15,14 @@ probabilities) replays what the store observes in dense mode, without the store'
 The statistic and the cold set are the store's (``kvtier.store.precision``); the masses are the
 unquantized model's, so this measures the criterion, not the codecs.
 
-    python tools/recall_reference.py --texts pydoc,essays,squad --windows 2
+Decided (2026-12-01, commits c124c6b and f0a6be7): ``recall_reference="median"`` is the
+default, the reference that fires where the all-block mean marks almost nothing (the counts
+per text and layer: docs/results/codec-accuracy.md, "Recall upgrades").
+
+    python research/recall_reference.py --texts pydoc,essays,squad --windows 2
 """
 from __future__ import annotations
 
-import argparse
 import random
 import sys
 from pathlib import Path
@@ -28,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from accuracy_sweep import load_source  # noqa: E402
+from accuracy_sweep import load_source, window_parser  # noqa: E402
 
 REFERENCES = ("median", "mean", "all-mean")
 
@@ -81,12 +84,8 @@ def replay(probs: torch.Tensor, ctx: int, cont: int, block: int, chunk: int, dec
 
 @torch.inference_mode()
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--texts", default="pydoc,essays,squad")
-    ap.add_argument("--windows", type=int, default=2)
-    ap.add_argument("--context", type=int, default=1024)
+    ap = window_parser(__doc__, windows=2, context=1024, block_tokens=64)
     ap.add_argument("--continuation", type=int, default=128)
-    ap.add_argument("--block-tokens", type=int, default=64)
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--decode-chunk", type=int, default=32)
     ap.add_argument("--sink-blocks", type=int, default=1)

@@ -1,4 +1,4 @@
-"""tools/recall_reference.py's replay of the store's observations, on attention whose marks are known."""
+"""research/recall_reference.py's replay of the store's observations, on attention whose marks are known."""
 from __future__ import annotations
 
 import importlib.util
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-_TOOLS = Path(__file__).resolve().parents[2] / "tools"
+_TOOLS = Path(__file__).resolve().parents[1]
 
 
 def _module():

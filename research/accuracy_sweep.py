@@ -21,11 +21,20 @@ Store rows (``--store``) are compared with ``DynamicCache`` fed the store's own 
 (``REF_CHUNKED``), where a lossless store with ``--store-math sdpa`` (the default) gives the same
 logits bit for bit, and anchors can run on those chunks too (``--chunked-anchors``)::
 
-    python tools/accuracy_sweep.py --texts pydoc,essays,squad --windows 8
-    python tools/accuracy_sweep.py --store --int8 --only int8,lossless --windows 4
-    python tools/accuracy_sweep.py --store-only --pareto --flush-steps --texts essays --windows 4 --context 1024
-    python tools/accuracy_sweep.py --pool *.log --from-json *.json --table --plot pareto.png
-    python tools/accuracy_sweep.py --smoke
+Decided (2026-12-01 .. 12-04; the tables, dates and full commands are in
+docs/results/codec-accuracy.md and docs/results/config-defaults.md): the default encoder per
+codec and axis (commit 9a58359: mse for int2 keys, min/max otherwise; ``DEFAULT_ENCODER`` in
+kvtier/compress/codecs.py), ``int8_zero_point`` (ae43b24), ``int8_value_axis`` (f7fefd1),
+``int2_key_outliers`` and ``cold_key_outliers`` (9656c3c), the importance-driven precision
+levels against fixed ones (``--pareto``), and that the store's codecs do not rotate keys back
+before RoPE (rope.py). ``kvtier eval`` is the accuracy harness users run; this one builds the
+cache content directly, so many windows of several texts fit in minutes.
+
+    python research/accuracy_sweep.py --texts pydoc,essays,squad --windows 8
+    python research/accuracy_sweep.py --store --int8 --only int8,lossless --windows 4
+    python research/accuracy_sweep.py --store-only --pareto --flush-steps --texts essays --windows 4 --context 1024
+    python research/accuracy_sweep.py --pool *.log --from-json *.json --table --plot pareto.png
+    python research/accuracy_sweep.py --smoke
 """
 from __future__ import annotations
 
@@ -40,6 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.baselines: the transformers anchors
 
 RULER_JSON = "long_context_eval/data/synthetic/json"
 
@@ -100,13 +111,16 @@ STORE_LOSSLESS = "store lossless"
 REF_CHUNKED = "ref chunked"
 
 
+def fixed_store_specs() -> list[StoreSpec]:
+    """The fixed-precision store rows (int8, int4, int2) the others are compared with."""
+    return [StoreSpec(f"store {c} g32", codec=c) for c in ("int8", "int4", "int2")]
+
+
 def default_store_specs() -> list[StoreSpec]:
     imp = lambda name, **p: StoreSpec(name, precision="importance", **p)  # noqa: E731
     return [
         StoreSpec(STORE_LOSSLESS, codec="lossless"),
-        StoreSpec("store int8 g32", codec="int8"),
-        StoreSpec("store int4 g32", codec="int4"),
-        StoreSpec("store int2 g32", codec="int2"),
+        *fixed_store_specs(),
         imp("store importance 10/50", heavy_fraction=0.1, cold_fraction=0.5),
         imp("store importance 5/75", heavy_fraction=0.05, cold_fraction=0.75),
         StoreSpec("store int4 g64 L1=1 block", group_size=64, hot_tokens=64, sink_tokens=0, window_tokens=0),
@@ -119,9 +133,7 @@ def recall_store_specs() -> list[StoreSpec]:
     int8 heavy / int2 cold."""
     imp = lambda name, **p: StoreSpec(name, precision="importance", **p)  # noqa: E731
     return [
-        StoreSpec("store int8 g32", codec="int8"),
-        StoreSpec("store int4 g32", codec="int4"),
-        StoreSpec("store int2 g32", codec="int2"),
+        *fixed_store_specs(),
         imp("store importance 0/50 median", heavy_fraction=0.0, cold_fraction=0.5),
         imp("store importance 0/75 median", heavy_fraction=0.0, cold_fraction=0.75),
         imp("store importance 0/90 median", heavy_fraction=0.0, cold_fraction=0.9),
@@ -142,9 +154,7 @@ def pareto_store_specs() -> list[StoreSpec]:
     chunked reference, bit for bit)."""
     imp = lambda name, **p: StoreSpec(name, precision="importance", **p)  # noqa: E731
     return [
-        StoreSpec("store int8 g32", codec="int8"),
-        StoreSpec("store int4 g32", codec="int4"),
-        StoreSpec("store int2 g32", codec="int2"),
+        *fixed_store_specs(),
         imp("store importance int8 10% / int4", heavy_fraction=0.1, cold_fraction=0.0),
         imp("store importance int8 25% / int4", heavy_fraction=0.25, cold_fraction=0.0),
         imp("store importance int8 50% / int4", heavy_fraction=0.5, cold_fraction=0.0),
@@ -229,7 +239,7 @@ class Spec:
     value_codec: str | None = None  # values' codec when it differs from keys'
     nbits: int = 4
     params: dict = field(default_factory=dict)
-    key_rope: str = "post"  # "pre": keys rotated back to before RoPE for quantizing (kvtier.compress.rope);
+    key_rope: str = "post"  # "pre": keys rotated back to before RoPE for quantizing (rope.py);
     # "block": rotated back by their offsets within their block (a constant rotation per block is left)
     key_outliers: int = 0  # the key codec's ``outliers``: channels per block and head kept exactly
 
@@ -275,7 +285,7 @@ def _encode_decode_blocks(x: torch.Tensor, spec: Spec, role: str, block: int, st
     first and forward again after decoding (``"block"``: by their offsets in their block);
     ``key_outliers`` is the key codec's ``outliers`` (channels per block and head kept exactly)."""
     from kvtier.compress import get_codec
-    from kvtier.compress.rope import rotate
+    from rope import rotate
 
     if role == "k" and spec.key_rope != "post":
         h, t, d = x.shape
@@ -416,7 +426,7 @@ def run_chunked_anchors(model, ctx: torch.Tensor, cont: torch.Tensor, anchors: l
     of ``anchors`` (``make_baseline`` kinds, e.g. ``hqq-int8``: QuantizedCache, 128 residual
     tokens, re-quantizing all it holds whenever the residual fills, so that later chunks attend to
     quantized history as the store's do). Returns ``{name: (nll, bytes held, seconds)}``."""
-    from kvtier.eval.baselines import cache_bytes, make_baseline
+    from tests.baselines import cache_bytes, make_baseline
 
     out = {}
     for kind in ["dynamic", *anchors]:
@@ -754,6 +764,16 @@ def plot(doc: dict, path: str) -> None:
         fig.text(0.01, 0.0, "\n".join("     ".join(key[j:j + cols]) for j in range(0, len(key), cols)),
                  fontsize=8, va="top", family="monospace")
     fig.savefig(path, dpi=130, bbox_inches="tight")  # "tight" takes the key below the panels in
+
+
+def window_parser(doc: str, windows: int, context: int, block_tokens: int) -> argparse.ArgumentParser:
+    """The options of the studies that replay a model over seeded windows of texts (load_source)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--texts", default="pydoc,essays,squad", help="comma-separated: pydoc, essays, squad or files")
+    ap.add_argument("--windows", type=int, default=windows, help="windows per text")
+    ap.add_argument("--context", type=int, default=context)
+    ap.add_argument("--block-tokens", type=int, default=block_tokens)
+    return ap
 
 
 def main(argv=None) -> int:
