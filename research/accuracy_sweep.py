@@ -387,7 +387,7 @@ def store_config(spec: StoreSpec, block: int, disk_path: str | None, dtype: torc
         extra["int8_zero_point"] = spec.int8_zero_point
     if spec.int8_value_axis is not None:
         extra["int8_value_axis"] = spec.int8_value_axis
-    return KVTierConfig(**extra, block_tokens=block, hot_tokens=spec.hot_tokens, host_bytes=256 << 20,
+    return KVTierConfig(**extra, block_tokens=block, device_tokens=spec.hot_tokens, host_bytes=256 << 20,
                         disk_path=disk_path, disk_bytes=4 << 30, group_size=spec.group_size,
                         codec=lossless if spec.codec == "lossless" else spec.codec,
                         attention_math=spec.attention_math,
