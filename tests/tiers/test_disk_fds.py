@@ -34,14 +34,14 @@ def _exercise(path, n_records: int, seed: int) -> dict:
     rng = random.Random(seed)
     base = _fds()
     peak = [0]
-    real_map = DiskTier._map
+    real_map = files.SegmentFiles.map
 
     def sampled_map(self, seg):  # each new mapping is where the count could grow
         mm = real_map(self, seg)
         peak[0] = max(peak[0], _fds() - base)
         return mm
 
-    DiskTier._map = sampled_map
+    files.SegmentFiles.map = sampled_map
     try:
         vals = {f"r{i}": rng.randbytes(rng.randrange(500, 2500)) for i in range(n_records)}
         keys = list(vals)
@@ -79,7 +79,7 @@ def _exercise(path, n_records: int, seed: int) -> dict:
             assert [t.get(k) for k in vals] == list(vals.values())
         return dict(maps=maps, peak=peak[0], segments=segments, reopened=reopened, compactions=compactions, left=_fds() - base)
     finally:
-        DiskTier._map = real_map
+        files.SegmentFiles.map = real_map
 
 
 def test_fds_stay_bounded_with_many_more_segments_than_mappings(tmp_path, monkeypatch):

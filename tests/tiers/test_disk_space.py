@@ -15,7 +15,7 @@ import torch
 
 from kvtier.tiers import DirectoryLockedError, DiskFullError, DiskTier
 from kvtier.tiers import disk as disk_mod
-from kvtier.tiers.disk import purge_directory
+from kvtier.tiers.disk import files, purge_directory
 
 
 def seg_bytes_on_disk(path) -> int:
@@ -174,7 +174,7 @@ def test_close_after_a_reported_failure_warns_instead_of_raising(tmp_path, monke
     def eio(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_mod, "fdatasync", eio)
+    monkeypatch.setattr(files, "fdatasync", eio)
     with pytest.warns(RuntimeWarning, match="earlier failure"):
         t.close()
     t.close()  # and again: nothing left to do

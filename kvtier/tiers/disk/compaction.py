@@ -1,16 +1,16 @@
-"""The disk tier's compaction (``Compaction``), and the background worker (``Compactor``) that
-runs it, and the index checkpoints (``checkpoints.py``), off the put/get path.
+"""The disk tier's compaction (``Compaction``) and the background worker (``Compactor``) that
+runs it off the put/get path, together with the index checkpoints (``checkpoints.py``).
 
 Compaction copies a sealed segment's live records to the head in steps of ``_STEP_BYTES`` of
 the segment. A background step reads and CRC-checks its records with no lock held, then
 appends what is still live in pieces of at most ``_MOVE_BYTES`` / ``_MOVE_RECORDS``:
 
 ```
-  _write_lock held (an appender, like a put): one piece
-    _lock held   check     which records are still live here (and which tombstones still hide one)
-    _lock held   reserve   room at the head
-    no _lock     write     pwritev of the copies (the images read, header and CRC as stored)
-    _lock held   publish   a key is pointed at its copy only if it still points at the original
+  write lock held (an appender, like a put): one piece
+    tier lock held   check     which records are still live here (and which tombstones still hide one)
+    tier lock held   reserve   room at the head
+    no tier lock     write     pwritev of the copies (the images read, header and CRC as stored)
+    tier lock held   publish   a key is pointed at its copy only if it still points at the original
 ```
 so a get never waits for a compaction write, a put waits for at most one piece, and each hold
 of the tier lock covers at most one piece's records. The worker then sleeps so that its I/O
@@ -346,7 +346,7 @@ class Compaction:
 
     def _move(self, job: CompactJob, cands: list, written: dict) -> bool:
         """Copy the candidates still live at ``seg`` (and tombstones still needed) to the head
-        and point the index at the copies (``_write_lock`` held). ``_lock`` is taken to check
+        and point the index at the copies (``locks.write`` held). ``locks.tier`` is taken to check
         them and by the append to reserve and to publish, not while the bytes are written
         (unless the caller holds it: inline compaction); a copy is indexed only if its key
         still points at the original then. False when the segment went or there was no room."""
@@ -374,14 +374,14 @@ class Compaction:
                     expect.append((seg.id, off))
         if not recs:
             return True
-        # only the appender (``_write_lock``) reads the flag: _room must not compact inline again
+        # only the appender (``locks.write``) reads the flag: room() must not compact inline again
         self._appender.compacting = True
         try:
             res = self._appender.append(recs, expect)
         finally:
             self._appender.compacting = False
         moved = sum(r[2] for r in recs)
-        self._n["compact_bytes_written"] += moved  # (only appenders write it: _write_lock is enough)
+        self._n["compact_bytes_written"] += moved  # (only appenders write it: the write lock is enough)
         job.copied_bytes += moved
         if not all(res):
             with self._locks.tier:
@@ -488,7 +488,7 @@ class Compaction:
 
     def _data_keys(self, seg: Segment, private: bool = False) -> set[str] | None:
         """The keys with a data record in sealed segment ``seg`` (its headers up to ``used``), or
-        None when its file cannot be read that far. Through the tier's mapping (``_lock`` held),
+        None when its file cannot be read that far. Through the tier's mapping (tier lock held),
         or with ``private`` (the background worker, no lock held: the tier's mapping may be
         closed meanwhile) through one of its own, closed after, offering the GIL every slice."""
         if not private:
@@ -512,7 +512,7 @@ class Compaction:
             mm.close()
 
     def finish(self, job: CompactJob) -> Segment | None:
-        """Forget the emptied segment (``_lock`` held) and return it for ``_dispose``; None
+        """Forget the emptied segment (tier lock held) and return it for ``dispose``; None
         when it is kept (a record indexed there was not found again: damaged since)."""
         seg = job.seg
         if seg.live:
@@ -520,15 +520,15 @@ class Compaction:
             return None
         del self._files.segs[seg.id]
         self._files.dirty.discard(seg.id)
-        self._files.maps.pop(seg.id, None)  # out of the mapped set; _dispose unmaps it
+        self._files.maps.pop(seg.id, None)  # out of the mapped set; dispose unmaps it
         self._files.dir_dirty = True
         self._n["compactions"] += 1
         return seg
 
     @staticmethod
     def dispose(seg: Segment) -> None:
-        """Unmap and delete a segment ``_finish`` let go. Needs no lock: no read can reach it
-        any more (reads find segments through the index and ``_segs``), and unmapping and
+        """Unmap and delete a segment ``finish`` let go. Needs no lock: no read can reach it
+        any more (reads find segments through the index and ``files.segs``), and unmapping and
         unlinking a large file take long enough not to hold a get for. A crash before the
         unlink leaves a file whose records all have newer copies: reopening skips them."""
         seg.close()
@@ -553,7 +553,7 @@ class Compaction:
                 job = self.job
                 if job is None or self._files.segs.get(job.seg.id) is not job.seg:
                     todo = self.candidates()
-                    if not todo and self._files.head_mostly_dead():
+                    if not todo and self.head_mostly_dead():
                         self._files.seal(self._files.head)  # the next append starts a new head
                         self._files.head = None
                         todo = self.candidates()

@@ -55,8 +55,8 @@ def sync_fds(fds: list[int]) -> None:
 
 
 class SegmentFiles:
-    """The directory and its segment files (``_lock``-style methods expect ``locks.tier`` held
-    unless they say otherwise).
+    """The directory and its segment files (methods expect ``locks.tier`` held unless they say
+    otherwise).
 
     Args:
         path: the directory (absolute).

@@ -239,7 +239,7 @@ class Reads:
             i = j
 
     def mapped_bytes(self, seg: Segment) -> int:
-        """Bytes of ``seg``'s mapping (``_map``ped first) that can be touched (see ``_file_end``)."""
+        """Bytes of ``seg``'s mapping (``SegmentFiles.map``ped first) that can be touched (see ``_file_end``)."""
         fd = seg.rfd
         return min(seg.size, _file_end_held(fd) if self._locks.holding_gil() else _file_end(fd))
 

@@ -122,7 +122,7 @@ class Recovery:
         """Index the records of ``seg`` from ``start``. Headers are always checked; data CRCs
         where asked (the tail after a checkpoint, or the last segment of a full scan: the only
         place a torn append can be; elsewhere ``get`` checks them). A sealed segment is read
-        through the tier's bounded set of mappings (``_map``): a reopen maps no more at a time
+        through the tier's bounded set of mappings (``SegmentFiles.map``): a reopen maps no more at a time
         than reads do."""
         mm = self._files.map(seg)
         if mm is None:  # (its file was checked just before: only a change under us gets here)
