@@ -91,7 +91,7 @@ class Recovery:
         self._n["recovered"] = len(self._catalog.records)
 
     def _usable(self, cp: index.Checkpoint) -> bool:
-        """Whether the segment files are the ones ``cp`` describes (see diskindex)."""
+        """Whether the segment files are the ones ``cp`` describes (see index.py)."""
         wsid, woff = cp.watermark
         rows = {r.id: r for r in cp.segments}
         for sid, seg in self._files.segs.items():
