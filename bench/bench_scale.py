@@ -275,8 +275,11 @@ def run_grow(a, shape, root: str) -> dict:
     # the conversation ends: its L3 records die, background compaction gives the space back
     st.drop_sequence(s)
     t0 = time.perf_counter()
-    while (st.l3._job is not None or st.l3._candidates() or st.l3._head_mostly_dead()) \
-            and time.perf_counter() - t0 < 60:
+    # (this tree's tier composes a Compaction part; an older revision's is one class)
+    comp = getattr(st.l3, "_compaction", None)
+    busy = ((lambda: comp.job is not None or comp.candidates() or comp.head_mostly_dead()) if comp is not None else
+            (lambda: st.l3._job is not None or st.l3._candidates() or st.l3._head_mostly_dead()))
+    while busy() and time.perf_counter() - t0 < 60:
         time.sleep(0.05)
     reclaim_s = time.perf_counter() - t0
     l3 = st.l3.stats()

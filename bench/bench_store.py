@@ -276,10 +276,10 @@ def swap_in(shape: str, ctx: int, blocks: int, steps: int, disk_dir: str) -> dic
             spent[0] += time.perf_counter() - t0
 
     def raw_read(keys: list[str]) -> float:
-        locs = [l3._index.lookup(k) for k in keys]  # (segment, record offset, record bytes, value bytes)
+        locs = [l3._catalog.records.lookup(k) for k in keys]  # (segment, record offset, record bytes, value bytes)
         for sid, *_ in locs:
             if sid not in fds:
-                fds[sid] = os.open(l3._segs[sid].path, os.O_RDONLY)
+                fds[sid] = os.open(l3._files.segs[sid].path, os.O_RDONLY)
         t0 = time.perf_counter()
         got = [os.pread(fds[sid], vlen, off + size - vlen) for sid, off, size, vlen in locs]
         dt = time.perf_counter() - t0

@@ -481,7 +481,7 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
         ``parts`` each one's breakdown (see _StepProbe)."""
         if compacting:
             t.compact_threshold = 0.5
-            t._worker.wake()
+            _L3(t).worker.wake()
         lat = []
         for i in range(10 * count if compacting else count):
             q0 = sched.waited() if adjusted is not None else 0.0
@@ -498,10 +498,10 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
                 parts.append(probe.end(dt, cpu, queued))
             else:
                 probe.end(dt, cpu, queued)
-            if compacting and i + 1 >= count and t._job is None and not t._candidates():
+            if compacting and i + 1 >= count and _L3(t).job is None and not _L3(t).candidates():
                 break
         if compacting:
-            while t._job is not None or t._candidates():  # the rest, so the next round starts alike
+            while _L3(t).job is not None or _L3(t).candidates():  # the rest, so the next round starts alike
                 time.sleep(0.01)
         return lat
 
@@ -528,12 +528,12 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
                     s0 = t.stats()
                     t0 = time.perf_counter()
                     probe.holding = c == "with"
-                    w0 = _thread_schedstat(t._worker._thread)
+                    w0 = _thread_schedstat(_L3(t).worker._thread)
                     got = steps_on(t, step, c == "with", least if c == "with" else count,
                                    adj[v, c] if w == "decode" and sched.available else None,
                                    parts[v, c] if w == "decode" else None)
                     probe.holding = False
-                    if c == "with" and w0 is not None and (w1 := _thread_schedstat(t._worker._thread)):
+                    if c == "with" and w0 is not None and (w1 := _thread_schedstat(_L3(t).worker._thread)):
                         comp[v]["cpu"] = comp[v].get("cpu", 0.0) + w1[0] - w0[0]
                         comp[v]["queued"] = comp[v].get("queued", 0.0) + w1[1] - w0[1]
                     if c == "with":
@@ -542,7 +542,7 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
                         cs["busy"] += s1["compact_busy_seconds"] - s0["compact_busy_seconds"]
                         cs["compactions"] += s1["compactions"] - s0["compactions"]
                         cs["max_step"] = max(cs["max_step"], s1["compact_max_step_seconds"])
-                        cs["share"] = t._share
+                        cs["share"] = _L3(t).share
                         count = len(got)  # as many steps without compaction
                     else:
                         t.compact_threshold = 0.0
@@ -597,6 +597,52 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
     return res
 
 
+
+class _L3:
+    """The internals of a DiskTier this bench reaches into, for this tree's (composed parts,
+    kvtier/tiers/disk/) and an older revision's (one class with ``_``-attributes) alike."""
+
+    def __init__(self, t) -> None:
+        self.t = t
+        self.parts = getattr(t, "_compaction", None)  # None: an older revision's tier
+
+    @property
+    def job(self):
+        return self.parts.job if self.parts is not None else self.t._job
+
+    def candidates(self) -> list:
+        return self.parts.candidates() if self.parts is not None else self.t._candidates()
+
+    @property
+    def worker(self):
+        return self.parts.worker if self.parts is not None else self.t._worker
+
+    @property
+    def share(self) -> float:
+        return self.parts.share if self.parts is not None else self.t._share
+
+    @property
+    def tier_lock(self):
+        return self.t._locks.tier if self.parts is not None else self.t._lock
+
+    @tier_lock.setter
+    def tier_lock(self, lock) -> None:
+        if self.parts is not None:
+            self.t._locks.tier = lock
+        else:
+            self.t._lock = lock
+
+    @property
+    def write_lock(self):
+        return self.t._locks.write if self.parts is not None else self.t._write_lock
+
+    @write_lock.setter
+    def write_lock(self, lock) -> None:
+        if self.parts is not None:
+            self.t._locks.write = lock
+        else:
+            self.t._write_lock = lock
+
 class _StepProbe:
     """Where a step's time goes: it swaps a tier's two locks for timed ones and counts the
     cyclic GC's collections, so that each step (between ``begin`` and ``end``, on the thread
@@ -616,8 +662,9 @@ class _StepProbe:
         gc.callbacks.append(self._gc)
 
     def install(self, t, holds: dict) -> None:
-        t._lock = _TimedLock(t._lock, self, "tier_lock", holds["tier_lock"])
-        t._write_lock = _TimedLock(t._write_lock, self, "write_lock", holds["write_lock"])
+        l3 = _L3(t)
+        l3.tier_lock = _TimedLock(l3.tier_lock, self, "tier_lock", holds["tier_lock"])
+        l3.write_lock = _TimedLock(l3.write_lock, self, "write_lock", holds["write_lock"])
 
     def _gc(self, phase: str, info: dict) -> None:
         mine = threading.get_ident() == self.step_thread
@@ -922,7 +969,8 @@ def checkpoint_hold(t: DiskTier, keys: list[str]) -> dict:
     checkpoint's seconds, the longest it held the tier lock in one go (what it blocks a get
     or put for), and the reader's p50 and longest get meanwhile (the GIL included), beside
     the reader's longest get over as long a time without a checkpoint (the machine's own)."""
-    lock, timer = t._lock, _HoldTimer(t._lock, threading.get_ident())
+    l3 = _L3(t)
+    lock, timer = l3.tier_lock, _HoldTimer(l3.tier_lock, threading.get_ident())
 
     def reading(work) -> tuple[float, list[float]]:
         lat: list[float] = []
@@ -947,11 +995,11 @@ def checkpoint_hold(t: DiskTier, keys: list[str]) -> dict:
             stop.set()
             th.join()
 
-    t._lock = timer
+    l3.tier_lock = timer
     try:
         dt, lat = reading(t.checkpoint)
     finally:
-        t._lock = lock
+        l3.tier_lock = lock
     _, idle = reading(lambda: time.sleep(dt))
     return {"records": len(t), "seconds": dt, "max_lock_hold_ms": max(timer.holds) * 1e3,
             "lock_holds": len(timer.holds), "reader_get_p50_us": lat[len(lat) // 2] * 1e6,

@@ -55,9 +55,9 @@ class _SharedClient:
         store = MooncakeDistributedStore()
         rc = store.setup(host, c.metadata, c.segment_bytes, c.buffer_bytes, c.protocol, "", c.master)
         # the client's glog puts its own SIGBUS handler in place of L3's read guard: put it back
-        from . import recread
+        from .disk import record_read
 
-        recread.load()
+        record_read.load()
         with self.lock:
             self.rc, self.thread = rc, None
             if rc == 0:

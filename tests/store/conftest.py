@@ -7,7 +7,7 @@ import torch
 
 from kvtier.config import KVTierConfig
 from kvtier.store import KVStore
-from kvtier.tiers.segfile import REC_HEADER_BYTES
+from kvtier.tiers.disk.segment import REC_HEADER_BYTES
 
 
 class Ref:
@@ -101,9 +101,9 @@ def assert_reads_back(st: KVStore, refs: dict) -> None:
 
 def corrupt_l3_record(l3, key: str) -> None:
     """Flip one byte of the value of ``key``'s record in its L3 segment file."""
-    sid, off, _, _ = l3._index.lookup(key)
+    sid, off, _, _ = l3._catalog.records.lookup(key)
     at = off + REC_HEADER_BYTES + len(key.encode()) + 1
-    fd = os.open(l3._segs[sid].path, os.O_RDWR)
+    fd = os.open(l3._files.segs[sid].path, os.O_RDWR)
     try:
         os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x40]), at)
     finally:

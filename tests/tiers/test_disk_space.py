@@ -15,7 +15,7 @@ import torch
 
 from kvtier.tiers import DirectoryLockedError, DiskFullError, DiskTier
 from kvtier.tiers import disk as disk_mod
-from kvtier.tiers.disk import purge_directory
+from kvtier.tiers.disk import files, purge_directory
 
 
 def seg_bytes_on_disk(path) -> int:
@@ -59,7 +59,7 @@ def test_tiny_run_costs_little_disk_and_sealed_segments_are_truncated(tmp_path):
         assert len(t) == 50
         for i in range(40):
             t.put(f"c{i}", os.urandom(200_000))
-        sealed = [s for s in t._segs.values() if s is not t._head]
+        sealed = [s for s in t._files.segs.values() if s is not t._files.head]
         assert sealed and all(s.size == s.used for s in sealed)
         assert all(t.get(f"c{i}") is not None for i in range(40))
 
@@ -115,7 +115,7 @@ def test_expire_by_age_and_size_spares_kept_keys(tmp_path):
         if n.startswith("seg-"):
             os.utime(d / n, (hour_ago, hour_ago))
     with DiskTier(d, **kw) as t:
-        in_head = {k for k in t.keys() if t._index[k][0] == t._head.id}  # written to again now: young
+        in_head = {k for k in t.keys() if t._catalog.records[k][0] == t._files.head.id}  # written to again now: young
         t.put_many([(f"new{i}", b"n" * 1000) for i in range(20)])
         with pytest.raises(ValueError, match="max_age_s"):
             t.expire(max_age_s=-1)
@@ -166,15 +166,15 @@ def test_close_after_a_reported_failure_warns_instead_of_raising(tmp_path, monke
     def enospc(fd, bufs, off):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_mod.os, "pwritev", enospc)
+    monkeypatch.setattr(os, "pwritev", enospc)
     with pytest.raises(DiskFullError):
         t.put("b", b"2")
-    monkeypatch.setattr(disk_mod.os, "pwritev", real)
+    monkeypatch.setattr(os, "pwritev", real)
 
     def eio(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_mod, "fdatasync", eio)
+    monkeypatch.setattr(files, "fdatasync", eio)
     with pytest.warns(RuntimeWarning, match="earlier failure"):
         t.close()
     t.close()  # and again: nothing left to do

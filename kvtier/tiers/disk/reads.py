@@ -1,11 +1,11 @@
-"""DiskTier's read path (a mixin: the state it reads lives in ``DiskTier.__init__``).
+"""The disk tier's read path (``Reads``: get, get_into, get_many).
 
 A value is copied out of its segment's mapping once (into the ``bytes`` handed back), after
 the record's header is checked against the index, and its data CRC is verified on that copy.
-Where the ``recread`` extension builds (a C compiler, Python's headers, ISA-L), get and
+Where the ``record_read`` extension builds (a C compiler, Python's headers, ISA-L), get and
 get_many make those checks, the copy and the CRC in one C call a record (get: with the index
 look-up, for a key in the index's dict whose segment is mapped), which keeps the GIL
-up to 1 MiB and catches a SIGBUS from a segment truncated under us (see ``recread``): a 4 KiB
+up to 1 MiB and catches a SIGBUS from a segment truncated under us (see ``record_read``): a 4 KiB
 get then costs about what one ``f.read`` of it does, and no system call.
 
 Elsewhere (and for get_into) it is done in Python: slicing the mapping costs no system call,
@@ -17,7 +17,7 @@ of GB/s) runs inline: handing it to a thread cost more than it saved. Both let g
 way (a put_many, a sync, a compactor step) each release hands it the interpreter until its
 Python reaches its next system call, so then (unless it holds the write lock, which a put may
 be waiting for) the probe and the CRC are made keeping the GIL (``_file_end_held``,
-``segfile.crc32_held``: about 0.15 and 0.3 us more for a 4 or 8 KiB get).
+``segment.crc32_held``: about 0.15 and 0.3 us more for a 4 or 8 KiB get).
 """
 from __future__ import annotations
 
@@ -25,16 +25,18 @@ import mmap
 import operator
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from kvtier._crc import crc32
-from . import recread
-from .base import Tier, check_key, out_view
-from .segfile import REC, REC_HEADER_BYTES, REC_MAGIC, Segment, crc32_held
+from ..base import TierStats, check_key, out_view
+from . import record_read
+from .catalog import Catalog
+from .files import SegmentFiles
+from .locks import Locks
+from .segment import REC, REC_HEADER_BYTES, REC_MAGIC, Segment, crc32_held
 
-_MAPPED_MIN, _MAPPED_MAX = 16, 1024  # sealed segments a tier keeps mapped at a time (see mapped_segments)
 _by_loc = operator.itemgetter(2)  # (segment id, offset, ...): file order
 _check = struct.Struct("<I4x2xHII").unpack_from  # of a record header: magic, key length, value length, data crc
 _READAHEAD_MIN = 256 << 10  # a span below this is read around by the first page fault anyway
@@ -77,7 +79,7 @@ def _file_end(fd: int) -> int:
 
 def _file_end_held(fd: int, _lseek=_LSEEK, _zero=_ZERO) -> int:
     """``_file_end`` keeping the GIL (see ``_lseek_holding_gil``): for reads while an appender
-    of the tier is under way (``DiskWrites._holding_gil``)."""
+    of the tier is under way (``Locks.holding_gil``)."""
     end = _lseek(fd, _zero, 2)  # SEEK_END
     return end if end > 0 else 0  # -1: a closed fd
 
@@ -85,9 +87,9 @@ def _file_end_held(fd: int, _lseek=_LSEEK, _zero=_ZERO) -> int:
 if _LSEEK is None:
     _file_end_held = _file_end  # noqa: F811 (no way to probe holding the GIL here)
 
-# The compiled reads (``recread``: one record's checks, copy and CRC in one C call), or None:
+# The compiled reads (``record_read``: one record's checks, copy and CRC in one C call), or None:
 # then ``_read_record`` does them in Python. Set by the first tier opened (``load_compiled``),
-# which also installs recread's SIGBUS guard.
+# which also installs record_read's SIGBUS guard.
 _UNSET = object()
 _READ = _UNSET
 _READ_INTO = _READ_RUN = _GET = None
@@ -96,32 +98,15 @@ _PASS = object()
 
 def load_compiled() -> None:
     """Build or load the compiled reads once (a tier's open calls it); every call checks that
-    the SIGBUS guard is still the handler in place (``recread.load``)."""
+    the SIGBUS guard is still the handler in place (``record_read.load``)."""
     global _READ, _READ_INTO, _READ_RUN, _GET, _PASS
     if _READ is not _UNSET and _READ is not None:
-        recread.load()
+        record_read.load()
     if _READ is _UNSET:
-        mod = recread.load()
+        mod = record_read.load()
         if mod is not None:
             _READ_INTO, _READ_RUN, _GET, _PASS = mod.read_into, mod.read_run, mod.get, mod.PASS
         _READ = None if mod is None else mod.read
-
-
-def mapped_segments() -> int:
-    """How many sealed segments a tier opened now keeps mapped at most (``DiskReads._map``):
-    each holds two fds (see ``Segment``), and together they take at most an eighth of the
-    process's soft RLIMIT_NOFILE, between ``_MAPPED_MIN`` and ``_MAPPED_MAX`` segments (64
-    under the usual limit of 1024: 4 GiB of 64 MiB segments; 1024 where it is 16k or more).
-    The rest of the limit stays the program's: mapping every segment of a large tier would run
-    it out of fds (EMFILE), in kvtier or anywhere else in the process."""
-    try:
-        import resource
-    except ImportError:  # no such limit here
-        return _MAPPED_MIN * 4
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft == resource.RLIM_INFINITY or soft < 0:
-        return _MAPPED_MAX
-    return max(_MAPPED_MIN, min(_MAPPED_MAX, soft // 16))
 
 
 def _read_record(mm, limit: int, off: int, key: str, vlen: int, crc=crc32) -> bytes | None:
@@ -144,35 +129,25 @@ def _read_record(mm, limit: int, off: int, key: str, vlen: int, crc=crc32) -> by
     return None
 
 
-class DiskReads:
-    """get / get_into / get_many over DiskTier's index and segments (caller-facing methods
-    take the tier lock; the ``_``-methods expect it held)."""
+class Reads:
+    """get / get_into / get_many over the index and the segment files (caller-facing methods
+    take the tier lock; the ``_``-methods expect it held).
 
-    def _map(self, seg: Segment) -> mmap.mmap | None:
-        """``seg``'s mapping (None when its file cannot be mapped: then nothing of it is read,
-        see ``Segment.map_sealed``), mapped now if it is not. At most ``_max_maps`` sealed
-        segments are mapped at a time (``mapped_segments``), the oldest
-        mapped closed first: so the fds and mappings a tier holds are bounded whatever the
-        number of its segments. A miss costs an open and an mmap, and closing the oldest a
-        munmap and two closes: about ten 4 KiB gets' time (its pages stay in the page cache, so
-        no disk read). A hit costs the caller one attribute test: keeping the set in LRU order
-        costs a 4 KiB get a fifth of its time. Closing is safe as every read copies out of a
-        mapping under the tier lock and holds no view of it afterwards (``_lock`` held; the
-        head, mapped through its own fd, is never in the set). A miss's system calls let go of
-        the GIL, also while an appender is under way."""
-        if seg.mm is not None or seg.fd >= 0:
-            return seg.mm
-        maps = self._maps
-        while len(maps) >= self._max_maps:
-            maps.pop(next(iter(maps))).unmap()
-        if seg.map_sealed():
-            maps[seg.id] = seg
-        return seg.mm
+    Args:
+        locks: the tier's locks (``tier`` held for every read; ``holding_gil`` asked).
+        files: the segment files read from (mapped through ``files.map``).
+        catalog: the index; a record that fails its checks is marked corrupt there.
+        stats: the tier's get counters.
+        touch: called with each key read (the eviction policy's access history), or None.
+    """
 
-    def _unmap(self, seg: Segment) -> None:
-        """Close ``seg``'s mapping if the set holds it (``_lock`` held)."""
-        if self._maps.pop(seg.id, None) is not None:
-            seg.unmap()
+    def __init__(self, locks: Locks, files: SegmentFiles, catalog: Catalog, stats: TierStats,
+                 touch: Callable[[str], None] | None) -> None:
+        self._locks = locks
+        self._files = files
+        self._catalog = catalog
+        self._stats = stats
+        self._touch = touch
 
     def _read_batch(self, todo: list[tuple[int, str, tuple]], out: list, readahead: bool = False) -> None:
         """Records [(position in the batch, key, loc)]: each value (None if corrupt) goes to
@@ -188,7 +163,7 @@ class DiskReads:
         else:
             hits, nbytes, bad = self._read_each(todo, out)
         for key in bad:
-            self._mark_corrupt(key)
+            self._catalog.mark_corrupt(key)
         st = self._stats
         st.gets += len(todo)
         st.hits += hits
@@ -198,16 +173,16 @@ class DiskReads:
     def _read_runs(self, todo: list, out: list) -> tuple[int, int, list[str]]:
         """``_read_batch``'s reads through the compiled ``read_run``, a call per segment:
         (hits, bytes, keys that failed). Each segment's mapping is handed over with its size,
-        the C read catching a SIGBUS (see recread), or with the size probed (``fd``) where the
+        the C read catching a SIGBUS (see record_read), or with the size probed (``fd``) where the
         guard is not installed."""
         hits = nbytes = i = 0
         bad: list[str] = []
-        run, segs = _READ_RUN, self._segs
+        run, segs = _READ_RUN, self._files.segs
         while i < len(todo):
             seg = segs[todo[i][2][0]]
             mm = seg.mm
             if mm is None:
-                mm = self._map(seg)
+                mm = self._files.map(seg)
             i, h, nb, failed = run(mm, seg.rfd, seg.size, todo, i, out)
             hits += h
             nbytes += nb
@@ -220,15 +195,15 @@ class DiskReads:
         hits = nbytes = 0
         sid, mm, limit = -1, None, 0
         bad = []
-        crc = crc32_held if self._holding_gil() else crc32
+        crc = crc32_held if self._locks.holding_gil() else crc32
         for pos, key, (s, off, _, vlen) in todo:  # (this loop is the per-record cost of a read)
             if s != sid:
                 sid = s
-                seg = self._segs[s]
+                seg = self._files.segs[s]
                 mm = seg.mm
                 if mm is None:
-                    mm = self._map(seg)
-                limit = self._mapped_bytes(seg)
+                    mm = self._files.map(seg)
+                limit = self.mapped_bytes(seg)
             value = _read_record(mm, limit, off, key, vlen, crc)
             if value is None:
                 bad.append(key)
@@ -253,45 +228,45 @@ class DiskReads:
                 want += todo[j][2][2]
                 j += 1
             last = todo[j - 1][2]
-            seg = self._segs[sid]
+            seg = self._files.segs[sid]
             a &= ~(mmap.PAGESIZE - 1)
             b = min(last[1] + last[2], seg.size)
-            if a + _READAHEAD_MIN <= b <= a + 4 * want and (mm := self._map(seg)) is not None:
+            if a + _READAHEAD_MIN <= b <= a + 4 * want and (mm := self._files.map(seg)) is not None:
                 try:
                     mm.madvise(mmap.MADV_WILLNEED, a, b - a)
                 except (OSError, ValueError):
                     pass
             i = j
 
-    def _mapped_bytes(self, seg: Segment) -> int:
-        """Bytes of ``seg``'s mapping (``_map``ped first) that can be touched (see ``_file_end``)."""
+    def mapped_bytes(self, seg: Segment) -> int:
+        """Bytes of ``seg``'s mapping (``SegmentFiles.map``ped first) that can be touched (see ``_file_end``)."""
         fd = seg.rfd
-        return min(seg.size, _file_end_held(fd) if self._holding_gil() else _file_end(fd))
+        return min(seg.size, _file_end_held(fd) if self._locks.holding_gil() else _file_end(fd))
 
     def _locate(self, key: str) -> tuple[mmap.mmap, int, int, int, int] | None:
         """(mapping, value offset, value length, crc32 of the key, expected crc32 of key+value)
         after checking the record's header against the index; None when absent or when the
         header/bounds are already wrong (that is counted as corrupt)."""
-        loc = self._index.lookup(key)
+        loc = self._catalog.records.lookup(key)
         if loc is None:
             return None
         sid, off, size, vlen = loc
-        seg = self._segs[sid]
-        mm = self._map(seg)
+        seg = self._files.segs[sid]
+        mm = self._files.map(seg)
         kb = key.encode("utf-8")
-        if off + size <= self._mapped_bytes(seg):  # a file truncated under us would SIGBUS
+        if off + size <= self.mapped_bytes(seg):  # a file truncated under us would SIGBUS
             magic, _, _, klen, vl, dcrc, _ = REC.unpack_from(mm, off)
             k0 = off + REC_HEADER_BYTES
             if magic == REC_MAGIC and klen == len(kb) and vl == vlen and mm[k0:k0 + klen] == kb:
                 return mm, k0 + klen, vlen, crc32(kb), dcrc
-        self._mark_corrupt(key)
+        self._catalog.mark_corrupt(key)
         return None
 
     def _count(self, key: str, value: bytes | None, ok: bool) -> bytes | None:
         self._stats.gets += 1
         if value is None or not ok:
             if value is not None:
-                self._mark_corrupt(key)
+                self._catalog.mark_corrupt(key)
             self._stats.misses += 1
             return None
         self._stats.hits += 1
@@ -304,18 +279,18 @@ class DiskReads:
         """CRC-verified owned bytes, or None when absent or corrupt (counted in stats()["corrupt"])."""
         if type(key) is not str:
             check_key(key)
-        lock = self._lock
+        lock = self._locks.tier
         lock.acquire()  # (not ``with``: its enter/exit calls cost a 4 KiB get about a tenth)
         try:
-            if self._closed:
-                self._check_open()
+            if self._files.closed:
+                self._files.check_open()
             st = self._stats
             st.gets += 1
             if _GET is not None:  # (the index's dict itself: a method call would cost a tenth of the get)
-                value = _GET(self._index._hot, self._segs, key)
+                value = _GET(self._catalog.records._hot, self._files.segs, key)
                 if value is not _PASS:
                     if value is None:
-                        self._mark_corrupt(key)
+                        self._catalog.mark_corrupt(key)
                         st.misses += 1
                         return None
                     st.hits += 1
@@ -323,25 +298,25 @@ class DiskReads:
                     if self._touch is not None:
                         self._touch(key)
                     return value
-            loc = self._index.lookup(key)
+            loc = self._catalog.records.lookup(key)
             if loc is None:
                 check_key(key)  # an indexed key was checked when put
                 st.misses += 1
                 return None
             sid, off, _, vlen = loc
-            seg = self._segs[sid]
+            seg = self._files.segs[sid]
             mm = seg.mm
             if mm is None:
-                mm = self._map(seg)
+                mm = self._files.map(seg)
             fd = seg.rfd  # (-1 when it could not be mapped: probed as size 0, nothing is touched)
             if _READ is not None:
                 value = _READ(mm, fd, seg.size, off, key, vlen)
-            elif self._appenders and self._holding_gil():  # (the first test spares a quiet get the call)
+            elif self._locks.appenders and self._locks.holding_gil():  # (the first test spares a quiet get the call)
                 value = _read_record(mm, _file_end_held(fd), off, key, vlen, crc32_held)
             else:
                 value = _read_record(mm, _file_end(fd), off, key, vlen)
             if value is None:
-                self._mark_corrupt(key)
+                self._catalog.mark_corrupt(key)
                 st.misses += 1
                 return None
             st.hits += 1
@@ -354,19 +329,17 @@ class DiskReads:
 
     def get_into(self, key: str, out: memoryview | bytearray | torch.Tensor) -> int | None:
         """Copy the value straight from the mapping into ``out`` (a writable buffer or contiguous
-        tensor) and verify its CRC there. Returns the bytes written, or None when absent or
+        CPU tensor) and verify its CRC there. Returns the bytes written, or None when absent or
         corrupt (then ``out`` may hold the damaged bytes)."""
         check_key(key)
-        if isinstance(out, torch.Tensor) and out.device.type != "cpu":
-            return Tier.get_into(self, key, out)  # staged through host memory
-        with self._lock:
-            self._check_open()
-            loc = self._index.lookup(key)
+        with self._locks.tier:
+            self._files.check_open()
+            loc = self._catalog.records.lookup(key)
             mv, _ = out_view(out, loc[3] if loc is not None else 0)  # checked before counting
             if loc is not None and _READ_INTO is not None:
                 sid, off, _, vlen = loc
-                seg = self._segs[sid]
-                mm = seg.mm if seg.mm is not None else self._map(seg)
+                seg = self._files.segs[sid]
+                mm = seg.mm if seg.mm is not None else self._files.map(seg)
                 ok = _READ_INTO(mm, seg.rfd, seg.size, off, key, vlen, mv)
                 return vlen if self._count(key, mv[:vlen], ok) is not None else None
             r = self._locate(key)
@@ -381,10 +354,10 @@ class DiskReads:
     def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
         """Batched get: readahead for the whole batch first, then the records in file order."""
         keys = [k if type(k) is str else check_key(k) for k in keys]
-        with self._lock:
-            self._check_open()
+        with self._locks.tier:
+            self._files.check_open()
             out: list[bytes | None] = [None] * len(keys)
-            locs = self._index.lookup_many(keys)
+            locs = self._catalog.records.lookup_many(keys)
             todo = [(i, k, loc) for i, (k, loc) in enumerate(zip(keys, locs)) if loc is not None]
             missed = len(keys) - len(todo)
             if missed:

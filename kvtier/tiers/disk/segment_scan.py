@@ -1,12 +1,12 @@
 """The background compactor's walk over a read span of a segment: record headers parsed and
-data CRCs checked in C (``kvtier/csrc/segscan.c``), with the GIL released (a ctypes call lets
+data CRCs checked in C (``kvtier/csrc/segment_scan.c``), with the GIL released (a ctypes call lets
 go of it), so that the compactor's per-record work no longer competes with the decode loop for
 the interpreter.
 
 ``scan`` walks the headers of ``buf`` like the Python loop it replaces (``scan_py``, also the
 path when no C compiler is available): a header is taken if its magic, key length, size
 (within ``room``) and header CRC check out, else the walk resumes at the next 8-aligned record
-magic (:func:`segfile.next_magic`), or past the end when there is none. It stops at the first
+magic (:func:`segment.next_magic`), or past the end when there is none. It stops at the first
 record cut by ``end``, after ``max_records`` records or ``budget`` bytes of them. Each record
 is one row of :data:`ROW` integers: (offset in ``buf``, size on disk, flags, key length,
 value length, stored data CRC). ``verify`` then checks the data CRCs (CRC-32, the zlib
@@ -24,7 +24,7 @@ import ctypes
 
 from kvtier._clib import CLibrary
 from kvtier._crc import IMPLEMENTATION, crc32
-from .segfile import REC_HEADER_BYTES, REC_MAGIC, check_header, next_magic
+from .segment import REC_HEADER_BYTES, REC_MAGIC, check_header, next_magic
 
 ROW = 6  # integers per record row: offset, size, flags, key length, value length, data crc
 C_CRC_PAYS = IMPLEMENTATION != "isal"  # see the module docstring
@@ -43,7 +43,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvt_seg_verify.restype = None
 
 
-_LIB = CLibrary("segscan", _FLAGS, _declare, "compaction parses records in Python")
+_LIB = CLibrary("segment_scan", _FLAGS, _declare, "compaction parses records in Python")
 
 
 def available() -> bool:

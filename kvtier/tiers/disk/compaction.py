@@ -1,16 +1,16 @@
-"""DiskTier's compaction and index checkpoints, and the background worker that runs them off
-the put/get path.
+"""The disk tier's compaction (``Compaction``) and the background worker (``Compactor``) that
+runs it off the put/get path, together with the index checkpoints (``checkpoints.py``).
 
 Compaction copies a sealed segment's live records to the head in steps of ``_STEP_BYTES`` of
 the segment. A background step reads and CRC-checks its records with no lock held, then
 appends what is still live in pieces of at most ``_MOVE_BYTES`` / ``_MOVE_RECORDS``:
 
 ```
-  _write_lock held (an appender, like a put): one piece
-    _lock held   check     which records are still live here (and which tombstones still hide one)
-    _lock held   reserve   room at the head
-    no _lock     write     pwritev of the copies (the images read, header and CRC as stored)
-    _lock held   publish   a key is pointed at its copy only if it still points at the original
+  write lock held (an appender, like a put): one piece
+    tier lock held   check     which records are still live here (and which tombstones still hide one)
+    tier lock held   reserve   room at the head
+    no tier lock     write     pwritev of the copies (the images read, header and CRC as stored)
+    tier lock held   publish   a key is pointed at its copy only if it still points at the original
 ```
 so a get never waits for a compaction write, a put waits for at most one piece, and each hold
 of the tier lock covers at most one piece's records. The worker then sleeps so that its I/O
@@ -24,7 +24,7 @@ erased at open) until published, and the original goes only once the copies are 
 The worker is a thread of the same interpreter as the decode loop, so what it costs a decode
 step is mostly the GIL: a step's work is done where the GIL is released as far as it can be
 (one ``pread`` of the span; its headers parsed and its records' CRCs checked in C, see
-``segscan``; one ``pwritev`` a piece), its Python work (index look-ups, the pieces) is cut into
+``segment_scan``; one ``pwritev`` a piece), its Python work (index look-ups, the pieces) is cut into
 slices of ``_SLICE_RECORDS`` records with the GIL offered between them, and it pauses between
 pieces so that a put woken by a piece's end takes the locks before the next piece does. What
 is left is the worker's Python time itself: on a machine whose CPUs are oversubscribed, the
@@ -32,7 +32,7 @@ worker preempted while it holds the GIL or a lock stalls the decode loop for as 
 waits for a CPU (bench_tiers.py --only compaction prints where a step's time goes). Without a
 C compiler the span is parsed in Python, in slices too.
 
-The worker owns no tier state: each step is a call back into the tier (``_background_step``),
+The worker owns no tier state: each step is a call back into ``Compaction.background_step``,
 which says whether there is more to do.
 """
 from __future__ import annotations
@@ -47,9 +47,15 @@ import weakref
 from dataclasses import dataclass
 
 from kvtier._crc import crc32
-from . import diskindex, segscan
-from .segfile import (FLAG_TOMB, REC, REC_HEADER_BYTES, REC_MAGIC, SEG_HEADER_BYTES, Segment, crc32_held,
-                      fdatasync, iter_headers, pad8)
+from . import segment_scan
+from .append import Appender, image
+from .catalog import Catalog
+from .checkpoints import Checkpoints
+from .files import SegmentFiles, sync_fds
+from .locks import Locks
+from .reads import Reads
+from .segment import (FLAG_TOMB, REC, REC_HEADER_BYTES, REC_MAGIC, SEG_HEADER_BYTES, Segment, crc32_held,
+                      iter_headers, pad8)
 
 _STEP_BYTES = 256 << 10  # segment bytes one background compaction step reads (one pread)
 _STEP_RECORDS = 128  # the most records one background step takes: bounds its appends under the lock
@@ -176,55 +182,115 @@ class Compactor:
                         return
 
 
-class DiskCompaction:
-    """Compaction, index checkpoints and expiry for DiskTier (a mixin: the state lives in
-    ``DiskTier.__init__``; ``_``-methods expect the tier lock held unless they say otherwise)."""
+class Compaction:
+    """Compaction of one disk tier's sealed segments, inline and in the background (methods
+    expect the tier lock held unless they say otherwise).
 
-    def _compactable(self, s: Segment | None) -> bool:
-        return (s is not None and s is not self._head and self.compact_threshold > 0 and s.id not in self._stuck
-                and s.live < self.compact_threshold * (s.used - SEG_HEADER_BYTES))
+    Args:
+        locks: the tier's locks.
+        files: the segment files compacted (and the head the copies go to).
+        catalog: the index (a copy is published only where it still points at the original).
+        appender: appends the copies.
+        reads: what of a segment's mapping may be touched (``mapped_bytes``).
+        checkpoints: written by the background worker when due.
+        counters: the tier's counters (``compactions``, ``compact_bytes_written``).
+        threshold: compact a sealed segment once its live fraction falls below this (0: only
+            to make room at capacity).
+        share: the most of the time background compaction spends on I/O while it runs.
+    """
 
-    def _head_mostly_dead(self) -> bool:
+    def __init__(self, locks: Locks, files: SegmentFiles, catalog: Catalog, appender: Appender, reads: Reads,
+                 checkpoints: Checkpoints, counters: dict, threshold: float, share: float) -> None:
+        self._locks = locks
+        self._files = files
+        self._catalog = catalog
+        self._appender = appender
+        self._reads = reads
+        self._checkpoints = checkpoints
+        self._n = counters
+        self.threshold = threshold
+        self.share = share
+        self.job: CompactJob | None = None
+        self.stuck: set[int] = set()  # segments a compaction could not move (no room): retried after a put
+        self.worker: Compactor | None = None
+
+    def start(self) -> None:
+        """Start the background worker (once the tier is open), woken at once if there is work."""
+        self.worker = Compactor(self.background_step, self.share, "kvtier-disk-compact")
+        if self.candidates():
+            self.worker.wake()
+
+    def stop(self) -> None:
+        if self.worker is not None:
+            self.worker.stop()
+            self.worker = None
+
+    def after_batch(self, touched: set[int]) -> None:
+        """A put or delete batch replaced records in segments ``touched``: wake the worker when
+        one of them (or the head) is now worth compacting, or a checkpoint is due (tier lock held)."""
+        self.stuck -= touched
+        segs = self._files.segs
+        if self.worker is not None and (
+                any(self.compactable(segs.get(sid)) for sid in touched) or self.head_mostly_dead()
+                or self._checkpoints.due()):
+            self.worker.wake()
+
+    def free_segment(self) -> None:
+        """At capacity: compact the sealed segment with the most dead space (background
+        compaction had not got to it yet)."""
+        files = self._files
+        sealed = sorted((s for s in files.segs.values() if s is not files.head and s.id not in self.stuck),
+                        key=lambda s: s.live / max(1, s.used - SEG_HEADER_BYTES))
+        for s in sealed:
+            if s.live < s.used - SEG_HEADER_BYTES:
+                if self.compact_now(s):
+                    return
+
+    def compactable(self, s: Segment | None) -> bool:
+        return (s is not None and s is not self._files.head and self.threshold > 0 and s.id not in self.stuck
+                and s.live < self.threshold * (s.used - SEG_HEADER_BYTES))
+
+    def head_mostly_dead(self) -> bool:
         """The head holds a good share of a segment, most of it dead: sealing it lets compaction
         give that space back (a head is never compacted while records are appended to it)."""
-        h = self._head
-        return (h is not None and self.compact_threshold > 0 and h.used - SEG_HEADER_BYTES >= self.segment_bytes // 8
-                and h.live < self.compact_threshold * (h.used - SEG_HEADER_BYTES))
+        h = self._files.head
+        return (h is not None and self.threshold > 0 and h.used - SEG_HEADER_BYTES >= self._files.segment_bytes // 8
+                and h.live < self.threshold * (h.used - SEG_HEADER_BYTES))
 
-    def _candidates(self) -> list[Segment]:
+    def candidates(self) -> list[Segment]:
         """Sealed segments below the threshold, emptiest first."""
-        todo = [s for s in self._segs.values() if self._compactable(s)]
+        todo = [s for s in self._files.segs.values() if self.compactable(s)]
         return sorted(todo, key=lambda s: s.live / max(1, s.used - SEG_HEADER_BYTES))
 
     def compact(self) -> int:
         """Compact every sealed segment below the threshold now (waiting for none of the
         background pacing); returns how many were compacted."""
-        with self._appending():
-            self._check_open()
+        with self._locks.appending():
+            self._files.check_open()
             n = 0
-            for s in self._candidates():
-                n += self._compact_now(s)
+            for s in self.candidates():
+                n += self.compact_now(s)
             return n
 
-    def _compact_now(self, seg: Segment) -> bool:
+    def compact_now(self, seg: Segment) -> bool:
         """Compact ``seg`` to the end under the lock (continuing a background job on it)."""
-        job = self._job if self._job is not None and self._job.seg is seg else CompactJob(seg)
-        self._job = job
+        job = self.job if self.job is not None and self.job.seg is seg else CompactJob(seg)
+        self.job = job
         try:
             while not job.sync_pending:
-                if not self._compact_step(job, 1 << 62):
+                if not self.step(job, 1 << 62):
                     return False
-            if self.durability != "never":
-                self._sync_locked()  # the copies are durable before the original goes
-            gone = self._finish(job)
+            if self._files.durability != "never":
+                self._files.sync_locked()  # the copies are durable before the original goes
+            gone = self.finish(job)
             if gone is not None:
-                self._dispose(gone)
+                self.dispose(gone)
             return True
         finally:
-            if self._job is job:
-                self._job = None
+            if self.job is job:
+                self.job = None
 
-    def _compact_step(self, job: CompactJob, budget: int, locked: bool = True) -> bool:
+    def step(self, job: CompactJob, budget: int, locked: bool = True) -> bool:
         """Copy the live records (and needed tombstones) of up to ``budget`` bytes of the job's
         segment to the head; sets ``job.sync_pending`` when the segment is all read. False when
         the segment cannot be moved now (no room at the head, or it changed under us).
@@ -233,12 +299,12 @@ class DiskCompaction:
         segment, and then by each piece of the append (``_move``): reading and CRC-checking the
         records runs with no lock, writing the copies without the tier lock."""
         fd = -1
-        with self._lock if not locked else contextlib.nullcontext():  # (else held by the caller)
+        with self._locks.tier if not locked else contextlib.nullcontext():  # (else held by the caller)
             seg = job.seg
-            if self._closed or self._segs.get(seg.id) is not seg:
+            if self._files.closed or self._files.segs.get(seg.id) is not seg:
                 return False
             if locked and seg.file_size() < seg.used:  # truncated under us: reading it would SIGBUS
-                self._stuck.add(seg.id)
+                self.stuck.add(seg.id)
                 return False
         if not locked:  # a private fd, opened outside the lock (segment ids, so paths, are never reused)
             try:
@@ -250,8 +316,8 @@ class DiskCompaction:
         except ValueError:  # its mapping was closed meanwhile (cleared, or the tier closed)
             return False
         except _Truncated:
-            with self._lock:
-                self._stuck.add(seg.id)
+            with self._locks.tier:
+                self.stuck.add(seg.id)
             return False
         finally:
             if fd >= 0:
@@ -268,58 +334,58 @@ class DiskCompaction:
                     j += 1
                 if i:
                     _hand_over()
-                with self._write_lock:
+                with self._locks.write:
                     done = self._move(job, cands[i:j], written)
                 written, i = {}, j
         if not done:
             return False
-        with self._lock if not locked else contextlib.nullcontext():
+        with self._locks.tier if not locked else contextlib.nullcontext():
             job.pos = pos
             job.sync_pending = pos >= seg.used
         return True
 
     def _move(self, job: CompactJob, cands: list, written: dict) -> bool:
         """Copy the candidates still live at ``seg`` (and tombstones still needed) to the head
-        and point the index at the copies (``_write_lock`` held). ``_lock`` is taken to check
+        and point the index at the copies (``locks.write`` held). ``locks.tier`` is taken to check
         them and by the append to reserve and to publish, not while the bytes are written
         (unless the caller holds it: inline compaction); a copy is indexed only if its key
         still points at the original then. False when the segment went or there was no room."""
         seg = job.seg
-        with self._lock:
-            if self._closed or self._segs.get(seg.id) is not seg:
+        with self._locks.tier:
+            if self._files.closed or self._files.segs.get(seg.id) is not seg:
                 return False
             for o, keys in written.items():
-                if self._segs.get(o.id) is o and o.written is None:
+                if self._files.segs.get(o.id) is o and o.written is None:
                     o.written = keys
             recs, expect = [], []
             for key, flags, kraw, size, vlen, off, img in cands:
                 if flags & FLAG_TOMB:  # a tombstone must outlive every older record it hides
-                    if key not in self._index and self._hides_older(key, seg):
-                        recs.append((key, *self._image(key, None)))
+                    if key not in self._catalog.records and self._hides_older(key, seg):
+                        recs.append((key, *image(key, None)))
                         expect.append(None)
                     continue
-                loc = self._index.get(key)
+                loc = self._catalog.records.get(key)
                 if loc is None or loc[0] != seg.id or loc[1] != off:
                     continue  # replaced or deleted meanwhile
                 if img is None:
-                    self._mark_corrupt(key)
+                    self._catalog.mark_corrupt(key)
                 else:
                     recs.append((key, kraw, size, [img], vlen))
                     expect.append((seg.id, off))
         if not recs:
             return True
-        # only the appender (``_write_lock``) reads the flag: _room must not compact inline again
-        self._compacting = True
+        # only the appender (``locks.write``) reads the flag: room() must not compact inline again
+        self._appender.compacting = True
         try:
-            res = self._append(recs, expect)
+            res = self._appender.append(recs, expect)
         finally:
-            self._compacting = False
+            self._appender.compacting = False
         moved = sum(r[2] for r in recs)
-        self._n["compact_bytes_written"] += moved  # (only appenders write it: _write_lock is enough)
+        self._n["compact_bytes_written"] += moved  # (only appenders write it: the write lock is enough)
         job.copied_bytes += moved
         if not all(res):
-            with self._lock:
-                self._stuck.add(seg.id)
+            with self._locks.tier:
+                self.stuck.add(seg.id)
             return False
         return True
 
@@ -333,7 +399,7 @@ class DiskCompaction:
         With ``fd`` (the background worker) the span is read with one ``pread`` (the GIL is
         released while the kernel copies it, and a cold page faults in there, not under the
         GIL as it would through the mapping), at most ``_STEP_RECORDS`` records are taken, its
-        headers are parsed and the CRCs of the records still indexed checked by ``segscan`` (in
+        headers are parsed and the CRCs of the records still indexed checked by ``segment_scan`` (in
         C, the GIL released), and the GIL is offered to other threads every ``_SLICE_RECORDS``
         records of the Python work: a put or get waits for one slice, never for a step. Without
         it (inline, tier lock held) the records are parsed in Python through the mapping."""
@@ -355,18 +421,18 @@ class DiskCompaction:
                         raise _Truncated(seg.path)
             view, end, room = memoryview(buf), len(buf), seg.used - base
             # headers parsed in C, the GIL released (Python when no compiler: offering it every slice)
-            rows, off = segscan.scan(buf, 0, end, room, budget, _STEP_RECORDS, pause=_yield_gil,
+            rows, off = segment_scan.scan(buf, 0, end, room, budget, _STEP_RECORDS, pause=_yield_gil,
                                      every=_SLICE_RECORDS)
         else:
-            buf = self._map(seg)
-            if buf is None or self._mapped_bytes(seg) < seg.used:
+            buf = self._files.map(seg)
+            if buf is None or self._reads.mapped_bytes(seg) < seg.used:
                 raise _Truncated(seg.path)
             base, end, room, view = 0, seg.used, seg.used, None
-            rows, off = segscan.scan_py(buf, job.pos, end, room, budget, 1 << 62)
-        hdr, row = REC_HEADER_BYTES, segscan.ROW
+            rows, off = segment_scan.scan_py(buf, job.pos, end, room, budget, 1 << 62)
+        hdr, row = REC_HEADER_BYTES, segment_scan.ROW
         # the data CRCs of the records still indexed here: in C with the GIL released after the
-        # look-ups, unless the Python CRC is the faster one (segscan.C_CRC_PAYS); else each in turn
-        c_crc = background and segscan.C_CRC_PAYS and segscan.available()
+        # look-ups, unless the Python CRC is the faster one (segment_scan.C_CRC_PAYS); else each in turn
+        c_crc = background and segment_scan.C_CRC_PAYS and segment_scan.available()
         check = crc32_held if background else crc32  # (inline, gets wait for the whole call anyway)
         cands, in_c, read = [], [], 0  # in_c: (row, candidate) for the C check
         for i in range(len(rows) // row):
@@ -381,10 +447,10 @@ class DiskCompaction:
             except UnicodeDecodeError:
                 continue
             if flags & FLAG_TOMB:
-                if key not in self._index:
+                if key not in self._catalog.records:
                     cands.append((key, flags, kraw, size, vlen, pos, None))
                 continue
-            loc = self._index.get(key)
+            loc = self._catalog.records.get(key)
             if loc is None or loc[0] != seg.id or loc[1] != pos:
                 continue  # dead, and a dead record never comes back to life
             if c_crc:
@@ -396,7 +462,7 @@ class DiskCompaction:
             good = check(img[hdr:hdr + klen + vlen]) == dcrc  # key and value are contiguous
             cands.append((key, flags, kraw, size, vlen, pos, img if good else None))  # None: marked corrupt
         if in_c:
-            for (i, c), good in zip(in_c, segscan.verify(buf, rows, [i for i, _ in in_c])):
+            for (i, c), good in zip(in_c, segment_scan.verify(buf, rows, [i for i, _ in in_c])):
                 if good:
                     r0 = rows[row * i]
                     cands[c] = cands[c][:-1] + (view[r0:r0 + rows[row * i + 1]],)
@@ -404,13 +470,13 @@ class DiskCompaction:
             off = max(off, end)
         written = {}
         if any(c[1] & FLAG_TOMB for c in cands):  # older segments' key sets, built here, not under the lock
-            for o in list(self._segs.values()):
+            for o in list(self._files.segs.values()):
                 if o.id < seg.id and o.written is None and (keys := self._data_keys(o, background)) is not None:
                     written[o] = keys
         return cands, base + off, read, written
 
     def _hides_older(self, key: str, seg: Segment) -> bool:
-        for o in self._segs.values():
+        for o in self._files.segs.values():
             if o.id < seg.id:
                 if o.written is None:
                     o.written = self._data_keys(o)
@@ -422,12 +488,12 @@ class DiskCompaction:
 
     def _data_keys(self, seg: Segment, private: bool = False) -> set[str] | None:
         """The keys with a data record in sealed segment ``seg`` (its headers up to ``used``), or
-        None when its file cannot be read that far. Through the tier's mapping (``_lock`` held),
+        None when its file cannot be read that far. Through the tier's mapping (tier lock held),
         or with ``private`` (the background worker, no lock held: the tier's mapping may be
         closed meanwhile) through one of its own, closed after, offering the GIL every slice."""
         if not private:
-            mm = self._map(seg)
-            if mm is None or self._mapped_bytes(seg) < seg.used:
+            mm = self._files.map(seg)
+            if mm is None or self._reads.mapped_bytes(seg) < seg.used:
                 return None
             return _data_keys(mm, seg.used, False)
         try:
@@ -445,155 +511,75 @@ class DiskCompaction:
         finally:
             mm.close()
 
-    def _finish(self, job: CompactJob) -> Segment | None:
-        """Forget the emptied segment (``_lock`` held) and return it for ``_dispose``; None
+    def finish(self, job: CompactJob) -> Segment | None:
+        """Forget the emptied segment (tier lock held) and return it for ``dispose``; None
         when it is kept (a record indexed there was not found again: damaged since)."""
         seg = job.seg
         if seg.live:
-            self._stuck.add(seg.id)
+            self.stuck.add(seg.id)
             return None
-        del self._segs[seg.id]
-        self._dirty.discard(seg.id)
-        self._maps.pop(seg.id, None)  # out of the mapped set; _dispose unmaps it
-        self._dir_dirty = True
+        del self._files.segs[seg.id]
+        self._files.dirty.discard(seg.id)
+        self._files.maps.pop(seg.id, None)  # out of the mapped set; dispose unmaps it
+        self._files.dir_dirty = True
         self._n["compactions"] += 1
         return seg
 
     @staticmethod
-    def _dispose(seg: Segment) -> None:
-        """Unmap and delete a segment ``_finish`` let go. Needs no lock: no read can reach it
-        any more (reads find segments through the index and ``_segs``), and unmapping and
+    def dispose(seg: Segment) -> None:
+        """Unmap and delete a segment ``finish`` let go. Needs no lock: no read can reach it
+        any more (reads find segments through the index and ``files.segs``), and unmapping and
         unlinking a large file take long enough not to hold a get for. A crash before the
         unlink leaves a file whose records all have newer copies: reopening skips them."""
         seg.close()
         os.unlink(seg.path)
 
-    def _background_step(self) -> bool:
+    def background_step(self) -> bool:
         """One paced unit of background work (compactor thread): a compaction step, the
         durable hand-over of a compacted segment, or an index checkpoint. True if more may follow."""
-        with self._at_work():
+        with self._locks.at_work():
             return self._background_work()
 
     def _background_work(self) -> bool:
-        with self._lock:  # a job under way only needs a look: no put waits for it
-            if self._closed:
+        with self._locks.tier:  # a job under way only needs a look: no put waits for it
+            if self._files.closed:
                 return False
-            job = self._job
-            run_step = job is not None and self._segs.get(job.seg.id) is job.seg and not job.sync_pending
+            job = self.job
+            run_step = job is not None and self._files.segs.get(job.seg.id) is job.seg and not job.sync_pending
         if not run_step:
-            with self._appending():  # choosing a segment may seal the head
-                if self._closed:
+            with self._locks.appending():  # choosing a segment may seal the head
+                if self._files.closed:
                     return False
-                job = self._job
-                if job is None or self._segs.get(job.seg.id) is not job.seg:
-                    todo = self._candidates()
-                    if not todo and self._head_mostly_dead():
-                        self._seal(self._head)  # the next append starts a new head
-                        self._head = None
-                        todo = self._candidates()
-                    job = self._job = CompactJob(todo[0]) if todo else None
+                job = self.job
+                if job is None or self._files.segs.get(job.seg.id) is not job.seg:
+                    todo = self.candidates()
+                    if not todo and self.head_mostly_dead():
+                        self._files.seal(self._files.head)  # the next append starts a new head
+                        self._files.head = None
+                        todo = self.candidates()
+                    job = self.job = CompactJob(todo[0]) if todo else None
                 run_step = job is not None and not job.sync_pending
                 if not run_step:
                     if job is None:
-                        due = self.checkpoint_records and self._since_cp >= max(self.checkpoint_records,
-                                                                                  len(self._index) // 4)
-                        if not due:
+                        if not self._checkpoints.due():
                             return False
-                    fds = self._dup_dirty_fds() if self.durability != "never" else []
+                    fds = self._files.dup_dirty_fds() if self._files.durability != "never" else []
         if run_step:
-            if not self._compact_step(job, _STEP_BYTES, locked=False):
-                with self._lock:
-                    if self._job is job:
-                        self._job = None
+            if not self.step(job, _STEP_BYTES, locked=False):
+                with self._locks.tier:
+                    if self.job is job:
+                        self.job = None
             return True
-        self._sync_fds(fds)  # outside the lock: puts and gets go on meanwhile
+        sync_fds(fds)  # outside the lock: puts and gets go on meanwhile
         if job is None:
-            self.checkpoint()
+            self._checkpoints.write()
             return True
         gone = None
-        with self._lock:
-            if self._job is job and not self._closed and self._segs.get(job.seg.id) is job.seg:
-                self._job = None
-                gone = self._finish(job)
+        with self._locks.tier:
+            if self.job is job and not self._files.closed and self._files.segs.get(job.seg.id) is job.seg:
+                self.job = None
+                gone = self.finish(job)
         if gone is not None:
-            self._dispose(gone)
+            self.dispose(gone)
         return True
 
-    def _dup_dirty_fds(self) -> list[int]:
-        return [os.dup(s.fd) for sid in sorted(self._dirty) if (s := self._segs.get(sid)) is not None and s.fd >= 0]
-
-    @staticmethod
-    def _sync_fds(fds: list[int]) -> None:
-        try:
-            for fd in fds:
-                fdatasync(fd)
-        finally:
-            for fd in fds:
-                os.close(fd)
-
-    # -- checkpoint -------------------------------------------------------------------------
-    def checkpoint(self) -> int:
-        """Write the index checkpoint now (its records made durable first unless
-        durability="never"); returns the bytes written. Reopening then scans only what is
-        appended after this point."""
-        with self._cp_lock:
-            with self._lock:
-                self._check_open()
-                cp = self._snapshot()
-                fds = self._dup_dirty_fds() if self.durability != "never" else []
-                self._since_cp = 0
-            try:
-                self._sync_fds(fds)  # the records it indexes are durable before it is
-                n = diskindex.save(self.path, cp)
-            finally:
-                self._thaw(cp.index)
-            with self._lock:
-                self._n["checkpoints"] += 1
-                self._n["checkpoint_bytes_written"] += n
-            return n
-
-    def _thaw(self, snap: diskindex.IndexSnapshot) -> None:
-        """Give the index back the dict ``snap`` froze, a slice of the changes since per hold
-        of the lock (a get or put waits for one slice at most)."""
-        done = False
-        while not done:
-            with self._lock:
-                done = self._index.thaw(snap)
-
-    def _snapshot(self) -> diskindex.Checkpoint:
-        head = self._head
-        wm = (head.id, head.used) if head is not None else (self._next_id, SEG_HEADER_BYTES)
-        rows = [diskindex.SegmentRow(s.id, s.size, s.used, s.mtime_ns, s.tomb_bytes)
-                for s in sorted(self._segs.values(), key=lambda s: s.id)]
-        return diskindex.Checkpoint(self._index.snapshot(), {}, rows, sorted(self._corrupt_keys), self._next_id, wm)
-
-    def expire(self, max_age_s: float | None = None, max_bytes: int | None = None,
-               keep=lambda key: False) -> int:
-        """Delete records neither pinned nor kept by ``keep(key)``: those written more than
-        ``max_age_s`` ago, then the oldest of the rest until they hold at most ``max_bytes``. A record's age is its
-        segment's (since its file was last written: never older than the record really is).
-        Returns how many were deleted."""
-        if max_age_s is not None and (not isinstance(max_age_s, (int, float)) or max_age_s < 0):
-            raise ValueError(f"max_age_s must be a number >= 0 or None, got {max_age_s!r}")
-        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes < 0):
-            raise ValueError(f"max_bytes must be an int >= 0 or None, got {max_bytes!r}")
-        with self._appending():  # then delete_many's, in their order
-            self._check_open()
-            now = time.time_ns()
-            pinned = self._policy.pins.current().matches
-            cand = sorted((loc[0], loc[1], loc[2], k) for k, loc in self._index.items()
-                          if not keep(k) and not pinned(k))
-            # a segment's last write dates every record in it (a lower bound of their age)
-            mt = {sid: (s.mtime_ns if s is not self._head else os.fstat(s.fd).st_mtime_ns)
-                  for sid, s in self._segs.items()}
-            drop = [k for sid, _, _, k in cand if max_age_s is not None and now - mt[sid] > max_age_s * 1e9]
-            rest = cand[len(drop):]  # oldest first, like ``cand``: the aged ones are its prefix
-            if max_bytes is not None:
-                total = sum(c[2] for c in rest)
-                for sid, _, size, k in rest:
-                    if total <= max_bytes:
-                        break
-                    drop.append(k)
-                    total -= size
-            self.delete_many(drop)
-            return len(drop)

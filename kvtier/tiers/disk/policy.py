@@ -10,7 +10,7 @@
 - **Eviction order**: ``lru`` (least recently read or written first) or ``lfu`` (fewest reads
   and writes first, least recent among equals). Records not touched since the directory was
   opened rank first, oldest written first (access history is not persisted).
-- **Pins** (``diskpins.py``): a pinned record is never evicted. The PINS file is re-read
+- **Pins** (``pins.py``): a pinned record is never evicted. The PINS file is re-read
   when it changes, so ``kvtier cache pin`` reaches a tier that is serving.
 - **keep**: the owner's say on what is in use (the store: records a live block references,
   and its process-local spill records), asked only of eviction candidates.
@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Literal
 
-from .diskpins import PinFile, block_name
+from .pins import PinFile, block_name
 
 Eviction = Literal["none", "lru", "lfu"]
 Admission = Literal["always", "second-touch"]

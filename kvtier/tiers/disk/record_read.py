@@ -1,8 +1,8 @@
 """One L3 record read in C: DiskTier's get and get_many copy each value out of its segment's
 mapping through the functions of a compiled CPython extension (:func:`load`; its source is
-``kvtier/csrc/recread.c``).
+``kvtier/csrc/record_read.c``).
 
-What it does is what the Python path in ``diskread`` does, in one call: check the record's
+What it does is what the Python path in ``reads`` does, in one call: check the record's
 header against the index (magic, key and value lengths), copy the value into a new ``bytes`` and
 check the data CRC (over the key asked for and the copy) with ISA-L's CRC-32. In Python those
 are a dozen interpreter-level calls; for a 4 KiB record they cost more than the copy and the CRC
@@ -31,7 +31,7 @@ from __future__ import annotations
 import ctypes
 from kvtier._clib import CExtension
 from kvtier._crc import IMPLEMENTATION, crc32
-from .segfile import REC_HEADER_BYTES, REC_MAGIC
+from .segment import REC_HEADER_BYTES, REC_MAGIC
 
 _RELEASE_BYTES = 1 << 20  # see the module docstring
 
@@ -58,7 +58,7 @@ def _declare(mod) -> None:
         raise OSError("the compiled CRC does not match kvtier._crc")
 
 
-_EXT = CExtension("recread", _FLAGS, _declare, "L3 reads parse records in Python")
+_EXT = CExtension("record_read", _FLAGS, _declare, "L3 reads parse records in Python")
 
 
 def load():

@@ -1,4 +1,4 @@
-"""The compiled L3 record read (kvtier/tiers/recread.py) against the Python one it replaces:
+"""The compiled L3 record read (kvtier/tiers/disk/record_read.py) against the Python one it replaces:
 the same value or None for every record, damaged or not, and a SIGBUS caught only inside it."""
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import threading
 import pytest
 
 from kvtier._crc import crc32
-from kvtier.tiers import diskread, recread
-from kvtier.tiers.segfile import REC, REC_HEADER_BYTES, REC_MAGIC, pad8
+from kvtier.tiers.disk import reads, record_read
+from kvtier.tiers.disk.segment import REC, REC_HEADER_BYTES, REC_MAGIC, pad8
 
-MOD = recread.load()  # (also installs the SIGBUS guard, as a tier's open does)
+MOD = record_read.load()  # (also installs the SIGBUS guard, as a tier's open does)
 READ = MOD.read if MOD is not None else None
-pytestmark = pytest.mark.skipif(READ is None, reason=f"the compiled read is not available: {recread._EXT.error}")
+pytestmark = pytest.mark.skipif(READ is None, reason=f"the compiled read is not available: {record_read._EXT.error}")
 
 
 def record(key: str, value: bytes) -> bytes:
@@ -37,8 +37,8 @@ def mapped(tmp_path):
     recs, buf = [], bytearray(64)
     for i in range(60):
         key = f"seq{i}/layer{i % 7}/é"  # a non-ASCII key: its UTF-8 bytes are what the CRC covers
-        # (over recread._RELEASE_BYTES: the copy and CRC without the GIL)
-        value = rng.randbytes(rng.choice([1, 100, 4096, 8000, 70_000, 200_000, recread._RELEASE_BYTES + 8]))
+        # (over record_read._RELEASE_BYTES: the copy and CRC without the GIL)
+        value = rng.randbytes(rng.choice([1, 100, 4096, 8000, 70_000, 200_000, record_read._RELEASE_BYTES + 8]))
         recs.append((key, value, len(buf)))
         buf += record(key, value)
     path = tmp_path / "seg"
@@ -55,7 +55,7 @@ def test_every_record_reads_as_the_python_path_reads_it(mapped):
     for key, value, off in recs:
         for probe in (fd, -1):
             assert READ(mm, probe, len(mm), off, key, len(value)) == value
-        assert diskread._read_record(mm, len(mm), off, key, len(value)) == value
+        assert reads._read_record(mm, len(mm), off, key, len(value)) == value
 
 
 def test_read_into_writes_what_read_returns(mapped):
@@ -130,7 +130,7 @@ def test_what_does_not_match_reads_as_none_as_in_python(mapped):
     for o, k, vlen, limit in cases:
         assert READ(mm, -1, limit, o, k, vlen) is None
         if o >= 0:
-            assert diskread._read_record(mm, limit, o, k, vlen) is None
+            assert reads._read_record(mm, limit, o, k, vlen) is None
     for flip in (4, REC_HEADER_BYTES + len(key.encode()) + len(value) - 1):  # header crc stays; value
         with open(path, "r+b") as f:
             f.seek(off + flip if flip > 4 else off)
@@ -138,13 +138,13 @@ def test_what_does_not_match_reads_as_none_as_in_python(mapped):
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([byte[0] ^ 0x10]))
         assert READ(mm, fd, len(mm), off, key, len(value)) is None
-        assert diskread._read_record(mm, len(mm), off, key, len(value)) is None
+        assert reads._read_record(mm, len(mm), off, key, len(value)) is None
     assert READ(None, -1, 1 << 20, off, key, len(value)) is None  # a segment that could not be mapped
     with pytest.raises(TypeError):
         READ(mm, -1, len(mm), off, key)
 
 
-@pytest.mark.skipif(not recread.guarded(), reason="no SIGBUS guard here")
+@pytest.mark.skipif(not record_read.guarded(), reason="no SIGBUS guard here")
 def test_a_truncated_file_reads_as_none_on_threads_too(mapped):
     """Pages past the new end SIGBUS; the guard turns that into a miss, on the thread that read
     (the copy of a large record lets go of the GIL: the guard is per thread)."""
@@ -174,8 +174,8 @@ CHILD = textwrap.dedent("""
     import faulthandler, mmap, os, sys
     if sys.argv[1] == "faulthandler":
         faulthandler.enable()
-    from kvtier.tiers import recread
-    assert recread.load() is not None and recread.guarded()
+    from kvtier.tiers.disk import record_read
+    assert record_read.load() is not None and record_read.guarded()
     path = sys.argv[2]
     with open(path, "wb") as f:
         f.write(b"x" * 65536)
@@ -187,7 +187,7 @@ CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(not recread.guarded(), reason="no SIGBUS guard here")
+@pytest.mark.skipif(not record_read.guarded(), reason="no SIGBUS guard here")
 @pytest.mark.parametrize("before", ["default", "faulthandler"])
 def test_a_sigbus_outside_a_read_is_not_swallowed(tmp_path, before):
     """The guard hands any SIGBUS but its own to what was installed before it: the process
@@ -203,23 +203,24 @@ def test_a_sigbus_outside_a_read_is_not_swallowed(tmp_path, before):
 
 REPLACED = textwrap.dedent("""
     import faulthandler, mmap, os, sys
-    from kvtier.tiers import DiskTier, recread
-    assert recread.load() is not None and recread.guarded()
+    from kvtier.tiers import DiskTier
+    from kvtier.tiers.disk import record_read
+    assert record_read.load() is not None and record_read.guarded()
     faulthandler.enable()  # a library loaded later puts its own SIGBUS handler in place (glog does)
-    assert not recread.guarded()  # seen: reads probe the size instead of trusting a lost guard
+    assert not record_read.guarded()  # seen: reads probe the size instead of trusting a lost guard
     DiskTier(sys.argv[1])  # a tier's open puts the guard back, in front of the newcomer
-    assert recread.guarded()
+    assert record_read.guarded()
     path = sys.argv[1] + "/f"
     with open(path, "wb") as f:
         f.write(b"x" * 65536)
     fd = os.open(path, os.O_RDONLY)
     mm = mmap.mmap(fd, 65536, access=mmap.ACCESS_READ)
     os.truncate(path, 0)
-    print(recread.load().read(mm, -1, len(mm), 0, "k", 4096))  # guarded: a miss, not a death
+    print(record_read.load().read(mm, -1, len(mm), 0, "k", 4096))  # guarded: a miss, not a death
 """)
 
 
-@pytest.mark.skipif(not recread.guarded(), reason="no SIGBUS guard here")
+@pytest.mark.skipif(not record_read.guarded(), reason="no SIGBUS guard here")
 def test_a_guard_another_handler_replaced_is_seen_and_put_back(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, "-c", REPLACED, str(tmp_path)], capture_output=True, text=True,

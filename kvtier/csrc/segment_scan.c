@@ -1,11 +1,11 @@
 /* The compactor's walk over a span of an L3 segment and its data-CRC check, wrapped by
-   kvtier/tiers/segscan.py (record format: kvtier/tiers/segfile.py). Built on first use by
+   kvtier/tiers/disk/segment_scan.py (record format: kvtier/tiers/disk/segment.py). Built on first use by
    kvtier/_clib.py; the wrapper's flags define, from its Python constants:
-     KVT_REC_MAGIC  a record header's magic (segfile.REC_MAGIC)
-     KVT_REC_HDR    a record header's bytes (segfile.REC_HEADER_BYTES)
-     KVT_ROW        integers per record row (segscan.ROW) */
+     KVT_REC_MAGIC  a record header's magic (segment.REC_MAGIC)
+     KVT_REC_HDR    a record header's bytes (segment.REC_HEADER_BYTES)
+     KVT_ROW        integers per record row (segment_scan.ROW) */
 #if !defined(KVT_REC_MAGIC) || !defined(KVT_REC_HDR) || !defined(KVT_ROW)
-#error "built by kvtier/tiers/segscan.py, which defines KVT_REC_MAGIC, KVT_REC_HDR and KVT_ROW"
+#error "built by kvtier/tiers/disk/segment_scan.py, which defines KVT_REC_MAGIC, KVT_REC_HDR and KVT_ROW"
 #endif
 
 #include <stdint.h>
@@ -44,7 +44,7 @@ uint32_t kvt_crc32(const uint8_t *p, int64_t n, uint32_t crc) {
 static uint32_t rd32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static uint16_t rd16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 
-/* Where the walk resumes after a damaged header at ``off``: segfile.next_magic, else past ``end``. */
+/* Where the walk resumes after a damaged header at ``off``: segment.next_magic, else past ``end``. */
 static int64_t resync(const uint8_t *b, int64_t off, int64_t end) {
     for (int64_t p = off + 8; p + 4 <= end; p += 8)
         if (rd32(b + p) == KVT_REC_MAGIC) return p;
@@ -52,7 +52,7 @@ static int64_t resync(const uint8_t *b, int64_t off, int64_t end) {
     return past > off + 8 ? past : off + 8;
 }
 
-/* Rows of the records from ``off`` (see segscan.py); returns how many, ``*stop`` = where it stopped. */
+/* Rows of the records from ``off`` (see segment_scan.py); returns how many, ``*stop`` = where it stopped. */
 int64_t kvt_seg_scan(const uint8_t *b, int64_t off, int64_t end, int64_t room, int64_t budget,
                      int64_t max_records, int64_t *rows, int64_t *stop) {
     int64_t n = 0, read = 0;

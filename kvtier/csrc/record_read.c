@@ -1,12 +1,12 @@
-/* One L3 record read as a CPython extension (module kvtier_recread), wrapped by
-   kvtier/tiers/recread.py, which documents each function, the GIL and the SIGBUS guard.
+/* One L3 record read as a CPython extension (module kvtier_record_read), wrapped by
+   kvtier/tiers/disk/record_read.py, which documents each function, the GIL and the SIGBUS guard.
    Built on first use by kvtier/_clib.py against this interpreter's headers; the wrapper's
    flags define, from its Python constants:
-     KVT_REC_MAGIC      a record header's magic (segfile.REC_MAGIC)
-     KVT_REC_HDR        a record header's bytes (segfile.REC_HEADER_BYTES)
+     KVT_REC_MAGIC      a record header's magic (segment.REC_MAGIC)
+     KVT_REC_HDR        a record header's bytes (segment.REC_HEADER_BYTES)
      KVT_RELEASE_BYTES  values larger than this are copied with the GIL let go of */
 #if !defined(KVT_REC_MAGIC) || !defined(KVT_REC_HDR) || !defined(KVT_RELEASE_BYTES)
-#error "built by kvtier/tiers/recread.py, which defines KVT_REC_MAGIC, KVT_REC_HDR and KVT_RELEASE_BYTES"
+#error "built by kvtier/tiers/disk/record_read.py, which defines KVT_REC_MAGIC, KVT_REC_HDR and KVT_RELEASE_BYTES"
 #endif
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -155,7 +155,7 @@ static PyObject *take(const uint8_t *base, long long limit, long long off, PyObj
     return out;
 }
 
-/* read(mm, fd, limit, off, key, vlen) -> bytes | None; see recread.py. */
+/* read(mm, fd, limit, off, key, vlen) -> bytes | None; see record_read.py. */
 static PyObject *read_record(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 6 || CRC == NULL) {
         PyErr_SetString(PyExc_TypeError, "read(mm, fd, limit, off, key, vlen), after set_crc");
@@ -327,10 +327,10 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, .m_name = "kvtier_recread", .m_doc = NULL, .m_size = -1, .m_methods = methods,
+    PyModuleDef_HEAD_INIT, .m_name = "kvtier_record_read", .m_doc = NULL, .m_size = -1, .m_methods = methods,
 };
 
-PyMODINIT_FUNC PyInit_kvtier_recread(void) {
+PyMODINIT_FUNC PyInit_kvtier_record_read(void) {
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PASS == NULL) {

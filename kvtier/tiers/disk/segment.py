@@ -21,7 +21,7 @@ import sys
 from collections.abc import Iterator
 
 from kvtier._crc import IMPLEMENTATION, crc32
-from .errors import DiskFullError
+from ..errors import DiskFullError
 
 SEG_MAGIC = b"KVTSEG01"
 SEG_HDR = struct.Struct("<8sIQQI")  # magic, version, segment id, segment_bytes, crc32 of the rest
