@@ -58,3 +58,45 @@ def test_bad_select_score_names_the_field():
 
     with pytest.raises(ValueError, match="select_score"):
         KVTierConfig(select_score="oracle")
+
+
+@pytest.mark.parametrize("successors, expected", [(False, [1, 3, 5, 7]), (True, [1, 2, 3, 4])])
+def test_successors_take_the_block_after_each_best(tmp_path, successors, expected):
+    """A copy that runs past the end of a matching block continues in the next one, whose own
+    keys need not match the query: with ``select_successors`` half the slots follow the best."""
+    bt = 4
+    store = make_store(tmp_path, block_tokens=bt, hot_tokens=16 * bt, budget_tokens=5 * bt, sink_tokens=0,
+                       window_tokens=0, attention="sparse", select_successors=successors)
+    seq = store.add_sequence()
+    blocks = [torch.zeros(2, bt, HD).half() for _ in range(10)]
+    for b, strength in ((1, 4.0), (3, 3.0), (5, 2.0), (7, 1.5)):  # ranked 1 > 3 > 5 > 7, the rest 0
+        blocks[b][:, :, 0] = strength
+    _fill(store, seq, blocks, bt)
+    q = torch.zeros(4, 1, HD)
+    q[:, 0, 0] = 1.0
+    assert store.select(seq, 0, q, 5 * bt) == expected
+    store.close()
+
+
+def test_successors_fill_slots_a_successor_already_holds(tmp_path):
+    # the best two are adjacent: 2's successor is 3, itself among the best; the freed slot goes
+    # to the next best (6), then the successors of the best two are 3 and 4
+    bt = 4
+    store = make_store(tmp_path, block_tokens=bt, hot_tokens=16 * bt, budget_tokens=5 * bt, sink_tokens=0,
+                       window_tokens=0, attention="sparse", select_successors=True)
+    seq = store.add_sequence()
+    blocks = [torch.zeros(2, bt, HD).half() for _ in range(10)]
+    for b, strength in ((2, 4.0), (3, 3.0), (6, 2.0)):
+        blocks[b][:, :, 0] = strength
+    _fill(store, seq, blocks, bt)
+    q = torch.zeros(4, 1, HD)
+    q[:, 0, 0] = 1.0
+    assert store.select(seq, 0, q, 5 * bt) == [2, 3, 4, 6]
+    store.close()
+
+
+def test_bad_select_successors_names_the_field():
+    from kvtier.config import KVTierConfig
+
+    with pytest.raises(ValueError, match="select_successors"):
+        KVTierConfig(select_successors="yes")
