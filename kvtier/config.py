@@ -317,7 +317,7 @@ class KVTierConfig:
 
     select_successors: bool = False
     """Sparse mode: half of the blocks chosen by query go to the best-ranked blocks and the other half
-    to the block after each of them. A long answer copied out of the context runs from one block into
+    (an odd count's last slot: the next best) to the block after each of them. A long answer copied out of the context runs from one block into
     the next, and the next block's digest need not rank (the copying heads are few). Off by default:
     not yet shown to pay on enough samples (docs/results/long-answers.md)."""
 

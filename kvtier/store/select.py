@@ -52,10 +52,11 @@ class Selector:
         return sorted(b + lo for b in torch.topk(scores, k, sorted=False).indices.tolist())
 
     def _with_successors(self, t: BlockTable, query: torch.Tensor, lo: int, hi: int, k: int) -> list[int]:
-        """``k`` blocks of [lo, hi): the best ``ceil(k/2)`` and the block after each (the window
-        starts at ``hi``: a successor there is attended anyway), the slots left (successors that
-        were already chosen or lie in the window) filled by the next best; ascending."""
-        best = self._top(t, query, lo, hi, -(-k // 2))
+        """``k`` blocks of [lo, hi): the best ``k // 2`` and the block after each (the window
+        starts at ``hi``: a successor there is attended anyway), the slots left (an odd k's last,
+        successors that were already chosen or lie in the window) filled by the next best;
+        ascending."""
+        best = self._top(t, query, lo, hi, k // 2)
         chosen = set(best) | {b + 1 for b in best if b + 1 < hi}
         n = len(best)
         while len(chosen) < k:

@@ -95,6 +95,22 @@ def test_successors_fill_slots_a_successor_already_holds(tmp_path):
     store.close()
 
 
+def test_successors_with_an_odd_slot_count(tmp_path):
+    # 5 slots: the best two, their successors, and the third best
+    bt = 4
+    store = make_store(tmp_path, block_tokens=bt, hot_tokens=16 * bt, budget_tokens=6 * bt, sink_tokens=0,
+                       window_tokens=0, attention="sparse", select_successors=True)
+    seq = store.add_sequence()
+    blocks = [torch.zeros(2, bt, HD).half() for _ in range(12)]
+    for b, strength in ((1, 4.0), (5, 3.0), (9, 2.0)):
+        blocks[b][:, :, 0] = strength
+    _fill(store, seq, blocks, bt)
+    q = torch.zeros(4, 1, HD)
+    q[:, 0, 0] = 1.0
+    assert store.select(seq, 0, q, 6 * bt) == [1, 2, 5, 6, 9]
+    store.close()
+
+
 def test_bad_select_successors_names_the_field():
     from kvtier.config import KVTierConfig
 
