@@ -66,3 +66,22 @@ def test_ratio_interval_is_paired():
     assert half["mean"] == pytest.approx(4 / 7) and half["lo"] < 4 / 7 < half["hi"] <= 1.0
     with pytest.raises(ValueError, match="same length"):
         ratio_ci([1], [1, 1], seed=0)
+
+
+def test_eval_runs_an_extraction_task_end_to_end(tmp_path):
+    import json
+
+    from kvtier.cli import main
+
+    out = tmp_path / "out"
+    argv = ["eval", "--suite", "ruler", "--tasks", "extract_words", "--contexts", "512", "--samples", "2",
+            "--only", "kvtier int4 sparse L1=12.5%", "--threads", "1", "--out", str(out)]
+    assert main(argv) == 0
+    doc = json.loads((out / "eval.json").read_text())
+    rows = {r["config"]: r["accuracy"] for r in doc["results"]}
+    assert set(rows) == {"dynamic (ref)", "kvtier int4 sparse L1=12.5%"}
+    for acc in rows.values():
+        assert [s["task"] for s in acc["samples"]] == ["extract_words"] * 2
+        assert all(0.0 <= s["partial"] <= 1.0 and s["score"] in (0.0, 1.0) for s in acc["samples"])
+        assert acc["partial"] == sum(s["partial"] for s in acc["samples"]) / 2
+    assert "× ref [95% CI]" in (out / "eval.md").read_text()
