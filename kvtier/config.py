@@ -315,12 +315,6 @@ class KVTierConfig:
     Quest's bound sum_d max(q_d*min_d, q_d*max_d) over a max | min digest, summed over heads. Default
     ``centroid``: the better recall measured (docs/results/config-defaults.md#select_score)."""
 
-    select_successors: bool = False
-    """Sparse mode: half of the blocks chosen by query go to the best-ranked blocks and the other half
-    (an odd count's last slot: the next best) to the block after each of them. A long answer copied out of the context runs from one block into
-    the next, and the next block's digest need not rank (the copying heads are few). Off by default:
-    not yet shown to pay on enough samples (docs/results/long-answers.md)."""
-
     digest_tokens: Optional[int] = None
     """``centroid`` only: tokens summarised by one key centroid; a block's score is its best sub-block's
     (one key that matches the query stands out of the mean of 2 keys, not of 16). A divisor of
@@ -516,8 +510,6 @@ class KVTierConfig:
         """Eviction policy and how sparse attention scores blocks (``digest_tokens`` filled here)."""
         check_choice("policy", self.policy, get_args(Policy))
         check_choice("select_score", self.select_score, get_args(SelectScore))
-        if not isinstance(self.select_successors, bool):
-            raise ValueError(f"select_successors must be True or False; got {self.select_successors!r}")
         check_choice("digest_dtype", self.digest_dtype, get_args(DigestDType))
         check_choice("attention_math", self.attention_math, get_args(AttentionMath))
         if self.digest_tokens is None:

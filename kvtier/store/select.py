@@ -33,38 +33,18 @@ class Selector:
         k = nb - s_end - (ns - w_start)
         sel = list(range(s_end))
         if k > 0:
-            if lay.select_successors and k > 1 and w_start - s_end > k:
-                sel += self._with_successors(t, query, s_end, w_start, k)
+            if self.cscore:
+                # scores and selection in one compiled call, already ascending
+                top = cscore.top_blocks(self.query_f32(query), t.digest, s_end, w_start,
+                                        lay.digest_score == "quest", lay.head_dim ** -0.5, k,
+                                        lay.digest_parts, t.digest_scale)
+                sel += [b + s_end for b in top]
             else:
-                sel += self._top(t, query, s_end, w_start, k)
+                scores = self.scores(t, query, s_end, w_start)
+                top = torch.topk(scores, k, sorted=False).indices.tolist()
+                sel += sorted(b + s_end for b in top)
         sel += range(w_start, ns)
         return sel
-
-    def _top(self, t: BlockTable, query: torch.Tensor, lo: int, hi: int, k: int) -> list[int]:
-        """The ``k`` best-scoring sealed blocks of [lo, hi), ascending."""
-        lay = self.layout
-        if self.cscore:
-            # scores and selection in one compiled call, already ascending
-            top = cscore.top_blocks(self.query_f32(query), t.digest, lo, hi, lay.digest_score == "quest",
-                                    lay.head_dim ** -0.5, k, lay.digest_parts, t.digest_scale)
-            return [b + lo for b in top]
-        scores = self.scores(t, query, lo, hi)
-        return sorted(b + lo for b in torch.topk(scores, k, sorted=False).indices.tolist())
-
-    def _with_successors(self, t: BlockTable, query: torch.Tensor, lo: int, hi: int, k: int) -> list[int]:
-        """``k`` blocks of [lo, hi): the best ``k // 2`` and the block after each (the window
-        starts at ``hi``: a successor there is attended anyway), the slots left (an odd k's last,
-        successors that were already chosen or lie in the window) filled by the next best;
-        ascending."""
-        best = self._top(t, query, lo, hi, k // 2)
-        chosen = set(best) | {b + 1 for b in best if b + 1 < hi}
-        n = len(best)
-        while len(chosen) < k:
-            # the next best beyond the first n: top(n') adds at most n' - n blocks (it holds top(n))
-            n += k - len(chosen)
-            chosen |= set(self._top(t, query, lo, hi, n))
-        assert len(chosen) == k, f"selected {len(chosen)} blocks for {k} slots"
-        return sorted(chosen)
 
     def query_f32(self, query: torch.Tensor) -> torch.Tensor:
         """Checked query [q_heads, q_len, head_dim] as contiguous float32 on the device."""
