@@ -82,7 +82,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--windows", type=_positive("--windows", 1, 1000), default=None,
                    help="text suite: text windows (and as many recall-probe windows) per context")
     p.add_argument("--tasks", default=",".join(NIAH_TASKS),
-                   help="ruler suite: comma-separated RULER tasks (default: the NIAH family)")
+                   help="ruler suite: comma-separated RULER tasks (default: the NIAH family) and/or long-answer "
+                        "extraction tasks (extract_hex, extract_b32, extract_digits, extract_words, extract_multi)")
     p.add_argument("--samples", type=_positive("--samples", 1, 500), default=None,
                    help=f"ruler suite: samples per task and context (default {RULER_DEFAULT['samples']})")
     p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens", 1, 4096), default=None,
@@ -134,9 +135,13 @@ class _Plan:
         self.samples = args.samples or RULER_DEFAULT["samples"]
         self.text = self._check_text(args.text)
         if self.suite == "ruler":
-            from kvtier.eval import ruler
+            from kvtier.eval import extract, ruler
 
-            self.tasks = ruler.check_tasks([t.strip() for t in args.tasks.split(",") if t.strip()])
+            names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+            theirs = [t for t in names if t not in extract.EXTRACT_TASKS]
+            if theirs or not names:
+                ruler.check_tasks(theirs)
+            self.tasks = names
         else:
             self.tasks = []
         out = Path(args.out)
@@ -262,10 +267,16 @@ def run(args: argparse.Namespace) -> int:
                     windows += probe_windows(tok, text, ids, ctx, plan.windows, seed=args.seed)
                 tasks[ctx] = windows
         else:
+            from kvtier.config import default_block_tokens
+            from kvtier.eval import extract
+
             tok_dir = model_dir(args.model)
             for ctx in plan.contexts:
                 tasks[ctx] = [s for task in plan.tasks
-                              for s in ruler.generate(task, tok, tok_dir, ctx, plan.samples, seed=42 + args.seed)]
+                              for s in (extract.generate(task, tok, ctx, plan.samples, seed=42 + args.seed,
+                                                         block_tokens=default_block_tokens("sparse"))
+                                        if task in extract.EXTRACT_TASKS else
+                                        ruler.generate(task, tok, tok_dir, ctx, plan.samples, seed=42 + args.seed))]
     dtype = parse_dtype(args.dtype)
     say(f"loading model in {str(dtype).removeprefix('torch.')} (CPU: {cpu_name()}, native bf16 matmul: "
         f"{cpu_has_native_bf16()})")

@@ -221,15 +221,24 @@ def _ruler_accuracy(ref: list[Result], got: list[Result], seed: int) -> dict:
     for r, g in pairs:
         tasks.setdefault(g.sample.task, []).append(g.score)
     mean_ref = statistics.fmean(rs)
-    return {
+    part = [g.partial for _, g in pairs if g.partial is not None]
+    extra = {}
+    if len(part) == len(pairs):
+        extra = {"partial": statistics.fmean(part),
+                 "partial_ref": statistics.fmean(r.partial for r, _ in pairs)}
+    out = {
         "ruler": statistics.fmean(sc), "ruler_ref": mean_ref,
         "ruler_rel": statistics.fmean(sc) / mean_ref if mean_ref > 0 else float("nan"),
         "ruler_tasks": {t: statistics.fmean(v) for t, v in sorted(tasks.items())},
-        "ci": {"ruler": metrics.mean_ci(sc, seed)},
+        "ci": {"ruler": metrics.mean_ci(sc, seed), "ruler_rel": metrics.ratio_ci(rs, sc, seed)},
         "diff": {"ruler": metrics.paired_diff(rs, sc, seed)},
-        "samples": [{"task": g.sample.task, "index": g.sample.index, "score": g.score,
+        "samples": [{"task": g.sample.task, "index": g.sample.index, "score": g.score, "partial": g.partial,
                      "prediction": g.prediction} for _, g in pairs],
+        **extra,
     }
+    if extra:
+        out["ci"]["partial"] = metrics.mean_ci(part, seed)
+    return out
 
 
 def summarise(spec: CacheSpec, context: int, ref: list[Result], got: list[Result], seed: int = 0) -> dict:
