@@ -55,7 +55,7 @@ def test_a_valid_size_resolves_to_itself_in_the_config_and_the_store(kwargs):
         lay = st.layout
         bt = lay.block_tokens
         assert bt == res["block_tokens"]
-        assert lay.hot_blocks * bt == res["device_tokens"]
+        assert lay.device_blocks * bt == res["device_tokens"]
         assert lay.budget_tokens == res["budget_tokens"]
         assert lay.sink_blocks * bt == res["sink_tokens"]
         assert lay.window_blocks * bt == res["window_tokens"]

@@ -27,6 +27,7 @@ class ContentIndex:
         self.layout = layout
         self.content_fp = content_fp
         self.residency = residency
+        self.copies = residency.copies  # under the same (state) lock
         self.io = io
         self.offload = offload
         self.counters = counters
@@ -95,7 +96,7 @@ class ContentIndex:
             return
         key = self.key(t.layer, h)
         adopt = None
-        if self.residency.record_of(key) is None:
+        if self.copies.record_of(key) is None:
             adopt = self.offload.l3_size(key)
         rec, data = self.residency.join_content(e, key, adopt)
         if data is not None:
@@ -136,7 +137,7 @@ class ContentIndex:
 
     def _available_locally(self, key: str) -> bool:
         # an entry always has a copy somewhere (its home)
-        return self.residency.available(key) or self.offload.l3_holds(key)
+        return self.copies.available(key) or self.offload.l3_holds(key)
 
     def read_blocks(self, block_hash: str) -> list[torch.Tensor] | None:
         """Decoded [2, kv_heads, block_tokens, head_dim] blocks of ``block_hash``, one per layer:

@@ -27,6 +27,7 @@ class Evictor:
                  counters: Counters, batch_blocks: int) -> None:
         self.layout = layout
         self.residency = residency
+        self.copies = residency.copies  # under the same (state) lock
         self.io = io
         self.offload = offload
         self.counters = counters
@@ -40,11 +41,11 @@ class Evictor:
 
     def make_room(self, t: BlockTable, need: int, exclude=frozenset()) -> None:
         """Ensure ``need`` more blocks of ``t`` fit in L1. Waits only when L1 is truly full."""
-        hot = self.layout.hot_blocks
-        while t.resident + need > hot:
-            over = t.resident + need - hot
+        device_blocks = self.layout.device_blocks
+        while t.resident + need > device_blocks:
+            over = t.resident + need - device_blocks
             self.residency.free_clean_victims(t, over, exclude)
-            if t.resident + need <= hot:
+            if t.resident + need <= device_blocks:
                 return
             self.counters.add(sync_evictions=1)
             if t.pending:
@@ -56,7 +57,7 @@ class Evictor:
             before = t.resident
             self.worker.submit(items)
             if not items:
-                if t.resident + need <= hot:
+                if t.resident + need <= device_blocks:
                     return  # the victims were clean: freed at once
                 held = self.residency.held_blocks(t)
                 if held:  # the failure that did it, if not raised yet, is raised with it
@@ -164,13 +165,13 @@ class Evictor:
     def _put_backups(self, backups: list) -> None:
         """Put the base-codec backups of blocks stored below it to L3 (tier lock held). A refused
         one is just not there: the block then has its low copy only, and is never upgraded."""
-        todo = [(e, value) for e, value in backups if self.residency.needs_l3(e.rec)]
+        todo = [(e, value) for e, value in backups if self.copies.needs_l3(e.rec)]
         oks = self.offload.put_l3([(e.rec.key, value) for e, value in todo]) if todo else []
         stale = []
         for (e, value), ok in zip(todo, oks):
             if not ok:
                 self.counters.add(precision_backup_failed=1)
-            elif self.residency.landed_l3(e.rec, len(value), written_through=True):
+            elif self.copies.landed_l3(e.rec, len(value), written_through=True):
                 self.counters.add(precision_backups=1, swap_out_l3_bytes=len(value))
             else:
                 stale.append(e.rec.key)  # dropped while being written
@@ -192,6 +193,6 @@ class Evictor:
         codec = e.evict_codec or plan.base
         self.counters.add(**{f"precision_{codec}": 1})
         backup = None
-        if plan.below_base(codec) and plan.recalls and self.offload.l3 is not None and self.residency.needs_l3(e.rec):
+        if plan.below_base(codec) and plan.recalls and self.offload.l3 is not None and self.copies.needs_l3(e.rec):
             backup = self.io.encode_pair(block, "l3")
         return self.io.encode_pair(block, "l2", codec), backup

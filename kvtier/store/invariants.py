@@ -27,26 +27,23 @@ def check(residency: Residency, offload: OffloadTiers) -> None:
                 assert on_disk - unreferenced == l3_keys, "L3 keys differ from the blocks' L3 copies"
             else:
                 assert not l3_keys, "L3 copies without an L3"
-            live = residency.copies.values()
-            below = dict(copies_l2=sum(1 for r in live if r.l2), copies_l3=sum(1 for r in live if r.l3),
-                         bytes_l2=sum(r.l2_bytes for r in live if r.l2),
-                         bytes_l3=sum(r.l3_bytes for r in live if r.l3))
-            assert residency.below == below, f"copies/bytes below L1 {residency.below} != counted {below}"
+            below, counted = residency.copies.below, residency.copies.counted()
+            assert below == counted, f"copies/bytes below L1 {below} != counted {counted}"
 
 
 def _check_tables(residency: Residency):
-    hot = residency.layout.hot_blocks
+    device_blocks = residency.layout.device_blocks
     l1_keys, l2_keys, l3_keys = set(), set(), set()
     homes = {"l1": 0, "l2": 0, "l3": 0}
     for tables in residency.tables.values():
         for t in tables:
             assert t.pending == 0, f"{t.seq}/{t.layer}: {t.pending} blocks still pending"
-            assert t.resident == sum(e.slot is not None for e in t.entries) <= hot, \
+            assert t.resident == sum(e.slot is not None for e in t.entries) <= device_blocks, \
                 f"{t.seq}/{t.layer}: resident count {t.resident} is wrong"
             assert t.slotted == {e.idx: e for e in t.entries if e.slot is not None}, "slotted map is wrong"
             assert not t.entries or t.entries[-1].slot is not None, "open block left L1"
             # region: every resident block in its table's own slots, at[] the inverse of slot
-            assert len(t.at) == t.cap == hot, "region size is wrong"
+            assert len(t.at) == t.cap == device_blocks, "region size is wrong"
             assert {id(e): e.slot - t.base for e in t.entries if e.slot is not None} == \
                 {id(e): p for p, e in enumerate(t.at) if e is not None}, "region map is not the inverse of slots"
             if t.entries and t.open_view is not None:

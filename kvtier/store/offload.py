@@ -38,7 +38,9 @@ class OffloadTiers:
         self.layout = layout
         self.io = io
         self.counters = counters
-        self.residency = None  # the residency part, attached once it exists (it needs L1 first)
+        # the residency part and its copy records, attached once they exist (they need L1 first)
+        self.residency = None
+        self.copies = None
         self._disk_full_warned = False
         # L3 first: an unwritable disk_path fails before anything is allocated.
         self.l3 = open_disk(cfg) if cfg.disk_path is not None else None
@@ -88,11 +90,11 @@ class OffloadTiers:
                 if isinstance(rec, str):
                     want.append((i, *anywhere, rec))
                     continue
-                if self.residency.upgrade_due(rec):
+                if self.copies.upgrade_due(rec):
                     out[i] = self._upgrade(rec, device)
                     if out[i] is not None:
                         continue
-                want.append((i, *self.residency.flags(rec)))
+                want.append((i, *self.copies.flags(rec)))
             v2 = self._get_many(self.l2, [w[4] if w[1] else None for w in want])
             v3 = self._get_many(self.l3, [w[4] if w[2] and v is None else None for w, v in zip(want, v2)])
         l4 = []
@@ -131,7 +133,7 @@ class OffloadTiers:
                 else:
                     self.counters.add(misses_l4=1)
             if noted:
-                self.residency.note_l4(noted)
+                self.copies.note_l4(noted)
         return out
 
     @staticmethod
@@ -152,7 +154,7 @@ class OffloadTiers:
         except ValueError:  # corrupt bytes: a miss, never wrong data
             out = None
         if out is None:
-            self.residency.upgrade_failed(rec)
+            self.copies.upgrade_failed(rec)
             self.counters.add(precision_upgrade_failed=1, misses_l3=1)
             return None
         self.l2.delete(rec.key)
@@ -221,8 +223,8 @@ class OffloadTiers:
     def _in_use(self, keys: list[str]) -> list[bool]:
         """Which L3 records eviction must keep: process-local ones (a live sequence's only
         copy) and content records a live block references."""
-        residency = self.residency
-        live = residency.referenced(keys) if residency is not None else [True] * len(keys)
+        copies = self.copies
+        live = copies.referenced(keys) if copies is not None else [True] * len(keys)
         return [ref or not CONTENT_KEY.fullmatch(k) for k, ref in zip(keys, live)]
 
     def offer_l3(self, items: list) -> list[bool | None]:
@@ -237,7 +239,7 @@ class OffloadTiers:
 
     def _reclaim_orphans(self) -> int:
         """Delete L3 content records no live block references (tier lock held)."""
-        orphans = [k for k in self.residency.unreferenced(self.l3.keys()) if CONTENT_KEY.fullmatch(k)]
+        orphans = [k for k in self.copies.unreferenced(self.l3.keys()) if CONTENT_KEY.fullmatch(k)]
         if orphans:
             self.l3.delete_many(orphans)
             self.counters.add(orphans_deleted=len(orphans))
@@ -252,7 +254,7 @@ class OffloadTiers:
         """
         out, already = [], []
         for key, value in items:
-            rec = self.residency.record_of(key)
+            rec = self.copies.record_of(key)
             if rec is None:
                 continue  # dropped meanwhile: nothing to keep
             if rec.l3:
@@ -263,7 +265,7 @@ class OffloadTiers:
         stale = []
         for (key, rec, packed), ok in zip(out, oks):
             if ok:
-                if self.residency.landed_l3(rec, len(packed), written_through=False):
+                if self.copies.landed_l3(rec, len(packed), written_through=False):
                     self.counters.add(swap_out_l3_bytes=len(packed))
                 else:
                     stale.append(key)
@@ -281,7 +283,7 @@ class OffloadTiers:
             self.l2.delete_many(l2_keys)
             if self.l3 is not None:
                 self.l3.delete_many(l3_keys)
-            self.residency.recount()
+            self.copies.recount()
 
     def close(self) -> None:
         try:

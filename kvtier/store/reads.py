@@ -70,9 +70,9 @@ class Reader:
         ns = len(t.entries) - 1
         if ns < 0:
             raise ValueError(f"sequence {t.seq} layer {t.layer} is empty")
-        hot = self.layout.hot_blocks
-        if len(blocks) >= hot:
-            raise ValueError(f"blocks must number at most {hot - 1} (the L1 budget less the "
+        device_blocks = self.layout.device_blocks
+        if len(blocks) >= device_blocks:
+            raise ValueError(f"blocks must number at most {device_blocks - 1} (the L1 budget less the "
                              f"open block); got {len(blocks)}")
         for b in blocks:
             if not 0 <= b < ns:

@@ -106,9 +106,9 @@ def _check_memory(cfg: KVTierConfig, slot_bytes: int, num_layers: int, device: t
             raise ValueError(f"device_bytes must fit the L1 device ({device}: {room:,} bytes); "
                              f"got {cfg.device_bytes:,}")
         return
-    hot_blocks = cfg.device_tokens // bt
-    # the store adds up to hot_blocks - 1 scratch slots per sequence (a selection's swap-ins)
-    l1 = slot_bytes * cfg.max_sequences * (num_layers * hot_blocks + max(1, hot_blocks - 1))
+    device_blocks = cfg.device_tokens // bt
+    # the store adds up to device_blocks - 1 scratch slots per sequence (a selection's swap-ins)
+    l1 = slot_bytes * cfg.max_sequences * (num_layers * device_blocks + max(1, device_blocks - 1))
     if l1 > room:
         most = room // (slot_bytes * cfg.max_sequences * (num_layers + 1)) * bt
         raise ValueError(

@@ -84,19 +84,20 @@ class KVStore:
             namespace=cfg.namespace,
         ) if fingerprint else None
         # regions first (placed by the residency part: table.py), then the scratch slots
-        regions = cfg.max_sequences * num_layers * lay.hot_blocks
-        self.l1 = DeviceTier(lay.slot_shape, pool_slots(lay.hot_blocks, cfg.max_sequences, num_layers),
+        regions = cfg.max_sequences * num_layers * lay.device_blocks
+        self.l1 = DeviceTier(lay.slot_shape, pool_slots(lay.device_blocks, cfg.max_sequences, num_layers),
                              dtype=lay.dtype, device=lay.device, slot_axis=2, placed_slots=regions)
         self.residency = Residency(lay, self.l1, self.policy, self.counters)
-        self.offload.residency = self.residency
+        self.copies = self.residency.copies
+        self.offload.residency, self.offload.copies = self.residency, self.copies
         self.evictor = Evictor(lay, self.residency, self.io, self.offload, self.counters, cfg.evict_batch_blocks)
         # write-through of content-addressed blocks to L3 (reuse after restart) and L4 (sharing
         # across processes), batched and off the decode path
         self.publisher = None
         if (self.l3 is not None or self.l4 is not None) and self.content_fp and cfg.write_through:
-            self.publisher = WriteThrough(self.residency, self.io, self.offload, self.counters,
+            self.publisher = WriteThrough(self.copies, self.io, self.offload, self.counters,
                                           cfg.evict_batch_blocks)
-            self.residency.publish_to = (self.l3 is not None, self.l4 is not None)
+            self.copies.publish_to = (self.l3 is not None, self.l4 is not None)
         self.content = ContentIndex(lay, self.content_fp, self.residency, self.io, self.offload,
                                     self.counters, self.publisher)
         # "auto": only where swap-ins decode on another engine (GPU); on a CPU host the thread
@@ -121,7 +122,8 @@ class KVStore:
     device = property(lambda self: self.layout.device)
     block_tokens = property(lambda self: self.layout.block_tokens)
     slot_bytes = property(lambda self: self.layout.slot_bytes)
-    hot_blocks = property(lambda self: self.layout.hot_blocks)
+    # L1 blocks per (sequence, layer): Layout.device_blocks, under the name of the store contract
+    hot_blocks = property(lambda self: self.layout.device_blocks)
     budget_tokens = property(lambda self: self.layout.budget_tokens)
     sink_blocks = property(lambda self: self.layout.sink_blocks)
     window_blocks = property(lambda self: self.layout.window_blocks)
@@ -157,7 +159,7 @@ class KVStore:
             if short <= 0:
                 return
             lay = self.layout
-            per = (lay.num_layers * lay.hot_blocks + scratch_slots(lay.hot_blocks, 1)) * lay.slot_bytes
+            per = (lay.num_layers * lay.device_blocks + scratch_slots(lay.device_blocks, 1)) * lay.slot_bytes
             have = residency.groups
             want = max(2 * have, have + short)
             limit = self.cfg.device_max_bytes
@@ -171,7 +173,7 @@ class KVStore:
                     f"device_tokens, or close caches you no longer use")
             self.flush()  # no swap-out reads a slot while the pool moves
             try:
-                residency.add_groups(want - have, scratch_slots(lay.hot_blocks, 1))
+                residency.add_groups(want - have, scratch_slots(lay.device_blocks, 1))
             except MemoryError as exc:
                 raise MemoryError(
                     f"kvtier L1: growing the device pool from {have} to {want} sequences "
@@ -422,10 +424,10 @@ class KVStore:
         t = self._table(seq, layer)
         bt = self.block_tokens
         budget = self.budget_tokens if budget_tokens is None else budget_tokens
-        if budget > self.hot_blocks * bt or budget < bt or budget % bt:
+        if budget > self.layout.device_blocks * bt or budget < bt or budget % bt:
             # whole blocks only: a selection is whole blocks, another count would be rounded down
             raise ValueError(f"budget_tokens must be a whole number of blocks (block_tokens={bt}) in "
-                             f"[{bt}, {self.hot_blocks * bt}]; got {budget}")
+                             f"[{bt}, {self.layout.device_blocks * bt}]; got {budget}")
         sel = self.selector.select(t, query, budget)
         self.prefetcher.selected(self.residency.tables_of(seq), layer, sel)
         return sel

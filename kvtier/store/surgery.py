@@ -1,9 +1,11 @@
 """Sequence surgery: cut a sequence back anywhere (crop), fork one sharing its sealed blocks.
 
 What ``TieredCache.crop`` / ``fork`` / ``copy.deepcopy`` and the batch methods need. Tables,
-entries and copies change under the residency lock through Residency's lock-held helpers, as
-Regions does; tier I/O (a swap-in for the block a cut reopens, deleting copies) goes through
-OffloadTiers without that lock, in the store's order (tier lock before state lock).
+entries and copy records change under the state lock through the lock-held helpers of Residency
+and its CopyRecords (a cut or dropped block's last reference lists its copies for deletion;
+content-addressed L3 copies stay for later prefix matches), as Regions does; tier I/O (a
+swap-in for the block a cut reopens, deleting copies) goes through OffloadTiers without that
+lock, in the store's order (tier lock before state lock).
 
 ```
  truncate to 1.5 blocks          before  [ b0 ][ b1 ][ b2 ][ b3 open ]
@@ -65,7 +67,7 @@ class SequenceSurgery:
             # undone append may have sealed it, even without opening the next one)
             if length < keep * bt:
                 with residency.lock:
-                    self._unref(e, drop2, drop3)
+                    residency.copies.release(e, drop2, drop3, keep_content=True)
                     fresh = BlockCopies(e.key)
                     e.held = False  # new content: a failed swap-out of the old says nothing of it
         if drop2 or drop3:
@@ -74,7 +76,7 @@ class SequenceSurgery:
             if fresh is not None:  # registered only now: its key may have named a dropped copy
                 e.rec = fresh
                 fresh.entries.append(e)
-                residency.copies[e.key] = fresh
+                residency.copies.add(fresh)
             t.length = length
             if t.entries:
                 residency._open_views(t)
@@ -100,7 +102,7 @@ class SequenceSurgery:
                 n.rec = e.rec
                 e.rec.entries.append(n)
             else:
-                residency.copies[n.key] = n.rec
+                residency.copies.add(n.rec)
             n.last_used, n.mass, n.importance = e.last_used, e.mass, e.importance
             d.entries.append(n)
             residency.by_key[n.key] = n
@@ -131,18 +133,5 @@ class SequenceSurgery:
         if e.slot is not None:
             residency.l1.delete(e.key)
             t.free_slot(e)
-        self._unref(e, drop2, drop3)
+        residency.copies.release(e, drop2, drop3, keep_content=True)
         residency.by_key.pop(e.key, None)
-
-    def _unref(self, e: BlockEntry, drop2: list, drop3: list) -> None:
-        """Drop ``e``'s reference to its copies; the last one lists them for deletion
-        (content-addressed L3 copies stay for later prefix matches). Lock held."""
-        rec = e.rec
-        rec.entries.remove(e)
-        if not rec.entries:
-            if self.residency.copies.get(rec.key) is rec:
-                del self.residency.copies[rec.key]
-            if rec.l2:
-                drop2.append(rec.key)
-            if rec.l3 and not rec.content:
-                drop3.append(rec.key)

@@ -5,17 +5,17 @@ from __future__ import annotations
 import warnings
 
 from .blockio import BlockIO
+from .copies import CopyRecords
 from .offload import OffloadTiers
-from .residency import Residency
 from .stats import Counters
 from .swap import SwapOutWorker
 from .table import BlockCopies
 
 
 class WriteThrough:
-    def __init__(self, residency: Residency, io: BlockIO, offload: OffloadTiers, counters: Counters,
+    def __init__(self, copies: CopyRecords, io: BlockIO, offload: OffloadTiers, counters: Counters,
                  batch_blocks: int) -> None:
-        self.residency = residency
+        self.copies = copies
         self.io = io
         self.offload = offload
         self.counters = counters
@@ -45,7 +45,7 @@ class WriteThrough:
         caller (evictor.py)."""
         todo = []
         for rec, data in batch:
-            if self.residency.needs_publish(rec):
+            if self.copies.needs_publish(rec):
                 try:
                     todo.append((rec, self.io.disk_record(data)))
                 except Exception as exc:
@@ -73,7 +73,7 @@ class WriteThrough:
         offload = self.offload
         with offload.lock:
             # a spill may have put some meanwhile
-            put3 = [(r, p) for r, p in todo if self.residency.needs_l3(r)]
+            put3 = [(r, p) for r, p in todo if self.copies.needs_l3(r)]
             oks = offload.offer_l3([(r.key, p) for r, p in put3]) if put3 else []
             stale = []
             for (rec, packed), ok in zip(put3, oks):
@@ -81,7 +81,7 @@ class WriteThrough:
                     self.counters.add(pub_l3_not_admitted=1)
                 elif not ok:
                     self.counters.add(pub_l3_failed=1)
-                elif self.residency.landed_l3(rec, len(packed), written_through=True):
+                elif self.copies.landed_l3(rec, len(packed), written_through=True):
                     self.counters.add(pub_l3_blocks=1, pub_l3_bytes=len(packed))
                 else:
                     stale.append(rec.key)  # dropped while being written
@@ -89,11 +89,11 @@ class WriteThrough:
                 offload.l3.delete_many(stale)
 
     def _put_l4(self, todo: list) -> None:
-        put4 = [(r, p) for r, p in todo if not self.residency.flags(r)[2]]
+        put4 = [(r, p) for r, p in todo if not self.copies.flags(r)[2]]
         oks = self.offload.l4.put_many([(r.key, p) for r, p in put4])  # a dead server: all False
         for (rec, packed), ok in zip(put4, oks):
             if ok:
-                self.residency.published_l4(rec)
+                self.copies.published_l4(rec)
                 self.counters.add(pub_l4_blocks=1, pub_l4_bytes=len(packed))
             else:
                 self.counters.add(pub_l4_failed=1)

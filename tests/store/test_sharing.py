@@ -459,7 +459,7 @@ def test_a_held_record_that_fails_to_read_is_read_once_and_ends_the_prefix_there
     _, hashes = store.content.prefix_hashes(PREFIX_IDS)
 
     def only_in_l3(b):
-        rec = store.residency.record_of(store.content.key(1, hashes[b]))
+        rec = store.copies.record_of(store.content.key(1, hashes[b]))
         return rec.l3 and not rec.l2 and all(e.slot is None for e in rec.entries)
 
     b = next(b for b in range(4, len(hashes)) if only_in_l3(b))
