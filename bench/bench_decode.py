@@ -90,7 +90,7 @@ class PeakMemory:
 def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: float):
     from kvtier.config import KVTierConfig
     from kvtier.eval.baselines import make_baseline
-    from kvtier.integrations.cache import TieredCache
+    from kvtier.hf.cache import TieredCache
 
     if name in BASELINE_CONFIGS:
         return make_baseline(name, model)
@@ -107,7 +107,7 @@ def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: f
 
 def kv_bytes(cache) -> int:
     from kvtier.eval.baselines import cache_bytes
-    from kvtier.integrations.cache import TieredCache
+    from kvtier.hf.cache import TieredCache
 
     if isinstance(cache, TieredCache):
         return sum(cache.stats()["bytes"].values())
@@ -117,7 +117,7 @@ def kv_bytes(cache) -> int:
 @torch.inference_mode()
 def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_tokens: int,
             l1_fraction: float) -> dict:
-    from kvtier.integrations.cache import TieredCache, detach
+    from kvtier.hf.cache import TieredCache, detach
 
     device = ids.device
     gc.collect()
@@ -192,7 +192,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from kvtier.integrations.model import load_model, text_ids
+    from kvtier.models import load_model, text_ids
 
     device = torch.device(args.device)
     model, tok = load_model(dtype=_DTYPES[args.dtype], device=device)
