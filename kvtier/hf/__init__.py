@@ -8,6 +8,7 @@ for a model and switches the model to kvtier's attention (``kvtier.attach`` and
  layer.py      TieredLayer: one model layer (CacheLayerMixin); K/V gathered from the store
  rows.py       batch rows -> store sequences (all-or-nothing rebatching, forks)
  prefix.py     token ids of each forward -> content-addressed keys; linking a stored prefix
+ steps.py      the forward in flight: begun, finished layer by layer, or rolled back
  hooks.py      forward hooks on the model: ids in, failed steps rolled back
  handover.py   what update() hands to kvtier's attention; the step in flight
  attention.py  kvtier's attention functions (registered with transformers)

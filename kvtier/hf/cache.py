@@ -22,21 +22,11 @@ chunked prefill, a speculative verification) may attend in two unmasked passes m
 log-sum-exp instead of one SDPA over an explicit mask (``Handover(SPLIT)``,
 :func:`kvtier.hf.attention.split_prefix_attention`; only when the mask is exactly causal).
 
-A forward that fails anywhere leaves no trace: its step is rolled back (every layer cropped to
-where it started) when the model's forward hook sees the exception, or at the latest when the
-next forward starts; hand-overs travel in that forward's own attention kwargs, so nothing of it
-can reach a later forward of this or any other cache.
-
-Prefix reuse: the store gets the token ids of what is appended (captured from ``input_ids`` by a
-forward pre-hook that :func:`attach` registers, or given with :meth:`TieredCache.note_tokens`),
-so full blocks get content-addressed keys. Before a prefill, :meth:`TieredCache.load_prefix` links
-the longest prefix already stored (by another cache of the same store, an earlier process's L3
-directory, or the L4 server) and ``generate`` computes only the rest:
-
-```
- n = cache.load_prefix(ids)                    # tokens found, whole blocks, < len(ids)
- model.generate(ids, cache=cache)              # transformers feeds ids[:, n:] only
-```
+A forward that fails anywhere leaves no trace (:mod:`.steps`); hand-overs travel in that forward's
+own attention kwargs, so nothing of it can reach a later forward of this or any other cache.
+Prefix reuse (:mod:`.prefix`): full blocks get content-addressed keys from the token ids of what
+is appended, and :meth:`TieredCache.load_prefix` links the longest prefix already stored before a
+prefill, so ``generate`` computes only the rest.
 
 Batch rows must all have the same length (transformers pads; padding masks are respected by both
 paths). ``crop`` cuts every row anywhere (assisted, speculative and prompt-lookup decoding);
@@ -60,6 +50,8 @@ from . import registry
 from .handover import HANDOVER_KWARG, Handover, Step, StepKind
 from .hooks import ForwardObserver, detach, register_hooks, switch_attention
 from .layer import TieredLayer
+from .prefix import TokenKeys
+from .steps import ForwardSteps
 from .rows import BatchRows
 from .sparse import budgeted_attention
 
@@ -148,7 +140,7 @@ class TieredCache(Cache, ForwardObserver):
         # a model with inputs beside text (images, audio: a composite config) makes K/V the
         # token ids do not name (an image's placeholder ids are the same for every image), and
         # a forward may carry them with no sign the ids can see: its blocks are never shared
-        self._shareable = bool(self.fingerprint) and (
+        shareable = bool(self.fingerprint) and (
             model_config is None or model_config.get_text_config(decoder=True) is model_config)
         # the model object this cache was built for: another model's forward is refused
         self._model = weakref.ref(model) if model is not None else None
@@ -167,6 +159,7 @@ class TieredCache(Cache, ForwardObserver):
             lease = registry.lease_existing(store)
         self.store = lease.store
         self._rows = BatchRows(self.store)
+        self._keys = TokenKeys(self.store, self._rows, salt, shareable)
         self._finalizer = weakref.finalize(self, _release, self._rows, lease)
         super().__init__(layers=[TieredLayer(self, i) for i in range(num_layers)])
         self._sparse = config.attention == "sparse"
@@ -177,14 +170,10 @@ class TieredCache(Cache, ForwardObserver):
         self._observe = config.policy in _OBSERVING_POLICIES and (
             self._sparse or (config.precision == "importance" and model is not None))
         self._budget = self.store.budget_tokens
-        self._step: Step | None = None
-        # token ids of the forward in flight (set by the pre-hook), noted at its layer-0 update
-        self._next_ids: torch.Tensor | None = None
-        self._ids_ok = self._shareable  # False once a forward came without ids
-        self._observed: list[tuple[int, int, list[int], torch.Tensor]] = []
         self._counters = dict(forwards=0, decode_steps=0, sparse_steps=0, dense_steps=0,
                               attended_tokens=0, context_tokens=0, selected_blocks=0,
                               rolled_back_steps=0, cropped_tokens=0)
+        self._steps = ForwardSteps(self.store, self._rows, self._keys, self.layers, self._counters)
         if model is not None:
             register_hooks(model)
             switch_attention(model)
@@ -249,13 +238,13 @@ class TieredCache(Cache, ForwardObserver):
         if h != self.kv_heads or d != self.head_dim:
             raise ValueError(f"key states must be [batch, {self.kv_heads}, t, {self.head_dim}]; got {tuple(k.shape)}")
         if l == 0:
-            self._begin_step(b, t)
+            self._steps.begin(b, t)
         step = self._step
         if step is None:
             raise ValueError(f"first update of a forward must be layer 0; got layer {l}")
         stale = step.unclaimed()
         if stale is not None or b != len(self._rows) or layer.length != step.start or t != step.tokens:
-            self._abort_step()
+            self._steps.abort()
             if stale is not None:
                 raise RuntimeError(
                     f"TieredCache: layer {stale.layer} appended in sparse mode but kvtier's attention "
@@ -270,13 +259,13 @@ class TieredCache(Cache, ForwardObserver):
             if not layer.is_initialized:
                 layer.lazy_initialization(k, v)
             if l == 0:
-                self._note_ids(t, past)
+                self._keys.note(t, past)
             for row, seq in enumerate(self._rows.seqs):
                 self.store.append(seq, l, k[row], v[row])  # [kv_heads, t, head_dim]
             layer.length = past + t
             out = self._hand_over(l, k, v, past, t, attn_kwargs)
         except BaseException:
-            self._abort_step()
+            self._steps.abort()
             raise
         if l == 0:
             self._counters["forwards"] += 1
@@ -295,80 +284,23 @@ class TieredCache(Cache, ForwardObserver):
             return out
         if t > 1 and past > 0 and attn_kwargs is not None and self.config.attention_math != "sdpa":
             self._offer(StepKind.SPLIT, l, out[0], attn_kwargs)  # a hint: SDPA is as right
-        self._layer_done(l, self.layers[l].length)
+        self._steps.layer_done(l, self.layers[l].length)
         return out
 
     def _offer(self, kind: StepKind, l: int, key: torch.Tensor, attn_kwargs: dict) -> None:
         h = Handover(self, l, kind, weakref.ref(key))
         attn_kwargs[HANDOVER_KWARG] = h
         if kind is not StepKind.SPLIT:  # the layer cannot finish without its attention
-            self._step.handover = h
-
-    def _begin_step(self, b: int, t: int) -> None:
-        prev = self._step
-        if prev is not None and not prev.finished:
-            self._abort_step()  # an earlier forward failed where no hook saw it
-        registered = False
-        if not self._rows.seqs:
-            if b < 1:
-                raise ValueError(f"first update must have batch >= 1; got {b}")
-            self._rows.register(b)  # all or none: a refused batch registers nothing
-            registered = True
-        elif b != len(self._rows):
-            n = len(self._rows)
-            hint = (f" (a filled cache is not expanded by generate(): for num_beams or num_return_sequences "
-                    f"call cache.batch_repeat_interleave({b // n}) first)") if b % n == 0 else ""
-            raise ValueError(f"batch size must stay {n} for this cache; got {b}{hint}")
-        self._step = Step(start=self.layers[0].length, tokens=t, registered=registered)
-
-    def _layer_done(self, l: int, attended: int) -> None:
-        step = self._step
-        step.done.add(l)
-        if l == 0:
-            self._counters["context_tokens"] += self.layers[0].length
-        self._counters["attended_tokens"] += attended
-        if l == self.num_layers - 1:
-            if self._observed:
-                for seq, layer, sel, mass in self._observed:
-                    self.store.observe(seq, layer, sel, mass)
-                self._observed.clear()
-            self.store.end_step()
-            step.finished = True
-
-    def _abort_step(self) -> None:
-        """Roll the forward in flight back: every layer as it was before it (no trace left)."""
-        step, self._step = self._step, None
-        self._observed.clear()
-        self._next_ids = None
-        if step is None or self.store.closed:
-            return
-        self._counters["rolled_back_steps"] += 1
-        if step.registered:
-            self._rows.release()
-            for layer in self.layers:
-                layer.reset()
-            self._ids_ok = self._shareable
-            return
-        self._rows.truncate(step.start)
-        for layer in self.layers:
-            layer.length = min(layer.length, step.start)
+            self._steps.current.handover = h
 
     def forward_ended(self, failed: bool) -> None:
         """The model's forward returned (``failed``: it raised). Called by the forward hook."""
-        step = self._step
-        if step is None:
-            return
-        if failed:
-            self._abort_step()
-            return
-        self._step = None
-        if not step.finished:
-            self._step = step
-            self._abort_step()
-            missing = sorted(set(range(self.num_layers)) - step.done)
-            raise RuntimeError(f"TieredCache: the forward returned with layers {missing[:8]} not finished "
-                               f"(the step was rolled back); the model must have {self.num_layers} "
-                               f"layers and attend through attn_implementation='kvtier'")
+        self._steps.ended(failed)
+
+    @property
+    def _step(self) -> Step | None:
+        """The forward in flight (:class:`.steps.ForwardSteps`), None between forwards."""
+        return self._steps.current
 
     # -- token ids and prefix reuse ------------------------------------------------------------------
 
@@ -376,21 +308,12 @@ class TieredCache(Cache, ForwardObserver):
         """Token ids of the next forward ([batch, t], what ``input_ids`` holds); the pre-hook of
         :func:`attach` calls this. They are noted in the store when that forward appends."""
         self._check_open()
-        self._next_ids = input_ids
+        self._keys.expect(input_ids)
 
-    def _note_ids(self, t: int, past: int) -> None:
-        """Note the ids of this forward, only while every earlier token's ids were noted (a gap
-        would shift every later block's key): afterwards blocks keep process-local keys."""
-        ids, self._next_ids = self._next_ids, None
-        if not self._ids_ok:
-            return
-        store = self.store
-        if ids is None or ids.dim() != 2 or ids.shape != (len(self._rows), t) \
-                or any(store.tokens_noted(seq) != past for seq in self._rows):
-            self._ids_ok = False
-            return
-        for row, seq in enumerate(self._rows.seqs):
-            store.note_tokens(seq, ids[row], self.salt)
+    @property
+    def _ids_ok(self) -> bool:
+        """Whether this cache's blocks still get content-addressed keys (:class:`.prefix.TokenKeys`)."""
+        return self._keys.ok
 
     def note_tokens(self, input_ids: torch.Tensor) -> None:
         """Explicitly give the ids of the next forward (when the model is not :func:`attach`-ed)."""
@@ -417,32 +340,11 @@ class TieredCache(Cache, ForwardObserver):
             raise ValueError("input_ids must be a [batch, T] tensor of token ids with T >= 1")
         if self.get_seq_length() or any(self.store.seq_len(s, 0) for s in self._rows):
             raise ValueError("load_prefix needs an empty cache (call it before the prefill, or reset())")
-        if not self._shareable:
-            return 0
-        store = self.store
-        rows = input_ids[:, :-1].cpu()
-        if not self._rows.seqs:
-            self._rows.register(rows.shape[0])
-        elif len(self._rows) != rows.shape[0]:
-            raise ValueError(f"batch size must stay {len(self._rows)} for this cache; got {rows.shape[0]}")
-        if len(self._rows) == 1:  # one row: attach reads as far as it finds (one pass, L4 batched)
-            n = store.attach_prefix(self._rows.seqs[0], rows[0], self.salt)
-        else:
-            n = min(store.match_prefix(r, self.salt) for r in rows)
-            for _ in range(3):
-                got = [store.attach_prefix(seq, r[:n], self.salt) for seq, r in zip(self._rows.seqs, rows)] if n else []
-                if not got or min(got) == max(got) == n:
-                    break
-                # a block vanished between match and attach (L3 reclaimed it, the server evicted
-                # it): cut every row to what every row got
-                n = min(got)
-                self._rows.truncate(n)
-            else:
-                raise RuntimeError("load_prefix: the stored prefix kept changing while being attached")
+        n = self._keys.link(input_ids)
         if n == 0:
             return 0
         self._filled(n)
-        store.end_step()
+        self.store.end_step()
         self._counters["prefix_tokens"] = self._counters.get("prefix_tokens", 0) + n
         return n
 
@@ -483,7 +385,7 @@ class TieredCache(Cache, ForwardObserver):
                                            None if keys is None else keys[row].to(self.store.dtype))
         if l == 0:
             self._counters["dense_steps"] += 1
-        self._layer_done(l, self.layers[l].length)
+        self._steps.layer_done(l, self.layers[l].length)
 
     def sparse_attention(self, l: int, query: torch.Tensor, attention_mask: torch.Tensor | None,
                          scaling: float, module: torch.nn.Module | None = None) -> torch.Tensor:
@@ -498,11 +400,11 @@ class TieredCache(Cache, ForwardObserver):
         sdpa = module if self.config.attention_math == "sdpa" else None
         r = budgeted_attention(self.store, self._rows.seqs, l, query, attention_mask, scaling,
                                self._budget, self._observe, sdpa_module=sdpa)
-        self._observed += r.observed
+        self._steps.observed += r.observed
         if l == 0:
             self._counters["sparse_steps"] += 1
         self._counters["selected_blocks"] += r.selected_blocks
-        self._layer_done(l, r.attended)
+        self._steps.layer_done(l, r.attended)
         return r.out
 
     # -- batch manipulation (all or nothing: .rows) ---------------------------------------------------
@@ -547,7 +449,7 @@ class TieredCache(Cache, ForwardObserver):
                              f"transformers refuses the old positive crop(max_length) too); got {n}")
         cur = self.get_seq_length()
         target = max(0, cur + n)
-        self._step = None  # between forwards: nothing is in flight
+        self._steps.current = None  # between forwards: nothing is in flight
         if target >= cur:
             return
         self._rows.truncate(target)
@@ -561,10 +463,9 @@ class TieredCache(Cache, ForwardObserver):
         of a later conversation, until L3 needs the room."""
         self._check_open()
         self._rows.release()
-        self._next_ids = None
-        self._ids_ok = self._shareable
-        self._step = None
-        self._observed.clear()
+        self._keys.restart()
+        self._steps.current = None
+        self._steps.observed.clear()
         for layer in self.layers:
             layer.reset()
 
@@ -587,14 +488,14 @@ class TieredCache(Cache, ForwardObserver):
                             head_dim=self.head_dim, dtype=self.dtype, device=self.device,
                             fingerprint=self.fingerprint, store=self.store, salt=self.salt)
         other._model = self._model
-        other._shareable = self._shareable
+        other._keys.shareable = self._keys.shareable
         other._rows.seqs = self._rows.fork_all()
         for mine, theirs in zip(self.layers, other.layers):
             theirs.length = mine.length
             theirs.is_initialized = mine.is_initialized
             if mine.is_initialized:
                 theirs.device = mine.device
-        other._ids_ok = self._ids_ok
+        other._keys.ok = self._keys.ok
         return other
 
     def __deepcopy__(self, memo) -> "TieredCache":
