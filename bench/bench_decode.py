@@ -13,7 +13,7 @@ one after the other, so the ratios compare like with like:
 Reported per (context, config): decode tokens/s and its ratio to DynamicCache, peak memory
 above the model (CUDA: max allocated; CPU: peak RSS sampled every 2 ms), and KV bytes per token
 (all tiers; quantized parts, scales and residual windows included) as a ratio to DynamicCache.
-Target (issue 5): kvtier int4 sparse at 4k >= 1.0x DynamicCache speed and >= 1.3x quanto int4,
+Target: kvtier int4 sparse at 4k >= 1.0x DynamicCache speed and >= 1.3x quanto int4,
 at fewer bytes per token than both.
 
     python bench/bench_decode.py                 # 1k and 4k context, 32 timed steps

@@ -1,4 +1,4 @@
-"""Time to first token with a shared prefix, on the real model (issue 7).
+"""Time to first token with a shared prefix, on the real model.
 
 A 4k-token prompt whose first 3k tokens are a prefix another request already computed (a system
 prompt, a document). Time to first token = the prefill forward that yields the first token's
