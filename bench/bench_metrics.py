@@ -46,7 +46,7 @@ def _median_s(fn, reps: int) -> float:
 
 
 def _store(tmp: str, seqs: int, tokens: int) -> tuple[KVStore, list[int]]:
-    cfg = KVTierConfig(block_tokens=BLOCK, hot_tokens=128, host_bytes=256 << 10, disk_path=os.path.join(tmp, "l3"),
+    cfg = KVTierConfig(block_tokens=BLOCK, device_tokens=128, host_bytes=256 << 10, disk_path=os.path.join(tmp, "l3"),
                        codec="int8", policy="lru", max_sequences=seqs)
     store = KVStore(cfg, num_layers=LAYERS, kv_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float32,
                     fingerprint="bench-metrics")

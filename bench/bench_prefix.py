@@ -57,7 +57,7 @@ _CODEC = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp16"}
 def make_config(args, **kw):
     from kvtier.config import KVTierConfig
 
-    base = dict(block_tokens=args.block_tokens, hot_tokens=args.hot_tokens, codec=_CODEC[args.dtype],
+    base = dict(block_tokens=args.block_tokens, device_tokens=args.device_tokens, codec=_CODEC[args.dtype],
                 host_bytes=args.host_mb << 20, policy="lru", attention="dense", dtype=args.dtype)
     base.update(kw)
     return KVTierConfig(**base)
@@ -174,7 +174,7 @@ def child(args) -> int:
 def run_child(args, kind: str, **extra) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--prompt", str(args.prompt),
            "--prefix", str(args.prefix), "--block-tokens", str(args.block_tokens),
-           "--hot-tokens", str(args.hot_tokens), "--host-mb", str(args.host_mb), "--dtype", args.dtype,
+           "--device-tokens", str(args.device_tokens), "--host-mb", str(args.host_mb), "--dtype", args.dtype,
            "--threads", str(args.threads or torch.get_num_threads()), "--repeat", str(args.repeat)]
     for k, v in extra.items():
         cmd += [f"--{k.replace('_', '-')}", v]
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
     ap.add_argument("--prefix", type=int, default=3072, help="shared leading tokens")
     ap.add_argument("--block-tokens", type=int, default=64)
-    ap.add_argument("--hot-tokens", type=int, default=512, help="L1 budget per sequence and layer")
+    ap.add_argument("--device-tokens", type=int, default=512, help="L1 budget per sequence and layer")
     ap.add_argument("--host-mb", type=int, default=512, help="L2 ring size")
     ap.add_argument("--dtype", choices=["auto", *sorted(_DTYPES)], default="auto",
                     help="model dtype; auto: kvtier.hardware.compute_dtype (bf16 only on a CPU with native bf16)")
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
 
         args.dtype = str(compute_dtype("cpu")).removeprefix("torch.")
     if args.smoke:
-        args.prompt, args.prefix, args.block_tokens, args.hot_tokens = 256, 192, 32, 64
+        args.prompt, args.prefix, args.block_tokens, args.device_tokens = 256, 192, 32, 64
         args.threads = args.threads or 1
         args.repeat = 1
     if args.repeat < 1:
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
 
     try:
         print(f"# prompt={args.prompt} prefix={args.prefix} block_tokens={args.block_tokens} "
-              f"hot_tokens={args.hot_tokens} dtype={args.dtype} threads={torch.get_num_threads()} "
+              f"device_tokens={args.device_tokens} dtype={args.dtype} threads={torch.get_num_threads()} "
               f"repeat={args.repeat}")
         print(f"{'case':<14} {'TTFT s':>7} {'load s':>7} {'fwd s':>7} {'cold s':>7} {'x cold':>7} {'cpu x':>6} "
               f"{'loaded':>7} {'same':>5}  per pair x cold; hits", flush=True)

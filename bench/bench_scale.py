@@ -143,9 +143,9 @@ def raw_disk(path: str, nbytes: int) -> dict:
             "raw_read_cold_GBps": size / r / 1e9, "raw_read_warm_GBps": size / rw / 1e9}
 
 
-def make_store(a, shape, dirpath: str, hot_tokens: int, budget: int, max_seqs: int) -> KVStore:
+def make_store(a, shape, dirpath: str, device_tokens: int, budget: int, max_seqs: int) -> KVStore:
     layers, kvh, _, hd = shape
-    cfg = KVTierConfig(block_tokens=a.block_tokens, hot_tokens=hot_tokens, budget_tokens=budget,
+    cfg = KVTierConfig(block_tokens=a.block_tokens, device_tokens=device_tokens, budget_tokens=budget,
                        host_bytes=int(a.l2_gib * (1 << 30)), disk_path=dirpath, disk_bytes=a.disk_gib << 30,
                        codec=a.codec, policy="lru", attention="sparse", max_sequences=max_seqs, write_through=False,
                        prefetch_blocks=a.prefetch_blocks)
@@ -272,7 +272,7 @@ def run_grow(a, shape, root: str) -> dict:
     l3 = st.l3.stats()
     st.close()
     payload = stats.get("swap_out_l3_bytes", 0) or timed.put_b
-    return {"points": points, "wall_s": wall, "budget_fraction": 0.03, "hot_tokens": hot,
+    return {"points": points, "wall_s": wall, "budget_fraction": 0.03, "device_tokens": hot,
             "step_time_exponent": fit_exponent([p["context"] for p in points], [p["step_ms_p50"] for p in points]),
             # where the budget holds only sinks and window nothing is scored: a different regime
             "step_time_exponent_scored": fit_exponent([p["context"] for p in points if p["top_k"]],
@@ -347,7 +347,7 @@ def run_convs(a, shape, root: str) -> dict:
     st.close()
     shutil.rmtree(d, ignore_errors=True)
     tokens = a.convs * a.conv_tokens
-    return {"points": out, "budget_tokens": budget, "hot_tokens": hot, "low_watermark_blocks": st.layout.low,
+    return {"points": out, "budget_tokens": budget, "device_tokens": hot, "low_watermark_blocks": st.layout.low,
             "fill_s": fill_s, "tokens": tokens,
             "dedup_seals": stats.get("prefix", {}).get("dedup_seals"), "l3_disk_bytes": l3["disk_bytes"],
             "l3_bytes_written_per_token": l3["bytes_written"] / tokens,

@@ -49,7 +49,7 @@ def _cache(kind: str, model, ctx: int, tmp: str):
         return make_baseline("dynamic", model)
     lossless = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp16"
     bt = 16 if ctx < 512 else 64
-    cfg = kvtier.KVTierConfig(block_tokens=bt, hot_tokens=max(2 * bt, ctx // 4 // bt * bt),
+    cfg = kvtier.KVTierConfig(block_tokens=bt, device_tokens=max(2 * bt, ctx // 4 // bt * bt),
                               host_bytes=64 << 20, disk_path=f"{tmp}/{kind}", policy="lru",
                               codec=lossless if kind == "kvtier-dense" else "int4")
     return kvtier.attach(model, cfg)

@@ -91,6 +91,7 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
     """
     from kvtier.config import CODECS, GROUP_SIZES, KVTierConfig
     from kvtier.store.layout import pool_slots
+    from kvtier.store.sizing import check_model
 
     for name, v in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
                     ("concurrency", concurrency), ("avg_seq_len", avg_seq_len), ("max_seq_len", max_seq_len),
@@ -123,21 +124,21 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
                              f"bytes here); got {hbm_bytes:,}")
         hot = Fraction(min(live, hbm_bytes // bf))
     # per sequence, whole blocks, at least one and at most what the longest sequence needs
-    hot_tokens = int(hot / concurrency) // block_tokens * block_tokens
-    hot_tokens = max(block_tokens, min(hot_tokens, _ceil(Fraction(max_seq_len, block_tokens)) * block_tokens))
-    need_l2 = _ceil(max(Fraction(0), (live - hot_tokens * concurrency) * bc))
+    device_tokens = int(hot / concurrency) // block_tokens * block_tokens
+    device_tokens = max(block_tokens, min(device_tokens, _ceil(Fraction(max_seq_len, block_tokens)) * block_tokens))
+    need_l2 = _ceil(max(Fraction(0), (live - device_tokens * concurrency) * bc))
     need_l3 = _ceil(concurrency * max_seq_len * bc)
     try:
-        cfg = _config(layers, kv_heads, head_dim, dtype, block_tokens, hot_tokens, concurrency,
-                      max(0, live - hot_tokens * concurrency), need_l3, codec, group_size, disk_path)
-        KVTierConfig.from_dict(cfg).check_model(layers, kv_heads, head_dim, _torch_dtype(dtype), machine=False)
+        cfg = _config(layers, kv_heads, head_dim, dtype, block_tokens, device_tokens, concurrency,
+                      max(0, live - device_tokens * concurrency), need_l3, codec, group_size, disk_path)
+        check_model(KVTierConfig.from_dict(cfg), layers, kv_heads, head_dim, _torch_dtype(dtype), machine=False)
     except ValueError as e:
         raise ValueError(f"this workload needs a configuration KVTierConfig does not accept ({e}); "
                          f"lower --max-seq-len, --avg-seq-len or --concurrency") from None
     # what a store with this config allocates (L1: its pool, scratch slots included; L2: the
     # ring; L3: the bound its files grow to), floors included: at least one block record in L2,
     # two segments in L3
-    l1 = pool_slots(hot_tokens // block_tokens, concurrency, layers) * (bf // layers) * block_tokens
+    l1 = pool_slots(device_tokens // block_tokens, concurrency, layers) * (bf // layers) * block_tokens
     l2, l3 = cfg["host_bytes"], cfg["disk_bytes"]
     achieved = Fraction(l2, l1)
     out = {
@@ -158,7 +159,7 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
         "needed": {"l2_dram_bytes": need_l2, "l3_ssd_bytes": need_l3},
         "config": cfg,
     }
-    out["sparse"] = _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, hot_tokens,
+    out["sparse"] = _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, device_tokens,
                                  block_tokens, cfg, bf)
     if heads is not None:
         out["gqa"] = {"heads": heads, "kv_heads": kv_heads, "mha_bytes_per_token": bf * heads // kv_heads,
@@ -181,17 +182,18 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
     from kvtier.config import KVTierConfig, lossless_codec
     from kvtier.presets import preset_fields
     from kvtier.store.layout import pool_slots
+    from kvtier.store.sizing import check_model
 
     probe = KVTierConfig.preset("long-context")
     bt = probe.block_tokens
     hot = max(4 * bt, int(max_seq_len * SPARSE_SHARE) // bt * bt)
     fields = preset_fields("long-context", {
-        "hot_tokens": hot, "max_sequences": concurrency, "host_bytes": dense_cfg["host_bytes"],
+        "device_tokens": hot, "max_sequences": concurrency, "host_bytes": dense_cfg["host_bytes"],
         "disk_path": dense_cfg["disk_path"], "disk_bytes": dense_cfg["disk_bytes"],
         "disk_segment_bytes": dense_cfg["disk_segment_bytes"], "codec": dense_cfg["codec"],
         "group_size": dense_cfg["group_size"]}, lossless_codec)
     cfg = KVTierConfig(**fields)
-    cfg.check_model(layers, kv_heads, head_dim, _torch_dtype(dtype), machine=False)
+    check_model(cfg, layers, kv_heads, head_dim, _torch_dtype(dtype), machine=False)
     digest_tokens = cfg.digest_tokens
     digest_per_token = Fraction(layers * kv_heads * (head_dim + 4), digest_tokens)
     l1_kv = pool_slots(hot // bt, concurrency, layers) * (bf // layers) * bt
@@ -199,7 +201,7 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
     return {
         "recommended": dense_hot * 4 < max_seq_len,
         "share": float(SPARSE_SHARE),
-        "hot_tokens": hot,
+        "device_tokens": hot,
         "l1_kv_bytes": l1_kv,
         "l1_digest_bytes": l1_digests,
         "digest_bytes_per_token": round(float(digest_per_token), 3),
@@ -208,19 +210,20 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
     }
 
 
-def _config(layers, kv_heads, head_dim, dtype, block_tokens, hot_tokens, concurrency, l2_tokens, l3, codec,
+def _config(layers, kv_heads, head_dim, dtype, block_tokens, device_tokens, concurrency, l2_tokens, l3, codec,
             group_size, disk_path) -> dict:
     """KVTierConfig fields for the plan. L2 holds ``l2_tokens`` as ring records (headers
     included) and at least one block; L3 holds ``l3`` bytes in whole segments, at least two
     (compaction needs a second one), each segment at least one record."""
-    from kvtier.config import KVTierConfig, block_record_bytes
+    from kvtier.config import KVTierConfig
+    from kvtier.store.sizing import block_record_bytes
 
-    probe = KVTierConfig(block_tokens=block_tokens, hot_tokens=hot_tokens, codec=codec, group_size=group_size)
+    probe = KVTierConfig(block_tokens=block_tokens, device_tokens=device_tokens, codec=codec, group_size=group_size)
     rec_l2, rec_l3 = block_record_bytes(probe, layers, kv_heads, head_dim, _torch_dtype(dtype))
     host = max(4096, rec_l2, -(-l2_tokens // block_tokens) * layers * rec_l2)
     seg = max(rec_l3, -(-min(64 << 20, max(4096, l3 // 2)) // 4096) * 4096)  # whole pages, <= 64 MiB
     disk = max(2 * seg, -(-l3 // seg) * seg)
-    return {"block_tokens": block_tokens, "hot_tokens": hot_tokens, "max_sequences": concurrency,
+    return {"block_tokens": block_tokens, "device_tokens": device_tokens, "max_sequences": concurrency,
             "host_bytes": host, "disk_path": disk_path, "disk_bytes": disk, "disk_segment_bytes": seg,
             "codec": codec, "group_size": group_size}
 

@@ -23,7 +23,7 @@ def test_seed_formula_and_ratio_in_range():
     t = out["tiers"]
     assert t["ratio_in_range"] and 4.0 <= t["dram_to_hbm"] <= 8.0
     assert t["l3_ssd_bytes"] >= out["bytes_per_sequence"]["max_codec"] * 8 - 1
-    assert out["config"]["hot_tokens"] % 64 == 0
+    assert out["config"]["device_tokens"] % 64 == 0
 
 
 def test_hbm_given_reports_ratio():

@@ -35,10 +35,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, choices=choices_of(Policy), help="which blocks leave L1 first (default h2o)")
     p.add_argument("--attention", default=None, choices=choices_of(Attention),
                    help="dense: attend to every token; sparse: sink + recent window + the blocks the query selects")
-    p.add_argument("--hot-tokens", type=token_count, default=None,
+    p.add_argument("--device-tokens", type=token_count, default=None,
                    help="tokens per sequence and layer kept in L1 at full precision (e.g. 512 or 4k)")
+    # the old name of --device-tokens, accepted for one release (the config warns naming the new one)
+    p.add_argument("--hot-tokens", type=token_count, default=None, help=argparse.SUPPRESS)
     p.add_argument("--budget-tokens", type=token_count, default=None,
-                   help="sparse attention: tokens attended per step (default: hot-tokens)")
+                   help="sparse attention: tokens attended per step (default: device-tokens)")
     p.add_argument("--block-tokens", type=int, default=None, help="tokens per block (default 16 sparse, 64 dense)")
     p.add_argument("--host-bytes", type=size, default=None, help="L2 DRAM ring size, e.g. 256M or 2G")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
@@ -65,8 +67,8 @@ def _fields(args) -> dict:
         fields = preset_fields(args.preset, {"dtype": dtype}, lossless_codec)
     if args.config:
         fields.update(KVTierConfig.from_toml(args.config).to_dict())
-    for name in ("codec", "order", "policy", "attention", "hot_tokens", "budget_tokens", "block_tokens",
-                 "host_bytes"):
+    for name in ("codec", "order", "policy", "attention", "device_tokens", "hot_tokens", "budget_tokens",
+                 "block_tokens", "host_bytes"):
         v = getattr(args, name)
         if v is not None:
             fields[name] = v

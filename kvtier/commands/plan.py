@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
           f"at full precision")
     flag = "" if t["ratio_in_range"] else "  (outside the 1:4-1:8 range)"
     need = plan["needed"]
-    print(f"L1 HBM     {_fmt(t['l1_hbm_bytes'])}  (hot_tokens={plan['config']['hot_tokens']:,} per sequence, "
+    print(f"L1 HBM     {_fmt(t['l1_hbm_bytes'])}  (device_tokens={plan['config']['device_tokens']:,} per sequence, "
           f"scratch slots included)")
     print(f"L2 DRAM    {_fmt(t['l2_dram_bytes'])}  HBM:DRAM = 1:{t['dram_to_hbm']:.1f}{flag}  (host_bytes; the "
           f"working set past L1 is {_fmt(need['l2_dram_bytes'])} {plan['codec']}, at least one block record)")
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"sparse     {why}. Sparse attention (the long-context preset) attends the sink, the recent "
           f"window and the blocks the query selects, {sp['share']:.0%} of the context per step:")
     print(f"  L1       {_fmt(sp['l1_kv_bytes'] + sp['l1_digest_bytes'])} = KV {_fmt(sp['l1_kv_bytes'])} "
-          f"(hot_tokens={sp['hot_tokens']:,}) + key digests {_fmt(sp['l1_digest_bytes'])} "
+          f"(device_tokens={sp['device_tokens']:,}) + key digests {_fmt(sp['l1_digest_bytes'])} "
           f"({sp['digest_bytes_per_token']:,.0f} B/token at max length)")
     sfields = ", ".join(f"{k}={v!r}" for k, v in sp["config"].items() if k != "preset")
     print(f"  config   KVTierConfig.preset({sp['config']['preset']!r}, {sfields})")

@@ -44,7 +44,7 @@ class BlockIO:
         if fast and layout.device.type == "cpu" and cpu_kernels.available():
             first, *rest = fast
             self.fast_decoder = BlockDecoder(*fast[first], shape, layout.dtype, {n: fast[n] for n in rest})
-        self.stage = ByteStage(cfg.byte_stage, cfg.lz4_min_saving)
+        self.stage = ByteStage(cfg.byte_stage, cfg.byte_stage_min_saving)
 
     def codec_identity(self) -> dict:
         """Every codec a record of this store may carry, with its K and V encodings' parameters

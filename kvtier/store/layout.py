@@ -12,6 +12,7 @@ import torch
 from kvtier.config import LOSSLESS_CODECS, KVTierConfig, lossless_codec
 
 from .precision import PrecisionPlan
+from .sizing import check_model
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -70,9 +71,9 @@ class Layout:
             dtype = DTYPES[cfg.dtype]
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be one of torch.float16, torch.bfloat16, torch.float32; got {dtype}")
-        # -- config sizes against this model's shape (kvtier.config owns the checks and messages:
+        # -- config sizes against this model's shape (sizing.py owns the checks and messages:
         # each names the user's field and the bound in bytes), before anything is allocated --
-        cfg.check_model(num_layers, kv_heads, head_dim, dtype, device)
+        check_model(cfg, num_layers, kv_heads, head_dim, dtype, device)
         # -- end of the config checks --
         bt = cfg.block_tokens
         slot_bytes = 2 * kv_heads * bt * head_dim * torch.empty((), dtype=dtype).element_size()
@@ -85,7 +86,7 @@ class Layout:
         if sink_blocks + window_blocks + 1 > budget // bt:
             raise ValueError(f"budget_tokens must be >= sink_tokens + window_tokens + one open block; "
                              f"got budget {budget} with sink_tokens={sink}, window_tokens={window}, "
-                             f"block_tokens={bt} (L1 budget from hot_bytes: {hot} blocks)")
+                             f"block_tokens={bt} (L1 budget from device_bytes: {hot} blocks)")
         high = min(hot, max(1, math.ceil(cfg.high_watermark * hot)))
         # A full-precision 16-bit tier codec follows the KV dtype (the config may be built before
         # the model's dtype is known; fp16 <-> bf16 would not be lossless and the codecs refuse it).
@@ -123,11 +124,11 @@ def pool_slots(hot_blocks: int, max_sequences: int, num_layers: int) -> int:
 
 
 def _hot_blocks(cfg: KVTierConfig, slot_bytes: int, num_layers: int) -> int:
-    if cfg.hot_bytes is None:
-        return cfg.hot_tokens // cfg.block_tokens
+    if cfg.device_bytes is None:
+        return cfg.device_tokens // cfg.block_tokens
     per = slot_bytes * num_layers * cfg.max_sequences
-    hot = cfg.hot_bytes // per
+    hot = cfg.device_bytes // per
     if hot < 1:
-        raise ValueError(f"hot_bytes must hold at least one block per layer and sequence "
-                         f"(>= {per} bytes for this model and max_sequences); got {cfg.hot_bytes}")
+        raise ValueError(f"device_bytes must hold at least one block per layer and sequence "
+                         f"(>= {per} bytes for this model and max_sequences); got {cfg.device_bytes}")
     return hot

@@ -10,7 +10,7 @@ def store_stats(store) -> dict:
     c = store.counters.snapshot()
     fp = store.residency.footprint()
     lat = store.counters.latency_summaries()
-    lower = store.lower
+    offload = store.offload
     bt = lay.block_tokens
     below = fp["below"]
     # digests live on the L1 device next to the pool: they are part of L1's footprint
@@ -26,8 +26,8 @@ def store_stats(store) -> dict:
         "digest_bytes": fp["digest_bytes"],
         "digest_reserved_bytes": fp["digest_reserved"],
         "bytes_per_token": {k: ratio(nbytes[k], tok[k]) for k in nbytes},
-        "tier_used_bytes": {"l1": store.l1.used_bytes, "l2": lower.l2.used_bytes,
-                            "l3": lower.l3.used_bytes if lower.l3 is not None else 0},
+        "tier_used_bytes": {"l1": store.l1.used_bytes, "l2": offload.l2.used_bytes,
+                            "l3": offload.l3.used_bytes if offload.l3 is not None else 0},
         "hits": {"l1": c["hits_l1"], "l2": c["hits_l2"], "l3": c["hits_l3"], "prefetch": c["pf_used"]},
         "misses": {"l1": c["misses_l1"], "l2": c["misses_l2"], "l3": c["misses_l3"]},
         "swap_in_bytes": {"l2": c["swap_in_l2_bytes"], "l3": c["swap_in_l3_bytes"]},
@@ -59,10 +59,10 @@ def store_stats(store) -> dict:
                    "block_tokens": bt, "hot_blocks": lay.hot_blocks, "budget_tokens": lay.budget_tokens},
         "fingerprint": store.fingerprint,
         "prefix": _prefix_stats(fp["refs"], c),
-        "remote": _remote_stats(lower.l4, c),
+        "remote": _remote_stats(offload.l4, c),
         # the L3 tier's own numbers: records, capacity, evictions, admission, bytes written,
         # compactions, corrupt records (None without L3)
-        "disk": lower.l3.stats() if lower.l3 is not None else None,
+        "disk": offload.l3.stats() if offload.l3 is not None else None,
         # stored blocks whose identity did not match this store's: read as misses
         "identity_refusals": c["identity_refusals"],
     }

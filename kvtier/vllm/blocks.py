@@ -124,7 +124,7 @@ def connector_config(extra: dict, block_tokens: int) -> tuple[KVTierConfig, str]
         raise ValueError(f"kv_connector_extra_config: codec must be one of {CODEC_CHOICES}; got {codec!r}")
     if codec == RAW:
         data.pop("codec")
-    data.update(block_tokens=block_tokens, hot_tokens=block_tokens)
+    data.update(block_tokens=block_tokens, device_tokens=block_tokens)
     return KVTierConfig.from_dict(data), codec
 
 

@@ -21,9 +21,9 @@ def _decode(model, cache, ids, start, after=lambda: None):
 
 
 @pytest.mark.parametrize("spec", [
-    CacheSpec("kv", "kvtier", {"codec": "int4", "attention": "sparse", "hot_tokens": 64, "block_tokens": 16,
+    CacheSpec("kv", "kvtier", {"codec": "int4", "attention": "sparse", "device_tokens": 64, "block_tokens": 16,
                                "host_bytes": 1 << 20, "policy": "lru", "write_through": False}),
-    CacheSpec("kvd", "kvtier", {"codec": "int4", "attention": "dense", "hot_tokens": 64, "block_tokens": 16,
+    CacheSpec("kvd", "kvtier", {"codec": "int4", "attention": "dense", "device_tokens": 64, "block_tokens": 16,
                                 "host_bytes": 1 << 20, "policy": "lru", "write_through": False}),
     CacheSpec("q", "quanto", {"nbits": 4}),
 ])
@@ -112,7 +112,7 @@ def test_a_slow_swap_out_worker_does_not_change_the_figures(model_bf16, tokenize
 
     ids = text_ids(tokenizer, 120)[0]
     w = Window("text", ids[:96].clone(), ids[96:].clone())
-    spec = CacheSpec("kv", "kvtier", {"codec": "int2", "attention": "dense", "hot_tokens": 32, "block_tokens": 16,
+    spec = CacheSpec("kv", "kvtier", {"codec": "int2", "attention": "dense", "device_tokens": 32, "block_tokens": 16,
                                       "host_bytes": 1 << 20, "policy": "lru", "write_through": False})
     fast = run_all(model_bf16, [spec], w, tmp_path)[0]
     batch = Evictor._swap_out_batch

@@ -21,7 +21,7 @@ from kvtier.models import text_ids
 
 
 def small_cfg(tmp_path, **kw) -> KVTierConfig:
-    base = dict(block_tokens=16, hot_tokens=64, host_bytes=256 << 10, disk_path=str(tmp_path / "l3"),
+    base = dict(block_tokens=16, device_tokens=64, host_bytes=256 << 10, disk_path=str(tmp_path / "l3"),
                 disk_segment_bytes=1 << 20, codec="fp16", policy="lru")
     base.update(kw)
     return KVTierConfig(**base)
@@ -158,7 +158,7 @@ def test_sparse_with_budget_covering_context_matches_dense(model, tokenizer, tmp
     # float32 model, every block stays in L1 (never encoded): only the attention kernel differs
     ids, mask = _padded_batch(tokenizer, model.generation_config.eos_token_id)
     ref = teacher_forced_logits(model, ids, make_baseline("dynamic", model), 176, attention_mask=mask)
-    cfg = small_cfg(tmp_path, hot_tokens=512, budget_tokens=256, attention="sparse", policy="h2o")
+    cfg = small_cfg(tmp_path, device_tokens=512, budget_tokens=256, attention="sparse", policy="h2o")
     restore_attention(model)
     with kvtier.attach(model, cfg) as cache:
         assert model.config._attn_implementation == "kvtier"
@@ -171,7 +171,7 @@ def test_sparse_with_budget_covering_context_matches_dense(model, tokenizer, tmp
 
 def test_sparse_budget_selects_blocks_back_from_l3(model_bf16, tokenizer, tmp_path, restore_attention):
     ids = text_ids(tokenizer, 512, offset=60000)
-    cfg = small_cfg(tmp_path, codec="int4", hot_tokens=128, budget_tokens=128, host_bytes=64 << 10,
+    cfg = small_cfg(tmp_path, codec="int4", device_tokens=128, budget_tokens=128, host_bytes=64 << 10,
                     attention="sparse", policy="h2o")
     restore_attention(model_bf16)
     with kvtier.attach(model_bf16, cfg) as cache, torch.inference_mode():
@@ -191,7 +191,7 @@ def test_sparse_budget_selects_blocks_back_from_l3(model_bf16, tokenizer, tmp_pa
 
 def test_sparse_generate_runs(model_bf16, tokenizer, tmp_path, restore_attention):
     ids = text_ids(tokenizer, 384, offset=70000)
-    cfg = small_cfg(tmp_path, codec="int8", hot_tokens=96, budget_tokens=96, attention="sparse",
+    cfg = small_cfg(tmp_path, codec="int8", device_tokens=96, budget_tokens=96, attention="sparse",
                     policy="h2o")
     restore_attention(model_bf16)
     with kvtier.attach(model_bf16, cfg) as cache:

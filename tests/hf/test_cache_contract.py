@@ -23,7 +23,7 @@ from kvtier.tiers import DiskTier
 
 
 def cfg(tmp_path, name="l3", **kw) -> KVTierConfig:
-    base = dict(block_tokens=16, hot_tokens=64, host_bytes=256 << 10, disk_path=str(tmp_path / name),
+    base = dict(block_tokens=16, device_tokens=64, host_bytes=256 << 10, disk_path=str(tmp_path / name),
                 disk_segment_bytes=1 << 20, codec="bf16", policy="lru")
     base.update(kw)
     return KVTierConfig(**base)
@@ -61,7 +61,7 @@ class _FailAt:
 def test_failed_step_is_rolled_back_and_hijacks_nothing(model_bf16, tokenizer, tmp_path, monkeypatch,
                                                         restore_attention, mode):
     ids = text_ids(tokenizer, 120, offset=1000)
-    kw = dict(attention="sparse", hot_tokens=128, budget_tokens=64, policy="h2o") if mode == "sparse" else {}
+    kw = dict(attention="sparse", device_tokens=128, budget_tokens=64, policy="h2o") if mode == "sparse" else {}
     restore_attention(model_bf16)
     with kvtier.attach(model_bf16, cfg(tmp_path, **kw)) as cache, \
             kvtier.attach(model_bf16, cfg(tmp_path, "twin", **kw)) as twin:
@@ -124,7 +124,7 @@ def test_a_failed_swap_out_fails_one_forward_of_its_cache_and_leaves_no_trace(mo
 
 
 def test_sparse_refusal_without_kvtier_attention_leaves_nothing(model_bf16, tokenizer, tmp_path):
-    c = cfg(tmp_path, attention="sparse", hot_tokens=128, budget_tokens=64)
+    c = cfg(tmp_path, attention="sparse", device_tokens=128, budget_tokens=64)
     assert model_bf16.config._attn_implementation == "sdpa"
     cache = TieredCache(c, model_config=model_bf16.config, dtype=torch.bfloat16)  # no model: no switch
     try:
@@ -151,9 +151,9 @@ def test_refused_batch_changes_roll_back(model_bf16, tokenizer, tmp_path):
     probe = kvtier.attach(model_bf16, cfg(tmp_path, "probe"))
     limit = 4 * _seq_bytes(probe.store)  # L1 may grow to 4 sequences, no further
     probe.close()
-    with kvtier.attach(model_bf16, cfg(tmp_path, max_sequences=2, hot_max_bytes=limit)) as cache:
+    with kvtier.attach(model_bf16, cfg(tmp_path, max_sequences=2, device_max_bytes=limit)) as cache:
         store = cache.store
-        with pytest.raises(MemoryError, match=f"hot_max_bytes={limit:,}"):
+        with pytest.raises(MemoryError, match=f"device_max_bytes={limit:,}"):
             _fwd(model_bf16, ids, cache)  # a first batch of 5
         assert store.sequences() == [] and cache.get_seq_length() == 0
         _fwd(model_bf16, ids[:2], cache)
@@ -174,7 +174,7 @@ def test_beam_search_beyond_the_l1_bound_fails_before_registering(model_bf16, to
     probe = kvtier.attach(model_bf16, cfg(tmp_path, "probe"))
     limit = 4 * _seq_bytes(probe.store)
     probe.close()
-    with kvtier.attach(model_bf16, cfg(tmp_path, hot_max_bytes=limit)) as cache:
+    with kvtier.attach(model_bf16, cfg(tmp_path, device_max_bytes=limit)) as cache:
         with pytest.raises(MemoryError, match="9 live sequences need"):
             greedy_generate(model_bf16, ids, cache, 4, num_beams=3)
         assert cache.store.sequences() == []
@@ -237,7 +237,7 @@ def test_assisted_speculative_prompt_lookup_match_dynamic(model_fp16, tokenizer,
     restore_attention(model)
     for mode, kw in (("dense", {}),
                      # the budget covers the context, and L1 still evicts (watermarks) to L2/L3
-                     ("sparse", dict(attention="sparse", hot_tokens=192, budget_tokens=192, host_bytes=96 << 10))):
+                     ("sparse", dict(attention="sparse", device_tokens=192, budget_tokens=192, host_bytes=96 << 10))):
         for name, gen in methods.items():
             with kvtier.attach(model, cfg(tmp_path, f"l3-{mode}-{name}", codec="fp16", **kw)) as cache:
                 torch.manual_seed(7)

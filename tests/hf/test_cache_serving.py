@@ -32,7 +32,7 @@ def test_eight_conversations_interleaved_on_one_store(model_fp16, tokenizer, tmp
     model, tok = model_fp16, tokenizer
     system = tok(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n", return_tensors="pt",
                  add_special_tokens=False)["input_ids"]
-    cfg = KVTierConfig(block_tokens=16, hot_tokens=64, host_bytes=256 << 10, disk_path=str(tmp_path / "l3"),
+    cfg = KVTierConfig(block_tokens=16, device_tokens=64, host_bytes=256 << 10, disk_path=str(tmp_path / "l3"),
                        disk_segment_bytes=1 << 20, codec="fp16", policy="lru", max_sequences=9)
     n_new = 5
     # the server keeps the system prompt warm in a cache of its own

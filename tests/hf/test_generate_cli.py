@@ -25,7 +25,7 @@ def _scratch_dirs() -> set[str]:
 def test_generate_prints_a_real_summary_and_leaves_no_directory(loaded, capsys):
     before = _scratch_dirs()
     assert main(["generate", "--prompt", "Say hi.", "--prompt", "Again.", "--max-new-tokens", "4",
-                 "--block-tokens", "16", "--hot-tokens", "32", "--codec", "int8"]) == 0
+                 "--block-tokens", "16", "--device-tokens", "32", "--codec", "int8"]) == 0
     out = capsys.readouterr().out
     summary = out[out.index("-- kvtier cache --"):]
     conv = int(summary.split("conversation", 1)[1].split("tokens")[0].replace(",", ""))

@@ -30,7 +30,7 @@ MODES = ("dense", "sparse-full", "sparse-tight")
 
 def _cfg(mode: str) -> KVTierConfig:
     # lossless codec for the model's dtype, defaults otherwise (max_sequences included); only L2
-    # is kept small. hot_tokens (512) covers every context here; sparse-tight attends 32 tokens
+    # is kept small. device_tokens (512) covers every context here; sparse-tight attends 32 tokens
     # (a sink block and the open one) of 40-70-token contexts.
     kw = dict(codec="bf16", host_bytes=16 << 20)
     if mode != "dense":

@@ -24,7 +24,7 @@ PREFIX = 4 * BT
 
 
 def cfg(tmp_path, **kw):
-    base = dict(block_tokens=BT, hot_tokens=4 * BT, codec="bf16", host_bytes=64 << 20, policy="lru",
+    base = dict(block_tokens=BT, device_tokens=4 * BT, codec="bf16", host_bytes=64 << 20, policy="lru",
                 disk_path=str(tmp_path / "l3"))
     base.update(kw)
     return KVTierConfig(**base)
@@ -175,7 +175,7 @@ def test_a_model_with_non_text_inputs_shares_nothing(model_bf16, tokenizer):
 
     text = model_bf16.config.to_dict()
     composite = LlavaConfig(text_config=text)
-    cache = TieredCache(KVTierConfig(block_tokens=BT, hot_tokens=4 * BT, codec="bf16"), model_config=composite,
+    cache = TieredCache(KVTierConfig(block_tokens=BT, device_tokens=4 * BT, codec="bf16"), model_config=composite,
                         fingerprint=model_fingerprint(model_bf16), dtype=torch.bfloat16)
     try:
         assert cache.load_prefix(prompt(tokenizer)) == 0
@@ -229,7 +229,7 @@ def test_home_is_expanded_in_paths(tmp_path, monkeypatch):
 def test_codec_parameters_name_the_store(tmp_path):
     """Every parameter a codec states is in the key: int8 with and without zero points differ."""
     def fp(**kw):
-        s = KVStore(KVTierConfig(block_tokens=BT, hot_tokens=4 * BT, codec="int8", **kw), num_layers=2,
+        s = KVStore(KVTierConfig(block_tokens=BT, device_tokens=4 * BT, codec="int8", **kw), num_layers=2,
                     kv_heads=2, head_dim=64, dtype=torch.float32, fingerprint="llama-x")
         try:
             return s.content_fp

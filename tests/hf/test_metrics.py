@@ -105,7 +105,7 @@ def _check(scraped: dict, st: dict) -> None:
 @pytest.mark.slow
 def test_endpoint_scraped_during_and_after_a_generate(model_bf16, tokenizer, tmp_path):
     model = model_bf16
-    cfg = KVTierConfig(block_tokens=16, hot_tokens=128, host_bytes=64 << 10, disk_path=str(tmp_path / "l3"),
+    cfg = KVTierConfig(block_tokens=16, device_tokens=128, host_bytes=64 << 10, disk_path=str(tmp_path / "l3"),
                        disk_bytes=4 << 20, disk_segment_bytes=256 << 10, disk_admission="second-touch",
                        codec="int8", policy="lru", attention="sparse", budget_tokens=64, prefetch=True)
     text = load_text()
@@ -184,7 +184,7 @@ def test_collector_in_a_registry_of_ones_own(tmp_path):
 
     from kvtier.store import KVStore
 
-    cfg = KVTierConfig(block_tokens=4, hot_tokens=8, host_bytes=1 << 20, disk_path=str(tmp_path / "l3"),
+    cfg = KVTierConfig(block_tokens=4, device_tokens=8, host_bytes=1 << 20, disk_path=str(tmp_path / "l3"),
                        codec="int8", policy="lru")
     store = KVStore(cfg, num_layers=1, kv_heads=1, head_dim=8, dtype=torch.float32, fingerprint="m-test")
     registry = CollectorRegistry()

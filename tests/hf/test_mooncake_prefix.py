@@ -142,7 +142,7 @@ def test_master_killed_mid_generation_same_tokens_one_warning_then_served_again(
     ref_cache.close()
 
     cache = attach(model_bf16, cfg(remote_url=mooncake_pool.url))
-    cache.store.lower.l4.retry_interval_s = 0.0  # probe on every call: recovery is seen at once
+    cache.store.offload.l4.retry_interval_s = 0.0  # probe on every call: recovery is seen at once
     steps = []
 
     def kill_after_prefill(module, args, kwargs):

@@ -19,7 +19,7 @@ from kvtier.models import text_ids
 
 
 def cfg_for(tmp_path, name, **kw) -> KVTierConfig:
-    base = dict(block_tokens=16, hot_tokens=64, host_bytes=128 << 10, disk_path=str(tmp_path / name),
+    base = dict(block_tokens=16, device_tokens=64, host_bytes=128 << 10, disk_path=str(tmp_path / name),
                 disk_segment_bytes=1 << 20, codec="bf16", policy="lru")
     base.update(kw)
     return KVTierConfig(**base)
@@ -104,7 +104,7 @@ _CHILD = textwrap.dedent("""
     path, disk, out = sys.argv[1:4]
     token = int(sys.argv[4])
     model, _ = load_model(dtype=torch.bfloat16)
-    cfg = KVTierConfig(block_tokens=16, hot_tokens=64, host_bytes=128 << 10, disk_path=disk,
+    cfg = KVTierConfig(block_tokens=16, device_tokens=64, host_bytes=128 << 10, disk_path=disk,
                        disk_segment_bytes=1 << 20, codec="bf16", policy="lru")
     with TieredCache.load(path, cfg, model) as cache, torch.inference_mode():
         logits = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True).logits[0, -1]

@@ -20,8 +20,8 @@ from kvtier.hf.persist import SavedCacheError, _header_crc
 
 FP = "test-model-0001"
 LAYERS = 3
-# hot_tokens holds the 40 tokens: these tests are about the file, not about eviction on load
-CFG = KVTierConfig(block_tokens=16, hot_tokens=64, codec="int4", host_bytes=1 << 20)
+# device_tokens holds the 40 tokens: these tests are about the file, not about eviction on load
+CFG = KVTierConfig(block_tokens=16, device_tokens=64, codec="int4", host_bytes=1 << 20)
 
 
 class Counting(TieredCache):

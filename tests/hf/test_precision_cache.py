@@ -12,7 +12,7 @@ from kvtier.store.blockrecord import unpack_block
 
 def test_dense_importance_mixes_codecs_and_stays_close(model_bf16, tokenizer, tmp_path, restore_attention):
     ids = text_ids(tokenizer, 200, offset=5000)
-    cfg = KVTierConfig(block_tokens=32, hot_tokens=96, host_bytes=8 << 20, disk_path=str(tmp_path / "l3"),
+    cfg = KVTierConfig(block_tokens=32, device_tokens=96, host_bytes=8 << 20, disk_path=str(tmp_path / "l3"),
                        disk_segment_bytes=1 << 20, codec="int4", policy="h2o", precision="importance",
                        heavy_fraction=0.2, cold_fraction=0.4, write_through=False)
     restore_attention(model_bf16)
@@ -29,7 +29,7 @@ def test_dense_importance_mixes_codecs_and_stays_close(model_bf16, tokenizer, tm
             for t in store.residency.tables[cache.seqs[0]]:
                 for e in t.entries[:-1]:
                     if e.l2:
-                        ek, _ = unpack_block(store.lower.l2.get(e.rec.key))
+                        ek, _ = unpack_block(store.offload.l2.get(e.rec.key))
                         codecs[ek.codec] = codecs.get(ek.codec, 0) + 1
                         assert ek.codec == e.rec.l2_codec
                     assert e.seen > 0  # dense steps observed every sealed block

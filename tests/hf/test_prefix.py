@@ -19,7 +19,7 @@ PREFIX, SUFFIX = 256, 64
 
 
 def cfg(**kw):
-    base = dict(block_tokens=BT, hot_tokens=4 * BT, codec="bf16", host_bytes=64 << 20, policy="lru",
+    base = dict(block_tokens=BT, device_tokens=4 * BT, codec="bf16", host_bytes=64 << 20, policy="lru",
                 max_sequences=4)
     base.update(kw)
     return KVTierConfig(**base)

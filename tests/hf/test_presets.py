@@ -23,7 +23,7 @@ def _greedy(model, ids, cache, new: int) -> torch.Tensor:
 @pytest.mark.parametrize("name", PRESET_NAMES)
 def test_every_preset_runs_a_generate_with_its_codec_below_l1(name, model, tokenizer, tmp_path):
     # L1 of 64 tokens under a 256-token prompt: most blocks leave L1 in the preset's codec
-    cfg = KVTierConfig.preset(name, hot_tokens=64, host_bytes=1 << 20, disk_path=str(tmp_path / "l3"))
+    cfg = KVTierConfig.preset(name, device_tokens=64, host_bytes=1 << 20, disk_path=str(tmp_path / "l3"))
     for field, value in PRESETS[name][0].items():
         assert getattr(cfg, field) == value
     ids = text_ids(tokenizer, 256)
@@ -38,14 +38,14 @@ def test_every_preset_runs_a_generate_with_its_codec_below_l1(name, model, token
 def test_lossless_gives_dynamic_caches_tokens(model, tokenizer, tmp_path):
     ids = text_ids(tokenizer, 256)
     want = _greedy(model, ids, make_baseline("dynamic", model), 8)
-    cfg = KVTierConfig.preset("lossless", hot_tokens=64, host_bytes=1 << 20, disk_path=str(tmp_path / "l3"))
+    cfg = KVTierConfig.preset("lossless", device_tokens=64, host_bytes=1 << 20, disk_path=str(tmp_path / "l3"))
     with kvtier.attach(model, cfg) as cache:
         assert torch.equal(_greedy(model, ids, cache, 8), want)
 
 
 def test_overrides_win_and_lossless_follows_a_16_bit_dtype():
-    cfg = KVTierConfig.preset("long-context", codec="int8", hot_tokens=1024)
-    assert (cfg.attention, cfg.codec, cfg.hot_tokens, cfg.block_tokens) == ("sparse", "int8", 1024, 16)
+    cfg = KVTierConfig.preset("long-context", codec="int8", device_tokens=1024)
+    assert (cfg.attention, cfg.codec, cfg.device_tokens, cfg.block_tokens) == ("sparse", "int8", 1024, 16)
     assert KVTierConfig.preset("lossless").codec == "fp32"  # exact for any KV dtype
     assert KVTierConfig.preset("lossless", dtype="bfloat16").codec == "bf16"
     assert KVTierConfig.preset("lossless", dtype="float16").codec == "fp16"
@@ -68,6 +68,6 @@ def test_the_demo_row_is_the_long_context_preset_at_the_demos_sizes():
     # the demo's sizes: L1 = 3% of the context in whole 16-token blocks, L2 = 2% of its 16-bit KV
     hot = int(0.03 * ctx) // 16 * 16
     host = int(0.02 * ctx * 2 * 24 * 2 * 64 * 2)
-    mine = KVTierConfig.preset("long-context", hot_tokens=hot, budget_tokens=hot, host_bytes=host,
+    mine = KVTierConfig.preset("long-context", device_tokens=hot, budget_tokens=hot, host_bytes=host,
                                disk_path="/l3", write_through=False)
     assert mine.to_dict(resolved=True) == demo.to_dict(resolved=True)

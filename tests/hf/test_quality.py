@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 def lossy_cfg(tmp_path, codec: str) -> KVTierConfig:
     # L1 a quarter of the final context; the rest quantized in L2 and, past 1 MiB, on SSD
-    return KVTierConfig(block_tokens=32, hot_tokens=96, host_bytes=1 << 20, disk_path=str(tmp_path / codec),
+    return KVTierConfig(block_tokens=32, device_tokens=96, host_bytes=1 << 20, disk_path=str(tmp_path / codec),
                         codec=codec, policy="lru")
 
 
@@ -94,7 +94,7 @@ def test_int4_runs_and_stays_fluent(model_bf16, references, tmp_path):
 
 def test_sparse_quarter_budget_at_2k_generates_and_fetches_from_l3(model_bf16, tokenizer, tmp_path):
     ids = text_ids(tokenizer, 2048, offset=5000)
-    cfg = KVTierConfig(block_tokens=32, hot_tokens=512, budget_tokens=512, host_bytes=512 << 10,
+    cfg = KVTierConfig(block_tokens=32, device_tokens=512, budget_tokens=512, host_bytes=512 << 10,
                        disk_path=str(tmp_path / "l3"), codec="int4", policy="h2o", attention="sparse")
     try:
         with kvtier.attach(model_bf16, cfg) as cache:

@@ -76,7 +76,7 @@ def test_offset_causal_accepts_only_the_exact_pattern():
 
 def _cfg(**kw):
     # the split prefill is the attention_math="float32" path (the default "sdpa" never splits)
-    base = dict(block_tokens=16, hot_tokens=64, host_bytes=32 << 20, codec="fp16", policy="lru",
+    base = dict(block_tokens=16, device_tokens=64, host_bytes=32 << 20, codec="fp16", policy="lru",
                 attention_math="float32")
     base.update(kw)
     return KVTierConfig(**base)
@@ -106,7 +106,7 @@ def test_chunked_prefill_splits_and_matches_dynamic_cache(model, tokenizer, coun
     ref = model(input_ids=ids[:, 96:], cache=dyn).logits.float()  # [1, 64, vocab]
     assert not count_splits  # sdpa model, another cache: never split
     kw = dict(attention="sparse", budget_tokens=64) if mode == "sparse" else {}
-    cache = attach(model, _cfg(hot_tokens=256, **kw))
+    cache = attach(model, _cfg(device_tokens=256, **kw))
     restore_attention(model)
     try:
         model(input_ids=ids[:, :96], cache=cache)

@@ -26,7 +26,7 @@ def test_conversation_and_store_figures_in_readme_units(model, tokenizer, tmp_pa
     c = model.config
     layers, kvh = c.num_hidden_layers, c.num_key_value_heads
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    cfg = KVTierConfig(block_tokens=BT, hot_tokens=4 * BT, host_bytes=8 << 20, codec="int8", policy="lru")
+    cfg = KVTierConfig(block_tokens=BT, device_tokens=4 * BT, host_bytes=8 << 20, codec="int8", policy="lru")
     a, b = kvtier.attach(model, cfg), kvtier.attach(model, cfg)  # two conversations, one store
     try:
         assert a.store is b.store
@@ -87,7 +87,7 @@ def test_sparse_conversation_counts_its_key_digests_in_l1(model, tokenizer):
     c = model.config
     layers, kvh = c.num_hidden_layers, c.num_key_value_heads
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    cfg = KVTierConfig.preset("long-context", hot_tokens=4 * BT, host_bytes=8 << 20)
+    cfg = KVTierConfig.preset("long-context", device_tokens=4 * BT, host_bytes=8 << 20)
     with kvtier.attach(model, cfg) as cache:
         _prefill(model, cache, text_ids(tokenizer, 7 * BT + 1, offset=2400))  # 7 sealed blocks + 1 token
         conv = cache.stats()["conversation"]
@@ -100,7 +100,7 @@ def test_sparse_conversation_counts_its_key_digests_in_l1(model, tokenizer):
 def test_summary_prints_the_conversations_bytes_per_token(model, tokenizer):
     from kvtier.commands.generate import summary
 
-    cfg = KVTierConfig(block_tokens=BT, hot_tokens=4 * BT, host_bytes=8 << 20, codec="int8", policy="lru")
+    cfg = KVTierConfig(block_tokens=BT, device_tokens=4 * BT, host_bytes=8 << 20, codec="int8", policy="lru")
     with kvtier.attach(model, cfg) as cache:
         _prefill(model, cache, text_ids(tokenizer, 7 * BT, offset=800))
         st = cache.stats()

@@ -16,7 +16,7 @@ TURNS = ("What is a Python list?", "And a tuple?", "Which one is faster to creat
 def _cfg(**kw) -> KVTierConfig:
     # 16-token blocks, L1 = budget = 1024 tokens: every block is attended at every step, and the
     # bf16 codec is lossless for a bf16 model
-    base = dict(block_tokens=16, hot_tokens=1024, host_bytes=32 << 20, codec="bf16", policy="h2o",
+    base = dict(block_tokens=16, device_tokens=1024, host_bytes=32 << 20, codec="bf16", policy="h2o",
                 attention="sparse")
     base.update(kw)
     return KVTierConfig(**base)
@@ -105,7 +105,7 @@ def test_lossless_dense_store_that_evicts_equals_dynamic_cache_fed_the_same_chun
         return torch.cat([model_bf16(input_ids=ids[:, a:b], cache=cache).logits[0] for a, b in chunks])
 
     ref = run(make_baseline("dynamic", model_bf16))
-    cfg = KVTierConfig(block_tokens=16, hot_tokens=64, host_bytes=2 << 20, disk_path=str(tmp_path / "l3"),
+    cfg = KVTierConfig(block_tokens=16, device_tokens=64, host_bytes=2 << 20, disk_path=str(tmp_path / "l3"),
                        codec="bf16", policy="h2o", attention="dense", attention_math="sdpa", prefetch=False)
     cache = attach(model_bf16, cfg)
     restore_attention(model_bf16)

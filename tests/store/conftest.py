@@ -26,7 +26,7 @@ class Ref:
 
 def make_store(tmp_path=None, num_layers=2, kv_heads=2, head_dim=8, dtype=torch.float16, device="cpu",
                fingerprint="", **kw):
-    base = dict(block_tokens=4, hot_tokens=16, host_bytes=8192, codec="fp16", policy="lru",
+    base = dict(block_tokens=4, device_tokens=16, host_bytes=8192, codec="fp16", policy="lru",
                 max_sequences=4)
     if tmp_path is not None:
         base.update(disk_path=str(tmp_path / "l3"), disk_segment_bytes=1 << 16, disk_bytes=64 << 20)

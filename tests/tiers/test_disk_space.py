@@ -189,7 +189,7 @@ def _store_on_a_full_fs(mnt, **cfg):
     from tests.store.conftest import Ref, make_store
 
     filler = fill_fs(mnt, leave=1 << 20)
-    st = make_store(mnt, num_layers=1, kv_heads=4, head_dim=64, hot_tokens=32, host_bytes=256 << 10,
+    st = make_store(mnt, num_layers=1, kv_heads=4, head_dim=64, device_tokens=32, host_bytes=256 << 10,
                     block_tokens=16, disk_segment_bytes=1 << 20, **cfg)
     ref, s = Ref(), st.add_sequence()
     g = torch.Generator().manual_seed(0)
@@ -234,7 +234,7 @@ def test_store_policy_for_kept_records_applies_at_open(tmp_path):
             KVTierConfig(**bad)
 
     def fill(**kw):
-        st = make_store(tmp_path, num_layers=1, fingerprint="fp", hot_tokens=8, **kw)
+        st = make_store(tmp_path, num_layers=1, fingerprint="fp", device_tokens=8, **kw)
         s = st.add_sequence()
         ids = torch.arange(64)
         st.note_tokens(s, ids)
@@ -248,10 +248,10 @@ def test_store_policy_for_kept_records_applies_at_open(tmp_path):
 
     kept = fill()
     assert kept >= 10
-    st = make_store(tmp_path, num_layers=1, fingerprint="fp", hot_tokens=8, disk_kept_bytes=3 * 300)
+    st = make_store(tmp_path, num_layers=1, fingerprint="fp", device_tokens=8, disk_kept_bytes=3 * 300)
     assert 0 < len(st.l3) < kept  # the oldest went
     st.close()
-    st = make_store(tmp_path, num_layers=1, fingerprint="fp", hot_tokens=8, disk_max_age_s=0)
+    st = make_store(tmp_path, num_layers=1, fingerprint="fp", device_tokens=8, disk_max_age_s=0)
     assert len(st.l3) == 0
     st.close()
 
@@ -267,7 +267,7 @@ def test_store_keeps_serving_sparse_steps_when_the_disk_fills_mid_run(small_fs):
     kvh, hd, bt = 4, 64, 16  # one block of one layer: 16 KiB in fp16
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # capacity above the free space: the point here
-        st = make_store(small_fs, num_layers=2, kv_heads=kvh, head_dim=hd, hot_tokens=4 * bt, block_tokens=bt,
+        st = make_store(small_fs, num_layers=2, kv_heads=kvh, head_dim=hd, device_tokens=4 * bt, block_tokens=bt,
                         host_bytes=1 << 20, disk_segment_bytes=256 << 10, attention="sparse",
                         budget_tokens=3 * bt, sink_tokens=bt, window_tokens=bt)
     ref, seqs = Ref(), [st.add_sequence(), st.add_sequence()]

@@ -405,7 +405,7 @@ def test_content_fp_names_every_codec_parameter_and_the_namespace():
     from kvtier.config import KVTierConfig
 
     def fp(codec="int8", **fields):
-        cfg = KVTierConfig.from_dict(dict(block_tokens=SHAPE.block_tokens, hot_tokens=SHAPE.block_tokens,
+        cfg = KVTierConfig.from_dict(dict(block_tokens=SHAPE.block_tokens, device_tokens=SHAPE.block_tokens,
                                           codec=codec, **fields))
         return content_fp(cfg, codec, SHAPE, "model-a")
 

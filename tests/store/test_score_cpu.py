@@ -1,11 +1,11 @@
-"""The compiled CPU block scoring (kvtier/store/cscore.py) against the torch math of Selector.scores."""
+"""The compiled CPU block scoring (kvtier/store/score_cpu.py) against the torch math of Selector.scores."""
 import pytest
 import torch
 
-from kvtier.store import cscore
+from kvtier.store import score_cpu
 from tests.store.conftest import make_store
 
-pytestmark = pytest.mark.skipif(not cscore.available(), reason="no C compiler: select() keeps the torch path")
+pytestmark = pytest.mark.skipif(not score_cpu.available(), reason="no C compiler: select() keeps the torch path")
 
 
 def _torch_scores(q, digest, lo, hi, quest, scale):
@@ -39,7 +39,7 @@ def test_scores_match_torch_on_random_data(dtype, quest, kvh, r, hd, cap, lo, hi
         digest = torch.randn(kvh, cap, width, generator=g).to(dtype)
         scale = hd ** -0.5
         ref = _torch_scores(q, digest, lo, hi, quest, scale)
-        got = cscore.block_scores(q, digest, lo, hi, quest, scale)
+        got = score_cpu.block_scores(q, digest, lo, hi, quest, scale)
         assert got.shape == ref.shape and got.dtype == torch.float32
         # summation order differs: float32 rounding of the largest terms (quest sums cancel)
         torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-6 * float(ref.abs().max()) + 1e-7)
@@ -56,7 +56,7 @@ def test_extreme_logits_keep_the_softmax_finite():
     digest = torch.zeros(1, 3, 4)
     digest[0, 0, 0] = 400.0
     digest[0, 1, 0] = -400.0
-    got = cscore.block_scores(q, digest, 0, 3, False, 1.0)
+    got = score_cpu.block_scores(q, digest, 0, 3, False, 1.0)
     assert torch.isfinite(got).all()
     assert got[0] == pytest.approx(1.0) and got[1] < 1e-30 and got[2] < 1e-30
 
@@ -69,11 +69,11 @@ def test_store_selection_same_with_and_without_the_compiled_path(dtype, score, d
     sub-block in one softmax and a block as its best part, as Selector.scores does."""
     bt, hd = 4, 16
     stores = [make_store(None, num_layers=1, kv_heads=2, head_dim=hd, dtype=dtype, block_tokens=bt,
-                         hot_tokens=256 * bt, host_bytes=1 << 22, budget_tokens=24 * bt, sink_tokens=bt,
+                         device_tokens=256 * bt, host_bytes=1 << 22, budget_tokens=24 * bt, sink_tokens=bt,
                          window_tokens=2 * bt, attention="sparse", select_score=score,
                          digest_tokens=digest_tokens, digest_dtype=digest_dtype) for _ in range(2)]
-    assert stores[0].selector.cscore, "CPU store with a float32/bf16/int8 digest should take the compiled path"
-    stores[1].selector.cscore = False  # the torch path
+    assert stores[0].selector.compiled, "CPU store with a float32/bf16/int8 digest should take the compiled path"
+    stores[1].selector.compiled = False  # the torch path
     g = torch.Generator().manual_seed(1)
     seqs = [st.add_sequence() for st in stores]
     k = torch.randn(2, 200 * bt + 1, hd, generator=g).to(dtype)
@@ -89,7 +89,7 @@ def test_store_selection_same_with_and_without_the_compiled_path(dtype, score, d
 
 def test_fp16_store_keeps_the_torch_path():
     st = make_store(None, attention="sparse", digest_dtype="kv")  # fp16 digests: no in-place read in C
-    assert not st.selector.cscore
+    assert not st.selector.compiled
     st.close()
 
 
@@ -104,22 +104,22 @@ def test_top_blocks_is_the_torch_topk(dtype, quest):
         digest = torch.randn(3, 256, width, generator=g).to(dtype)
         ref = _torch_scores(q, digest, lo, hi, quest, hd ** -0.5)
         for k in (1, 7, 50, hi - lo):
-            got = cscore.top_blocks(q, digest, lo, hi, quest, hd ** -0.5, k)
+            got = score_cpu.top_blocks(q, digest, lo, hi, quest, hd ** -0.5, k)
             assert got == sorted(got) and len(set(got)) == k
             if set(got) != set(torch.topk(ref, k).indices.tolist()):
-                assert _same_top(ref, cscore.block_scores(q, digest, lo, hi, quest, hd ** -0.5), k)
+                assert _same_top(ref, score_cpu.block_scores(q, digest, lo, hi, quest, hd ** -0.5), k)
 
 
 def test_top_blocks_ties_go_to_the_lower_index_and_nan_ranks_last():
     q = torch.ones(1, 1, 8)
     digest = torch.zeros(1, 10, 8)
     digest[0, 6] = 1.0  # the best block; the other nine tie
-    assert cscore.top_blocks(q, digest, 0, 10, False, 1.0, 3) == [0, 1, 6]
+    assert score_cpu.top_blocks(q, digest, 0, 10, False, 1.0, 3) == [0, 1, 6]
     quest = torch.zeros(1, 10, 16)  # max | min
     quest[0, 6, :8] = 1.0
-    assert cscore.top_blocks(q, quest, 2, 10, True, 1.0, 2) == [0, 4]  # offsets from lo: rows 2 and 6
+    assert score_cpu.top_blocks(q, quest, 2, 10, True, 1.0, 2) == [0, 4]  # offsets from lo: rows 2 and 6
     nanq = torch.full((1, 1, 8), float("nan"))
-    assert cscore.top_blocks(nanq, digest, 0, 10, False, 1.0, 4) == [0, 1, 2, 3]
+    assert score_cpu.top_blocks(nanq, digest, 0, 10, False, 1.0, 4) == [0, 1, 2, 3]
 
 
 @pytest.mark.parametrize("digest_dtype", ["kv", "int8"])
@@ -129,7 +129,7 @@ def test_scores_match_the_store_torch_path(dtype, score, digest_dtype):
     """Against Selector.scores itself (the specification), on a real digest table."""
     bt, hd = 4, 16
     st = make_store(None, num_layers=1, kv_heads=2, head_dim=hd, dtype=dtype, block_tokens=bt,
-                    hot_tokens=256 * bt, host_bytes=1 << 22, budget_tokens=24 * bt, sink_tokens=bt,
+                    device_tokens=256 * bt, host_bytes=1 << 22, budget_tokens=24 * bt, sink_tokens=bt,
                     window_tokens=2 * bt, attention="sparse", select_score=score, digest_tokens=bt,
                     digest_dtype=digest_dtype)
     g = torch.Generator().manual_seed(3)
@@ -140,7 +140,7 @@ def test_scores_match_the_store_torch_path(dtype, score, digest_dtype):
     for ql in (1, 3):
         q = torch.randn(4, ql, hd, generator=g)
         ref = st.selector.scores(t, q, 1, 97)
-        got = cscore.block_scores(st.selector.query_rows(q), t.digest, 1, 97, score == "quest", hd ** -0.5,
+        got = score_cpu.block_scores(st.selector.query_rows(q), t.digest, 1, 97, score == "quest", hd ** -0.5,
                                   t.digest_scale)
         torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-6 * float(ref.abs().max()) + 1e-7)
     st.close()
@@ -158,7 +158,7 @@ def test_top_blocks_with_sub_block_centroids_is_the_torch_spec(dtype, parts):
         s = torch.bmm(q.view(kvh, -1, hd), rows.transpose(1, 2)) * hd ** -0.5
         ref = torch.softmax(s, dim=-1).amax(dim=(0, 1)).view(-1, parts).amax(dim=1)  # [m]
         for k in (1, 5, 30, hi - lo):
-            got = cscore.top_blocks(q, digest, lo, hi, False, hd ** -0.5, k, parts)
+            got = score_cpu.top_blocks(q, digest, lo, hi, False, hd ** -0.5, k, parts)
             assert got == sorted(got) and len(set(got)) == k
             want = set(torch.topk(ref, k).indices.tolist())
             if set(got) != want:  # only blocks whose scores tie to float32 rounding may differ
@@ -188,13 +188,13 @@ def test_int8_scores_match_torch_on_the_dequantized_digest(quest, kvh, r, hd, ca
         x = torch.randn(kvh, cap, 1, width, generator=g) * torch.rand(kvh, cap, 1, 1, generator=g).mul(10).exp()
         codes, sc, deq = _int8(x)
         ref = _torch_scores(q, deq, lo, hi, quest, hd ** -0.5)
-        got = cscore.block_scores(q, codes, lo, hi, quest, hd ** -0.5, sc)
+        got = score_cpu.block_scores(q, codes, lo, hi, quest, hd ** -0.5, sc)
         torch.testing.assert_close(got, ref, rtol=2e-5, atol=2e-6 * float(ref.abs().max()) + 1e-7)
         m = hi - lo
         for k in {1, m // 4, m // 2, m - 1} - {0}:
             if k < m:
                 assert _same_top(ref, got, k), (k, ref, got)
-                top = cscore.top_blocks(q, codes, lo, hi, quest, hd ** -0.5, k, 1, sc)
+                top = score_cpu.top_blocks(q, codes, lo, hi, quest, hd ** -0.5, k, 1, sc)
                 assert top == sorted(top) and len(set(top)) == k
                 assert set(top) == set(torch.topk(got, k).indices.tolist()) or _same_top(ref, got, k)
 
@@ -212,7 +212,7 @@ def test_int8_top_blocks_with_sub_block_centroids_is_the_torch_spec(parts):
         s = torch.bmm(q.view(kvh, -1, hd), rows.transpose(1, 2)) * hd ** -0.5
         ref = torch.softmax(s, dim=-1).amax(dim=(0, 1)).view(-1, parts).amax(dim=1)  # [m]
         for k in (1, 5, 30, hi - lo):
-            got = cscore.top_blocks(q, codes, lo, hi, False, hd ** -0.5, k, parts, sc)
+            got = score_cpu.top_blocks(q, codes, lo, hi, False, hd ** -0.5, k, parts, sc)
             assert got == sorted(got) and len(set(got)) == k
             want = set(torch.topk(ref, k).indices.tolist())
             if set(got) != want:  # only blocks whose scores tie to float32 rounding may differ
@@ -223,6 +223,6 @@ def test_int8_top_blocks_with_sub_block_centroids_is_the_torch_spec(parts):
 def test_int8_digest_without_its_scales_is_refused():
     codes = torch.zeros(1, 4, 8, dtype=torch.int8)
     with pytest.raises(AssertionError, match="scales"):
-        cscore.block_scores(torch.zeros(1, 1, 8), codes, 0, 4, False, 1.0)
+        score_cpu.block_scores(torch.zeros(1, 1, 8), codes, 0, 4, False, 1.0)
     with pytest.raises(AssertionError, match="scales"):
-        cscore.top_blocks(torch.zeros(1, 1, 8), codes, 0, 4, False, 1.0, 2, 1, torch.zeros(1, 4, 2))
+        score_cpu.top_blocks(torch.zeros(1, 1, 8), codes, 0, 4, False, 1.0, 2, 1, torch.zeros(1, 4, 2))

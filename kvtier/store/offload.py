@@ -29,7 +29,7 @@ CONTENT_KEY = re.compile(r"m[0-9a-f]{32}/[0-9]+/[0-9a-f]{32}")
 log = logging.getLogger(__name__)
 
 
-class LowerTiers:
+class OffloadTiers:
     def __init__(self, cfg: KVTierConfig, layout: Layout, io: BlockIO, counters: Counters) -> None:
         from kvtier.tiers import HostTier
         from kvtier.tiers.remotes import open_remote
@@ -38,7 +38,7 @@ class LowerTiers:
         self.layout = layout
         self.io = io
         self.counters = counters
-        self.res = None  # the residency part, attached once it exists (it needs L1 first)
+        self.residency = None  # the residency part, attached once it exists (it needs L1 first)
         self._disk_full_warned = False
         # L3 first: an unwritable disk_path fails before anything is allocated.
         self.l3 = open_disk(cfg) if cfg.disk_path is not None else None
@@ -88,11 +88,11 @@ class LowerTiers:
                 if isinstance(rec, str):
                     want.append((i, *anywhere, rec))
                     continue
-                if self.res.upgrade_due(rec):
+                if self.residency.upgrade_due(rec):
                     out[i] = self._upgrade(rec, device)
                     if out[i] is not None:
                         continue
-                want.append((i, *self.res.flags(rec)))
+                want.append((i, *self.residency.flags(rec)))
             v2 = self._get_many(self.l2, [w[4] if w[1] else None for w in want])
             v3 = self._get_many(self.l3, [w[4] if w[2] and v is None else None for w, v in zip(want, v2)])
         l4 = []
@@ -131,7 +131,7 @@ class LowerTiers:
                 else:
                     self.counters.add(misses_l4=1)
             if noted:
-                self.res.note_l4(noted)
+                self.residency.note_l4(noted)
         return out
 
     @staticmethod
@@ -152,11 +152,11 @@ class LowerTiers:
         except ValueError:  # corrupt bytes: a miss, never wrong data
             out = None
         if out is None:
-            self.res.upgrade_failed(rec)
+            self.residency.upgrade_failed(rec)
             self.counters.add(precision_upgrade_failed=1, misses_l3=1)
             return None
         self.l2.delete(rec.key)
-        self.res.spilled([rec])
+        self.residency.spilled([rec])
         self.counters.add(precision_upgrades=1, precision_upgrade_bytes=len(value), hits_l3=1,
                           swap_in_l3_bytes=len(value))
         return out
@@ -221,8 +221,8 @@ class LowerTiers:
     def _in_use(self, keys: list[str]) -> list[bool]:
         """Which L3 records eviction must keep: process-local ones (a live sequence's only
         copy) and content records a live block references."""
-        res = self.res
-        live = res.referenced(keys) if res is not None else [True] * len(keys)
+        residency = self.residency
+        live = residency.referenced(keys) if residency is not None else [True] * len(keys)
         return [ref or not CONTENT_KEY.fullmatch(k) for k, ref in zip(keys, live)]
 
     def offer_l3(self, items: list) -> list[bool | None]:
@@ -237,7 +237,7 @@ class LowerTiers:
 
     def _reclaim_orphans(self) -> int:
         """Delete L3 content records no live block references (tier lock held)."""
-        orphans = [k for k in self.res.unreferenced(self.l3.keys()) if CONTENT_KEY.fullmatch(k)]
+        orphans = [k for k in self.residency.unreferenced(self.l3.keys()) if CONTENT_KEY.fullmatch(k)]
         if orphans:
             self.l3.delete_many(orphans)
             self.counters.add(orphans_deleted=len(orphans))
@@ -252,7 +252,7 @@ class LowerTiers:
         """
         out, already = [], []
         for key, value in items:
-            rec = self.res.record_of(key)
+            rec = self.residency.record_of(key)
             if rec is None:
                 continue  # dropped meanwhile: nothing to keep
             if rec.l3:
@@ -263,7 +263,7 @@ class LowerTiers:
         stale = []
         for (key, rec, packed), ok in zip(out, oks):
             if ok:
-                if self.res.landed_l3(rec, len(packed), written_through=False):
+                if self.residency.landed_l3(rec, len(packed), written_through=False):
                     self.counters.add(swap_out_l3_bytes=len(packed))
                 else:
                     stale.append(key)
@@ -271,7 +271,7 @@ class LowerTiers:
             self.l3.delete_many(stale)
         if not all(oks):
             raise RuntimeError(f"L3 refused {oks.count(False)} of {len(oks)} spilled blocks (disk_bytes full)")
-        self.res.spilled([r for _, r, _ in out] + already)
+        self.residency.spilled([r for _, r, _ in out] + already)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -281,7 +281,7 @@ class LowerTiers:
             self.l2.delete_many(l2_keys)
             if self.l3 is not None:
                 self.l3.delete_many(l3_keys)
-            self.res.recount()
+            self.residency.recount()
 
     def close(self) -> None:
         try:

@@ -9,7 +9,7 @@ table (float32, bf16, or int8 codes with a float32 scale per row, read in place:
 copy, no extra memory) in a few us.
 
 Math (the specification is the torch code in ``Selector.scores``, select.py, which stays the
-fallback and the CUDA path; tests/store/test_cscore.py compares the two):
+fallback and the CUDA path; tests/store/test_score_cpu.py compares the two):
   centroid  s[h, r, j] = scale * q[h, r] . mean[h, j];  score[j] = max_{h, r} softmax_j(s[h, r])[j]
   quest     s[h, r, j] = sum_d max(q_d, 0) * max[h, j, d] + min(q_d, 0) * min[h, j, d]
             score[j] = sum_h max_r s[h, r, j]
