@@ -13,7 +13,7 @@ one after the other, so the ratios compare like with like:
 Reported per (context, config): decode tokens/s and its ratio to DynamicCache, peak memory
 above the model (CUDA: max allocated; CPU: peak RSS sampled every 2 ms), and KV bytes per token
 (all tiers; quantized parts, scales and residual windows included) as a ratio to DynamicCache.
-Target (issue 5): kvtier int4 sparse at 4k >= 1.0x DynamicCache speed and >= 1.3x quanto int4,
+Target: kvtier int4 sparse at 4k >= 1.0x DynamicCache speed and >= 1.3x quanto int4,
 at fewer bytes per token than both.
 
     python bench/bench_decode.py                 # 1k and 4k context, 32 timed steps
@@ -92,7 +92,7 @@ class PeakMemory:
 def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: float):
     from kvtier.config import KVTierConfig
     from tests.baselines import make_baseline
-    from kvtier.integrations.cache import TieredCache
+    from kvtier.hf.cache import TieredCache
 
     if name in BASELINE_CONFIGS:
         return make_baseline(name, model)
@@ -109,7 +109,7 @@ def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: f
 
 def kv_bytes(cache) -> int:
     from tests.baselines import cache_bytes
-    from kvtier.integrations.cache import TieredCache
+    from kvtier.hf.cache import TieredCache
 
     if isinstance(cache, TieredCache):
         return sum(cache.stats()["bytes"].values())
@@ -119,7 +119,7 @@ def kv_bytes(cache) -> int:
 @torch.inference_mode()
 def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_tokens: int,
             l1_fraction: float) -> dict:
-    from kvtier.integrations.cache import TieredCache, detach
+    from kvtier.hf.cache import TieredCache, detach
 
     device = ids.device
     gc.collect()
@@ -194,7 +194,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from kvtier.integrations.model import load_model, text_ids
+    from kvtier.models import load_model, text_ids
 
     device = torch.device(args.device)
     model, tok = load_model(dtype=_DTYPES[args.dtype], device=device)

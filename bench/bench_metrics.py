@@ -28,8 +28,8 @@ from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
 import kvtier.metrics  # noqa: E402
 from kvtier.config import KVTierConfig  # noqa: E402
-from kvtier.integrations.vllm.blocks import BlockShape, BlockStore, connector_config  # noqa: E402
-from kvtier.integrations.vllm.counters import Deltas  # noqa: E402
+from kvtier.vllm.blocks import BlockShape, BlockStore, connector_config  # noqa: E402
+from kvtier.vllm.counters import Deltas  # noqa: E402
 from kvtier.store import KVStore  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 8, 2, 64, 16

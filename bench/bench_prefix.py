@@ -1,4 +1,4 @@
-"""Time to first token with a shared prefix, on the real model (issue 7).
+"""Time to first token with a shared prefix, on the real model.
 
 A 4k-token prompt whose first 3k tokens are a prefix another request already computed (a system
 prompt, a document). Time to first token = the prefill forward that yields the first token's
@@ -10,7 +10,7 @@ logits (plus, when warm, ``TieredCache.load_prefix``):
   warm-l2     later requests in the same process and store (prefix blocks in L2, some in L1)
   warm-l2-masked  (--masked) warm-l2 with the split prefill switched off: one SDPA over the
               explicit [new, prefix + new] mask, the path before kvtier attended warm prefills
-              itself (kvtier.integrations.attention.split_prefix_attention)
+              itself (kvtier.hf.attention.split_prefix_attention)
   warm-l3     later requests in a NEW process on the same L3 directory (a restart)
   warm-redis  later requests in a NEW process with no disk, the prefix coming from a
               redis-server started here (skipped when redis-server is not installed)
@@ -66,7 +66,7 @@ def make_config(args, **kw):
 def request(tok, args, k: int):
     """Request ``k``: the shared prefix, then a suffix of its own (so no request finds another's
     suffix blocks). [1, prompt]."""
-    from kvtier.integrations.model import text_ids
+    from kvtier.models import text_ids
 
     suffix = args.prompt - args.prefix
     prefix = text_ids(tok, args.prefix, offset=0)
@@ -88,7 +88,7 @@ def timed_prefill(model, cache, ids, load: bool) -> dict:
 
 
 def cold(model, args, ids) -> dict:
-    from kvtier.integrations.cache import TieredCache
+    from kvtier.hf.cache import TieredCache
 
     cache = TieredCache(make_config(args), model)
     try:
@@ -101,7 +101,7 @@ def cold(model, args, ids) -> dict:
 def masked_prefill():
     """Switch the split prefill off (kvtier attention then runs SDPA over the explicit mask):
     the reference for what splitting buys. A measuring device of this script only."""
-    from kvtier.integrations import attention
+    from kvtier.hf import attention
 
     real = attention._splittable
     attention._splittable = lambda *a, **k: False
@@ -147,7 +147,7 @@ def hits(before: dict, after: dict) -> dict:
 
 
 def load(args):
-    from kvtier.integrations.model import load_model
+    from kvtier.models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -160,7 +160,7 @@ def load(args):
 def child(args) -> int:
     """A new process: warm requests from L3 or from redis, each on a fresh cache (a fresh store:
     nothing in L1/L2), each paired with its own cold reference."""
-    from kvtier.integrations.cache import TieredCache
+    from kvtier.hf.cache import TieredCache
 
     model, tok = load(args)
     base = args.first_request  # requests of their own: no suffix found elsewhere
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     if args.child:
         return child(args)
 
-    from kvtier.integrations.cache import TieredCache
+    from kvtier.hf.cache import TieredCache
 
     model, tok = load(args)
     r1, r2 = request(tok, args, 0), request(tok, args, 1)

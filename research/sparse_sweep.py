@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     from kvtier.eval.metrics import top1_accuracy
     from kvtier.eval.runner import run_all
     from kvtier.eval.sweep import REFERENCE
-    from kvtier.integrations.model import load_model
+    from kvtier.models import load_model
 
     torch.set_num_threads(args.threads)
     all_grids = grids()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvtier import plan
-from kvtier.cli import main
+from kvtier.commands.cli import main
 from kvtier.config import KVTierConfig
 from kvtier.store.sizing import check_model
 
@@ -109,7 +109,7 @@ def test_plan_beyond_what_a_config_can_hold_is_a_sentence(capsys):
 @pytest.fixture
 def no_model(monkeypatch):
     """generate must refuse bad input before it loads a model."""
-    import kvtier.integrations.model as m
+    import kvtier.models as m
 
     def refuse(*a, **kw):
         raise AssertionError("the model was loaded before the input was checked")
@@ -134,7 +134,7 @@ def test_generate_bad_input_is_a_sentence_before_the_model_loads(no_model, capsy
 def test_generate_config_file_fields_are_re_derived_with_the_flags(tmp_path):
     import argparse
 
-    from kvtier.integrations import chat
+    from kvtier.commands import generate as chat
 
     toml = tmp_path / "kv.toml"
     toml.write_text('codec = "int4"\nhot_tokens = 256\n')

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvtier import __version__
-from kvtier.cli import build_parser, main
+from kvtier.commands.cli import build_parser, main
 from kvtier.config import CODECS
 from kvtier.store.sizing import check_model
 
@@ -34,7 +34,7 @@ def _flag(parser, name):
 
 
 def test_generate_takes_size_suffixes_and_token_suffixes():
-    from kvtier.integrations import chat
+    from kvtier.commands import generate as chat
 
     p = argparse.ArgumentParser()
     chat.add_arguments(p)

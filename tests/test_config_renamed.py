@@ -6,7 +6,7 @@ import warnings
 
 import pytest
 
-from kvtier.cli import build_parser
+from kvtier.commands.cli import build_parser
 from kvtier.config import KVTierConfig
 from kvtier.configcheck import RENAMED_FIELDS
 
@@ -49,7 +49,7 @@ def test_new_names_warn_nothing_and_round_trip():
 
 
 def test_old_cli_flag_is_accepted_with_a_warning():
-    from kvtier.integrations.chat import _config
+    from kvtier.commands.generate import _config
 
     args = build_parser().parse_args(["generate", "--hot-tokens", "128"])
     with pytest.warns(DeprecationWarning, match="'hot_tokens' is renamed 'device_tokens'"):

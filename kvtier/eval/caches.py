@@ -419,7 +419,7 @@ class Run:
                 kept.append((k.gather(2, gi), v.gather(2, gi)))
             self.cache = _dynamic_from(model, kept)
         else:
-            from kvtier.integrations.cache import TieredCache
+            from kvtier.hf.cache import TieredCache
 
             self._tmp = Path(tempfile.mkdtemp(prefix="l3-", dir=workdir))
             cfg = kvtier_config(spec, context, model.config, disk_path=str(self._tmp))

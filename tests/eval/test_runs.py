@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtier.eval.caches import CacheSpec, Run, prefill, snapkv_keep
-from kvtier.integrations.model import text_ids
+from kvtier.models import text_ids
 
 
 def _decode(model, cache, ids, start, after=lambda: None):
@@ -70,7 +70,7 @@ def test_snapkv_keeps_the_window_and_the_most_attended():
 
 @pytest.mark.slow
 def test_same_seed_same_accuracy(tmp_path):
-    from kvtier.cli import main
+    from kvtier.commands.cli import main
 
     argv = ["eval", "--contexts", "256", "--continuation", "6", "--windows", "2", "--no-probe",
             "--only", "quanto int4,kvtier int4 sparse L1=25%", "--threads", "1"]

@@ -97,10 +97,10 @@ def test_cache_clear_command(tmp_path):
         purge_directory(other)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root)
-    r = subprocess.run([sys.executable, "-c", "from kvtier.cli import main; main()", "cache", "clear", str(d)],
+    r = subprocess.run([sys.executable, "-c", "from kvtier.commands.cli import main; main()", "cache", "clear", str(d)],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0 and "removed" in r.stdout and not d.exists(), r.stderr
-    r = subprocess.run([sys.executable, "-c", "from kvtier.cli import main; main()", "cache", "clear", str(other)],
+    r = subprocess.run([sys.executable, "-c", "from kvtier.commands.cli import main; main()", "cache", "clear", str(other)],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "no kvtier L3 files" in r.stderr and "Traceback" not in r.stderr
 
