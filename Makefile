@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-vllm bench-smoke system-deps clean
+.PHONY: demo test test-vllm bench-smoke research-smoke system-deps clean
 
 # The remote-tier tests run a real redis-server on loopback (Debian package) and a real Mooncake
 # Store, whose client library needs libibverbs1 and librdmacm1 even over TCP.
@@ -66,6 +66,17 @@ test-vllm: $(VLLM_STAMP) system-deps
 
 bench-smoke: $(STAMP)
 	@set -e; for b in bench/bench_*.py; do echo "== $$b --smoke"; $(PY) $$b --smoke; done
+
+# The studies behind single defaults and the comparisons with older revisions (research/, not
+# part of the product and not run by `make test`): their tests, then each one's --smoke. The
+# old-revision benches take those revisions from git history (a shallow clone measures this
+# tree alone); the sweeps load SmolLM2 from the installed wheel.
+research-smoke: $(STAMP) system-deps
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra research/tests
+	$(PY) research/bench_tiers_base.py --smoke
+	$(PY) research/bench_scale_base.py --smoke --base HEAD --out results/research-scale-smoke
+	OMP_NUM_THREADS=1 $(PY) research/accuracy_sweep.py --smoke
+	OMP_NUM_THREADS=1 $(PY) research/sparse_sweep.py --smoke
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) results kvtier-cache

@@ -1,5 +1,5 @@
 """What the vLLM connector's engine identity costs: the digest of the checkpoint an engine loads
-(``kvtier.integrations.vllm.identity.checkpoint_digest``), as a ratio to reading the same files'
+(``kvtier.vllm.identity.checkpoint_digest``), as a ratio to reading the same files'
 bytes (``readinto`` into one buffer) and to a BLAKE2b of them, best of N, interleaved, in one run.
 Both the scheduler and the worker process compute it once when the engine starts.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.integrations.vllm.identity import _safetensors_files, checkpoint_digest
+from kvtier.vllm.identity import _safetensors_files, checkpoint_digest
 
 
 def files_of(path: Path) -> list[Path]:
@@ -72,7 +72,7 @@ def main() -> None:
     elif args.path:
         path = Path(args.path).expanduser()
     else:
-        from kvtier.integrations.vllm import embedded_model_dir
+        from kvtier.vllm import embedded_model_dir
 
         path = Path(embedded_model_dir())
     files = files_of(path)

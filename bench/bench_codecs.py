@@ -89,7 +89,7 @@ def rel_err(y: torch.Tensor, x: torch.Tensor) -> tuple[float, float]:
 
 
 def load_kv(n_tokens: int, n_layers: int):
-    from kvtier.integrations.model import capture_kv, load_model
+    from kvtier.models import capture_kv, load_model
 
     model, tok = load_model()
     kv = capture_kv(model, tok, n_tokens)[:n_layers]

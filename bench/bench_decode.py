@@ -13,7 +13,7 @@ one after the other, so the ratios compare like with like:
 Reported per (context, config): decode tokens/s and its ratio to DynamicCache, peak memory
 above the model (CUDA: max allocated; CPU: peak RSS sampled every 2 ms), and KV bytes per token
 (all tiers; quantized parts, scales and residual windows included) as a ratio to DynamicCache.
-Target (issue 5): kvtier int4 sparse at 4k >= 1.0x DynamicCache speed and >= 1.3x quanto int4,
+Target: kvtier int4 sparse at 4k >= 1.0x DynamicCache speed and >= 1.3x quanto int4,
 at fewer bytes per token than both.
 
     python bench/bench_decode.py                 # 1k and 4k context, 32 timed steps
@@ -31,6 +31,8 @@ import threading
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.baselines
 
 KVTIER_CONFIGS = {
     # name: (codec, attention, policy)
@@ -89,8 +91,8 @@ class PeakMemory:
 
 def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: float):
     from kvtier.config import KVTierConfig
-    from kvtier.eval.baselines import make_baseline
-    from kvtier.integrations.cache import TieredCache
+    from tests.baselines import make_baseline
+    from kvtier.hf.cache import TieredCache
 
     if name in BASELINE_CONFIGS:
         return make_baseline(name, model)
@@ -98,7 +100,7 @@ def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: f
     hot = max(4 * block_tokens, int(context * l1_fraction) // block_tokens * block_tokens)
     cfg = model.config
     kv_bytes_fp16 = 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * cfg.num_hidden_layers
-    cfg = KVTierConfig(block_tokens=block_tokens, hot_tokens=hot, max_sequences=1,
+    cfg = KVTierConfig(block_tokens=block_tokens, device_tokens=hot, max_sequences=1,
                        host_bytes=max(1 << 20, int(1.25 * (context + 256) * kv_bytes_fp16)),
                        disk_path=None, codec=codec, group_size=32, policy=policy, attention=attention,
                        budget_tokens=hot if attention == "sparse" else None)
@@ -106,8 +108,8 @@ def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: f
 
 
 def kv_bytes(cache) -> int:
-    from kvtier.eval.baselines import cache_bytes
-    from kvtier.integrations.cache import TieredCache
+    from tests.baselines import cache_bytes
+    from kvtier.hf.cache import TieredCache
 
     if isinstance(cache, TieredCache):
         return sum(cache.stats()["bytes"].values())
@@ -117,7 +119,7 @@ def kv_bytes(cache) -> int:
 @torch.inference_mode()
 def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_tokens: int,
             l1_fraction: float) -> dict:
-    from kvtier.integrations.cache import TieredCache, detach
+    from kvtier.hf.cache import TieredCache, detach
 
     device = ids.device
     gc.collect()
@@ -192,7 +194,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from kvtier.integrations.model import load_model, text_ids
+    from kvtier.models import load_model, text_ids
 
     device = torch.device(args.device)
     model, tok = load_model(dtype=_DTYPES[args.dtype], device=device)

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
         args.tokens, args.reps = 64, 1
 
     from kvtier import hardware
-    from kvtier.integrations.model import load_model, text_ids
+    from kvtier.models import load_model, text_ids
 
     models = {}
     for dt in (torch.float32, torch.bfloat16):

@@ -61,7 +61,7 @@ def main(argv=None) -> None:
     ap.add_argument("--smoke", action="store_true", help="one repeat, float32 only (seconds)")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    from kvtier.integrations.model import load_model
+    from kvtier.models import load_model
 
     dtypes = ["float32"] if args.smoke else list(_DTYPES)
     repeats = 1 if args.smoke else args.repeats

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvtier.tiers import DiskTier  # noqa: E402
-from kvtier.tiers.diskpins import PinFile  # noqa: E402
+from kvtier.tiers.disk.pins import PinFile  # noqa: E402
 
 FP = "m" + "0" * 32
 

@@ -28,8 +28,8 @@ from prometheus_client import CollectorRegistry, generate_latest  # noqa: E402
 
 import kvtier.metrics  # noqa: E402
 from kvtier.config import KVTierConfig  # noqa: E402
-from kvtier.integrations.vllm.blocks import BlockShape, BlockStore, connector_config  # noqa: E402
-from kvtier.integrations.vllm.counters import Deltas  # noqa: E402
+from kvtier.vllm.blocks import BlockShape, BlockStore, connector_config  # noqa: E402
+from kvtier.vllm.counters import Deltas  # noqa: E402
 from kvtier.store import KVStore  # noqa: E402
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 8, 2, 64, 16
@@ -46,7 +46,7 @@ def _median_s(fn, reps: int) -> float:
 
 
 def _store(tmp: str, seqs: int, tokens: int) -> tuple[KVStore, list[int]]:
-    cfg = KVTierConfig(block_tokens=BLOCK, hot_tokens=128, host_bytes=256 << 10, disk_path=os.path.join(tmp, "l3"),
+    cfg = KVTierConfig(block_tokens=BLOCK, device_tokens=128, host_bytes=256 << 10, disk_path=os.path.join(tmp, "l3"),
                        codec="int8", policy="lru", max_sequences=seqs)
     store = KVStore(cfg, num_layers=LAYERS, kv_heads=HEADS, head_dim=HEAD_DIM, dtype=torch.float32,
                     fingerprint="bench-metrics")

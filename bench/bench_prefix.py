@@ -1,4 +1,4 @@
-"""Time to first token with a shared prefix, on the real model (issue 7).
+"""Time to first token with a shared prefix, on the real model.
 
 A 4k-token prompt whose first 3k tokens are a prefix another request already computed (a system
 prompt, a document). Time to first token = the prefill forward that yields the first token's
@@ -10,7 +10,7 @@ logits (plus, when warm, ``TieredCache.load_prefix``):
   warm-l2     later requests in the same process and store (prefix blocks in L2, some in L1)
   warm-l2-masked  (--masked) warm-l2 with the split prefill switched off: one SDPA over the
               explicit [new, prefix + new] mask, the path before kvtier attended warm prefills
-              itself (kvtier.integrations.attention.split_prefix_attention)
+              itself (kvtier.hf.attention.split_prefix_attention)
   warm-l3     later requests in a NEW process on the same L3 directory (a restart)
   warm-redis  later requests in a NEW process with no disk, the prefix coming from a
               redis-server started here (skipped when redis-server is not installed)
@@ -57,7 +57,7 @@ _CODEC = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp16"}
 def make_config(args, **kw):
     from kvtier.config import KVTierConfig
 
-    base = dict(block_tokens=args.block_tokens, hot_tokens=args.hot_tokens, codec=_CODEC[args.dtype],
+    base = dict(block_tokens=args.block_tokens, device_tokens=args.device_tokens, codec=_CODEC[args.dtype],
                 host_bytes=args.host_mb << 20, policy="lru", attention="dense", dtype=args.dtype)
     base.update(kw)
     return KVTierConfig(**base)
@@ -66,7 +66,7 @@ def make_config(args, **kw):
 def request(tok, args, k: int):
     """Request ``k``: the shared prefix, then a suffix of its own (so no request finds another's
     suffix blocks). [1, prompt]."""
-    from kvtier.integrations.model import text_ids
+    from kvtier.models import text_ids
 
     suffix = args.prompt - args.prefix
     prefix = text_ids(tok, args.prefix, offset=0)
@@ -88,7 +88,7 @@ def timed_prefill(model, cache, ids, load: bool) -> dict:
 
 
 def cold(model, args, ids) -> dict:
-    from kvtier.integrations.cache import TieredCache
+    from kvtier.hf.cache import TieredCache
 
     cache = TieredCache(make_config(args), model)
     try:
@@ -101,7 +101,7 @@ def cold(model, args, ids) -> dict:
 def masked_prefill():
     """Switch the split prefill off (kvtier attention then runs SDPA over the explicit mask):
     the reference for what splitting buys. A measuring device of this script only."""
-    from kvtier.integrations import attention
+    from kvtier.hf import attention
 
     real = attention._splittable
     attention._splittable = lambda *a, **k: False
@@ -147,7 +147,7 @@ def hits(before: dict, after: dict) -> dict:
 
 
 def load(args):
-    from kvtier.integrations.model import load_model
+    from kvtier.models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -160,7 +160,7 @@ def load(args):
 def child(args) -> int:
     """A new process: warm requests from L3 or from redis, each on a fresh cache (a fresh store:
     nothing in L1/L2), each paired with its own cold reference."""
-    from kvtier.integrations.cache import TieredCache
+    from kvtier.hf.cache import TieredCache
 
     model, tok = load(args)
     base = args.first_request  # requests of their own: no suffix found elsewhere
@@ -174,7 +174,7 @@ def child(args) -> int:
 def run_child(args, kind: str, **extra) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--prompt", str(args.prompt),
            "--prefix", str(args.prefix), "--block-tokens", str(args.block_tokens),
-           "--hot-tokens", str(args.hot_tokens), "--host-mb", str(args.host_mb), "--dtype", args.dtype,
+           "--device-tokens", str(args.device_tokens), "--host-mb", str(args.host_mb), "--dtype", args.dtype,
            "--threads", str(args.threads or torch.get_num_threads()), "--repeat", str(args.repeat)]
     for k, v in extra.items():
         cmd += [f"--{k.replace('_', '-')}", v]
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
     ap.add_argument("--prefix", type=int, default=3072, help="shared leading tokens")
     ap.add_argument("--block-tokens", type=int, default=64)
-    ap.add_argument("--hot-tokens", type=int, default=512, help="L1 budget per sequence and layer")
+    ap.add_argument("--device-tokens", type=int, default=512, help="L1 budget per sequence and layer")
     ap.add_argument("--host-mb", type=int, default=512, help="L2 ring size")
     ap.add_argument("--dtype", choices=["auto", *sorted(_DTYPES)], default="auto",
                     help="model dtype; auto: kvtier.hardware.compute_dtype (bf16 only on a CPU with native bf16)")
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
 
         args.dtype = str(compute_dtype("cpu")).removeprefix("torch.")
     if args.smoke:
-        args.prompt, args.prefix, args.block_tokens, args.hot_tokens = 256, 192, 32, 64
+        args.prompt, args.prefix, args.block_tokens, args.device_tokens = 256, 192, 32, 64
         args.threads = args.threads or 1
         args.repeat = 1
     if args.repeat < 1:
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     if args.child:
         return child(args)
 
-    from kvtier.integrations.cache import TieredCache
+    from kvtier.hf.cache import TieredCache
 
     model, tok = load(args)
     r1, r2 = request(tok, args, 0), request(tok, args, 1)
@@ -246,7 +246,7 @@ def main(argv=None) -> int:
 
     try:
         print(f"# prompt={args.prompt} prefix={args.prefix} block_tokens={args.block_tokens} "
-              f"hot_tokens={args.hot_tokens} dtype={args.dtype} threads={torch.get_num_threads()} "
+              f"device_tokens={args.device_tokens} dtype={args.dtype} threads={torch.get_num_threads()} "
               f"repeat={args.repeat}")
         print(f"{'case':<14} {'TTFT s':>7} {'load s':>7} {'fwd s':>7} {'cold s':>7} {'x cold':>7} {'cpu x':>6} "
               f"{'loaded':>7} {'same':>5}  per pair x cold; hits", flush=True)

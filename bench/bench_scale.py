@@ -1,4 +1,5 @@
-"""The store alone (no model) at a real model's KV shape and the seed's scale, and how its cost grows.
+"""The store alone (no model) at a real model's KV shape and at long-context serving scale (up to
+128k tokens), and how its cost grows.
 
 Workloads, with synthetic KV of the shape (Llama-3-8B by default: 32 layers, 8 KV heads,
 head_dim 128, bf16; ``--shape`` for others) and int4 below L1:
@@ -8,14 +9,14 @@ head_dim 128, bf16; ``--shape`` for others) and int4 below L1:
             after a prefill bring the chosen blocks into L1 while the swap-out worker writes the
             blocks they displace: they run until one swaps nothing in and are reported apart
             ("transient": steps, total ms, swap-ins); the worker is drained, then --steps steady
-            steps are timed. --base REV runs the same workload with the store of git revision REV
-            first, in a child process: old and new side by side, same machine, same run.
+            steps are timed. research/bench_scale_base.py runs the same workload with the store of
+            an older git revision first, in a child process: old and new side by side, same run.
   convs     --convs (8) conversations of --conv-tokens (32k) sharing a --prefix-tokens (4k)
             prefix (content-addressed blocks: one copy per tier), stored once; then decode
             steps with 1, 2, 4, ... of them active at once (round-robin)
   reopen    a DiskTier directory of --reopen-records (1M) small records reopened, in fresh
-            processes: the code this session started from (full log scan) against the index
-            checkpoint, and a full scan of the same files by the current code
+            processes: from the index checkpoint against a full scan of the same files (and,
+            from research/bench_scale_base.py, an older revision's DiskTier beside them)
 L1 --l1-gib (2), L2 --l2-gib (8), L3 a real directory (--dir).
 
 Reported (JSON, and PNG curves next to it in --out):
@@ -51,6 +52,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -63,7 +66,16 @@ SHAPES = {  # layers, kv_heads, q_heads, head_dim
     "llama2-70b": (80, 8, 64, 128),
     "smollm2-135m": (30, 3, 9, 64),
 }
-BASE_COMMIT = "a4e1479"  # the DiskTier this session started from (full-scan reopen)
+
+
+@dataclass
+class Base:
+    """An older store measured beside this tree's in the same run (research/bench_scale_base.py
+    takes them from git): ``grow(a, root)``, the grow workload's result with that store, run
+    before this tree's; ``reopen_src(root)``, the path of a ``disk.py`` whose DiskTier reopens the
+    same records first; each gives None where there is none."""
+    grow: Callable[[argparse.Namespace, str], dict | None]
+    reopen_src: Callable[[str], str | None]
 
 
 def rss_bytes() -> int:
@@ -142,9 +154,9 @@ def raw_disk(path: str, nbytes: int) -> dict:
             "raw_read_cold_GBps": size / r / 1e9, "raw_read_warm_GBps": size / rw / 1e9}
 
 
-def make_store(a, shape, dirpath: str, hot_tokens: int, budget: int, max_seqs: int) -> KVStore:
+def make_store(a, shape, dirpath: str, device_tokens: int, budget: int, max_seqs: int) -> KVStore:
     layers, kvh, _, hd = shape
-    cfg = KVTierConfig(block_tokens=a.block_tokens, hot_tokens=hot_tokens, budget_tokens=budget,
+    cfg = KVTierConfig(block_tokens=a.block_tokens, device_tokens=device_tokens, budget_tokens=budget,
                        host_bytes=int(a.l2_gib * (1 << 30)), disk_path=dirpath, disk_bytes=a.disk_gib << 30,
                        codec=a.codec, policy="lru", attention="sparse", max_sequences=max_seqs, write_through=False,
                        prefetch_blocks=a.prefetch_blocks)
@@ -264,14 +276,17 @@ def run_grow(a, shape, root: str) -> dict:
     # the conversation ends: its L3 records die, background compaction gives the space back
     st.drop_sequence(s)
     t0 = time.perf_counter()
-    while (st.l3._job is not None or st.l3._candidates() or st.l3._head_mostly_dead()) \
-            and time.perf_counter() - t0 < 60:
+    # (this tree's tier composes a Compaction part; an older revision's is one class)
+    comp = getattr(st.l3, "_compaction", None)
+    busy = ((lambda: comp.job is not None or comp.candidates() or comp.head_mostly_dead()) if comp is not None else
+            (lambda: st.l3._job is not None or st.l3._candidates() or st.l3._head_mostly_dead()))
+    while busy() and time.perf_counter() - t0 < 60:
         time.sleep(0.05)
     reclaim_s = time.perf_counter() - t0
     l3 = st.l3.stats()
     st.close()
     payload = stats.get("swap_out_l3_bytes", 0) or timed.put_b
-    return {"points": points, "wall_s": wall, "budget_fraction": 0.03, "hot_tokens": hot,
+    return {"points": points, "wall_s": wall, "budget_fraction": 0.03, "device_tokens": hot,
             "step_time_exponent": fit_exponent([p["context"] for p in points], [p["step_ms_p50"] for p in points]),
             # where the budget holds only sinks and window nothing is scored: a different regime
             "step_time_exponent_scored": fit_exponent([p["context"] for p in points if p["top_k"]],
@@ -346,7 +361,7 @@ def run_convs(a, shape, root: str) -> dict:
     st.close()
     shutil.rmtree(d, ignore_errors=True)
     tokens = a.convs * a.conv_tokens
-    return {"points": out, "budget_tokens": budget, "hot_tokens": hot, "low_watermark_blocks": st.layout.low,
+    return {"points": out, "budget_tokens": budget, "device_tokens": hot, "low_watermark_blocks": st.layout.low,
             "fill_s": fill_s, "tokens": tokens,
             "dedup_seals": stats.get("prefix", {}).get("dedup_seals"), "l3_disk_bytes": l3["disk_bytes"],
             "l3_bytes_written_per_token": l3["bytes_written"] / tokens,
@@ -382,7 +397,7 @@ print(json.dumps({"seconds": dt, "records": n, "rss_delta_bytes": r1 - r0}))
 """
 
 
-def _reopen_here(which: str, path: str, base_src: str) -> dict:
+def _reopen_here(which: str, path: str, base_src: str | None) -> dict:
     import importlib.util
 
     from kvtier.tiers import DiskTier
@@ -404,7 +419,9 @@ def _reopen_here(which: str, path: str, base_src: str) -> dict:
     return out
 
 
-def run_reopen(a, root: str) -> dict:
+def run_reopen(a, root: str, base_src: str | None = None) -> dict:
+    """Reopening ``a.reopen_records`` small records from the index checkpoint and by a full scan
+    of the same files (and first with the DiskTier of ``base_src``, a ``disk.py``, where given)."""
     from kvtier.tiers import DiskTier
 
     d = os.path.join(root, "reopen")
@@ -414,19 +431,15 @@ def run_reopen(a, root: str) -> dict:
         t.put_many([(f"m{j:032x}/0/{j:032x}"[:40], v) for j in range(i, min(a.reopen_records, i + 20_000))])
     t.close()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    base_src = os.path.join(root, "disk_base.py")
-    got = subprocess.run(["git", "show", f"{BASE_COMMIT}:kvtier/tiers/disk.py"], capture_output=True, text=True)
     res = {"records": a.reopen_records}
     order = ["checkpoint", "scan"] + ([] if a.smoke else ["checkpoint"])
-    if got.returncode == 0:
-        with open(base_src, "w") as f:
-            f.write(got.stdout)
+    if base_src is not None:
         order = ["base"] + order
     for which in order:  # the scan run's close writes the checkpoint again for the last run
         if a.smoke:  # in this process: a child's interpreter start would take most of the smoke time
             out = _reopen_here(which, d, base_src)
         else:
-            r = subprocess.run([sys.executable, "-c", _REOPEN_CHILD, which, d, base_src], capture_output=True,
+            r = subprocess.run([sys.executable, "-c", _REOPEN_CHILD, which, d, base_src or ""], capture_output=True,
                                text=True, env=env)
             if r.returncode != 0:
                 raise RuntimeError(f"reopen child ({which}) failed: {r.stderr[-2000:]}")
@@ -441,32 +454,6 @@ def run_reopen(a, root: str) -> dict:
     res["speedup_vs_scan"] = res["scan"]["seconds"] / res["checkpoint"]["seconds"]
     shutil.rmtree(d, ignore_errors=True)
     return res
-
-
-def run_grow_base(a, root: str) -> dict:
-    """The grow workload with the store of git revision ``a.base`` (its kvtier package exported
-    next to the run, this script's workload and measurement), in a child process: old and new
-    store side by side in one run, on the same machine and disk."""
-    src = os.path.join(root, "base-src")
-    os.makedirs(src)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    commit = subprocess.run(["git", "-C", here, "rev-parse", "--short", a.base], capture_output=True,
-                            text=True, check=True).stdout.strip()
-    archive = subprocess.run(["git", "-C", here, "archive", commit, "kvtier"], capture_output=True, check=True)
-    subprocess.run(["tar", "-x", "-C", src], input=archive.stdout, check=True)
-    out_dir = os.path.join(root, "base-out")
-    args = ["--only", "grow", "--out", out_dir, "--dir", root, "--shape", a.shape, "--block-tokens",
-            str(a.block_tokens), "--max-tokens", str(a.max_tokens), "--steps", str(a.steps), "--codec", a.codec,
-            "--l1-gib", str(a.l1_gib), "--l2-gib", str(a.l2_gib), "--disk-gib", str(a.disk_gib),
-            "--prefetch-blocks", str(a.prefetch_blocks)] + (["--layers", str(a.layers)] if a.layers else [])
-    env = dict(os.environ, PYTHONPATH=src)
-    r = subprocess.run([sys.executable, os.path.abspath(__file__)] + args, env=env, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"the base run ({commit}) failed: {r.stderr[-2000:]}")
-    with open(os.path.join(out_dir, "bench_scale.json")) as f:
-        got = json.load(f)["grow"]
-    got["commit"] = commit
-    return got
 
 
 def plot(out: dict, path: str) -> None:
@@ -509,7 +496,8 @@ def plot(out: dict, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, base: Base | None = None) -> int:
+    """The run; ``base`` measures an older store beside this tree's (see :class:`Base`)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="small sizes, under 30 s (CI)")
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES))
@@ -529,8 +517,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--disk-gib", type=int, default=40)
     ap.add_argument("--reopen-records", type=int, default=1_000_000)
     ap.add_argument("--only", choices=("grow", "convs", "reopen"), action="append")
-    ap.add_argument("--base", default=None, metavar="REV",
-                    help="also run the grow workload with the store of this git revision (side by side)")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--out", default="results/bench_scale", help="where the JSON and PNG go")
     a = ap.parse_args(argv)
@@ -554,8 +540,9 @@ def main(argv: list[str] | None = None) -> int:
         out["raw_disk"] = raw_disk(root, (64 if a.smoke else 1024) << 20)
         todo = a.only or ["grow", "convs", "reopen"]
         if "grow" in todo:
-            if a.base:  # first: the child's memory must not add to what this process holds after its run
-                out["grow_base"] = run_grow_base(a, root)
+            got = base.grow(a, root) if base is not None else None  # first: the child's memory must
+            if got is not None:  # not add to what this process holds after its run
+                out["grow_base"] = got
             out["grow"] = run_grow(a, shape, root)
             for k in ("swap_out_GBps", "swap_in_GBps"):
                 v = out["grow"][k]
@@ -567,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
         if "convs" in todo:
             out["convs"] = run_convs(a, shape, root)
         if "reopen" in todo:
-            out["reopen"] = run_reopen(a, root)
+            out["reopen"] = run_reopen(a, root, base.reopen_src(root) if base is not None else None)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     os.makedirs(a.out, exist_ok=True)

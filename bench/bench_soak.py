@@ -78,7 +78,7 @@ def open_store(path: str | None, redis: tuple[str, str] | None = None):
 
     url, prefix = redis or (None, "kvtier:")
     # small L2 so that blocks keep moving to L3; without L3 (the L4 check) L2 holds what it reads
-    cfg = KVTierConfig(block_tokens=BT, hot_tokens=4 * BT, host_bytes=(96 << 10) if path else (64 << 20), codec="fp16", policy="lru",
+    cfg = KVTierConfig(block_tokens=BT, device_tokens=4 * BT, host_bytes=(96 << 10) if path else (64 << 20), codec="fp16", policy="lru",
                        max_sequences=8, disk_path=path, disk_bytes=512 << 20, disk_segment_bytes=1 << 20,
                        write_through=True, durability="close", remote_url=url, remote_key_prefix=prefix)
     return KVStore(cfg, num_layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=torch.float16,

@@ -26,10 +26,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
+import sys
 import tempfile
 import time
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.baselines
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -43,20 +47,20 @@ def _draft(model, layers: int):
 
 def _cache(kind: str, model, ctx: int, tmp: str):
     import kvtier
-    from kvtier.eval.baselines import make_baseline
+    from tests.baselines import make_baseline
 
     if kind == "dynamic":
         return make_baseline("dynamic", model)
     lossless = "bf16" if next(model.parameters()).dtype == torch.bfloat16 else "fp16"
     bt = 16 if ctx < 512 else 64
-    cfg = kvtier.KVTierConfig(block_tokens=bt, hot_tokens=max(2 * bt, ctx // 4 // bt * bt),
+    cfg = kvtier.KVTierConfig(block_tokens=bt, device_tokens=max(2 * bt, ctx // 4 // bt * bt),
                               host_bytes=64 << 20, disk_path=f"{tmp}/{kind}", policy="lru",
                               codec=lossless if kind == "kvtier-dense" else "int4")
     return kvtier.attach(model, cfg)
 
 
 def _run(model, ids, cache, new: int, gen: dict):
-    from kvtier.eval.baselines import greedy_generate
+    from tests.baselines import greedy_generate
 
     t0 = time.perf_counter()
     out = greedy_generate(model, ids, cache, new, **gen)
@@ -84,7 +88,7 @@ def main(argv=None) -> int:
     if args.smoke:
         args.context, args.new, args.caches = 128, 6, "dynamic,kvtier-dense"
 
-    from kvtier.integrations.model import load_model, load_tokenizer, text_ids
+    from kvtier.models import load_model, load_tokenizer, text_ids
 
     torch.manual_seed(0)
     model = load_model(dtype=_DTYPES[args.dtype], device="cpu")[0]

@@ -129,7 +129,7 @@ def run(ctx: int, l1_frac: float, budget_frac: float, steps: int, warmup: int, d
     kv_bytes = 2 * LAYERS * KV_HEADS * HEAD_DIM * elem * total
     # L2 holds about half of the encoded KV (int4 with scales: ~4.5 bits per element); the rest spills to L3
     host = max(1 << 20, int(kv_bytes * 0.5 * 4.5 / (8 * elem)))
-    cfg = KVTierConfig(block_tokens=bt, hot_tokens=hot, budget_tokens=budget, host_bytes=host,
+    cfg = KVTierConfig(block_tokens=bt, device_tokens=hot, budget_tokens=budget, host_bytes=host,
                        disk_path=disk_dir, disk_bytes=max(64 << 20, 2 * kv_bytes), codec=codec,
                        policy=policy, attention=attention, max_sequences=1,
                        **({} if prefetch is None else {"prefetch": prefetch}))
@@ -211,7 +211,7 @@ def run(ctx: int, l1_frac: float, budget_frac: float, steps: int, warmup: int, d
         return x - y
 
     return {
-        "hot_tokens": hot, "budget_tokens": budget, "host_bytes": host, "prefill_s": prefill_s,
+        "device_tokens": hot, "budget_tokens": budget, "host_bytes": host, "prefill_s": prefill_s,
         "ref_s": ref_t, "store_s": store_t, "step_s": step_t,
         # median per layer and step, microseconds (end_step: its per-step time / layers)
         "per_layer_us": {name: pct(x, 0.5) / LAYERS * 1e6 for name, x in calls.items()},
@@ -245,7 +245,7 @@ def swap_in(shape: str, ctx: int, blocks: int, steps: int, disk_dir: str) -> dic
     from kvtier.store import reads
 
     kvh, hd, bt = SWAP_SHAPES[shape]
-    cfg = KVTierConfig(block_tokens=bt, hot_tokens=2 * (blocks + 1) * bt, budget_tokens=(blocks + 1) * bt,
+    cfg = KVTierConfig(block_tokens=bt, device_tokens=2 * (blocks + 1) * bt, budget_tokens=(blocks + 1) * bt,
                        host_bytes=64 << 10, disk_path=disk_dir, disk_bytes=1 << 30, codec="int4", policy="lru",
                        attention="sparse", max_sequences=1, prefetch=False)
     st = KVStore(cfg, num_layers=1, kv_heads=kvh, head_dim=hd, dtype=torch.float32, device="cpu")
@@ -255,7 +255,7 @@ def swap_in(shape: str, ctx: int, blocks: int, steps: int, disk_dir: str) -> dic
         st.append(seq, 0, torch.randn(kvh, 1024, hd, generator=g), torch.randn(kvh, 1024, hd, generator=g))
     st.end_step()
     st.flush()
-    l3 = st.lower.l3
+    l3 = st.offload.l3
     spent = [0.0]          # seconds inside this step's L3 calls
     asked: list[str] = []  # the keys they were asked for
 
@@ -276,10 +276,10 @@ def swap_in(shape: str, ctx: int, blocks: int, steps: int, disk_dir: str) -> dic
             spent[0] += time.perf_counter() - t0
 
     def raw_read(keys: list[str]) -> float:
-        locs = [l3._index.lookup(k) for k in keys]  # (segment, record offset, record bytes, value bytes)
+        locs = [l3._catalog.records.lookup(k) for k in keys]  # (segment, record offset, record bytes, value bytes)
         for sid, *_ in locs:
             if sid not in fds:
-                fds[sid] = os.open(l3._segs[sid].path, os.O_RDONLY)
+                fds[sid] = os.open(l3._files.segs[sid].path, os.O_RDONLY)
         t0 = time.perf_counter()
         got = [os.pread(fds[sid], vlen, off + size - vlen) for sid, off, size, vlen in locs]
         dt = time.perf_counter() - t0
@@ -296,7 +296,7 @@ def swap_in(shape: str, ctx: int, blocks: int, steps: int, disk_dir: str) -> dic
     modes = ("batched", "per_record", "one_by_one")
     out: dict[str, list[tuple]] = {m: [] for m in modes}  # (l3 s, swap-in s, raw s, records)
     batch0 = reads._SWAP_IN_BATCH
-    io, res = st.lower.io, st.residency
+    io, res = st.offload.io, st.residency
     decode_many, make_room = io.decode_stored_many, res.make_room
 
     def decode_each(items, device):

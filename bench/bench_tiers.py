@@ -15,18 +15,19 @@
      warm reads also as a ratio of the reading thread's CPU time (_cpu: what a loaded machine's
      scheduling does not inflate), and with a writer thread appending meanwhile (_with_writer:
      the tier written through put_many, the raw reference to another file); base_*: the same
-     reads (and writer) through the DiskTier of --base-rev (default L3_BASE), same run
+     reads (and writer) through another DiskTier in the same run, where a caller passes one
+     (research/bench_tiers_base.py: an older revision's)
      crc: GB/s of the record CRC beside zlib's and CRC32C packages' (when installed) and a copy
-     L3_reopen: a directory of 1M small records reopened from its checkpoint, this tree against
-     REOPEN_BASE alternated, each in a fresh interpreter: seconds, us a record, RSS growth;
+     L3_reopen: a directory of 1M small records reopened from its checkpoint (and, where a caller
+     passes one, another DiskTier's alternated), each in a fresh interpreter: seconds, us a record, RSS growth;
      and the checkpoint written of it before (seconds, the longest tier-lock hold, a reader's gets)
      with lz4: blocks compressed before put and decompressed after get (the store's byte
      stage), GB/s of uncompressed bytes, against the same raw references.
      L3_small: the same for small records (--small-kib, one layer's quantized block), where
      the per-call cost rather than the copy decides.
      L3_compaction: p50/p99 of two step shapes while background compaction empties segments
-     3/4 dead and, alternated with it, on the same tier without compaction, for this tree and
-     --base-rev: a decode step of an 8B model (32 layers x a get_many of 8, then a put_many of one block
+     3/4 dead and, alternated with it, on the same tier without compaction, for this tree (and
+     another DiskTier where a caller passes one): a decode step of an 8B model (32 layers x a get_many of 8, then a put_many of one block
      per layer; the target is judged on it) and a micro step (one put, three gets: tens of
      microseconds, where OS jitter alone puts p99 at several times p50); the compactor's share
      of the time. The p99 <= 2x p50 target is judged as is where the machine's decode steps
@@ -65,6 +66,8 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import lz4.block
 import torch
@@ -357,7 +360,7 @@ def bench_l3(root: str, blocks: list[bytes], batch: int, compress: bool, repeat:
             assert t.get_into(k, mv[(i % 16) * bs:(i % 16 + 1) * bs]) == len(payload[i])
         return time.perf_counter() - t0
 
-    tb = None  # the same records read through the base revision's DiskTier
+    tb = None  # the same records read through the other DiskTier (``base``: a module with one)
     if base is not None and not compress:
         bdir = os.path.join(root, "tier-base")
         shutil.rmtree(bdir, ignore_errors=True)
@@ -430,7 +433,7 @@ DECODE_LAYERS, DECODE_GETS_PER_LAYER = 32, 8  # the decode-shaped step: an 8B mo
 def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, rounds: int, versions: dict) -> dict:
     """Latency of steps on L3 while background compaction empties segments 3/4 dead, and on
     the same tier without compaction, alternated, for each DiskTier class in ``versions``
-    (this tree's and the base revision's), two step shapes:
+    (this tree's as ``new``, and another as ``base`` where the caller passes one), two step shapes:
 
       decode  a sparse decode step of an 8B model (32 layers): per layer ``DECODE_GETS_PER_LAYER``
               budget blocks read from L3 in one ``get_many`` (as the store's swap-in reads them),
@@ -478,7 +481,7 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
         ``parts`` each one's breakdown (see _StepProbe)."""
         if compacting:
             t.compact_threshold = 0.5
-            t._worker.wake()
+            _L3(t).worker.wake()
         lat = []
         for i in range(10 * count if compacting else count):
             q0 = sched.waited() if adjusted is not None else 0.0
@@ -495,10 +498,10 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
                 parts.append(probe.end(dt, cpu, queued))
             else:
                 probe.end(dt, cpu, queued)
-            if compacting and i + 1 >= count and t._job is None and not t._candidates():
+            if compacting and i + 1 >= count and _L3(t).job is None and not _L3(t).candidates():
                 break
         if compacting:
-            while t._job is not None or t._candidates():  # the rest, so the next round starts alike
+            while _L3(t).job is not None or _L3(t).candidates():  # the rest, so the next round starts alike
                 time.sleep(0.01)
         return lat
 
@@ -525,12 +528,12 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
                     s0 = t.stats()
                     t0 = time.perf_counter()
                     probe.holding = c == "with"
-                    w0 = _thread_schedstat(t._worker._thread)
+                    w0 = _thread_schedstat(_L3(t).worker._thread)
                     got = steps_on(t, step, c == "with", least if c == "with" else count,
                                    adj[v, c] if w == "decode" and sched.available else None,
                                    parts[v, c] if w == "decode" else None)
                     probe.holding = False
-                    if c == "with" and w0 is not None and (w1 := _thread_schedstat(t._worker._thread)):
+                    if c == "with" and w0 is not None and (w1 := _thread_schedstat(_L3(t).worker._thread)):
                         comp[v]["cpu"] = comp[v].get("cpu", 0.0) + w1[0] - w0[0]
                         comp[v]["queued"] = comp[v].get("queued", 0.0) + w1[1] - w0[1]
                     if c == "with":
@@ -539,7 +542,7 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
                         cs["busy"] += s1["compact_busy_seconds"] - s0["compact_busy_seconds"]
                         cs["compactions"] += s1["compactions"] - s0["compactions"]
                         cs["max_step"] = max(cs["max_step"], s1["compact_max_step_seconds"])
-                        cs["share"] = t._share
+                        cs["share"] = _L3(t).share
                         count = len(got)  # as many steps without compaction
                     else:
                         t.compact_threshold = 0.0
@@ -594,6 +597,52 @@ def bench_compaction(root: str, rec_bytes: int, total_bytes: int, steps: int, ro
     return res
 
 
+
+class _L3:
+    """The internals of a DiskTier this bench reaches into, for this tree's (composed parts,
+    kvtier/tiers/disk/) and an older revision's (one class with ``_``-attributes) alike."""
+
+    def __init__(self, t) -> None:
+        self.t = t
+        self.parts = getattr(t, "_compaction", None)  # None: an older revision's tier
+
+    @property
+    def job(self):
+        return self.parts.job if self.parts is not None else self.t._job
+
+    def candidates(self) -> list:
+        return self.parts.candidates() if self.parts is not None else self.t._candidates()
+
+    @property
+    def worker(self):
+        return self.parts.worker if self.parts is not None else self.t._worker
+
+    @property
+    def share(self) -> float:
+        return self.parts.share if self.parts is not None else self.t._share
+
+    @property
+    def tier_lock(self):
+        return self.t._locks.tier if self.parts is not None else self.t._lock
+
+    @tier_lock.setter
+    def tier_lock(self, lock) -> None:
+        if self.parts is not None:
+            self.t._locks.tier = lock
+        else:
+            self.t._lock = lock
+
+    @property
+    def write_lock(self):
+        return self.t._locks.write if self.parts is not None else self.t._write_lock
+
+    @write_lock.setter
+    def write_lock(self, lock) -> None:
+        if self.parts is not None:
+            self.t._locks.write = lock
+        else:
+            self.t._write_lock = lock
+
 class _StepProbe:
     """Where a step's time goes: it swaps a tier's two locks for timed ones and counts the
     cyclic GC's collections, so that each step (between ``begin`` and ``end``, on the thread
@@ -613,8 +662,9 @@ class _StepProbe:
         gc.callbacks.append(self._gc)
 
     def install(self, t, holds: dict) -> None:
-        t._lock = _TimedLock(t._lock, self, "tier_lock", holds["tier_lock"])
-        t._write_lock = _TimedLock(t._write_lock, self, "write_lock", holds["write_lock"])
+        l3 = _L3(t)
+        l3.tier_lock = _TimedLock(l3.tier_lock, self, "tier_lock", holds["tier_lock"])
+        l3.write_lock = _TimedLock(l3.write_lock, self, "write_lock", holds["write_lock"])
 
     def _gc(self, phase: str, info: dict) -> None:
         mine = threading.get_ident() == self.step_thread
@@ -743,8 +793,19 @@ def percentile(lat: list[float], q: float) -> float:
 
 
 SECTIONS = ("L1", "L2", "L3", "compaction", "reopen", "crc", "L4")
-L3_BASE = "acc91f9"  # the DiskTier before cooperative compaction and pread-served small records
-REOPEN_BASE = "d8a714b"  # the DiskTier whose checkpoint loads into a dict of tuples (one object per record)
+
+
+@dataclass
+class Base:
+    """Another DiskTier measured beside this tree's in the same run (research/bench_tiers_base.py
+    brings older revisions'): ``tiers``, a module with a ``DiskTier``, for the L3 reads and the
+    compaction steps; ``reopen_dir``, a folder holding a ``kvtier_tiers_base`` package, for the
+    reopen; each None where there is none, ``label``/``reopen_label`` name them in the output."""
+    label: str
+    tiers: object | None
+    reopen_label: str
+    reopen_dir: str | None
+
 
 _REOPEN_CHILD = r"""
 import json, os, sys, time
@@ -777,25 +838,6 @@ os._exit(0)  # no close: the INDEX stays the one written for these runs
 
 def reopen_key(j: int) -> str:
     return f"m{j:032x}/0/{j:032x}"[:40]  # a store key's length and shape
-
-
-def _tiers_at(rev: str, root: str, name: str = "kvtier_tiers_base") -> str | None:
-    """kvtier/tiers as of git ``rev``, copied into ``root``/``name`` (a package importable beside
-    the current one); None when there is no git history to take it from."""
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ls = subprocess.run(["git", "-C", here, "ls-tree", "--name-only", rev, "kvtier/tiers/"], capture_output=True,
-                        text=True)
-    if ls.returncode != 0 or not ls.stdout.strip():
-        return None
-    pkg = os.path.join(root, name)
-    os.makedirs(pkg, exist_ok=True)
-    for path in ls.stdout.split():
-        if path.endswith(".py"):
-            src = subprocess.run(["git", "-C", here, "show", f"{rev}:{path}"], capture_output=True, text=True,
-                                 check=True).stdout
-            with open(os.path.join(pkg, os.path.basename(path)), "w") as f:
-                f.write(src)
-    return root
 
 
 def bench_crc(repeat: int, smoke: bool) -> dict:
@@ -831,25 +873,13 @@ def bench_crc(repeat: int, smoke: bool) -> dict:
     return res
 
 
-def _import_base(root: str, rev: str):
-    """kvtier.tiers as of git ``rev`` (a module), or None without the git history."""
-    import importlib
-
-    pkgdir = _tiers_at(rev, root, "kvtier_tiers_l3base")
-    if pkgdir is None:
-        return None
-    sys.path.insert(0, pkgdir)
-    try:
-        return importlib.import_module("kvtier_tiers_l3base")
-    finally:
-        sys.path.remove(pkgdir)
-
-
-def bench_reopen(root: str, n: int, repeat: int, in_process: bool) -> dict:
-    """Reopening a directory of ``n`` small records from its checkpoint: this tree against
-    ``REOPEN_BASE``, alternated, each with its own INDEX over the same (hard-linked) segment
-    files; seconds, microseconds a record, RSS growth and the first get of 10k keys after it.
-    Each open runs in a fresh interpreter (RSS is its own), except in --smoke."""
+def bench_reopen(root: str, n: int, repeat: int, in_process: bool, pkgdir: str | None = None,
+                 base_label: str | None = None) -> dict:
+    """Reopening a directory of ``n`` small records from its checkpoint: this tree, and where
+    ``pkgdir`` holds a ``kvtier_tiers_base`` package (``base_label`` names it) that DiskTier too,
+    alternated, each with its own INDEX over the same (hard-linked) segment files; seconds,
+    microseconds a record, RSS growth and the first get of 10k keys after it. Each open runs in
+    a fresh interpreter (RSS is its own), except in --smoke."""
     new_dir, base_dir = os.path.join(root, "reopen-new"), os.path.join(root, "reopen-base")
     t = DiskTier(new_dir, capacity_bytes=8 << 30, durability="never")
     v = os.urandom(40)
@@ -857,7 +887,6 @@ def bench_reopen(root: str, n: int, repeat: int, in_process: bool) -> dict:
         t.put_many([(reopen_key(j), v) for j in range(i, min(n, i + 20_000))])
     hold = checkpoint_hold(t, [reopen_key(j) for j in range(0, n, max(1, n // 1000))])
     t.close()  # writes this tree's INDEX
-    pkgdir = _tiers_at(REOPEN_BASE, root)
     order = ["new"]
     if pkgdir is not None:
         os.makedirs(base_dir)
@@ -887,7 +916,7 @@ def bench_reopen(root: str, n: int, repeat: int, in_process: bool) -> dict:
                 out = json.loads(r.stdout.strip().splitlines()[-1])
             assert out["records"] == n and out["checkpoint_loaded"] == 1, out
             runs[which].append(out)
-    res: dict = {"records": n, "base_commit": REOPEN_BASE if pkgdir else None, "fresh_process": not in_process,
+    res: dict = {"records": n, "base_commit": base_label if pkgdir else None, "fresh_process": not in_process,
                  "checkpoint": hold}
     for which, outs in runs.items():
         best = min(outs, key=lambda o: o["seconds"])
@@ -940,7 +969,8 @@ def checkpoint_hold(t: DiskTier, keys: list[str]) -> dict:
     checkpoint's seconds, the longest it held the tier lock in one go (what it blocks a get
     or put for), and the reader's p50 and longest get meanwhile (the GIL included), beside
     the reader's longest get over as long a time without a checkpoint (the machine's own)."""
-    lock, timer = t._lock, _HoldTimer(t._lock, threading.get_ident())
+    l3 = _L3(t)
+    lock, timer = l3.tier_lock, _HoldTimer(l3.tier_lock, threading.get_ident())
 
     def reading(work) -> tuple[float, list[float]]:
         lat: list[float] = []
@@ -965,11 +995,11 @@ def checkpoint_hold(t: DiskTier, keys: list[str]) -> dict:
             stop.set()
             th.join()
 
-    t._lock = timer
+    l3.tier_lock = timer
     try:
         dt, lat = reading(t.checkpoint)
     finally:
-        t._lock = lock
+        l3.tier_lock = lock
     _, idle = reading(lambda: time.sleep(dt))
     return {"records": len(t), "seconds": dt, "max_lock_hold_ms": max(timer.holds) * 1e3,
             "lock_holds": len(timer.holds), "reader_get_p50_us": lat[len(lat) // 2] * 1e6,
@@ -1096,7 +1126,9 @@ def fmt(v) -> str:
     return str(v)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, base: Callable[[str], Base] | None = None) -> int:
+    """The run; ``base(root)`` gives another DiskTier to measure beside this tree's (its files
+    under ``root``, the run's temporary folder)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny sizes, a few seconds (CI)")
     ap.add_argument("--block-kib", type=int, default=256, help="record size in KiB")
@@ -1111,8 +1143,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="torch intra-op threads for the copy_ references (the tiers copy host bytes on one "
                          "thread; on a loaded machine threaded copies also stall); 0 = torch's default")
     ap.add_argument("--only", choices=SECTIONS, action="append", help="run only these sections (repeatable)")
-    ap.add_argument("--base-rev", default=L3_BASE,
-                    help="git revision whose DiskTier the L3 reads (base_read_*) are also measured through")
     ap.add_argument("--reopen-records", type=int, default=1_000_000, help="records in the reopened directory")
     ap.add_argument("--reopen-repeat", type=int, default=3, help="reopens of each version (alternated)")
     a = ap.parse_args(argv)
@@ -1142,20 +1172,21 @@ def main(argv: list[str] | None = None) -> int:
     if "crc" in todo:
         out["crc"] = bench_crc(a.repeat, a.smoke)
     root = tempfile.mkdtemp(prefix="kvtier-bench-", dir=a.dir)
+    other = base(root) if base is not None and todo & {"L3", "compaction", "reopen"} else None
+    label = other.label if other is not None else None
     try:
         if "L3" in todo:
-            base = _import_base(root, a.base_rev)
-            out["L3_raw"] = bench_l3(root, raw_blocks, a.batch, False, a.repeat, base)
+            bt = other.tiers if other is not None else None
+            out["L3_raw"] = bench_l3(root, raw_blocks, a.batch, False, a.repeat, bt)
             out["L3_lz4"] = bench_l3(root, kv_blocks, a.batch, True, a.repeat)
             sb = a.small_kib << 10
             small = [torch.randint(0, 256, (sb,), dtype=torch.uint8, generator=g).numpy().tobytes()
                      for _ in range(max(2, min(4096, (a.total_mib << 20) // sb)))]
-            out["L3_small"] = bench_l3(root, small, a.batch, False, a.repeat, base)
+            out["L3_small"] = bench_l3(root, small, a.batch, False, a.repeat, bt)
         if "compaction" in todo:
             versions = {"new": DiskTier}
-            base = _import_base(root, a.base_rev) if a.base_rev else None
-            if base is not None:
-                versions["base"] = base.DiskTier
+            if other is not None and other.tiers is not None:
+                versions["base"] = other.tiers.DiskTier
             out["L3_compaction"] = bench_compaction(root, (a.small_kib << 10) * 2, (4 if a.smoke else 64) << 20,
                                                     300 if a.smoke else 2000, 1 if a.smoke else min(a.repeat, 3),
                                                     versions)
@@ -1164,7 +1195,8 @@ def main(argv: list[str] | None = None) -> int:
                                 1 if a.smoke else min(a.repeat, 3), 20 if a.smoke else 300))
         if "reopen" in todo:
             out["L3_reopen"] = bench_reopen(root, a.reopen_records, 1 if a.smoke else a.reopen_repeat,
-                                            in_process=a.smoke)
+                                            in_process=a.smoke, pkgdir=other and other.reopen_dir,
+                                            base_label=other and other.reopen_label)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -1183,7 +1215,7 @@ def main(argv: list[str] | None = None) -> int:
 
         for name, d, kib in (("L3", l3, a.block_kib), ("L3_small", small, a.small_kib)):
             vs = f"{kib} KiB records, wall, vs the same bytes read with f.read per record; reading thread's CPU"
-            base = (lambda key: f"; base {a.base_rev} {d[f'base_{key}']:.2f}" if f"base_{key}" in d else "")
+            base = (lambda key: f"; base {label} {d[f'base_{key}']:.2f}" if f"base_{key}" in d else "")
             tg[f"{name}_read_warm>=0.7x_raw"] = (
                 f"{pf(d['read_warm_ratio'])} {d['read_warm_ratio']:.2f}x (get_many, batch {a.batch}, {vs} "
                 f"{d['read_warm_ratio_cpu']:.2f}x{base('read_warm_ratio')}; vs one preadv a batch "
@@ -1222,11 +1254,12 @@ def main(argv: list[str] | None = None) -> int:
         tg["L3_step_p99<=2x_p50_while_compacting"] = (
             ("PASS" if c["target_met"] else "MISS") + f", judged on the decode step ({c['decode_step']}, "
             f"{c['record_bytes'] >> 10} KiB records) {how}. This tree: decode {shape('new', 'decode')}{rq('new')}; "
-            f"micro (put + 3 gets) {shape('new', 'micro')}. Base {a.base_rev}: decode {shape('base', 'decode')}"
-            f"{rq('base')}; "
-            f"micro {shape('base', 'micro')}. Compactor time share {c['new_compactor']['time_share']:.2f} "
-            f"(bound {c['new_compactor']['compact_share']:.2f}; "
-            f"base {c.get('base_compactor', {}).get('time_share', 0):.2f})")
+            f"micro (put + 3 gets) {shape('new', 'micro')}. "
+            + (f"Base {label}: decode {shape('base', 'decode')}{rq('base')}; micro {shape('base', 'micro')}. "
+               if "base_decode" in c else "")
+            + f"Compactor time share {c['new_compactor']['time_share']:.2f} "
+            f"(bound {c['new_compactor']['compact_share']:.2f}"
+            + (f"; base {c['base_compactor']['time_share']:.2f})" if "base_compactor" in c else ")"))
     if "L3_reopen" in out:
         tg["L3_reopen<1us_per_record"] = "PASS" if out["L3_reopen"]["new"]["us_per_record"] < 1.0 else "MISS"
     if a.json:

@@ -92,7 +92,7 @@ def store(dev: torch.device, quick: bool) -> None:
     from kvtier.store import KVStore
 
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = KVTierConfig(block_tokens=16, hot_tokens=64, host_bytes=256 << 10, disk_path=tmp, codec="fp16",
+        cfg = KVTierConfig(block_tokens=16, device_tokens=64, host_bytes=256 << 10, disk_path=tmp, codec="fp16",
                            policy="lru", attention="dense")
         st = KVStore(cfg, num_layers=4, kv_heads=3, head_dim=64, dtype=torch.float16, device=dev,
                      fingerprint="gpu-check")
@@ -122,7 +122,7 @@ def store(dev: torch.device, quick: bool) -> None:
         # sparse: gather_view's K/V (views of each table's L1 region, blocks in the returned order)
         # equal the copying gather_blocks' and the appended tokens, while selections change and
         # blocks move between regions, L2 and L3 (swap-outs on the side stream)
-        cfg = KVTierConfig(block_tokens=16, hot_tokens=256, budget_tokens=128, host_bytes=64 << 10,
+        cfg = KVTierConfig(block_tokens=16, device_tokens=256, budget_tokens=128, host_bytes=64 << 10,
                            disk_path=tmp + "/sparse", codec="fp16", policy="h2o", attention="sparse")
         st = KVStore(cfg, num_layers=2, kv_heads=3, head_dim=64, dtype=torch.float16, device=dev)
         s = st.add_sequence()
@@ -157,7 +157,7 @@ def model(dev: torch.device, quick: bool) -> None:
 
     import kvtier
     from kvtier.config import KVTierConfig
-    from kvtier.integrations.model import load_model, load_text
+    from kvtier.models import load_model, load_text
 
     # the lossless codec must match the model dtype: fp16 on CUDA, bf16 (the fast one) on CPU
     dtype, lossless = (torch.float16, "fp16") if dev.type == "cuda" else (torch.bfloat16, "bf16")
@@ -166,7 +166,7 @@ def model(dev: torch.device, quick: bool) -> None:
     new = 32 if quick else 64
     with tempfile.TemporaryDirectory() as tmp, torch.inference_mode():
         ref = m.generate(ids, cache=DynamicCache(config=m.config), max_new_tokens=new, do_sample=False)
-        cfg = KVTierConfig(block_tokens=32, hot_tokens=128, host_bytes=1 << 20, disk_path=tmp, codec=lossless,
+        cfg = KVTierConfig(block_tokens=32, device_tokens=128, host_bytes=1 << 20, disk_path=tmp, codec=lossless,
                            attention="dense", policy="lru")
         cache = kvtier.attach(m, cfg)
         got = m.generate(ids, cache=cache, max_new_tokens=new, do_sample=False)
@@ -193,7 +193,7 @@ def model(dev: torch.device, quick: bool) -> None:
         base = decode_rate(lambda: DynamicCache(config=m.config))
         hot = ids.shape[1] // 4 // 32 * 32
         sparse = decode_rate(lambda: kvtier.attach(m, KVTierConfig(
-            block_tokens=32, hot_tokens=hot, budget_tokens=hot, host_bytes=64 << 20, disk_path=tmp,
+            block_tokens=32, device_tokens=hot, budget_tokens=hot, host_bytes=64 << 20, disk_path=tmp,
             codec="int4", attention="sparse", policy="h2o")))
         print(f"decode at {ids.shape[1]} context: DynamicCache {base:.1f} tok/s, kvtier int4 sparse L1=25% "
               f"{sparse:.1f} tok/s ({sparse / base:.2f}x)")

@@ -44,7 +44,7 @@ class Engine:
     def __init__(self, model_dir: str, **fields) -> None:
         from vllm import LLM
 
-        from kvtier.integrations.vllm import kv_transfer_config
+        from kvtier.vllm import kv_transfer_config
 
         t = time.perf_counter()
         self.llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=2048,
@@ -60,7 +60,7 @@ class Engine:
         """Seconds to the first token and the tokens kvtier supplied."""
         from vllm import SamplingParams
 
-        from kvtier.integrations.vllm import worker_call
+        from kvtier.vllm import worker_call
 
         extra = {"kv_transfer_params": {"kvtier": {"load": False, "save": False}}} if cold else None
         sp = SamplingParams(temperature=0.0, max_tokens=1, extra_args=extra)
@@ -71,7 +71,7 @@ class Engine:
         return dt, out.kv_transfer_params["kvtier"]["matched_tokens"]
 
     def stats(self) -> dict:
-        from kvtier.integrations.vllm import worker_call
+        from kvtier.vllm import worker_call
 
         return worker_call(self.engine_id, "stats")
 
@@ -100,8 +100,8 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from kvtier.integrations.model import load_text
-    from kvtier.integrations.vllm import embedded_model_dir
+    from kvtier.models import load_text
+    from kvtier.vllm import embedded_model_dir
 
     model_dir = embedded_model_dir()
     ids = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)(load_text()[:200_000])["input_ids"]

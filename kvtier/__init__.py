@@ -15,11 +15,11 @@ def __getattr__(name: str):
 
         return KVTierConfig
     if name in ("TieredCache", "attach"):
-        from kvtier.integrations import cache as _cache
+        from kvtier.hf import cache as _cache
 
         return getattr(_cache, name)
     if name == "SavedCacheError":
-        from kvtier.integrations.persist import SavedCacheError
+        from kvtier.hf.persist import SavedCacheError
 
         return SavedCacheError
     raise AttributeError(f"module 'kvtier' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """``python -m kvtier ...``: the same entry point as the ``kvtier`` command."""
 import sys
 
-from kvtier.cli import main
+from kvtier.commands.cli import main
 
 sys.exit(main())

@@ -2,8 +2,8 @@
 
 Each source is one self-contained file ``kvtier/csrc/<name>.c`` (shipped as package data), read
 when its library is first loaded: the compress kernel (``quant``, wrapped by
-``kvtier/compress/cpu.py``), the block scorer (``score``, ``kvtier/store/cscore.py``) and the L3
-segment scan and record read (``segscan``, ``recread``, ``kvtier/tiers/``). The shared object is
+``kvtier/compress/cpu.py``), the block scorer (``score``, ``kvtier/store/score_cpu.py``) and the L3
+segment scan and record read (``segment_scan``, ``record_read``, ``kvtier/tiers/disk/``). The shared object is
 cached under ``$KVTIER_CACHE_DIR`` (default ``~/.cache/kvtier``, owner-only), named by a hash of
 the source file's text, flags, compiler and CPU, so an edited source is rebuilt and a cache
 directory shared between machines never hands one CPU's ``-march=native`` build to another.

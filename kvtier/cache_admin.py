@@ -5,7 +5,7 @@ compacted away or truncated under it is read as it was or skipped, never a crash
 ``stat`` and ``verify`` are safe while a store serves from the directory (they show it as of
 the moment each file was read; the last record of the head may be a write in flight and is
 not reported as damaged). ``pin``/``unpin`` write the PINS file, which a serving tier re-reads
-(``kvtier.tiers.diskpins``). What deletes records (``verify(drop=True)``, ``evict``,
+(``kvtier.tiers.disk.pins``). What deletes records (``verify(drop=True)``, ``evict``,
 ``clear``) takes the directory's lock as a DiskTier would, and is refused with a ValueError
 naming the owner's pid while a store holds it.
 """
@@ -18,10 +18,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier._crc import crc32
-from kvtier.tiers.diskpins import PinFile, block_name
-from kvtier.tiers.diskspace import SEG_RE, is_tier_file, purge_directory
+from kvtier.tiers.disk.pins import PinFile, block_name
+from kvtier.tiers.disk.space import SEG_RE, is_tier_file, purge_directory
 from kvtier.tiers.errors import DirectoryLockedError
-from kvtier.tiers.segfile import FLAG_TOMB, REC_HEADER_BYTES, SEG_HEADER_BYTES, iter_headers
+from kvtier.tiers.disk.segment import FLAG_TOMB, REC_HEADER_BYTES, SEG_HEADER_BYTES, iter_headers
 
 
 @dataclass(frozen=True)

@@ -2,10 +2,11 @@
 
 Sizes carry their unit in the name (``*_tokens``, ``*_bytes``). String choices are ``Literal``s and
 every field is checked at construction (types too: a bool is a bool): bad input raises
-``ValueError`` naming the field and the allowed values. Checks that need the model shape (does
-``host_bytes`` hold one block? does L1 fit the device?) are :meth:`KVTierConfig.check_model`, run
-by the store before it allocates anything; those that need the filesystem (is ``disk_path``
-writable?) happen when L3 is opened.
+``ValueError`` naming the field and the allowed values. What each field allows on its own is
+declared in ``kvtier.configcheck``; how fields fit together is checked here. Checks that need the
+model shape (does ``host_bytes`` hold one block? does L1 fit the device?) are
+``kvtier.store.sizing.check_model``, run by the store before it allocates anything; those that
+need the filesystem (is ``disk_path`` writable?) happen when L3 is opened.
 
 Derived fields (``DERIVED_FIELDS``: ``host_codec``, ``budget_tokens``, ...) hold a value marked
 as computed, so that ``dataclasses.replace`` and ``from_dict(to_dict() | {...})`` compute them
@@ -14,17 +15,17 @@ again from what the user set instead of pinning the old ones.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional, get_args
+from typing import Any, Literal, Optional
 
 from kvtier.configcheck import (
-    Derived, DerivedInt, DerivedStr, MAX_BYTES, MAX_SEGMENT_BYTES, MAX_SEQUENCES, MAX_TOKENS,
-    MIN_HOST_BYTES, MIN_SEGMENT_BYTES, check_bool, check_choice, check_int, check_remote_url,
-    derive, device_memory, physical_memory,
+    CODECS, GROUP_SIZES, MAX_KEY_OUTLIERS, MAX_TOKENS, MIN_SEGMENT_BYTES, PRECISION_CODECS,
+    RENAMED_FIELDS, Derived, check_fields, check_int, check_remote_url, check_whole_blocks, derive, plain,
+    read_toml, renamed_fields,
 )
 from kvtier.configdoc import class_doc, field_docs
 
@@ -35,8 +36,6 @@ SelectScore = Literal["centroid", "quest"]
 DigestDType = Literal["int8", "kv"]
 AttentionMath = Literal["float32", "sdpa"]
 Axis = Literal["channel", "token"]
-#: ``int2_key_outliers`` at most (``kvtier.compress.codecs.MAX_OUTLIERS``)
-MAX_KEY_OUTLIERS = 32
 Durability = Literal["never", "close", "batch"]
 DiskEviction = Literal["lru", "lfu", "none"]
 DiskAdmission = Literal["always", "second-touch"]
@@ -47,17 +46,10 @@ RecallReference = Literal["median", "mean", "all-mean"]
 Int8ZeroPoint = Literal["none", "key", "value", "both"]
 KeyTransform = Literal["none", "hadamard"]
 
-#: Codec names known to ``kvtier.compress.get_codec`` (kept here so a config is checked before
-#: any codec module is imported).
-CODECS = ("fp16", "bf16", "fp32", "int8", "int4", "int2", "nf4", "fp4", "dyn8")
 #: The 16-bit pass-through codecs: exact for KV of their own dtype only (float32 KV is rounded to
 #: 16 bits by them), so a 16-bit tier codec follows the KV dtype. ``fp32`` is exact for every
 #: KV dtype and follows nothing.
 LOSSLESS_CODECS = ("fp16", "bf16")
-#: The integer codecs ``precision="importance"`` chooses among, from most to fewest bits.
-PRECISION_CODECS = ("int8", "int4", "int2")
-#: Quantization group sizes the codecs implement.
-GROUP_SIZES = (32, 64, 128)
 #: Fields computed from the others unless the user sets them.
 DERIVED_FIELDS = ("block_tokens", "host_codec", "disk_codec", "digest_tokens", "budget_tokens", "sink_tokens", "window_tokens",
                   "disk_segment_bytes")
@@ -83,34 +75,6 @@ def lossless_codec(dtype: str | None) -> str:
     return "bf16" if dtype == "bfloat16" else "fp32" if dtype == "float32" else "fp16"
 
 
-def block_record_bytes(cfg: "KVTierConfig", num_layers: int, kv_heads: int, head_dim: int,
-                       dtype) -> tuple[int, int]:
-    """(L2 ring bytes, L3 segment bytes) one block of this model takes at most, headers included.
-
-    Measured by encoding one block with the tiers' real codecs, as the store frames it.
-    """
-    import torch
-
-    from kvtier.store.blockrecord import pack_block
-    from kvtier.tiers.disk import SEG_HEADER_BYTES, record_size
-    from kvtier.tiers.host import HostTier
-
-    # the longest key the store writes: content-addressed "m<32 hex>/<layer>/<32 hex>"
-    key = f"m{'0' * 32}/{num_layers - 1}/{'0' * 32}"
-    x = torch.zeros(kv_heads, cfg.block_tokens, head_dim, dtype=dtype)  # [kv_heads, block_tokens, head_dim]
-    full = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
-
-    def block(name: str) -> int:
-        if name in ("fp16", "bf16") and dtype != torch.float32:
-            name = full  # a 16-bit tier codec follows the KV dtype, as in the store
-        kc, vc = cfg.codec_pair(name)
-        return len(pack_block(kc.encode(x), vc.encode(x)))
-
-    l2 = HostTier.record_bytes(key, block(cfg.host_codec))
-    l3 = SEG_HEADER_BYTES + record_size(len(key), block(cfg.disk_codec))
-    return l2, l3
-
-
 @dataclass(frozen=True)
 class KVTierConfig:
     """Configuration of a tiered KV store (L1 device pool, L2 DRAM ring, L3 SSD segments)."""
@@ -122,21 +86,21 @@ class KVTierConfig:
     where a block is what a step selects and smaller blocks leave a small budget room to select
     (why: docs/results/config-defaults.md#block_tokens)."""
 
-    hot_tokens: Optional[int] = 512
+    device_tokens: Optional[int] = 512
     """L1 budget per sequence and layer, in tokens: a whole number of blocks (the open block
-    counts). Ignored when ``hot_bytes`` is set."""
+    counts). Ignored when ``device_bytes`` is set."""
 
-    hot_bytes: Optional[int] = None
+    device_bytes: Optional[int] = None
     """Alternative L1 budget: total bytes of the device pool across all layers and
     ``max_sequences`` sequences; the per-sequence budget is derived from the model shape (a pool
     grown for more sequences gives each the same)."""
 
     max_sequences: int = 4
     """Concurrent sequences the L1 pool is sized for when the store opens (each gets the full
-    ``hot_tokens`` budget). More live sequences (beams, ``num_return_sequences``, forks, other open
-    caches) grow the pool on demand, doubling its sequences, up to ``hot_max_bytes``."""
+    ``device_tokens`` budget). More live sequences (beams, ``num_return_sequences``, forks, other open
+    caches) grow the pool on demand, doubling its sequences, up to ``device_max_bytes``."""
 
-    hot_max_bytes: Optional[int] = None
+    device_max_bytes: Optional[int] = None
     """Most bytes the L1 pool may grow to as live sequences outnumber ``max_sequences``. None:
     bounded by the device's memory only (a growth it cannot hold raises MemoryError naming the
     bytes)."""
@@ -318,7 +282,7 @@ class KVTierConfig:
 
     budget_tokens: Optional[int] = None
     """Sparse mode: tokens attended per step (open block included): a whole number of blocks, at
-    most ``hot_tokens``. Default: ``hot_tokens``."""
+    most ``device_tokens``. Default: ``device_tokens``."""
 
     select_score: SelectScore = "centroid"
     """Sparse mode: how blocks are ranked against the query, from the digest kept per sealed block
@@ -361,14 +325,14 @@ class KVTierConfig:
     """L3 durability: ``never`` (left to the OS: a clean ``close`` leaves the records readable by
     the next process, a machine crash may lose recent ones), ``close`` (fdatasync on sync/close), ``batch`` (fdatasync after every spilled batch)."""
 
-    lz4_min_saving: float = 0.05
+    byte_stage_min_saving: float = 0.05
     """The byte stage's output (lz4 or zstd, see ``byte_stage``) is kept only when it saves at least
     this fraction of the record; otherwise the record is stored raw."""
 
     byte_stage: ByteStageName = "lz4"
     """Lossless stage on encoded records on their way to L3: ``lz4`` (fast; saves nothing on
     quantized records, which are then stored raw), ``zstd`` (entropy coded: saves a few percent of int4
-    records for some time per swap-in, so lower ``lz4_min_saving`` with it;
+    records for some time per swap-in, so lower ``byte_stage_min_saving`` with it;
     docs/results/config-defaults.md#byte_stage) or ``none``."""
 
     byte_stage_l2: bool = False
@@ -408,64 +372,42 @@ class KVTierConfig:
         for name in DERIVED_FIELDS:
             if isinstance(getattr(self, name), Derived):
                 object.__setattr__(self, name, None)
+        check_fields(self)  # each field alone, as configcheck declares; then how they fit together
         self._check_l1()
         self._check_tiers()
         self._check_codecs()
         self._check_selection()
-        check_choice("durability", self.durability, get_args(Durability))
-        check_choice("disk_eviction", self.disk_eviction, get_args(DiskEviction))
-        check_choice("disk_admission", self.disk_admission, get_args(DiskAdmission))
-        if self.dtype is not None:
-            check_choice("dtype", self.dtype, get_args(DType))
-        self._check_remote()
-        self._check_eviction()
-        self._check_writes()
+        if self.remote_url is not None:
+            check_remote_url(self.remote_url)
+        if self.low_watermark > self.high_watermark:
+            raise ValueError(
+                f"low_watermark must be <= high_watermark ({self.high_watermark}); got {self.low_watermark}")
         self._check_sparse_budget()
 
-    # -- checks of __post_init__, one area each, in the order they run (a derived value is filled
-    # before the first check that reads it) ----------------------------------------------------
+    # -- checks of __post_init__ across fields, one area each, in the order they run (a derived
+    # value is filled before the first check that reads it) --------------------------------------
 
     def _check_l1(self) -> None:
-        """Attention mode, block size and the L1 budget (``hot_tokens`` or ``hot_bytes``)."""
-        check_choice("attention", self.attention, get_args(Attention))
+        """Block size and the L1 budget (``device_tokens`` or ``device_bytes``)."""
         if self.block_tokens is None:
             derive(self, "block_tokens", default_block_tokens(self.attention))
-        check_int("block_tokens", self.block_tokens, 1, MAX_TOKENS)
-        if self.hot_bytes is None:
-            if self.hot_tokens is None:
-                raise ValueError("hot_tokens or hot_bytes must be set (hot_tokens: int >= block_tokens)")
-            check_int("hot_tokens", self.hot_tokens, 1, MAX_TOKENS)
-            if self.hot_tokens < self.block_tokens:
+        if self.device_bytes is None:
+            if self.device_tokens is None:
+                raise ValueError("device_tokens or device_bytes must be set (device_tokens: int >= block_tokens)")
+            check_int("device_tokens", self.device_tokens, 1, MAX_TOKENS)
+            if self.device_tokens < self.block_tokens:
                 raise ValueError(
-                    f"hot_tokens must be >= block_tokens ({self.block_tokens}); got {self.hot_tokens}")
-            self._check_whole_blocks("hot_tokens", self.hot_tokens, self.block_tokens)
-        else:
-            check_int("hot_bytes", self.hot_bytes, 1, MAX_BYTES)
-        check_int("max_sequences", self.max_sequences, 1, MAX_SEQUENCES)
-        if self.hot_max_bytes is not None:
-            check_int("hot_max_bytes", self.hot_max_bytes, 1, MAX_BYTES)
+                    f"device_tokens must be >= block_tokens ({self.block_tokens}); got {self.device_tokens}")
+            check_whole_blocks(self, "device_tokens", self.device_tokens, self.block_tokens)
 
     def _check_tiers(self) -> None:
-        """L2 and L3 sizes, L3 retention and directory."""
-        if isinstance(self.host_bytes, int) and not isinstance(self.host_bytes, bool) \
-                and self.host_bytes < MIN_HOST_BYTES:
-            raise ValueError(f"host_bytes must be an int >= {MIN_HOST_BYTES} (the smallest L2 ring; it must "
-                             f"also hold one block of the model, checked at attach); got {self.host_bytes!r}")
-        check_int("host_bytes", self.host_bytes, MIN_HOST_BYTES, MAX_BYTES)
-        check_int("host_overflow_bytes", self.host_overflow_bytes, 0, MAX_BYTES)
-        check_int("disk_bytes", self.disk_bytes, 1, MAX_BYTES)
+        """L3 segments within ``disk_bytes``, and the L3 directory."""
         if self.disk_segment_bytes is None:
             half = self.disk_bytes // 2 // 4096 * 4096
             derive(self, "disk_segment_bytes", max(MIN_SEGMENT_BYTES, min(DEFAULT_SEGMENT_BYTES, half)))
-        check_int("disk_segment_bytes", self.disk_segment_bytes, MIN_SEGMENT_BYTES, MAX_SEGMENT_BYTES)
         if self.disk_bytes < self.disk_segment_bytes:
             raise ValueError(f"disk_bytes must be >= disk_segment_bytes ({self.disk_segment_bytes:,}); "
                              f"got {self.disk_bytes:,}")
-        if self.disk_max_age_s is not None and (isinstance(self.disk_max_age_s, bool) or not isinstance(
-                self.disk_max_age_s, (int, float)) or not self.disk_max_age_s >= 0):
-            raise ValueError(f"disk_max_age_s must be a number of seconds >= 0 or None; got {self.disk_max_age_s!r}")
-        if self.disk_kept_bytes is not None:
-            check_int("disk_kept_bytes", self.disk_kept_bytes, 0, MAX_BYTES)
         if self.disk_path is not None:
             if not isinstance(self.disk_path, (str, Path)) or str(self.disk_path).strip() == "" \
                     or "\x00" in str(self.disk_path):
@@ -474,32 +416,89 @@ class KVTierConfig:
             object.__setattr__(self, "disk_path", os.path.expanduser(str(self.disk_path)))
 
     def _check_codecs(self) -> None:
-        """The codec of each tier, its group size and axes, and mixed precision."""
-        check_choice("codec", self.codec, CODECS)
-        check_choice("order", self.order, get_args(Order))
+        """The codec of each tier (derived ones filled) and mixed precision."""
         if self.host_codec is None:
             derive(self, "host_codec", self.codec if self.order == "compress-then-tier"
                     else lossless_codec(self.dtype))
         if self.disk_codec is None:
             derive(self, "disk_codec", self.codec)
-        check_choice("host_codec", self.host_codec, CODECS)
-        check_choice("disk_codec", self.disk_codec, CODECS)
-        check_choice("group_size", self.group_size, GROUP_SIZES)
-        self._check_precision()
-        check_choice("key_axis", self.key_axis, get_args(Axis))
-        check_choice("value_axis", self.value_axis, get_args(Axis))
-        check_int("int2_key_outliers", self.int2_key_outliers, 0, MAX_KEY_OUTLIERS)
-        check_choice("int8_zero_point", self.int8_zero_point, get_args(Int8ZeroPoint))
-        if self.int8_value_axis is not None:
-            check_choice("int8_value_axis", self.int8_value_axis, get_args(Axis))
-        role_codecs = tuple(c for c in CODECS if c not in LOSSLESS_CODECS)
+        if self.heavy_fraction + self.cold_fraction > 1.0:
+            raise ValueError(f"cold_fraction must be <= 1 - heavy_fraction ({1 - self.heavy_fraction:g}); "
+                             f"got {self.cold_fraction!r}")
+        if self.precision == "fixed":
+            return
+        if self.codec not in PRECISION_CODECS:
+            raise ValueError(f"codec must be one of {', '.join(map(repr, PRECISION_CODECS))} with "
+                             f"precision='importance'; got {self.codec!r}")
+        bits = {c: int(c[3:]) for c in PRECISION_CODECS}
+        if bits[self.heavy_codec] < bits[self.codec]:
+            raise ValueError(f"heavy_codec must have at least codec's bits ({self.codec!r}); got {self.heavy_codec!r}")
+        if bits[self.cold_codec] > bits[self.codec]:
+            raise ValueError(f"cold_codec must have at most codec's bits ({self.codec!r}); got {self.cold_codec!r}")
+        if self.policy not in ("h2o", "snapkv"):
+            raise ValueError(f"policy must be 'h2o' or 'snapkv' with precision='importance' (the attention "
+                             f"statistic it ranks blocks by); got {self.policy!r}")
+        if self.order != "compress-then-tier":
+            raise ValueError(f"order must be 'compress-then-tier' with precision='importance'; got {self.order!r}")
+        for name in ("host_codec", "disk_codec"):
+            if getattr(self, name) != self.codec:
+                raise ValueError(f"{name} must be unset (or equal codec {self.codec!r}) with "
+                                 f"precision='importance'; got {getattr(self, name)!r}")
+        if self.cold_key_outliers is not None and self.cold_codec == self.codec:
+            raise ValueError(f"cold_key_outliers must be None when cold_codec equals codec ({self.codec!r}: "
+                             f"one codec name, one encoding); got {self.cold_key_outliers!r}")
         for name in ("key_codec", "value_codec"):
+            if getattr(self, name) not in (None, self.codec):
+                raise ValueError(f"{name} must be None (or equal codec {self.codec!r}) with "
+                                 f"precision='importance'; got {getattr(self, name)!r}")
+
+    def _check_selection(self) -> None:
+        """How sparse attention scores blocks (``digest_tokens`` filled here)."""
+        if self.digest_tokens is None:
+            derive(self, "digest_tokens", self.block_tokens if self.select_score != "centroid"
+                    else math.gcd(self.block_tokens, DEFAULT_DIGEST_TOKENS))
+        check_int("digest_tokens", self.digest_tokens, 1, self.block_tokens)
+        if self.block_tokens % self.digest_tokens:
+            raise ValueError(f"digest_tokens must divide block_tokens ({self.block_tokens}); "
+                             f"got {self.digest_tokens}")
+        if self.select_score != "centroid" and self.digest_tokens != self.block_tokens:
+            raise ValueError(f"digest_tokens must equal block_tokens ({self.block_tokens}) unless "
+                             f"select_score is 'centroid'; got {self.digest_tokens}")
+
+    def _check_sparse_budget(self) -> None:
+        """The sparse budget and its fixed parts (sink, window, one open block), filled when known."""
+        bt = self.block_tokens
+        # The sparse budget and its fixed parts are only known in tokens when device_tokens is.
+        hot = self.device_tokens if self.device_bytes is None else None
+        if self.budget_tokens is None:
+            if hot is not None:
+                derive(self, "budget_tokens", hot)
+        else:
+            if self.budget_tokens < bt:
+                raise ValueError(f"budget_tokens must be >= block_tokens ({bt}); got {self.budget_tokens}")
+            check_whole_blocks(self, "budget_tokens", self.budget_tokens, bt)
+            if hot is not None and self.budget_tokens > hot:
+                raise ValueError(
+                    f"budget_tokens must be <= device_tokens ({hot}): the attended blocks are resident "
+                    f"in L1 while attention runs; got {self.budget_tokens}")
+        budget = self.budget_tokens
+        for name in ("sink_tokens", "window_tokens"):
             if getattr(self, name) is not None:
-                check_choice(name, getattr(self, name), role_codecs)
-                if self.precision == "importance" and getattr(self, name) != self.codec:
-                    raise ValueError(f"{name} must be None (or equal codec {self.codec!r}) with "
-                                     f"precision='importance'; got {getattr(self, name)!r}")
-        check_choice("key_transform", self.key_transform, get_args(KeyTransform))
+                check_whole_blocks(self, name, getattr(self, name), bt)
+        if budget is None:
+            # device_bytes without budget_tokens: the store fills the defaults once it knows the budget
+            return
+        sink, window = self.sink_window(budget)
+        if self.sink_tokens is None:
+            derive(self, "sink_tokens", sink)
+        if self.window_tokens is None:
+            derive(self, "window_tokens", window)
+        fixed = _round_up(self.sink_tokens, bt) + _round_up(self.window_tokens, bt) + bt
+        if budget < fixed:
+            raise ValueError(
+                f"budget_tokens must be >= sink_tokens + window_tokens + one open block "
+                f"(= {fixed} with block_tokens={bt}); got {budget}")
+
 
     def role_codec(self, name: str, role: str) -> str:
         """The codec ``role`` (``"key"`` or ``"value"``) is stored in where a tier stores codec
@@ -517,10 +516,10 @@ class KVTierConfig:
                      for role, c in (("key", self.role_codec(name, "key")), ("value", self.role_codec(name, "value"))))
 
     def codec_kwargs(self, name: str, role: str) -> dict:
-        """The ``kvtier.compress.get_codec`` arguments of tier codec ``name`` for ``role``
-        (``"key"`` or ``"value"``): group size, axis (for int8 values ``int8_value_axis``), for
-        int2 keys ``int2_key_outliers``, for int8 the role's ``int8_zero_point``, and for integer
-        keys ``key_transform``."""
+        """The ``kvtier.compress.get_codec`` arguments of codec ``name`` for ``role`` (``"key"``
+        or ``"value"``): group size, axis (for int8 values ``int8_value_axis``), for int2 keys
+        ``int2_key_outliers``, for int8 the role's ``int8_zero_point``, and for integer keys
+        ``key_transform``."""
         assert role in ("key", "value"), f"role is 'key' or 'value', got {role!r}"
         axis = self.key_axis if role == "key" else self.value_axis
         if name == "int8" and role == "value" and self.int8_value_axis is not None:
@@ -544,146 +543,6 @@ class KVTierConfig:
             return self.cold_key_outliers
         return self.int2_key_outliers if name == "int2" else 0
 
-    def _check_selection(self) -> None:
-        """Eviction policy and how sparse attention scores blocks (``digest_tokens`` filled here)."""
-        check_choice("policy", self.policy, get_args(Policy))
-        check_choice("select_score", self.select_score, get_args(SelectScore))
-        check_choice("digest_dtype", self.digest_dtype, get_args(DigestDType))
-        check_choice("attention_math", self.attention_math, get_args(AttentionMath))
-        if self.digest_tokens is None:
-            derive(self, "digest_tokens", self.block_tokens if self.select_score != "centroid"
-                    else math.gcd(self.block_tokens, DEFAULT_DIGEST_TOKENS))
-        check_int("digest_tokens", self.digest_tokens, 1, self.block_tokens)
-        if self.block_tokens % self.digest_tokens:
-            raise ValueError(f"digest_tokens must divide block_tokens ({self.block_tokens}); "
-                             f"got {self.digest_tokens}")
-        if self.select_score != "centroid" and self.digest_tokens != self.block_tokens:
-            raise ValueError(f"digest_tokens must equal block_tokens ({self.block_tokens}) unless "
-                             f"select_score is 'centroid'; got {self.digest_tokens}")
-
-    def _check_remote(self) -> None:
-        """The L4 server, its key prefix and the namespace."""
-        if not isinstance(self.namespace, str) or "\x00" in self.namespace or len(self.namespace.encode()) > 256:
-            raise ValueError(f"namespace must be a str of at most 256 UTF-8 bytes without NUL; "
-                             f"got {self.namespace!r:.80}")
-        if self.remote_url is not None:
-            check_remote_url(self.remote_url)
-        if not isinstance(self.remote_key_prefix, str) or "\x00" in self.remote_key_prefix \
-                or len(self.remote_key_prefix.encode()) > 128:
-            raise ValueError(f"remote_key_prefix must be a str of at most 128 UTF-8 bytes without NUL; "
-                             f"got {self.remote_key_prefix!r:.80}")
-
-    def _check_eviction(self) -> None:
-        """Eviction batches, prefetch and the L1 watermarks."""
-        check_int("snapkv_observe_steps", self.snapkv_observe_steps, 1, 1 << 20)
-        check_int("evict_batch_blocks", self.evict_batch_blocks, 1, 1 << 20)
-        check_int("prefetch_blocks", self.prefetch_blocks, 1, 1 << 24)
-        if not (isinstance(self.prefetch, bool) or self.prefetch == "auto"):
-            raise ValueError(f"prefetch must be True, False or 'auto'; got {self.prefetch!r}")
-        for name in ("high_watermark", "low_watermark"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 < v <= 1.0:
-                raise ValueError(f"{name} must be a float in (0, 1]; got {v!r}")
-        if self.low_watermark > self.high_watermark:
-            raise ValueError(
-                f"low_watermark must be <= high_watermark ({self.high_watermark}); got {self.low_watermark}")
-
-    def _check_writes(self) -> None:
-        """How records are written: byte stage and write-through."""
-        check_choice("byte_stage", self.byte_stage, get_args(ByteStageName))
-        check_bool("byte_stage_l2", self.byte_stage_l2)
-        check_bool("write_through", self.write_through)
-        if isinstance(self.lz4_min_saving, bool) or not isinstance(self.lz4_min_saving, (int, float)) \
-                or not 0.0 <= self.lz4_min_saving < 1.0:
-            raise ValueError(f"lz4_min_saving must be a float in [0, 1); got {self.lz4_min_saving!r}")
-
-    def _check_sparse_budget(self) -> None:
-        """The sparse budget and its fixed parts (sink, window, one open block), filled when known."""
-        bt = self.block_tokens
-        # The sparse budget and its fixed parts are only known in tokens when hot_tokens is.
-        hot = self.hot_tokens if self.hot_bytes is None else None
-        if self.budget_tokens is None:
-            if hot is not None:
-                derive(self, "budget_tokens", hot)
-        else:
-            check_int("budget_tokens", self.budget_tokens, 1, MAX_TOKENS)
-            if self.budget_tokens < bt:
-                raise ValueError(f"budget_tokens must be >= block_tokens ({bt}); got {self.budget_tokens}")
-            self._check_whole_blocks("budget_tokens", self.budget_tokens, bt)
-            if hot is not None and self.budget_tokens > hot:
-                raise ValueError(
-                    f"budget_tokens must be <= hot_tokens ({hot}): the attended blocks are resident "
-                    f"in L1 while attention runs; got {self.budget_tokens}")
-        budget = self.budget_tokens
-        for name in ("sink_tokens", "window_tokens"):
-            if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), 0, MAX_TOKENS)
-                self._check_whole_blocks(name, getattr(self, name), bt)
-        if budget is None:
-            # hot_bytes without budget_tokens: the store fills the defaults once it knows the budget
-            return
-        sink, window = self.sink_window(budget)
-        if self.sink_tokens is None:
-            derive(self, "sink_tokens", sink)
-        if self.window_tokens is None:
-            derive(self, "window_tokens", window)
-        fixed = _round_up(self.sink_tokens, bt) + _round_up(self.window_tokens, bt) + bt
-        if budget < fixed:
-            raise ValueError(
-                f"budget_tokens must be >= sink_tokens + window_tokens + one open block "
-                f"(= {fixed} with block_tokens={bt}); got {budget}")
-
-    def _check_whole_blocks(self, name: str, tokens: int, bt: int) -> None:
-        """``tokens`` is a whole number of ``bt``-token blocks: the store keeps, evicts and attends
-        whole blocks, so any other count would be rounded to a size the user did not ask for."""
-        if tokens % bt == 0:
-            return
-        low, high = tokens // bt * bt, (tokens // bt + 1) * bt
-        nearest = f"{low:,} or {high:,}" if low > 0 or name in ("sink_tokens", "window_tokens") else f"{high:,}"
-        why = f", the default for {self.attention} attention" if isinstance(self.block_tokens, Derived) else ""
-        raise ValueError(f"{name} must be a whole number of blocks (block_tokens={bt}{why}): {nearest}; "
-                         f"got {tokens:,}")
-
-    def _check_precision(self) -> None:
-        check_choice("precision", self.precision, get_args(Precision))
-        check_choice("heavy_codec", self.heavy_codec, PRECISION_CODECS)
-        check_choice("cold_codec", self.cold_codec, PRECISION_CODECS)
-        for name in ("heavy_fraction", "cold_fraction"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v <= 1.0:
-                raise ValueError(f"{name} must be a float in [0, 1]; got {v!r}")
-        if self.heavy_fraction + self.cold_fraction > 1.0:
-            raise ValueError(f"cold_fraction must be <= 1 - heavy_fraction ({1 - self.heavy_fraction:g}); "
-                             f"got {self.cold_fraction!r}")
-        if isinstance(self.recall_mass, bool) or not isinstance(self.recall_mass, (int, float)) \
-                or not self.recall_mass > 0:
-            raise ValueError(f"recall_mass must be a number > 0 (math.inf: never); got {self.recall_mass!r}")
-        check_choice("recall_reference", self.recall_reference, get_args(RecallReference))
-        if self.cold_key_outliers is not None:
-            check_int("cold_key_outliers", self.cold_key_outliers, 0, MAX_KEY_OUTLIERS)
-        if self.precision == "fixed":
-            return
-        if self.codec not in PRECISION_CODECS:
-            raise ValueError(f"codec must be one of {', '.join(map(repr, PRECISION_CODECS))} with "
-                             f"precision='importance'; got {self.codec!r}")
-        bits = {c: int(c[3:]) for c in PRECISION_CODECS}
-        if bits[self.heavy_codec] < bits[self.codec]:
-            raise ValueError(f"heavy_codec must have at least codec's bits ({self.codec!r}); got {self.heavy_codec!r}")
-        if bits[self.cold_codec] > bits[self.codec]:
-            raise ValueError(f"cold_codec must have at most codec's bits ({self.codec!r}); got {self.cold_codec!r}")
-        if self.policy not in ("h2o", "snapkv"):
-            raise ValueError(f"policy must be 'h2o' or 'snapkv' with precision='importance' (the attention "
-                             f"statistic it ranks blocks by); got {self.policy!r}")
-        if self.order != "compress-then-tier":
-            raise ValueError(f"order must be 'compress-then-tier' with precision='importance'; got {self.order!r}")
-        for name in ("host_codec", "disk_codec"):
-            if getattr(self, name) != self.codec:
-                raise ValueError(f"{name} must be unset (or equal codec {self.codec!r}) with "
-                                 f"precision='importance'; got {getattr(self, name)!r}")
-        if self.cold_key_outliers is not None and self.cold_codec == self.codec:
-            raise ValueError(f"cold_key_outliers must be None when cold_codec equals codec ({self.codec!r}: "
-                             f"one codec name, one encoding); got {self.cold_key_outliers!r}")
-
     def user_set(self) -> dict[str, Any]:
         """The fields as the user set them: a derived value (``host_codec`` filled from ``order``,
         the default ``budget_tokens``, ...) is ``None``, so building a config from this dict
@@ -694,85 +553,6 @@ class KVTierConfig:
     def is_derived(self, name: str) -> bool:
         """Whether field ``name`` holds a value this config computed rather than one the user set."""
         return isinstance(getattr(self, name), Derived)
-
-    # -- checks that need the model's shape ---------------------------------------------------
-
-    def check_model(self, num_layers: int, kv_heads: int, head_dim: int, dtype, device=None,
-                    machine: bool = True) -> None:
-        """Check the sizes against one model's KV shape, before anything is allocated.
-
-        Raises ValueError naming the user's field and the bound in bytes for this model: L1
-        (``hot_tokens``/``hot_bytes`` x ``max_sequences``) that the device cannot hold,
-        ``host_bytes`` beyond this machine's RAM or below one block record,
-        ``disk_segment_bytes`` below one L3 record, ``disk_bytes`` below the two segments L3
-        needs to reclaim space by compaction.
-
-        Args:
-            dtype: the KV dtype (a torch dtype).
-            device: where L1 lives (default CPU).
-            machine: also check against this machine's memory (False: a plan for another one).
-        """
-        import torch
-
-        device = torch.device(device if device is not None else "cpu")
-        elem = torch.empty((), dtype=dtype).element_size()
-        bt = self.block_tokens
-        slot_bytes = 2 * kv_heads * bt * head_dim * elem  # one block, K and V, full precision
-        importance = self.precision == "importance"
-        int2 = "int2" in (self.host_codec, self.disk_codec) or (importance and (
-            self.heavy_codec == "int2" or (self.cold_codec == "int2" and self.cold_key_outliers is None)))
-        if int2 and self.key_axis == "channel" and self.int2_key_outliers > head_dim:
-            raise ValueError(f"int2_key_outliers must be <= head_dim ({head_dim}) for this model's int2 "
-                             f"keys; got {self.int2_key_outliers}")
-        if importance and self.key_axis == "channel" and (self.cold_key_outliers or 0) > head_dim:
-            raise ValueError(f"cold_key_outliers must be <= head_dim ({head_dim}) for this model's "
-                             f"{self.cold_codec} keys; got {self.cold_key_outliers}")
-        if machine:
-            self._check_memory(slot_bytes, num_layers, device)
-        l2, l3 = block_record_bytes(self, num_layers, kv_heads, head_dim, dtype)
-        if self.host_bytes < l2:
-            raise ValueError(f"host_bytes must hold at least one block: >= {l2:,} bytes for this model "
-                             f"(a {self.host_codec} block of {bt} tokens, {kv_heads} kv heads x "
-                             f"head_dim {head_dim}, K and V); got {self.host_bytes:,}")
-        if self.disk_path is not None:
-            if self.disk_segment_bytes < l3:
-                if self.is_derived("disk_segment_bytes"):  # half of disk_bytes: disk_bytes is the cause
-                    raise ValueError(f"disk_bytes must hold two L3 segments of at least one block each: "
-                                     f">= {2 * -(-l3 // 4096) * 4096:,} bytes for this model (a {self.disk_codec} "
-                                     f"block record is {l3:,} bytes with the segment header); got {self.disk_bytes:,}")
-                raise ValueError(f"disk_segment_bytes must hold at least one block: >= {l3:,} bytes for "
-                                 f"this model (a {self.disk_codec} block record and the segment header); "
-                                 f"got {self.disk_segment_bytes:,}")
-            if self.disk_bytes < 2 * self.disk_segment_bytes:
-                raise ValueError(f"disk_bytes must hold at least two segments (>= 2 x disk_segment_bytes = "
-                                 f"{2 * self.disk_segment_bytes:,} bytes): L3 reclaims space by compacting "
-                                 f"one segment into another; got {self.disk_bytes:,}")
-
-    def _check_memory(self, slot_bytes: int, num_layers: int, device) -> None:
-        """L1 against the device's memory, L2 against this machine's RAM."""
-        bt = self.block_tokens
-        ram = physical_memory()
-        if ram and self.host_bytes > ram:
-            raise ValueError(f"host_bytes must be at most this machine's memory ({ram:,} bytes): L2 is a "
-                             f"DRAM ring; got {self.host_bytes:,}")
-        room = device_memory(device)
-        if not room:
-            return
-        if self.hot_bytes is not None:
-            if self.hot_bytes > room:
-                raise ValueError(f"hot_bytes must fit the L1 device ({device}: {room:,} bytes); "
-                                 f"got {self.hot_bytes:,}")
-            return
-        hot_blocks = self.hot_tokens // bt
-        # the store adds up to hot_blocks - 1 scratch slots per sequence (a selection's swap-ins)
-        l1 = slot_bytes * self.max_sequences * (num_layers * hot_blocks + max(1, hot_blocks - 1))
-        if l1 > room:
-            most = room // (slot_bytes * self.max_sequences * (num_layers + 1)) * bt
-            raise ValueError(
-                f"hot_tokens x max_sequences must fit the L1 device ({device}: {room:,} bytes): "
-                f"hot_tokens={self.hot_tokens:,} with max_sequences={self.max_sequences} needs "
-                f"{l1:,} bytes for this model ({slot_bytes * num_layers // bt:,} bytes per token "
-                f"and sequence); at most about hot_tokens={max(bt, most):,}")
 
     # -- derived sizes ------------------------------------------------------------------------
 
@@ -815,7 +595,7 @@ class KVTierConfig:
         """
         if not resolved:
             return self.user_set()
-        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {f.name: plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "KVTierConfig":
@@ -823,7 +603,7 @@ class KVTierConfig:
             raise ValueError(f"a KVTierConfig is built from a table of fields (a dict); got a "
                              f"{type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names, key=str)
+        unknown = sorted(set(data) - names - RENAMED_FIELDS.keys(), key=str)
         if unknown:
             raise ValueError(f"unknown KVTierConfig field(s) {unknown}; allowed: {sorted(names)}")
         return cls(**data)
@@ -832,37 +612,28 @@ class KVTierConfig:
     def from_toml(cls, path: str | Path) -> "KVTierConfig":
         """Load from a TOML file: fields at top level or under a ``[kvtier]`` table. A missing,
         unreadable or malformed file raises ValueError naming it."""
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except FileNotFoundError:
-            raise ValueError(f"config file {str(path)!r} does not exist") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"config file {str(path)!r} cannot be read: {e}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
-        if "kvtier" in data and isinstance(data["kvtier"], dict):
-            data = data["kvtier"]
-        return cls.from_dict(data)
+        return cls.from_dict(read_toml(path))
 
+
+_dataclass_init = KVTierConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self, *args: Any, **fields: Any) -> None:
+    # renamed fields keep working for one release (configcheck.RENAMED_FIELDS)
+    _dataclass_init(self, *args, **renamed_fields(fields))
+
+
+KVTierConfig.__init__ = _init
 
 # help(KVTierConfig) and pydoc show what each field means: the docstring under each field is in
 # the source only, so the class docstring is built from it (the parser tools/config_doc.py uses).
 KVTierConfig.__doc__ = class_doc(KVTierConfig.__doc__, field_docs(Path(__file__).read_text(), "KVTierConfig"))
 
 
-def _plain(v: Any) -> Any:
-    """A derived value as the plain str/int it stands for."""
-    if isinstance(v, DerivedStr):
-        return str(v)
-    if isinstance(v, DerivedInt):
-        return int(v)
-    return v
-
-
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-__all__ = ["KVTierConfig", "CODECS", "LOSSLESS_CODECS", "PRECISION_CODECS", "GROUP_SIZES", "DERIVED_FIELDS",
+__all__ = ["KVTierConfig", "CODECS", "MAX_KEY_OUTLIERS", "LOSSLESS_CODECS", "PRECISION_CODECS", "GROUP_SIZES", "DERIVED_FIELDS",
            "DEFAULT_BLOCK_TOKENS", "DEFAULT_DIGEST_TOKENS", "default_block_tokens", "lossless_codec"]

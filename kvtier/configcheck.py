@@ -1,10 +1,19 @@
-"""Checks and bounds behind KVTierConfig's validation: field checkers that raise ValueError
-naming the field and what is allowed, the marker of derived values, and this machine's memory.
-Kept apart so config.py holds the fields and how they fit together."""
+"""Checks and bounds behind KVTierConfig's validation: what each field allows on its own,
+declared as tables (a ``Literal`` or ``bool`` annotation is its own table) and checked by one
+function, :func:`check_fields`, with a ValueError naming the field and what is allowed; the
+marker of derived values; this machine's memory. Kept apart so config.py holds the fields and
+how they fit together."""
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
-from typing import Any
+import sys
+import tomllib
+import types
+import typing
+import warnings
+from typing import Any, Callable, Literal, get_args, get_origin
 
 # Bounds that keep every size far from int64 overflow in the tiers' arithmetic; the real limits
 # (the device's memory, the machine's RAM) are checked against them where they are known.
@@ -14,6 +23,8 @@ MAX_SEQUENCES = 1 << 16
 MIN_HOST_BYTES = 4096          # HostTier's smallest ring
 MIN_SEGMENT_BYTES = 4096       # DiskTier: a segment header and one small record
 MAX_SEGMENT_BYTES = (1 << 32) - 1  # DiskTier keeps record offsets in 32 bits
+#: ``int2_key_outliers`` at most (``kvtier.compress.codecs.MAX_OUTLIERS``)
+MAX_KEY_OUTLIERS = 32
 # Redis' default `databases 16` (Valkey's too): a db index above it is refused by the server
 # at the first SELECT, which the L4 tier would only report as an unreachable server.
 REDIS_DBS = 16
@@ -37,6 +48,44 @@ def derive(cfg: Any, name: str, value: Any) -> None:
     """Set field ``name`` of the frozen dataclass ``cfg`` (a KVTierConfig in its ``__post_init__``)
     to ``value``, marked as derived."""
     object.__setattr__(cfg, name, DerivedStr(value) if isinstance(value, str) else DerivedInt(value))
+
+
+def plain(v: Any) -> Any:
+    """A derived value as the plain str/int it stands for."""
+    if isinstance(v, DerivedStr):
+        return str(v)
+    if isinstance(v, DerivedInt):
+        return int(v)
+    return v
+
+
+def check_whole_blocks(cfg: Any, name: str, tokens: int, bt: int) -> None:
+    """``tokens`` is a whole number of ``bt``-token blocks: the store keeps, evicts and attends
+    whole blocks, so any other count would be rounded to a size the user did not ask for."""
+    if tokens % bt == 0:
+        return
+    low, high = tokens // bt * bt, (tokens // bt + 1) * bt
+    nearest = f"{low:,} or {high:,}" if low > 0 or name in ("sink_tokens", "window_tokens") else f"{high:,}"
+    why = f", the default for {cfg.attention} attention" if isinstance(cfg.block_tokens, Derived) else ""
+    raise ValueError(f"{name} must be a whole number of blocks (block_tokens={bt}{why}): {nearest}; "
+                     f"got {tokens:,}")
+
+
+def read_toml(path: Any) -> dict:
+    """The fields in TOML file ``path``: at top level or under a ``[kvtier]`` table. A missing,
+    unreadable or malformed file raises ValueError naming it."""
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ValueError(f"config file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"config file {str(path)!r} cannot be read: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    if "kvtier" in data and isinstance(data["kvtier"], dict):
+        data = data["kvtier"]
+    return data
 
 
 def check_choice(name: str, value: Any, allowed: tuple) -> None:
@@ -79,7 +128,7 @@ def check_remote_url(url: Any) -> None:
     from kvtier.tiers.remotes import is_mooncake
 
     if isinstance(url, str) and is_mooncake(url):
-        from kvtier.tiers.mooncake import check_url as check_mooncake_url
+        from kvtier.tiers.mooncake_url import check_url as check_mooncake_url
 
         check_mooncake_url(url)  # its ValueError names remote_url and the form
         return
@@ -101,3 +150,134 @@ def check_remote_url(url: Any) -> None:
     if not 0 <= db < REDIS_DBS:
         raise ValueError(f"remote_url must name a db in [0, {REDIS_DBS - 1}] (Redis' default `databases "
                          f"{REDIS_DBS}`); got db {db}")
+
+
+#: Old field name -> its name now. The old names are accepted (with a DeprecationWarning naming
+#: the new field) for one release, wherever a config is built from names: keyword arguments,
+#: ``dataclasses.replace``, presets' overrides, ``from_dict``/``from_toml``, CLI flags.
+RENAMED_FIELDS = {
+    "hot_tokens": "device_tokens", "hot_bytes": "device_bytes", "hot_max_bytes": "device_max_bytes",
+    "lz4_min_saving": "byte_stage_min_saving",
+}
+
+
+def renamed_fields(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` with each old field name of ``RENAMED_FIELDS`` replaced by its new one, with a
+    DeprecationWarning pointing at the user's code (the first caller outside kvtier and
+    dataclasses). An old name given beside its new one wins: ``dataclasses.replace(cfg,
+    hot_tokens=...)`` passes every current field along with the change."""
+    if not RENAMED_FIELDS.keys() & fields.keys():
+        return fields
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    out = dict(fields)
+    for old, new in RENAMED_FIELDS.items():
+        if old in out:
+            warnings.warn(f"KVTierConfig field {old!r} is renamed {new!r}; the old name will stop "
+                          f"working in the next release", DeprecationWarning, stacklevel=level)
+            out[new] = out.pop(old)
+    return out
+
+
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)), os.path.abspath(dataclasses.__file__))
+
+
+#: Codec names known to ``kvtier.compress.get_codec`` (kept here so a config is checked before
+#: any codec module is imported).
+CODECS = ("fp16", "bf16", "fp32", "int8", "int4", "int2", "nf4", "fp4", "dyn8")
+#: The integer codecs ``precision="importance"`` chooses among, from most to fewest bits.
+PRECISION_CODECS = ("int8", "int4", "int2")
+#: Quantization group sizes the codecs implement.
+GROUP_SIZES = (32, 64, 128)
+
+# -- what each field allows on its own. Fields annotated with a ``Literal`` (or ``bool``) are
+# checked against its values without an entry here; ``Optional`` lets None pass. What depends on
+# other fields (whole blocks, budgets, codec bit orders) is checked in KVTierConfig.__post_init__.
+
+#: field -> allowed values, for fields whose annotation does not list them
+CHOICES: dict[str, tuple] = {
+    "codec": CODECS, "host_codec": CODECS, "disk_codec": CODECS,
+    # a role's own codec: the 16-bit pass-through ones follow the KV dtype, so only codec names them
+    "key_codec": tuple(c for c in CODECS if c not in ("fp16", "bf16")),
+    "value_codec": tuple(c for c in CODECS if c not in ("fp16", "bf16")),
+    "heavy_codec": PRECISION_CODECS, "cold_codec": PRECISION_CODECS, "group_size": GROUP_SIZES,
+}
+#: integer field -> (minimum, maximum)
+RANGES: dict[str, tuple[int, int]] = {
+    "block_tokens": (1, MAX_TOKENS), "device_bytes": (1, MAX_BYTES), "max_sequences": (1, MAX_SEQUENCES),
+    "device_max_bytes": (1, MAX_BYTES), "host_bytes": (MIN_HOST_BYTES, MAX_BYTES),
+    "host_overflow_bytes": (0, MAX_BYTES), "disk_bytes": (1, MAX_BYTES),
+    "disk_segment_bytes": (MIN_SEGMENT_BYTES, MAX_SEGMENT_BYTES), "disk_kept_bytes": (0, MAX_BYTES),
+    "cold_key_outliers": (0, MAX_KEY_OUTLIERS), "int2_key_outliers": (0, MAX_KEY_OUTLIERS),
+    "budget_tokens": (1, MAX_TOKENS), "sink_tokens": (0, MAX_TOKENS), "window_tokens": (0, MAX_TOKENS),
+    "snapkv_observe_steps": (1, 1 << 20), "evict_batch_blocks": (1, 1 << 20), "prefetch_blocks": (1, 1 << 24),
+}
+#: why a too small value is refused, where the bound alone does not say
+RANGE_WHY = {"host_bytes": "the smallest L2 ring; it must also hold one block of the model, checked at attach"}
+#: number field (int or float, never bool) -> (test, what the message says is allowed)
+NUMBERS: dict[str, tuple[Callable[[float], bool], str]] = {
+    "disk_max_age_s": (lambda v: v >= 0, "a number of seconds >= 0 or None"),
+    "heavy_fraction": (lambda v: 0 <= v <= 1, "a float in [0, 1]"),
+    "cold_fraction": (lambda v: 0 <= v <= 1, "a float in [0, 1]"),
+    "recall_mass": (lambda v: v > 0, "a number > 0 (math.inf: never)"),
+    "high_watermark": (lambda v: 0 < v <= 1, "a float in (0, 1]"),
+    "low_watermark": (lambda v: 0 < v <= 1, "a float in (0, 1]"),
+    "byte_stage_min_saving": (lambda v: 0 <= v < 1, "a float in [0, 1)"),
+}
+#: text field -> most UTF-8 bytes (never a NUL: it would end the name in C and Redis clients)
+TEXTS = {"namespace": 256, "remote_key_prefix": 128}
+
+
+def check_fields(cfg: Any) -> None:
+    """Check every field of the dataclass ``cfg`` that a table above (or its annotation) declares,
+    in field order: ValueError naming the first bad field and what it allows."""
+    for name, optional, allowed in _declared(type(cfg)):
+        value = getattr(cfg, name)
+        if value is None and optional:
+            continue
+        if name in RANGES:
+            low, high = RANGES[name]
+            if name in RANGE_WHY and isinstance(value, int) and not isinstance(value, bool) and value < low:
+                raise ValueError(f"{name} must be an int >= {low} ({RANGE_WHY[name]}); got {value!r}")
+            check_int(name, value, low, high)
+        elif name in NUMBERS:
+            test, says = NUMBERS[name]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not test(value):
+                raise ValueError(f"{name} must be {says}; got {value!r}")
+        elif name in TEXTS:
+            if not isinstance(value, str) or "\x00" in value or len(value.encode()) > TEXTS[name]:
+                raise ValueError(f"{name} must be a str of at most {TEXTS[name]} UTF-8 bytes without NUL; "
+                                 f"got {value!r:.80}")
+        elif allowed == (True, False):
+            check_bool(name, value)
+        elif True in allowed:  # a flag with a third choice: "True, False or 'auto'"
+            if not any(value is a if isinstance(a, bool) else not isinstance(value, bool) and value == a
+                       for a in allowed):
+                shown = [repr(a) for a in allowed]
+                raise ValueError(f"{name} must be {', '.join(shown[:-1])} or {shown[-1]}; got {value!r}")
+        else:
+            check_choice(name, value, allowed)
+
+
+@functools.cache
+def _declared(cls: type) -> tuple[tuple[str, bool, tuple], ...]:
+    """(field, None allowed, allowed values) of each field of ``cls`` a table or annotation declares."""
+    hints = typing.get_type_hints(cls)
+    out = []
+    for name in cls.__dataclass_fields__:
+        parts = _union(hints[name])
+        optional = type(None) in parts
+        allowed = CHOICES.get(name, ())
+        if not allowed and all(p is bool or get_origin(p) is Literal or p is type(None) for p in parts):
+            allowed = tuple(v for p in parts if p is not type(None)
+                            for v in ((True, False) if p is bool else get_args(p)))
+        if allowed or name in RANGES or name in NUMBERS or name in TEXTS:
+            out.append((name, optional, allowed))
+    return tuple(out)
+
+
+def _union(hint: Any) -> tuple:
+    if get_origin(hint) in (typing.Union, types.UnionType):
+        return get_args(hint)
+    return (hint,)

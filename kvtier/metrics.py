@@ -186,7 +186,7 @@ def _disk_metrics(out: _Families, label: str, d: dict) -> None:
 
 
 def _open_stores() -> list:
-    from kvtier.integrations.registry import open_stores
+    from kvtier.hf.registry import open_stores
 
     return open_stores()
 
@@ -196,7 +196,7 @@ class KVTierCollector(Collector):
 
     Args:
         stores: the stores to report (``cache.store``); None: every store the process's caches
-            hold at the time of the scrape (``kvtier.integrations.registry.open_stores``).
+            hold at the time of the scrape (``kvtier.hf.registry.open_stores``).
     """
 
     def __init__(self, stores: Iterable | None = None) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvtier.cache_admin import CacheDirectory
-from kvtier.cli import main
+from kvtier.commands.cli import main
 from kvtier.compress import get_codec
 from kvtier.compress.bytestage import ByteStage
 from kvtier.store.blockrecord import pack_block

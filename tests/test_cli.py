@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from kvtier import plan
-from kvtier.cli import main
+from kvtier.commands.cli import main
 from kvtier.config import KVTierConfig
+from kvtier.store.sizing import check_model
 
 GIB = 1 << 30
 
@@ -40,7 +41,7 @@ def test_seed_table_for_llama2_70b_as_the_seed_counts_it(capsys):
     tiers = p["tiers"]
     assert tiers["ratio_in_range"] and tiers["l1_hbm_bytes"] < tiers["l2_dram_bytes"] < tiers["l3_ssd_bytes"]
     _ints(p)
-    KVTierConfig.from_dict(p["config"]).check_model(80, 64, 128, torch.float16, machine=False)
+    check_model(KVTierConfig.from_dict(p["config"]), 80, 64, 128, torch.float16, machine=False)
 
 
 def test_seed_table_with_the_gqa_correction(capsys):
@@ -68,7 +69,7 @@ def test_every_plan_is_a_config_kvtier_accepts_in_integers(capsys, argv):
     _ints(p)
     cfg = KVTierConfig.from_dict(p["config"])
     dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[p["model"]["dtype"]]
-    cfg.check_model(30, 3, 64, dtype, machine=False)
+    check_model(cfg, 30, 3, 64, dtype, machine=False)
     assert cfg.host_bytes >= p["tiers"]["l2_dram_bytes"] and cfg.disk_bytes >= p["tiers"]["l3_ssd_bytes"]
     assert cfg.disk_bytes % cfg.disk_segment_bytes == 0
     assert main(["plan", "--layers", "30", "--kv-heads", "3", "--head-dim", "64", *argv]) == 0
@@ -108,7 +109,7 @@ def test_plan_beyond_what_a_config_can_hold_is_a_sentence(capsys):
 @pytest.fixture
 def no_model(monkeypatch):
     """generate must refuse bad input before it loads a model."""
-    import kvtier.integrations.model as m
+    import kvtier.models as m
 
     def refuse(*a, **kw):
         raise AssertionError("the model was loaded before the input was checked")
@@ -119,7 +120,7 @@ def no_model(monkeypatch):
 @pytest.mark.parametrize("argv, msg", [
     (("--config", "/nonexistent/kv.toml"), "config file '/nonexistent/kv.toml' does not exist"),
     (("--codec", "zip"), "invalid choice: 'zip'"),
-    (("--hot-tokens", "3"), "hot_tokens must be >= block_tokens"),
+    (("--device-tokens", "3"), "device_tokens must be >= block_tokens"),
     (("--max-new-tokens", "0"), "--max-new-tokens must be >= 1"),
 ])
 def test_generate_bad_input_is_a_sentence_before_the_model_loads(no_model, capsys, argv, msg):
@@ -133,13 +134,13 @@ def test_generate_bad_input_is_a_sentence_before_the_model_loads(no_model, capsy
 def test_generate_config_file_fields_are_re_derived_with_the_flags(tmp_path):
     import argparse
 
-    from kvtier.integrations import chat
+    from kvtier.commands import generate as chat
 
     toml = tmp_path / "kv.toml"
     toml.write_text('codec = "int4"\nhot_tokens = 256\n')
     p = argparse.ArgumentParser()
     chat.add_arguments(p)
-    cfg = chat._config(p.parse_args(["--config", str(toml), "--codec", "int8", "--hot-tokens", "128"]), "/scratch")
+    cfg = chat._config(p.parse_args(["--config", str(toml), "--codec", "int8", "--device-tokens", "128"]), "/scratch")
     assert (cfg.host_codec, cfg.disk_codec, cfg.budget_tokens) == ("int8", "int8", 128)
     assert cfg.disk_path == "/scratch"  # neither the file nor a flag names L3: the per-run directory
     toml.write_text('disk_path = "/kept"\n')

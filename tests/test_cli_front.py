@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvtier import __version__
-from kvtier.cli import build_parser, main
+from kvtier.commands.cli import build_parser, main
 from kvtier.config import CODECS
+from kvtier.store.sizing import check_model
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -33,12 +34,12 @@ def _flag(parser, name):
 
 
 def test_generate_takes_size_suffixes_and_token_suffixes():
-    from kvtier.integrations import chat
+    from kvtier.commands import generate as chat
 
     p = argparse.ArgumentParser()
     chat.add_arguments(p)
-    cfg = chat._config(p.parse_args(["--host-bytes", "256M", "--hot-tokens", "1k", "--budget-tokens", "512"]), None)
-    assert (cfg.host_bytes, cfg.hot_tokens, cfg.budget_tokens) == (256 << 20, 1024, 512)
+    cfg = chat._config(p.parse_args(["--host-bytes", "256M", "--device-tokens", "1k", "--budget-tokens", "512"]), None)
+    assert (cfg.host_bytes, cfg.device_tokens, cfg.budget_tokens) == (256 << 20, 1024, 512)
 
 
 def test_plan_takes_token_suffixes(capsys):
@@ -138,11 +139,11 @@ def test_plan_recommends_sparse_for_a_long_context_with_a_config_attach_accepts(
 
     assert main([*PLAN, "--max-seq-len", "128k", "--concurrency", "4", "--json"]) == 0
     sp = json.loads(capsys.readouterr().out)["sparse"]
-    assert sp["recommended"] and sp["hot_tokens"] == int(131072 * 0.03) // 16 * 16
+    assert sp["recommended"] and sp["device_tokens"] == int(131072 * 0.03) // 16 * 16
     fields = dict(sp["config"])
     cfg = KVTierConfig.preset(fields.pop("preset"), **fields)
-    assert cfg.attention == "sparse" and cfg.hot_tokens == sp["hot_tokens"]
-    cfg.check_model(32, 8, 128, __import__("torch").bfloat16, machine=False)
+    assert cfg.attention == "sparse" and cfg.device_tokens == sp["device_tokens"]
+    check_model(cfg, 32, 8, 128, __import__("torch").bfloat16, machine=False)
     # the digests' L1 cost is stated: an int8 centroid per 2 tokens plus its float32 scale
     assert sp["digest_bytes_per_token"] == 32 * 8 * (128 + 4) / 2
     assert main([*PLAN, "--max-seq-len", "128k", "--concurrency", "4"]) == 0
@@ -160,7 +161,7 @@ def test_plans_digest_bytes_are_what_a_store_holds():
 
     layers, kvh, hd, tokens = 2, 2, 64, 16 * 40
     p = plan.make_plan(layers, kvh, hd, "bfloat16", 1, tokens, tokens, "int4")
-    cfg = KVTierConfig.preset("long-context", hot_tokens=128, host_bytes=8 << 20)
+    cfg = KVTierConfig.preset("long-context", device_tokens=128, host_bytes=8 << 20)
     store = KVStore(cfg, num_layers=layers, kv_heads=kvh, head_dim=hd, dtype=torch.bfloat16,
                     device=torch.device("cpu"))
     try:

@@ -9,10 +9,10 @@ import pytest
 
 from kvtier import _clib
 from kvtier.compress import cpu
-from kvtier.store import cscore
-from kvtier.tiers import recread, segscan
+from kvtier.store import score_cpu
+from kvtier.tiers.disk import record_read, segment_scan
 
-LIBRARIES = {"quant": cpu._LIB, "score": cscore._LIB, "segscan": segscan._LIB, "recread": recread._EXT}
+LIBRARIES = {"quant": cpu._LIB, "score": score_cpu._LIB, "segment_scan": segment_scan._LIB, "record_read": record_read._EXT}
 needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 
 

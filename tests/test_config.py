@@ -6,7 +6,7 @@ from kvtier.config import KVTierConfig
 
 
 def test_contract_names_work():
-    cfg = KVTierConfig(block_tokens=64, hot_tokens=512, host_bytes=256 << 20, disk_path="kvtier-cache",
+    cfg = KVTierConfig(block_tokens=64, device_tokens=512, host_bytes=256 << 20, disk_path="kvtier-cache",
                        codec="int4", order="compress-then-tier", policy="h2o", attention="sparse",
                        budget_tokens=512)
     assert cfg.host_codec == "int4" and cfg.disk_codec == "int4"
@@ -36,14 +36,14 @@ def test_frozen():
     (dict(host_codec="zip"), "host_codec"),
     (dict(order="both"), "order"),
     (dict(attention="flash"), "attention"),
-    (dict(hot_tokens=32, block_tokens=64), "hot_tokens"),
-    (dict(hot_tokens=256, budget_tokens=512), "budget_tokens"),
-    (dict(hot_tokens=512, budget_tokens=128, sink_tokens=64, window_tokens=64), "budget_tokens"),
+    (dict(device_tokens=32, block_tokens=64), "device_tokens"),
+    (dict(device_tokens=256, budget_tokens=512), "budget_tokens"),
+    (dict(device_tokens=512, budget_tokens=128, sink_tokens=64, window_tokens=64), "budget_tokens"),
     (dict(block_tokens=0), "block_tokens"),
     (dict(low_watermark=0.95, high_watermark=0.9), "low_watermark"),
     (dict(high_watermark=1.5), "high_watermark"),
     (dict(durability="sometimes"), "durability"),
-    (dict(lz4_min_saving=1.5), "lz4_min_saving"),
+    (dict(byte_stage_min_saving=1.5), "byte_stage_min_saving"),
     (dict(byte_stage="gzip"), "byte_stage"),
     (dict(byte_stage_l2="yes"), "byte_stage_l2"),
     (dict(key_axis="row"), "key_axis"),
@@ -62,7 +62,7 @@ def test_from_toml(tmp_path):
     p.write_text('[kvtier]\nblock_tokens = 32\nhot_tokens = 256\ncodec = "int8"\npolicy = "lru"\n'
                  'order = "tier-then-compress"\nprefetch = false\n')
     c = KVTierConfig.from_toml(p)
-    assert (c.block_tokens, c.hot_tokens, c.codec, c.policy, c.prefetch) == (32, 256, "int8", "lru", False)
+    assert (c.block_tokens, c.device_tokens, c.codec, c.policy, c.prefetch) == (32, 256, "int8", "lru", False)
     assert c.host_codec == "fp16"
     p.write_text('block_tokens = 32\nhot_tokenz = 256\n')
     with pytest.raises(ValueError, match="hot_tokenz"):
@@ -75,7 +75,7 @@ def test_prefetch_auto_is_off_on_a_cpu_store_and_can_be_forced():
     assert KVTierConfig().prefetch == "auto"
     assert KVTierConfig.from_dict(KVTierConfig(prefetch="auto").to_dict()).prefetch == "auto"
     for pf, on in (("auto", False), (True, True), (False, False)):
-        st = KVStore(KVTierConfig(block_tokens=4, hot_tokens=16, prefetch=pf), num_layers=1, kv_heads=1,
+        st = KVStore(KVTierConfig(block_tokens=4, device_tokens=16, prefetch=pf), num_layers=1, kv_heads=1,
                      head_dim=4, device="cpu")
         assert st.prefetch is on and st.prefetcher.enabled is on
         pf = json.loads(json.dumps(st.stats()))["prefetch"]

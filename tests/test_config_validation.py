@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvtier.config import DEFAULT_DIGEST_TOKENS, DERIVED_FIELDS, KVTierConfig
+from kvtier.store.sizing import check_model
 
 # SmolLM2-135M's KV shape: 30 layers, 3 kv heads, head_dim 64 (float32 as load_model() gives)
 SHAPE = dict(num_layers=30, kv_heads=3, head_dim=64)
@@ -43,27 +44,27 @@ def test_a_value_the_user_set_is_kept_even_if_equal_to_the_derived_one():
 def test_replace_of_block_tokens_and_hot_tokens_derives_digest_and_budget():
     cfg = KVTierConfig(attention="sparse")
     assert (cfg.block_tokens, cfg.digest_tokens, cfg.digest_dtype) == (16, DEFAULT_DIGEST_TOKENS, "int8")  # the sparse defaults
-    r = dataclasses.replace(cfg, block_tokens=9, hot_tokens=9 * 56)  # sizes are whole blocks
+    r = dataclasses.replace(cfg, block_tokens=9, device_tokens=9 * 56)  # sizes are whole blocks
     assert r.digest_tokens == math.gcd(9, DEFAULT_DIGEST_TOKENS)  # a divisor of block_tokens
     assert dataclasses.replace(cfg, select_score="quest").digest_tokens == 16
     # the block size follows the attention mode unless set
     assert KVTierConfig().block_tokens == 64 and dataclasses.replace(KVTierConfig(), attention="sparse").block_tokens == 16
     assert dataclasses.replace(KVTierConfig(block_tokens=32), attention="sparse").block_tokens == 32
-    r = dataclasses.replace(cfg, hot_tokens=128)
+    r = dataclasses.replace(cfg, device_tokens=128)
     assert r.budget_tokens == 128
     assert r.sink_tokens + r.window_tokens + r.block_tokens <= r.budget_tokens
-    # a budget the user set is checked against the new hot_tokens, not silently dropped
-    with pytest.raises(ValueError, match="budget_tokens must be <= hot_tokens"):
-        dataclasses.replace(KVTierConfig(budget_tokens=512), hot_tokens=128)
+    # a budget the user set is checked against the new device_tokens, not silently dropped
+    with pytest.raises(ValueError, match="budget_tokens must be <= device_tokens"):
+        dataclasses.replace(KVTierConfig(budget_tokens=512), device_tokens=128)
 
 
 def test_to_dict_gives_what_the_user_set_and_from_dict_derives_the_rest():
-    cfg = KVTierConfig(codec="int4", hot_tokens=256)
+    cfg = KVTierConfig(codec="int4", device_tokens=256)
     d = cfg.to_dict()
     assert all(d[name] is None for name in DERIVED_FIELDS)
-    assert d["codec"] == "int4" and d["hot_tokens"] == 256
+    assert d["codec"] == "int4" and d["device_tokens"] == 256
     assert KVTierConfig.from_dict(d) == cfg
-    changed = KVTierConfig.from_dict(d | {"codec": "int8", "block_tokens": 16, "hot_tokens": 64})
+    changed = KVTierConfig.from_dict(d | {"codec": "int8", "block_tokens": 16, "device_tokens": 64})
     assert (changed.host_codec, changed.disk_codec, changed.digest_tokens, changed.budget_tokens) == \
         ("int8", "int8", DEFAULT_DIGEST_TOKENS, 64)
     # resolved: the values in effect, plain JSON types
@@ -94,8 +95,8 @@ def test_from_dict_and_from_toml_refuse_what_is_not_a_table(tmp_path):
     (dict(host_bytes=1024), r"host_bytes must be an int >= 4096 .*one block of the model"),
     (dict(host_bytes=10 ** 20), "host_bytes must be an int >= 4096 and <= "),
     (dict(host_bytes=4.0e9), "host_bytes must be an int"),
-    (dict(hot_tokens=10 ** 12), "hot_tokens must be an int >= 1 and <= "),
-    (dict(hot_bytes=10 ** 20), "hot_bytes must be an int"),
+    (dict(device_tokens=10 ** 12), "device_tokens must be an int >= 1 and <= "),
+    (dict(device_bytes=10 ** 20), "device_bytes must be an int"),
     (dict(max_sequences=10 ** 9), "max_sequences must be an int"),
     (dict(disk_bytes=10 ** 20), "disk_bytes must be an int"),
     (dict(disk_segment_bytes=1 << 33, disk_bytes=1 << 40), r"disk_segment_bytes must be an int >= 4096 and <= "),
@@ -139,7 +140,7 @@ def test_host_bytes_below_one_block_is_refused_at_attach_in_bytes():
 def test_host_bytes_of_exactly_one_block_builds_and_serves(tmp_path):
     import re
 
-    base = dict(codec="fp32", block_tokens=16, hot_tokens=32, disk_path=str(tmp_path / "l3"),
+    base = dict(codec="fp32", block_tokens=16, device_tokens=32, disk_path=str(tmp_path / "l3"),
                 disk_segment_bytes=1 << 20, disk_bytes=8 << 20)
     with pytest.raises(ValueError) as ei:
         store(KVTierConfig(host_bytes=4096, **base))
@@ -163,15 +164,15 @@ def test_l1_beyond_the_device_is_refused_before_allocation():
     ram = physical_memory()
     tokens = 1 << 24  # 16 M tokens per sequence: terabytes of L1 for this model
     assert ram is not None and tokens * 30 * 2 * 3 * 64 * 4 > ram
-    with pytest.raises(ValueError, match=r"hot_tokens x max_sequences must fit the L1 device .*at most about hot_tokens="):
-        store(KVTierConfig(hot_tokens=tokens))
+    with pytest.raises(ValueError, match=r"device_tokens x max_sequences must fit the L1 device .*at most about device_tokens="):
+        store(KVTierConfig(device_tokens=tokens))
 
 
 def test_host_bytes_beyond_this_machine_is_refused_at_attach_and_accepted_for_a_plan():
     from kvtier.configcheck import physical_memory
 
     cfg = KVTierConfig(host_bytes=physical_memory() + (1 << 30))  # a plan for a bigger machine
-    cfg.check_model(**SHAPE, dtype=torch.float32, machine=False)
+    check_model(cfg, **SHAPE, dtype=torch.float32, machine=False)
     with pytest.raises(ValueError, match=r"host_bytes must be at most this machine's memory \([\d,]+ bytes\)"):
         store(cfg)
 
@@ -208,9 +209,9 @@ def test_derived_values_survive_pickle_and_deepcopy():
 
 def test_default_split_leaves_small_sparse_budgets_room_to_select():
     # 48 tokens of 16-token blocks: sink, one block chosen by query, the open block
-    cfg = KVTierConfig(attention="sparse", hot_tokens=48)
+    cfg = KVTierConfig(attention="sparse", device_tokens=48)
     assert (cfg.sink_tokens, cfg.window_tokens) == (16, 0)
     # larger budgets keep the two-block window
-    cfg = KVTierConfig(attention="sparse", hot_tokens=256)
+    cfg = KVTierConfig(attention="sparse", device_tokens=256)
     assert (cfg.sink_tokens, cfg.window_tokens) == (16, 32)
-    assert KVTierConfig(attention="sparse", hot_tokens=64).window_tokens == 16
+    assert KVTierConfig(attention="sparse", device_tokens=64).window_tokens == 16

@@ -48,7 +48,7 @@ def test_every_vllm_example_is_run_by_the_vllm_suite():
 @pytest.mark.slow
 @pytest.mark.parametrize("path, index", EXAMPLES)
 def test_example_runs_as_written(path, index, monkeypatch, tmp_path):
-    from kvtier.integrations import registry
+    from kvtier.hf import registry
 
     code = python_blocks(path)[index]
     monkeypatch.chdir(tmp_path)  # their disk_path and files are relative

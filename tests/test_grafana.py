@@ -6,7 +6,7 @@ import json
 import re
 from pathlib import Path
 
-from kvtier.integrations.vllm.counters import CONNECTOR_METRICS
+from kvtier.vllm.counters import CONNECTOR_METRICS
 from kvtier.metrics import METRICS
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "docs" / "grafana-kvtier.json"

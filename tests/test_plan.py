@@ -4,11 +4,12 @@ import json
 import pytest
 
 from kvtier import plan
+from kvtier.commands import plan as plan_command
 
 
 def parse(*argv):
     p = argparse.ArgumentParser()
-    plan.add_arguments(p)
+    plan_command.add_arguments(p)
     return p.parse_args(list(argv))
 
 
@@ -22,7 +23,7 @@ def test_seed_formula_and_ratio_in_range():
     t = out["tiers"]
     assert t["ratio_in_range"] and 4.0 <= t["dram_to_hbm"] <= 8.0
     assert t["l3_ssd_bytes"] >= out["bytes_per_sequence"]["max_codec"] * 8 - 1
-    assert out["config"]["hot_tokens"] % 64 == 0
+    assert out["config"]["device_tokens"] % 64 == 0
 
 
 def test_hbm_given_reports_ratio():
@@ -37,12 +38,12 @@ def test_cli_from_transformers_config(tmp_path, capsys):
     (tmp_path / "config.json").write_text(json.dumps({
         "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576,
         "torch_dtype": "bfloat16"}))
-    assert plan.run(parse("--config", str(tmp_path), "--concurrency", "4", "--avg-seq-len", "4096",
+    assert plan_command.run(parse("--config", str(tmp_path), "--concurrency", "4", "--avg-seq-len", "4096",
                           "--max-seq-len", "16384", "--json")) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["model"] == {"layers": 30, "kv_heads": 3, "head_dim": 64, "dtype": "bfloat16"}
     assert out["bytes_per_token"]["full"] == 23040
-    assert plan.run(parse("--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--max-seq-len", "131072")) == 0
+    assert plan_command.run(parse("--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--max-seq-len", "131072")) == 0
     text = capsys.readouterr().out
     assert "320.0 KiB full" in text and "HBM:DRAM" in text
 
@@ -54,7 +55,7 @@ def test_cli_from_transformers_config(tmp_path, capsys):
      "avg_seq_len"),
 ])
 def test_cli_bad_input(argv, msg, capsys):
-    assert plan.run(parse(*argv)) == 2
+    assert plan_command.run(parse(*argv)) == 2
     assert msg in capsys.readouterr().err
 
 
@@ -85,8 +86,8 @@ def test_printed_tier_sizes_are_what_a_store_of_the_config_allocates(tmp_path, c
     argv = ["--layers", "30", "--kv-heads", "3", "--head-dim", "64"]
     for k, v in workload.items():
         argv += [f"--{k.replace('_', '-')}", str(v)]
-    assert plan.run(parse(*argv)) == 0
+    assert plan_command.run(parse(*argv)) == 0
     text = capsys.readouterr().out
     for line, key in (("L1 HBM", "l1_hbm_bytes"), ("L2 DRAM", "l2_dram_bytes"), ("L3 SSD", "l3_ssd_bytes")):
-        assert f"{line:<10} {plan._fmt(t[key])} " in text
+        assert f"{line:<10} {plan_command._fmt(t[key])} " in text
     assert "L2 DRAM    0 B" not in text

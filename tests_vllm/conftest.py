@@ -19,7 +19,7 @@ from tests.conftest import serve_redis  # noqa: E402  (the main suite's real ser
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from kvtier.integrations.vllm import embedded_model_dir
+    from kvtier.vllm import embedded_model_dir
 
     return embedded_model_dir()
 
@@ -29,7 +29,7 @@ def token_ids(model_dir) -> list[int]:
     """CPython's pydoc topics as token ids: the prompts are slices of it."""
     from transformers import AutoTokenizer
 
-    from kvtier.integrations.model import load_text
+    from kvtier.models import load_text
 
     tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return tok(load_text()[:60_000])["input_ids"]

@@ -17,7 +17,7 @@ def engine(model_dir: str, prefix_caching: bool = False, log_stats: bool = False
     (its Prometheus registry, ``llm.get_metrics()``)."""
     from vllm import LLM
 
-    from kvtier.integrations.vllm import kv_transfer_config
+    from kvtier.vllm import kv_transfer_config
 
     llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, max_model_len=2048,
               enable_prefix_caching=prefix_caching, seed=0, kv_transfer_config=kv_transfer_config(**fields),
@@ -35,7 +35,7 @@ def engine_id(llm) -> str:
 
 
 def worker(llm, op: str) -> dict:
-    from kvtier.integrations.vllm import worker_call
+    from kvtier.vllm import worker_call
 
     return worker_call(engine_id(llm), op)
 

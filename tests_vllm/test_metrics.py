@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, generate_latest
 
-from kvtier.integrations.vllm.counters import CONNECTOR_METRICS
+from kvtier.vllm.counters import CONNECTOR_METRICS
 
 from .helpers import engine, run, worker
 

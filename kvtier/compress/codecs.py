@@ -36,7 +36,7 @@ MAX_RANK = 4
 
 ENCODERS = _ref.ENCODERS
 #: The encoder ``get_codec`` uses when none is named, per (bits, axis). Measured with
-#: tools/accuracy_sweep.py (SmolLM2-135M, bf16, 2k context, 8 windows x 128 tokens on each of
+#: research/accuracy_sweep.py (SmolLM2-135M, bf16, 2k context, 8 windows x 128 tokens on each of
 #: pydoc, RULER's essays and SQuAD, sink + 128 recent tokens at full precision): int2 with keys
 #: refined and values min/max gave Δppl +3.0 / +1.5 / +1.1% where min/max for both gave
 #: +4.3 / +4.0 / +9.0% (refined values were worse still on 4 windows); for int4 the refinement

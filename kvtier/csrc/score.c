@@ -1,4 +1,4 @@
-/* The block scoring of KVStore.select on the CPU, wrapped by kvtier/store/cscore.py (which
+/* The block scoring of KVStore.select on the CPU, wrapped by kvtier/store/score_cpu.py (which
    states the math; the torch code in Selector.scores is the specification). Built on first
    use by kvtier/_clib.py. */
 #include <stdint.h>

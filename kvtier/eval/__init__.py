@@ -9,6 +9,4 @@ Data flows one way through it::
      -> runner    one shared prefill per sample, then a run per configuration (caches.Run)
      -> sweep.summarise   rows: metrics with 95% bootstrap intervals, paired differences
      -> report    table, JSON, plot
-
-``baselines`` holds the transformers caches and helpers that tests and benchmarks share.
 """

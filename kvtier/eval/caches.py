@@ -51,7 +51,7 @@ class CacheSpec:
             streaming/snapkv: ``budget_fraction`` (tokens kept as a fraction of the context) or
             ``budget_tokens``, ``sink_tokens`` (streaming, default 4), ``window_tokens`` (snapkv's
             observation window, default 32); for kvtier: KVTierConfig fields, plus three of the
-            sweep's own: ``hot_fraction`` sizes ``hot_tokens`` (and, when absent,
+            sweep's own: ``hot_fraction`` sizes ``device_tokens`` (and, when absent,
             ``budget_tokens``) as a fraction of the context length, ``host_fraction`` sizes
             ``host_bytes`` as a fraction of the context's 16-bit KV, and ``streaming = true``
             makes sink + recent window fill the whole budget.
@@ -148,12 +148,12 @@ def kvtier_config(spec: CacheSpec, context: int, model_config=None, disk_path: s
         p["host_bytes"] = max(1 << 20, int(host_fraction * context * per_token))
     if hot_fraction is not None:
         hot = max(block, int(hot_fraction * context) // block * block)
-        p["hot_tokens"] = hot
+        p["device_tokens"] = hot
         p.setdefault("budget_tokens", hot)
     if streaming:
         # StreamingLLM inside kvtier: one sink block and a recent window fill the whole budget,
         # so no evicted block is ever selected again (the contrast to kvtier's recall)
-        budget = p.get("budget_tokens") or p["hot_tokens"]
+        budget = p.get("budget_tokens") or p["device_tokens"]
         p["sink_tokens"] = block
         p["window_tokens"] = max(0, budget - 2 * block)
     if p.get("disk_path", "auto") == "auto":
@@ -419,7 +419,7 @@ class Run:
                 kept.append((k.gather(2, gi), v.gather(2, gi)))
             self.cache = _dynamic_from(model, kept)
         else:
-            from kvtier.integrations.cache import TieredCache
+            from kvtier.hf.cache import TieredCache
 
             self._tmp = Path(tempfile.mkdtemp(prefix="l3-", dir=workdir))
             cfg = kvtier_config(spec, context, model.config, disk_path=str(self._tmp))

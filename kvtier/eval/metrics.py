@@ -111,3 +111,24 @@ def paired_diff(ref_values, values, seed: int) -> dict:
     d = mean_ci([b - a for a, b in zip(ref_values, values)], seed)
     d["within_ci"] = bool(d["lo"] <= 0.0 <= d["hi"])
     return d
+
+
+def ratio_ci(ref_values, values, seed: int, level: float = 0.95, resamples: int = 2000) -> dict:
+    """``mean(values) / mean(ref_values)`` on the same samples, with a paired percentile-bootstrap
+    interval (each resample draws sample indices and takes both means over them; a resample whose
+    reference mean is 0 is dropped). ``{"mean", "lo", "hi", "n"}``; nan when the reference mean is 0."""
+    import numpy as np
+
+    if len(ref_values) != len(values):
+        raise ValueError(f"paired values must have the same length; got {len(ref_values)} and {len(values)}")
+    r, x = np.asarray(ref_values, dtype=np.float64), np.asarray(values, dtype=np.float64)
+    nan = float("nan")
+    if r.size == 0 or r.mean() == 0:
+        return {"mean": nan, "lo": nan, "hi": nan, "n": int(r.size)}
+    idx = np.random.default_rng(seed).integers(0, r.size, size=(resamples, r.size))
+    rm, xm = r[idx].mean(axis=1), x[idx].mean(axis=1)
+    keep = rm > 0
+    ratios = xm[keep] / rm[keep]
+    a = (1.0 - level) / 2
+    return {"mean": float(x.mean() / r.mean()), "lo": float(np.quantile(ratios, a)),
+            "hi": float(np.quantile(ratios, 1.0 - a)), "n": int(r.size)}

@@ -95,7 +95,8 @@ def table_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
     difference whose interval holds zero is marked ``≈`` (not distinguishable from the reference)."""
     ruler = doc.get("settings", {}).get("suite") == "ruler"
     if ruler:
-        head = ["context", "config", "RULER % [95% CI]", "Δ vs ref (paired)", "B/tok L1", "B/tok total",
+        head = ["context", "config", "RULER % [95% CI]", "Δ vs ref (paired)", "× ref [95% CI]", "chars %",
+                "B/tok L1", "B/tok total",
                 "tok/s", "TTFT s", "recalled L2/L3"]
     else:
         head = ["context", "config", "Δppl % [95% CI]", "KL", "top-1", "probe", "probe Δ (paired)",
@@ -107,6 +108,7 @@ def table_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
         if ruler:
             rec = c.get("recalled_from")
             rows.append([str(r["context"]), name, _ci(a, "ruler", 100, ".1f"), _diff(a, "ruler", 100, ".1f"),
+                         _ci(a, "ruler_rel", 1, ".2f"), _fmt(a.get("partial"), ".1f", 100),
                          _fmt(f.get("l1_bytes_per_token"), ",.0f"), _fmt(f.get("total_bytes_per_token"), ",.0f"),
                          _fmt(c.get("decode_tok_s"), ".2f"), _fmt(c.get("ttft_s"), ".1f"),
                          f"{rec['l2']}/{rec['l3']}" if rec else "-"])

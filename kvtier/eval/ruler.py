@@ -250,7 +250,7 @@ def _package_version() -> str:
 
 
 def _default_cache() -> Path:
-    from kvtier.integrations.model import default_cache_dir
+    from kvtier.models import default_cache_dir
 
     return default_cache_dir() / "ruler"
 

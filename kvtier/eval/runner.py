@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.eval import ruler
+from kvtier.eval import extract, ruler
 from kvtier.eval.caches import CacheSpec, Prefill, Run, Unavailable, prefill
 from kvtier.eval.data import Window
 
@@ -38,6 +38,7 @@ class Result:
     logp: torch.Tensor | None = None  # text window: [M, vocab] float32 log-probs
     prediction: str | None = None     # RULER: the decoded answer
     score: float | None = None        # RULER: its score in [0, 1]
+    partial: float | None = None      # RULER: per reference, the longest prefix copied (extract.partial)
     tokens: list = field(default_factory=list)
 
     @property
@@ -127,7 +128,7 @@ def _greedy(model, run, s: ruler.Sample, context, first_logits, tokenizer, limit
     tokens, steps = [int(first_logits.argmax())], []
     while True:
         text = tokenizer.decode([t for t in tokens if t not in stop], skip_special_tokens=True)
-        score = ruler.score(s, text)
+        score = extract.exact(s.outputs, text) if s.metric == extract.METRIC else ruler.score(s, text)
         if tokens[-1] in stop or score >= 1.0 or len(tokens) >= limit:
             break
         run.settle()
@@ -135,4 +136,5 @@ def _greedy(model, run, s: ruler.Sample, context, first_logits, tokenizer, limit
         logits = _step(model, run, tokens[-1], context + len(tokens) - 1)
         steps.append(time.perf_counter() - t0)
         tokens.append(int(logits.argmax()))
-    return Result(run.spec, s, steps, 0.0, 0.0, {}, {}, prediction=text, score=score, tokens=tokens)
+    return Result(run.spec, s, steps, 0.0, 0.0, {}, {}, prediction=text, score=score,
+                  partial=extract.partial(s.outputs, text), tokens=tokens)

@@ -7,7 +7,7 @@ Configurations come from the built-in lists below or from a TOML file::
     kind = "kvtier"            # dynamic | offloaded | quanto | hqq | streaming | snapkv | kvtier
     codec = "int4"             # any other key is passed on (KVTierConfig fields for kvtier,
     attention = "sparse"       # nbits / q_group_size / residual_length for quanto and hqq)
-    hot_fraction = 0.25        # kvtier: L1 (hot_tokens) as a fraction of the context
+    hot_fraction = 0.25        # kvtier: L1 (device_tokens) as a fraction of the context
 
 The first configuration whose kind is ``dynamic`` is the reference; one is added if none is given.
 Every configuration is checked (:meth:`CacheSpec.check`) before any model loads.
@@ -65,7 +65,7 @@ def quick_configs() -> list[CacheSpec]:
         # L2/L3 records (entropy coding of the 4-bit codes: ~5% fewer bytes; lz4 finds nothing),
         # kept when it saves 2% (at the default 5% margin most int4 records would stay raw)
         _kv("kvtier int4 g64 zstd dense L1=64 tok", codec="int4", group_size=64, attention="dense",
-            hot_tokens=64, policy="lru", byte_stage="zstd", byte_stage_l2=True, lz4_min_saving=0.02),
+            device_tokens=64, policy="lru", byte_stage="zstd", byte_stage_l2=True, byte_stage_min_saving=0.02),
     ]
 
 
@@ -221,15 +221,24 @@ def _ruler_accuracy(ref: list[Result], got: list[Result], seed: int) -> dict:
     for r, g in pairs:
         tasks.setdefault(g.sample.task, []).append(g.score)
     mean_ref = statistics.fmean(rs)
-    return {
+    part = [g.partial for _, g in pairs if g.partial is not None]
+    extra = {}
+    if len(part) == len(pairs):
+        extra = {"partial": statistics.fmean(part),
+                 "partial_ref": statistics.fmean(r.partial for r, _ in pairs)}
+    out = {
         "ruler": statistics.fmean(sc), "ruler_ref": mean_ref,
         "ruler_rel": statistics.fmean(sc) / mean_ref if mean_ref > 0 else float("nan"),
         "ruler_tasks": {t: statistics.fmean(v) for t, v in sorted(tasks.items())},
-        "ci": {"ruler": metrics.mean_ci(sc, seed)},
+        "ci": {"ruler": metrics.mean_ci(sc, seed), "ruler_rel": metrics.ratio_ci(rs, sc, seed)},
         "diff": {"ruler": metrics.paired_diff(rs, sc, seed)},
-        "samples": [{"task": g.sample.task, "index": g.sample.index, "score": g.score,
+        "samples": [{"task": g.sample.task, "index": g.sample.index, "score": g.score, "partial": g.partial,
                      "prediction": g.prediction} for _, g in pairs],
+        **extra,
     }
+    if extra:
+        out["ci"]["partial"] = metrics.mean_ci(part, seed)
+    return out
 
 
 def summarise(spec: CacheSpec, context: int, ref: list[Result], got: list[Result], seed: int = 0) -> dict:

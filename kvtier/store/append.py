@@ -28,17 +28,17 @@ from .table import BlockTable
 
 
 class Appender:
-    def __init__(self, layout: Layout, res: Residency, evictor: Evictor, content: ContentIndex | None,
+    def __init__(self, layout: Layout, residency: Residency, evictor: Evictor, content: ContentIndex | None,
                  surgery: SequenceSurgery) -> None:
         self.layout = layout
-        self.res = res
+        self.residency = residency
         self.evictor = evictor
         self.content = content  # None without a fingerprint: no content keys
         self.surgery = surgery
 
     def append(self, t: BlockTable, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [kv_heads, n, head_dim] on the store's device and dtype, n >= 1."""
-        with self.res.pool_lock:  # the pool does not move (grow) while the slot is written
+        with self.residency.pool_lock:  # the pool does not move (grow) while the slot is written
             self._append(t, k, v)
 
     def _append(self, t: BlockTable, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -49,7 +49,7 @@ class Appender:
             fill = t.length - (len(ents) - 1) * bt
             if fill + n <= bt:
                 self._write_open(t, fill, k, v)  # decode: the tokens fit in the open block
-                self.res.appended(t, ents[-1], t.length + n)
+                self.residency.appended(t, ents[-1], t.length + n)
                 return
         start = t.length
         # the open block's data as it is: it may be sealed, evicted and stored lossy on the way
@@ -68,7 +68,7 @@ class Appender:
         """Write k, v [kv_heads, n, head_dim] from the open block on, opening blocks as needed."""
         n = k.shape[1]
         bt = self.layout.block_tokens
-        pool = self.res.l1.pool
+        pool = self.residency.l1.pool
         pos = t.length
         off = 0
         while off < n:
@@ -84,7 +84,7 @@ class Appender:
             pool[slot, 1, :, fill:fill + take] = v[:, off:off + take]
             off += take
             pos += take
-        self.res.appended(t, t.entries[-1], pos)
+        self.residency.appended(t, t.entries[-1], pos)
 
     def _write_open(self, t: BlockTable, fill: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v [kv_heads, n, head_dim] at token ``fill`` of the open block."""
@@ -92,7 +92,7 @@ class Appender:
         o = t.open_np  # [2, kv_heads, block_tokens, head_dim] aliasing the slot (CPU)
         if o is not None and not k.requires_grad and not v.requires_grad:
             # CPU: two numpy slice assignments cost about half of the torch stack + copy
-            as_np = self.res.np_view
+            as_np = self.residency.np_view
             if as_np is None:
                 o[0, :, fill:fill + n] = k.numpy()
                 o[1, :, fill:fill + n] = v.numpy()
@@ -104,15 +104,15 @@ class Appender:
 
     def _seal(self, t: BlockTable) -> None:
         e = t.entries[-1]
-        self.res.seal(t, e)
+        self.residency.seal(t, e)
         if self.content is not None:
             self.content.assign(t, e)
 
     def _open_block(self, t: BlockTable) -> None:
-        e = self.res.new_block(t)
+        e = self.residency.new_block(t)
         try:
             self.evictor.make_room(t, 1)
         except BaseException:  # no room (every tier full): leave no half-opened block behind
-            self.res.abandon_block(t, e)
+            self.residency.abandon_block(t, e)
             raise
-        self.res.place_open(t, e)
+        self.residency.place_open(t, e)

@@ -43,7 +43,7 @@ class BlockIO:
         if fast and layout.device.type == "cpu" and cpu_kernels.available():
             first, *rest = fast
             self.fast_decoder = BlockDecoder(*fast[first], shape, layout.dtype, {n: fast[n] for n in rest})
-        self.stage = ByteStage(cfg.byte_stage, cfg.lz4_min_saving)
+        self.stage = ByteStage(cfg.byte_stage, cfg.byte_stage_min_saving)
 
     def codec_identity(self) -> dict:
         """Every codec a record of this store may carry, by tier codec name, with its K and V

@@ -13,7 +13,7 @@ import torch
 from .blockio import BlockIO
 from .blockrecord import unpack_block
 from .layout import Layout
-from .lower import LowerTiers
+from .offload import OffloadTiers
 from .prefix import _token_bytes, block_key, chained_block_hashes, chained_block_keys
 from .residency import Residency
 from .stats import Counters
@@ -22,13 +22,14 @@ from .writethrough import WriteThrough
 
 
 class ContentIndex:
-    def __init__(self, layout: Layout, content_fp: str | None, res: Residency, io: BlockIO,
-                 lower: LowerTiers, counters: Counters, publisher: WriteThrough | None) -> None:
+    def __init__(self, layout: Layout, content_fp: str | None, residency: Residency, io: BlockIO,
+                 offload: OffloadTiers, counters: Counters, publisher: WriteThrough | None) -> None:
         self.layout = layout
         self.content_fp = content_fp
-        self.res = res
+        self.residency = residency
+        self.copies = residency.copies  # under the same (state) lock
         self.io = io
-        self.lower = lower
+        self.offload = offload
         self.counters = counters
         self.publisher = publisher
         self._tokens: dict[int, _SeqTokens] = {}  # token ids noted per sequence (state lock)
@@ -42,7 +43,7 @@ class ContentIndex:
         """Hash the full blocks of ``token_ids`` (the next tokens of ``seq``, whose tenant key is
         ``salt``); blocks sealed before their ids arrived get their content keys now."""
         ids = _token_bytes(token_ids)
-        with self.res.lock:
+        with self.residency.lock:
             st = self._tokens.get(seq)
             if st is None:
                 st = self._tokens[seq] = _SeqTokens(salt)
@@ -54,35 +55,35 @@ class ContentIndex:
         st.add(ids, self.layout.block_tokens, self.content_fp)
         after = len(st.hashes)
         if after > before:
-            for t in self.res.tables_of(seq):
+            for t in self.residency.tables_of(seq):
                 for e in t.entries[before:min(after, t.n_sealed)]:
                     self.assign(t, e)
 
     def tokens_noted(self, seq: int) -> int:
-        with self.res.lock:
+        with self.residency.lock:
             st = self._tokens.get(seq)
             return st.count if st is not None else 0
 
     def forget(self, seq: int) -> None:
-        with self.res.lock:
+        with self.residency.lock:
             self._tokens.pop(seq, None)
 
     def truncate(self, seq: int, n: int) -> None:
         """Forget the ids of ``seq`` past its first ``n`` tokens (the sequence was cut there)."""
-        with self.res.lock:
+        with self.residency.lock:
             st = self._tokens.get(seq)
             if st is not None:
                 st.truncate(n, self.layout.block_tokens)
 
     def fork(self, src: int, dst: int) -> None:
         """``dst`` continues ``src``: the same ids so far."""
-        with self.res.lock:
+        with self.residency.lock:
             st = self._tokens.get(src)
             if st is not None:
                 self._tokens[dst] = st.copy()
 
     def _hash_of(self, t: BlockTable, e: BlockEntry) -> str | None:
-        with self.res.lock:
+        with self.residency.lock:
             st = self._tokens.get(t.seq)
             return st.hashes[e.idx] if st is not None and e.idx < len(st.hashes) else None
 
@@ -91,13 +92,13 @@ class ContentIndex:
         the existing record (dedup, refcount + 1) or create one, adopting an L3 copy left by an
         earlier process; a new record is queued for write-through to L3/L4."""
         h = self._hash_of(t, e)
-        if h is None or not self.res.may_get_content(e):
+        if h is None or not self.residency.may_get_content(e):
             return
         key = self.key(t.layer, h)
         adopt = None
-        if self.res.record_of(key) is None:
-            adopt = self.lower.l3_size(key)
-        rec, data = self.res.join_content(e, key, adopt)
+        if self.copies.record_of(key) is None:
+            adopt = self.offload.l3_size(key)
+        rec, data = self.residency.join_content(e, key, adopt)
         if data is not None:
             self.publisher.submit(rec, data)
 
@@ -118,11 +119,11 @@ class ContentIndex:
         n = 0
         while n < len(keys) and all(self._available_locally(k) for k in keys[n]):
             n += 1
-        if n < len(keys) and self.lower.l4 is not None:
+        if n < len(keys) and self.offload.l4 is not None:
             # the rest: one round trip for every key no local tier has, up to the first block
             # that lacks one everywhere
             missing = [[k for k in block if not self._available_locally(k)] for block in keys[n:]]
-            found = iter(self.lower.l4.contains_many([k for block in missing for k in block]))
+            found = iter(self.offload.l4.contains_many([k for block in missing for k in block]))
             for block in missing:
                 if not all([next(found) for _ in block]):  # consume this block's answers in full
                     break
@@ -136,7 +137,7 @@ class ContentIndex:
 
     def _available_locally(self, key: str) -> bool:
         # an entry always has a copy somewhere (its home)
-        return self.res.available(key) or self.lower.l3_holds(key)
+        return self.copies.available(key) or self.offload.l3_holds(key)
 
     def read_blocks(self, block_hash: str) -> list[torch.Tensor] | None:
         """Decoded [2, kv_heads, block_tokens, head_dim] blocks of ``block_hash``, one per layer:
@@ -148,12 +149,12 @@ class ContentIndex:
         out: list[torch.Tensor | None] = []
         below = []  # (layer, record or bare key) of the layers not resident
         for layer, key in enumerate(keys):
-            rec, data = self.res.resident_copy(key)
+            rec, data = self.residency.resident_copy(key)
             out.append(data)
             if data is None:
                 below.append((layer, key if rec is None else rec))
         if below:
-            for (layer, _), d in zip(below, self.lower.read_copies([r for _, r in below], self.layout.device)):
+            for (layer, _), d in zip(below, self.offload.read_copies([r for _, r in below], self.layout.device)):
                 out[layer] = d
         return None if any(d is None for d in out) else out
 
@@ -163,14 +164,14 @@ class ContentIndex:
         """The disk-codec record of sealed ``e``: the stored one if there is one, else encoded
         (with ``precision="importance"`` a stored record of another codec is transcoded: a
         saved file holds one codec)."""
-        l2, l3, key, data = self.res.export_state(e)
-        raw = self.lower.stored_record(key, l2, l3)
+        l2, l3, key, data = self.residency.export_state(e)
+        raw = self.offload.stored_record(key, l2, l3)
         if raw is not None:
             if self.layout.precision is None or unpack_block(raw)[0].codec == self.layout.disk_codec:
                 return raw
             return self.io.encode(self.io.decode(raw, "l3", torch.device("cpu")), "l3")
         if data is None:
-            data = self.lower.load(e)  # [2, kv_heads, block_tokens, head_dim]
+            data = self.offload.load(e)  # [2, kv_heads, block_tokens, head_dim]
         return self.io.encode(data.to("cpu"), "l3")
 
 

@@ -15,7 +15,7 @@ import torch
 from .blockio import BlockIO
 from .blockrecord import pack_block
 from .layout import Layout
-from .lower import LowerTiers
+from .offload import OffloadTiers
 from .residency import Residency
 from .stats import Counters
 from .swap import SwapOutWorker
@@ -23,53 +23,54 @@ from .table import BlockTable
 
 
 class Evictor:
-    def __init__(self, layout: Layout, res: Residency, io: BlockIO, lower: LowerTiers,
+    def __init__(self, layout: Layout, residency: Residency, io: BlockIO, offload: OffloadTiers,
                  counters: Counters, batch_blocks: int) -> None:
         self.layout = layout
-        self.res = res
+        self.residency = residency
+        self.copies = residency.copies  # under the same (state) lock
         self.io = io
-        self.lower = lower
+        self.offload = offload
         self.counters = counters
-        self.l1 = res.l1
+        self.l1 = residency.l1
         self._side = torch.cuda.Stream(device=layout.device) if layout.cuda else None
         self.worker = SwapOutWorker(self._swap_out_batch, batch_blocks)
 
     def end_step(self) -> None:
         """Evict every touched table over the high watermark down to the low one (asynchronously)."""
-        self.worker.submit(self.res.watermark_victims())
+        self.worker.submit(self.residency.watermark_victims())
 
     def make_room(self, t: BlockTable, need: int, exclude=frozenset()) -> None:
         """Ensure ``need`` more blocks of ``t`` fit in L1. Waits only when L1 is truly full."""
-        hot = self.layout.hot_blocks
-        while t.resident + need > hot:
-            over = t.resident + need - hot
-            self.res.free_clean_victims(t, over, exclude)
-            if t.resident + need <= hot:
+        device_blocks = self.layout.device_blocks
+        while t.resident + need > device_blocks:
+            over = t.resident + need - device_blocks
+            self.residency.free_clean_victims(t, over, exclude)
+            if t.resident + need <= device_blocks:
                 return
             self.counters.add(sync_evictions=1)
             if t.pending:
                 self.worker.drain()
                 continue
-            items = self.res.mark_victims(t, max(over, t.resident - t.pending - self.layout.low),
+            items = self.residency.mark_victims(t, max(over, t.resident - t.pending - self.layout.low),
                                           exclude, force=True)
             # read before submitting: the worker may finish the batch before this thread runs on
             before = t.resident
             self.worker.submit(items)
             if not items:
-                if t.resident + need <= hot:
+                if t.resident + need <= device_blocks:
                     return  # the victims were clean: freed at once
-                held = self.res.held_blocks(t)
+                held = self.residency.held_blocks(t)
                 if held:  # the failure that did it, if not raised yet, is raised with it
                     raise RuntimeError(
                         f"kvtier: the L1 budget of sequence {t.seq} layer {t.layer} is full: {held} of its "
                         f"blocks failed to swap out and stay in L1; drop or truncate the sequence"
-                    ) from self.res.take_failure(t.seq)
+                    ) from self.residency.take_failure(t.seq)
                 raise AssertionError(f"L1 full for {t.seq}/{t.layer} with nothing evictable")
             self.worker.drain()
             if t.resident >= before and not any(e.held for _, e in items):
                 why = ("host_bytes (and host_overflow_bytes) full and L3 full or refusing records (see the "
                        "warning above): raise host_bytes or disk_bytes, or free space under disk_path"
-                       if self.lower.l3 is not None else
+                       if self.offload.l3 is not None else
                        "host_bytes full and no L3: raise host_bytes or set disk_path")
                 raise RuntimeError(f"kvtier: L1 budget full and L2 refused the blocks ({why})")
             # blocks whose swap-out failed are held in L1: the next round chooses others
@@ -100,8 +101,8 @@ class Evictor:
                         continue
                     except Exception as exc:
                         enc = exc
-                self.res.swap_failed(t, e, enc)
-            with self.lower.lock:
+                self.residency.swap_failed(t, e, enc)
+            with self.offload.lock:
                 backups = [(e, b) for _, e, _, b in ready if b is not None]
                 if backups:
                     try:
@@ -109,15 +110,15 @@ class Evictor:
                     except Exception as exc:
                         for t, e, _, b in ready:
                             if b is not None:
-                                self.res.swap_failed(t, e, exc)
+                                self.residency.swap_failed(t, e, exc)
                         ready = [r for r in ready if r[3] is None]
                 for t, e, value, _ in ready:
                     try:
                         self._put_l2(t, e, value)
                     except Exception as exc:
-                        self.res.swap_failed(t, e, exc)
+                        self.residency.swap_failed(t, e, exc)
         finally:
-            self.res.release_pending(batch)  # only what a bug left pending
+            self.residency.release_pending(batch)  # only what a bug left pending
             if batch:
                 # one sample per block, as swap-in counts: the samples' total is the seconds spent
                 self.counters.sample("swap_out", (time.perf_counter() - t0) / len(batch), len(batch))
@@ -150,37 +151,37 @@ class Evictor:
     def _put_l2(self, t: BlockTable, e, value: bytes | None) -> None:
         """Put one encoded block to L2 and settle its state (tier lock held)."""
         if value is None:  # dropped meanwhile
-            self.res.swapped_out(t, e, None, clean=False)
+            self.residency.swapped_out(t, e, None, clean=False)
             return
         # another entry of the same content was copied below meanwhile (shared block, or its
         # write-through to L3): nothing to write
-        clean = self.res.is_clean(e)
-        if clean or self.lower.l2.put(e.rec.key, value):
-            self.res.swapped_out(t, e, None if clean else len(value), clean)
+        clean = self.residency.is_clean(e)
+        if clean or self.offload.l2.put(e.rec.key, value):
+            self.residency.swapped_out(t, e, None if clean else len(value), clean)
         else:
             self.counters.add(evict_failed=1)
-            self.res.swapped_out(t, e, None, clean=False)
+            self.residency.swapped_out(t, e, None, clean=False)
 
     def _put_backups(self, backups: list) -> None:
         """Put the base-codec backups of blocks stored below it to L3 (tier lock held). A refused
         one is just not there: the block then has its low copy only, and is never upgraded."""
-        todo = [(e, value) for e, value in backups if self.res.needs_l3(e.rec)]
-        oks = self.lower.put_l3([(e.rec.key, value) for e, value in todo]) if todo else []
+        todo = [(e, value) for e, value in backups if self.copies.needs_l3(e.rec)]
+        oks = self.offload.put_l3([(e.rec.key, value) for e, value in todo]) if todo else []
         stale = []
         for (e, value), ok in zip(todo, oks):
             if not ok:
                 self.counters.add(precision_backup_failed=1)
-            elif self.res.landed_l3(e.rec, len(value), written_through=True):
+            elif self.copies.landed_l3(e.rec, len(value), written_through=True):
                 self.counters.add(precision_backups=1, swap_out_l3_bytes=len(value))
             else:
                 stale.append(e.rec.key)  # dropped while being written
         if stale:
-            self.lower.l3.delete_many(stale)
+            self.offload.l3.delete_many(stale)
 
     def _encode_slot(self, e):
         """The (K, V) encodings of a pending block's slot for L2, and those of its base-codec
         backup for L3 (None when it needs none), on the host (pinned, copy in flight on CUDA)."""
-        slot = self.res.pending_slot(e)
+        slot = self.residency.pending_slot(e)
         if slot is None:
             return None
         if e.fence is not None:
@@ -192,6 +193,6 @@ class Evictor:
         codec = e.evict_codec or plan.base
         self.counters.add(**{f"precision_{codec}": 1})
         backup = None
-        if plan.below_base(codec) and plan.recalls and self.lower.l3 is not None and self.res.needs_l3(e.rec):
+        if plan.below_base(codec) and plan.recalls and self.offload.l3 is not None and self.copies.needs_l3(e.rec):
             backup = self.io.encode_pair(block, "l3")
         return self.io.encode_pair(block, "l2", codec), backup

@@ -2,55 +2,52 @@
 the tiers, the reference counts and the per-tier accounting."""
 from __future__ import annotations
 
-from .lower import CONTENT_KEY, LowerTiers
+from .offload import CONTENT_KEY, OffloadTiers
 from .residency import Residency
 
 
-def check(res: Residency, lower: LowerTiers) -> None:
+def check(residency: Residency, offload: OffloadTiers) -> None:
     """Raise AssertionError naming the first broken invariant. Call it with no swap-out or
     write-through in flight (``KVStore.flush``) and no other thread using the store."""
-    with lower.lock:
+    with offload.lock:
         # the tiers' keys first: HostTier calls the spill (which takes the state lock) under its
         # own lock, so L2 is never called with the state lock held
-        in_l2 = set(lower.l2.keys())
-        on_disk = set(lower.l3.keys()) if lower.l3 is not None else set()
-        with res.lock:
-            l1_keys, l2_keys, l3_keys, homes = _check_tables(res)
-            _check_records(res)
-            assert set(res.l1.keys()) == l1_keys, "L1 holds slots no block owns (or misses some)"
-            assert res.home == homes, f"blocks per home tier {res.home} != counted {homes}"
+        in_l2 = set(offload.l2.keys())
+        on_disk = set(offload.l3.keys()) if offload.l3 is not None else set()
+        with residency.lock:
+            l1_keys, l2_keys, l3_keys, homes = _check_tables(residency)
+            _check_records(residency)
+            assert set(residency.l1.keys()) == l1_keys, "L1 holds slots no block owns (or misses some)"
+            assert residency.home == homes, f"blocks per home tier {residency.home} != counted {homes}"
             assert in_l2 == l2_keys, "L2 keys differ from the blocks' L2 copies"
-            if lower.l3 is not None:
+            if offload.l3 is not None:
                 # content records no live block references (kept by drop_sequence(keep_prefix=True)
                 # or left by an earlier process) may stay in L3 until it needs the room
-                unreferenced = {k for k in on_disk - l3_keys if CONTENT_KEY.fullmatch(k) and k not in res.copies}
+                unreferenced = {k for k in on_disk - l3_keys if CONTENT_KEY.fullmatch(k) and k not in residency.copies}
                 assert on_disk - unreferenced == l3_keys, "L3 keys differ from the blocks' L3 copies"
             else:
                 assert not l3_keys, "L3 copies without an L3"
-            live = res.copies.values()
-            below = dict(copies_l2=sum(1 for r in live if r.l2), copies_l3=sum(1 for r in live if r.l3),
-                         bytes_l2=sum(r.l2_bytes for r in live if r.l2),
-                         bytes_l3=sum(r.l3_bytes for r in live if r.l3))
-            assert res.below == below, f"copies/bytes below L1 {res.below} != counted {below}"
+            below, counted = residency.copies.below, residency.copies.counted()
+            assert below == counted, f"copies/bytes below L1 {below} != counted {counted}"
 
 
-def _check_tables(res: Residency):
-    hot = res.layout.hot_blocks
+def _check_tables(residency: Residency):
+    device_blocks = residency.layout.device_blocks
     l1_keys, l2_keys, l3_keys = set(), set(), set()
     homes = {"l1": 0, "l2": 0, "l3": 0}
-    for tables in res.tables.values():
+    for tables in residency.tables.values():
         for t in tables:
             assert t.pending == 0, f"{t.seq}/{t.layer}: {t.pending} blocks still pending"
-            assert t.resident == sum(e.slot is not None for e in t.entries) <= hot, \
+            assert t.resident == sum(e.slot is not None for e in t.entries) <= device_blocks, \
                 f"{t.seq}/{t.layer}: resident count {t.resident} is wrong"
             assert t.slotted == {e.idx: e for e in t.entries if e.slot is not None}, "slotted map is wrong"
             assert not t.entries or t.entries[-1].slot is not None, "open block left L1"
             # region: every resident block in its table's own slots, at[] the inverse of slot
-            assert len(t.at) == t.cap == hot, "region size is wrong"
+            assert len(t.at) == t.cap == device_blocks, "region size is wrong"
             assert {id(e): e.slot - t.base for e in t.entries if e.slot is not None} == \
                 {id(e): p for p, e in enumerate(t.at) if e is not None}, "region map is not the inverse of slots"
             if t.entries and t.open_view is not None:
-                assert t.open_view.data_ptr() == res.l1.pool[t.entries[-1].slot].data_ptr(), \
+                assert t.open_view.data_ptr() == residency.l1.pool[t.entries[-1].slot].data_ptr(), \
                     "append views point away from the open block"
             for e in t.entries:
                 assert not e.pending and e.home != "none", f"block lost: {e}"
@@ -59,8 +56,8 @@ def _check_tables(res: Residency):
                 homes[e.home] += 1
                 if e.slot is not None:
                     l1_keys.add(e.key)
-                    assert res.l1.slot_of(e.key) == e.slot, f"L1 slot of {e.key} is not {e.slot}"
-                assert e in e.rec.entries and res.copies.get(e.rec.key) is e.rec, f"{e} not in its record"
+                    assert residency.l1.slot_of(e.key) == e.slot, f"L1 slot of {e.key} is not {e.slot}"
+                assert e in e.rec.entries and residency.copies.get(e.rec.key) is e.rec, f"{e} not in its record"
                 if e.l2:
                     l2_keys.add(e.rec.key)
                 if e.l3:
@@ -68,11 +65,11 @@ def _check_tables(res: Residency):
     return l1_keys, l2_keys, l3_keys, homes
 
 
-def _check_records(res: Residency) -> None:
+def _check_records(residency: Residency) -> None:
     holders: dict[int, int] = {}
-    for tables in res.tables.values():
+    for tables in residency.tables.values():
         for t in tables:
             for e in t.entries:
                 holders[id(e.rec)] = holders.get(id(e.rec), 0) + 1
-    for key, rec in res.copies.items():
+    for key, rec in residency.copies.items():
         assert rec.key == key and rec.refs == holders.get(id(rec), 0) > 0, f"reference count of {rec} is wrong"

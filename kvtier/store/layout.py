@@ -12,6 +12,7 @@ import torch
 from kvtier.config import LOSSLESS_CODECS, KVTierConfig, lossless_codec
 
 from .precision import PrecisionPlan
+from .sizing import check_model
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -27,7 +28,7 @@ class Layout:
     device: torch.device
     block_tokens: int
     slot_bytes: int          # one block (K and V) in L1, in the KV dtype
-    hot_blocks: int          # L1 region of one (sequence, layer), in blocks
+    device_blocks: int       # L1 region of one (sequence, layer), in blocks
     budget_tokens: int       # default tokens a sparse step attends, the open block included
     sink_blocks: int
     window_blocks: int
@@ -70,23 +71,23 @@ class Layout:
             dtype = DTYPES[cfg.dtype]
         if dtype not in DTYPES.values():
             raise ValueError(f"dtype must be one of torch.float16, torch.bfloat16, torch.float32; got {dtype}")
-        # -- config sizes against this model's shape (kvtier.config owns the checks and messages:
+        # -- config sizes against this model's shape (sizing.py owns the checks and messages:
         # each names the user's field and the bound in bytes), before anything is allocated --
-        cfg.check_model(num_layers, kv_heads, head_dim, dtype, device)
+        check_model(cfg, num_layers, kv_heads, head_dim, dtype, device)
         # -- end of the config checks --
         bt = cfg.block_tokens
         slot_bytes = 2 * kv_heads * bt * head_dim * torch.empty((), dtype=dtype).element_size()
-        hot = _hot_blocks(cfg, slot_bytes, num_layers)
-        budget = cfg.budget_tokens if cfg.budget_tokens is not None else hot * bt
-        if budget > hot * bt:
-            raise ValueError(f"budget_tokens must be <= the L1 budget ({hot * bt} tokens); got {budget}")
+        device_blocks = _device_blocks(cfg, slot_bytes, num_layers)
+        budget = cfg.budget_tokens if cfg.budget_tokens is not None else device_blocks * bt
+        if budget > device_blocks * bt:
+            raise ValueError(f"budget_tokens must be <= the L1 budget ({device_blocks * bt} tokens); got {budget}")
         sink, window = cfg.sink_window(budget)
         sink_blocks, window_blocks = -(-sink // bt), -(-window // bt)
         if sink_blocks + window_blocks + 1 > budget // bt:
             raise ValueError(f"budget_tokens must be >= sink_tokens + window_tokens + one open block; "
                              f"got budget {budget} with sink_tokens={sink}, window_tokens={window}, "
-                             f"block_tokens={bt} (L1 budget from hot_bytes: {hot} blocks)")
-        high = min(hot, max(1, math.ceil(cfg.high_watermark * hot)))
+                             f"block_tokens={bt} (L1 budget from device_bytes: {device_blocks} blocks)")
+        high = min(device_blocks, max(1, math.ceil(cfg.high_watermark * device_blocks)))
         # A full-precision 16-bit tier codec follows the KV dtype (the config may be built before
         # the model's dtype is known; fp16 <-> bf16 would not be lossless and the codecs refuse it).
         lossless16 = lossless_codec(next(name for name, d in DTYPES.items() if d == dtype))
@@ -97,37 +98,37 @@ class Layout:
         return cls(
             num_layers=num_layers, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
             device=torch.device(device if device is not None else "cpu"), block_tokens=bt,
-            slot_bytes=slot_bytes, hot_blocks=hot, budget_tokens=budget, sink_blocks=sink_blocks,
+            slot_bytes=slot_bytes, device_blocks=device_blocks, budget_tokens=budget, sink_blocks=sink_blocks,
             window_blocks=window_blocks, high=high,
-            low=min(high, hot - 1, max(0, math.floor(cfg.low_watermark * hot))),
+            low=min(high, device_blocks - 1, max(0, math.floor(cfg.low_watermark * device_blocks))),
             host_codec=follow(cfg.host_codec), disk_codec=follow(cfg.disk_codec),
             l2_staged=cfg.byte_stage_l2 and cfg.byte_stage != "none",
             digest_score=cfg.select_score if cfg.attention == "sparse" else None,
             digest_parts=bt // cfg.digest_tokens,
             digest_dtype=torch.int8 if cfg.digest_dtype == "int8" else dtype,
-            scratch_slots=scratch_slots(hot, cfg.max_sequences), max_sequences=cfg.max_sequences,
+            scratch_slots=scratch_slots(device_blocks, cfg.max_sequences), max_sequences=cfg.max_sequences,
             precision=PrecisionPlan.of(cfg),
         )
 
 
-def scratch_slots(hot_blocks: int, max_sequences: int) -> int:
+def scratch_slots(device_blocks: int, max_sequences: int) -> int:
     """L1 slots past the regions: a selection fits in the budget, so one read needs at most
-    ``hot_blocks - 1`` scratch slots, and one read per live sequence may be in flight."""
-    return max(1, hot_blocks - 1) * max_sequences
+    ``device_blocks - 1`` scratch slots, and one read per live sequence may be in flight."""
+    return max(1, device_blocks - 1) * max_sequences
 
 
-def pool_slots(hot_blocks: int, max_sequences: int, num_layers: int) -> int:
-    """Slots of the L1 pool: one region of ``hot_blocks`` per sequence and layer, then the
+def pool_slots(device_blocks: int, max_sequences: int, num_layers: int) -> int:
+    """Slots of the L1 pool: one region of ``device_blocks`` per sequence and layer, then the
     scratch slots (``KVStore`` allocates exactly these; ``kvtier plan`` prints their bytes)."""
-    return max_sequences * num_layers * hot_blocks + scratch_slots(hot_blocks, max_sequences)
+    return max_sequences * num_layers * device_blocks + scratch_slots(device_blocks, max_sequences)
 
 
-def _hot_blocks(cfg: KVTierConfig, slot_bytes: int, num_layers: int) -> int:
-    if cfg.hot_bytes is None:
-        return cfg.hot_tokens // cfg.block_tokens
+def _device_blocks(cfg: KVTierConfig, slot_bytes: int, num_layers: int) -> int:
+    if cfg.device_bytes is None:
+        return cfg.device_tokens // cfg.block_tokens
     per = slot_bytes * num_layers * cfg.max_sequences
-    hot = cfg.hot_bytes // per
-    if hot < 1:
-        raise ValueError(f"hot_bytes must hold at least one block per layer and sequence "
-                         f"(>= {per} bytes for this model and max_sequences); got {cfg.hot_bytes}")
-    return hot
+    device_blocks = cfg.device_bytes // per
+    if device_blocks < 1:
+        raise ValueError(f"device_bytes must hold at least one block per layer and sequence "
+                         f"(>= {per} bytes for this model and max_sequences); got {cfg.device_bytes}")
+    return device_blocks

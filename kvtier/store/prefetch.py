@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from .lower import LowerTiers
+from .offload import OffloadTiers
 from .stats import Counters
 from .table import BlockEntry, BlockTable
 
@@ -46,8 +46,8 @@ class Fetched(NamedTuple):
 
 
 class Prefetcher:
-    def __init__(self, lower: LowerTiers, counters: Counters, buffer_blocks: int, enabled: bool) -> None:
-        self.lower = lower
+    def __init__(self, offload: OffloadTiers, counters: Counters, buffer_blocks: int, enabled: bool) -> None:
+        self.offload = offload
         self.counters = counters
         self.enabled = enabled
         self._buffer_blocks = buffer_blocks
@@ -177,13 +177,13 @@ class Prefetcher:
     def _load(self, entries: list[BlockEntry]) -> list[Fetched]:
         """A batched load with the generations read before it: an upgrade mark set meanwhile
         makes a result look older than it may be (dropped, read again), never newer."""
-        gens = [self.lower.res.generation(e.rec) for e in entries]
-        return [Fetched(d, g) for d, g in zip(self.lower.load_many(entries), gens)]
+        gens = [self.offload.copies.generation(e.rec) for e in entries]
+        return [Fetched(d, g) for d, g in zip(self.offload.load_many(entries), gens)]
 
     def fetch_many(self, entries: list[BlockEntry]) -> list[Fetched]:
         """Non-resident blocks' data: each kept from a scratch read, or from the prefetch buffer
         if there and of its record's current generation; the others in one synchronous load."""
-        gens = [self.lower.res.generation(e.rec) for e in entries]  # the state lock before ours (docs/architecture.md's lock order)
+        gens = [self.offload.copies.generation(e.rec) for e in entries]  # the state lock before ours (docs/architecture.md's lock order)
         out: list[Fetched | None] = []
         futs: list[Future | None] = []
         used = stale = 0

@@ -60,7 +60,7 @@ def model_fingerprint_key(fingerprint: str, codec: str, block_tokens: int, *,
     """A short key naming everything that makes two blocks' stored bytes interchangeable.
 
     Args:
-        fingerprint: the model's identity (``kvtier.integrations.model.model_fingerprint``: class,
+        fingerprint: the model's identity (``kvtier.models.model_fingerprint``: class,
             name and architecture config hash).
         codec: codec name (``"int4"``, ``"fp16"``, ...).
         block_tokens: tokens per block.

@@ -21,9 +21,9 @@ _SWAP_IN_BATCH = 64  # blocks swapped in per batched read
 
 
 class Reader:
-    def __init__(self, layout: Layout, res: Residency, prefetcher: Prefetcher, counters: Counters) -> None:
+    def __init__(self, layout: Layout, residency: Residency, prefetcher: Prefetcher, counters: Counters) -> None:
         self.layout = layout
-        self.res = res
+        self.residency = residency
         self.prefetcher = prefetcher
         self.counters = counters
         self._arange_bt = np.arange(layout.block_tokens, dtype=np.int64)
@@ -31,7 +31,7 @@ class Reader:
     @property
     def pool_kv(self) -> torch.Tensor:
         """[2, kv_heads, slots, block_tokens, head_dim]: read at each use (the pool may grow)."""
-        return self.res.l1.storage
+        return self.residency.l1.storage
 
     def gather(self, tables: list[BlockTable], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token of ``tables[layer]`` in order: K, V [kv_heads, T, head_dim]."""
@@ -42,7 +42,7 @@ class Reader:
         if n == 0:
             empty = torch.empty(kvh, 0, hd, dtype=lay.dtype, device=lay.device)
             return empty, empty.clone()
-        res_i, res_s, miss = self.res.dense_reads(t)
+        res_i, res_s, miss = self.residency.dense_reads(t)
         self.counters.add(hits_l1=len(res_i), misses_l1=len(miss))
         full = torch.empty(2, kvh, n, bt, hd, dtype=lay.dtype, device=lay.device)
         # residents first: a swap-in below may take a slot just freed by the worker
@@ -52,7 +52,7 @@ class Reader:
         for _, part, fetched in self._swap_in(miss):
             for e, got in zip(part, fetched):
                 full[:, :, e.idx] = got.data  # [2, kv_heads, block_tokens, head_dim]
-                self.res.keep_if_room(t, e, got.data, got.generation)
+                self.residency.keep_if_room(t, e, got.data, got.generation)
         self.prefetcher.dense_read(tables, layer, n)
         kv = full.view(2, kvh, n * bt, hd)[:, :, : t.length]  # [2, kv_heads, T, head_dim]
         return kv[0], kv[1]
@@ -70,9 +70,9 @@ class Reader:
         ns = len(t.entries) - 1
         if ns < 0:
             raise ValueError(f"sequence {t.seq} layer {t.layer} is empty")
-        hot = self.layout.hot_blocks
-        if len(blocks) >= hot:
-            raise ValueError(f"blocks must number at most {hot - 1} (the L1 budget less the "
+        device_blocks = self.layout.device_blocks
+        if len(blocks) >= device_blocks:
+            raise ValueError(f"blocks must number at most {device_blocks - 1} (the L1 budget less the "
                              f"open block); got {len(blocks)}")
         for b in blocks:
             if not 0 <= b < ns:
@@ -83,7 +83,7 @@ class Reader:
         returned ``scratch`` when the region is full), counted as a hit or a miss, and pinned
         (the caller unpins). Returns the L1 slot per block, the open block's last, and the
         scratch keys."""
-        slots, miss = self.res.pin_reads(t, blocks)
+        slots, miss = self.residency.pin_reads(t, blocks)
         self.counters.add(hits_l1=len(blocks) - len(miss), misses_l1=len(miss))
         scratch: list[str] = []
         if miss:
@@ -91,10 +91,10 @@ class Reader:
             sel = frozenset(blocks)
             run = frozenset([ents[b] for b in blocks] + [ents[-1]]) if view else None
             for j, part, fetched in self._swap_in([e for _, e in miss]):
-                self.res.make_room(t, part, sel)
+                self.residency.make_room(t, part, sel)
                 for (i, e), got in zip(miss[j:j + len(part)], fetched):
                     n_scratch = len(scratch)
-                    slots[i] = self.res.install(t, e, got.data, got.generation, sel, scratch, run)
+                    slots[i] = self.residency.install(t, e, got.data, got.generation, sel, scratch, run)
                     if len(scratch) > n_scratch:  # leaves L1 after this read: wanted again next step
                         self.prefetcher.keep(e, got)
         return slots, scratch
@@ -105,7 +105,7 @@ class Reader:
             slots, scratch = self._prepare(t, blocks, view=False)
             return self._gather_copy(t, slots, blocks + [len(t.entries) - 1], scratch)
         finally:
-            self.res.unpin(t)
+            self.residency.unpin(t)
 
     def _gather_copy(self, t: BlockTable, slots: list[int], blocks: list[int],
                      scratch: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -118,7 +118,7 @@ class Reader:
         total = (n - 1) * bt + (t.length - (len(t.entries) - 1) * bt)
         g = self.pool_kv.index_select(2, idx)  # [2, kv_heads, n, bt, hd]
         if scratch:
-            self.res.free_scratch(scratch)
+            self.residency.free_scratch(scratch)
         kv = g.view(2, lay.kv_heads, n * bt, lay.head_dim)  # [2, kv_heads, n*bt, hd]
         if total < n * bt:
             kv = kv.narrow(2, 0, total)
@@ -131,14 +131,14 @@ class Reader:
         self.check_blocks(t, blocks)
         try:
             slots, scratch = self._prepare(t, blocks, view=True)
-            order = None if scratch else self.res.arrange(t, blocks)
+            order = None if scratch else self.residency.arrange(t, blocks)
             if order is None:
                 self.counters.add(gather_copies=1)
                 blocks = blocks + [len(t.entries) - 1]
                 k, v, pos = self._gather_copy(t, slots, blocks, scratch)
                 return k, v, pos, blocks
         finally:
-            self.res.unpin(t)
+            self.residency.unpin(t)
         self.counters.add(gather_views=1)
         return self._view(t, order)
 

@@ -2,15 +2,16 @@
 plain, JSON-serialisable dict."""
 from __future__ import annotations
 
+from .copies import add_below
 from .stats import ratio
 
 
 def store_stats(store) -> dict:
     lay = store.layout
     c = store.counters.snapshot()
-    fp = store.residency.footprint()
+    fp = _footprint(store.residency)
     lat = store.counters.latency_summaries()
-    lower = store.lower
+    offload = store.offload
     bt = lay.block_tokens
     below = fp["below"]
     # digests live on the L1 device next to the pool: they are part of L1's footprint
@@ -26,8 +27,8 @@ def store_stats(store) -> dict:
         "digest_bytes": fp["digest_bytes"],
         "digest_reserved_bytes": fp["digest_reserved"],
         "bytes_per_token": {k: ratio(nbytes[k], tok[k]) for k in nbytes},
-        "tier_used_bytes": {"l1": store.l1.used_bytes, "l2": lower.l2.used_bytes,
-                            "l3": lower.l3.used_bytes if lower.l3 is not None else 0},
+        "tier_used_bytes": {"l1": store.l1.used_bytes, "l2": offload.l2.used_bytes,
+                            "l3": offload.l3.used_bytes if offload.l3 is not None else 0},
         "hits": {"l1": c["hits_l1"], "l2": c["hits_l2"], "l3": c["hits_l3"], "prefetch": c["pf_used"]},
         "misses": {"l1": c["misses_l1"], "l2": c["misses_l2"], "l3": c["misses_l3"]},
         "swap_in_bytes": {"l2": c["swap_in_l2_bytes"], "l3": c["swap_in_l3_bytes"]},
@@ -56,13 +57,13 @@ def store_stats(store) -> dict:
         "compression": _compression_stats(store, c),
         "precision": _precision_stats(store, c),
         "config": {"order": store.cfg.order, "policy": store.cfg.policy, "attention": store.cfg.attention,
-                   "block_tokens": bt, "hot_blocks": lay.hot_blocks, "budget_tokens": lay.budget_tokens},
+                   "block_tokens": bt, "hot_blocks": lay.device_blocks, "budget_tokens": lay.budget_tokens},
         "fingerprint": store.fingerprint,
         "prefix": _prefix_stats(fp["refs"], c),
-        "remote": _remote_stats(lower.l4, c),
+        "remote": _remote_stats(offload.l4, c),
         # the L3 tier's own numbers: records, capacity, evictions, admission, bytes written,
         # compactions, corrupt records (None without L3)
-        "disk": lower.l3.stats() if lower.l3 is not None else None,
+        "disk": offload.l3.stats() if offload.l3 is not None else None,
         # stored blocks whose identity did not match this store's: read as misses
         "identity_refusals": c["identity_refusals"],
     }
@@ -75,7 +76,7 @@ def sequences_stats(store, seqs: list[int]) -> dict:
     (the unit of the README's tables). A block shared with other sequences (a common prefix) is
     counted in full here and in theirs."""
     lay = store.layout
-    fp = store.residency.footprint_of(seqs)
+    fp = _footprint_of(store.residency, seqs)
     nbytes = {"l1": fp["resident"] * lay.slot_bytes + fp["digest_bytes"], "l2": fp["bytes_l2"],
               "l3": fp["bytes_l3"]}
     # tokens held per tier, counted once per (token, layer)
@@ -110,6 +111,56 @@ def store_summary(st: dict, num_layers: int) -> dict:
         # blocks read from each lower tier (swap-ins and prefetches) per block read
         "read_share": {k: ratio(v, reads) for k, v in below.items()},
     }
+
+
+def _footprint(residency) -> dict:
+    """What the tables hold: tokens, resident blocks and the tokens they hold, digest bytes,
+    blocks per home tier, copies and bytes below L1, references per content record."""
+    bt = residency.layout.block_tokens
+    out = dict(tokens=0, resident=0, l1_tokens=0, digest_bytes=0, digest_reserved=0, held=0)
+    with residency.lock:
+        for tables in residency.tables.values():
+            for t in tables:
+                _add_table(out, t, bt)
+                out["held"] += sum(1 for e in t.slotted.values() if e.held)
+                if t.digest is not None:
+                    out["digest_reserved"] += t.digest_reserved_bytes()
+        copies = residency.copies
+        out.update(sequences=len(residency.tables), home=dict(residency.home), below=dict(copies.below),
+                   refs=[len(r.entries) for r in copies.values() if r.content])
+    return out
+
+
+def _footprint_of(residency, seqs: list[int]) -> dict:
+    """What the tables of live sequences ``seqs`` hold: tokens (x layers), resident blocks and
+    the tokens they hold, digest bytes, and the copies below L1 with their bytes. A copy shared
+    with other sequences is counted in full, once."""
+    bt = residency.layout.block_tokens
+    out = dict(tokens=0, resident=0, l1_tokens=0, digest_bytes=0,
+               copies_l2=0, bytes_l2=0, copies_l3=0, bytes_l3=0)
+    seen: set[int] = set()
+    with residency.lock:
+        for seq in seqs:
+            for t in residency.tables.get(seq, ()):
+                _add_table(out, t, bt)
+                for e in t.entries:
+                    rec = e.rec
+                    if id(rec) in seen:
+                        continue
+                    seen.add(id(rec))
+                    add_below(out, rec)
+    return out
+
+
+def _add_table(out: dict, t, bt: int) -> None:
+    """Add table ``t``'s tokens, resident blocks, the tokens they hold and its digest bytes to
+    ``out`` (state lock held)."""
+    out["tokens"] += t.length
+    out["resident"] += t.resident
+    if t.entries:  # the open block holds length - sealed tokens, not block_tokens
+        out["l1_tokens"] += t.resident * bt - (len(t.entries) * bt - t.length)
+    if t.digest is not None:
+        out["digest_bytes"] += t.n_sealed * t.digest_row_bytes()
 
 
 def _prefetch_stats(store, c: dict) -> dict:

@@ -1,10 +1,13 @@
-"""Residency: block tables, entries and their copies below L1, and L1 slot allocation.
+"""Residency: block tables, entries and L1 slot allocation.
 
 The only part that writes them, always under ``lock`` (the state lock). A block's state
-(``slot``, ``pending``, ``cancel``, ``fence``, the copy flags of its :class:`BlockCopies`) and the
-per-home-tier block counts change only in the methods below, so the counts follow every change.
-Methods that say "lock held" are called by another method of this part, or by a part that was
-handed the lock by one (``Regions``); every other method takes the lock itself.
+(``slot``, ``pending``, ``cancel``, ``fence``) and the per-home-tier block counts change only in
+the methods below, so the counts follow every change. The records of the copies below L1 are a
+part of their own under the same lock (``copies``: :class:`~kvtier.store.copies.CopyRecords`);
+where a copy changes a block's home (an L2 copy put or dropped) this part calls it, so the home
+counts follow. Methods that say "lock held" are called by another method of this part, or by a
+part that was handed the lock by one (``Regions``, ``SequenceSurgery``); every other method takes
+the lock itself.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import threading
 
 import torch
 
+from .copies import CopyRecords
 from .keys import block_key
 from .layout import Layout
 from .regions import Regions
@@ -41,20 +45,16 @@ class Residency:
         self.regions = Regions(layout, l1, counters)
         self.tables: dict[int, list[BlockTable]] = {}
         self.by_key: dict[str, BlockEntry] = {}       # process-local key -> entry
-        self.copies: dict[str, BlockCopies] = {}      # tier key -> copies below L1 (refcounted)
+        self.copies = CopyRecords(self.lock, counters)  # tier key -> copies below L1 (refcounted)
         self.home = dict.fromkeys(_HOMES, 0)          # blocks per home tier: stats() in O(tables)
-        self.below = dict(copies_l2=0, copies_l3=0, bytes_l2=0, bytes_l3=0)
         self.touched: dict[int, BlockTable] = {}      # tables appended to or read since end_step
-        self.known_l4: set[str] = set()               # keys just read from L4 (no need to publish)
         # the first swap-out failure of each sequence not yet raised to its caller
         self.failures: dict[int, SwapOutError] = {}
-        # (L3, L4) content records are written through to; None: no write-through
-        self.publish_to: tuple[bool, bool] | None = None
         self.step = 0
         self._next_seq = 0
-        # region groups: one region of hot_blocks slots per layer, for one live sequence; the
+        # region groups: one region of device_blocks slots per layer, for one live sequence; the
         # first max_sequences of them at the front of the pool, more appended by add_groups
-        group = layout.num_layers * layout.hot_blocks
+        group = layout.num_layers * layout.device_blocks
         self._group_base = [g * group for g in range(layout.max_sequences)]  # first slot per group
         self._free_groups = list(range(layout.max_sequences))
         self._group: dict[int, int] = {}
@@ -71,7 +71,7 @@ class Residency:
             seq = self._next_seq
             self._next_seq += 1
             g = self._group[seq] = self._free_groups.pop(0)
-            c = lay.hot_blocks
+            c = lay.device_blocks
             base = self._group_base[g]
             self.tables[seq] = [BlockTable(seq, layer, lay.kv_heads, lay.head_dim, lay.device, lay.digest_dtype,
                                            lay.digest_score, lay.digest_parts,
@@ -94,7 +94,7 @@ class Residency:
         writer off the pool (the store's pool lock, nothing in flight); this re-points the views
         of the pool that tables and this part keep."""
         lay = self.layout
-        group = lay.num_layers * lay.hot_blocks
+        group = lay.num_layers * lay.device_blocks
         with self.lock:
             first = self.l1.grow(n * group, n * scratch_per_group)
             g0 = len(self._group_base)
@@ -148,29 +148,13 @@ class Residency:
                     if e.slot is not None:
                         self.l1.delete(e.key)
                         e.slot = None
-                    rec = e.rec
-                    rec.entries.remove(e)
-                    if not rec.entries:  # last reference: the copies below L1 go too
-                        if self.copies.get(rec.key) is rec:
-                            del self.copies[rec.key]
-                        if rec.l2:
-                            drop2.append(rec.key)
-                        if rec.l3 and not (keep_prefix and rec.content):
-                            drop3.append(rec.key)
+                    self.copies.release(e, drop2, drop3, keep_content=keep_prefix)
                     self.by_key.pop(e.key, None)
                 self.touched.pop(id(t), None)
             del self.tables[seq]
             self.failures.pop(seq, None)
             self._free_groups.append(self._group.pop(seq))
         return drop2, drop3
-
-    def recount(self) -> None:
-        """Copies and bytes below L1 from the live records (after tier deletes)."""
-        with self.lock:
-            live = self.copies.values()
-            self.below.update(copies_l2=sum(1 for r in live if r.l2), copies_l3=sum(1 for r in live if r.l3),
-                              bytes_l2=sum(r.l2_bytes for r in live if r.l2),
-                              bytes_l3=sum(r.l3_bytes for r in live if r.l3))
 
     def _count_home(self, home: str, d: int) -> None:
         if home != "none":
@@ -199,7 +183,7 @@ class Residency:
         with self.lock:
             t.entries.append(e)
             self.by_key[e.key] = e
-            self.copies[e.rec.key] = e.rec
+            self.copies.add(e.rec)
         return e
 
     def abandon_block(self, t: BlockTable, e: BlockEntry) -> None:
@@ -207,7 +191,8 @@ class Residency:
         with self.lock:
             assert t.entries and t.entries[-1] is e and e.slot is None, f"not the unplaced new block: {e}"
             t.entries.pop()
-            del self.by_key[e.key], self.copies[e.rec.key]
+            del self.by_key[e.key]
+            self.copies.forget(e.rec)
 
     def place_open(self, t: BlockTable, e: BlockEntry) -> None:
         """Give the new open block a region slot, past the last attended run (gather_view moves
@@ -327,12 +312,7 @@ class Residency:
                 if clean:
                     self.counters.add(evicted_clean=1)
                 else:
-                    e.l2 = True
-                    e.l2_bytes = nbytes
-                    e.rec.l2_codec = e.evict_codec
-                    e.rec.upgrade = False
-                    self.below["copies_l2"] += 1
-                    self.below["bytes_l2"] += nbytes
+                    self.copies.landed_l2(e.rec, nbytes, e.evict_codec)
                     self.counters.add(swap_out_l2_bytes=nbytes, swap_out_blocks=1, evicted_dirty=1)
                 if not e.cancel and e.slot is not None:
                     self.l1.delete(e.key)
@@ -429,7 +409,7 @@ class Residency:
         """A dense read swapped ``e`` in (its copy read at record ``generation``): make it
         resident while the region has room."""
         with self.lock:
-            if e.slot is None and t.resident < self.layout.hot_blocks:
+            if e.slot is None and t.resident < self.layout.device_blocks:
                 self._place(t, e, data)
                 self._note_low(e, generation)
 
@@ -439,7 +419,7 @@ class Residency:
         installed blocks are in ``exclude``, so the policy's order of the others is the same),
         without a scan and sort of the region per block."""
         with self.lock:
-            need = t.resident + sum(1 for e in ents if e.slot is None) - self.layout.hot_blocks
+            need = t.resident + sum(1 for e in ents if e.slot is None) - self.layout.device_blocks
             if need > 0:
                 self._free_clean_victims(t, need, exclude, force=False)
 
@@ -450,18 +430,18 @@ class Residency:
         scratch slot listed in ``scratch``. ``run``: the entries of a gather_view (the open
         block included): the block is placed straight into that run's span of the region when
         possible."""
-        hot = self.layout.hot_blocks
+        device_blocks = self.layout.device_blocks
         with self.lock:
             if e.slot is not None:
                 return e.slot
-            if t.resident >= hot:
+            if t.resident >= device_blocks:
                 self._free_clean_victims(t, 1, exclude, force=False)
-            if t.resident < hot:
+            if t.resident < device_blocks:
                 pos = self.regions.run_position(t, run) if run is not None else None
                 self._place(t, e, data, pos=pos)
                 self._note_low(e, generation)
                 return e.slot
-            assert len(scratch) < max(1, hot - 1), "more scratch blocks than the L1 budget"
+            assert len(scratch) < max(1, device_blocks - 1), "more scratch blocks than the L1 budget"
             key = f"scratch/{next(self._scratch_ids)}"
             if not self.l1.put(key, data):
                 raise RuntimeError("kvtier: L1 scratch slots exhausted although every read stays "
@@ -551,51 +531,7 @@ class Residency:
         self.free_clean(t, e, "precision_refetched")
         return True
 
-    def generation(self, rec: BlockCopies) -> int:
-        """How many times ``rec`` was marked for upgrade: data decoded from its copies below L1
-        at an older generation may be of the low copy an upgrade replaces."""
-        with self.lock:
-            return rec.marks
-
     # -- copies below L1 -----------------------------------------------------------------------
-
-    def flags(self, rec: BlockCopies) -> tuple[bool, bool, bool, str]:
-        with self.lock:
-            return rec.l2, rec.l3, rec.l4, rec.key
-
-    def record_of(self, key: str) -> BlockCopies | None:
-        with self.lock:
-            return self.copies.get(key)
-
-    def landed_l3(self, rec: BlockCopies, nbytes: int, written_through: bool) -> bool:
-        """An L3 copy of ``rec`` landed (a spill, or a write-through). False, changing nothing,
-        when ``rec`` was dropped meanwhile (the caller deletes the copy)."""
-        with self.lock:
-            if self.copies.get(rec.key) is not rec:
-                return False
-            rec.l3 = True
-            rec.written_through = written_through
-            rec.l3_bytes = nbytes
-            self.below["copies_l3"] += 1
-            self.below["bytes_l3"] += nbytes
-            return True
-
-    def upgrade_due(self, rec: BlockCopies) -> bool:
-        """Whether ``rec`` was found heavy while L2 holds it below the base codec and L3 holds
-        its base-codec copy: the caller then drops the L2 copy (tier lock held) and calls
-        :meth:`spilled`. A mark without an L3 copy to read is cleared."""
-        with self.lock:
-            if not rec.upgrade:
-                return False
-            if not (rec.l2 and rec.l3):
-                rec.upgrade = False
-                return False
-            return True
-
-    def upgrade_failed(self, rec: BlockCopies) -> None:
-        """``rec``'s backup could not be read: its low L2 copy stays its copy, unmarked."""
-        with self.lock:
-            rec.upgrade = False
 
     def spilled(self, recs: list[BlockCopies]) -> None:
         """The ring dropped these records' L2 copies after spilling them: L3 now holds each
@@ -606,41 +542,9 @@ class Residency:
                 if not rec.l2:
                     continue
                 before = [e.home for e in rec.entries]
-                rec.l2 = False
+                self.copies.left_l2(rec)
                 for h, e in zip(before, rec.entries):
                     self._rehome(h, e)
-                self.below["copies_l2"] -= 1
-                self.below["bytes_l2"] -= rec.l2_bytes
-                rec.l2_bytes = 0
-                rec.l2_codec = None
-                rec.upgrade = False
-
-    def published_l4(self, rec: BlockCopies) -> None:
-        with self.lock:
-            rec.l4 = True
-
-    def referenced(self, keys: list[str]) -> list[bool]:
-        """Per key, whether a live block record holds it."""
-        with self.lock:
-            return [k in self.copies for k in keys]
-
-    def unreferenced(self, keys) -> list[str]:
-        with self.lock:
-            return [k for k in keys if k not in self.copies]
-
-    def _lacks(self, rec: BlockCopies) -> bool:
-        """Whether ``rec`` lacks a copy in a tier it is written through to (lock held)."""
-        to3, to4 = self.publish_to or (False, False)
-        return (to3 and not rec.l3) or (to4 and not rec.l4)
-
-    def needs_publish(self, rec: BlockCopies) -> bool:
-        with self.lock:
-            return self.copies.get(rec.key) is rec and self._lacks(rec)
-
-    def needs_l3(self, rec: BlockCopies) -> bool:
-        """Live and without an L3 copy (a spill may have put one meanwhile)."""
-        with self.lock:
-            return self.copies.get(rec.key) is rec and not rec.l3
 
     def resident_copy(self, key: str) -> tuple[BlockCopies | None, torch.Tensor | None]:
         """The record under ``key`` and a copy of one resident entry's block (None if none)."""
@@ -680,88 +584,13 @@ class Residency:
         one adopting an L3 copy of ``adopt_bytes`` left by an earlier process. Returns the
         record and, when a new record needs a write-through, a copy of the block for it."""
         with self.lock:
-            rec = self.copies.get(key)
-            new = rec is None
-            if new:
-                rec = self.copies[key] = BlockCopies(key, content=True)
-                rec.l4 = key in self.known_l4
-                if adopt_bytes is not None:
-                    rec.l3 = rec.written_through = True
-                    rec.l3_bytes = adopt_bytes
-                    self.below["copies_l3"] += 1
-                    self.below["bytes_l3"] += adopt_bytes
-                    self.counters.add(adopted_l3=1)
-            else:
-                self.counters.add(dedup_seals=1)
-            self.known_l4.discard(key)
+            rec, new = self.copies.join(key, adopt_bytes)
             old = e.rec
             old.entries.remove(e)
-            if not old.entries and self.copies.get(old.key) is old:
-                del self.copies[old.key]
+            if not old.entries:
+                self.copies.forget(old)
             e.rec = rec
             rec.entries.append(e)
-            if new and self._lacks(rec):
+            if new and self.copies.lacks(rec):
                 return rec, self.l1.pool[e.slot].clone()  # [2, kv_heads, bt, head_dim]
             return rec, None
-
-    def available(self, key: str) -> bool:
-        with self.lock:
-            rec = self.copies.get(key)
-            return rec is not None and bool(rec.entries or rec.l2 or rec.l3 or rec.l4)
-
-    def note_l4(self, keys) -> None:
-        with self.lock:
-            self.known_l4.update(keys)
-
-    # -- reporting -----------------------------------------------------------------------------
-
-    def footprint_of(self, seqs: list[int]) -> dict:
-        """What the tables of live sequences ``seqs`` hold, for a conversation's ``stats()``:
-        tokens (x layers), resident blocks and the tokens they hold, digest bytes, and the copies
-        below L1 with their bytes. A copy shared with other sequences is counted in full, once."""
-        bt = self.layout.block_tokens
-        out = dict(tokens=0, resident=0, l1_tokens=0, digest_bytes=0,
-                   copies_l2=0, bytes_l2=0, copies_l3=0, bytes_l3=0)
-        seen: set[int] = set()
-        with self.lock:
-            for seq in seqs:
-                for t in self.tables.get(seq, ()):
-                    out["tokens"] += t.length
-                    out["resident"] += t.resident
-                    if t.entries:  # the open block holds length - sealed tokens, not block_tokens
-                        out["l1_tokens"] += t.resident * bt - (len(t.entries) * bt - t.length)
-                    if t.digest is not None:
-                        out["digest_bytes"] += t.n_sealed * t.digest_row_bytes()
-                    for e in t.entries:
-                        rec = e.rec
-                        if id(rec) in seen:
-                            continue
-                        seen.add(id(rec))
-                        if rec.l2:
-                            out["copies_l2"] += 1
-                            out["bytes_l2"] += rec.l2_bytes
-                        if rec.l3:
-                            out["copies_l3"] += 1
-                            out["bytes_l3"] += rec.l3_bytes
-        return out
-
-    def footprint(self) -> dict:
-        """What the tables hold, for ``stats()``: tokens, resident blocks and the tokens they
-        hold, digest bytes, blocks per home tier, copies and bytes below L1, references per
-        content record."""
-        bt = self.layout.block_tokens
-        out = dict(tokens=0, resident=0, l1_tokens=0, digest_bytes=0, digest_reserved=0, held=0)
-        with self.lock:
-            for tables in self.tables.values():
-                for t in tables:
-                    out["tokens"] += t.length
-                    out["resident"] += t.resident
-                    out["held"] += sum(1 for e in t.slotted.values() if e.held)
-                    if t.entries:  # the open block holds length - sealed tokens, not block_tokens
-                        out["l1_tokens"] += t.resident * bt - (len(t.entries) * bt - t.length)
-                    if t.digest is not None:
-                        out["digest_bytes"] += t.n_sealed * t.digest_row_bytes()
-                        out["digest_reserved"] += t.digest_reserved_bytes()
-            out.update(sequences=len(self.tables), home=dict(self.home), below=dict(self.below),
-                       refs=[len(r.entries) for r in self.copies.values() if r.content])
-        return out

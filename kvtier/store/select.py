@@ -6,19 +6,19 @@ import math
 
 import torch
 
-from . import cscore
+from . import score_cpu
 from .layout import Layout
 from .residency import Residency
 from .table import BlockTable
 
 
 class Selector:
-    def __init__(self, layout: Layout, res: Residency) -> None:
+    def __init__(self, layout: Layout, residency: Residency) -> None:
         self.layout = layout
-        self.res = res
-        # CPU: block scores in one compiled call, read from the digest table in place (cscore.py)
-        self.cscore = (layout.digest_score is not None and layout.device.type == "cpu"
-                       and layout.digest_dtype in cscore.DTYPES and cscore.available())
+        self.residency = residency
+        # CPU: block scores in one compiled call, read from the digest table in place (score_cpu.py)
+        self.compiled = (layout.digest_score is not None and layout.device.type == "cpu"
+                         and layout.digest_dtype in score_cpu.DTYPES and score_cpu.available())
         self._zeros = torch.zeros(1, 1, 1, device=layout.device)  # baddbmm's unread input (beta=0)
 
     def select(self, t: BlockTable, query: torch.Tensor, budget: int) -> list[int]:
@@ -33,9 +33,9 @@ class Selector:
         k = nb - s_end - (ns - w_start)
         sel = list(range(s_end))
         if k > 0:
-            if self.cscore:
+            if self.compiled:
                 # scores and selection in one compiled call, already ascending
-                top = cscore.top_blocks(self.query_f32(query), t.digest, s_end, w_start,
+                top = score_cpu.top_blocks(self.query_f32(query), t.digest, s_end, w_start,
                                         lay.digest_score == "quest", lay.head_dim ** -0.5, k,
                                         lay.digest_parts, t.digest_scale)
                 sel += [b + s_end for b in top]
@@ -64,11 +64,11 @@ class Selector:
 
     def scores(self, t: BlockTable, query: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Score of each sealed block in [lo, hi) against ``query`` (higher = attend); see
-        ``KVTierConfig.select_score``. The torch math: the specification of cscore.py's CPU path."""
+        ``KVTierConfig.select_score``. The torch math: the specification of score_cpu.py's CPU path."""
         q = self.query_rows(query)  # [kv_heads, G*q_len, hd]
         hd = self.layout.head_dim
         # [kv_heads, hd, m*parts] (mean) or [kv_heads, 2*hd, m] (max | min); int8: codes, and the
-        # scales [kv_heads, 1, m*parts] their dot products are multiplied by (as cscore.py does;
+        # scales [kv_heads, 1, m*parts] their dot products are multiplied by (as score_cpu.py does;
         # measured faster on the CPU than scaling the codes before the bmm)
         dig_t, dig_scale = t.digest_t(lo, hi)
         if dig_t.dtype != torch.float32:
@@ -97,7 +97,7 @@ class Selector:
                              f"{len(blocks)} blocks")
         if len(m) == len(blocks) + 1:
             blocks.append(len(t.entries) - 1)
-        self.res.observe(t, blocks, m, snap_steps)
+        self.residency.observe(t, blocks, m, snap_steps)
 
     def block_mass(self, t: BlockTable, k: torch.Tensor, query: torch.Tensor) -> torch.Tensor:
         """SnapKV voting: attention of ``query`` [q_heads, w, head_dim] over every token of

@@ -33,7 +33,7 @@ from .blockio import BlockIO
 from .content import ContentIndex
 from .evictor import Evictor
 from .layout import Layout, pool_slots, scratch_slots
-from .lower import CONTENT_KEY, LowerTiers
+from .offload import CONTENT_KEY, OffloadTiers
 from .policy import make_policy
 from .prefetch import Prefetcher
 from .prefix import model_fingerprint_key
@@ -70,7 +70,7 @@ class KVStore:
         self.policy = make_policy(cfg.policy, lay.sink_blocks, lay.window_blocks)
         self.counters = Counters()
         self.io = BlockIO(cfg, lay, self.counters)
-        self.lower = LowerTiers(cfg, lay, self.io, self.counters)
+        self.offload = OffloadTiers(cfg, lay, self.io, self.counters)
         # content-addressed keys: the chain seed names the model (weights digest included), every
         # codec a record of this store may carry with the parameters of its K and V encodings as
         # the codecs themselves state them (so no setting that changes the bytes is left out), the
@@ -84,26 +84,27 @@ class KVStore:
             namespace=cfg.namespace,
         ) if fingerprint else None
         # regions first (placed by the residency part: table.py), then the scratch slots
-        regions = cfg.max_sequences * num_layers * lay.hot_blocks
-        self.l1 = DeviceTier(lay.slot_shape, pool_slots(lay.hot_blocks, cfg.max_sequences, num_layers),
+        regions = cfg.max_sequences * num_layers * lay.device_blocks
+        self.l1 = DeviceTier(lay.slot_shape, pool_slots(lay.device_blocks, cfg.max_sequences, num_layers),
                              dtype=lay.dtype, device=lay.device, slot_axis=2, placed_slots=regions)
         self.residency = Residency(lay, self.l1, self.policy, self.counters)
-        self.lower.res = self.residency
-        self.evictor = Evictor(lay, self.residency, self.io, self.lower, self.counters, cfg.evict_batch_blocks)
+        self.copies = self.residency.copies
+        self.offload.residency, self.offload.copies = self.residency, self.copies
+        self.evictor = Evictor(lay, self.residency, self.io, self.offload, self.counters, cfg.evict_batch_blocks)
         # write-through of content-addressed blocks to L3 (reuse after restart) and L4 (sharing
         # across processes), batched and off the decode path
         self.publisher = None
         if (self.l3 is not None or self.l4 is not None) and self.content_fp and cfg.write_through:
-            self.publisher = WriteThrough(self.residency, self.io, self.lower, self.counters,
+            self.publisher = WriteThrough(self.copies, self.io, self.offload, self.counters,
                                           cfg.evict_batch_blocks)
-            self.residency.publish_to = (self.l3 is not None, self.l4 is not None)
-        self.content = ContentIndex(lay, self.content_fp, self.residency, self.io, self.lower,
+            self.copies.publish_to = (self.l3 is not None, self.l4 is not None)
+        self.content = ContentIndex(lay, self.content_fp, self.residency, self.io, self.offload,
                                     self.counters, self.publisher)
         # "auto": only where swap-ins decode on another engine (GPU); on a CPU host the thread
         # competes with the decode step for the cores and the GIL (config.py, bench_store.py)
         self.prefetch = cfg.prefetch if cfg.prefetch != "auto" else lay.cuda
-        self.prefetcher = Prefetcher(self.lower, self.counters, cfg.prefetch_blocks, self.prefetch)
-        self.surgery = SequenceSurgery(self.residency, self.lower, self.evictor, self.content)
+        self.prefetcher = Prefetcher(self.offload, self.counters, cfg.prefetch_blocks, self.prefetch)
+        self.surgery = SequenceSurgery(self.residency, self.offload, self.evictor, self.content)
         self.appender = Appender(lay, self.residency, self.evictor,
                                  self.content if self.content_fp is not None else None, self.surgery)
         self.reader = Reader(lay, self.residency, self.prefetcher, self.counters)
@@ -121,15 +122,16 @@ class KVStore:
     device = property(lambda self: self.layout.device)
     block_tokens = property(lambda self: self.layout.block_tokens)
     slot_bytes = property(lambda self: self.layout.slot_bytes)
-    hot_blocks = property(lambda self: self.layout.hot_blocks)
+    # L1 blocks per (sequence, layer): Layout.device_blocks, under the name of the store contract
+    hot_blocks = property(lambda self: self.layout.device_blocks)
     budget_tokens = property(lambda self: self.layout.budget_tokens)
     sink_blocks = property(lambda self: self.layout.sink_blocks)
     window_blocks = property(lambda self: self.layout.window_blocks)
     host_codec = property(lambda self: self.layout.host_codec)
     disk_codec = property(lambda self: self.layout.disk_codec)
-    l2 = property(lambda self: self.lower.l2)
-    l3 = property(lambda self: self.lower.l3)
-    l4 = property(lambda self: self.lower.l4)
+    l2 = property(lambda self: self.offload.l2)
+    l3 = property(lambda self: self.offload.l3)
+    l4 = property(lambda self: self.offload.l4)
 
     # -- sequences ------------------------------------------------------------------------------
 
@@ -145,38 +147,38 @@ class KVStore:
 
     def reserve_sequences(self, n: int) -> None:
         """Make room in L1 for ``n`` more live sequences, growing the pool if needed: to twice
-        its sequences or to what ``n`` needs, whichever is more, within ``hot_max_bytes``.
+        its sequences or to what ``n`` needs, whichever is more, within ``device_max_bytes``.
 
         Raises:
             MemoryError naming the bytes when the bound or the device cannot hold them (the
             pool stays as it was).
         """
-        res = self.residency
-        with res.pool_lock:  # no append writes the pool while it moves
-            short = n - res.free_groups()
+        residency = self.residency
+        with residency.pool_lock:  # no append writes the pool while it moves
+            short = n - residency.free_groups()
             if short <= 0:
                 return
             lay = self.layout
-            per = (lay.num_layers * lay.hot_blocks + scratch_slots(lay.hot_blocks, 1)) * lay.slot_bytes
-            have = res.groups
+            per = (lay.num_layers * lay.device_blocks + scratch_slots(lay.device_blocks, 1)) * lay.slot_bytes
+            have = residency.groups
             want = max(2 * have, have + short)
-            limit = self.cfg.hot_max_bytes
+            limit = self.cfg.device_max_bytes
             if limit is not None:
                 want = min(want, limit // per)
             if want < have + short:
                 raise MemoryError(
                     f"kvtier L1: {len(self.sequences()) + n} live sequences need {(have + short) * per:,} "
-                    f"bytes of device pool ({per:,} per sequence: hot_tokens x {lay.num_layers} layers "
-                    f"and its scratch slots); hot_max_bytes={limit:,}. Raise hot_max_bytes, lower "
-                    f"hot_tokens, or close caches you no longer use")
+                    f"bytes of device pool ({per:,} per sequence: device_tokens x {lay.num_layers} layers "
+                    f"and its scratch slots); device_max_bytes={limit:,}. Raise device_max_bytes, lower "
+                    f"device_tokens, or close caches you no longer use")
             self.flush()  # no swap-out reads a slot while the pool moves
             try:
-                res.add_groups(want - have, scratch_slots(lay.hot_blocks, 1))
+                residency.add_groups(want - have, scratch_slots(lay.device_blocks, 1))
             except MemoryError as exc:
                 raise MemoryError(
                     f"kvtier L1: growing the device pool from {have} to {want} sequences "
                     f"({have * per:,} -> {want * per:,} bytes, {per:,} per sequence) failed on "
-                    f"{lay.device}; lower hot_tokens, set hot_max_bytes, or close caches you no "
+                    f"{lay.device}; lower device_tokens, set device_max_bytes, or close caches you no "
                     f"longer use ({exc})") from exc
             self.counters.add(l1_growths=1)
 
@@ -201,7 +203,7 @@ class KVStore:
         self.prefetcher.forget(seq)
         drop2, drop3 = self.residency.drop(seq, keep_prefix)
         self.content.forget(seq)
-        self.lower.delete(drop2, drop3)
+        self.offload.delete(drop2, drop3)
 
     @property
     def closed(self) -> bool:
@@ -422,10 +424,10 @@ class KVStore:
         t = self._table(seq, layer)
         bt = self.block_tokens
         budget = self.budget_tokens if budget_tokens is None else budget_tokens
-        if budget > self.hot_blocks * bt or budget < bt or budget % bt:
+        if budget > self.layout.device_blocks * bt or budget < bt or budget % bt:
             # whole blocks only: a selection is whole blocks, another count would be rounded down
             raise ValueError(f"budget_tokens must be a whole number of blocks (block_tokens={bt}) in "
-                             f"[{bt}, {self.hot_blocks * bt}]; got {budget}")
+                             f"[{bt}, {self.layout.device_blocks * bt}]; got {budget}")
         sel = self.selector.select(t, query, budget)
         self.prefetcher.selected(self.residency.tables_of(seq), layer, sel)
         return sel
@@ -515,7 +517,7 @@ class KVStore:
             AssertionError naming the first broken invariant.
         """
         self.flush()
-        invariants.check(self.residency, self.lower)
+        invariants.check(self.residency, self.offload)
 
     def _table(self, seq: int, layer: int):
         """The table of live (``seq``, ``layer``) of this open store; first raises the failed
@@ -547,7 +549,7 @@ class KVStore:
             try:
                 self.prefetcher.close()
             finally:
-                self.lower.close()
+                self.offload.close()
                 self.l1.close()
 
     def __enter__(self):

@@ -1,9 +1,11 @@
 """Sequence surgery: cut a sequence back anywhere (crop), fork one sharing its sealed blocks.
 
 What ``TieredCache.crop`` / ``fork`` / ``copy.deepcopy`` and the batch methods need. Tables,
-entries and copies change under the residency lock through Residency's lock-held helpers, as
-Regions does; tier I/O (a swap-in for the block a cut reopens, deleting copies) goes through
-LowerTiers without that lock, in the store's order (tier lock before state lock).
+entries and copy records change under the state lock through the lock-held helpers of Residency
+and its CopyRecords (a cut or dropped block's last reference lists its copies for deletion;
+content-addressed L3 copies stay for later prefix matches), as Regions does; tier I/O (a
+swap-in for the block a cut reopens, deleting copies) goes through OffloadTiers without that
+lock, in the store's order (tier lock before state lock).
 
 ```
  truncate to 1.5 blocks          before  [ b0 ][ b1 ][ b2 ][ b3 open ]
@@ -21,9 +23,9 @@ from .table import BlockCopies, BlockEntry, BlockTable
 
 
 class SequenceSurgery:
-    def __init__(self, res, lower, evictor, content) -> None:
-        self.res = res
-        self.lower = lower
+    def __init__(self, residency, offload, evictor, content) -> None:
+        self.residency = residency
+        self.offload = offload
         self.evictor = evictor
         self.content = content
 
@@ -39,12 +41,12 @@ class SequenceSurgery:
         [2, kv_heads, block_tokens, head_dim] of the block that becomes the open one, when the
         caller has it (an append undone: its copy below L1 may be lossy), instead of reading it from
         that copy; a block still resident keeps its slot's data."""
-        res = self.res
-        bt = res.layout.block_tokens
+        residency = self.residency
+        bt = residency.layout.block_tokens
         keep = -(-length // bt)  # blocks left, the last one open
         drop2, drop3 = [], []
         reopen = keep and keep < len(t.entries)  # a sealed block becomes the open one
-        with res.lock:
+        with residency.lock:
             for e in t.entries[keep:]:
                 self._unlink(t, e, drop2, drop3)
             del t.entries[keep:]
@@ -55,42 +57,42 @@ class SequenceSurgery:
         if reopen:
             e = t.entries[-1]
             if e.slot is None:
-                data = self.lower.load(e) if reopened is None else reopened
+                data = self.offload.load(e) if reopened is None else reopened
                 self.evictor.make_room(t, 1)
-                with res.lock:
-                    res._place(t, e, data)
+                with residency.lock:
+                    residency._place(t, e, data)
         if keep:
             e = t.entries[-1]
             # cut inside the block that is open now: the next append makes new content (an
             # undone append may have sealed it, even without opening the next one)
             if length < keep * bt:
-                with res.lock:
-                    self._unref(e, drop2, drop3)
+                with residency.lock:
+                    residency.copies.release(e, drop2, drop3, keep_content=True)
                     fresh = BlockCopies(e.key)
                     e.held = False  # new content: a failed swap-out of the old says nothing of it
         if drop2 or drop3:
-            self.lower.delete(drop2, drop3)
-        with res.lock:
+            self.offload.delete(drop2, drop3)
+        with residency.lock:
             if fresh is not None:  # registered only now: its key may have named a dropped copy
                 e.rec = fresh
                 fresh.entries.append(e)
-                res.copies[e.key] = fresh
+                residency.copies.add(fresh)
             t.length = length
             if t.entries:
-                res._open_views(t)
+                residency._open_views(t)
             else:
                 t.open_view = t.open_np = None
-            res.touched[id(t)] = t
+            residency.touched[id(t)] = t
 
     def fork(self, src: list[BlockTable], dst: list[BlockTable]) -> None:
         """Fill the empty tables ``dst`` from ``src``: shared copies below L1, own L1 slots."""
-        with self.res.lock:
+        with self.residency.lock:
             for s, d in zip(src, dst):
                 self._fork_table(s, d)
         self.content.fork(src[0].seq, dst[0].seq)
 
     def _fork_table(self, s: BlockTable, d: BlockTable) -> None:
-        res = self.res
+        residency = self.residency
         src_slots, dst_slots = [], []
         last = len(s.entries) - 1
         for e in s.entries:
@@ -100,49 +102,36 @@ class SequenceSurgery:
                 n.rec = e.rec
                 e.rec.entries.append(n)
             else:
-                res.copies[n.key] = n.rec
+                residency.copies.add(n.rec)
             n.last_used, n.mass, n.importance = e.last_used, e.mass, e.importance
             d.entries.append(n)
-            res.by_key[n.key] = n
+            residency.by_key[n.key] = n
             if e.slot is not None:
                 slot = d.base + (e.slot - s.base)  # the same region position
-                if not res.l1.put_at(n.key, slot, None):
+                if not residency.l1.put_at(n.key, slot, None):
                     raise RuntimeError(f"kvtier: L1 refused fresh region slot {slot} of {d.seq}/{d.layer}")
                 d.take_slot(n, slot)
                 n.low_gen = e.low_gen  # its L1 data: a copy of e's (below)
                 src_slots.append(e.slot)
                 dst_slots.append(slot)
-            res._count_home(n.home, 1)
+            residency._count_home(n.home, 1)
         if src_slots:
-            pool = res.l1.storage  # [2, kv_heads, slots, block_tokens, head_dim]
+            pool = residency.l1.storage  # [2, kv_heads, slots, block_tokens, head_dim]
             dev = pool.device
             pool[:, :, torch.tensor(dst_slots, device=dev)] = pool.index_select(2, torch.tensor(src_slots, device=dev))
         d.length = s.length
         d.observed = s.observed
         d.copy_digest_from(s)
         if d.entries:
-            res._open_views(d)
-        res.touched[id(d)] = d
+            residency._open_views(d)
+        residency.touched[id(d)] = d
 
     def _unlink(self, t: BlockTable, e: BlockEntry, drop2: list, drop3: list) -> None:
         """Entry ``e`` leaves ``t``: its L1 slot and its reference (lock held)."""
-        res = self.res
-        res._count_home(e.home, -1)
+        residency = self.residency
+        residency._count_home(e.home, -1)
         if e.slot is not None:
-            res.l1.delete(e.key)
+            residency.l1.delete(e.key)
             t.free_slot(e)
-        self._unref(e, drop2, drop3)
-        res.by_key.pop(e.key, None)
-
-    def _unref(self, e: BlockEntry, drop2: list, drop3: list) -> None:
-        """Drop ``e``'s reference to its copies; the last one lists them for deletion
-        (content-addressed L3 copies stay for later prefix matches). Lock held."""
-        rec = e.rec
-        rec.entries.remove(e)
-        if not rec.entries:
-            if self.res.copies.get(rec.key) is rec:
-                del self.res.copies[rec.key]
-            if rec.l2:
-                drop2.append(rec.key)
-            if rec.l3 and not rec.content:
-                drop3.append(rec.key)
+        residency.copies.release(e, drop2, drop3, keep_content=True)
+        residency.by_key.pop(e.key, None)

@@ -20,7 +20,7 @@ Every sealed block has one *home*: L1 if it has a slot, else L2 if it has a copy
 Blocks of sequences without token ids get a private ``BlockCopies`` keyed by their process-local
 key (refs 1).
 
-Each table owns a fixed *region* of the L1 pool: ``cap`` (= ``hot_blocks``) consecutive slots
+Each table owns a fixed *region* of the L1 pool: ``cap`` (= ``device_blocks``) consecutive slots
 from ``base``; its resident blocks (at most ``cap``) live there, ``at[p]`` is the entry at
 region position ``p`` (slot ``base + p``). Only scratch slots (misses while the region is full)
 lie outside it. ``KVStore.gather_view`` arranges the region so that the attended blocks are one
@@ -185,7 +185,7 @@ class BlockTable:
         self.seq = seq
         self.layer = layer
         self.base = base                       # first L1 slot of this table's region
-        self.cap = cap                         # region size (hot_blocks)
+        self.cap = cap                         # region size (device_blocks)
         self.at: list[BlockEntry | None] = [None] * cap  # region position -> resident entry
         self.length = 0                        # tokens appended
         self.entries: list[BlockEntry] = []    # index = block index; the last one is open

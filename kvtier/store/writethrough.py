@@ -5,19 +5,19 @@ from __future__ import annotations
 import warnings
 
 from .blockio import BlockIO
-from .lower import LowerTiers
-from .residency import Residency
+from .copies import CopyRecords
+from .offload import OffloadTiers
 from .stats import Counters
 from .swap import SwapOutWorker
 from .table import BlockCopies
 
 
 class WriteThrough:
-    def __init__(self, res: Residency, io: BlockIO, lower: LowerTiers, counters: Counters,
+    def __init__(self, copies: CopyRecords, io: BlockIO, offload: OffloadTiers, counters: Counters,
                  batch_blocks: int) -> None:
-        self.res = res
+        self.copies = copies
         self.io = io
-        self.lower = lower
+        self.offload = offload
         self.counters = counters
         self.last_error: Exception | None = None  # the last encode or put that raised
         self._worker = SwapOutWorker(self._publish_batch, max(batch_blocks, 64), name="kvtier-publish")
@@ -45,17 +45,17 @@ class WriteThrough:
         caller (evictor.py)."""
         todo = []
         for rec, data in batch:
-            if self.res.needs_publish(rec):
+            if self.copies.needs_publish(rec):
                 try:
                     todo.append((rec, self.io.disk_record(data)))
                 except Exception as exc:
                     self._failed(exc, pub_encode_failed=1)
-        if todo and self.lower.l3 is not None:
+        if todo and self.offload.l3 is not None:
             try:
                 self._put_l3(todo)
             except Exception as exc:
                 self._failed(exc, pub_l3_failed=len(todo))
-        if todo and self.lower.l4 is not None:
+        if todo and self.offload.l4 is not None:
             try:
                 self._put_l4(todo)
             except Exception as exc:
@@ -70,30 +70,30 @@ class WriteThrough:
         self.last_error = exc
 
     def _put_l3(self, todo: list) -> None:
-        lower = self.lower
-        with lower.lock:
+        offload = self.offload
+        with offload.lock:
             # a spill may have put some meanwhile
-            put3 = [(r, p) for r, p in todo if self.res.needs_l3(r)]
-            oks = lower.offer_l3([(r.key, p) for r, p in put3]) if put3 else []
+            put3 = [(r, p) for r, p in todo if self.copies.needs_l3(r)]
+            oks = offload.offer_l3([(r.key, p) for r, p in put3]) if put3 else []
             stale = []
             for (rec, packed), ok in zip(put3, oks):
                 if ok is None:
                     self.counters.add(pub_l3_not_admitted=1)
                 elif not ok:
                     self.counters.add(pub_l3_failed=1)
-                elif self.res.landed_l3(rec, len(packed), written_through=True):
+                elif self.copies.landed_l3(rec, len(packed), written_through=True):
                     self.counters.add(pub_l3_blocks=1, pub_l3_bytes=len(packed))
                 else:
                     stale.append(rec.key)  # dropped while being written
             if stale:
-                lower.l3.delete_many(stale)
+                offload.l3.delete_many(stale)
 
     def _put_l4(self, todo: list) -> None:
-        put4 = [(r, p) for r, p in todo if not self.res.flags(r)[2]]
-        oks = self.lower.l4.put_many([(r.key, p) for r, p in put4])  # a dead server: all False
+        put4 = [(r, p) for r, p in todo if not self.copies.flags(r)[2]]
+        oks = self.offload.l4.put_many([(r.key, p) for r, p in put4])  # a dead server: all False
         for (rec, packed), ok in zip(put4, oks):
             if ok:
-                self.res.published_l4(rec)
+                self.copies.published_l4(rec)
                 self.counters.add(pub_l4_blocks=1, pub_l4_bytes=len(packed))
             else:
                 self.counters.add(pub_l4_failed=1)

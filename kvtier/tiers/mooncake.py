@@ -42,38 +42,26 @@ Ownership: ``put`` copies (into the staging buffer); ``get`` returns bytes of it
 """
 from __future__ import annotations
 
-import atexit
 import json
 import logging
-import re
 import socket
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable, Iterator
-from urllib.parse import parse_qsl, quote, urlsplit
+from urllib.parse import quote
 
 import numpy as np
 import torch
 
-from .base import BytesLike, Tier, TierStats, as_byte_view, check_key, out_view
-from .errors import TierClosedError
-from .reach import Reach, Reachable, check_seconds, check_window
+from .base import BytesLike, Tier, as_byte_view, check_key, out_view
+from .reach import Reachable, check_seconds, check_window
+from .mooncake_client import _shared_client
+from .mooncake_url import MIN_BUFFER_BYTES, MooncakeURL, check_url
 from .remote import HEADER_BYTES, check_key_prefix, check_quota, frame_header, unframe
 
 log = logging.getLogger(__name__)
-
-_URL_FORM = ("mooncake://HOST:RPC_PORT?metadata=http://HOST:PORT/metadata[&admin=http://HOST:PORT]"
-             "[&segment_bytes=N][&buffer_bytes=N][&protocol=tcp|rdma][&local_hostname=IP]")
-_PARAMS = ("metadata", "admin", "segment_bytes", "buffer_bytes", "protocol", "local_hostname")
-_PROTOCOLS = ("tcp", "rdma")
-#: The client refuses segments and transfer buffers under 16 MiB.
-MIN_BUFFER_BYTES = 16 << 20
-DEFAULT_BUFFER_BYTES = 64 << 20
-DEFAULT_ADMIN_PORT = 9003
-_SIZE = re.compile(r"([0-9]+)(|B|KiB|MiB|GiB)")
-_UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
 # Mooncake's error codes (mooncake-store/include/types.h) this tier tells apart.
 NO_SPACE = -200          # NO_AVAILABLE_HANDLE: the pool has no room (or no segment at all)
@@ -86,172 +74,6 @@ _INFO_TTL_S = 10.0       # how old the pool's segment figures may be
 _FIRST_SLOT = 64 << 10   # read slot per key before any value size was seen
 _QUERY_KEYS = 256        # keys per size query to the admin port (URL length)
 
-
-class _SharedClient:
-    """The one Mooncake client of this process for one pool configuration, shared by every
-    MooncakeTier opened on it (different prefixes, the store and the vLLM connector): a client's
-    setup and close each hold a library-wide lock (close ~1 s), and a process needs one
-    transfer engine per pool, as it needs one connection pool per Redis server.
-
-    It is set up on a thread of its own (setup blocks for minutes when the master hangs); callers
-    wait for it until ``deadline``. A failed setup leaves ``store`` None and ``rc`` the code, and
-    the next :meth:`start` tries again. The client leaves the master at process exit."""
-
-    def __init__(self, cfg: "MooncakeURL") -> None:
-        self.cfg = cfg
-        self.lock = threading.Lock()  # guards thread, store, rc, deadline
-        self.thread: threading.Thread | None = None
-        self.done = threading.Event()
-        self.store = None
-        self.rc: int | None = None
-        self.deadline = 0.0
-
-    def start(self, wait_s: float) -> None:
-        """Begin a setup unless one is under way or done."""
-        with self.lock:
-            if self.thread is not None or self.store is not None:
-                return
-            self.done.clear()
-            self.deadline = time.monotonic() + wait_s
-            self.thread = threading.Thread(target=self._setup, name="kvtier-mooncake-setup", daemon=True)
-            self.thread.start()
-
-    @property
-    def connecting(self) -> bool:
-        return self.thread is not None
-
-    def wait(self):
-        """The client once set up (waiting until the deadline of the attempt under way), else None."""
-        self.done.wait(max(0.0, self.deadline - time.monotonic()))
-        return self.store
-
-    def _setup(self) -> None:
-        from mooncake.store import MooncakeDistributedStore
-
-        c = self.cfg
-        host = c.local_hostname or _route_address(c.host, c.rpc_port)
-        store = MooncakeDistributedStore()
-        rc = store.setup(host, c.metadata, c.segment_bytes, c.buffer_bytes, c.protocol, "", c.master)
-        # the client's glog puts its own SIGBUS handler in place of L3's read guard: put it back
-        from . import recread
-
-        recread.load()
-        with self.lock:
-            self.rc, self.thread = rc, None
-            if rc == 0:
-                self.store = store
-        self.done.set()
-
-
-_clients: dict[tuple, _SharedClient] = {}
-_clients_lock = threading.Lock()
-
-
-def _shared_client(cfg: "MooncakeURL") -> _SharedClient:
-    key = (cfg.master, cfg.metadata, cfg.segment_bytes, cfg.buffer_bytes, cfg.protocol, cfg.local_hostname)
-    with _clients_lock:
-        if key not in _clients:
-            _clients[key] = _SharedClient(cfg)
-        return _clients[key]
-
-
-@atexit.register
-def _close_clients() -> None:
-    with _clients_lock:
-        stores = [c.store for c in _clients.values() if c.store is not None]
-        _clients.clear()
-    for store in stores:
-        store.close()
-
-
-def _bad_url(url: object, why: str) -> ValueError:
-    return ValueError(f"remote_url must look like {_URL_FORM}; {why}: {url!r}")
-
-
-def _parse_size(url: str, name: str, text: str) -> int:
-    m = _SIZE.fullmatch(text.strip())
-    if not m:
-        raise _bad_url(url, f"{name} must be a byte count (digits, optionally KiB/MiB/GiB), got {text!r}")
-    return int(m.group(1)) * _UNITS[m.group(2)]
-
-
-class MooncakeURL:
-    """A parsed, checked ``mooncake://`` URL (see the module docstring)."""
-
-    def __init__(self, url: object) -> None:
-        if not isinstance(url, str) or not url:
-            raise _bad_url(url, "got a non-str or empty value")
-        try:
-            u = urlsplit(url)
-            port = u.port
-        except ValueError as e:
-            raise _bad_url(url, f"unparsable ({e})") from None
-        if u.scheme != "mooncake":
-            raise _bad_url(url, f"unsupported scheme {u.scheme!r}")
-        if not u.hostname or port is None or not 0 < port < 65536:
-            raise _bad_url(url, "HOST and RPC_PORT (1..65535) of the master are required")
-        if u.path not in ("", "/") or u.username or u.password or u.fragment:
-            raise _bad_url(url, "no path, user or fragment is allowed")
-        try:
-            pairs = parse_qsl(u.query, keep_blank_values=True, strict_parsing=bool(u.query))
-        except ValueError as e:
-            raise _bad_url(url, f"bad query ({e})") from None
-        q: dict[str, str] = {}
-        for k, v in pairs:
-            if k not in _PARAMS:
-                raise _bad_url(url, f"unknown parameter {k!r} (allowed: {', '.join(_PARAMS)})")
-            if k in q:
-                raise _bad_url(url, f"parameter {k!r} given twice")
-            q[k] = v
-        self.url = url
-        self.host, self.rpc_port = u.hostname, port
-        self.master = f"{u.hostname}:{port}" if ":" not in u.hostname else f"[{u.hostname}]:{port}"
-        if "metadata" not in q:
-            raise _bad_url(url, "metadata=http://HOST:PORT/metadata (the metadata server) is required")
-        self.metadata = self._http(url, "metadata", q["metadata"], need_path=True)
-        admin = q.get("admin", f"http://{self.master.rsplit(':', 1)[0]}:{DEFAULT_ADMIN_PORT}")
-        self.admin = self._http(url, "admin", admin, need_path=False).rstrip("/")
-        self.segment_bytes = _parse_size(url, "segment_bytes", q.get("segment_bytes", "0"))
-        if self.segment_bytes and self.segment_bytes < MIN_BUFFER_BYTES:
-            raise _bad_url(url, f"segment_bytes must be 0 or at least {MIN_BUFFER_BYTES} (16 MiB)")
-        self.buffer_bytes = _parse_size(url, "buffer_bytes", q.get("buffer_bytes", str(DEFAULT_BUFFER_BYTES)))
-        if self.buffer_bytes < MIN_BUFFER_BYTES:
-            raise _bad_url(url, f"buffer_bytes must be at least {MIN_BUFFER_BYTES} (16 MiB)")
-        self.protocol = q.get("protocol", "tcp")
-        if self.protocol not in _PROTOCOLS:
-            raise _bad_url(url, f"protocol must be one of {_PROTOCOLS}, got {self.protocol!r}")
-        self.local_hostname = q.get("local_hostname") or None
-        if self.local_hostname is not None and not re.fullmatch(r"[A-Za-z0-9.:\-_\[\]]+", self.local_hostname):
-            raise _bad_url(url, f"local_hostname must be a host name or address, got {self.local_hostname!r}")
-
-    @staticmethod
-    def _http(url: str, name: str, value: str, need_path: bool) -> str:
-        try:
-            v = urlsplit(value)
-            v.port  # noqa: B018 - raises on a bad port
-        except ValueError as e:
-            raise _bad_url(url, f"{name} is not a URL ({e})") from None
-        if v.scheme not in ("http", "https") or not v.hostname or (need_path and not v.path.strip("/")):
-            raise _bad_url(url, f"{name} must be an http(s)://HOST:PORT{'/PATH' if need_path else ''} URL, "
-                                f"got {value!r}")
-        return value
-
-
-def check_url(url: object) -> str:
-    """Validate a ``mooncake://`` URL; returns it unchanged. Raises ValueError naming ``remote_url``."""
-    MooncakeURL(url)
-    return url  # type: ignore[return-value]
-
-
-def _route_address(host: str, port: int) -> str:
-    """The local address this host reaches ``host`` from (no packet is sent: a UDP connect)."""
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((host, port))
-            return s.getsockname()[0]
-    except OSError:
-        return "127.0.0.1"
 
 
 class MooncakeTier(Reachable, Tier):
@@ -290,37 +112,28 @@ class MooncakeTier(Reachable, Tier):
             raise ImportError("MooncakeTier needs the Mooncake client: pip install 'kvtier[mooncake]' "
                               "(and the libibverbs1/librdmacm1 system packages, even for TCP)") from e
         del MooncakeDistributedStore  # loaded here so that a missing wheel fails at construction
-        self.key_prefix = key_prefix
         # probes back off to 8x the interval: a master that stays away costs ever fewer connects
-        self._reach = Reach(f"MooncakeTier {self.cfg.master}", log, retry_interval_s, 8.0, latency_window)
-        self._quota = capacity_bytes
+        self._start(f"MooncakeTier {self.cfg.master}", url, key_prefix, capacity_bytes, retry_interval_s, 8.0,
+                    latency_window, log)
         # Largest framed value: one half of the staging buffer (puts in one, gets in the other).
         self._half = self.cfg.buffer_bytes // 2
         self.max_value_bytes = self._half - HEADER_BYTES
 
         # Lock order: _put_lock or _get_lock (one staging half each), then _setup_lock (the staging
         # buffer's registration), then _lock (counters, state).
-        self._lock = threading.Lock()
         self._setup_lock = threading.Lock()
         self._put_lock = threading.Lock()
         self._get_lock = threading.Lock()
         self._store = None                     # the process's client, once set up, this tier's buffer registered
         self._staging: np.ndarray | None = None  # [put half | get half], registered with the client
-        self._stats = TierStats()
-        self._rejected = self._corrupt = 0
         self._slot = _FIRST_SLOT               # read slot per key: the largest frame seen so far
         self._used: int | None = None          # namespace bytes for quota decisions
         self._used_at = -1e9
         self._pending_used = 0                 # what _used becomes if a quota-checked batch lands whole
         self._pool: dict = {}
         self._pool_at = -1e9
-        self._closed = False
 
     # -- connection ------------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TierClosedError(f"MooncakeTier({self.url!r}) is closed")
 
     def _probe(self) -> bool:
         try:

@@ -11,8 +11,13 @@ import logging
 import threading
 import time
 from collections import deque
+from typing import Callable
+from urllib.parse import SplitResult, urlsplit
 
 import numpy as np
+
+from .base import TierStats
+from .errors import TierClosedError
 
 WARN_EVERY_S = 10.0
 
@@ -127,10 +132,41 @@ class Reach:
         return s
 
 
+def split_url(url: object, bad: Callable[[object, str], ValueError]) -> tuple[SplitResult, int | None]:
+    """``url`` split, and its port: a remote tier's URL before its own checks. ``bad(url, why)``
+    makes the ValueError for a non-str, empty or unparsable one."""
+    if not isinstance(url, str) or not url:
+        raise bad(url, "got a non-str or empty value")
+    try:
+        u = urlsplit(url)
+        return u, u.port
+    except ValueError as e:
+        raise bad(url, f"unparsable ({e})") from None
+
+
 class Reachable:
     """What a tier holding a :class:`Reach` in ``self._reach`` shows of it."""
 
     _reach: Reach
+
+    def _start(self, label: str, shown_url: str, key_prefix: str, capacity_bytes: int | None,
+               retry_interval_s: float, max_backoff: float, latency_window: int,
+               logger: logging.Logger) -> None:
+        """The state every L4 tier starts with, from arguments its constructor has checked:
+        the server's reach (warnings name it ``label``), the key prefix and quota, the counters
+        its ``_lock`` guards, and open. ``shown_url``: the URL as errors may show it."""
+        self.key_prefix = key_prefix
+        self._shown_url = shown_url
+        self._reach = Reach(label, logger, retry_interval_s, max_backoff, latency_window)
+        self._quota = capacity_bytes
+        self._lock = threading.Lock()
+        self._stats = TierStats()
+        self._rejected = self._corrupt = 0
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TierClosedError(f"{type(self).__name__}({self._shown_url!r}) is closed")
 
     @property
     def connected(self) -> bool:

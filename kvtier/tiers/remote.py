@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 import struct
-import threading
 import time
 from collections.abc import Iterable, Iterator
 from hashlib import sha1
@@ -42,9 +41,8 @@ import torch
 
 from kvtier._crc import crc32  # zlib's CRC-32, computed by ISA-L where installed
 
-from .base import BytesLike, Tier, TierStats, as_byte_view, check_key, out_view
-from .errors import TierClosedError
-from .reach import Reach, Reachable, check_seconds, check_window
+from .base import BytesLike, Tier, as_byte_view, check_key, out_view
+from .reach import Reachable, check_seconds, check_window, split_url
 
 log = logging.getLogger(__name__)
 
@@ -120,13 +118,7 @@ def _redact(url: object) -> object:
 
 def check_url(url: object) -> str:
     """Validate a server URL (see ``_URL_FORM``); returns it unchanged. Raises ValueError naming ``url``."""
-    if not isinstance(url, str) or not url:
-        raise _bad_url(url, "got a non-str or empty value")
-    try:
-        u = urlsplit(url)
-        port = u.port
-    except ValueError as e:
-        raise _bad_url(url, f"unparsable ({e})") from None
+    u, port = split_url(url, _bad_url)
     if u.scheme in ("redis", "rediss"):
         if not u.hostname:
             raise _bad_url(url, "no host")
@@ -228,11 +220,10 @@ class RemoteTier(Reachable, Tier):
         check_quota(capacity_bytes)
         check_window(latency_window)
 
-        self.key_prefix = key_prefix
         self.socket_timeout_s = socket_timeout_s
         # a fixed retry interval: each try costs at most socket_timeout_s
-        self._reach = Reach(f"RemoteTier {_redact(url)}", log, retry_interval_s, 1.0, latency_window)
-        self._quota = capacity_bytes
+        self._start(f"RemoteTier {_redact(url)}", _redact(self.url), key_prefix, capacity_bytes,
+                    retry_interval_s, 1.0, latency_window, log)
         self._prefix_b = key_prefix.encode("utf-8")
         self._used_key = self._prefix_b + b"\x00used"
         self._redis = redis
@@ -244,20 +235,11 @@ class RemoteTier(Reachable, Tier):
             health_check_interval=0)
         self._put_sha = sha1(_PUT_LUA.encode()).hexdigest()
         self._del_sha = sha1(_DEL_LUA.encode()).hexdigest()
-        self._lock = threading.Lock()
-        self._stats = TierStats()
-        self._rejected = 0
-        self._corrupt = 0
         self._last_used = 0
         self._server_info: dict = {}
         self._server_info_at = -1e9
-        self._closed = False
 
     # -- connection state ------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise TierClosedError(f"RemoteTier({_redact(self.url)!r}) is closed")
 
     def _round_trip(self, fn, fallback, n_keys: int = 1):
         """Run ``fn`` (one round trip) unless the server is known down; a failure returns ``fallback``."""

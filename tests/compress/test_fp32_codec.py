@@ -46,7 +46,7 @@ def test_a_float32_store_with_fp32_tiers_returns_every_evicted_block_exactly(tmp
     from kvtier.config import KVTierConfig
     from kvtier.store import KVStore
 
-    cfg = KVTierConfig(codec="fp32", block_tokens=16, hot_tokens=32, host_bytes=64 << 10,
+    cfg = KVTierConfig(codec="fp32", block_tokens=16, device_tokens=32, host_bytes=64 << 10,
                        disk_path=str(tmp_path / "l3"), disk_segment_bytes=1 << 20, disk_bytes=8 << 20)
     st = KVStore(cfg, num_layers=2, kv_heads=3, head_dim=64, dtype=torch.float32, device="cpu")
     try:

@@ -1,11 +1,9 @@
-"""Integer key codecs that keep their widest channels exactly (``outliers``), and the rotary
-embedding helpers of the pre-RoPE simulation: round trips, partial blocks, the record format,
-records of another count, bad input."""
+"""Integer key codecs that keep their widest channels exactly (``outliers``): round trips,
+partial blocks, the record format, records of another count, bad input."""
 import pytest
 import torch
 
 from kvtier.compress import get_codec, pack_record, unpack_record
-from kvtier.compress.rope import rotate
 
 
 def roped_keys(heads=3, tokens=64, dim=64, start=0, seed=0, dtype=torch.bfloat16):
@@ -16,7 +14,10 @@ def roped_keys(heads=3, tokens=64, dim=64, start=0, seed=0, dtype=torch.bfloat16
     mean[:, :, [1, 2, 33, 34]] *= 12  # large pairs in fast-rotating channels (i and i + 32 pair up)
     pre = mean + 0.3 * torch.randn(heads, tokens, dim, generator=g)
     inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
-    return rotate(pre, start, inv).to(dtype)
+    f = torch.arange(start, start + tokens).float()[:, None] * inv[None]  # transformers' rotate_half
+    cos, sin = f.cos(), f.sin()
+    lo, hi = pre[..., :dim // 2], pre[..., dim // 2:]
+    return torch.cat([lo * cos - hi * sin, hi * cos + lo * sin], -1).to(dtype)
 
 
 def rel_err(a, b):
@@ -99,20 +100,3 @@ def test_cuda_encode_matches_cpu():
     e, ec = c.encode(x), c.encode(x.cuda())
     assert torch.equal(e.parts["oidx"], ec.parts["oidx"].cpu()) and torch.equal(e.parts["oval"], ec.parts["oval"].cpu())
     assert torch.equal(c.decode(ec, device="cpu"), c.decode(e))
-
-
-def test_rotate_matches_transformers_and_inverts():
-    """The rotary helpers: transformers' rotate_half convention at any start position, partial
-    rotary dims passed through, the inverse undoing it."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    inv = 1.0 / (100000 ** (torch.arange(0, 64, 2).float() / 64))
-    x = torch.randn(3, 50, 64)
-    for start in (0, 7, 4096):
-        f = torch.arange(start, start + 50).float()[:, None] * inv[None]
-        emb = torch.cat([f, f], -1)
-        want, _ = apply_rotary_pos_emb(x[None], x[None], emb.cos()[None], emb.sin()[None])
-        assert torch.allclose(rotate(x, start, inv), want[0], atol=1e-5)
-        assert torch.allclose(rotate(rotate(x, start, inv), start, inv, inverse=True), x, atol=1e-5)
-    part = rotate(x, 3, inv[:8])  # 16 of 64 dims rotated
-    assert torch.equal(part[..., 16:], x[..., 16:]) and not torch.equal(part[..., :16], x[..., :16])

@@ -1,11 +1,11 @@
 """The embedded SmolLM2 model and tokenizer, once per session (single-threaded: see
-tests/integrations/conftest.py)."""
+tests/hf/conftest.py)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvtier.integrations.model import load_model, load_tokenizer
+from kvtier.models import load_model, load_tokenizer
 
 
 @pytest.fixture(scope="session")

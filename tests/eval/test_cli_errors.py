@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-import kvtier.integrations.model as model_mod
-from kvtier.cli import main
+import kvtier.models as model_mod
+from kvtier.commands.cli import main
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +64,7 @@ def test_short_text_before_model_loads(capsys, tmp_path):
 
 
 def test_model_names_and_paths():
-    from kvtier.integrations.model import MODELS, resolve_model
+    from kvtier.models import MODELS, resolve_model
 
     assert resolve_model(None) == (None, MODELS["smollm2-135m"])
     assert resolve_model("qwen2.5-coder-0.5b") == (None, MODELS["qwen2.5-coder-0.5b"])
@@ -73,7 +73,7 @@ def test_model_names_and_paths():
 
 
 def test_gguf_path_positions_read_before_the_model_loads(capsys, tmp_path):
-    from kvtier.integrations.model import find_gguf
+    from kvtier.models import find_gguf
 
     assert "8,192 positions" in _err(capsys, "--model", str(find_gguf()), "--contexts", "16384")
     bad = tmp_path / "bad.gguf"

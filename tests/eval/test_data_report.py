@@ -99,7 +99,7 @@ def test_config_file_errors(tmp_path):
 
 
 def test_cli_rejects_bad_options(capsys):
-    from kvtier.cli import main
+    from kvtier.commands.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["eval", "--contexts", "12"])

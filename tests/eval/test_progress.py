@@ -9,7 +9,7 @@ import pytest
 
 @pytest.mark.slow
 def test_progress_lines_when_stdout_is_not_a_terminal(tmp_path, capsys):
-    from kvtier.cli import main
+    from kvtier.commands.cli import main
     from kvtier.hardware import compute_dtype
 
     argv = ["eval", "--contexts", "256", "--continuation", "4", "--windows", "1", "--no-probe",

@@ -48,7 +48,7 @@ def test_split_sentences_keeps_every_character():
 
 @pytest.mark.slow  # RULER's niah.py builds its word list (~7M strings) on every run: ~15-60 s
 def test_generate_builds_rulers_prompt_and_answers(tokenizer, tmp_path):
-    from kvtier.integrations.model import model_dir
+    from kvtier.models import model_dir
 
     a = ruler.generate("niah_single_1", tokenizer, model_dir(), 512, 2, seed=42, cache_dir=tmp_path)
     b = ruler.generate("niah_single_1", tokenizer, model_dir(), 512, 2, seed=42, cache_dir=tmp_path)

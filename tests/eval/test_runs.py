@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvtier.eval.caches import CacheSpec, Run, prefill, snapkv_keep
-from kvtier.integrations.model import text_ids
+from kvtier.models import text_ids
 
 
 def _decode(model, cache, ids, start, after=lambda: None):
@@ -21,9 +21,9 @@ def _decode(model, cache, ids, start, after=lambda: None):
 
 
 @pytest.mark.parametrize("spec", [
-    CacheSpec("kv", "kvtier", {"codec": "int4", "attention": "sparse", "hot_tokens": 64, "block_tokens": 16,
+    CacheSpec("kv", "kvtier", {"codec": "int4", "attention": "sparse", "device_tokens": 64, "block_tokens": 16,
                                "host_bytes": 1 << 20, "policy": "lru", "write_through": False}),
-    CacheSpec("kvd", "kvtier", {"codec": "int4", "attention": "dense", "hot_tokens": 64, "block_tokens": 16,
+    CacheSpec("kvd", "kvtier", {"codec": "int4", "attention": "dense", "device_tokens": 64, "block_tokens": 16,
                                 "host_bytes": 1 << 20, "policy": "lru", "write_through": False}),
     CacheSpec("q", "quanto", {"nbits": 4}),
 ])
@@ -70,7 +70,7 @@ def test_snapkv_keeps_the_window_and_the_most_attended():
 
 @pytest.mark.slow
 def test_same_seed_same_accuracy(tmp_path):
-    from kvtier.cli import main
+    from kvtier.commands.cli import main
 
     argv = ["eval", "--contexts", "256", "--continuation", "6", "--windows", "2", "--no-probe",
             "--only", "quanto int4,kvtier int4 sparse L1=25%", "--threads", "1"]
@@ -112,7 +112,7 @@ def test_a_slow_swap_out_worker_does_not_change_the_figures(model_bf16, tokenize
 
     ids = text_ids(tokenizer, 120)[0]
     w = Window("text", ids[:96].clone(), ids[96:].clone())
-    spec = CacheSpec("kv", "kvtier", {"codec": "int2", "attention": "dense", "hot_tokens": 32, "block_tokens": 16,
+    spec = CacheSpec("kv", "kvtier", {"codec": "int2", "attention": "dense", "device_tokens": 32, "block_tokens": 16,
                                       "host_bytes": 1 << 20, "policy": "lru", "write_through": False})
     fast = run_all(model_bf16, [spec], w, tmp_path)[0]
     batch = Evictor._swap_out_batch

@@ -7,7 +7,7 @@ import torch
 
 from kvtier.config import KVTierConfig
 from kvtier.store import KVStore
-from kvtier.tiers.segfile import REC_HEADER_BYTES
+from kvtier.tiers.disk.segment import REC_HEADER_BYTES
 
 
 class Ref:
@@ -26,7 +26,7 @@ class Ref:
 
 def make_store(tmp_path=None, num_layers=2, kv_heads=2, head_dim=8, dtype=torch.float16, device="cpu",
                fingerprint="", **kw):
-    base = dict(block_tokens=4, hot_tokens=16, host_bytes=8192, codec="fp16", policy="lru",
+    base = dict(block_tokens=4, device_tokens=16, host_bytes=8192, codec="fp16", policy="lru",
                 max_sequences=4)
     if tmp_path is not None:
         base.update(disk_path=str(tmp_path / "l3"), disk_segment_bytes=1 << 16, disk_bytes=64 << 20)
@@ -101,9 +101,9 @@ def assert_reads_back(st: KVStore, refs: dict) -> None:
 
 def corrupt_l3_record(l3, key: str) -> None:
     """Flip one byte of the value of ``key``'s record in its L3 segment file."""
-    sid, off, _, _ = l3._index.lookup(key)
+    sid, off, _, _ = l3._catalog.records.lookup(key)
     at = off + REC_HEADER_BYTES + len(key.encode()) + 1
-    fd = os.open(l3._segs[sid].path, os.O_RDWR)
+    fd = os.open(l3._files.segs[sid].path, os.O_RDWR)
     try:
         os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 0x40]), at)
     finally:

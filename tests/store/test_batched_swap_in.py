@@ -9,7 +9,7 @@ from .conftest import check_invariants, corrupt_l3_record, make_store
 def _cold_store(tmp_path, **cfg):
     """A one-layer store whose older blocks have only their L3 copy (L2 spilled them), with the
     reference K of its tokens."""
-    st = make_store(tmp_path, num_layers=1, block_tokens=4, hot_tokens=12, budget_tokens=12, sink_tokens=0,
+    st = make_store(tmp_path, num_layers=1, block_tokens=4, device_tokens=12, budget_tokens=12, sink_tokens=0,
                     window_tokens=4, host_bytes=4096, attention="sparse", policy="sink-window", **cfg)
     s = st.add_sequence()
     k = torch.randn(2, 120, 8).half()
@@ -25,9 +25,9 @@ def _cold_store(tmp_path, **cfg):
 def test_batch_equals_block_by_block_reads(tmp_path):
     st, s, k, cold = _cold_store(tmp_path)
     recs = [e.rec for e in cold]
-    lone = [st.lower.read_copies([r], st.layout.device)[0] for r in recs]
+    lone = [st.offload.read_copies([r], st.layout.device)[0] for r in recs]
     hits = st.stats()["hits"]["l3"]
-    batch = st.lower.read_copies(recs, st.layout.device)
+    batch = st.offload.read_copies(recs, st.layout.device)
     assert st.stats()["hits"]["l3"] == hits + len(recs)
     for e, a, b in zip(cold, lone, batch):
         assert torch.equal(a, b)
@@ -38,9 +38,9 @@ def test_batch_equals_block_by_block_reads(tmp_path):
 def test_a_gather_reads_its_l3_blocks_in_one_batch(tmp_path):
     st, s, k, cold = _cold_store(tmp_path)
     calls = []
-    get_many = st.lower.l3.get_many
-    st.lower.l3.get_many = lambda keys: calls.append(list(keys)) or get_many(calls[-1])
-    st.lower.l3.get = None  # any block-by-block L3 read fails the test
+    get_many = st.offload.l3.get_many
+    st.offload.l3.get_many = lambda keys: calls.append(list(keys)) or get_many(calls[-1])
+    st.offload.l3.get = None  # any block-by-block L3 read fails the test
     K, V = st.gather(s, 0)
     assert torch.equal(K, k) and torch.equal(V, -k)
     assert len(calls) == 1 and sorted(calls[0]) == sorted(e.key for e in cold)
@@ -51,9 +51,9 @@ def test_a_gather_reads_its_l3_blocks_in_one_batch(tmp_path):
 def test_a_corrupt_record_is_a_miss_for_its_block_only(tmp_path):
     st, s, k, cold = _cold_store(tmp_path)
     bad = cold[len(cold) // 2]
-    corrupt_l3_record(st.lower.l3, bad.key)
+    corrupt_l3_record(st.offload.l3, bad.key)
     before = st.stats()
-    got = st.lower.read_copies([e.rec for e in cold], st.layout.device)
+    got = st.offload.read_copies([e.rec for e in cold], st.layout.device)
     after = st.stats()
     assert got[cold.index(bad)] is None  # never the damaged bytes as KV
     for e, d in zip(cold, got):
@@ -61,7 +61,7 @@ def test_a_corrupt_record_is_a_miss_for_its_block_only(tmp_path):
             assert torch.equal(d[0], k[:, e.idx * 4:(e.idx + 1) * 4])
     assert after["hits"]["l3"] - before["hits"]["l3"] == len(cold) - 1
     assert after["misses"]["l3"] - before["misses"]["l3"] == 1
-    assert bad.key in st.lower.l3.corrupt_keys
+    assert bad.key in st.offload.l3.corrupt_keys
     st.close()
 
 
@@ -70,7 +70,7 @@ def test_a_prefetch_batch_with_an_unreadable_block_fails_that_block_only(tmp_pat
     t = st.residency.tables[s][0]
     cold = cold[:8]
     bad = cold[3]
-    corrupt_l3_record(st.lower.l3, bad.key)
+    corrupt_l3_record(st.offload.l3, bad.key)
     assert not st.prefetcher._futures  # nothing was read yet: every future below is of this batch
     st.prefetcher.prefetch(t, [e.idx for e in cold], "temporal")
     futs = {e.key: st.prefetcher._futures[e.key] for e in cold}
@@ -85,7 +85,7 @@ def test_a_prefetch_batch_with_an_unreadable_block_fails_that_block_only(tmp_pat
 def _after_gather(tmp_path, codec: str, one_by_one: bool):
     torch.manual_seed(0)  # the same tokens in both stores
     st, s, k, cold = _cold_store(tmp_path, codec=codec)
-    io = st.lower.io
+    io = st.offload.io
     if one_by_one:  # each record decoded alone, each install choosing its own victim
         io.decode_stored_many = lambda items, device: [io.decode_stored(v, t, device) for v, t in items]
         st.residency.make_room = lambda *a: None
@@ -122,7 +122,7 @@ def test_blocks_kept_past_a_read_own_their_data(tmp_path):
     from kvtier.store.prefetch import Fetched
 
     st, s, k, cold = _cold_store(tmp_path)
-    batch = torch.stack([st.lower.read_copies([e.rec], st.layout.device)[0] for e in cold[:3]])
+    batch = torch.stack([st.offload.read_copies([e.rec], st.layout.device)[0] for e in cold[:3]])
     st.prefetcher.keep(cold[0], Fetched(batch.unbind(0)[0], 0))  # a view of a batched decode
     kept = st.prefetcher._kept[cold[0].key].data
     assert kept._base is None and torch.equal(kept, batch[0])

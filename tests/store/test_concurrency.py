@@ -39,7 +39,7 @@ def racing_steps(st, s: int, ref: Ref, rng: random.Random, steps: int = 300):
 
 @pytest.mark.timeout(60)
 def test_swap_out_racing_swap_in_of_the_same_block(tmp_path):
-    st = make_store(tmp_path, num_layers=1, block_tokens=4, hot_tokens=16, budget_tokens=16,
+    st = make_store(tmp_path, num_layers=1, block_tokens=4, device_tokens=16, budget_tokens=16,
                     sink_tokens=0, window_tokens=0, policy="lru", high_watermark=0.75, low_watermark=0.5,
                     host_bytes=4096, attention="sparse")
     slow_swap_out(st)
@@ -61,7 +61,7 @@ def test_swap_out_racing_swap_in_of_the_same_block(tmp_path):
 
 @pytest.mark.timeout(60)
 def test_eviction_during_prefetch(tmp_path):
-    st = make_store(tmp_path, num_layers=3, block_tokens=4, hot_tokens=16, budget_tokens=16,
+    st = make_store(tmp_path, num_layers=3, block_tokens=4, device_tokens=16, budget_tokens=16,
                     sink_tokens=4, window_tokens=4, policy="h2o", host_bytes=4096, attention="sparse",
                     prefetch=True, prefetch_blocks=8)
     slow_swap_out(st, 0.001)
@@ -91,7 +91,7 @@ def test_eviction_during_prefetch(tmp_path):
 @pytest.mark.timeout(90)
 def test_many_sequences_interleaved_from_threads(tmp_path):
     # L1 sized for 2 sequences: it grows (twice) while other threads append and read
-    st = make_store(tmp_path, num_layers=2, block_tokens=4, hot_tokens=12, budget_tokens=12, host_bytes=8192,
+    st = make_store(tmp_path, num_layers=2, block_tokens=4, device_tokens=12, budget_tokens=12, host_bytes=8192,
                     max_sequences=2, policy="sink-window", sink_tokens=0, window_tokens=4, prefetch=True,
                     attention="sparse")
 

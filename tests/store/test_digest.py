@@ -13,7 +13,7 @@ KVH, HD, BT = 2, 8, 4
 @pytest.mark.parametrize("score,width", [("centroid", HD), ("quest", 2 * HD)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_digest_bytes_are_counted_in_l1(score, width, dtype):
-    st = make_store(None, num_layers=2, block_tokens=BT, hot_tokens=64, budget_tokens=16, dtype=dtype,
+    st = make_store(None, num_layers=2, block_tokens=BT, device_tokens=64, budget_tokens=16, dtype=dtype,
                     attention="sparse", select_score=score, digest_tokens=BT, digest_dtype="kv", prefetch=False)
     s = st.add_sequence()
     st.append(s, 0, torch.randn(KVH, 37, HD).to(dtype), torch.randn(KVH, 37, HD).to(dtype))  # 9 sealed + 1
@@ -32,7 +32,7 @@ def test_digest_bytes_are_counted_in_l1(score, width, dtype):
 
 
 def test_centroid_digest_is_the_key_mean():
-    st = make_store(None, num_layers=1, block_tokens=BT, hot_tokens=64, budget_tokens=16, dtype=torch.float32,
+    st = make_store(None, num_layers=1, block_tokens=BT, device_tokens=64, budget_tokens=16, dtype=torch.float32,
                     attention="sparse", select_score="centroid", digest_tokens=BT, digest_dtype="kv", prefetch=False)
     s = st.add_sequence()
     k = torch.randn(KVH, 9, HD)
@@ -43,7 +43,7 @@ def test_centroid_digest_is_the_key_mean():
 
 
 def test_quest_digest_is_max_then_min():
-    st = make_store(None, num_layers=1, block_tokens=BT, hot_tokens=64, budget_tokens=16, dtype=torch.float16,
+    st = make_store(None, num_layers=1, block_tokens=BT, device_tokens=64, budget_tokens=16, dtype=torch.float16,
                     attention="sparse", select_score="quest", digest_dtype="kv", prefetch=False)
     s = st.add_sequence()
     k = torch.randn(KVH, 9, HD).half()
@@ -56,7 +56,7 @@ def test_quest_digest_is_max_then_min():
 
 
 def test_dense_mode_keeps_no_digests_and_select_names_attention():
-    st = make_store(None, num_layers=1, block_tokens=BT, hot_tokens=64, attention="dense")
+    st = make_store(None, num_layers=1, block_tokens=BT, device_tokens=64, attention="dense")
     s = st.add_sequence()
     st.append(s, 0, torch.randn(KVH, 40, HD).half(), torch.randn(KVH, 40, HD).half())
     assert st.residency.tables[s][0].digest is None
@@ -68,7 +68,7 @@ def test_dense_mode_keeps_no_digests_and_select_names_attention():
 
 
 def test_sub_block_centroids_are_the_sub_block_means_and_counted():
-    st = make_store(None, num_layers=1, block_tokens=BT, hot_tokens=64, budget_tokens=16, dtype=torch.float32,
+    st = make_store(None, num_layers=1, block_tokens=BT, device_tokens=64, budget_tokens=16, dtype=torch.float32,
                     attention="sparse", select_score="centroid", digest_tokens=2, digest_dtype="kv", prefetch=False)
     s = st.add_sequence()
     k = torch.randn(KVH, 9, HD)
@@ -93,7 +93,7 @@ def test_sub_block_centroids_find_one_matching_key_a_block_mean_hides():
     keys[0, target + 5, 0] = 6.0           # ... but one (in sub-block 1) matches it strongly
     picks = {}
     for dt in (bt, 4):
-        st = make_store(None, num_layers=1, kv_heads=kvh, head_dim=hd, block_tokens=bt, hot_tokens=6 * bt,
+        st = make_store(None, num_layers=1, kv_heads=kvh, head_dim=hd, block_tokens=bt, device_tokens=6 * bt,
                         budget_tokens=2 * bt, dtype=torch.float32, attention="sparse", select_score="centroid",
                         digest_tokens=dt, sink_tokens=0, window_tokens=0, prefetch=False)
         s = st.add_sequence()
@@ -110,7 +110,7 @@ def test_sub_block_centroids_find_one_matching_key_a_block_mean_hides():
 def test_bad_digest_tokens_name_the_field(kw, match):
     from kvtier.config import KVTierConfig
     with pytest.raises(ValueError, match=match):
-        KVTierConfig(block_tokens=BT, hot_tokens=64, attention="sparse", **kw)
+        KVTierConfig(block_tokens=BT, device_tokens=64, attention="sparse", **kw)
 
 
 def test_int8_rows_round_trip_within_half_a_step():
@@ -138,7 +138,7 @@ def test_int8_rows_round_trip_within_half_a_step():
 def test_int8_digest_is_the_quantized_summary_and_its_bytes_are_counted(score, parts, dtype):
     from kvtier.store.table import dequantize_rows
 
-    st = make_store(None, num_layers=1, block_tokens=BT, hot_tokens=64, budget_tokens=16, dtype=dtype,
+    st = make_store(None, num_layers=1, block_tokens=BT, device_tokens=64, budget_tokens=16, dtype=dtype,
                     attention="sparse", select_score=score, digest_tokens=BT // parts, digest_dtype="int8",
                     prefetch=False)
     s = st.add_sequence()
@@ -188,11 +188,11 @@ def test_int8_torch_scoring_reads_the_codes_in_place_and_selects_as_the_dequanti
     float32 range, 4x the codes' bytes, per layer), and it selects the blocks the dequantized
     digest selects."""
     bt, n = 8, 120
-    st = make_store(None, num_layers=1, block_tokens=bt, hot_tokens=128 * bt, host_bytes=1 << 22,
+    st = make_store(None, num_layers=1, block_tokens=bt, device_tokens=128 * bt, host_bytes=1 << 22,
                     budget_tokens=24 * bt, sink_tokens=bt, window_tokens=2 * bt, dtype=torch.float32,
                     attention="sparse", select_score=score, digest_tokens=bt // parts, digest_dtype="int8",
                     prefetch=False)
-    st.selector.cscore = False
+    st.selector.compiled = False
     g = torch.Generator().manual_seed(5)
     s = st.add_sequence()
     # blocks of very different magnitudes: each row's scale matters
@@ -223,7 +223,7 @@ def test_int8_digest_is_smaller_than_the_kv_dtype_one_at_twice_the_resolution():
     hd = 64
     sizes = {}
     for dd, dt in (("kv", 4), ("int8", 2)):
-        st = make_store(None, num_layers=1, head_dim=hd, block_tokens=16, hot_tokens=256, budget_tokens=64, host_bytes=1 << 20,
+        st = make_store(None, num_layers=1, head_dim=hd, block_tokens=16, device_tokens=256, budget_tokens=64, host_bytes=1 << 20,
                         dtype=torch.bfloat16, attention="sparse", digest_tokens=dt, digest_dtype=dd, prefetch=False)
         s = st.add_sequence()
         st.append(s, 0, torch.randn(KVH, 161, hd).bfloat16(), torch.randn(KVH, 161, hd).bfloat16())
@@ -234,7 +234,7 @@ def test_int8_digest_is_smaller_than_the_kv_dtype_one_at_twice_the_resolution():
 
 
 def test_fork_copies_int8_digests():
-    st = make_store(None, num_layers=1, block_tokens=BT, hot_tokens=64, budget_tokens=16, dtype=torch.float32,
+    st = make_store(None, num_layers=1, block_tokens=BT, device_tokens=64, budget_tokens=16, dtype=torch.float32,
                     attention="sparse", digest_dtype="int8", prefetch=False)
     s = st.add_sequence()
     k = torch.randn(KVH, 4 * BT + 1, HD)

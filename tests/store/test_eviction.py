@@ -10,7 +10,7 @@ def resident(st, s, layer=0):
 
 def test_watermarks_and_exact_victims_sink_window():
     # 8 blocks of L1; high = ceil(0.9*8) = 8, low = floor(0.5*8) = 4
-    st = make_store(None, num_layers=1, block_tokens=4, hot_tokens=32, sink_tokens=4, window_tokens=4,
+    st = make_store(None, num_layers=1, block_tokens=4, device_tokens=32, sink_tokens=4, window_tokens=4,
                     high_watermark=0.9, low_watermark=0.5, policy="sink-window", host_bytes=1 << 20)
     s = st.add_sequence()
     tok = torch.ones(2, 1, 8).half()
@@ -34,7 +34,7 @@ def test_watermarks_and_exact_victims_sink_window():
 
 def test_lru_store_order_follows_use():
     # 6 blocks of L1; high = 6, low = 3
-    st = make_store(None, num_layers=1, block_tokens=4, hot_tokens=24, high_watermark=1.0,
+    st = make_store(None, num_layers=1, block_tokens=4, device_tokens=24, high_watermark=1.0,
                     low_watermark=0.5, policy="lru", host_bytes=1 << 20, budget_tokens=24)
     s = st.add_sequence()
     st.append(s, 0, torch.randn(2, 17, 8).half(), torch.randn(2, 17, 8).half())  # sealed 0..3, open 4
@@ -52,7 +52,7 @@ def test_lru_store_order_follows_use():
 
 
 def test_h2o_keeps_blocks_with_most_mass():
-    st = make_store(None, num_layers=1, block_tokens=4, hot_tokens=32, sink_tokens=0, window_tokens=4,
+    st = make_store(None, num_layers=1, block_tokens=4, device_tokens=32, sink_tokens=0, window_tokens=4,
                     high_watermark=0.9, low_watermark=0.5, policy="h2o", host_bytes=1 << 20,
                     attention="sparse")
     s = st.add_sequence()
@@ -70,7 +70,7 @@ def test_h2o_keeps_blocks_with_most_mass():
 
 
 def test_snapkv_importance_frozen_after_observation_window():
-    st = make_store(None, num_layers=1, block_tokens=4, hot_tokens=32, sink_tokens=0, window_tokens=4,
+    st = make_store(None, num_layers=1, block_tokens=4, device_tokens=32, sink_tokens=0, window_tokens=4,
                     high_watermark=0.9, low_watermark=0.5, policy="snapkv", host_bytes=1 << 20,
                     snapkv_observe_steps=1)
     s = st.add_sequence()

@@ -55,7 +55,7 @@ def chunk(rng, dtype, sizes):
 def test_view_equals_copying_gather_across_changing_selections(tmp_path, policy, dtype):
     """Selections that mostly persist and sometimes churn, blocks evicted to L2/L3 and swapped
     back, blocks sealing under the open one, several sequences: every step equal to the reference."""
-    st = make_store(tmp_path, num_layers=2, block_tokens=4, hot_tokens=24, budget_tokens=24, host_bytes=4096,
+    st = make_store(tmp_path, num_layers=2, block_tokens=4, device_tokens=24, budget_tokens=24, host_bytes=4096,
                     policy=policy, attention="sparse", sink_tokens=4, window_tokens=4, dtype=dtype)
     rng = random.Random(7)
     ref = Ref()
@@ -106,7 +106,7 @@ def test_view_equals_copying_gather_across_changing_selections(tmp_path, policy,
 
 
 def test_steady_selection_moves_nothing_and_returns_the_same_views():
-    st, s, ref = filled(30, num_layers=1, block_tokens=4, hot_tokens=32, budget_tokens=32,
+    st, s, ref = filled(30, num_layers=1, block_tokens=4, device_tokens=32, budget_tokens=32,
                         attention="sparse", policy="lru", high_watermark=1.0, low_watermark=0.9)
     K1, _, _, order1 = st.gather_view(s, 0, [5, 1, 3])
     moved = st.counters["region_moves"]
@@ -127,7 +127,7 @@ def test_steady_selection_moves_nothing_and_returns_the_same_views():
 def test_open_block_moves_and_appends_follow_it():
     """When the run grows, the open block moves to its end; appends must then write the new slot."""
     # 4 sealed + open with 2
-    st, s, ref = filled(18, num_layers=1, block_tokens=4, hot_tokens=32, budget_tokens=32,
+    st, s, ref = filled(18, num_layers=1, block_tokens=4, device_tokens=32, budget_tokens=32,
                         attention="sparse", policy="lru", high_watermark=1.0, low_watermark=0.9)
     t = st.residency.tables[s][0]
     for sel in ([], [0, 1, 2], [2], [3, 0, 1, 2], [1]):
@@ -146,7 +146,7 @@ def test_open_block_moves_and_appends_follow_it():
 def test_full_region_without_free_position_swaps():
     """Every region position taken: a block entering the run trades places with one leaving it."""
     # 3 sealed + open: region full
-    st, s, ref = filled(14, num_layers=1, block_tokens=4, hot_tokens=16, budget_tokens=16,
+    st, s, ref = filled(14, num_layers=1, block_tokens=4, device_tokens=16, budget_tokens=16,
                         attention="sparse", policy="lru", high_watermark=1.0, low_watermark=0.9)
     t = st.residency.tables[s][0]
     assert t.resident == t.cap == 4
@@ -159,7 +159,7 @@ def test_full_region_without_free_position_swaps():
 
 
 def test_observe_gets_mass_in_the_view_order():
-    st = make_store(num_layers=1, block_tokens=4, hot_tokens=32, budget_tokens=32, attention="sparse",
+    st = make_store(num_layers=1, block_tokens=4, device_tokens=32, budget_tokens=32, attention="sparse",
                     policy="h2o", high_watermark=1.0, low_watermark=0.9)
     s = st.add_sequence()
     st.append(s, 0, torch.randn(2, 26, 8).half(), torch.randn(2, 26, 8).half())
@@ -177,7 +177,7 @@ def test_scratch_slot_falls_back_to_a_copy(tmp_path):
     """The region full of dirty blocks: a swapped-in block takes a scratch slot, so this step's
     K and V are copied; the content is the same."""
     # 5 sealed: one was evicted
-    st, s, ref = filled(22, tmp_path, num_layers=1, block_tokens=4, hot_tokens=16, budget_tokens=16,
+    st, s, ref = filled(22, tmp_path, num_layers=1, block_tokens=4, device_tokens=16, budget_tokens=16,
                         attention="sparse", policy="lru", high_watermark=1.0, low_watermark=0.9)
     st.flush()
     t = st.residency.tables[s][0]
@@ -195,7 +195,7 @@ def test_scratch_slot_falls_back_to_a_copy(tmp_path):
 def test_pending_block_is_never_moved_while_the_worker_reads_it(tmp_path):
     """The worker encodes a pending block from its slot without the lock: a step whose run would
     move a pending block copies instead, and every swap-out still writes the right bytes."""
-    st = make_store(tmp_path, num_layers=1, block_tokens=4, hot_tokens=24, budget_tokens=24,
+    st = make_store(tmp_path, num_layers=1, block_tokens=4, device_tokens=24, budget_tokens=24,
                     sink_tokens=0, window_tokens=0, policy="lru", high_watermark=0.7, low_watermark=0.4,
                     host_bytes=4096, attention="sparse")
     slow_swap_out(st, 0.003)
@@ -219,7 +219,7 @@ def test_pending_block_is_never_moved_while_the_worker_reads_it(tmp_path):
     rk, _ = ref.kv(s, 0)
     for e in t.entries[:-1]:
         if e.l2:
-            d = st.lower.load(e)
+            d = st.offload.load(e)
             assert torch.equal(d[0], rk[:, e.idx * 4:(e.idx + 1) * 4]), f"block {e.idx} written wrong"
     assert_gathers(st, ref, s, 0)
     st.close()
@@ -229,7 +229,7 @@ def test_pending_block_is_never_moved_while_the_worker_reads_it(tmp_path):
 def test_sequences_on_threads_with_views(tmp_path):
     """One thread per sequence appending and reading views while the worker and the prefetcher
     run: regions are per table, so no thread moves another's blocks."""
-    st = make_store(tmp_path, num_layers=2, block_tokens=4, hot_tokens=16, budget_tokens=16, host_bytes=8192,
+    st = make_store(tmp_path, num_layers=2, block_tokens=4, device_tokens=16, budget_tokens=16, host_bytes=8192,
                     max_sequences=4, policy="h2o", sink_tokens=4, window_tokens=4, prefetch=True,
                     attention="sparse")
     slow_swap_out(st, 0.001)
@@ -257,7 +257,7 @@ def test_sequences_on_threads_with_views(tmp_path):
 
 
 def test_regions_are_disjoint_and_reused_after_drop():
-    st = make_store(num_layers=3, block_tokens=4, hot_tokens=16, max_sequences=2, attention="sparse")
+    st = make_store(num_layers=3, block_tokens=4, device_tokens=16, max_sequences=2, attention="sparse")
     a, b = st.add_sequence(), st.add_sequence()
     bases = sorted(t.base for s in (a, b) for t in st.residency.tables[s])
     assert bases == [i * st.hot_blocks for i in range(6)]
@@ -275,7 +275,7 @@ def test_regions_are_disjoint_and_reused_after_drop():
 
 
 def test_gather_view_checks_its_input():
-    st = make_store(num_layers=1, block_tokens=4, hot_tokens=16, attention="sparse")
+    st = make_store(num_layers=1, block_tokens=4, device_tokens=16, attention="sparse")
     s = st.add_sequence()
     with pytest.raises(ValueError, match="empty"):
         st.gather_view(s, 0, [])
@@ -292,7 +292,7 @@ def test_gather_view_checks_its_input():
 def test_swapped_in_block_lands_inside_the_run(tmp_path):
     """A missing selected block is decoded straight into the run: the unselected block holding
     that position moves to a free place past the run (one copy), no second move of the new block."""
-    st, s, ref = filled(30, tmp_path, num_layers=1, block_tokens=4, hot_tokens=24, budget_tokens=24,
+    st, s, ref = filled(30, tmp_path, num_layers=1, block_tokens=4, device_tokens=24, budget_tokens=24,
                         attention="sparse", policy="lru")
     st.end_step()
     st.flush()
@@ -314,7 +314,7 @@ def test_block_freed_by_another_thread_during_a_swap_in(tmp_path, method):
     """Another thread's end_step evicts while this gather swaps a block in: the (clean) selected
     block already counted as a hit stays pinned in L1, so the install cannot take its region
     slot and the gather never returns the newcomer's data twice."""
-    st, s, ref = filled(30, tmp_path, num_layers=1, block_tokens=4, hot_tokens=24, budget_tokens=24,
+    st, s, ref = filled(30, tmp_path, num_layers=1, block_tokens=4, device_tokens=24, budget_tokens=24,
                         attention="sparse", policy="lru")
     st.end_step()
     st.flush()

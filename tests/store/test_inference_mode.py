@@ -6,7 +6,7 @@ from tests.store.conftest import make_store
 
 
 def test_append_outside_inference_mode_after_prefill_inside(tmp_path):
-    store = make_store(tmp_path, block_tokens=4, hot_tokens=16, attention="sparse")  # digests kept
+    store = make_store(tmp_path, block_tokens=4, device_tokens=16, attention="sparse")  # digests kept
     seq = store.add_sequence()
     k = torch.randn(2, 84, 8).half()
     with torch.inference_mode():
@@ -21,7 +21,7 @@ def test_append_outside_inference_mode_after_prefill_inside(tmp_path):
 def test_decode_into_open_block_opened_inside_inference_mode():
     """The open block's slot view is made when the block opens (here inside inference_mode);
     decode steps outside it write through that view."""
-    store = make_store(None, block_tokens=4, hot_tokens=16, host_bytes=1 << 20, attention="sparse")
+    store = make_store(None, block_tokens=4, device_tokens=16, host_bytes=1 << 20, attention="sparse")
     seq = store.add_sequence()
     k = torch.randn(2, 84, 8).half()
     with torch.inference_mode():

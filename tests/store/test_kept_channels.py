@@ -5,6 +5,7 @@ import torch
 
 from kvtier.compress import get_codec, pack_record, unpack_record
 from kvtier.compress.record import CorruptRecordError
+from kvtier.store.sizing import check_model
 from tests.compress.test_outliers import rel_err, roped_keys
 
 
@@ -67,8 +68,8 @@ def test_config_field_checked_and_used_for_int2_keys_only():
     assert KVTierConfig(codec="int2", int2_key_outliers=0).codec_kwargs("int2", "key") == \
         {"group_size": 32, "axis": "channel"}
     with pytest.raises(ValueError, match="int2_key_outliers must be <= head_dim"):
-        KVTierConfig(codec="int2", int2_key_outliers=16).check_model(2, 2, 8, torch.float16, machine=False)
-    KVTierConfig(codec="int4", int2_key_outliers=16).check_model(2, 2, 8, torch.float16, machine=False)  # no int2
+        check_model(KVTierConfig(codec="int2", int2_key_outliers=16), 2, 2, 8, torch.float16, machine=False)
+    check_model(KVTierConfig(codec="int4", int2_key_outliers=16), 2, 2, 8, torch.float16, machine=False)  # no int2
 
 
 def test_store_l3_records_reopen_and_decode(tmp_path):
@@ -81,7 +82,7 @@ def test_store_l3_records_reopen_and_decode(tmp_path):
     from kvtier.store.stats import Counters
     from kvtier.tiers import DiskTier
 
-    base = dict(block_tokens=64, hot_tokens=256, codec="int2", disk_path=str(tmp_path / "l3"))
+    base = dict(block_tokens=64, device_tokens=256, codec="int2", disk_path=str(tmp_path / "l3"))
     blocks = [torch.stack((roped_keys(start=64 * i, seed=i), torch.randn(3, 64, 64).to(torch.bfloat16)))
               for i in range(3)]  # [2, kv_heads, block_tokens, head_dim], blocks at positions 0, 64, 128
 

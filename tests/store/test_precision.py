@@ -7,6 +7,7 @@ from kvtier.compress import get_codec
 from kvtier.config import KVTierConfig
 from kvtier.store.blockrecord import pack_block, unpack_block
 from kvtier.store.precision import PrecisionPlan
+from kvtier.store.sizing import check_model
 
 from .conftest import make_store
 
@@ -15,7 +16,7 @@ BT, HD = 32, 32
 
 def _store(tmp_path, **kw):
     base = dict(num_layers=1, kv_heads=2, head_dim=HD, dtype=torch.float32, block_tokens=BT,
-                hot_tokens=10 * BT, high_watermark=0.9, low_watermark=0.2, host_bytes=1 << 20, codec="int4", policy="h2o", precision="importance",
+                device_tokens=10 * BT, high_watermark=0.9, low_watermark=0.2, host_bytes=1 << 20, codec="int4", policy="h2o", precision="importance",
                 heavy_fraction=0.25, cold_fraction=0.5, sink_tokens=0, window_tokens=BT)
     base.update(kw)
     return make_store(tmp_path, **base)
@@ -42,7 +43,7 @@ def _evicted(st):
 
 def _l2_codec(st, s, b):
     e = st.residency.tables[s][0].entries[b]
-    ek, _ = unpack_block(st.lower.l2.get(e.rec.key))
+    ek, _ = unpack_block(st.offload.l2.get(e.rec.key))
     return ek.codec
 
 
@@ -72,7 +73,7 @@ def test_codec_follows_mass_and_cold_blocks_get_backups(tmp_path):
     for b in cold:  # the backup is the base codec's record of the same block
         e = t.entries[b]
         assert e.l3 and e.l2
-        ek, _ = unpack_block(st.io.stage.unpack(st.lower.l3.get(e.rec.key)))
+        ek, _ = unpack_block(st.io.stage.unpack(st.offload.l3.get(e.rec.key)))
         assert ek.codec == "int4"
     st.check_invariants()
     # every block reads back as its own codec decodes it
@@ -265,15 +266,15 @@ def test_an_unreadable_backup_leaves_the_low_copy(tmp_path):
     s, k, _ = _fill(st, 8)
     cold = _cold_block(st, s)
     b = cold.idx
-    real_get = st.lower.l3.get
-    st.lower.l3.get = lambda key: None if key == cold.rec.key else real_get(key)  # a corrupt record reads as absent
+    real_get = st.offload.l3.get
+    st.offload.l3.get = lambda key: None if key == cold.rec.key else real_get(key)  # a corrupt record reads as absent
     st.observe(s, 0, list(range(8)), [10.0 if i == b else 0.1 for i in range(8)])
     K, _ = st.gather(s, 0)
     assert torch.equal(K[:, b * BT:(b + 1) * BT], _decoded("int2", k[:, b * BT:(b + 1) * BT]))
     pstats = st.stats()["precision"]
     assert pstats["upgrades"] == 0 and pstats["upgrades_failed"] == 1 and pstats["upgrade_bytes"] == 0
     assert cold.rec.l2 and cold.rec.l3 and not cold.rec.upgrade
-    st.lower.l3.get = real_get
+    st.offload.l3.get = real_get
     st.check_invariants()
     st.close()
 
@@ -354,7 +355,7 @@ def test_observe_queries_with_the_callers_keys_equals_its_own_gather():
 
 
 def _record_params(st, e):
-    ek, ev = unpack_block(st.lower.l2.get(e.rec.key))
+    ek, ev = unpack_block(st.offload.l2.get(e.rec.key))
     return ek.codec, ek.params.get("outliers", 0)
 
 
@@ -380,7 +381,7 @@ def test_a_cold_level_cheaper_than_fixed_int2_is_written_read_and_counted(tmp_pa
     # stats() counts the records as written: the 4 cold records less their kept channels
     # (2 heads x 8 channels of BT float32 values and a one-byte index, and those parts' headers)
     for store, table in ((st, t), (wide, tw)):
-        l2 = sum(len(store.lower.l2.get(e.rec.key)) for e in table.entries if e.l2)
+        l2 = sum(len(store.offload.l2.get(e.rec.key)) for e in table.entries if e.l2)
         assert store.stats()["bytes"]["l2"] == l2
     x = k[:, :BT]
     kept = len(pack_block(wide.io.by_name["int2"][0].encode(x), plain.encode(x))) \
@@ -391,7 +392,7 @@ def test_a_cold_level_cheaper_than_fixed_int2_is_written_read_and_counted(tmp_pa
     st.check_invariants()
     # records say how they were encoded: a store of another outlier count decodes them as written
     e = t.entries[1]
-    raw = st.lower.l2.get(e.rec.key)
+    raw = st.offload.l2.get(e.rec.key)
     ref = st.io.decode(raw, "l2", torch.device("cpu"))
     assert torch.equal(wide.io.decode(raw, "l2", torch.device("cpu")), ref)
     ek, ev = unpack_block(raw)
@@ -410,10 +411,10 @@ def test_cold_key_outliers_follow_only_the_cold_codec():
     # a fixed store ignores it (its int2 is the fixed one)
     assert KVTierConfig(codec="int2", cold_key_outliers=0).key_outliers("int2") == 8
     with pytest.raises(ValueError, match="cold_key_outliers must be <= head_dim"):
-        KVTierConfig(precision="importance", cold_key_outliers=20).check_model(1, 2, 16, torch.float16)
+        check_model(KVTierConfig(precision="importance", cold_key_outliers=20), 1, 2, 16, torch.float16)
     # the fixed int2's count no longer applies to a cold level that sets its own
-    KVTierConfig(precision="importance", int2_key_outliers=20, cold_key_outliers=4).check_model(
-        1, 2, 16, torch.float16, machine=False)
+    check_model(KVTierConfig(precision="importance", int2_key_outliers=20, cold_key_outliers=4),
+                1, 2, 16, torch.float16, machine=False)
 
 
 @pytest.mark.parametrize("kw", [

@@ -38,7 +38,7 @@ def test_config_checks_role_codecs():
 
 
 def _store(**kw):
-    return make_store(block_tokens=16, hot_tokens=64, head_dim=64, dtype=torch.bfloat16, host_bytes=1 << 20,
+    return make_store(block_tokens=16, device_tokens=64, head_dim=64, dtype=torch.bfloat16, host_bytes=1 << 20,
                       fingerprint="llama-x",
                       **{"codec": "int4", **kw})
 
@@ -94,7 +94,7 @@ def test_block_round_trip_per_role(transform):
 
 def test_store_moves_k4v2_blocks_through_l2_and_l3(tmp_path):
     """Blocks evicted from L1, spilled to L3 and gathered back: each role at its codec's error."""
-    s = make_store(tmp_path, block_tokens=16, hot_tokens=32, head_dim=64, dtype=torch.bfloat16,
+    s = make_store(tmp_path, block_tokens=16, device_tokens=32, head_dim=64, dtype=torch.bfloat16,
                    host_bytes=16 << 10, **K4V2, key_transform="hadamard")
     try:
         g = torch.Generator().manual_seed(2)

@@ -6,7 +6,7 @@ from .test_gather_view import check_view, filled
 
 
 def region_full_store(tmp_path, **cfg):
-    st, s, ref = filled(22, tmp_path, num_layers=1, block_tokens=4, hot_tokens=16, budget_tokens=16,
+    st, s, ref = filled(22, tmp_path, num_layers=1, block_tokens=4, device_tokens=16, budget_tokens=16,
                         attention="sparse", policy="lru", high_watermark=1.0, low_watermark=0.9, **cfg)
     st.flush()
     t = st.residency.tables[s][0]

@@ -17,7 +17,7 @@ def _fill(store, seq, blocks, bt):
 @pytest.mark.parametrize("score", ["centroid", "quest"])
 def test_block_aligned_with_query_is_chosen(tmp_path, score):
     bt = 4
-    store = make_store(tmp_path, block_tokens=bt, hot_tokens=8 * bt, budget_tokens=2 * bt, sink_tokens=0,
+    store = make_store(tmp_path, block_tokens=bt, device_tokens=8 * bt, budget_tokens=2 * bt, sink_tokens=0,
                        window_tokens=0, attention="sparse", select_score=score)
     seq = store.add_sequence()
     g = torch.Generator().manual_seed(0)
@@ -36,7 +36,7 @@ def test_centroid_is_not_fooled_by_one_outlier_token(tmp_path):
     bt = 8
     scores = {}
     for score in ("centroid", "quest"):
-        store = make_store(tmp_path / score, block_tokens=bt, hot_tokens=8 * bt, budget_tokens=2 * bt,
+        store = make_store(tmp_path / score, block_tokens=bt, device_tokens=8 * bt, budget_tokens=2 * bt,
                            sink_tokens=0, window_tokens=0, attention="sparse", select_score=score, digest_tokens=bt)
         seq = store.add_sequence()
         typical = torch.zeros(2, bt, HD).half()

@@ -21,7 +21,7 @@ FP = "test-model:sharing"
 
 
 def make(tmp_path=None, fingerprint=FP, **kw):
-    base = dict(block_tokens=BT, hot_tokens=4 * BT, host_bytes=1 << 20, codec="fp16", policy="lru",
+    base = dict(block_tokens=BT, device_tokens=4 * BT, host_bytes=1 << 20, codec="fp16", policy="lru",
                 max_sequences=4, prefetch=False)
     if tmp_path is not None:
         base.update(disk_path=str(tmp_path / "l3"), disk_segment_bytes=1 << 20, disk_bytes=256 << 20)
@@ -140,7 +140,7 @@ def test_without_token_ids_the_prefix_is_stored_twice(tmp_path):
 def test_dedup_without_disk_and_l1_only(tmp_path):
     """No L3: shared blocks are deduplicated in L2; a prefix still in another sequence's L1 is
     found and attached too."""
-    store = make(hot_tokens=2048)  # everything stays in L1
+    store = make(device_tokens=2048)  # everything stays in L1
     a = fill(store, PREFIX_IDS, PREFIX_KV)
     assert store.match_prefix(PREFIX_IDS + [7]) == PREFIX - BT  # the last full block is still open
     b = store.add_sequence()
@@ -158,7 +158,7 @@ def test_dedup_without_disk_and_l1_only(tmp_path):
 
 
 def test_tokens_noted_after_append_and_without_ids(tmp_path):
-    store = make(tmp_path, hot_tokens=16 * BT)
+    store = make(tmp_path, device_tokens=16 * BT)
     a = store.add_sequence()
     for layer, (k, v) in enumerate(PREFIX_KV):
         store.append(a, layer, k[:, :100], v[:, :100])
@@ -236,7 +236,7 @@ def run_child(tmp_path, cfg: dict, ids, fp=FP) -> dict:
 
 
 def base_cfg(**kw):
-    d = dict(block_tokens=BT, hot_tokens=4 * BT, host_bytes=1 << 20, codec="fp16", policy="lru",
+    d = dict(block_tokens=BT, device_tokens=4 * BT, host_bytes=1 << 20, codec="fp16", policy="lru",
              prefetch=False)
     d.update(kw)
     return d
@@ -256,7 +256,7 @@ def test_new_process_reuses_l3(tmp_path):
 
     # another model fingerprint or another codec never matches those blocks
     for fp, cfg in (("other-model", base_cfg(disk_path=disk)), (FP, base_cfg(disk_path=disk, codec="int8")),
-                    (FP, base_cfg(disk_path=disk, block_tokens=2 * BT, hot_tokens=8 * BT))):
+                    (FP, base_cfg(disk_path=disk, block_tokens=2 * BT, device_tokens=8 * BT))):
         res = run_child(tmp_path, cfg, PREFIX_IDS, fp=fp)
         assert res["match"] == 0 and res["attached"] == 0, (fp, cfg)
     # the mismatching stores did not wipe the content records either
@@ -296,7 +296,7 @@ def test_spill_partial_failure_accounting(tmp_path):
     """L3 full mid-batch: what landed is accounted in L3, the ring keeps every record (so they
     are in L2 too) and nothing is lost."""
     store = make(tmp_path, host_bytes=64 << 10, disk_segment_bytes=4096, disk_bytes=24 << 10,
-                 hot_tokens=2 * BT)
+                 device_tokens=2 * BT)
     ref_k = {layer: [] for layer in range(L)}
     seq = store.add_sequence()
     g = torch.Generator().manual_seed(3)
@@ -351,7 +351,7 @@ def test_two_processes_share_through_redis(tmp_path, redis_server):
 
 
 def test_redis_killed_mid_run_then_restarted(redis_server):
-    store = make(remote_url=redis_server.url, hot_tokens=4 * BT)
+    store = make(remote_url=redis_server.url, device_tokens=4 * BT)
     store.l4.retry_interval_s = 0.0
     a_kv = cat(PREFIX_KV, kv(9, 64))
     a = fill(store, PREFIX_IDS + tokens(9, 64), a_kv)
@@ -459,7 +459,7 @@ def test_a_held_record_that_fails_to_read_is_read_once_and_ends_the_prefix_there
     _, hashes = store.content.prefix_hashes(PREFIX_IDS)
 
     def only_in_l3(b):
-        rec = store.residency.record_of(store.content.key(1, hashes[b]))
+        rec = store.copies.record_of(store.content.key(1, hashes[b]))
         return rec.l3 and not rec.l2 and all(e.slot is None for e in rec.entries)
 
     b = next(b for b in range(4, len(hashes)) if only_in_l3(b))

@@ -33,7 +33,7 @@ class SharingMachine(RuleBasedStateMachine):
                 policy=st.sampled_from(["lru", "h2o"]))
     def setup(self, order, policy):
         self.dir = tempfile.mkdtemp(prefix="kvtier-share-sm-")
-        self.store = make_store(Path(self.dir), num_layers=LAYERS, kv_heads=KVH, head_dim=HD, hot_tokens=12,
+        self.store = make_store(Path(self.dir), num_layers=LAYERS, kv_heads=KVH, head_dim=HD, device_tokens=12,
                                 host_bytes=4096, order=order, policy=policy, max_sequences=3,
                                 fingerprint="sm-model")
         self.ids: dict[int, list[int]] = {}

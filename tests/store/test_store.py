@@ -14,7 +14,7 @@ def test_nothing_lost_fp16_tiny_tiers(tmp_path, rng, stage):
     """Thousands of randomly interleaved appends over several sequences and layers, with L1 and L2
     so small that blocks keep moving to L3: every token reads back bit-exact, wherever it lives
     (also with zstd on L2 records, spilled to L3 as they are)."""
-    st = make_store(tmp_path, num_layers=3, hot_tokens=8, host_bytes=4096, **stage)
+    st = make_store(tmp_path, num_layers=3, device_tokens=8, host_bytes=4096, **stage)
     ref = Ref()
     seqs = [st.add_sequence() for _ in range(3)]
     for it in range(3000):
@@ -45,7 +45,7 @@ def test_nothing_lost_fp16_tiny_tiers(tmp_path, rng, stage):
 
 
 def test_gather_blocks_order_positions_and_open_block(rng):
-    st = make_store(None, num_layers=1, hot_tokens=64, host_bytes=1 << 20)
+    st = make_store(None, num_layers=1, device_tokens=64, host_bytes=1 << 20)
     s = st.add_sequence()
     k = torch.randn(2, 30, 8).half()
     v = torch.randn(2, 30, 8).half()
@@ -74,7 +74,7 @@ def test_block_boundary_keeps_last_full_block_open():
 
 
 def test_select_sinks_window_and_topk():
-    st = make_store(None, num_layers=2, block_tokens=4, hot_tokens=24, budget_tokens=20,
+    st = make_store(None, num_layers=2, block_tokens=4, device_tokens=24, budget_tokens=20,
                     sink_tokens=4, window_tokens=4, attention="sparse", prefetch=False)
     s = st.add_sequence()
     k = torch.randn(2, 42, 8).half() * 0.01  # 10 sealed blocks + open block of 2
@@ -96,7 +96,7 @@ def test_select_sinks_window_and_topk():
 
 def test_sparse_miss_swaps_in_from_any_tier(tmp_path):
     """A block evicted long ago to L3 comes back when the query asks for it."""
-    st = make_store(tmp_path, num_layers=1, block_tokens=4, hot_tokens=12, budget_tokens=12,
+    st = make_store(tmp_path, num_layers=1, block_tokens=4, device_tokens=12, budget_tokens=12,
                     sink_tokens=0, window_tokens=4, host_bytes=4096, attention="sparse", policy="sink-window")
     s = st.add_sequence()
     k = torch.randn(2, 200, 8).half() * 0.01
@@ -137,7 +137,7 @@ def _workload(st: KVStore, seed: int, steps: int = 400):
 def test_orders_identical_with_lossless_codec(tmp_path):
     out = {}
     for order in ("compress-then-tier", "tier-then-compress"):
-        st = make_store(tmp_path / order, order=order, codec="fp16", hot_tokens=8, host_bytes=4096)
+        st = make_store(tmp_path / order, order=order, codec="fp16", device_tokens=8, host_bytes=4096)
         ref = _workload(st, seed=7)
         check_invariants(st)
         out[order] = {key: st.gather(*key) for key in ref.chunks}
@@ -173,7 +173,7 @@ def test_orders_expected_bytes_per_tier_with_lossy_codec(tmp_path, order, stage,
     from kvtier.store.blockrecord import pack_block
 
     bt, hd = 32, 32
-    st = make_store(tmp_path, num_layers=1, block_tokens=bt, head_dim=hd, hot_tokens=2 * bt,
+    st = make_store(tmp_path, num_layers=1, block_tokens=bt, head_dim=hd, device_tokens=2 * bt,
                     host_bytes=64 << 10, codec="int8", order=order, policy="sink-window",
                     sink_tokens=0, window_tokens=0, budget_tokens=bt, byte_stage=stage,
                     byte_stage_l2=stage_l2)
@@ -185,7 +185,7 @@ def test_orders_expected_bytes_per_tier_with_lossy_codec(tmp_path, order, stage,
         vc = get_codec(name, **st.cfg.codec_kwargs(name, "value"))
         return pack_block(kc.encode(k[:, b * bt:(b + 1) * bt]), vc.encode(v[:, b * bt:(b + 1) * bt])), kc, vc
 
-    bs = ByteStage(stage, st.cfg.lz4_min_saving)
+    bs = ByteStage(stage, st.cfg.byte_stage_min_saving)
     host = "int8" if order == "compress-then-tier" else "fp16"
     exp = {"l2": 0, "l3": 0}
     ents = st.residency.tables[s][0].entries
@@ -227,12 +227,12 @@ def test_bad_store_config(tmp_path):
     f.write_text("x")
     with pytest.raises(ValueError, match="disk_path"):
         make_store(None, disk_path=str(f / "sub"))
-    with pytest.raises(ValueError, match="hot_bytes"):
-        make_store(None, hot_bytes=100)
+    with pytest.raises(ValueError, match="device_bytes"):
+        make_store(None, device_bytes=100)
     # one sequence's L1: (2 layers x 4 hot blocks + 3 scratch slots) x 256-byte slots
-    st = make_store(None, max_sequences=1, hot_max_bytes=2816)
+    st = make_store(None, max_sequences=1, device_max_bytes=2816)
     st.add_sequence()
-    with pytest.raises(MemoryError, match=r"need 5,632 bytes .*hot_max_bytes=2,816"):
+    with pytest.raises(MemoryError, match=r"need 5,632 bytes .*device_max_bytes=2,816"):
         st.add_sequence()
     with pytest.raises(ValueError, match="layer"):
         st.seq_len(0, 5)
@@ -240,7 +240,7 @@ def test_bad_store_config(tmp_path):
 
 
 def test_no_l3_and_full_l2_is_reported(rng):
-    st = make_store(None, num_layers=1, hot_tokens=8, host_bytes=4096)
+    st = make_store(None, num_layers=1, device_tokens=8, host_bytes=4096)
     s = st.add_sequence()
     with pytest.raises(RuntimeError, match="host_bytes"):
         for _ in range(2000):
@@ -251,7 +251,7 @@ def test_no_l3_and_full_l2_is_reported(rng):
 
 
 def test_drop_sequence_frees_every_tier(tmp_path, rng):
-    st = make_store(tmp_path, num_layers=2, hot_tokens=8, host_bytes=4096)
+    st = make_store(tmp_path, num_layers=2, device_tokens=8, host_bytes=4096)
     a, b = st.add_sequence(), st.add_sequence()
     ref = Ref()
     for _ in range(600):
@@ -270,7 +270,7 @@ def test_drop_sequence_frees_every_tier(tmp_path, rng):
 
 def test_hot_bytes_sizes_the_pool():
     slot = 2 * 2 * 4 * 8 * 2  # [2, kv_heads, block_tokens, head_dim] fp16
-    st = make_store(None, num_layers=2, hot_tokens=None, hot_bytes=3 * slot * 2 * 4, max_sequences=4)
+    st = make_store(None, num_layers=2, device_tokens=None, device_bytes=3 * slot * 2 * 4, max_sequences=4)
     assert st.hot_blocks == 3 and st.budget_tokens == 12
     st.close()
 
@@ -280,7 +280,7 @@ def test_hot_bytes_sizes_the_pool():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_nothing_lost_on_cuda(tmp_path, rng):
     """Side-stream swap-out, device decode on swap-in, prefetch: bit-exact with fp16."""
-    st = make_store(tmp_path, num_layers=2, hot_tokens=8, host_bytes=4096, device="cuda",
+    st = make_store(tmp_path, num_layers=2, device_tokens=8, host_bytes=4096, device="cuda",
                     attention="sparse", budget_tokens=8, sink_tokens=0, window_tokens=0)
     ref = Ref()
     s = st.add_sequence()
@@ -305,7 +305,7 @@ def test_nothing_lost_on_cuda(tmp_path, rng):
 
 def test_wrong_prefetches_are_throttled(tmp_path):
     """A predictor whose prefetches go unused is cut down to probes; used ones are not."""
-    st = make_store(tmp_path, num_layers=1, hot_tokens=8, host_bytes=1 << 20, prefetch_blocks=4,
+    st = make_store(tmp_path, num_layers=1, device_tokens=8, host_bytes=1 << 20, prefetch_blocks=4,
                     attention="sparse", budget_tokens=8, sink_tokens=0, window_tokens=0, prefetch=True)
     s = st.add_sequence()
     st.append(s, 0, torch.randn(2, 400, 8).half(), torch.randn(2, 400, 8).half())
@@ -338,7 +338,7 @@ def test_export_blocks_reuses_stored_records(tmp_path, stage):
     from kvtier.store.blockrecord import pack_block, unpack_block
 
     bt, hd = 16, 32
-    st = make_store(tmp_path, num_layers=1, block_tokens=bt, head_dim=hd, hot_tokens=4 * bt,
+    st = make_store(tmp_path, num_layers=1, block_tokens=bt, head_dim=hd, device_tokens=4 * bt,
                     host_bytes=16 << 10, codec="int4", policy="lru", **stage)
     s, k, v = _one_sequence(st, 20 * bt + 5, hd)
     kc = get_codec("int4", group_size=32, axis="channel")
@@ -408,7 +408,7 @@ def test_append_refuses_bad_layers_and_non_float_tensors_and_stores_nothing():
 def test_non_finite_kv_is_refused_at_append_and_leaves_the_sequence_usable(codec):
     # found by the codec only when the block is evicted, on the swap-out worker, a NaN used to
     # fail a later, unrelated call and leave the sequence's table half-appended
-    st = make_store(None, num_layers=1, hot_tokens=8, host_bytes=1 << 20, codec=codec)
+    st = make_store(None, num_layers=1, device_tokens=8, host_bytes=1 << 20, codec=codec)
     s = st.add_sequence()
     good = torch.randn(2, 10, 8).half()
     st.append(s, 0, good, good)

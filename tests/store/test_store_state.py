@@ -23,7 +23,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.dir = tempfile.mkdtemp(prefix="kvtier-sm-")
         from pathlib import Path
 
-        self.store = make_store(Path(self.dir), num_layers=LAYERS, hot_tokens=12, budget_tokens=12,
+        self.store = make_store(Path(self.dir), num_layers=LAYERS, device_tokens=12, budget_tokens=12,
                                 sink_tokens=4, window_tokens=0, host_bytes=4096, policy=policy, order=order,
                                 attention="sparse", prefetch=prefetch, max_sequences=3)
         self.ref: dict[int, list[list[torch.Tensor]]] = {}

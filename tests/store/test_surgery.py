@@ -87,13 +87,13 @@ def test_fork_shares_sealed_blocks_and_copies_on_write(tmp_path):
 
 def test_add_sequences_is_all_or_none(tmp_path):
     # L1 may hold 3 sequences (2816 bytes each: see test_store.test_bad_store_config), 2 at first
-    st = make_store(tmp_path, max_sequences=2, hot_max_bytes=3 * 2816)
+    st = make_store(tmp_path, max_sequences=2, device_max_bytes=3 * 2816)
     try:
         st.add_sequences(2)
-        with pytest.raises(MemoryError, match="hot_max_bytes"):
+        with pytest.raises(MemoryError, match="device_max_bytes"):
             st.add_sequences(2)
         assert len(st.sequences()) == 2
-        with pytest.raises(MemoryError, match="hot_max_bytes"):
+        with pytest.raises(MemoryError, match="device_max_bytes"):
             st.fork_sequence(st.sequences()[0]) and st.fork_sequence(st.sequences()[0])
         assert len(st.sequences()) == 3
         with pytest.raises(ValueError, match="length"):

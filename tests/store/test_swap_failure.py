@@ -52,7 +52,7 @@ def _failing_l2_put(st, monkeypatch, bad_key):
 
 @pytest.mark.parametrize("where", ["codec", "l2_put"])
 def test_failed_swap_out_keeps_the_block_in_l1_and_tells_only_its_sequence_once(monkeypatch, where):
-    st = make_store(None, num_layers=1, hot_tokens=32, host_bytes=1 << 20, codec="fp16",
+    st = make_store(None, num_layers=1, device_tokens=32, host_bytes=1 << 20, codec="fp16",
                     high_watermark=0.5, low_watermark=0.25)
     g = torch.Generator().manual_seed(0)
     ref, a, b = Ref(), st.add_sequence(), st.add_sequence()
@@ -105,7 +105,7 @@ def test_nan_kv_past_the_append_check_fails_its_swap_out_cleanly(device):
     # on CUDA append does not check finiteness (a host sync per layer and step): the int8
     # codec's check on the worker (side stream) is then what finds NaN; on CPU appended past
     # append's check
-    st = make_store(None, num_layers=1, hot_tokens=32, host_bytes=1 << 20, codec="int8",
+    st = make_store(None, num_layers=1, device_tokens=32, host_bytes=1 << 20, codec="int8",
                     high_watermark=0.5, low_watermark=0.25, device=device)
     g = torch.Generator().manual_seed(1)
     a, b = st.add_sequence(), st.add_sequence()
@@ -136,7 +136,7 @@ def test_nan_kv_past_the_append_check_fails_its_swap_out_cleanly(device):
 
 
 def test_every_block_of_a_region_held_is_a_clear_error_and_the_append_is_undone(monkeypatch):
-    st = make_store(None, num_layers=1, hot_tokens=8, host_bytes=1 << 20, codec="fp16")
+    st = make_store(None, num_layers=1, device_tokens=8, host_bytes=1 << 20, codec="fp16")
     _failing_encode(st, monkeypatch)
     g = torch.Generator().manual_seed(2)
     ref, a = Ref(), st.add_sequence()
@@ -165,7 +165,7 @@ def test_every_block_of_a_region_held_is_a_clear_error_and_the_append_is_undone(
 def test_append_that_finds_no_room_part_way_leaves_the_table_as_it_was(codec):
     # L2 holds a few blocks and there is no L3: a long append fills it and fails part-way,
     # after sealing and evicting the block that was open (stored lossy with int8)
-    st = make_store(None, num_layers=1, hot_tokens=8, host_bytes=4096, codec=codec)
+    st = make_store(None, num_layers=1, device_tokens=8, host_bytes=4096, codec=codec)
     g = torch.Generator().manual_seed(3)
     a = st.add_sequence()
     st.append(a, 0, *_chunk(6, g))  # block 1 open with 2 tokens
@@ -189,7 +189,7 @@ def test_append_that_finds_no_room_part_way_leaves_the_table_as_it_was(codec):
 
 
 def test_a_write_through_that_raises_is_counted_and_never_raised_into_another_call(tmp_path, monkeypatch):
-    st = make_store(tmp_path, num_layers=1, hot_tokens=32, host_bytes=1 << 20, codec="fp16",
+    st = make_store(tmp_path, num_layers=1, device_tokens=32, host_bytes=1 << 20, codec="fp16",
                     fingerprint="test-model:write-through")
     orig = st.io.encode_pair
 

@@ -21,7 +21,7 @@ def test_same_values_as_zlib(n):
 
 
 def test_crc32_held_equals_one_crc32_at_every_size_and_seed():
-    from kvtier.tiers.segfile import crc32_held
+    from kvtier.tiers.disk.segment import crc32_held
 
     for n in (0, 1, 4095, 4096, 4097, 8192, 12_345, 65_536, 65_537, 200_000):
         data = os.urandom(n)
@@ -33,6 +33,6 @@ def test_crc32_held_equals_one_crc32_at_every_size_and_seed():
 def test_the_gil_holding_isal_call_is_used_where_isal_is():
     """With ISA-L, a bytes value is checked by one call of its C function that keeps the GIL
     (the values above cover it); the other implementations never take that path."""
-    from kvtier.tiers import segfile
+    from kvtier.tiers.disk import segment
 
-    assert (segfile._ISAL_HELD is not None) == (IMPLEMENTATION == "isal")
+    assert (segment._ISAL_HELD is not None) == (IMPLEMENTATION == "isal")

@@ -18,7 +18,7 @@ def test_a_large_l1_budget_costs_what_a_short_chat_writes():
 
     before = _rss()
     # SmolLM2's shape in float32, 4 sequences x 32k tokens: ~6 GiB of L1 budget
-    st = KVStore(KVTierConfig(hot_tokens=32768), num_layers=30, kv_heads=3, head_dim=64,
+    st = KVStore(KVTierConfig(device_tokens=32768), num_layers=30, kv_heads=3, head_dim=64,
                  dtype=torch.float32, device="cpu")
     try:
         assert st.l1.capacity_bytes > 5 << 30

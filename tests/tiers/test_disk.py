@@ -13,6 +13,7 @@ import pytest
 
 from kvtier.tiers import DirectoryLockedError, DiskFullError, DiskTier
 from kvtier.tiers import disk as disk_mod
+from kvtier.tiers.disk import files, reads
 
 from ._proc import run_in_child
 
@@ -29,17 +30,15 @@ def open_tier(path, **kw):
 def put_many_held_in_flush(t, monkeypatch, items):
     """A ``t.put_many(items)`` on a thread, stopped inside its flush (the fdatasync of
     durability="batch") for the body of the block; let go and joined at its end."""
-    from kvtier.tiers import compactor
-
     flushing, release = threading.Event(), threading.Event()
-    real = compactor.fdatasync
+    real = files.fdatasync
 
     def slow_fdatasync(fd):
         flushing.set()
         assert release.wait(20)
         real(fd)
 
-    monkeypatch.setattr(compactor, "fdatasync", slow_fdatasync)
+    monkeypatch.setattr(files, "fdatasync", slow_fdatasync)
     writer = threading.Thread(target=t.put_many, args=(items,))
     writer.start()
     assert flushing.wait(20)
@@ -234,11 +233,11 @@ def test_disk_full_mid_batch_keeps_earlier_records(tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, bufs, off)
 
-    monkeypatch.setattr(disk_mod.os, "pwritev", failing)
+    monkeypatch.setattr(os, "pwritev", failing)
     big = [(f"x{i}", os.urandom(3000)) for i in range(20)]  # needs several writes
     with pytest.raises(DiskFullError, match="disk full"):
         t.put_many(big)
-    monkeypatch.setattr(disk_mod.os, "pwritev", real)
+    monkeypatch.setattr(os, "pwritev", real)
     assert all(t.get(k) == v for k, v in early.items())
     written = {k for k, _ in big if t.contains(k)}
     assert all(t.get(k) == v for k, v in big if k in written)
@@ -315,12 +314,12 @@ def test_tombstones_dropped_once_nothing_older_needs_hiding(tmp_path):
 def test_sealed_segments_hold_no_file_descriptor(tmp_path):
     with open_tier(tmp_path / "d") as t:
         t.put_many([(f"k{i}", b"z" * 3000) for i in range(40)])
-        segs = list(t._segs.values())
+        segs = list(t._files.segs.values())
         assert len(segs) > 3
-        assert [s.fd >= 0 for s in segs].count(True) == 1 and t._head.fd >= 0
+        assert [s.fd >= 0 for s in segs].count(True) == 1 and t._files.head.fd >= 0
         assert all(t.get(f"k{i}") == b"z" * 3000 for i in range(40))  # read through the mappings
     with open_tier(tmp_path / "d") as t:
-        assert [s.fd >= 0 for s in t._segs.values()].count(True) <= 1
+        assert [s.fd >= 0 for s in t._files.segs.values()].count(True) <= 1
         assert len(t) == 40
 
 
@@ -358,38 +357,36 @@ def test_reads_keep_the_gil_for_their_size_probe_while_an_appender_runs(tmp_path
     GIL held (an os.lseek would hand the interpreter to the appender each time), reading the
     same size as os.lseek, and check CRCs so too (damage still caught); before and after it,
     and after a put_many that raised, none does. (The Python read path: the compiled one
-    makes no probe and keeps the GIL throughout, see recread.)"""
-    from kvtier.tiers import diskread
-
+    makes no probe and keeps the GIL throughout, see record_read.)"""
     for name in ("_READ", "_READ_RUN", "_READ_INTO", "_GET"):  # the Python read path
-        monkeypatch.setattr(diskread, name, None)
+        monkeypatch.setattr(reads, name, None)
     big, bad = os.urandom(8192), os.urandom(8192)  # CRCs that would let go of the GIL
     with open_tier(tmp_path / "d", durability="batch") as t:
         t.put_many([("old", b"1"), ("big", big), ("bad", bad)])
-        sid, off, _, _ = t._index["bad"]
-        with open(t._segs[sid].path, "r+b") as f:  # the mapping sees it at once
+        sid, off, _, _ = t._catalog.records["bad"]
+        with open(t._files.segs[sid].path, "r+b") as f:  # the mapping sees it at once
             f.seek(off + disk_mod.REC_HEADER_BYTES + 3 + 100)
             f.write(bytes([bad[100] ^ 1]))
         held = []
-        probe = diskread._file_end_held
-        monkeypatch.setattr(diskread, "_file_end_held", lambda fd: held.append(probe(fd)) or held[-1])
-        assert t.get("old") == b"1" and not held and not t._appenders
+        probe = reads._file_end_held
+        monkeypatch.setattr(reads, "_file_end_held", lambda fd: held.append(probe(fd)) or held[-1])
+        assert t.get("old") == b"1" and not held and not t._locks.appenders
         with put_many_held_in_flush(t, monkeypatch, [("new", b"2")]):
-            assert len(t._appenders) == 1
+            assert len(t._locks.appenders) == 1
             assert t.get("old") == b"1" and t.get_many(["new", "old", "big"]) == [b"2", b"1", big]
             assert t.get("big") == big and t.get("bad") is None and "bad" in t.corrupt_keys
-            fd = t._head.fd
-            assert held and held[-1] == os.lseek(fd, 0, os.SEEK_END) == diskread._file_end(fd)
-        assert not t._appenders
+            fd = t._files.head.fd
+            assert held and held[-1] == os.lseek(fd, 0, os.SEEK_END) == reads._file_end(fd)
+        assert not t._locks.appenders
         with pytest.raises(ValueError, match="value"):
             t.put_many([("k", b"x"), ("big", b"x" * SEG)])
-        assert not t._appenders
+        assert not t._locks.appenders
         n = len(held)
         assert t.get("old") == b"1" and len(held) == n
     r, w = os.pipe()
     os.close(r)
     os.close(w)
-    assert diskread._file_end_held(r) == 0 == diskread._file_end(r)  # a closed fd: nothing may be touched
+    assert reads._file_end_held(r) == 0 == reads._file_end(r)  # a closed fd: nothing may be touched
 
 
 def test_gets_are_served_while_a_put_many_writes_and_never_see_its_records_early(tmp_path, monkeypatch):
@@ -503,15 +500,13 @@ def test_concurrent_reads_see_whole_records_in_write_order_while_compaction_runs
 def test_mappings_of_sealed_segments_stay_bounded(tmp_path, monkeypatch):
     """Reads of more sealed segments than the tier keeps mapped close the oldest mapped and map
     it again on the next read of its: every read still right, the set bounded."""
-    from kvtier.tiers import diskread
-
-    monkeypatch.setattr(diskread, "_MAPPED_MAX", 32)  # (else set by this process's fd limit)
+    monkeypatch.setattr(files, "_MAPPED_MAX", 32)  # (else set by this process's fd limit)
     vals = {f"k{i}": bytes([i % 251]) * 3000 for i in range(32 + 20)}  # one a segment
     with DiskTier(tmp_path / "t", capacity_bytes=1 << 22, segment_bytes=4096) as t:
         assert all(t.put_many(vals.items()))
     with DiskTier(tmp_path / "t", capacity_bytes=1 << 22, segment_bytes=4096) as t:
-        assert t._max_maps == 32 and len(t._segs) > 32
+        assert t._files.max_maps == 32 and len(t._files.segs) > 32
         for _ in range(2):
             assert [t.get(k) for k in vals] == list(vals.values())
             assert t.get_many(list(vals)) == list(vals.values())
-            assert len(t._maps) == 32
+            assert len(t._files.maps) == 32

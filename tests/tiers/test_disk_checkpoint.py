@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from kvtier.tiers import DiskTier
-from kvtier.tiers import diskindex
+from kvtier.tiers.disk import index
 from kvtier.tiers.disk import REC_HEADER_BYTES
 
 SEG = 16 << 10
@@ -123,7 +123,7 @@ def test_segments_compacted_after_the_checkpoint(tmp_path):
 
 
 def _damage_index(path, how):
-    p = os.path.join(path, diskindex.INDEX_NAME)
+    p = os.path.join(path, index.INDEX_NAME)
     raw = bytearray(open(p, "rb").read())
     if how == "flip":
         raw[len(raw) // 2] ^= 0x10
@@ -141,7 +141,7 @@ def test_damaged_checkpoint_falls_back_to_a_full_scan(tmp_path, how):
         fill(t, 0, 40)
         t.delete("k7")
     if how == "empty":
-        open(os.path.join(d, diskindex.INDEX_NAME), "wb").close()
+        open(os.path.join(d, index.INDEX_NAME), "wb").close()
     else:
         _damage_index(d, how)
     with open_tier(d) as t:
@@ -154,7 +154,7 @@ def test_segment_changed_since_the_checkpoint_is_not_trusted(tmp_path):
     d = tmp_path / "d"
     with open_tier(d) as t:
         fill(t, 0, 40)
-        loc = t._index["k2"]
+        loc = t._catalog.records["k2"]
     seg = d / f"seg-{loc[0]:012d}.kvs"
     with open(seg, "r+b") as f:  # a bit flip in the value of a record the checkpoint indexes
         f.seek(loc[1] + REC_HEADER_BYTES + 2 + 5)
@@ -174,7 +174,7 @@ def test_unknown_segment_before_the_watermark_is_not_trusted(tmp_path):
         fill(t, 0, 40)
     with open_tier(d) as t:
         assert t.stats()["checkpoint_loaded"] == 1
-        first = min(t._segs)
+        first = min(t._files.segs)
     os.rename(d / f"seg-{first:012d}.kvs", d / "spare")
     with open_tier(d) as t:
         t.put("x", b"y")  # writes a checkpoint without that segment
@@ -188,7 +188,7 @@ def test_damage_after_the_checkpoint_is_caught_on_read(tmp_path):
     d = tmp_path / "d"
     with open_tier(d) as t:
         fill(t, 0, 40)
-        loc = t._index["k9"]
+        loc = t._catalog.records["k9"]
     with open_tier(d) as t:
         assert t.stats()["checkpoint_loaded"] == 1
         fd = os.open(d / f"seg-{loc[0]:012d}.kvs", os.O_RDWR)
@@ -203,7 +203,7 @@ def test_clear_removes_the_checkpoint_first(tmp_path):
         fill(t, 0, 40)
         t.checkpoint()
         t.clear()
-        assert not os.path.exists(d / diskindex.INDEX_NAME)
+        assert not os.path.exists(d / index.INDEX_NAME)
         t.put("new", b"1")
     with open_tier(d) as t:
         expect(t, {"new": b"1"})
@@ -245,16 +245,16 @@ def test_checkpoint_of_another_version_or_listing_a_key_twice_is_not_read(tmp_pa
     d = tmp_path / "d"
     with open_tier(d) as t:
         fill(t, 0, 40)
-    cp = diskindex.load(str(d))
+    cp = index.load(str(d))
     assert cp is not None and len(cp.index) == 40
     base = cp.index._base
-    twice = diskindex.IndexSnapshot({base.key(0): base.loc(0)}, base, bytes(base.alive))  # in both parts
-    diskindex.save(str(d), diskindex.Checkpoint(twice, {}, cp.segments, [], cp.next_id, cp.watermark))
-    assert diskindex.load(str(d)) is None
+    twice = index.IndexSnapshot({base.key(0): base.loc(0)}, base, bytes(base.alive))  # in both parts
+    index.save(str(d), index.Checkpoint(twice, {}, cp.segments, [], cp.next_id, cp.watermark))
+    assert index.load(str(d)) is None
     with open_tier(d) as t:  # a full scan instead, and a checkpoint of this version again
         assert t.stats()["checkpoint_loaded"] == 0
         expect(t, {f"k{i}": value(i) for i in range(40)})
-    p = d / diskindex.INDEX_NAME
+    p = d / index.INDEX_NAME
     raw = bytearray(p.read_bytes())
     raw[:8] = b"KVTIDX01"  # the format before this one
     p.write_bytes(bytes(raw))
@@ -279,22 +279,22 @@ def test_changes_made_while_a_checkpoint_is_written_are_kept(tmp_path, monkeypat
 
     with open_tier(d, **kw) as t:
         assert all(t.put_many(model.items()))
-    real_save, real_thaw = diskindex.save, diskindex.RecordIndex.thaw
+    real_save, real_thaw = index.save, index.RecordIndex.thaw
     with open_tier(d, **kw) as t:
         churn(t, model, rng, 300, 2300, 0.3, 0.65)  # some keys now in the dict, the rest still in the checkpoint's arrays
         frozen = []
 
         def save(path, cp):
-            assert t._index._frozen is cp.index.hot  # the index's own dict, not a copy
+            assert t._catalog.records._frozen is cp.index.hot  # the index's own dict, not a copy
             frozen.append(cp.index.hot)
             churn(t, model, rng, 300, 2300, 0.3, 0.65)
             return real_save(path, cp)
 
-        monkeypatch.setattr(diskindex, "save", save)
-        monkeypatch.setattr(diskindex.RecordIndex, "thaw", lambda self, snap, budget=0: real_thaw(self, snap, 7))
+        monkeypatch.setattr(index, "save", save)
+        monkeypatch.setattr(index.RecordIndex, "thaw", lambda self, snap, budget=0: real_thaw(self, snap, 7))
         t.checkpoint()
-        monkeypatch.setattr(diskindex, "save", real_save)
-        assert t._index._frozen is None and t._index._hot is frozen[0]
+        monkeypatch.setattr(index, "save", real_save)
+        assert t._catalog.records._frozen is None and t._catalog.records._hot is frozen[0]
         churn(t, model, rng, 300, 2300, 0.3, 0.65)
         assert all(t.get(k) == v for k, v in model.items())
         shutil.copytree(d, tmp_path / "copy")  # as the process would leave it if killed now
@@ -313,9 +313,9 @@ def test_record_index_frozen_and_thawed_in_slices_matches_a_dict(tmp_path):
 
     rng = random.Random(8)
     model = {f"key-{i}": (1, 64 + 64 * i, 64, 40) for i in range(400)}
-    diskindex.save(str(tmp_path), diskindex.Checkpoint(diskindex.IndexSnapshot(dict(model), None, b""), {}, [], [],
+    index.save(str(tmp_path), index.Checkpoint(index.IndexSnapshot(dict(model), None, b""), {}, [], [],
                                                         2, (1, 64)))
-    idx = diskindex.load(str(tmp_path)).index
+    idx = index.load(str(tmp_path)).index
     snap = None
     for step in range(6000):
         k = f"key-{rng.randrange(500)}"

@@ -7,7 +7,7 @@ import random
 import time
 
 from kvtier.tiers import DiskTier
-from kvtier.tiers.compactor import _STEP_BYTES, CompactJob
+from kvtier.tiers.disk.compaction import _STEP_BYTES, CompactJob
 
 SEG = 64 << 10
 
@@ -45,14 +45,14 @@ def test_a_step_reads_at_most_its_budget(tmp_path):
         t.put_many([(f"k{i}", b"x" * 20_000) for i in range(400)])  # about 2 segments
         t.put("tail", b"y" * 4_000_000)  # seals them
         t.delete_many([f"k{i}" for i in range(0, 400, 2)])
-        seg = min(t._segs.values(), key=lambda s: s.id)
-        from kvtier.tiers.compactor import CompactJob
+        seg = min(t._files.segs.values(), key=lambda s: s.id)
+        from kvtier.tiers.disk.compaction import CompactJob
 
         job = CompactJob(seg)
-        with t._lock:
+        with t._locks.tier:
             steps = 0
             while not job.sync_pending:
-                assert t._compact_step(job, _STEP_BYTES)
+                assert t._compaction.step(job, _STEP_BYTES)
                 steps += 1
         assert job.max_step_read <= _STEP_BYTES + 20_100 and steps >= (seg.used // _STEP_BYTES)
         assert all(t.get(f"k{i}") == b"x" * 20_000 for i in range(1, 400, 2))
@@ -105,24 +105,24 @@ def test_gets_and_puts_go_on_while_a_background_step_gathers(tmp_path, monkeypat
     """The half of a background step that reads and CRC-checks records holds no tier lock."""
     import threading
 
-    from kvtier.tiers.compactor import CompactJob
-    from kvtier.tiers.segfile import SEG_HEADER_BYTES
+    from kvtier.tiers.disk.compaction import CompactJob
+    from kvtier.tiers.disk.segment import SEG_HEADER_BYTES
 
     with DiskTier(tmp_path / "d", segment_bytes=SEG, capacity_bytes=64 * SEG, durability="never",
                   compact_threshold=0.0) as t:
         t.put_many([(f"k{i}", bytes([i]) * 3000) for i in range(60)])  # a few sealed segments
         t.delete_many([f"k{i}" for i in range(0, 60, 2)])
-        job = CompactJob(min(t._segs.values(), key=lambda s: s.id))
+        job = CompactJob(min(t._files.segs.values(), key=lambda s: s.id))
         inside, release = threading.Event(), threading.Event()
-        gather = t._gather
+        gather = t._compaction._gather
 
         def held_gather(*args, **kw):
             inside.set()
             assert release.wait(20)
             return gather(*args, **kw)
 
-        monkeypatch.setattr(t, "_gather", held_gather)
-        step = threading.Thread(target=t._compact_step, args=(job, _STEP_BYTES), kwargs={"locked": False})
+        monkeypatch.setattr(t._compaction, "_gather", held_gather)
+        step = threading.Thread(target=t._compaction.step, args=(job, _STEP_BYTES), kwargs={"locked": False})
         step.start()
         assert inside.wait(20)
         done = []
@@ -159,28 +159,28 @@ def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_p
     appends them in pieces with a pause between two."""
     import os
 
-    from kvtier.tiers import compactor, segscan
-    from kvtier.tiers.compactor import _MOVE_BYTES, _MOVE_RECORDS, _SLICE_RECORDS, _STEP_RECORDS, CompactJob
+    from kvtier.tiers.disk import compaction, segment_scan
+    from kvtier.tiers.disk.compaction import _MOVE_BYTES, _MOVE_RECORDS, _SLICE_RECORDS, _STEP_RECORDS, CompactJob
 
     with DiskTier(tmp_path / "d", segment_bytes=4 << 20, capacity_bytes=64 << 20, durability="never",
                   compact_threshold=0.0) as t:
         vals = _dead_segments(t)
-        seg = min(t._segs.values(), key=lambda s: s.id)
+        seg = min(t._files.segs.values(), key=lambda s: s.id)
         job = CompactJob(seg)
         preads, yields, real_pread = [], [], os.pread
         monkeypatch.setattr(os, "pread", lambda fd, n, off: preads.append(n) or real_pread(fd, n, off))
-        monkeypatch.setattr(compactor, "_yield_gil", lambda: yields.append(1))
+        monkeypatch.setattr(compaction, "_yield_gil", lambda: yields.append(1))
         hand_overs = []
-        monkeypatch.setattr(compactor, "_hand_over", lambda: hand_overs.append(1))
-        moves, real_move = [], t._move
+        monkeypatch.setattr(compaction, "_hand_over", lambda: hand_overs.append(1))
+        moves, real_move = [], t._compaction._move
 
         def move(job, cands, written):  # each piece of the append: at most _MOVE_BYTES, or one record
-            assert t._write_lock._is_owned() and not t._lock._is_owned()
+            assert t._locks.write._is_owned() and not t._locks.tier._is_owned()
             assert len(cands) == 1 or (sum(c[3] for c in cands) <= _MOVE_BYTES and len(cands) <= _MOVE_RECORDS)
             moves.append(len(cands))
             return real_move(job, cands, written)
 
-        monkeypatch.setattr(t, "_move", move)
+        monkeypatch.setattr(t._compaction, "_move", move)
 
         class Unmapped:  # a background step must not read the segment through its mapping
             def __getattr__(self, name):
@@ -189,15 +189,15 @@ def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_p
             def __getitem__(self, i):
                 raise AssertionError("mapping sliced")
 
-        with t._lock:
-            mm = t._map(seg)  # (a sealed segment is mapped while the tier's set keeps it)
+        with t._locks.tier:
+            mm = t._files.map(seg)  # (a sealed segment is mapped while the tier's set keeps it)
         seg.mm = Unmapped()
         steps = big_preads = 0
         try:
             while not job.sync_pending:
                 before_pos, before_yields, before_preads = job.pos, len(yields), len(preads)
                 before_moves, before_hand_overs = len(moves), len(hand_overs)
-                assert t._compact_step(job, _STEP_BYTES, locked=False)
+                assert t._compaction.step(job, _STEP_BYTES, locked=False)
                 steps += 1
                 span, *whole = preads[before_preads:]
                 assert span <= _STEP_BYTES and len(whole) <= 1
@@ -207,7 +207,7 @@ def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_p
                 big_preads += len(whole)
                 records = len(headers)
                 assert records <= _STEP_RECORDS
-                if segscan.available():  # parsed in C: offered only by the index look-ups
+                if segment_scan.available():  # parsed in C: offered only by the index look-ups
                     assert len(yields) - before_yields == records // _SLICE_RECORDS
                 else:  # and by the Python parse and CRC checks
                     assert len(yields) - before_yields >= records // _SLICE_RECORDS
@@ -216,15 +216,15 @@ def test_a_background_step_reads_with_pread_and_offers_the_gil_every_slice(tmp_p
         finally:
             seg.mm = mm
         assert steps >= seg.used // _STEP_BYTES and big_preads >= 1  # "big" was read whole
-        with t._lock:
-            gone = t._finish(job)
-        t._dispose(gone)
-        assert seg.id not in t._segs and not os.path.exists(seg.path)
+        with t._locks.tier:
+            gone = t._compaction.finish(job)
+        t._compaction.dispose(gone)
+        assert seg.id not in t._files.segs and not os.path.exists(seg.path)
         assert all(t.get(k) == v for k, v in vals.items())
 
 
 def _records_between(mm, a, b):
-    from kvtier.tiers.segfile import iter_headers
+    from kvtier.tiers.disk.segment import iter_headers
 
     return iter_headers(mm, a, b)
 
@@ -234,27 +234,27 @@ def test_background_steps_skip_damage_and_drop_corrupt_records(tmp_path):
     move every intact live record, resync after the damage, and never copy a corrupt one."""
     import os
 
-    from kvtier.tiers.compactor import CompactJob
-    from kvtier.tiers.segfile import REC_HEADER_BYTES
+    from kvtier.tiers.disk.compaction import CompactJob
+    from kvtier.tiers.disk.segment import REC_HEADER_BYTES
 
     with DiskTier(tmp_path / "d", segment_bytes=4 << 20, capacity_bytes=64 << 20, durability="never",
                   compact_threshold=0.0) as t:
         vals = _dead_segments(t, seed=9)
-        seg = min(t._segs.values(), key=lambda s: s.id)
-        here = sorted((loc[1], k) for k, loc in t._index.items() if loc[0] == seg.id)
+        seg = min(t._files.segs.values(), key=lambda s: s.id)
+        here = sorted((loc[1], k) for k, loc in t._catalog.records.items() if loc[0] == seg.id)
         bad_value, bad_header = here[len(here) // 3][1], here[2 * len(here) // 3][1]
         fd = os.open(seg.path, os.O_RDWR)
-        os.pwrite(fd, b"\xff", t._index[bad_value][1] + REC_HEADER_BYTES + len(bad_value) + 5)
-        os.pwrite(fd, b"\xff\xff", t._index[bad_header][1] + 10)  # inside the header CRC's span
+        os.pwrite(fd, b"\xff", t._catalog.records[bad_value][1] + REC_HEADER_BYTES + len(bad_value) + 5)
+        os.pwrite(fd, b"\xff\xff", t._catalog.records[bad_header][1] + 10)  # inside the header CRC's span
         os.close(fd)
         job = CompactJob(seg)
         while not job.sync_pending:
-            assert t._compact_step(job, _STEP_BYTES, locked=False)
+            assert t._compaction.step(job, _STEP_BYTES, locked=False)
         for k, v in vals.items():
             if k in (bad_value, bad_header):
                 assert t.get(k) is None
             else:
-                assert t._index[k][0] != seg.id and t.get(k) == v, k
+                assert t._catalog.records[k][0] != seg.id and t.get(k) == v, k
         assert bad_value in t.corrupt_keys
 
 
@@ -269,7 +269,7 @@ def test_background_compaction_keeps_to_its_share_of_the_time(tmp_path):
         t.delete_many([f"k{i}" for i in range(1500) if i % 4])
         for i in range(200):  # puts wake the worker meanwhile: no wake may skip a pause
             t.put(f"n{i}", b"v" * 100)
-        assert wait_for(lambda: t._job is None and not t._candidates())
+        assert wait_for(lambda: t._compaction.job is None and not t._compaction.candidates())
         wall = time.perf_counter() - t0
         s = t.stats()
         assert s["compactions"] >= 10
@@ -279,17 +279,17 @@ def test_background_compaction_keeps_to_its_share_of_the_time(tmp_path):
 def test_a_segment_truncated_under_a_background_step_is_left_alone(tmp_path):
     import os
 
-    from kvtier.tiers.compactor import CompactJob
+    from kvtier.tiers.disk.compaction import CompactJob
 
     with DiskTier(tmp_path / "d", segment_bytes=4 << 20, capacity_bytes=64 << 20, durability="never",
                   compact_threshold=0.0) as t:
         vals = _dead_segments(t, seed=11)
-        seg = min(t._segs.values(), key=lambda s: s.id)
+        seg = min(t._files.segs.values(), key=lambda s: s.id)
         os.truncate(seg.path, seg.used // 2)
         job = CompactJob(seg)
-        while t._compact_step(job, _STEP_BYTES, locked=False):
+        while t._compaction.step(job, _STEP_BYTES, locked=False):
             pass  # the steps before the cut copy what they read; the one reaching it stops
-        assert seg.id in t._stuck and seg.id in t._segs and not job.sync_pending
+        assert seg.id in t._compaction.stuck and seg.id in t._files.segs and not job.sync_pending
         for k, v in vals.items():
             got = t.get(k)
             assert got is None or got == v
@@ -299,8 +299,8 @@ def test_the_compactor_holds_the_tier_lock_for_one_piece_and_never_while_writing
     """Each hold of the tier lock by background compaction touches the index for at most one
     piece's records (_MOVE_RECORDS: a check, or a publish), and its copies are written with the
     tier lock free, so a get waits for no compaction I/O and a put for at most one piece."""
-    from kvtier.tiers.compactor import _MOVE_RECORDS
-    from kvtier.tiers.segfile import Segment
+    from kvtier.tiers.disk.compaction import _MOVE_RECORDS
+    from kvtier.tiers.disk.segment import Segment
 
     with DiskTier(tmp_path / "d", segment_bytes=1 << 20, capacity_bytes=64 << 20, durability="never",
                   compact_threshold=0.0) as t:
@@ -310,7 +310,7 @@ def test_the_compactor_holds_the_tier_lock_for_one_piece_and_never_while_writing
         t.delete_many([k for i, k in enumerate(vals) if i % 4])  # tombstones: records to move too
         t.put("tail", b"t" * 1_000_000)  # seals the tombstones' segment
         vals = {k: v for i, (k, v) in enumerate(vals.items()) if i % 4 == 0}
-        lock, index = t._lock, t._index
+        lock, index = t._locks.tier, t._catalog.records
         holds, depth, ops, copied = [], [0], [0], [0]
 
         class CountedLock:  # the tier lock, counting the index operations made while held
@@ -346,20 +346,20 @@ def test_the_compactor_holds_the_tier_lock_for_one_piece_and_never_while_writing
         write = Segment.write
 
         def checked_write(seg, off, iov):
-            if t._compacting:
+            if t._appender.compacting:
                 assert not lock._is_owned(), "a compaction copy written under the tier lock"
                 copied[0] += len(iov)
             return write(seg, off, iov)
 
         monkeypatch.setattr(Segment, "write", checked_write)
-        t._lock, t._index = CountedLock(), CountedIndex()
+        t._locks.tier, t._catalog.records = CountedLock(), CountedIndex()
         try:
-            for seg in sorted((s for s in t._segs.values() if s is not t._head), key=lambda s: s.id):
-                t._job = CompactJob(seg)
-                while t._job is not None and t._background_step():
+            for seg in sorted((s for s in t._files.segs.values() if s is not t._files.head), key=lambda s: s.id):
+                t._compaction.job = CompactJob(seg)
+                while t._compaction.job is not None and t._compaction.background_step():
                     pass
         finally:
-            t._lock, t._index = lock, index
+            t._locks.tier, t._catalog.records = lock, index
         assert copied[0] > 10 * _MOVE_RECORDS  # many pieces were moved
         assert max(holds) <= 2 * _MOVE_RECORDS, max(holds)  # a publish: a look-up and a replace a record
         assert t.stats()["compactions"] >= 4
@@ -369,24 +369,24 @@ def test_the_compactor_holds_the_tier_lock_for_one_piece_and_never_while_writing
 def test_a_get_is_served_while_a_compaction_copy_is_being_written(tmp_path, monkeypatch):
     import threading
 
-    from kvtier.tiers.segfile import Segment
+    from kvtier.tiers.disk.segment import Segment
 
     with DiskTier(tmp_path / "d", segment_bytes=SEG, capacity_bytes=64 * SEG, durability="never",
                   compact_threshold=0.0) as t:
         t.put_many([(f"k{i}", bytes([i]) * 3000) for i in range(60)])
         t.delete_many([f"k{i}" for i in range(0, 60, 2)])
-        job = CompactJob(min(t._segs.values(), key=lambda s: s.id))
+        job = CompactJob(min(t._files.segs.values(), key=lambda s: s.id))
         inside, release = threading.Event(), threading.Event()
         write = Segment.write
 
         def held_write(seg, off, iov):
-            if t._compacting:
+            if t._appender.compacting:
                 inside.set()
                 assert release.wait(20)
             return write(seg, off, iov)
 
         monkeypatch.setattr(Segment, "write", held_write)
-        step = threading.Thread(target=t._compact_step, args=(job, _STEP_BYTES), kwargs={"locked": False})
+        step = threading.Thread(target=t._compaction.step, args=(job, _STEP_BYTES), kwargs={"locked": False})
         step.start()
         assert inside.wait(20)
         got = []

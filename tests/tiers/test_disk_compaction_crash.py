@@ -12,8 +12,8 @@ import signal
 import pytest
 
 from kvtier.tiers import DiskTier
-from kvtier.tiers.compactor import CompactJob
-from kvtier.tiers.segfile import Segment
+from kvtier.tiers.disk.compaction import CompactJob
+from kvtier.tiers.disk.segment import Segment
 
 _CTX = mp.get_context("fork")
 PHASES = ("torn_copy", "written", "published", "synced", "unlinked")
@@ -47,11 +47,11 @@ def _fill(path) -> tuple[set[str], set[str]]:
 def _compact_all(t: DiskTier) -> int:
     """Move every sealed segment but the first (the older records' data) by background steps."""
     n = 0
-    for seg in sorted((s for s in t._segs.values() if s is not t._head and s.id > 1), key=lambda s: s.id):
-        t._job = CompactJob(seg)
-        while t._job is not None and t._background_step():
+    for seg in sorted((s for s in t._files.segs.values() if s is not t._files.head and s.id > 1), key=lambda s: s.id):
+        t._compaction.job = CompactJob(seg)
+        while t._compaction.job is not None and t._compaction.background_step():
             pass
-        n += seg.id not in t._segs
+        n += seg.id not in t._files.segs
     return n
 
 
@@ -65,10 +65,10 @@ def _kill_at(path, phase: str, nth: int) -> None:
         if seen[0] == nth:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    write, publish, move, finish, dispose = Segment.write, t._publish, t._move, t._finish, t._dispose
+    write, publish, move, finish, dispose = Segment.write, t._appender._publish, t._compaction._move, t._compaction.finish, t._compaction.dispose
 
     def torn_write(seg, off, iov):
-        if phase == "torn_copy" and t._compacting:
+        if phase == "torn_copy" and t._appender.compacting:
             image = b"".join(bytes(b) for b in iov)
             if seen[0] + 1 == nth:
                 os.pwrite(seg.fd, image[:max(1, len(image) - 100)], off)  # the last record cut short
@@ -97,7 +97,7 @@ def _kill_at(path, phase: str, nth: int) -> None:
             reached()
 
     Segment.write = torn_write
-    t._publish, t._move, t._finish, t._dispose = publish_, move_, finish_, dispose_
+    t._appender._publish, t._compaction._move, t._compaction.finish, t._compaction.dispose = publish_, move_, finish_, dispose_
     _compact_all(t)
     os._exit(3)  # the phase was reached fewer than nth times
 

@@ -107,14 +107,14 @@ def test_damage_while_open_is_caught_on_read(pristine, tmp_path):
     d = tmp_path / "copy"
     shutil.copytree(orig, d)
     with open_tier(d) as t:
-        loc = t._index["rec1"]  # (segment id, offset, size, value length)
+        loc = t._catalog.records["rec1"]  # (segment id, offset, size, value length)
         seg = d / f"seg-{loc[0]:012d}.kvs"
         fd = os.open(seg, os.O_RDWR)
         os.pwrite(fd, b"\xAA", loc[1] + REC_HEADER_BYTES + 4 + 1)  # the mmap sees this at once
         os.close(fd)
         assert t.get("rec1") is None
         assert t.stats()["corrupt"] == 1 and "rec1" in t.corrupt_keys
-        in_seg = [k for k in t.keys() if t._index[k][0] == loc[0]]
+        in_seg = [k for k in t.keys() if t._catalog.records[k][0] == loc[0]]
         assert in_seg
         os.truncate(seg, 64)  # reading the truncated pages through mmap would SIGBUS
         for k in vals:
@@ -130,38 +130,38 @@ def test_damage_while_open_is_caught_on_read(pristine, tmp_path):
 def test_segment_truncated_by_another_process_is_read_as_missing(tmp_path, monkeypatch, read, which, appending,
                                                                   path):
     """Each read bounds what it touches of a mapping by the file's size at that moment (the
-    Python path), or catches the SIGBUS of a page past it (the compiled one, see recread), so a
+    Python path), or catches the SIGBUS of a page past it (the compiled one, see record_read), so a
     segment cut short behind the tier's back (here, after reads that mapped its pages) makes
     its records misses, never a SIGBUS; records in the other segments still read back. Also
     while an appender is under way (reads then probe the size keeping the GIL)."""
-    from kvtier.tiers import diskread, recread
+    from kvtier.tiers.disk import reads, record_read
 
     if path == "python":
         for name in ("_READ", "_READ_RUN", "_READ_INTO", "_GET"):  # the Python read path
-            monkeypatch.setattr(diskread, name, None)
-    elif not recread.guarded():
-        pytest.skip(f"the compiled read is not available here: {recread._EXT.error}")
+            monkeypatch.setattr(reads, name, None)
+    elif not record_read.guarded():
+        pytest.skip(f"the compiled read is not available here: {record_read._EXT.error}")
     rng = random.Random(3)
     vals = {f"k{i}": rng.randbytes(2000) for i in range(40)}
     with open_tier(tmp_path / "t") as t:
         t.put_many(vals.items())
         assert t.get_many(list(vals)) == list(vals.values())  # every page mapped and touched
-        head = t._head.id
-        sid = head if which == "head" else min(t._segs)
+        head = t._files.head.id
+        sid = head if which == "head" else min(t._files.segs)
         assert which == "head" or sid != head
-        in_seg = [k for k in vals if t._index[k][0] == sid]
+        in_seg = [k for k in vals if t._catalog.records[k][0] == sid]
         assert in_seg and len(in_seg) < len(vals)
         os.truncate(tmp_path / "t" / f"seg-{sid:012d}.kvs", 64)
         buf = bytearray(2000)
-        with t._at_work() if appending else contextlib.nullcontext():
-            assert len(t._appenders) == appending
+        with t._locks.at_work() if appending else contextlib.nullcontext():
+            assert len(t._locks.appenders) == appending
             if read == "get_many":
                 got = t.get_many(list(vals))
             elif read == "get":
                 got = [t.get(k) for k in vals]
             else:
                 got = [bytes(buf) if t.get_into(k, buf) == len(v) else None for k, v in vals.items()]
-        assert not t._appenders
+        assert not t._locks.appenders
         assert got == [None if k in in_seg else v for k, v in vals.items()]
         assert set(in_seg) <= t.corrupt_keys
         assert t.stats()["corrupt"] == len(in_seg)
@@ -174,7 +174,7 @@ def test_get_into_verifies_crc(pristine, tmp_path):
     with open_tier(d) as t:
         buf = bytearray(4000)
         assert t.get_into("rec2", buf) == len(vals["rec2"]) and bytes(buf[: len(vals["rec2"])]) == vals["rec2"]
-        loc = t._index["rec5"]
+        loc = t._catalog.records["rec5"]
         fd = os.open(d / f"seg-{loc[0]:012d}.kvs", os.O_RDWR)
         os.pwrite(fd, b"\x55", loc[1] + REC_HEADER_BYTES + 4 + 2)
         os.close(fd)

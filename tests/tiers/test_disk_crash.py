@@ -16,6 +16,7 @@ import time
 import pytest
 
 from kvtier.tiers import DiskTier, HostTier
+from kvtier.tiers.disk import append
 
 ITERATIONS = 25
 _CTX = mp.get_context("fork")
@@ -115,7 +116,7 @@ def test_sigkill_during_writes_never_loses_synced_or_returns_torn(tmp_path):
 def _forge_torn_append(path, key: str, value: bytes, keep: int) -> None:
     """Write the first ``keep`` bytes of a record for key at the end of the log (the last
     segment, which a clean close truncated to its records), as a killed write would."""
-    kb, size, parts, _ = DiskTier._image(key, memoryview(value))
+    kb, size, parts, _ = append.image(key, memoryview(value))
     image = b"".join(bytes(p) for p in parts)[:keep]
     last = max(p for p in os.listdir(path) if p.startswith("seg-"))
     with open(os.path.join(path, last), "ab") as f:

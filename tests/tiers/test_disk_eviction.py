@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvtier.tiers import DiskTier
-from kvtier.tiers.diskpins import PinFile
+from kvtier.tiers.disk.pins import PinFile
 
 V = bytes(4000)  # a record of ~4 KiB
 

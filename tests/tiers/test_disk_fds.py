@@ -8,7 +8,8 @@ import resource
 
 import pytest
 
-from kvtier.tiers import DiskTier, diskread
+from kvtier.tiers import DiskTier
+from kvtier.tiers.disk import files
 from tests.tiers._proc import run_in_child
 from tests.tiers.test_disk_compaction import wait_for
 
@@ -33,24 +34,24 @@ def _exercise(path, n_records: int, seed: int) -> dict:
     rng = random.Random(seed)
     base = _fds()
     peak = [0]
-    real_map = DiskTier._map
+    real_map = files.SegmentFiles.map
 
     def sampled_map(self, seg):  # each new mapping is where the count could grow
         mm = real_map(self, seg)
         peak[0] = max(peak[0], _fds() - base)
         return mm
 
-    DiskTier._map = sampled_map
+    files.SegmentFiles.map = sampled_map
     try:
         vals = {f"r{i}": rng.randbytes(rng.randrange(500, 2500)) for i in range(n_records)}
         keys = list(vals)
         kw = dict(capacity_bytes=1 << 30, segment_bytes=8 << 10, durability="never", checkpoint_records=0)
         with DiskTier(path, **kw) as t:
-            maps = t._max_maps
+            maps = t._files.max_maps
             for i in range(0, n_records, 100):
                 assert all(t.put_many([(k, vals[k]) for k in keys[i:i + 100]]))
                 peak[0] = max(peak[0], _fds() - base)
-            segments = len(t._segs)
+            segments = len(t._files.segs)
             rng.shuffle(keys)
             assert [t.get(k) for k in keys] == [vals[k] for k in keys]
             rng.shuffle(keys)
@@ -74,15 +75,15 @@ def _exercise(path, n_records: int, seed: int) -> dict:
         os.unlink(os.path.join(path, "INDEX"))
         with DiskTier(path, **kw) as t:  # a full scan of every segment
             assert t.stats()["checkpoint_loaded"] == 0
-            reopened = len(t._segs)
+            reopened = len(t._files.segs)
             assert [t.get(k) for k in vals] == list(vals.values())
         return dict(maps=maps, peak=peak[0], segments=segments, reopened=reopened, compactions=compactions, left=_fds() - base)
     finally:
-        DiskTier._map = real_map
+        files.SegmentFiles.map = real_map
 
 
 def test_fds_stay_bounded_with_many_more_segments_than_mappings(tmp_path, monkeypatch):
-    monkeypatch.setattr(diskread, "_MAPPED_MAX", 64)  # (else set by this process's fd limit)
+    monkeypatch.setattr(files, "_MAPPED_MAX", 64)  # (else set by this process's fd limit)
     r = _exercise(str(tmp_path / "t"), 2000, seed=1)
     assert r["maps"] == 64 and r["segments"] > 4 * r["maps"] and r["reopened"] > 2 * r["maps"], r
     assert r["compactions"] > 0
@@ -113,7 +114,7 @@ def test_reads_stay_right_while_puts_and_compaction_close_mappings(tmp_path, mon
     None, another key's or damaged bytes, or an exception)."""
     import threading
 
-    monkeypatch.setattr(diskread, "_MAPPED_MAX", 16)
+    monkeypatch.setattr(files, "_MAPPED_MAX", 16)
     rng = random.Random(5)
     keys = [f"k{i}" for i in range(600)]
     versions = {k: [rng.randbytes(rng.randrange(300, 1500))] for k in keys}
@@ -121,7 +122,7 @@ def test_reads_stay_right_while_puts_and_compaction_close_mappings(tmp_path, mon
     with DiskTier(tmp_path / "t", capacity_bytes=1 << 30, segment_bytes=8 << 10, durability="never",
                   checkpoint_records=0) as t:
         assert all(t.put_many((k, v[0]) for k, v in versions.items()))
-        assert t._max_maps == 16 and len(t._segs) > 4 * 16
+        assert t._files.max_maps == 16 and len(t._files.segs) > 4 * 16
 
         def reader(seed):
             r = random.Random(seed)
@@ -154,4 +155,4 @@ def test_reads_stay_right_while_puts_and_compaction_close_mappings(tmp_path, mon
                 th.join(30)
         assert not errors, errors[:5]
         assert t.get_many(keys) == [versions[k][-1] for k in keys]
-        assert t.stats()["corrupt"] == 0 and len(t._maps) <= 16
+        assert t.stats()["corrupt"] == 0 and len(t._files.maps) <= 16

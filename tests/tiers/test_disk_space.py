@@ -15,7 +15,7 @@ import torch
 
 from kvtier.tiers import DirectoryLockedError, DiskFullError, DiskTier
 from kvtier.tiers import disk as disk_mod
-from kvtier.tiers.disk import purge_directory
+from kvtier.tiers.disk import files, purge_directory
 
 
 def seg_bytes_on_disk(path) -> int:
@@ -59,7 +59,7 @@ def test_tiny_run_costs_little_disk_and_sealed_segments_are_truncated(tmp_path):
         assert len(t) == 50
         for i in range(40):
             t.put(f"c{i}", os.urandom(200_000))
-        sealed = [s for s in t._segs.values() if s is not t._head]
+        sealed = [s for s in t._files.segs.values() if s is not t._files.head]
         assert sealed and all(s.size == s.used for s in sealed)
         assert all(t.get(f"c{i}") is not None for i in range(40))
 
@@ -97,10 +97,10 @@ def test_cache_clear_command(tmp_path):
         purge_directory(other)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=root)
-    r = subprocess.run([sys.executable, "-c", "from kvtier.cli import main; main()", "cache", "clear", str(d)],
+    r = subprocess.run([sys.executable, "-c", "from kvtier.commands.cli import main; main()", "cache", "clear", str(d)],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 0 and "removed" in r.stdout and not d.exists(), r.stderr
-    r = subprocess.run([sys.executable, "-c", "from kvtier.cli import main; main()", "cache", "clear", str(other)],
+    r = subprocess.run([sys.executable, "-c", "from kvtier.commands.cli import main; main()", "cache", "clear", str(other)],
                        capture_output=True, text=True, env=env)
     assert r.returncode == 2 and "no kvtier L3 files" in r.stderr and "Traceback" not in r.stderr
 
@@ -115,7 +115,7 @@ def test_expire_by_age_and_size_spares_kept_keys(tmp_path):
         if n.startswith("seg-"):
             os.utime(d / n, (hour_ago, hour_ago))
     with DiskTier(d, **kw) as t:
-        in_head = {k for k in t.keys() if t._index[k][0] == t._head.id}  # written to again now: young
+        in_head = {k for k in t.keys() if t._catalog.records[k][0] == t._files.head.id}  # written to again now: young
         t.put_many([(f"new{i}", b"n" * 1000) for i in range(20)])
         with pytest.raises(ValueError, match="max_age_s"):
             t.expire(max_age_s=-1)
@@ -166,15 +166,15 @@ def test_close_after_a_reported_failure_warns_instead_of_raising(tmp_path, monke
     def enospc(fd, bufs, off):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_mod.os, "pwritev", enospc)
+    monkeypatch.setattr(os, "pwritev", enospc)
     with pytest.raises(DiskFullError):
         t.put("b", b"2")
-    monkeypatch.setattr(disk_mod.os, "pwritev", real)
+    monkeypatch.setattr(os, "pwritev", real)
 
     def eio(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(disk_mod, "fdatasync", eio)
+    monkeypatch.setattr(files, "fdatasync", eio)
     with pytest.warns(RuntimeWarning, match="earlier failure"):
         t.close()
     t.close()  # and again: nothing left to do
@@ -189,7 +189,7 @@ def _store_on_a_full_fs(mnt, **cfg):
     from tests.store.conftest import Ref, make_store
 
     filler = fill_fs(mnt, leave=1 << 20)
-    st = make_store(mnt, num_layers=1, kv_heads=4, head_dim=64, hot_tokens=32, host_bytes=256 << 10,
+    st = make_store(mnt, num_layers=1, kv_heads=4, head_dim=64, device_tokens=32, host_bytes=256 << 10,
                     block_tokens=16, disk_segment_bytes=1 << 20, **cfg)
     ref, s = Ref(), st.add_sequence()
     g = torch.Generator().manual_seed(0)
@@ -234,7 +234,7 @@ def test_store_policy_for_kept_records_applies_at_open(tmp_path):
             KVTierConfig(**bad)
 
     def fill(**kw):
-        st = make_store(tmp_path, num_layers=1, fingerprint="fp", hot_tokens=8, **kw)
+        st = make_store(tmp_path, num_layers=1, fingerprint="fp", device_tokens=8, **kw)
         s = st.add_sequence()
         ids = torch.arange(64)
         st.note_tokens(s, ids)
@@ -248,10 +248,10 @@ def test_store_policy_for_kept_records_applies_at_open(tmp_path):
 
     kept = fill()
     assert kept >= 10
-    st = make_store(tmp_path, num_layers=1, fingerprint="fp", hot_tokens=8, disk_kept_bytes=3 * 300)
+    st = make_store(tmp_path, num_layers=1, fingerprint="fp", device_tokens=8, disk_kept_bytes=3 * 300)
     assert 0 < len(st.l3) < kept  # the oldest went
     st.close()
-    st = make_store(tmp_path, num_layers=1, fingerprint="fp", hot_tokens=8, disk_max_age_s=0)
+    st = make_store(tmp_path, num_layers=1, fingerprint="fp", device_tokens=8, disk_max_age_s=0)
     assert len(st.l3) == 0
     st.close()
 
@@ -267,7 +267,7 @@ def test_store_keeps_serving_sparse_steps_when_the_disk_fills_mid_run(small_fs):
     kvh, hd, bt = 4, 64, 16  # one block of one layer: 16 KiB in fp16
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # capacity above the free space: the point here
-        st = make_store(small_fs, num_layers=2, kv_heads=kvh, head_dim=hd, hot_tokens=4 * bt, block_tokens=bt,
+        st = make_store(small_fs, num_layers=2, kv_heads=kvh, head_dim=hd, device_tokens=4 * bt, block_tokens=bt,
                         host_bytes=1 << 20, disk_segment_bytes=256 << 10, attention="sparse",
                         budget_tokens=3 * bt, sink_tokens=bt, window_tokens=bt)
     ref, seqs = Ref(), [st.add_sequence(), st.add_sequence()]

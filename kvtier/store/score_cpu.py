@@ -1,0 +1,135 @@
+"""CPU fast path for the block scoring of ``KVStore.select``: one small C routine, compiled once per machine.
+
+On the CPU the scoring is a handful of tiny torch ops per layer and decode step (bmm of
+``[kv_heads, G*q_len, hd] x [kv_heads, hd, m]``, softmax, amax; a bf16 -> float32 copy of the
+digest range first), each paying torch's per-op dispatch: ~25 us at SmolLM2's shape (3 kv heads,
+3 query heads per kv head, m = 250 candidate blocks), the largest single cost of a sparse decode
+step's store calls. This routine computes the same scores in one pass straight from the digest
+table (float32, bf16, or int8 codes with a float32 scale per row, read in place: no conversion
+copy, no extra memory) in a few us.
+
+Math (the specification is the torch code in ``Selector.scores``, select.py, which stays the
+fallback and the CUDA path; tests/store/test_score_cpu.py compares the two):
+  centroid  s[h, r, j] = scale * q[h, r] . mean[h, j];  score[j] = max_{h, r} softmax_j(s[h, r])[j]
+  quest     s[h, r, j] = sum_d max(q_d, 0) * max[h, j, d] + min(q_d, 0) * min[h, j, d]
+            score[j] = sum_h max_r s[h, r, j]
+  int8      mean[h, j] (max | min) = codes[h, j] * rscale[h, j]: the dot runs on the codes and
+            its result is multiplied by the row's scale
+Scores agree with torch to float32 rounding (summation order differs), so the top-k ranking is
+the same except between blocks whose scores tie to within rounding.
+
+Build: ``kvtier/csrc/score.c``, as :mod:`kvtier.compress.cpu` (system C compiler,
+``$KVTIER_CACHE_DIR``, a name hashing the source, flags and CPU; loaded with ctypes). Without a compiler :func:`available` is False and
+the store keeps the torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from kvtier._clib import CLibrary
+
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11"]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    i64, c_int, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    lib.kvt_block_scores.argtypes = [vp, i64, i64, i64, vp, i64, i64, c_int, vp, i64, i64, ctypes.c_bool,
+                                     ctypes.c_float, vp]
+    lib.kvt_block_scores.restype = c_int
+    lib.kvt_block_top.argtypes = lib.kvt_block_scores.argtypes[:-1] + [i64, i64, vp]
+    lib.kvt_block_top.restype = c_int
+
+
+_LIB = CLibrary("score", _FLAGS, _declare, "select() uses torch ops")
+_load = _LIB.load
+
+
+def available() -> bool:
+    """True when the compiled routine could be built and loaded on this machine."""
+    return _load() is not None
+
+
+#: digest dtypes the routine reads in place (int8 with its per-row float32 scales)
+DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+
+
+def _digest_args(digest: torch.Tensor, digest_scale: torch.Tensor | None, lo: int, parts: int) -> tuple:
+    """(kind, address of row lo, address of its first scale, scales per head) for the C routines."""
+    kind = _KIND.get(digest.dtype)
+    assert kind is not None, f"digest dtype must be one of {DTYPES}; got {digest.dtype}"
+    kvh, cap, width = digest.shape
+    base = digest.data_ptr() + lo * width * digest.element_size()
+    if kind != 2:
+        assert digest_scale is None, "only an int8 digest has scales"
+        return kind, base, None, 0
+    assert (digest_scale is not None and digest_scale.dtype == torch.float32 and digest_scale.is_contiguous()
+            and tuple(digest_scale.shape) == (kvh, cap, parts)), \
+        f"int8 digest {tuple(digest.shape)} needs float32 scales [{kvh}, {cap}, {parts}]; got " \
+        f"{None if digest_scale is None else (digest_scale.dtype, tuple(digest_scale.shape))}"
+    return kind, base, digest_scale.data_ptr() + lo * parts * 4, cap * parts
+
+
+def block_scores(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: bool, scale: float,
+                 digest_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores of digest rows [lo, hi) (see the module docstring for the math).
+
+    On the decode hot path (once per layer and step): the caller checked the query's shape
+    already (``Selector.query_f32``); only what would make the C code read out of bounds is
+    asserted here.
+
+    Args:
+        q: [q_heads, q_len, head_dim] float32 contiguous CPU, q_heads a multiple of kv_heads
+            (query heads of one kv head adjacent, as transformers' ``repeat_kv``); a
+            ``[kv_heads, R, head_dim]`` tensor of query rows per kv head is one such.
+        digest: [kv_heads, cap, width] contiguous CPU table, float32, bfloat16 or int8; width =
+            head_dim (centroid) or 2 * head_dim (quest: max | min).
+        scale: centroid logit scale (ignored by quest).
+        digest_scale: int8 digests only: float32 [kv_heads, cap, 1], row j stands for
+            ``digest[:, j] * digest_scale[:, j]`` (``table.quantize_rows``).
+    Returns:
+        [hi - lo] float32 (owned).
+    """
+    fn = _load().kvt_block_scores  # AttributeError on None: callers check available() first
+    qh, ql, hd = q.shape
+    kvh, cap, width = digest.shape
+    r = qh // kvh * ql  # GQA: the rows of kv head h are q[h*G:(h+1)*G] (contiguous), G*q_len of them
+    assert (q.dtype == torch.float32 and q.is_contiguous() and digest.is_contiguous()
+            and qh % kvh == 0 and width == (hd << quest) and 0 <= lo < hi <= cap), \
+        f"q {q.dtype} {tuple(q.shape)}, digest {tuple(digest.shape)} rows [{lo}, {hi}), quest={quest}"
+    m = hi - lo
+    out = torch.empty(m, dtype=torch.float32)
+    kind, base, sbase, sstride = _digest_args(digest, digest_scale, lo, 1)
+    if fn(q.data_ptr(), kvh, r, hd, base, cap * width, width, kind, sbase, sstride, m, quest, scale, out.data_ptr()):
+        raise MemoryError("kvt_block_scores: out of memory")
+    return out
+
+
+def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: bool, scale: float,
+               k: int, parts: int = 1, digest_scale: torch.Tensor | None = None) -> list[int]:
+    """The ``k`` best-scoring digest rows of [lo, hi), ascending, as offsets from ``lo``.
+
+    The same scores as :func:`block_scores`; the selection is done in C too (no score tensor, no
+    topk, no sort: fewer calls on the decode path). Ties at the k-th score go to the lower index.
+    Arguments as :func:`block_scores`; 1 <= k <= hi - lo. ``parts`` > 1 (centroid only): each
+    row holds that many sub-block centroids side by side (``width = parts * head_dim``), scored
+    as ``Selector.scores`` does: one softmax over every sub-block, a block's score its best part.
+    int8 ``digest_scale`` is then [kv_heads, cap, parts]: one scale per sub-block centroid.
+    """
+    fn = _load().kvt_block_top
+    qh, ql, hd = q.shape
+    kvh, cap, width = digest.shape
+    r = qh // kvh * ql  # GQA: the rows of kv head h are q[h*G:(h+1)*G] (contiguous), G*q_len of them
+    assert (q.dtype == torch.float32 and q.is_contiguous() and digest.is_contiguous()
+            and qh % kvh == 0 and parts >= 1 and (parts == 1 or not quest)
+            and width == (hd << quest) * parts and 0 <= lo < hi <= cap and 1 <= k <= hi - lo), \
+        f"q {q.dtype} {tuple(q.shape)}, digest {tuple(digest.shape)} rows [{lo}, {hi}), quest={quest}, k={k}, parts={parts}"
+    kind, base, sbase, sstride = _digest_args(digest, digest_scale, lo, parts)
+    out = (ctypes.c_int64 * k)()
+    sub = width // parts  # one sub-block row: the rows of a block are consecutive
+    if fn(q.data_ptr(), kvh, r, hd, base, cap * width, sub, kind, sbase, sstride, hi - lo, quest, scale, parts,
+          k, out):
+        raise MemoryError("kvt_block_top: out of memory")
+    return out[:]
