@@ -264,7 +264,7 @@ class IntCodec(Codec):
         self.outliers = outliers
         self.transform = transform
         self._specs: dict = {}  # (shape, dtype) -> (shape, q shape, q dtype, scale shape): _parts
-        self._twins: dict = {}  # (bits, axis) -> the codec of records of that form (twin)
+        self._twins: dict = {}  # (bits, axis, transform) -> the codec of records of that form (twin)
 
     @property
     def params(self) -> dict:
@@ -344,7 +344,8 @@ class IntCodec(Codec):
             q, scale = parts.get("q"), parts.get("scale")
             zero = parts.get("zero") if self.bits != 8 else None
             if (p.get("group_size") == self.group_size and p.get("axis") == self.axis
-                    and p.get("transform", "none") == self.transform and q is not None and q.dtype == qdtype and q.shape == qshape
+                    and p.get("transform", "none") == self.transform
+                    and q is not None and q.dtype == qdtype and q.shape == qshape
                     and scale is not None and scale.dtype == enc.dtype and scale.shape == sshape
                     and (self.bits == 8 or (zero is not None and zero.dtype == enc.dtype
                                             and zero.shape == sshape))):
