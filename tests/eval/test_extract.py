@@ -71,7 +71,7 @@ def test_ratio_interval_is_paired():
 def test_eval_runs_an_extraction_task_end_to_end(tmp_path):
     import json
 
-    from kvtier.cli import main
+    from kvtier.commands.cli import main
 
     out = tmp_path / "out"
     argv = ["eval", "--suite", "ruler", "--tasks", "extract_words", "--contexts", "512", "--samples", "2",
