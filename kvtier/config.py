@@ -295,8 +295,7 @@ class KVTierConfig:
     """Eviction starts when L1 blocks of a sequence-layer reach this fraction of its budget."""
 
     low_watermark: float = 0.75
-    """Eviction writes blocks below L1 and frees them until at most this fraction of the budget
-    holds blocks that would need a write; blocks with a copy below stay until their slot is wanted."""
+    """Eviction frees down to this fraction of the budget."""
 
     evict_batch_blocks: int = 16
     """Blocks the swap-out worker encodes and writes to L2 per batch."""
