@@ -272,16 +272,7 @@ class Residency:
 
     def watermark_victims(self) -> list:
         """Step boundary: every table touched since the last one and over the high watermark
-        starts the swap-out of its dirty blocks down to the low one. Returns the items for the
-        swap-out worker.
-
-        Clean blocks (a valid copy below L1) stay: one leaves without a write the moment its
-        slot is wanted (``install``, ``make_room``, a new open block), so freeing it early buys
-        nothing, and a sparse step whose selection fills L1 (``budget_tokens == hot_tokens``,
-        the default) would swap it back in at the next step: freed here, 4 of 15 blocks per
-        layer and step were swapped in again on SmolLM2 at 4k. The watermark keeps the slots that
-        need a write before reuse at ``low`` or fewer.
-        """
+        gives victims down to the low one. Returns the items for the swap-out worker."""
         lay = self.layout
         items = []
         with self.lock:
@@ -290,15 +281,8 @@ class Residency:
             self.step += 1
             for t in touched:
                 live = t.resident - t.pending
-                if live < lay.high:
-                    continue
-                dirty = sum(1 for e in t.slotted.values() if not e.clean and not e.pending)
-                if dirty <= lay.low:
-                    continue
-                # the policy's order over every candidate, its dirty ones taken
-                ents = t.entries
-                order = self.policy.victims(t, live, t.pinned)
-                items += self._mark(t, [b for b in order if not ents[b].clean][:dirty - lay.low])
+                if live >= lay.high:
+                    items += self._mark(t, self.policy.victims(t, live - lay.low, t.pinned))
         return items
 
     def _mark(self, t: BlockTable, victims: list[int]) -> list:
