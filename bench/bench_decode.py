@@ -19,6 +19,13 @@ at fewer bytes per token than both.
     python bench/bench_decode.py                 # 1k and 4k context, 32 timed steps
     python bench/bench_decode.py --smoke         # seconds; run by `make bench-smoke`
     python bench/bench_decode.py --device cuda --dtype float16
+    python bench/bench_decode.py --base a4e1479 --contexts 4096 --configs kvtier-int4-sparse --rounds 3
+
+--base REV: this tree and the kvtier of git revision REV (exported with ``git archive``) run
+alternately, each round one child process per tree (the order swapped every round), each
+measuring DynamicCache and --configs in the same process with this script's workload; every
+run's ratio to DynamicCache is printed, then the median and range per tree. A shared machine's
+load moves both trees' runs alike, and each ratio is taken within one process.
 """
 from __future__ import annotations
 
@@ -26,13 +33,14 @@ import argparse
 import gc
 import json
 import os
+import statistics
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests.baselines
 
 KVTIER_CONFIGS = {
     # name: (codec, attention, policy)
@@ -89,10 +97,40 @@ class PeakMemory:
             self.peak = max(self._max, _rss()) - self.base
 
 
+def _baselines():
+    """tests/baselines.py (transformers' caches, no kvtier import), loaded by path so a child
+    running an older tree's kvtier (--base) does not put this tree's package on sys.path."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "baselines.py")
+    spec = importlib.util.spec_from_file_location("kvtier_bench_baselines", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _kvtier_cache():
+    """This tree's transformers adapter module, or an older tree's (--base) from before it moved."""
+    try:
+        from kvtier.hf import cache
+    except ImportError:
+        from kvtier.integrations import cache
+    return cache
+
+
+def _kvtier_models():
+    try:
+        from kvtier import models
+    except ImportError:
+        from kvtier.integrations import model as models
+    return models
+
+
 def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: float):
     from kvtier.config import KVTierConfig
-    from tests.baselines import make_baseline
-    from kvtier.hf.cache import TieredCache
+
+    make_baseline = _baselines().make_baseline
+    TieredCache = _kvtier_cache().TieredCache
 
     if name in BASELINE_CONFIGS:
         return make_baseline(name, model)
@@ -100,7 +138,7 @@ def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: f
     hot = max(4 * block_tokens, int(context * l1_fraction) // block_tokens * block_tokens)
     cfg = model.config
     kv_bytes_fp16 = 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * cfg.num_hidden_layers
-    cfg = KVTierConfig(block_tokens=block_tokens, device_tokens=hot, max_sequences=1,
+    cfg = KVTierConfig(block_tokens=block_tokens, hot_tokens=hot, max_sequences=1,
                        host_bytes=max(1 << 20, int(1.25 * (context + 256) * kv_bytes_fp16)),
                        disk_path=None, codec=codec, group_size=32, policy=policy, attention=attention,
                        budget_tokens=hot if attention == "sparse" else None)
@@ -108,18 +146,24 @@ def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: f
 
 
 def kv_bytes(cache) -> int:
-    from tests.baselines import cache_bytes
-    from kvtier.hf.cache import TieredCache
+    TieredCache = _kvtier_cache().TieredCache
 
     if isinstance(cache, TieredCache):
         return sum(cache.stats()["bytes"].values())
-    return cache_bytes(cache)
+    return _baselines().cache_bytes(cache)
 
 
 @torch.inference_mode()
 def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_tokens: int,
-            l1_fraction: float) -> dict:
-    from kvtier.hf.cache import TieredCache, detach
+            l1_fraction: float, forced: list[int] | None = None) -> dict:
+    """Prefill ``ids``, decode ``warmup`` + ``steps`` tokens greedily, time the last ``steps``.
+
+    ``forced``: the reference's tokens (its ``"tokens"``); each step then takes the reference's
+    token as input instead of its own, so every cache predicts from the same text and
+    ``"tokens"`` holds its own greedy choice at each position (the prefill's first): comparing
+    free-running outputs would count every token after the first difference as a miss.
+    """
+    TieredCache, detach = _kvtier_cache().TieredCache, _kvtier_cache().detach
 
     device = ids.device
     gc.collect()
@@ -131,14 +175,20 @@ def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_
             nxt = out.logits[:, -1:].argmax(-1)
             _sync(device)
             prefill_s = time.perf_counter() - t0
-            for _ in range(warmup):
-                nxt = model(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            tokens = [int(nxt[0, 0])]
+
+            def step(i: int) -> torch.Tensor:
+                inp = nxt if forced is None else torch.tensor([[forced[i]]], device=device)
+                return model(input_ids=inp, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+
+            for i in range(warmup):
+                nxt = step(i)
+                tokens.append(int(nxt[0, 0]))
             _sync(device)
             times = []
-            tokens = []
-            for _ in range(steps):
+            for i in range(warmup, warmup + steps):
                 t = time.perf_counter()
-                nxt = model(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                nxt = step(i)
                 _sync(device)
                 times.append(time.perf_counter() - t)
                 tokens.append(int(nxt[0, 0]))
@@ -163,6 +213,72 @@ def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_
     }
 
 
+def run_alternating(args) -> int:
+    """--base: this tree and revision ``args.base`` alternated in child processes (module doc)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", args.base], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    here = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "kvtier"], capture_output=True,
+                           text=True, check=True).stdout.strip()
+    name_here = here + ("+" if dirty else "")
+    with tempfile.TemporaryDirectory(prefix="bench_decode_base_") as tmp:
+        src = os.path.join(tmp, "src")
+        os.makedirs(src)
+        archive = subprocess.run(["git", "-C", root, "archive", commit, "kvtier"], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", src], input=archive.stdout, check=True)
+        trees = {name_here: root, commit: src}
+        print(f"# alternating {name_here} (this tree) and {commit}: device={args.device} dtype={args.dtype} "
+              f"threads={args.threads} steps={args.steps} warmup={args.warmup} block_tokens={args.block_tokens} "
+              f"l1_fraction={args.l1_fraction} rounds={args.rounds}")
+        print(f"{'context':>7} {'round':>5} {'tree':<9} {'config':<20} {'tok/s':>8} {'dyn tok/s':>9} {'x dyn':>6} {'agree':>6}")
+        runs: list[dict] = []
+        for ctx in args.contexts:
+            for rnd in range(args.rounds):
+                order = list(trees) if rnd % 2 == 0 else list(trees)[::-1]
+                for tree in order:
+                    out = os.path.join(tmp, f"{ctx}-{rnd}-{tree}.json")
+                    cmd = [sys.executable, os.path.abspath(__file__), "--contexts", str(ctx), "--steps",
+                           str(args.steps), "--warmup", str(args.warmup), "--block-tokens", str(args.block_tokens),
+                           "--l1-fraction", str(args.l1_fraction), "--device", args.device, "--dtype", args.dtype,
+                           "--configs", *args.configs, "--json", out]
+                    if args.threads:
+                        cmd += ["--threads", str(args.threads)]
+                    env = dict(os.environ, PYTHONPATH=trees[tree])
+                    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+                    if r.returncode != 0:
+                        raise SystemExit(f"the run of {tree} failed:\n{r.stderr[-3000:]}")
+                    with open(out) as f:
+                        rows = json.load(f)
+                    for row in rows:
+                        if row["config"] == "dynamic":
+                            continue
+                        dyn = next(x for x in rows if x["config"] == "dynamic")
+                        run = {"context": ctx, "round": rnd, "tree": tree, "config": row["config"],
+                               "tokens_per_s": row["tokens_per_s"], "dynamic_tokens_per_s": dyn["tokens_per_s"],
+                               "speed_x_dynamic": row["speed_x_dynamic"], "token_agreement": row["token_agreement"]}
+                        runs.append(run)
+                        print(f"{ctx:>7} {rnd:>5} {tree:<9} {row['config']:<20} {row['tokens_per_s']:>8.2f} "
+                              f"{dyn['tokens_per_s']:>9.2f} {row['speed_x_dynamic']:>6.2f} "
+                              f"{row['token_agreement']:>6.2f}", flush=True)
+        print("# median [min, max] of the runs' ratios to DynamicCache")
+        summary = []
+        for ctx in args.contexts:
+            for config in [c for c in args.configs if c != "dynamic"]:
+                for tree in trees:
+                    xs = [r["speed_x_dynamic"] for r in runs
+                          if r["context"] == ctx and r["config"] == config and r["tree"] == tree]
+                    med = statistics.median(xs)
+                    summary.append({"context": ctx, "config": config, "tree": tree, "median": med,
+                                    "min": min(xs), "max": max(xs), "runs": len(xs)})
+                    print(f"# ctx {ctx} {config} {tree}: {med:.2f}x [{min(xs):.2f}, {max(xs):.2f}] over {len(xs)} runs")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"commit": name_here, "base": commit, "runs": runs, "summary": summary}, f, indent=1)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny context and few steps (seconds)")
@@ -177,6 +293,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: leave as is)")
     ap.add_argument("--configs", nargs="+", default=list(BASELINE_CONFIGS) + list(KVTIER_CONFIGS))
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--base", metavar="REV", help="alternate this tree with git revision REV's kvtier (module doc)")
+    ap.add_argument("--rounds", type=int, default=3, help="--base: runs per tree and context")
     args = ap.parse_args(argv)
     if args.dtype == "auto":
         from kvtier.hardware import compute_dtype
@@ -189,12 +307,16 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.configs) - set(BASELINE_CONFIGS) - set(KVTIER_CONFIGS))
     if unknown:
         raise SystemExit(f"--configs: unknown {unknown}; allowed: {list(BASELINE_CONFIGS) + list(KVTIER_CONFIGS)}")
-    if "dynamic" not in args.configs:
-        args.configs.insert(0, "dynamic")  # the reference every ratio needs
+    # the reference every ratio needs, run first: the others are fed its tokens
+    args.configs = ["dynamic"] + [c for c in args.configs if c != "dynamic"]
+    if args.base:
+        if args.rounds < 1:
+            raise SystemExit(f"--rounds must be >= 1; got {args.rounds}")
+        return run_alternating(args)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    from kvtier.models import load_model, text_ids
+    load_model, text_ids = _kvtier_models().load_model, _kvtier_models().text_ids
 
     device = torch.device(args.device)
     model, tok = load_model(dtype=_DTYPES[args.dtype], device=device)
@@ -206,14 +328,16 @@ def main(argv=None) -> int:
     for ctx in args.contexts:
         ids = text_ids(tok, ctx, offset=1000).to(device)
         by_name = {}
-        for name in args.configs:
-            r = run_one(name, model, ids, args.steps, args.warmup, args.block_tokens, args.l1_fraction)
+        for name in args.configs:  # dynamic first: the others decode its tokens (teacher-forced)
+            forced = by_name["dynamic"]["tokens"] if by_name else None
+            r = run_one(name, model, ids, args.steps, args.warmup, args.block_tokens, args.l1_fraction, forced)
             by_name[name] = r
             rows.append(r)
         ref = by_name["dynamic"]
         for name, r in by_name.items():
             r["speed_x_dynamic"] = r["tokens_per_s"] / ref["tokens_per_s"]
             r["bytes_x_dynamic"] = r["bytes_per_token"] / ref["bytes_per_token"]
+            # each greedy choice against DynamicCache's at the same position, given the same text
             r["token_agreement"] = sum(a == b for a, b in zip(r["tokens"], ref["tokens"])) / len(ref["tokens"])
             print(f"{ctx:>7} {name:<20} {r['tokens_per_s']:>8.2f} {r['speed_x_dynamic']:>6.2f} "
                   f"{r['p50_ms']:>7.1f} {r['p99_ms']:>7.1f} {r['peak_mem_bytes'] / 2**20:>8.1f} "

@@ -489,7 +489,11 @@ class TieredCache(Cache, ForwardObserver):
                             fingerprint=self.fingerprint, store=self.store, salt=self.salt)
         other._model = self._model
         other._keys.shareable = self._keys.shareable
-        other._rows.seqs = self._rows.fork_all()
+        try:
+            other._rows.seqs = self._rows.fork_all()
+        except BaseException:
+            other.close()  # its lease on the store, now rather than whenever it is collected
+            raise
         for mine, theirs in zip(self.layers, other.layers):
             theirs.length = mine.length
             theirs.is_initialized = mine.is_initialized

@@ -35,7 +35,7 @@ class BatchRows:
 
         Raises:
             ValueError (nothing changed) for an index out of range; MemoryError (nothing changed)
-            when L1 cannot grow for the forks.
+            when L1 cannot grow for the forks even with the room of the rows left out.
         """
         n = len(self.seqs)
         if not n:
@@ -45,13 +45,21 @@ class BatchRows:
         kept = set(rows)
         left_out = [r for r in range(n) if r not in kept]
         repeats = len(rows) - len(kept)
-        # the only step that may refuse (nothing changed then): room for the forks the rows left
-        # out do not make; beam search's reorder (as many forks as rows left out) never grows L1
-        self.store.reserve_sequences(max(0, repeats - len(left_out)))
-        if repeats > self.store.free_sequences():  # the room is theirs: give them back first
-            for r in left_out:
-                self.store.drop_sequence(self.seqs[r], keep_prefix=True)
-            left_out = []
+        # room for every fork before anything is dropped, so that a failure while forking undoes
+        # the forks and leaves the batch as it was (the pool grows for the forks; the rows left
+        # out give their room back once the forks exist). Only where L1 cannot grow (at
+        # hot_max_bytes) do the forks take the room of the rows left out, which then go first:
+        # a failure after that cannot bring them back, and the batch is emptied instead of
+        # naming dropped sequences.
+        dropped_first = False
+        try:
+            self.store.reserve_sequences(repeats)
+        except MemoryError:
+            self.store.reserve_sequences(max(0, repeats - len(left_out)))  # refuses with nothing changed
+            if repeats > self.store.free_sequences():
+                for r in left_out:
+                    self.store.drop_sequence(self.seqs[r], keep_prefix=True)
+                left_out, dropped_first = [], True
         seen: set[int] = set()
         new: list[int] = []
         forks: list[int] = []
@@ -66,6 +74,8 @@ class BatchRows:
         except BaseException:
             for seq in forks:
                 self.store.drop_sequence(seq)
+            if dropped_first:
+                self.release()
             raise
         for r in left_out:
             self.store.drop_sequence(self.seqs[r], keep_prefix=True)

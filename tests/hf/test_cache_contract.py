@@ -272,6 +272,51 @@ def test_deepcopy_prompt_reuse_recipe_shares_blocks(model_bf16, tokenizer, tmp_p
         assert prompt_cache.get_seq_length() == 96 and len(prompt_cache.store.sequences()) == 1
 
 
+def _lease_refs(store) -> int:
+    return sum(e.refs for e in registry._stores.values() if e.store is store)
+
+
+@pytest.mark.parametrize("layer_fails", [0, 7])  # the first layer's table, or one half-way through
+def test_a_fork_failing_inside_leaves_the_cache_as_it_was(model_bf16, tokenizer, tmp_path, monkeypatch,
+                                                          layer_fails):
+    """An internal error while forking (reorder_cache's repeated rows, then fork()/deepcopy after
+    a reorder): the call raises, and the store, the cache's rows and its next step are exactly
+    as without the call (DynamicCache's logits, the same sequences, no lease or sequence left)."""
+    ids = torch.cat([text_ids(tokenizer, 40, offset=o) for o in (0, 900)])
+    dyn = make_baseline("dynamic", model_bf16)
+    _fwd(model_bf16, ids, dyn)
+    nxt = torch.tensor([[11], [12]])
+    with kvtier.attach(model_bf16, cfg(tmp_path, max_sequences=2)) as cache:
+        store = cache.store
+        _fwd(model_bf16, ids, cache)
+        # the pool holds exactly these rows: a reorder's fork needs the room of the row it drops
+        assert store.free_sequences() == 0
+
+        def state():
+            return list(cache.seqs), store.sequences(), _lengths(cache), _lease_refs(store), cache.stats()["copies"]
+
+        before = state()
+        fail = _FailAt(monkeypatch, store.surgery, "_fork_table", layer_fails + 1)
+        with pytest.raises(OSError, match="injected"):
+            cache.reorder_cache(torch.tensor([1, 1]))  # row 1 twice, row 0 left out
+        monkeypatch.undo()
+        assert fail.calls == layer_fails + 1
+        assert state() == before
+        store.check_invariants()
+        cache.reorder_cache(torch.tensor([1, 0]))  # a reorder that works, then a fork that fails
+        dyn.reorder_cache(torch.tensor([1, 0]))
+        nxt = nxt[[1, 0]]
+        before = state()
+        _FailAt(monkeypatch, store.surgery, "_fork_table", cache.num_layers + layer_fails + 1)  # the 2nd row
+        with pytest.raises(OSError, match="injected"):
+            copy.deepcopy(cache)
+        monkeypatch.undo()
+        gc.collect()
+        assert state() == before
+        store.check_invariants()
+        assert torch.equal(_fwd(model_bf16, nxt, cache), _fwd(model_bf16, nxt, dyn))
+
+
 # -- 5. layers[i].keys / values, is_initialized -------------------------------------------------------------
 
 
