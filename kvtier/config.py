@@ -33,6 +33,7 @@ Order = Literal["compress-then-tier", "tier-then-compress"]
 Policy = Literal["lru", "sink-window", "h2o", "snapkv"]
 Attention = Literal["dense", "sparse"]
 SelectScore = Literal["centroid", "quest"]
+SelectHeads = Literal["shared", "per_head"]
 DigestDType = Literal["int8", "kv"]
 AttentionMath = Literal["float32", "sdpa"]
 Axis = Literal["channel", "token"]
@@ -276,6 +277,15 @@ class KVTierConfig:
     sub-block), softmax-normalised over candidate blocks per head, best head wins (ArkVale). ``quest``:
     Quest's bound sum_d max(q_d*min_d, q_d*max_d) over a max | min digest, summed over heads. Default
     ``centroid``: the better recall measured (docs/results/config-defaults.md#select_score)."""
+
+    select_heads: SelectHeads = "shared"
+    """Sparse mode: whose ranking fills the query-chosen blocks of a step. ``shared``: one ranking per
+    layer, every kv head's scores folded into one (``select_score`` says how); a block one kv head
+    needs can lose to blocks the others score higher. ``per_head``: each kv head ranks the blocks on
+    its own scores and the slots go round-robin over the kv heads (each head's next best block not
+    yet taken, in turn), so every head's top blocks are represented within the same budget. Either
+    way every head attends the chosen union (exact attention over a superset of its own blocks);
+    nothing stored changes. Measured: docs/results/long-answers.md."""
 
     digest_tokens: Optional[int] = None
     """``centroid`` only: tokens summarised by one key centroid; a block's score is its best sub-block's
