@@ -161,6 +161,24 @@ def _filler(sentences: list[str], start: int, cuts: list[float], n_sentences: in
     return [" ".join(text[a:b]) for a, b in zip(edges, edges[1:])]
 
 
+def _shift_to_cross(tokenizer, table, asked, slot, kind, template, filler, block_tokens):
+    """``filler`` with words moved across asked record ``asked[slot]`` (from the passage before it
+    to the one after, or back; the fewest that work) so that its value crosses a block boundary."""
+    i = asked[slot]
+    before = filler[i].split(" ") if filler[i] else []
+    after = filler[i + 1].split(" ") if filler[i + 1] else []
+    for d in [x for r in range(64) for x in ((r, -r) if r else (0,))]:
+        if d > len(before) or -d > len(after):
+            continue
+        moved = list(filler)
+        moved[i] = " ".join(before[:len(before) - d] if d >= 0 else before + after[:-d])
+        moved[i + 1] = " ".join(before[len(before) - d:] + after if d >= 0 else after[-d:])
+        if crosses(value_spans(tokenizer, _render(table, asked, kind, template, moved), [table[i][1]])[0],
+                   block_tokens):
+            return moved
+    return filler
+
+
 def _fit(prompt_tokens, lo: int, hi: int, budget: int) -> int:
     """The largest x in [lo, hi] with prompt_tokens(x) <= budget (prompt_tokens increasing)."""
     while lo < hi:
@@ -236,6 +254,12 @@ def generate(kind: str, tokenizer, context: int, n: int, seed: int, template: st
                 prompt = _render(table, asked, kind, template, filler)
                 if crosses(value_spans(tokenizer, prompt, [table[target][1]])[0], block_tokens):
                     break
+            else:
+                if filler is not None:
+                    # few records, none of whose lines crosses: move essay words from the passage
+                    # before the record to the one after it (or back), a token or two at a time
+                    filler = _shift_to_cross(tokenizer, table, asked, slot, kind, template, filler, block_tokens)
+                    prompt = _render(table, asked, kind, template, filler)
         ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"][0].long()
         outputs = [table[i][1] for i in asked]
         samples.append(Sample(kind, index, prompt, outputs, limit, METRIC, ids))
