@@ -279,13 +279,11 @@ class KVTierConfig:
     ``centroid``: the better recall measured (docs/results/config-defaults.md#select_score)."""
 
     select_heads: SelectHeads = "shared"
-    """Sparse mode: whose ranking fills the query-chosen blocks of a step. ``shared``: one ranking per
-    layer, every kv head's scores folded into one (``select_score`` says how); a block one kv head
-    needs can lose to blocks the others score higher. ``per_head``: each kv head ranks the blocks on
-    its own scores and the slots go round-robin over the kv heads (each head's next best block not
-    yet taken, in turn), so every head's top blocks are represented within the same budget. Either
-    way every head attends the chosen union (exact attention over a superset of its own blocks);
-    nothing stored changes. Measured: docs/results/long-answers.md."""
+    """Sparse mode: whose ranking picks the query-chosen blocks. ``shared``: one ranking per layer, the kv
+    heads' scores folded (see ``select_score``). ``per_head``: each kv head ranks on its own scores and
+    the slots go round-robin over the heads (each head's next best block not yet taken), so a block one
+    head needs is not lost to the others' favourites. Every head attends the union; nothing stored
+    changes. See docs/results/long-answers.md."""
 
     digest_tokens: Optional[int] = None
     """``centroid`` only: tokens summarised by one key centroid; a block's score is its best sub-block's
