@@ -33,6 +33,7 @@ Order = Literal["compress-then-tier", "tier-then-compress"]
 Policy = Literal["lru", "sink-window", "h2o", "snapkv"]
 Attention = Literal["dense", "sparse"]
 SelectScore = Literal["centroid", "quest"]
+SelectHeads = Literal["shared", "per_head"]
 DigestDType = Literal["int8", "kv"]
 AttentionMath = Literal["float32", "sdpa"]
 Axis = Literal["channel", "token"]
@@ -290,6 +291,13 @@ class KVTierConfig:
     sub-block), softmax-normalised over candidate blocks per head, best head wins (ArkVale). ``quest``:
     Quest's bound sum_d max(q_d*min_d, q_d*max_d) over a max | min digest, summed over heads. Default
     ``centroid``: the better recall measured (docs/results/config-defaults.md#select_score)."""
+
+    select_heads: SelectHeads = "shared"
+    """Sparse mode: whose ranking picks the query-chosen blocks. ``shared``: one ranking per layer, the kv
+    heads' scores folded (see ``select_score``). ``per_head``: each kv head ranks on its own scores and
+    the slots go round-robin over the heads (each head's next best block not yet taken), so a block one
+    head needs is not lost to the others' favourites. Every head attends the union; nothing stored
+    changes. See docs/results/long-answers.md."""
 
     digest_tokens: Optional[int] = None
     """``centroid`` only: tokens summarised by one key centroid; a block's score is its best sub-block's

@@ -84,6 +84,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", default=",".join(NIAH_TASKS),
                    help="ruler suite: comma-separated RULER tasks (default: the NIAH family) and/or long-answer "
                         "extraction tasks (extract_hex, extract_b32, extract_digits, extract_words, extract_multi)")
+    p.add_argument("--extract-density", type=float, default=None, metavar="FRACTION",
+                   help="ruler suite, extraction tasks: share of the haystack's tokens in records, the rest "
+                        "essay text between them (default 0.1; 1.0: records only, hundreds of look-alikes)")
     p.add_argument("--samples", type=_positive("--samples", 1, 500), default=None,
                    help=f"ruler suite: samples per task and context (default {RULER_DEFAULT['samples']})")
     p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens", 1, 4096), default=None,
@@ -271,10 +274,12 @@ def run(args: argparse.Namespace) -> int:
             from kvtier.eval import extract
 
             tok_dir = model_dir(args.model)
+            density = extract.DENSITY if args.extract_density is None else args.extract_density
             for ctx in plan.contexts:
                 tasks[ctx] = [s for task in plan.tasks
                               for s in (extract.generate(task, tok, ctx, plan.samples, seed=42 + args.seed,
-                                                         block_tokens=default_block_tokens("sparse"))
+                                                         block_tokens=default_block_tokens("sparse"),
+                                                         density=density)
                                         if task in extract.EXTRACT_TASKS else
                                         ruler.generate(task, tok, tok_dir, ctx, plan.samples, seed=42 + args.seed))]
     dtype = parse_dtype(args.dtype)

@@ -69,15 +69,19 @@ static inline float dot(const float *a, const float *b, int64_t n) {
    mean) or 2*hd (quest: max | min). int8: row j of head h stands for its codes times
    rscale[h*rscale_stride + j] (float32, >= 0); rscale is unread otherwise. out: [m] float32.
    Returns 0, or -1 when out of memory. */
-int kvt_block_scores(const float *q, int64_t H, int64_t R, int64_t hd, const void *dig,
-                     int64_t head_stride, int64_t width, int kind, const float *rscale,
-                     int64_t rscale_stride, int64_t m, _Bool quest, float scale, float *out) {
+/* per_head: out is [H][m], each head's own scores (centroid: its best row's softmax; quest: its
+   bound), which the shared score folds (max, or sum for quest) into [m]. */
+static int block_scores(const float *q, int64_t H, int64_t R, int64_t hd, const void *dig,
+                        int64_t head_stride, int64_t width, int kind, const float *rscale,
+                        int64_t rscale_stride, int64_t m, _Bool quest, float scale, _Bool per_head,
+                        float *out_all) {
     float *s = (float *)malloc(sizeof(float) * (size_t)(R * m + 2 * width + 2 * R * hd));
     if (!s) return -1;
     float *buf = s + R * m;            /* one converted digest row */
     float *qq = buf + width;           /* quest: [R][max(q,0) | min(q,0)] of the current head */
-    for (int64_t j = 0; j < m; j++) out[j] = quest ? 0.f : -INFINITY;
+    for (int64_t j = 0; j < (per_head ? H * m : m); j++) out_all[j] = quest ? 0.f : -INFINITY;
     for (int64_t h = 0; h < H; h++) {
+        float *out = per_head ? out_all + h * m : out_all;
         const float *qh = q + h * R * hd;
         if (quest) {
             for (int64_t r = 0; r < R; r++)
@@ -116,6 +120,13 @@ int kvt_block_scores(const float *q, int64_t H, int64_t R, int64_t hd, const voi
     return 0;
 }
 
+int kvt_block_scores(const float *q, int64_t H, int64_t R, int64_t hd, const void *dig,
+                     int64_t head_stride, int64_t width, int kind, const float *rscale,
+                     int64_t rscale_stride, int64_t m, _Bool quest, float scale, float *out) {
+    return block_scores(q, H, R, hd, dig, head_stride, width, kind, rscale, rscale_stride, m, quest, scale,
+                        0, out);
+}
+
 /* k-th largest of a[0..n) (0-based k < n); reorders a (Hoare quickselect, middle pivot). */
 static float kth_largest(float *a, int64_t n, int64_t k) {
     int64_t lo = 0, hi = n - 1;
@@ -134,38 +145,23 @@ static float kth_largest(float *a, int64_t n, int64_t k) {
     return a[k];
 }
 
-/* The k best of m blocks as ascending indices into idx[k]: every block scoring above the k-th
-   best score, then the lowest-indexed ties at it. NaN scores (a NaN query) rank last. With
-   parts > 1 (centroid only) each block is `parts` consecutive digest rows of `width` floats
-   (sub-block centroids): the rows are scored as m * parts candidates (one softmax over all of
-   them) and a block scores as its best row; int8 scales are per row, so rscale holds m * parts
-   of them per head. Other arguments as kvt_block_scores (m = blocks).
-   Returns 0, or -1 when out of memory. */
-int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *dig,
-                  int64_t head_stride, int64_t width, int kind, const float *rscale,
-                  int64_t rscale_stride, int64_t m, _Bool quest, float scale, int64_t parts,
-                  int64_t k, int64_t *idx) {
-    float *sc = (float *)malloc(sizeof(float) * (size_t)(m * parts + m));
-    if (!sc) return -1;
-    if (kvt_block_scores(q, H, R, hd, dig, head_stride, width, kind, rscale, rscale_stride, m * parts,
-                         quest, scale, sc)) {
-        free(sc);
-        return -1;
-    }
-    if (parts > 1)   /* in place: block j's best row; row j*parts+p >= j, so nothing unread is overwritten */
-        for (int64_t j = 0; j < m; j++) {
-            float b = sc[j * parts];
-            for (int64_t p = 1; p < parts; p++) {
-                float v = sc[j * parts + p];
-                if (v > b || b != b) b = v;
-            }
-            sc[j] = b;
-        }
-    float *tmp = sc + m * parts;
+/* Block scores from row scores in place: with parts > 1, block j's score is its best row's
+   (row j*parts+p >= j, so nothing unread is overwritten); NaN becomes -inf (ranks last). */
+static void fold_parts(float *sc, int64_t m, int64_t parts) {
     for (int64_t j = 0; j < m; j++) {
-        if (sc[j] != sc[j]) sc[j] = -INFINITY;
-        tmp[j] = sc[j];
+        float b = sc[j * parts];
+        for (int64_t p = 1; p < parts; p++) {
+            float v = sc[j * parts + p];
+            if (v > b || b != b) b = v;
+        }
+        sc[j] = b != b ? -INFINITY : b;
     }
+}
+
+/* The k best of sc[0..m) as ascending indices into idx[k]: every block scoring above the k-th
+   best score, then the lowest-indexed ties at it. tmp: m floats of scratch. */
+static void top_k(const float *sc, int64_t m, int64_t k, float *tmp, int64_t *idx) {
+    memcpy(tmp, sc, sizeof(float) * (size_t)m);
     float thr = kth_largest(tmp, m, k - 1);
     int64_t above = 0;
     for (int64_t j = 0; j < m; j++) above += sc[j] > thr;
@@ -174,6 +170,70 @@ int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *
         if (sc[j] > thr) idx[n++] = j;
         else if (sc[j] == thr && ties > 0) { idx[n++] = j; ties--; }
     }
+}
+
+/* idx[0..n) (ascending) reordered by score, higher first, ties keeping the lower index first:
+   insertion sort (n is a step's query-chosen blocks, tens). */
+static void rank(const float *sc, int64_t *idx, int64_t n) {
+    for (int64_t i = 1; i < n; i++) {
+        int64_t x = idx[i], j = i;
+        while (j > 0 && sc[idx[j - 1]] < sc[x]) { idx[j] = idx[j - 1]; j--; }
+        idx[j] = x;
+    }
+}
+
+/* The k best of m blocks as ascending indices into idx[k]. Shared (per_head false): every block
+   scoring above the k-th best score, then the lowest-indexed ties at it. NaN scores (a NaN query)
+   rank last. Per head: each kv head ranks the blocks on its own scores (ties to the lower index)
+   and the k slots go round-robin over the heads, each taking its next best block not yet taken
+   (Selector's round_robin, select.py, is the specification). With parts > 1 (centroid only) each
+   block is `parts` consecutive digest rows of `width` floats (sub-block centroids): the rows are
+   scored as m * parts candidates (one softmax over all of them) and a block scores as its best
+   row; int8 scales are per row, so rscale holds m * parts of them per head. Other arguments as
+   kvt_block_scores (m = blocks). Returns 0, or -1 when out of memory. */
+int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *dig,
+                  int64_t head_stride, int64_t width, int kind, const float *rscale,
+                  int64_t rscale_stride, int64_t m, _Bool quest, float scale, int64_t parts,
+                  int64_t k, _Bool per_head, int64_t *idx) {
+    int64_t heads = per_head ? H : 1;
+    /* scores [heads][m*parts], scratch [m], each head's ranked top k [heads][k] and next position
+       [heads], taken flags [m] */
+    int64_t nf = heads * m * parts + m;
+    nf += nf & 1;   /* the int64 arrays after the floats start 8-byte aligned */
+    size_t bytes = sizeof(float) * (size_t)nf + sizeof(int64_t) * (size_t)(heads * k + heads) + (size_t)m;
+    float *sc = (float *)malloc(bytes);
+    if (!sc) return -1;
+    if (block_scores(q, H, R, hd, dig, head_stride, width, kind, rscale, rscale_stride, m * parts,
+                     quest, scale, per_head, sc)) {
+        free(sc);
+        return -1;
+    }
+    float *tmp = sc + heads * m * parts;
+    if (!per_head) {
+        fold_parts(sc, m, parts);
+        top_k(sc, m, k, tmp, idx);
+        free(sc);
+        return 0;
+    }
+    int64_t *order = (int64_t *)(sc + nf);
+    unsigned char *taken = (unsigned char *)(order + H * k + H);
+    memset(taken, 0, (size_t)m);
+    for (int64_t h = 0; h < H; h++) {
+        float *sh = sc + h * m * parts;
+        fold_parts(sh, m, parts);
+        top_k(sh, m, k, tmp, order + h * k);
+        rank(sh, order + h * k, k);
+    }
+    /* a head never passes its k-th block: each block it passes over is taken, and k are taken */
+    int64_t *next = order + H * k, n = 0;
+    for (int64_t h = 0; h < H; h++) next[h] = 0;
+    while (n < k)
+        for (int64_t h = 0; h < H && n < k; h++) {
+            const int64_t *o = order + h * k;
+            while (next[h] < k && taken[o[next[h]]]) next[h]++;
+            if (next[h] < k) { taken[o[next[h]++]] = 1; n++; }
+        }
+    for (int64_t j = 0, w = 0; j < m; j++) if (taken[j]) idx[w++] = j;
     free(sc);
     return 0;
 }

@@ -15,6 +15,8 @@ fallback and the CUDA path; tests/store/test_score_cpu.py compares the two):
             score[j] = sum_h max_r s[h, r, j]
   int8      mean[h, j] (max | min) = codes[h, j] * rscale[h, j]: the dot runs on the codes and
             its result is multiplied by the row's scale
+  per head  score[h, j] is head h's term before the fold over h (max, or sum for quest); the
+            top k go round-robin over the heads (``select.round_robin``)
 Scores agree with torch to float32 rounding (summation order differs), so the top-k ranking is
 the same except between blocks whose scores tie to within rounding.
 
@@ -38,7 +40,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvt_block_scores.argtypes = [vp, i64, i64, i64, vp, i64, i64, c_int, vp, i64, i64, ctypes.c_bool,
                                      ctypes.c_float, vp]
     lib.kvt_block_scores.restype = c_int
-    lib.kvt_block_top.argtypes = lib.kvt_block_scores.argtypes[:-1] + [i64, i64, vp]
+    lib.kvt_block_top.argtypes = lib.kvt_block_scores.argtypes[:-1] + [i64, i64, ctypes.c_bool, vp]
     lib.kvt_block_top.restype = c_int
 
 
@@ -108,7 +110,8 @@ def block_scores(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest:
 
 
 def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: bool, scale: float,
-               k: int, parts: int = 1, digest_scale: torch.Tensor | None = None) -> list[int]:
+               k: int, parts: int = 1, digest_scale: torch.Tensor | None = None,
+               per_head: bool = False) -> list[int]:
     """The ``k`` best-scoring digest rows of [lo, hi), ascending, as offsets from ``lo``.
 
     The same scores as :func:`block_scores`; the selection is done in C too (no score tensor, no
@@ -117,6 +120,9 @@ def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: b
     row holds that many sub-block centroids side by side (``width = parts * head_dim``), scored
     as ``Selector.scores`` does: one softmax over every sub-block, a block's score its best part.
     int8 ``digest_scale`` is then [kv_heads, cap, parts]: one scale per sub-block centroid.
+    ``per_head``: each kv head ranks the rows on its own scores (before they are folded over
+    heads) and the k slots go to the heads in turn, each taking its next best row not yet taken
+    (``select_heads="per_head"``; ``select.round_robin`` is the specification).
     """
     fn = _load().kvt_block_top
     qh, ql, hd = q.shape
@@ -130,6 +136,6 @@ def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: b
     out = (ctypes.c_int64 * k)()
     sub = width // parts  # one sub-block row: the rows of a block are consecutive
     if fn(q.data_ptr(), kvh, r, hd, base, cap * width, sub, kind, sbase, sstride, hi - lo, quest, scale, parts,
-          k, out):
+          k, per_head, out):
         raise MemoryError("kvt_block_top: out of memory")
     return out[:]

@@ -37,8 +37,10 @@ class Selector:
                 # scores and selection in one compiled call, already ascending
                 top = score_cpu.top_blocks(self.query_f32(query), t.digest, s_end, w_start,
                                         lay.digest_score == "quest", lay.head_dim ** -0.5, k,
-                                        lay.digest_parts, t.digest_scale)
+                                        lay.digest_parts, t.digest_scale, lay.select_per_head)
                 sel += [b + s_end for b in top]
+            elif lay.select_per_head:
+                sel += [b + s_end for b in round_robin(self.head_scores(t, query, s_end, w_start), k)]
             else:
                 scores = self.scores(t, query, s_end, w_start)
                 top = torch.topk(scores, k, sorted=False).indices.tolist()
@@ -65,6 +67,25 @@ class Selector:
     def scores(self, t: BlockTable, query: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Score of each sealed block in [lo, hi) against ``query`` (higher = attend); see
         ``KVTierConfig.select_score``. The torch math: the specification of score_cpu.py's CPU path."""
+        s = self._logits(t, query, lo, hi)
+        if self.layout.digest_score == "centroid":
+            best = torch.softmax(s, dim=-1).amax(dim=(0, 1))  # [m*parts]: best query of the best head
+            p = self.layout.digest_parts
+            return best if p == 1 else best.view(-1, p).amax(dim=1)  # [m]: the block's best sub-block
+        return s.amax(dim=1).sum(dim=0)  # [m]
+
+    def head_scores(self, t: BlockTable, query: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Per kv head: [kv_heads, m] scores of the sealed blocks in [lo, hi), each head's before
+        :meth:`scores` folds them (centroid: its best query row's softmax; quest: its bound)."""
+        s = self._logits(t, query, lo, hi)
+        if self.layout.digest_score == "centroid":
+            best = torch.softmax(s, dim=-1).amax(dim=1)  # [kv_heads, m*parts]
+            p = self.layout.digest_parts
+            return best if p == 1 else best.view(best.shape[0], -1, p).amax(dim=2)
+        return s.amax(dim=1)
+
+    def _logits(self, t: BlockTable, query: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """[kv_heads, G*q_len, m*parts] centroid logits (scaled), or [kv_heads, G*q_len, m] quest bounds."""
         q = self.query_rows(query)  # [kv_heads, G*q_len, hd]
         hd = self.layout.head_dim
         # [kv_heads, hd, m*parts] (mean) or [kv_heads, 2*hd, m] (max | min); int8: codes, and the
@@ -78,15 +99,13 @@ class Selector:
             s = torch.baddbmm(self._zeros, q, dig_t, beta=0.0, alpha=hd ** -0.5)  # [kv_heads, G*q_len, m*parts]
             if dig_scale is not None:
                 s.mul_(dig_scale)
-            best = torch.softmax(s, dim=-1).amax(dim=(0, 1))  # [m*parts]: best query of the best head
-            p = self.layout.digest_parts
-            return best if p == 1 else best.view(-1, p).amax(dim=1)  # [m]: the block's best sub-block
+            return s
         # Quest: q_d*max_d where q_d >= 0, q_d*min_d where q_d < 0: one bmm against [max | min]
         qq = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)  # [kv_heads, G*q_len, 2*hd]
         s = torch.bmm(qq, dig_t)  # [kv_heads, G*q_len, m]
         if dig_scale is not None:
             s.mul_(dig_scale)
-        return s.amax(dim=1).sum(dim=0)  # [m]
+        return s
 
     def observe(self, t: BlockTable, blocks, mass, snap_steps: int) -> None:
         """Accumulate ``mass`` per block of ``blocks`` (a trailing extra one: the open block)."""
@@ -111,3 +130,30 @@ class Selector:
         nb = len(t.entries)
         pad = nb * lay.block_tokens - per_tok.shape[0]
         return torch.nn.functional.pad(per_tok, (0, pad)).view(nb, lay.block_tokens).sum(1)
+
+
+def round_robin(head_scores: torch.Tensor, k: int) -> list[int]:
+    """``k`` blocks, ascending, taken in turn from each kv head's ranking of ``head_scores``
+    [kv_heads, m]: head 0's best, head 1's best, ..., then each head's next best not yet taken.
+    A head's ranking: higher score first, ties to the lower index, NaN last. The specification of
+    the compiled path's per-head selection (csrc/score.c ``kvt_block_top``)."""
+    h, m = head_scores.shape
+    if not 1 <= k <= m:
+        raise ValueError(f"k must be in [1, {m}] (candidate blocks); got {k}")
+    s = torch.nan_to_num(head_scores.float(), nan=-math.inf)
+    # a head never looks past its k-th block: each block it passes over is one taken, by it or
+    # another head, and at most k are taken
+    order = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :k].tolist()
+    taken: set[int] = set()
+    nxt = [0] * h
+    while len(taken) < k:
+        for head in range(h):
+            row = order[head]
+            while nxt[head] < k and row[nxt[head]] in taken:
+                nxt[head] += 1
+            if nxt[head] < k:
+                taken.add(row[nxt[head]])
+                nxt[head] += 1
+                if len(taken) == k:
+                    break
+    return sorted(taken)

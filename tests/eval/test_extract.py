@@ -10,14 +10,15 @@ from kvtier.eval import extract
 from kvtier.eval.metrics import ratio_ci
 
 
+@pytest.mark.parametrize("density", [1.0, extract.DENSITY])
 @pytest.mark.parametrize("kind", extract.EXTRACT_TASKS)
-def test_samples_fit_cross_blocks_and_repeat(tokenizer, kind):
+def test_samples_fit_cross_blocks_and_repeat(tokenizer, kind, density):
     context = 1024
-    a = extract.generate(kind, tokenizer, context, 2, seed=7)
-    b = extract.generate(kind, tokenizer, context, 1, seed=7)
+    a = extract.generate(kind, tokenizer, context, 2, seed=7, density=density)
+    b = extract.generate(kind, tokenizer, context, 1, seed=7, density=density)
     assert a[0].prompt == b[0].prompt and a[0].outputs == b[0].outputs  # seeded per sample, not per n
     assert a[0].prompt != a[1].prompt
-    c = extract.generate(kind, tokenizer, context, 1, seed=8)
+    c = extract.generate(kind, tokenizer, context, 1, seed=8, density=density)
     assert c[0].outputs != a[0].outputs
     for s in a:
         n = s.input_ids.numel()
@@ -25,7 +26,9 @@ def test_samples_fit_cross_blocks_and_repeat(tokenizer, kind):
         assert len(s.outputs) == (3 if kind == "extract_multi" else 1)
         lines = re.findall(r"^(.+) => (.+)$", s.prompt, flags=re.M)
         values = [v for _, v in lines]
-        assert len(lines) >= 10  # look-alike records (14 at 1k for hex, hundreds at 8k)
+        # look-alike records: records only, 14 at 1k for hex (hundreds at 8k); at the default
+        # density a tenth of that among essay text, at least two besides the asked ones
+        assert len(lines) >= (10 if density == 1.0 else len(s.outputs) + 2)
         for o in s.outputs:
             assert values.count(o) == 1  # the asked value appears once, as a record's value
             assert 18 <= len(o) <= 36
@@ -34,6 +37,19 @@ def test_samples_fit_cross_blocks_and_repeat(tokenizer, kind):
         keys = dict(lines)
         asked = [k for k, v in lines if v in s.outputs]
         assert all(k in s.prompt.split("=> " + keys[k])[-1] for k in asked)  # the question names each key
+
+
+def test_density_puts_essay_text_between_fewer_records(tokenizer):
+    dense = extract.generate("extract_digits", tokenizer, 4096, 1, seed=5, density=1.0)[0]
+    sparse = extract.generate("extract_digits", tokenizer, 4096, 1, seed=5)[0]
+    n_dense, n_sparse = (len(re.findall(r"^.+ => .+$", s.prompt, flags=re.M)) for s in (dense, sparse))
+    assert n_sparse == round(extract.DENSITY * n_dense)
+    # the records are spread through the essay passages, not bunched, and the prompt is as full
+    # as the records-only one
+    assert sum(len(p) > 200 for p in re.split(r"^.+ => .+$", sparse.prompt, flags=re.M)) >= 3
+    assert abs(sparse.input_ids.numel() - dense.input_ids.numel()) <= 80
+    with pytest.raises(ValueError, match="--extract-density"):
+        extract.generate("extract_digits", tokenizer, 4096, 1, seed=5, density=0.0)
 
 
 def test_block_size_is_honoured(tokenizer):
