@@ -24,8 +24,8 @@ from typing import Any, Literal, Optional
 
 from kvtier.configcheck import (
     CODECS, GROUP_SIZES, MAX_KEY_OUTLIERS, MAX_TOKENS, MIN_SEGMENT_BYTES, PRECISION_CODECS,
-    RENAMED_FIELDS, Derived, check_fields, check_int, check_remote_url, check_whole_blocks, derive, plain,
-    read_toml, renamed_fields,
+    RENAMED_FIELDS, Derived, round_up, check_fields, check_importance, check_int, check_remote_url,
+    check_sparse_budget, check_whole_blocks, derive, plain, read_toml, renamed_fields,
 )
 from kvtier.configdoc import class_doc, field_docs
 
@@ -390,7 +390,7 @@ class KVTierConfig:
         if self.low_watermark > self.high_watermark:
             raise ValueError(
                 f"low_watermark must be <= high_watermark ({self.high_watermark}); got {self.low_watermark}")
-        self._check_sparse_budget()
+        check_sparse_budget(self)
 
     # -- checks of __post_init__ across fields, one area each, in the order they run (a derived
     # value is filled before the first check that reads it) --------------------------------------
@@ -433,32 +433,7 @@ class KVTierConfig:
         if self.heavy_fraction + self.cold_fraction > 1.0:
             raise ValueError(f"cold_fraction must be <= 1 - heavy_fraction ({1 - self.heavy_fraction:g}); "
                              f"got {self.cold_fraction!r}")
-        if self.precision == "fixed":
-            return
-        if self.codec not in PRECISION_CODECS:
-            raise ValueError(f"codec must be one of {', '.join(map(repr, PRECISION_CODECS))} with "
-                             f"precision='importance'; got {self.codec!r}")
-        bits = {c: int(c[3:]) for c in PRECISION_CODECS}
-        if bits[self.heavy_codec] < bits[self.codec]:
-            raise ValueError(f"heavy_codec must have at least codec's bits ({self.codec!r}); got {self.heavy_codec!r}")
-        if bits[self.cold_codec] > bits[self.codec]:
-            raise ValueError(f"cold_codec must have at most codec's bits ({self.codec!r}); got {self.cold_codec!r}")
-        if self.policy not in ("h2o", "snapkv"):
-            raise ValueError(f"policy must be 'h2o' or 'snapkv' with precision='importance' (the attention "
-                             f"statistic it ranks blocks by); got {self.policy!r}")
-        if self.order != "compress-then-tier":
-            raise ValueError(f"order must be 'compress-then-tier' with precision='importance'; got {self.order!r}")
-        for name in ("host_codec", "disk_codec"):
-            if getattr(self, name) != self.codec:
-                raise ValueError(f"{name} must be unset (or equal codec {self.codec!r}) with "
-                                 f"precision='importance'; got {getattr(self, name)!r}")
-        if self.cold_key_outliers is not None and self.cold_codec == self.codec:
-            raise ValueError(f"cold_key_outliers must be None when cold_codec equals codec ({self.codec!r}: "
-                             f"one codec name, one encoding); got {self.cold_key_outliers!r}")
-        for name in ("key_codec", "value_codec"):
-            if getattr(self, name) not in (None, self.codec):
-                raise ValueError(f"{name} must be None (or equal codec {self.codec!r}) with "
-                                 f"precision='importance'; got {getattr(self, name)!r}")
+        check_importance(self)
 
     def _check_selection(self) -> None:
         """How sparse attention scores blocks (``digest_tokens`` filled here)."""
@@ -472,41 +447,6 @@ class KVTierConfig:
         if self.select_score != "centroid" and self.digest_tokens != self.block_tokens:
             raise ValueError(f"digest_tokens must equal block_tokens ({self.block_tokens}) unless "
                              f"select_score is 'centroid'; got {self.digest_tokens}")
-
-    def _check_sparse_budget(self) -> None:
-        """The sparse budget and its fixed parts (sink, window, one open block), filled when known."""
-        bt = self.block_tokens
-        # The sparse budget and its fixed parts are only known in tokens when device_tokens is.
-        hot = self.device_tokens if self.device_bytes is None else None
-        if self.budget_tokens is None:
-            if hot is not None:
-                derive(self, "budget_tokens", hot)
-        else:
-            if self.budget_tokens < bt:
-                raise ValueError(f"budget_tokens must be >= block_tokens ({bt}); got {self.budget_tokens}")
-            check_whole_blocks(self, "budget_tokens", self.budget_tokens, bt)
-            if hot is not None and self.budget_tokens > hot:
-                raise ValueError(
-                    f"budget_tokens must be <= device_tokens ({hot}): the attended blocks are resident "
-                    f"in L1 while attention runs; got {self.budget_tokens}")
-        budget = self.budget_tokens
-        for name in ("sink_tokens", "window_tokens"):
-            if getattr(self, name) is not None:
-                check_whole_blocks(self, name, getattr(self, name), bt)
-        if budget is None:
-            # device_bytes without budget_tokens: the store fills the defaults once it knows the budget
-            return
-        sink, window = self.sink_window(budget)
-        if self.sink_tokens is None:
-            derive(self, "sink_tokens", sink)
-        if self.window_tokens is None:
-            derive(self, "window_tokens", window)
-        fixed = _round_up(self.sink_tokens, bt) + _round_up(self.window_tokens, bt) + bt
-        if budget < fixed:
-            raise ValueError(
-                f"budget_tokens must be >= sink_tokens + window_tokens + one open block "
-                f"(= {fixed} with block_tokens={bt}); got {budget}")
-
 
     def role_codec(self, name: str, role: str) -> str:
         """The codec ``role`` (``"key"`` or ``"value"``) is stored in where a tier stores codec
@@ -576,7 +516,7 @@ class KVTierConfig:
             sink = bt if budget_tokens >= 2 * bt else 0
         window = self.window_tokens
         if window is None:
-            room = max(0, budget_tokens - bt - _round_up(sink, bt))
+            room = max(0, budget_tokens - bt - round_up(sink, bt))
             window = min(2 * bt, (room // 2 // bt) * bt)
         return sink, window
 
@@ -637,10 +577,6 @@ KVTierConfig.__init__ = _init
 # help(KVTierConfig) and pydoc show what each field means: the docstring under each field is in
 # the source only, so the class docstring is built from it (the parser tools/config_doc.py uses).
 KVTierConfig.__doc__ = class_doc(KVTierConfig.__doc__, field_docs(Path(__file__).read_text(), "KVTierConfig"))
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
 
 
 __all__ = ["KVTierConfig", "CODECS", "MAX_KEY_OUTLIERS", "LOSSLESS_CODECS", "PRECISION_CODECS", "GROUP_SIZES", "DERIVED_FIELDS",

@@ -281,3 +281,72 @@ def _union(hint: Any) -> tuple:
     if get_origin(hint) in (typing.Union, types.UnionType):
         return get_args(hint)
     return (hint,)
+
+
+def check_importance(cfg: Any) -> None:
+    """``precision='importance'``: codecs, policy and order that fit mixed precision."""
+    if cfg.precision == "fixed":
+        return
+    if cfg.codec not in PRECISION_CODECS:
+        raise ValueError(f"codec must be one of {', '.join(map(repr, PRECISION_CODECS))} with "
+                         f"precision='importance'; got {cfg.codec!r}")
+    bits = {c: int(c[3:]) for c in PRECISION_CODECS}
+    if bits[cfg.heavy_codec] < bits[cfg.codec]:
+        raise ValueError(f"heavy_codec must have at least codec's bits ({cfg.codec!r}); got {cfg.heavy_codec!r}")
+    if bits[cfg.cold_codec] > bits[cfg.codec]:
+        raise ValueError(f"cold_codec must have at most codec's bits ({cfg.codec!r}); got {cfg.cold_codec!r}")
+    if cfg.policy not in ("h2o", "snapkv"):
+        raise ValueError(f"policy must be 'h2o' or 'snapkv' with precision='importance' (the attention "
+                         f"statistic it ranks blocks by); got {cfg.policy!r}")
+    if cfg.order != "compress-then-tier":
+        raise ValueError(f"order must be 'compress-then-tier' with precision='importance'; got {cfg.order!r}")
+    for name in ("host_codec", "disk_codec"):
+        if getattr(cfg, name) != cfg.codec:
+            raise ValueError(f"{name} must be unset (or equal codec {cfg.codec!r}) with "
+                             f"precision='importance'; got {getattr(cfg, name)!r}")
+    if cfg.cold_key_outliers is not None and cfg.cold_codec == cfg.codec:
+        raise ValueError(f"cold_key_outliers must be None when cold_codec equals codec ({cfg.codec!r}: "
+                         f"one codec name, one encoding); got {cfg.cold_key_outliers!r}")
+    for name in ("key_codec", "value_codec"):
+        if getattr(cfg, name) not in (None, cfg.codec):
+            raise ValueError(f"{name} must be None (or equal codec {cfg.codec!r}) with "
+                             f"precision='importance'; got {getattr(cfg, name)!r}")
+
+
+def check_sparse_budget(cfg: Any) -> None:
+    """The sparse budget and its fixed parts (sink, window, one open block), filled when known."""
+    bt = cfg.block_tokens
+    # The sparse budget and its fixed parts are only known in tokens when device_tokens is.
+    hot = cfg.device_tokens if cfg.device_bytes is None else None
+    if cfg.budget_tokens is None:
+        if hot is not None:
+            derive(cfg, "budget_tokens", hot)
+    else:
+        if cfg.budget_tokens < bt:
+            raise ValueError(f"budget_tokens must be >= block_tokens ({bt}); got {cfg.budget_tokens}")
+        check_whole_blocks(cfg, "budget_tokens", cfg.budget_tokens, bt)
+        if hot is not None and cfg.budget_tokens > hot:
+            raise ValueError(
+                f"budget_tokens must be <= device_tokens ({hot}): the attended blocks are resident "
+                f"in L1 while attention runs; got {cfg.budget_tokens}")
+    budget = cfg.budget_tokens
+    for name in ("sink_tokens", "window_tokens"):
+        if getattr(cfg, name) is not None:
+            check_whole_blocks(cfg, name, getattr(cfg, name), bt)
+    if budget is None:
+        # device_bytes without budget_tokens: the store fills the defaults once it knows the budget
+        return
+    sink, window = cfg.sink_window(budget)
+    if cfg.sink_tokens is None:
+        derive(cfg, "sink_tokens", sink)
+    if cfg.window_tokens is None:
+        derive(cfg, "window_tokens", window)
+    fixed = round_up(cfg.sink_tokens, bt) + round_up(cfg.window_tokens, bt) + bt
+    if budget < fixed:
+        raise ValueError(
+            f"budget_tokens must be >= sink_tokens + window_tokens + one open block "
+            f"(= {fixed} with block_tokens={bt}); got {budget}")
+
+
+def round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
