@@ -17,5 +17,10 @@ for a model and switches the model to kvtier's attention (``kvtier.attach`` and
  takeover.py   TieredCache.wrap: a filled DynamicCache moved into the tiers
  persist.py    TieredCache.save / load: one conversation as an HDF5 file
 ```
+In both modes a multi-token step over tokens already cached (the prefill after ``load_prefix``, a
+chunked prefill, a speculative verification) may attend in two unmasked passes merged by
+log-sum-exp instead of one SDPA over an explicit mask (``Handover(SPLIT)``,
+:func:`.attention.split_prefix_attention`; only when the mask is exactly causal).
+
 Nothing here imports vLLM; :mod:`kvtier.vllm` is the connector for vLLM.
 """

@@ -17,11 +17,6 @@ layer finishes when its attention has what it needs (dense mode: at ``update``, 
 being a copy; sparse mode: after kvtier's attention), and the store's step boundary (eviction,
 async swap-out, prefetch) runs when the last layer finishes (:mod:`.handover`).
 
-In both modes a multi-token step over tokens already cached (the prefill after ``load_prefix``, a
-chunked prefill, a speculative verification) may attend in two unmasked passes merged by
-log-sum-exp instead of one SDPA over an explicit mask (``Handover(SPLIT)``,
-:func:`kvtier.hf.attention.split_prefix_attention`; only when the mask is exactly causal).
-
 A forward that fails anywhere leaves no trace (:mod:`.steps`); hand-overs travel in that forward's
 own attention kwargs, so nothing of it can reach a later forward of this or any other cache.
 Prefix reuse (:mod:`.prefix`): full blocks get content-addressed keys from the token ids of what
