@@ -51,7 +51,7 @@ def main(argv=None) -> int:
             samples += extract.generate(t, tok, a.context, a.samples, seed=42 + a.seed)
         else:
             samples += ruler.generate(t, tok, model_dir(a.model), a.context, a.samples, seed=42 + a.seed)
-    spec = _kv("sparse", codec="int4", attention="sparse", hot_fraction=a.hot, host_fraction=0.02, policy="lru",
+    spec = _kv("sparse", codec="int4", attention="sparse", device_fraction=a.hot, host_fraction=0.02, policy="lru",
                **json.loads(a.params))
     calls = []
     orig = KVStore.select

@@ -12,7 +12,7 @@ of sparse settings at one L1 = budget fraction, every setting from the same shar
                  windows, and its 95% bootstrap interval (windows resampled in pairs, seeded)
 
 The settings are kvtier rows of :mod:`kvtier.eval.sweep` (``CacheSpec`` params: KVTierConfig
-fields plus ``hot_fraction`` / ``host_fraction``); "default" is ``KVTierConfig``'s defaults with
+fields plus ``device_fraction`` / ``host_fraction``); "default" is ``KVTierConfig``'s defaults with
 only ``attention="sparse"`` and L1 set, so the table says what a user who changes nothing else
 gets. L2 holds 2% of the context's 16-bit KV, so most evicted blocks live on L3.
 
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     if args.policy:
         rows = [(n, {"policy": args.policy, **p}) for n, p in rows]
     specs = [CacheSpec(f"{name} L1={f:.1%}", "kvtier",
-                       dict(params, hot_fraction=f, host_fraction=args.host_fraction, write_through=False,
+                       dict(params, device_fraction=f, host_fraction=args.host_fraction, write_through=False,
                             disk_bytes=1 << 30))
              for f in fractions for name, params in rows]
     for s in specs:

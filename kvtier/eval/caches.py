@@ -24,6 +24,7 @@ import os
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +35,7 @@ KINDS = ANCHOR_KINDS + ("kvtier",)
 _QUANT_KEYS = {"nbits", "q_group_size", "residual_length", "axis_key", "axis_value"}
 _QUANT_BITS = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}
 _DROP_KEYS = {"budget_fraction", "budget_tokens", "sink_tokens", "window_tokens", "pool_kernel"}
-_SWEEP_KEYS = {"hot_fraction", "host_fraction", "streaming"}
+_SWEEP_KEYS = {"device_fraction", "hot_fraction", "host_fraction", "streaming"}
 
 
 @dataclass(frozen=True)
@@ -51,9 +52,9 @@ class CacheSpec:
             streaming/snapkv: ``budget_fraction`` (tokens kept as a fraction of the context) or
             ``budget_tokens``, ``sink_tokens`` (streaming, default 4), ``window_tokens`` (snapkv's
             observation window, default 32); for kvtier: KVTierConfig fields, plus three of the
-            sweep's own: ``hot_fraction`` sizes ``device_tokens`` (and, when absent,
-            ``budget_tokens``) as a fraction of the context length, ``host_fraction`` sizes
-            ``host_bytes`` as a fraction of the context's 16-bit KV, and ``streaming = true``
+            sweep's own: ``device_fraction`` (formerly ``hot_fraction``, still read) sizes
+            ``device_tokens`` (and, when absent, ``budget_tokens``) as a fraction of the context
+            length, ``host_fraction`` sizes ``host_bytes`` as a fraction of the context's 16-bit KV, and ``streaming = true``
             makes sink + recent window fill the whole budget.
     """
 
@@ -100,7 +101,7 @@ class CacheSpec:
             for ctx in contexts:
                 _drop_budget(self, ctx)
         elif self.kind == "kvtier":
-            for key in ("hot_fraction", "host_fraction"):
+            for key in ("device_fraction", "hot_fraction", "host_fraction"):
                 if key in p:
                     _fraction(where, key, p[key])
             for ctx in contexts:
@@ -133,12 +134,26 @@ def snapkv_window_tokens(spec: CacheSpec, context: int) -> int:
     return max(1, min(spec.params.get("window_tokens", 32), _drop_budget(spec, context) // 2))
 
 
+def _device_fraction(spec: CacheSpec, p: dict):
+    """Pop the L1 share of a kvtier row from ``p``: ``device_fraction``, or its former name
+    ``hot_fraction`` (still read, with a DeprecationWarning, so saved row files keep working)."""
+    old = p.pop("hot_fraction", None)
+    new = p.pop("device_fraction", None)
+    if old is None:
+        return new
+    if new is not None:
+        raise ValueError(f"config {spec.name!r}: set device_fraction only (hot_fraction is its former name)")
+    warnings.warn(f"config {spec.name!r}: hot_fraction is now device_fraction (the L1 share of the context)",
+                  DeprecationWarning, stacklevel=3)
+    return old
+
+
 def kvtier_config(spec: CacheSpec, context: int, model_config=None, disk_path: str | None = None):
     """The KVTierConfig of a kvtier row at ``context`` tokens (sweep fractions resolved)."""
     from kvtier.config import KVTierConfig, default_block_tokens
 
     p = dict(spec.params)
-    hot_fraction = p.pop("hot_fraction", None)
+    device_fraction = _device_fraction(spec, p)
     host_fraction = p.pop("host_fraction", None)
     streaming = p.pop("streaming", False)
     block = p.get("block_tokens") or default_block_tokens(p.get("attention", KVTierConfig.attention))
@@ -146,10 +161,10 @@ def kvtier_config(spec: CacheSpec, context: int, model_config=None, disk_path: s
         # L2 sized as a fraction of the context's KV at 16 bits: the rest spills to L3
         per_token = _kv_bytes_per_token(model_config) if model_config is not None else 2 * 30 * 3 * 64 * 2
         p["host_bytes"] = max(1 << 20, int(host_fraction * context * per_token))
-    if hot_fraction is not None:
-        hot = max(block, int(hot_fraction * context) // block * block)
-        p["device_tokens"] = hot
-        p.setdefault("budget_tokens", hot)
+    if device_fraction is not None:
+        l1 = max(block, int(device_fraction * context) // block * block)
+        p["device_tokens"] = l1
+        p.setdefault("budget_tokens", l1)
     if streaming:
         # StreamingLLM inside kvtier: one sink block and a recent window fill the whole budget,
         # so no evicted block is ever selected again (the contrast to kvtier's recall)

@@ -7,7 +7,7 @@ Configurations come from the built-in lists below or from a TOML file::
     kind = "kvtier"            # dynamic | offloaded | quanto | hqq | streaming | snapkv | kvtier
     codec = "int4"             # any other key is passed on (KVTierConfig fields for kvtier,
     attention = "sparse"       # nbits / q_group_size / residual_length for quanto and hqq)
-    hot_fraction = 0.25        # kvtier: L1 (device_tokens) as a fraction of the context
+    device_fraction = 0.25        # kvtier: L1 (device_tokens) as a fraction of the context
 
 The first configuration whose kind is ``dynamic`` is the reference; one is added if none is given.
 Every configuration is checked (:meth:`CacheSpec.check`) before any model loads.
@@ -48,17 +48,17 @@ def quick_configs() -> list[CacheSpec]:
         REFERENCE,
         CacheSpec("quanto int4", "quanto", {"nbits": 4}),
         CacheSpec("hqq int4", "hqq", {"nbits": 4}),
-        _kv("kvtier int8 dense L1=25%", codec="int8", attention="dense", hot_fraction=0.25, policy="lru"),
-        _kv("kvtier int4 dense L1=25%", codec="int4", attention="dense", hot_fraction=0.25, policy="lru"),
-        _kv("kvtier int4 sparse L1=25%", codec="int4", attention="sparse", hot_fraction=0.25, policy="h2o"),
-        _kv("kvtier int4 sparse L1=10%", codec="int4", attention="sparse", hot_fraction=0.10, policy="h2o"),
+        _kv("kvtier int8 dense L1=25%", codec="int8", attention="dense", device_fraction=0.25, policy="lru"),
+        _kv("kvtier int4 dense L1=25%", codec="int4", attention="dense", device_fraction=0.25, policy="lru"),
+        _kv("kvtier int4 sparse L1=25%", codec="int4", attention="sparse", device_fraction=0.25, policy="h2o"),
+        _kv("kvtier int4 sparse L1=10%", codec="int4", attention="sparse", device_fraction=0.10, policy="h2o"),
         # one bf16 key centroid per 16-token block instead of the default int8 one per 2 tokens:
         # 0.28x the digest bytes, and a matching key averaged away by 15 others
-        _kv("kvtier int4 sparse L1=10% d16", codec="int4", attention="sparse", hot_fraction=0.10, policy="h2o",
+        _kv("kvtier int4 sparse L1=10% d16", codec="int4", attention="sparse", device_fraction=0.10, policy="h2o",
             digest_tokens=16, digest_dtype="kv"),
         _kv("kvtier int4 t2c sparse L1=25%", codec="int4", order="tier-then-compress", attention="sparse",
-            hot_fraction=0.25, policy="h2o"),
-        _kv("sink-window int4 (no recall)", codec="int4", attention="sparse", hot_fraction=0.10,
+            device_fraction=0.25, policy="h2o"),
+        _kv("sink-window int4 (no recall)", codec="int4", attention="sparse", device_fraction=0.10,
             policy="sink-window", streaming=True),
         # bytes-lean: 64-token blocks so keys' per-channel groups span 64 tokens (in 16-token
         # blocks they span 16 and scales cost ~4x more), L1 = the open block only, and zstd on the
@@ -91,14 +91,14 @@ def ruler_configs(l1_fractions=SPARSE_L1) -> list[CacheSpec]:
     out.append(CacheSpec("quanto int4", "quanto", {"nbits": 4}))
     out.append(CacheSpec("quanto int2", "quanto", {"nbits": 2}))
     for f in l1_fractions:
-        out.append(_kv(f"kvtier int4 sparse L1={f:.1%}", codec="int4", attention="sparse", hot_fraction=f,
+        out.append(_kv(f"kvtier int4 sparse L1={f:.1%}", codec="int4", attention="sparse", device_fraction=f,
                        host_fraction=0.02, policy="lru"))
     # one centroid per 16-token block: a needle that straddles two blocks is a few tokens of
     # each, averaged away among 16 (RULER niah_single_2 at 32k: the 16-token digest read 4 of its
     # 7 digits at L1 = 3% and 6 at 12.5%; per 4 tokens, all 7 at 3%)
-    out.append(_kv("kvtier int4 sparse L1=3.0% d16", codec="int4", attention="sparse", hot_fraction=0.03,
+    out.append(_kv("kvtier int4 sparse L1=3.0% d16", codec="int4", attention="sparse", device_fraction=0.03,
                    host_fraction=0.02, policy="lru", digest_tokens=16, digest_dtype="kv"))
-    out.append(_kv("kvtier int4 dense", codec="int4", attention="dense", hot_fraction=0.03, host_fraction=0.02,
+    out.append(_kv("kvtier int4 dense", codec="int4", attention="dense", device_fraction=0.03, host_fraction=0.02,
                    policy="lru"))
     return out
 
@@ -118,20 +118,20 @@ def full_configs() -> list[CacheSpec]:
         CacheSpec("dynamic offloaded", "offloaded"),
     ]
     for codec in ("int2", "nf4"):
-        out.append(_kv(f"kvtier {codec} sparse L1=25%", codec=codec, attention="sparse", hot_fraction=0.25,
+        out.append(_kv(f"kvtier {codec} sparse L1=25%", codec=codec, attention="sparse", device_fraction=0.25,
                        policy="h2o"))
     for policy in ("lru", "snapkv"):
         out.append(_kv(f"kvtier int4 sparse {policy} L1=25%", codec="int4", attention="sparse",
-                       hot_fraction=0.25, policy=policy))
-    out.append(_kv("kvtier int8 sparse L1=50%", codec="int8", attention="sparse", hot_fraction=0.5, policy="h2o"))
+                       device_fraction=0.25, policy=policy))
+    out.append(_kv("kvtier int8 sparse L1=50%", codec="int8", attention="sparse", device_fraction=0.5, policy="h2o"))
     # precision that follows importance against the fixed int4 and int2 dense rows: the lightest
     # half of the blocks in int2, their int4 backups in L3 read back once a recall finds them heavy
-    out.append(_kv("kvtier int2 dense L1=25%", codec="int2", attention="dense", hot_fraction=0.25, policy="h2o"))
+    out.append(_kv("kvtier int2 dense L1=25%", codec="int2", attention="dense", device_fraction=0.25, policy="h2o"))
     out.append(_kv("kvtier importance int4/int2 dense L1=25%", codec="int4", attention="dense",
-                   hot_fraction=0.25, policy="h2o", precision="importance", heavy_fraction=0.0,
+                   device_fraction=0.25, policy="h2o", precision="importance", heavy_fraction=0.0,
                    cold_fraction=0.5))
     out.append(_kv("kvtier int8 t2c dense L1=10%", codec="int8", order="tier-then-compress", attention="dense",
-                   hot_fraction=0.10, policy="lru"))
+                   device_fraction=0.10, policy="lru"))
     return out
 
 

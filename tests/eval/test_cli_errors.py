@@ -79,3 +79,18 @@ def test_gguf_path_positions_read_before_the_model_loads(capsys, tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file" * 16)
     assert "cannot read it as a GGUF file" in _err(capsys, "--model", str(bad))
+
+
+def test_a_row_with_the_former_hot_fraction_builds_the_same_config_and_warns():
+    import warnings
+
+    from kvtier.eval.caches import CacheSpec, kvtier_config
+
+    new = kvtier_config(CacheSpec("r", "kvtier", {"device_fraction": 0.25, "attention": "sparse"}), 4096)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = kvtier_config(CacheSpec("r", "kvtier", {"hot_fraction": 0.25, "attention": "sparse"}), 4096)
+    assert old == new and new.device_tokens == 1024
+    assert any(issubclass(w.category, DeprecationWarning) and "device_fraction" in str(w.message) for w in caught)
+    with pytest.raises(ValueError, match="set device_fraction only"):
+        kvtier_config(CacheSpec("r", "kvtier", {"hot_fraction": 0.25, "device_fraction": 0.25}), 4096)
