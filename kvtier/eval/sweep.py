@@ -7,7 +7,7 @@ Configurations come from the built-in lists below or from a TOML file::
     kind = "kvtier"            # dynamic | offloaded | quanto | hqq | streaming | snapkv | kvtier
     codec = "int4"             # any other key is passed on (KVTierConfig fields for kvtier,
     attention = "sparse"       # nbits / q_group_size / residual_length for quanto and hqq)
-    device_fraction = 0.25        # kvtier: L1 (device_tokens) as a fraction of the context
+    device_fraction = 0.25     # kvtier: L1 (device_tokens) as a fraction of the context
 
 The first configuration whose kind is ``dynamic`` is the reference; one is added if none is given.
 Every configuration is checked (:meth:`CacheSpec.check`) before any model loads.
