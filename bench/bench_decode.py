@@ -138,7 +138,9 @@ def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: f
     hot = max(4 * block_tokens, int(context * l1_fraction) // block_tokens * block_tokens)
     cfg = model.config
     kv_bytes_fp16 = 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * cfg.num_hidden_layers
-    cfg = KVTierConfig(block_tokens=block_tokens, hot_tokens=hot, max_sequences=1,
+    # L1's field is device_tokens; an older tree run with --base knows it as hot_tokens
+    l1_field = "device_tokens" if "device_tokens" in KVTierConfig.__dataclass_fields__ else "hot_tokens"
+    cfg = KVTierConfig(block_tokens=block_tokens, **{l1_field: hot}, max_sequences=1,
                        host_bytes=max(1 << 20, int(1.25 * (context + 256) * kv_bytes_fp16)),
                        disk_path=None, codec=codec, group_size=32, policy=policy, attention=attention,
                        budget_tokens=hot if attention == "sparse" else None)
