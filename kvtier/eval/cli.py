@@ -245,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvtier import __version__
-    from kvtier.eval import report, ruler
+    from kvtier.eval import kvpress_rows, report, ruler
     from kvtier.eval.caches import warm_up
     from kvtier.eval.data import probe_windows, text_windows, tokenize
     from kvtier.eval.runner import run_all
@@ -331,15 +331,6 @@ def run(args: argparse.Namespace) -> int:
             samples = tasks[ctx]
             bar = progress.add_task(f"context {ctx}", total=len(samples) * len(specs))
             per_spec: list[list] = [[] for _ in specs]
-            pressed = {}
-            if external:
-                from kvtier.eval import kvpress_rows
-
-                say(f"context {ctx}: kvpress rows in {plan.kvpress_python}")
-                pressed = kvpress_rows.run(external, samples, tok, model_dir(args.model), str(dtype).removeprefix("torch."),
-                                           torch.get_num_threads(), args.max_new_tokens,
-                                           say=lambda m: progress.console.print(m))
-                progress.update(bar, advance=len(samples) * len(external))
 
             def tick(r, bar=bar, ctx=ctx):
                 name = getattr(r, "spec", None) and r.spec.name
@@ -348,10 +339,18 @@ def run(args: argparse.Namespace) -> int:
                     f"({progress.tasks[bar].completed:.0f}/{progress.tasks[bar].total:.0f})")
 
             for done, sample in enumerate(samples, 1):
+                pressed = {}
+                if external:
+                    # one run of the kvpress venv per sample (a model load is seconds, a prefill
+                    # minutes), so the partial results written after each sample hold every row
+                    pressed = kvpress_rows.run(external, [sample], tok, model_dir(args.model),
+                                               str(dtype).removeprefix("torch."), torch.get_num_threads(),
+                                               args.max_new_tokens, say=progress.console.print)
+                    progress.update(bar, advance=len(external))
                 ran = iter(run_all(model, in_process, sample, Path(tmp), tokenizer=tok,
                                    max_new_tokens=args.max_new_tokens, on_result=tick,
                                    prefill_cache=plan.prefill_cache))
-                results = [pressed[s.name][done - 1] if s.kind == "kvpress" else next(ran) for s in specs]
+                results = [pressed[s.name][0] if s.kind == "kvpress" else next(ran) for s in specs]
                 for i, r in enumerate(results):
                     per_spec[i].append(r)
                 ref = per_spec[0]

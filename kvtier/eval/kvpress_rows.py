@@ -122,9 +122,12 @@ def results(specs: list[CacheSpec], samples: list, lines: list[str], tokenizer) 
         spec, sample = by_spec[row["name"]], samples[row["sample"]]
         text = tokenizer.decode([t for t in row["tokens"] if t not in stop], skip_special_tokens=True)
         tokens = sample.input_ids.numel() + max(1, len(row["step_s"]))
-        b = float(row["kv_bytes"])
+        # bytes of the entries attention sees; KVzip's evicted entries are masked, not freed, by
+        # kvpress (held_bytes_per_token says what its cache really holds)
+        b, held = float(row["kv_bytes"]), float(row.get("held_bytes", row["kv_bytes"]))
         footprint = {"l1_bytes_per_token": b / tokens, "l2_bytes_per_token": 0.0, "l3_bytes_per_token": 0.0,
-                     "total_bytes_per_token": b / tokens, "peak_l1_bytes": b}
+                     "total_bytes_per_token": b / tokens, "peak_l1_bytes": held,
+                     "held_bytes_per_token": held / tokens, "kept_context_tokens": float(row["kept_tokens"])}
         got[spec.name][row["sample"]] = Result(spec, sample, list(row["step_s"]), float(row["prefill_s"]), 0.0,
                                                footprint, {}, prediction=text, score=ruler.score(sample, text),
                                                tokens=list(row["tokens"]))

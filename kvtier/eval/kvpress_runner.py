@@ -9,8 +9,9 @@ of its own, started by :mod:`kvtier.eval.kvpress_rows` as ``python -I kvpress_ru
                  ([{"input_ids", "question_start", "max_new_tokens"}]: token ids exactly as kvtier
                  eval prefills them, split where RULER's question begins)
     OUT  (JSON lines): one line per (press, sample), written as each finishes:
-                 {"name", "sample", "tokens", "prefill_s", "step_s", "kv_bytes", "kept_tokens",
-                  "context_tokens", "question_tokens"}
+                 {"name", "sample", "tokens", "prefill_s", "step_s", "kv_bytes" (entries attention
+                  sees), "held_bytes" (entries the cache holds), "kept_tokens" (context tokens kept
+                  per layer and KV head, mean), "context_tokens", "question_tokens"}
 
 Each sample runs through kvpress's own pipeline (:class:`KVPressTextGenerationPipeline`
 ``._forward``): the press compresses the context during its prefill, the question is then
@@ -49,10 +50,22 @@ def make_press(name: str, compression_ratio: float):
     return None if cls is None else getattr(kvpress, cls)(compression_ratio=compression_ratio)
 
 
-def cache_bytes(cache) -> int:
-    """Bytes of K/V the cache holds (every layer's keys and values)."""
-    return sum(ly.keys.numel() * ly.keys.element_size() + ly.values.numel() * ly.values.element_size()
-               for ly in cache.layers)
+def cache_bytes(model, cache) -> tuple[int, int, float]:
+    """(bytes of K/V the cache holds, bytes of the entries attention can still see, mean tokens
+    kept per layer and KV head). Head-wise presses (KVzip) do not shrink the cache: kvpress masks
+    their evicted entries at attention time (``module.masked_key_indices``, its "fake
+    compression"), so what they keep is the held entries less the masked ones."""
+    held = kept = 0
+    entries = 0.0
+    for ly, layer in zip(cache.layers, model.model.layers):
+        per_entry = (ly.keys.shape[-1] * ly.keys.element_size() + ly.values.shape[-1] * ly.values.element_size())
+        n = ly.keys.shape[0] * ly.keys.shape[1] * ly.keys.shape[2]  # batch x kv_heads x tokens
+        masked = getattr(layer.self_attn, "masked_key_indices", None)
+        m = 0 if masked is None else int(masked[0].numel())
+        held += n * per_entry
+        kept += (n - m) * per_entry
+        entries += (n - m) / (ly.keys.shape[0] * ly.keys.shape[1])
+    return held, kept, entries / len(cache.layers)
 
 
 def timed_pipeline(model, tokenizer, stop_ids: set[int]):
@@ -66,7 +79,7 @@ def timed_pipeline(model, tokenizer, stop_ids: set[int]):
             # the same steps as kvpress's generate_answer, timed one by one
             rec = self.record
             rec["prefill_s"] = time.perf_counter() - rec["t0"]  # the context's prefill and compression
-            rec["kept_tokens"] = cache.get_seq_length()
+            rec["kept_tokens"] = cache_bytes(self.model, cache)[2]
             t0 = time.perf_counter()
             position_ids = torch.arange(context_length, context_length + question_ids.shape[1],
                                         device=self.model.device).unsqueeze(0)
@@ -83,7 +96,8 @@ def timed_pipeline(model, tokenizer, stop_ids: set[int]):
                                  past_key_values=cache, position_ids=position_ids + i)
                 steps.append(time.perf_counter() - t0)
                 tokens.append(int(out.logits[0, -1].argmax()))
-            rec.update(tokens=tokens, step_s=steps, kv_bytes=cache_bytes(cache))
+            rec["held_bytes"], rec["kv_bytes"], _ = cache_bytes(self.model, cache)
+            rec.update(tokens=tokens, step_s=steps)
             return tokenizer.decode(tokens, skip_special_tokens=True)
 
     return Timed(model=model, tokenizer=tokenizer)
@@ -92,6 +106,8 @@ def timed_pipeline(model, tokenizer, stop_ids: set[int]):
 @torch.inference_mode()
 def main(job_path: str, out_path: str) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+    import kvpress  # noqa: F401  (first: it patches transformers' attention functions for head-wise presses)
 
     job = json.loads(open(job_path).read())
     torch.set_num_threads(int(job["threads"]))
@@ -114,12 +130,13 @@ def main(job_path: str, out_path: str) -> int:
                               max_new_tokens=int(s["max_new_tokens"]), press=press, cache=DynamicCache())
                 r = pipe.record
                 row = {"name": name, "sample": i, "tokens": r["tokens"], "prefill_s": r["prefill_s"],
-                       "step_s": r["step_s"], "kv_bytes": r["kv_bytes"], "kept_tokens": r["kept_tokens"],
+                       "step_s": r["step_s"], "kv_bytes": r["kv_bytes"], "held_bytes": r["held_bytes"],
+                       "kept_tokens": r["kept_tokens"],
                        "context_tokens": k, "question_tokens": ids.shape[1] - k}
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 print(f"kvpress: sample {i + 1}/{len(job['samples'])} {name}: prefill {r['prefill_s']:.1f} s, "
-                      f"kept {r['kept_tokens']}/{k} context tokens, {len(r['tokens'])} tokens",
+                      f"kept {r['kept_tokens']:.0f}/{k} context tokens, {len(r['tokens'])} tokens",
                       file=sys.stderr, flush=True)
     return 0
 
