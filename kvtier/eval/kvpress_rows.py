@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 from kvtier.eval.caches import CacheSpec
+from kvtier.eval.runner import Result, stop_tokens
 
 # kvtier eval's press names (the runner maps them to kvpress classes) and their row labels
 PRESSES = {
@@ -85,22 +86,11 @@ def question_start(sample, tokenizer) -> int:
     return next(i for i, (start, _) in enumerate(enc["offset_mapping"]) if start >= at + 1)
 
 
-def stop_ids(tokenizer) -> list[int]:
-    """The tokens that end an answer: EOS and the chat end-of-turn (as runner._greedy stops)."""
-    eos = tokenizer.eos_token_id
-    stop = set(eos if isinstance(eos, list) else [eos])
-    end_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if end_turn is not None and end_turn != tokenizer.unk_token_id:
-        stop.add(end_turn)
-    stop.discard(None)
-    return sorted(stop)
-
-
 def job(specs: list[CacheSpec], samples: list, tokenizer, model_dir: Path, dtype: str, threads: int,
         max_new_tokens: int | None = None) -> dict:
     """The runner's job: what to load, which presses, and every sample split at its question."""
     return {
-        "model_dir": str(model_dir), "dtype": dtype, "threads": threads, "stop_ids": stop_ids(tokenizer),
+        "model_dir": str(model_dir), "dtype": dtype, "threads": threads, "stop_ids": sorted(stop_tokens(tokenizer)),
         "presses": [{"name": s.name, "press": s.params["press"], "compression_ratio": compression_ratio(s)}
                     for s in specs],
         "samples": [{"input_ids": s.input_ids.tolist(), "question_start": question_start(s, tokenizer),
@@ -110,11 +100,10 @@ def job(specs: list[CacheSpec], samples: list, tokenizer, model_dir: Path, dtype
 
 def results(specs: list[CacheSpec], samples: list, lines: list[str], tokenizer) -> dict[str, list]:
     """The runner's output as :class:`runner.Result` lists, one per spec in sample order; each
-    prediction decoded and scored as runner._greedy does."""
+    prediction decoded and scored as the in-process rows are."""
     from kvtier.eval import ruler
-    from kvtier.eval.runner import Result
 
-    stop = set(stop_ids(tokenizer))
+    stop = stop_tokens(tokenizer)
     by_spec = {s.name: s for s in specs}
     got: dict[str, dict[int, Result]] = {s.name: {} for s in specs}
     for line in lines:
