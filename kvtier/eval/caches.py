@@ -38,7 +38,7 @@ _SWEEP_KEYS = {"hot_fraction", "host_fraction", "streaming"}
 # kvpress's presses (kvtier/eval/kvpress_runner.py maps these names to its classes); "none" is its
 # pipeline without a press
 KVPRESS_PRESSES = ("snapkv", "expected_attention", "kvzip", "streaming_llm", "none")
-_KVPRESS_KEYS = {"press", "budget_fraction"}
+_KVPRESS_KEYS = {"press", "budget_fraction", "compress_question"}
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,10 @@ class CacheSpec:
             streaming/snapkv: ``budget_fraction`` (tokens kept as a fraction of the context) or
             ``budget_tokens``, ``sink_tokens`` (streaming, default 4), ``window_tokens`` (snapkv's
             observation window, default 32); for kvpress: ``press`` (one of
-            :data:`KVPRESS_PRESSES`) and ``budget_fraction`` (context tokens kept, default 0.03;
-            kvpress's ``compression_ratio`` is 1 minus it); for kvtier: KVTierConfig fields,
+            :data:`KVPRESS_PRESSES`), ``budget_fraction`` (context tokens kept, default 0.03;
+            kvpress's ``compression_ratio`` is 1 minus it) and ``compress_question`` (false:
+            kvpress's protocol, the question comes after compression; true: the press sees and
+            compresses it with the context, as kvtier's rows do); for kvtier: KVTierConfig fields,
             plus three of the sweep's own: ``hot_fraction`` sizes ``hot_tokens`` (and, when absent,
             ``budget_tokens``) as a fraction of the context length, ``host_fraction`` sizes
             ``host_bytes`` as a fraction of the context's 16-bit KV, and ``streaming = true``
@@ -114,6 +116,8 @@ class CacheSpec:
                 raise ValueError(f"{where}: press must be one of {KVPRESS_PRESSES}, got {p.get('press')!r}")
             if p["press"] == "none" and "budget_fraction" in p:
                 raise ValueError(f"{where}: press 'none' keeps every token; drop budget_fraction")
+            if not isinstance(p.get("compress_question", False), bool):
+                raise ValueError(f"{where}: compress_question must be true or false, got {p['compress_question']!r}")
             _fraction(where, "budget_fraction", p.get("budget_fraction", 0.03))
         elif self.kind == "kvtier":
             for key in ("hot_fraction", "host_fraction"):

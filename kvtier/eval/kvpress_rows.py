@@ -15,6 +15,8 @@ The split follows kvpress's own protocol (its pipeline takes a context and a que
 compresses the context during prefill, the question is prefilled uncompressed into the
 compressed cache. The budget is kvpress's ``compression_ratio = 1 - budget_fraction`` of the
 context's tokens; the question's tokens come on top and count in the row's bytes per token.
+With ``compress_question = true`` the press sees the question as part of the context (what
+kvtier's own rows and SnapKV's paper do: query-aware); only the prompt's last token follows it.
 """
 from __future__ import annotations
 
@@ -91,8 +93,8 @@ def job(specs: list[CacheSpec], samples: list, tokenizer, model_dir: Path, dtype
     """The runner's job: what to load, which presses, and every sample split at its question."""
     return {
         "model_dir": str(model_dir), "dtype": dtype, "threads": threads, "stop_ids": sorted(stop_tokens(tokenizer)),
-        "presses": [{"name": s.name, "press": s.params["press"], "compression_ratio": compression_ratio(s)}
-                    for s in specs],
+        "presses": [{"name": s.name, "press": s.params["press"], "compression_ratio": compression_ratio(s),
+                     "compress_question": bool(s.params.get("compress_question", False))} for s in specs],
         "samples": [{"input_ids": s.input_ids.tolist(), "question_start": question_start(s, tokenizer),
                      "max_new_tokens": max_new_tokens or s.max_new_tokens} for s in samples],
     }

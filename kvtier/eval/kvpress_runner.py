@@ -5,7 +5,7 @@ of its own, started by :mod:`kvtier.eval.kvpress_rows` as ``python -I kvpress_ru
 (``-I``: this file's directory, which holds kvtier's modules, is not put on ``sys.path``).
 
     JOB  (JSON): model directory, dtype, threads, stop token ids, the presses
-                 ([{"name", "press", "compression_ratio"}]) and the samples
+                 ([{"name", "press", "compression_ratio", "compress_question"}]) and the samples
                  ([{"input_ids", "question_start", "max_new_tokens"}]: token ids exactly as kvtier
                  eval prefills them, split where RULER's question begins)
     OUT  (JSON lines): one line per (press, sample), written as each finishes:
@@ -118,12 +118,15 @@ def main(job_path: str, out_path: str) -> int:
     eos = model.generation_config.eos_token_id
     stop = set(job["stop_ids"]) | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
     pipe = timed_pipeline(model, tokenizer, stop)
-    presses = [(p["name"], make_press(p["press"], float(p["compression_ratio"]))) for p in job["presses"]]
+    presses = [(p["name"], make_press(p["press"], float(p["compression_ratio"])), bool(p.get("compress_question")))
+               for p in job["presses"]]
     with open(out_path, "a") as out:
         for i, s in enumerate(job["samples"]):
             ids = torch.tensor(s["input_ids"], dtype=torch.long).view(1, -1)
-            k = int(s["question_start"])
-            for name, press in presses:
+            for name, press, compress_question in presses:
+                # compress_question: the press sees (and compresses) the question with the context;
+                # only the prompt's last token is prefilled after it, to give the first answer token
+                k = ids.shape[1] - 1 if compress_question else int(s["question_start"])
                 pipe.record.clear()
                 pipe.record["t0"] = time.perf_counter()
                 pipe._forward({"context_ids": ids[:, :k], "questions_ids": [ids[:, k:]]},

@@ -97,6 +97,12 @@ def test_question_split_keeps_the_samples_tokens(tokenizer):
     assert job["samples"][0]["input_ids"] == s.input_ids.tolist() and job["samples"][0]["question_start"] == k
     assert set(job["stop_ids"]) >= {tokenizer.eos_token_id}
     assert [p["compression_ratio"] for p in job["presses"]][1] == pytest.approx(0.97)
+    assert not any(p["compress_question"] for p in job["presses"])
+    aware = CacheSpec("q", "kvpress", {"press": "snapkv", "compress_question": True})
+    aware.check([8192])
+    assert kvpress_rows.job([aware], [s], tokenizer, Path("/m"), "float32", 1)["presses"][0]["compress_question"]
+    with pytest.raises(ValueError, match="compress_question must be true or false"):
+        CacheSpec("q", "kvpress", {"press": "snapkv", "compress_question": "yes"}).check([8192])
 
 
 def _ref_result(sample, tokenizer, score):
