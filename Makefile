@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-vllm bench-smoke research-smoke system-deps clean
+.PHONY: demo test test-vllm kvpress-venv test-kvpress bench-smoke research-smoke system-deps clean
 
 # The remote-tier tests run a real redis-server on loopback (Debian package) and a real Mooncake
 # Store, whose client library needs libibverbs1 and librdmacm1 even over TCP.
@@ -64,6 +64,26 @@ test-vllm: $(VLLM_STAMP) system-deps
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) bench/vllm_ttft.py --smoke
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_PY) -m pytest -q -ra tests_vllm
 
+# kvpress has its own venv too: kvpress 0.5.5 pins transformers<5.3 (the main venv has 5.x, where
+# its presses fail at run time). `kvtier eval --anchors kvpress` runs kvtier/eval/kvpress_runner.py
+# with this venv's python; nothing in the main venv imports kvpress.
+KVPRESS_VENV := .venv-kvpress
+KVPRESS_PY := $(KVPRESS_VENV)/bin/python
+KVPRESS_STAMP := $(KVPRESS_VENV)/.installed
+
+$(KVPRESS_STAMP): Makefile requirements/kvpress.txt
+	$(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_PY) -m pip install -q --upgrade pip
+	$(KVPRESS_PY) -m pip install -q torch==2.13.0
+	$(KVPRESS_PY) -m pip install -q torch==2.13.0 -r requirements/kvpress.txt
+	touch $(KVPRESS_STAMP)
+
+kvpress-venv: $(KVPRESS_STAMP)
+
+# kvpress's presses on SmolLM2 through `kvtier eval --anchors kvpress` (tests_kvpress/).
+test-kvpress: $(STAMP) $(KVPRESS_STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -ra tests_kvpress
+
 bench-smoke: $(STAMP)
 	@set -e; for b in bench/bench_*.py; do echo "== $$b --smoke"; $(PY) $$b --smoke; done
 
@@ -79,4 +99,4 @@ research-smoke: $(STAMP) system-deps
 	OMP_NUM_THREADS=1 $(PY) research/sparse_sweep.py --smoke
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) results kvtier-cache
+	rm -rf $(VENV) $(VLLM_VENV) $(KVPRESS_VENV) results kvtier-cache

@@ -92,6 +92,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens", 1, 4096), default=None,
                    help="ruler suite: cap on generated tokens (default: each task's RULER limit)")
     p.add_argument("--configs", default=None, help="TOML file of [[config]] tables (see kvtier/eval/sweep.py)")
+    p.add_argument("--anchors", choices=("kvpress",), default=None,
+                   help="ruler suite: add kvpress's presses (SnapKV, ExpectedAttention, KVzip, StreamingLLM at "
+                        "3%% of the context, and its pipeline without a press) as anchor rows, run by kvpress's own "
+                        "code in its own venv (`make kvpress-venv`: kvpress pins transformers<5.3) on the same samples")
     p.add_argument("--only", default=None, help="comma-separated substrings: keep configs whose name contains one")
     p.add_argument("--no-probe", action="store_true", help="skip the recall-probe windows")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
@@ -161,6 +165,18 @@ class _Plan:
             specs = demo_configs() if args.demo else ruler_configs()
         else:
             specs = quick_configs() if args.quick else full_configs()
+        if args.anchors == "kvpress":
+            from kvtier.eval.kvpress_rows import kvpress_configs
+
+            specs = specs + kvpress_configs()
+        self.kvpress_python = None
+        if any(s.kind == "kvpress" for s in specs):
+            if self.suite != "ruler":
+                raise ValueError("kvpress rows (--anchors kvpress, or kind = \"kvpress\" in --configs) need "
+                                 "--suite ruler: they decode RULER answers through kvpress's pipeline")
+            from kvtier.eval.kvpress_rows import venv_python
+
+            self.kvpress_python = venv_python()  # its absence is a sentence now, not after the model loads
         if args.only:
             keep = [s.strip() for s in args.only.split(",") if s.strip()]
             chosen = [s for s in specs if s.kind != "dynamic" and any(k in s.name for k in keep)]
@@ -237,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from kvtier import __version__
-    from kvtier.eval import report, ruler
+    from kvtier.eval import kvpress_rows, report, ruler
     from kvtier.eval.caches import warm_up
     from kvtier.eval.data import probe_windows, text_windows, tokenize
     from kvtier.eval.runner import run_all
@@ -325,6 +341,8 @@ def run(args: argparse.Namespace) -> int:
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=console,
     ) as progress:
+        in_process = [s for s in specs if s.kind != "kvpress"]
+        external = [s for s in specs if s.kind == "kvpress"]
         for ctx in plan.contexts:
             samples = tasks[ctx]
             bar = progress.add_task(f"context {ctx}", total=len(samples) * len(specs))
@@ -337,9 +355,18 @@ def run(args: argparse.Namespace) -> int:
                     f"({progress.tasks[bar].completed:.0f}/{progress.tasks[bar].total:.0f})")
 
             for done, sample in enumerate(samples, 1):
-                results = run_all(model, specs, sample, Path(tmp), tokenizer=tok,
-                                  max_new_tokens=args.max_new_tokens, on_result=tick,
-                                  prefill_cache=plan.prefill_cache)
+                pressed = {}
+                if external:
+                    # one run of the kvpress venv per sample (a model load is seconds, a prefill
+                    # minutes), so the partial results written after each sample hold every row
+                    pressed = kvpress_rows.run(external, [sample], tok, model_dir(args.model),
+                                               str(dtype).removeprefix("torch."), torch.get_num_threads(),
+                                               args.max_new_tokens, say=progress.console.print)
+                    progress.update(bar, advance=len(external))
+                ran = iter(run_all(model, in_process, sample, Path(tmp), tokenizer=tok,
+                                   max_new_tokens=args.max_new_tokens, on_result=tick,
+                                   prefill_cache=plan.prefill_cache))
+                results = [pressed[s.name][0] if s.kind == "kvpress" else next(ran) for s in specs]
                 for i, r in enumerate(results):
                     per_spec[i].append(r)
                 ref = per_spec[0]

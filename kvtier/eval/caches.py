@@ -30,12 +30,16 @@ from pathlib import Path
 
 import torch
 
-ANCHOR_KINDS = ("dynamic", "offloaded", "quanto", "hqq", "streaming", "snapkv")
+ANCHOR_KINDS = ("dynamic", "offloaded", "quanto", "hqq", "streaming", "snapkv", "kvpress")
 KINDS = ANCHOR_KINDS + ("kvtier",)
 _QUANT_KEYS = {"nbits", "q_group_size", "residual_length", "axis_key", "axis_value"}
 _QUANT_BITS = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}
 _DROP_KEYS = {"budget_fraction", "budget_tokens", "sink_tokens", "window_tokens", "pool_kernel"}
 _SWEEP_KEYS = {"device_fraction", "hot_fraction", "host_fraction", "streaming"}
+# kvpress's presses (kvtier/eval/kvpress_runner.py maps these names to its classes); "none" is its
+# pipeline without a press
+KVPRESS_PRESSES = ("snapkv", "expected_attention", "kvzip", "streaming_llm", "none")
+_KVPRESS_KEYS = {"press", "budget_fraction", "compress_question"}
 
 
 @dataclass(frozen=True)
@@ -47,15 +51,20 @@ class CacheSpec:
         kind: ``dynamic`` (the exact reference), ``offloaded`` (DynamicCache with offloading),
             ``quanto``/``hqq`` (transformers' QuantizedCache backends), ``streaming``
             (StreamingLLM: sink + recent window), ``snapkv`` (SnapKV-style drop at the end of
-            prefill), or ``kvtier``.
+            prefill), ``kvpress`` (one of kvpress's presses, run in its own venv by
+            :mod:`kvtier.eval.kvpress_rows`), or ``kvtier``.
         params: for quanto/hqq: ``nbits``, ``q_group_size``, ``residual_length``; for
             streaming/snapkv: ``budget_fraction`` (tokens kept as a fraction of the context) or
             ``budget_tokens``, ``sink_tokens`` (streaming, default 4), ``window_tokens`` (snapkv's
-            observation window, default 32); for kvtier: KVTierConfig fields, plus three of the
-            sweep's own: ``device_fraction`` (formerly ``hot_fraction``, still read) sizes
-            ``device_tokens`` (and, when absent, ``budget_tokens``) as a fraction of the context
-            length, ``host_fraction`` sizes ``host_bytes`` as a fraction of the context's 16-bit KV, and ``streaming = true``
-            makes sink + recent window fill the whole budget.
+            observation window, default 32); for kvpress: ``press`` (one of
+            :data:`KVPRESS_PRESSES`), ``budget_fraction`` (context tokens kept, default 0.03;
+            kvpress's ``compression_ratio`` is 1 minus it) and ``compress_question`` (false:
+            kvpress's protocol, the question comes after compression; true: the press sees and
+            compresses it with the context, as kvtier's rows do); for kvtier: KVTierConfig fields,
+            plus three of the sweep's own: ``device_fraction`` (formerly ``hot_fraction``, still
+            read) sizes ``device_tokens`` (and, when absent, ``budget_tokens``) as a fraction of the
+            context length, ``host_fraction`` sizes ``host_bytes`` as a fraction of the context's
+            16-bit KV, and ``streaming = true`` makes sink + recent window fill the whole budget.
     """
 
     name: str
@@ -73,7 +82,7 @@ class CacheSpec:
     @property
     def reuses_prefill(self) -> bool:
         """Whether this configuration can start from the shared DynamicCache prefill exactly."""
-        if self.kind == "offloaded":
+        if self.kind in ("offloaded", "kvpress"):
             return False
         if self.kind == "kvtier":
             from kvtier.config import KVTierConfig
@@ -100,6 +109,17 @@ class CacheSpec:
             _fraction(where, "budget_fraction", p.get("budget_fraction", 0.03))
             for ctx in contexts:
                 _drop_budget(self, ctx)
+        elif self.kind == "kvpress":
+            extra = sorted(set(p) - _KVPRESS_KEYS)
+            if extra:
+                raise ValueError(f"{where}: unknown key(s) {extra} for kind 'kvpress'; allowed {sorted(_KVPRESS_KEYS)}")
+            if p.get("press") not in KVPRESS_PRESSES:
+                raise ValueError(f"{where}: press must be one of {KVPRESS_PRESSES}, got {p.get('press')!r}")
+            if p["press"] == "none" and "budget_fraction" in p:
+                raise ValueError(f"{where}: press 'none' keeps every token; drop budget_fraction")
+            if not isinstance(p.get("compress_question", False), bool):
+                raise ValueError(f"{where}: compress_question must be true or false, got {p['compress_question']!r}")
+            _fraction(where, "budget_fraction", p.get("budget_fraction", 0.03))
         elif self.kind == "kvtier":
             for key in ("device_fraction", "hot_fraction", "host_fraction"):
                 if key in p:
@@ -400,6 +420,7 @@ class Run:
         from transformers import QuantizedCache
 
         p = dict(spec.params)
+        assert spec.kind != "kvpress", "kvpress rows run in their own venv (kvpress_rows.run), not here"
         if spec.kind == "offloaded":
             # transformers' offloading moves layers between a CUDA device and the CPU on side
             # streams; on a CPU-only machine there is nothing to offload to.

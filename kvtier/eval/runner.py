@@ -117,7 +117,8 @@ def _teacher_forced(model, run, w: Window, context, first_logits) -> Result:
     return Result(run.spec, w, steps, 0.0, 0.0, {}, {}, logp=torch.log_softmax(torch.stack(logits), dim=-1))
 
 
-def _greedy(model, run, s: ruler.Sample, context, first_logits, tokenizer, limit: int) -> Result:
+def stop_tokens(tokenizer) -> set[int]:
+    """The tokens that end a RULER answer: EOS, and the chat end-of-turn token."""
     eos = tokenizer.eos_token_id
     stop = set(eos if isinstance(eos, list) else [eos])
     # chat models end a turn with their end-of-turn token, which need not be the EOS token
@@ -125,6 +126,11 @@ def _greedy(model, run, s: ruler.Sample, context, first_logits, tokenizer, limit
     if end_turn is not None and end_turn != tokenizer.unk_token_id:
         stop.add(end_turn)
     stop.discard(None)
+    return stop
+
+
+def _greedy(model, run, s: ruler.Sample, context, first_logits, tokenizer, limit: int) -> Result:
+    stop = stop_tokens(tokenizer)
     tokens, steps = [int(first_logits.argmax())], []
     while True:
         text = tokenizer.decode([t for t in tokens if t not in stop], skip_special_tokens=True)
