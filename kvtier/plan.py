@@ -11,7 +11,7 @@ Sizing (the usual serving practice: HBM:DRAM about 1:4 to 1:8, SSD as backstop):
 
 ```
  T  = concurrency x avg_seq_len              tokens live on average
- L1 = h tokens at full precision              h: the hot share
+ L1 = h tokens at full precision              h: the L1 (device) share
  L2 = (T - h) tokens encoded                  the rest of the average working set
  L2 bytes = ratio x L1 bytes  ->  h = T * bc / (ratio * bf + bc)   (bf, bc: bytes/token fp, codec)
  L3 = concurrency x max_seq_len encoded       every sequence at its longest (lz4 assumed 1.0)
@@ -28,7 +28,7 @@ and checked against the model's shape before it is printed: ``host_bytes`` holds
 block record, L3 at least two segments of at least one record each, so it is a configuration
 ``KVTierConfig`` accepts (on a machine with the planned memory).
 
-The sizing table (``seed_table``: KV per sequence at 4k / 32k / 128k tokens, and for
+The sizing table (``sizing_table``: KV per sequence at 4k / 32k / 128k tokens, and for
 ``--concurrency`` of them) is printed for the model: LLaMA-2-70B as the common back-of-envelope
 count has it (80 layers, hidden 8192, fp16, one KV head per query head: ``--layers 80 --hidden-size 8192 --heads 64``) gives 10 / 80 / 320 GiB per
 sequence and 3,200 GiB for 10 x 128k; with its real 8 KV heads (GQA, ``--kv-heads 8``) each
@@ -117,14 +117,14 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
     bc = Fraction(per_block, block_tokens)  # encoded bytes per token, exact
     live = concurrency * avg_seq_len
     if hbm_bytes is None:
-        hot = live * bc / (Fraction(ratio) * bf + bc)
+        l1_tokens = live * bc / (Fraction(ratio) * bf + bc)
     else:
         if hbm_bytes < concurrency * block_tokens * bf:
             raise ValueError(f"hbm_bytes must hold one block per sequence (>= {concurrency * block_tokens * bf:,} "
                              f"bytes here); got {hbm_bytes:,}")
-        hot = Fraction(min(live, hbm_bytes // bf))
+        l1_tokens = Fraction(min(live, hbm_bytes // bf))
     # per sequence, whole blocks, at least one and at most what the longest sequence needs
-    device_tokens = int(hot / concurrency) // block_tokens * block_tokens
+    device_tokens = int(l1_tokens / concurrency) // block_tokens * block_tokens
     device_tokens = max(block_tokens, min(device_tokens, _ceil(Fraction(max_seq_len, block_tokens)) * block_tokens))
     need_l2 = _ceil(max(Fraction(0), (live - device_tokens * concurrency) * bc))
     need_l3 = _ceil(concurrency * max_seq_len * bc)
@@ -150,7 +150,7 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
         "bytes_per_sequence": {"avg_full": bf * avg_seq_len, "max_full": bf * max_seq_len,
                                "avg_codec": _ceil(bc * avg_seq_len), "max_codec": _ceil(bc * max_seq_len)},
         "all_sequences_full": {"avg": bf * live, "max": bf * concurrency * max_seq_len},
-        "seed_table": {str(n): {"sequence": bf * n, "all_sequences": bf * n * concurrency}
+        "sizing_table": {str(n): {"sequence": bf * n, "all_sequences": bf * n * concurrency}
                        for n in _TABLE_LENGTHS},
         "tiers": {"l1_hbm_bytes": l1, "l2_dram_bytes": l2, "l3_ssd_bytes": l3,
                   "dram_to_hbm": round(float(achieved), 3), "ratio_in_range": 4 <= achieved <= 8},
@@ -172,7 +172,7 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
 SPARSE_SHARE = Fraction(3, 100)
 
 
-def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, dense_hot, dense_block, dense_cfg,
+def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, dense_l1, dense_block, dense_cfg,
                  bf) -> dict:
     """The long-context preset for this workload: L1 = 3% of the longest sequence (whole 16-token
     blocks, at least four), its L1 bytes with the key digests of every sealed block (an int8
@@ -186,9 +186,9 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
 
     probe = KVTierConfig.preset("long-context")
     bt = probe.block_tokens
-    hot = max(4 * bt, int(max_seq_len * SPARSE_SHARE) // bt * bt)
+    l1_tokens = max(4 * bt, int(max_seq_len * SPARSE_SHARE) // bt * bt)
     fields = preset_fields("long-context", {
-        "device_tokens": hot, "max_sequences": concurrency, "host_bytes": dense_cfg["host_bytes"],
+        "device_tokens": l1_tokens, "max_sequences": concurrency, "host_bytes": dense_cfg["host_bytes"],
         "disk_path": dense_cfg["disk_path"], "disk_bytes": dense_cfg["disk_bytes"],
         "disk_segment_bytes": dense_cfg["disk_segment_bytes"], "codec": dense_cfg["codec"],
         "group_size": dense_cfg["group_size"]}, lossless_codec)
@@ -196,12 +196,12 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
     check_model(cfg, layers, kv_heads, head_dim, _torch_dtype(dtype), machine=False)
     digest_tokens = cfg.digest_tokens
     digest_per_token = Fraction(layers * kv_heads * (head_dim + 4), digest_tokens)
-    l1_kv = pool_slots(hot // bt, concurrency, layers) * (bf // layers) * bt
+    l1_kv = pool_slots(l1_tokens // bt, concurrency, layers) * (bf // layers) * bt
     l1_digests = _ceil(digest_per_token * max_seq_len * concurrency)
     return {
-        "recommended": dense_hot * 4 < max_seq_len,
+        "recommended": dense_l1 * 4 < max_seq_len,
         "share": float(SPARSE_SHARE),
-        "device_tokens": hot,
+        "device_tokens": l1_tokens,
         "l1_kv_bytes": l1_kv,
         "l1_digest_bytes": l1_digests,
         "digest_bytes_per_token": round(float(digest_per_token), 3),

@@ -29,11 +29,11 @@ def _ints(obj, path=""):
             assert type(obj) is int, f"{path} = {obj!r}"
 
 
-def test_seed_table_for_llama2_70b_as_the_seed_counts_it(capsys):
+def test_sizing_table_for_llama2_70b_as_the_seed_counts_it(capsys):
     # 80 layers, hidden 8192, fp16, one KV head per query head (the seed's arithmetic)
     p = run_plan(capsys, "--layers", "80", "--hidden-size", "8192", "--heads", "64", "--dtype", "float16",
                  "--concurrency", "10", "--avg-seq-len", "32768", "--max-seq-len", "131072")
-    t = p["seed_table"]
+    t = p["sizing_table"]
     assert p["bytes_per_token"]["full"] == 2 * 80 * 8192 * 2  # 2.5 MiB
     assert (t["4096"]["sequence"], t["32768"]["sequence"], t["131072"]["sequence"]) == (10 * GIB, 80 * GIB, 320 * GIB)
     assert t["131072"]["all_sequences"] == 3200 * GIB  # 10 x 128k: the seed's ~3.2 TB
@@ -44,11 +44,11 @@ def test_seed_table_for_llama2_70b_as_the_seed_counts_it(capsys):
     check_model(KVTierConfig.from_dict(p["config"]), 80, 64, 128, torch.float16, machine=False)
 
 
-def test_seed_table_with_the_gqa_correction(capsys):
+def test_sizing_table_with_the_gqa_correction(capsys):
     p = run_plan(capsys, "--layers", "80", "--hidden-size", "8192", "--heads", "64", "--kv-heads", "8",
                  "--concurrency", "10", "--max-seq-len", "131072")
     assert p["gqa"] == {"heads": 64, "kv_heads": 8, "mha_bytes_per_token": 2 * 80 * 8192 * 2, "reduction": 8}
-    assert p["seed_table"]["131072"]["sequence"] == 40 * GIB and p["seed_table"]["131072"]["all_sequences"] == 400 * GIB
+    assert p["sizing_table"]["131072"]["sequence"] == 40 * GIB and p["sizing_table"]["131072"]["all_sequences"] == 400 * GIB
     assert main(["plan", "--layers", "80", "--hidden-size", "8192", "--heads", "64", "--kv-heads", "8",
                  "--max-seq-len", "131072"]) == 0
     text = capsys.readouterr().out

@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"workload   {w['concurrency']} sequences, avg {w['avg_seq_len']:,} / max {w['max_seq_len']:,} tokens")
     print(f"KV/token   {_fmt(b['full'])} full (2 x layers x kv_heads x head_dim x bytes), "
           f"{_fmt(b['codec'])} as {plan['codec']} ({b['codec_ratio']:.2f}x smaller)")
-    table = plan["seed_table"]
+    table = plan["sizing_table"]
     print("KV at      " + ",  ".join(f"{int(n) // 1024}k: {_gib(v['sequence'])}" for n, v in table.items())
           + "  per sequence, full precision")
     print(f"  x {w['concurrency']:<6} " + ",  ".join(f"{int(n) // 1024}k: {_gib(v['all_sequences'])}"
