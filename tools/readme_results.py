@@ -3,6 +3,9 @@ runs' plot as docs/eval.png (one panel per context). Nothing is hand-edited; rer
 
     .venv/bin/kvtier eval --suite ruler --model qwen2.5-coder-0.5b --out results
     .venv/bin/python tools/readme_results.py --into docs/results/2026-12-01-ruler-niah.md results [more dirs...]
+
+`--plot PATH` draws the plot there instead of docs/eval.png (a page of its own keeps the other
+pages' plot as it is).
 """
 from __future__ import annotations
 
@@ -39,8 +42,13 @@ def describe(doc: dict) -> str:
 def main(argv: list[str]) -> int:
     root = Path(__file__).resolve().parent.parent
     target = root / "docs" / "results" / "2026-12-01-ruler-niah.md"
-    if argv[:1] == ["--into"]:
-        target, argv = Path(argv[1]).resolve(), argv[2:]
+    plot_path = root / "docs" / "eval.png"
+    while argv[:1] in (["--into"], ["--plot"]):
+        if argv[0] == "--into":
+            target = Path(argv[1]).resolve()
+        else:
+            plot_path = Path(argv[1]).resolve()
+        argv = argv[2:]
     dirs = [Path(a) for a in argv] or [Path("results")]
     docs = []
     for d in dirs:
@@ -51,7 +59,7 @@ def main(argv: list[str]) -> int:
     for doc in docs:
         parts += [describe(doc), "", report.markdown_table(doc), ""]
     parts[1] += " " + LEGEND
-    plot = Path(os.path.relpath(root / "docs" / "eval.png", target.parent))
+    plot = Path(os.path.relpath(plot_path, target.parent))
     parts += [f"![accuracy vs footprint]({plot})", END]
     text = target.read_text()
     if BEGIN not in text or END not in text:
@@ -59,7 +67,7 @@ def main(argv: list[str]) -> int:
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
     target.write_text(head + "\n".join(parts) + tail)
-    (root / "docs").mkdir(exist_ok=True)
+    plot_path.parent.mkdir(parents=True, exist_ok=True)
     # drawn again, not copied from the run, so the plot follows the current report code; several
     # runs make one panel per context
     seen, rows = set(), []
@@ -67,8 +75,8 @@ def main(argv: list[str]) -> int:
         if (r["config"], r["context"]) not in seen:  # a row rerun with the same samples: the first
             seen.add((r["config"], r["context"]))
             rows.append(r)
-    report.plot(dict(docs[0], results=rows), root / "docs" / "eval.png")
-    print(f"{target.name} and docs/eval.png updated from {', '.join(str(d / 'eval.json') for d in dirs)}")
+    report.plot(dict(docs[0], results=rows), plot_path)
+    print(f"{target.name} and {os.path.relpath(plot_path, root)} updated from {', '.join(str(d / 'eval.json') for d in dirs)}")
     return 0
 
 
