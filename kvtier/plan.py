@@ -48,29 +48,32 @@ _TABLE_LENGTHS = (4096, 32768, 131072)
 
 
 def codec_bytes_per_block(codec: str, dtype: str, kv_heads: int, head_dim: int, block_tokens: int,
-                          group_size: int) -> int:
+                          group_size: int, key_codec: str | None = None, value_codec: str | None = None) -> int:
     """Measured encoded bytes of one block of one layer, K and V (scales and zeros included)."""
-    import torch
+    roles = _role_blocks(codec, dtype, kv_heads, head_dim, block_tokens, group_size, key_codec, value_codec)
+    return sum(n for _, n in roles.values())
 
-    from kvtier.compress import get_codec
 
-    tdtype = _torch_dtype(dtype)
-    if codec in ("fp16", "bf16") and tdtype != torch.float32:
-        codec = "bf16" if tdtype == torch.bfloat16 else "fp16"  # a 16-bit codec follows the KV dtype
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(kv_heads, block_tokens, head_dim, generator=gen).to(tdtype)  # [kv_heads, bt, head_dim]
+def _role_blocks(codec, dtype, kv_heads, head_dim, block_tokens, group_size, key_codec, value_codec) -> dict:
+    """{"key": (codec, bytes), "value": (codec, bytes)}: each role's half of one block of one
+    layer as a store of this config encodes it (``kvtier.store.sizing.encoded_block``: the
+    config's own role rules), the codec as the encoding names it."""
     from kvtier.config import KVTierConfig
+    from kvtier.store.sizing import encoded_block
 
-    cfg = KVTierConfig(group_size=group_size)  # the codecs a planned config's store uses
-    k = get_codec(codec, **cfg.codec_kwargs(codec, "key")).encode(x).nbytes
-    v = get_codec(codec, **cfg.codec_kwargs(codec, "value")).encode(x).nbytes
-    return k + v
+    cfg = KVTierConfig(block_tokens=block_tokens, device_tokens=block_tokens, codec=codec, group_size=group_size,
+                       key_codec=key_codec, value_codec=value_codec)
+    k, v = encoded_block(cfg, codec, kv_heads, head_dim, _torch_dtype(dtype))
+    return {"key": (k.codec, k.nbytes), "value": (v.codec, v.nbytes)}
 
 
 def codec_bytes_per_token(codec: str, kv_heads: int, head_dim: int, block_tokens: int, group_size: int,
-                          layers: int, dtype: str = "float16") -> float:
-    """Measured encoded bytes per token (all layers, K and V) of ``codec``."""
-    return codec_bytes_per_block(codec, dtype, kv_heads, head_dim, block_tokens, group_size) * layers / block_tokens
+                          layers: int, dtype: str = "float16", key_codec: str | None = None,
+                          value_codec: str | None = None) -> float:
+    """Measured encoded bytes per token (all layers, K and V) of ``codec`` (keys in ``key_codec``,
+    values in ``value_codec`` where set)."""
+    return codec_bytes_per_block(codec, dtype, kv_heads, head_dim, block_tokens, group_size, key_codec,
+                                 value_codec) * layers / block_tokens
 
 
 def _ceil(x: Fraction) -> int:
@@ -80,7 +83,8 @@ def _ceil(x: Fraction) -> int:
 def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency: int, avg_seq_len: int,
               max_seq_len: int, codec: str, group_size: int = 32, block_tokens: int = 64,
               ratio: float = 6.0, hbm_bytes: int | None = None, heads: int | None = None,
-              disk_path: str = "kvtier-cache") -> dict:
+              disk_path: str = "kvtier-cache", key_codec: str | None = None,
+              value_codec: str | None = None) -> dict:
     """The plan as a dict (see the module docstring for the arithmetic). Byte counts are exact
     integers; the ``config`` entry is checked by ``KVTierConfig`` (and its sizes against this
     model's shape) before it is returned.
@@ -88,8 +92,12 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
     Args:
         heads: query heads, when known: ``kv_heads < heads`` is grouped-query attention and the
             plan states how much smaller the KV is than with one KV head per query head.
+        key_codec, value_codec: the keys' / values' own codec where a tier stores ``codec``
+            (None: ``codec``), as ``KVTierConfig``'s fields of those names (e.g. ``int4`` keys
+            with ``int2`` values); each role is measured in its own codec.
     """
     from kvtier.config import CODECS, GROUP_SIZES, KVTierConfig
+    from kvtier.configcheck import CHOICES
     from kvtier.store.layout import pool_slots
     from kvtier.store.sizing import check_model
 
@@ -105,6 +113,9 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
         raise ValueError(f"dtype must be one of {sorted(_DTYPE_BYTES)}; got {dtype!r}")
     if codec not in CODECS:
         raise ValueError(f"codec must be one of {', '.join(CODECS)}; got {codec!r}")
+    for name, v in (("key_codec", key_codec), ("value_codec", value_codec)):
+        if v is not None and v not in CHOICES[name]:
+            raise ValueError(f"{name} must be one of {', '.join(CHOICES[name])} (or None: codec); got {v!r}")
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {', '.join(map(str, GROUP_SIZES))}; got {group_size!r}")
     if avg_seq_len > max_seq_len:
@@ -113,7 +124,8 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
         raise ValueError(f"ratio must be in [1, 64] (4-8 recommended); got {ratio}")
     dtype = _CANONICAL[dtype]
     bf = 2 * layers * kv_heads * head_dim * _DTYPE_BYTES[dtype]  # bytes per token, full precision
-    per_block = codec_bytes_per_block(codec, dtype, kv_heads, head_dim, block_tokens, group_size) * layers
+    roles = _role_blocks(codec, dtype, kv_heads, head_dim, block_tokens, group_size, key_codec, value_codec)
+    per_block = sum(n for _, n in roles.values()) * layers
     bc = Fraction(per_block, block_tokens)  # encoded bytes per token, exact
     live = concurrency * avg_seq_len
     if hbm_bytes is None:
@@ -129,8 +141,9 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
     need_l2 = _ceil(max(Fraction(0), (live - device_tokens * concurrency) * bc))
     need_l3 = _ceil(concurrency * max_seq_len * bc)
     try:
-        cfg = _config(layers, kv_heads, head_dim, dtype, block_tokens, device_tokens, concurrency,
-                      max(0, live - device_tokens * concurrency), need_l3, codec, group_size, disk_path)
+        cfg, records = _config(layers, kv_heads, head_dim, dtype, block_tokens, device_tokens, concurrency,
+                      max(0, live - device_tokens * concurrency), need_l3, codec, group_size, disk_path,
+                      key_codec, value_codec)
         check_model(KVTierConfig.from_dict(cfg), layers, kv_heads, head_dim, _torch_dtype(dtype), machine=False)
     except ValueError as e:
         raise ValueError(f"this workload needs a configuration KVTierConfig does not accept ({e}); "
@@ -145,6 +158,8 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
         "model": {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "dtype": dtype},
         "workload": {"concurrency": concurrency, "avg_seq_len": avg_seq_len, "max_seq_len": max_seq_len},
         "codec": codec,
+        # what each role is stored in below L1 and its encoded bytes per block (all layers)
+        "roles": {r: {"codec": c, "bytes_per_block": n * layers} for r, (c, n) in roles.items()},
         "bytes_per_token": {"full": bf, "codec": round(float(bc), 3), "codec_per_block": per_block,
                             "codec_ratio": round(float(bf / bc), 3)},
         "bytes_per_sequence": {"avg_full": bf * avg_seq_len, "max_full": bf * max_seq_len,
@@ -157,6 +172,9 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
         # the encoded KV the workload puts past L1 (L2: the average working set; L3: every
         # sequence at its longest): the tiers above are these rounded up to what a store allocates
         "needed": {"l2_dram_bytes": need_l2, "l3_ssd_bytes": need_l3},
+        # one block of one layer as an L2 ring record / an L3 segment record, headers included
+        # (kvtier.store.sizing.block_record_bytes: the bound the store checks its sizes with)
+        "record_bytes": dict(zip(("l2", "l3"), records)),
         "config": cfg,
     }
     out["sparse"] = _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, device_tokens,
@@ -175,14 +193,14 @@ SPARSE_SHARE = Fraction(3, 100)
 def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, dense_l1, dense_block, dense_cfg,
                  bf) -> dict:
     """The long-context preset for this workload: L1 = 3% of the longest sequence (whole 16-token
-    blocks, at least four), its L1 bytes with the key digests of every sealed block (an int8
-    centroid per ``digest_tokens`` tokens and a float32 scale: ``head_dim + 4`` bytes per kv head
-    and layer), and whether dense attention would read most of each sequence back every step
-    (L1 under a quarter of the longest sequence)."""
+    blocks, at least four), its L1 bytes: the pool and the key digests of every sealed block
+    (per ``digest_tokens`` tokens, kv head and layer an int8 centroid and its float32 scale with
+    the defaults), both from the layout a store of that config resolves, and whether dense
+    attention would read most of each sequence back every step (L1 under a quarter of the
+    longest sequence)."""
     from kvtier.config import KVTierConfig, lossless_codec
     from kvtier.presets import preset_fields
-    from kvtier.store.layout import pool_slots
-    from kvtier.store.sizing import check_model
+    from kvtier.store.layout import Layout, pool_slots
 
     probe = KVTierConfig.preset("long-context")
     bt = probe.block_tokens
@@ -191,41 +209,49 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
         "device_tokens": l1_tokens, "max_sequences": concurrency, "host_bytes": dense_cfg["host_bytes"],
         "disk_path": dense_cfg["disk_path"], "disk_bytes": dense_cfg["disk_bytes"],
         "disk_segment_bytes": dense_cfg["disk_segment_bytes"], "codec": dense_cfg["codec"],
-        "group_size": dense_cfg["group_size"]}, lossless_codec)
+        "group_size": dense_cfg["group_size"],
+        **{k: dense_cfg[k] for k in ("key_codec", "value_codec") if k in dense_cfg}}, lossless_codec)
     cfg = KVTierConfig(**fields)
-    check_model(cfg, layers, kv_heads, head_dim, _torch_dtype(dtype), machine=False)
-    digest_tokens = cfg.digest_tokens
-    digest_per_token = Fraction(layers * kv_heads * (head_dim + 4), digest_tokens)
-    l1_kv = pool_slots(l1_tokens // bt, concurrency, layers) * (bf // layers) * bt
-    l1_digests = _ceil(digest_per_token * max_seq_len * concurrency)
+    lay = Layout.resolve(cfg, layers, kv_heads, head_dim, _torch_dtype(dtype), "cpu", machine=False)
+    l1_kv = pool_slots(lay.device_blocks, concurrency, layers) * lay.slot_bytes
+    # every sequence at its longest: the digest rows of its sealed blocks, and the rows its
+    # tables hold (a table grows by doubling), in every layer
+    used, held = (n * layers * concurrency for n in lay.digest_bytes(max_seq_len))
     return {
         "recommended": dense_l1 * 4 < max_seq_len,
         "share": float(SPARSE_SHARE),
         "device_tokens": l1_tokens,
+        "l1_bytes": l1_kv + held,
         "l1_kv_bytes": l1_kv,
-        "l1_digest_bytes": l1_digests,
-        "digest_bytes_per_token": round(float(digest_per_token), 3),
+        "l1_digest_bytes": held,
+        "l1_digest_used_bytes": used,
+        "digest_share": round(held / (l1_kv + held), 3),
+        "digest_tokens": cfg.digest_tokens,
+        "digest_dtype": cfg.digest_dtype,
+        "digest_bytes_per_token": round(lay.digest_row_bytes * layers / bt, 3),
         "config": {"preset": "long-context", **{k: v for k, v in fields.items()
                                                  if k not in ("attention", "policy")}},
     }
 
 
 def _config(layers, kv_heads, head_dim, dtype, block_tokens, device_tokens, concurrency, l2_tokens, l3, codec,
-            group_size, disk_path) -> dict:
-    """KVTierConfig fields for the plan. L2 holds ``l2_tokens`` as ring records (headers
+            group_size, disk_path, key_codec=None, value_codec=None) -> tuple[dict, tuple[int, int]]:
+    """KVTierConfig fields for the plan, and the (L2, L3) bytes of one block record. L2 holds ``l2_tokens`` as ring records (headers
     included) and at least one block; L3 holds ``l3`` bytes in whole segments, at least two
     (compaction needs a second one), each segment at least one record."""
     from kvtier.config import KVTierConfig
     from kvtier.store.sizing import block_record_bytes
 
-    probe = KVTierConfig(block_tokens=block_tokens, device_tokens=device_tokens, codec=codec, group_size=group_size)
+    roles = {k: v for k, v in (("key_codec", key_codec), ("value_codec", value_codec)) if v is not None}
+    probe = KVTierConfig(block_tokens=block_tokens, device_tokens=device_tokens, codec=codec, group_size=group_size,
+                         **roles)
     rec_l2, rec_l3 = block_record_bytes(probe, layers, kv_heads, head_dim, _torch_dtype(dtype))
     host = max(4096, rec_l2, -(-l2_tokens // block_tokens) * layers * rec_l2)
     seg = max(rec_l3, -(-min(64 << 20, max(4096, l3 // 2)) // 4096) * 4096)  # whole pages, <= 64 MiB
     disk = max(2 * seg, -(-l3 // seg) * seg)
     return {"block_tokens": block_tokens, "device_tokens": device_tokens, "max_sequences": concurrency,
             "host_bytes": host, "disk_path": disk_path, "disk_bytes": disk, "disk_segment_bytes": seg,
-            "codec": codec, "group_size": group_size}
+            "codec": codec, **roles, "group_size": group_size}, (rec_l2, rec_l3)
 
 
 def _torch_dtype(name: str):

@@ -91,3 +91,93 @@ def test_printed_tier_sizes_are_what_a_store_of_the_config_allocates(tmp_path, c
     for line, key in (("L1 HBM", "l1_hbm_bytes"), ("L2 DRAM", "l2_dram_bytes"), ("L3 SSD", "l3_ssd_bytes")):
         assert f"{line:<10} {plan_command._fmt(t[key])} " in text
     assert "L2 DRAM    0 B" not in text
+
+
+def test_role_codecs_k4v2_sized_as_the_store_encodes_and_frames_them(tmp_path, capsys):
+    import torch
+
+    from kvtier.config import KVTierConfig
+    from kvtier.store import KVStore
+    from kvtier.store.sizing import block_record_bytes
+
+    shape = (4, 2, 64)  # layers, kv heads, head_dim
+    work = dict(concurrency=1, avg_seq_len=1024, max_seq_len=1024, block_tokens=16, disk_path=str(tmp_path / "l3"))
+    by = {c: plan.make_plan(*shape, "float16", codec=c, **work) for c in ("int2", "int4")}
+    k4v2 = plan.make_plan(*shape, "float16", codec="int4", key_codec="int4", value_codec="int2", **work)
+    per_block = {c: p["bytes_per_token"]["codec_per_block"] for c, p in by.items()}
+    got = k4v2["bytes_per_token"]["codec_per_block"]
+    # each role in its own codec: int4 keys as int4's half, int2 values as int2's half. All-int2 is
+    # not below K4V2 here: int2 keys keep int2_key_outliers (8) channels exact per block, which
+    # at these shapes outweighs the 2 bits saved on the rest, so only the values' half shrinks
+    assert got < per_block["int4"] and got <= per_block["int2"]
+    key = {c: p["roles"]["key"]["bytes_per_block"] for c, p in by.items()}
+    assert got - per_block["int2"] == key["int4"] - key["int2"]
+    assert k4v2["roles"] == {"key": {"codec": "int4", "bytes_per_block": by["int4"]["roles"]["key"]["bytes_per_block"]},
+                             "value": {"codec": "int2", "bytes_per_block": by["int2"]["roles"]["value"]["bytes_per_block"]}}
+    assert got == sum(r["bytes_per_block"] for r in k4v2["roles"].values())
+    cfg = KVTierConfig.from_dict(k4v2["config"])
+    assert (cfg.key_codec, cfg.value_codec) == ("int4", "int2")
+    # the framed records: what the store's own sizing says a block of this config takes
+    own = KVTierConfig(block_tokens=16, device_tokens=16, codec="int4", key_codec="int4", value_codec="int2")
+    assert k4v2["record_bytes"] == dict(zip(("l2", "l3"), block_record_bytes(own, 4, 2, 64, torch.float16)))
+    assert k4v2["record_bytes"]["l2"] < by["int4"]["record_bytes"]["l2"]
+    # a store of the printed config encodes each block spilled to L2 in exactly those bytes
+    with KVStore(cfg, 4, 2, 64, dtype=torch.float16) as st:
+        seq = st.add_sequence()
+        n = cfg.device_tokens + 8 * 16
+        for layer in range(4):
+            st.append(seq, layer, torch.randn(2, n, 64).half(), torch.randn(2, n, 64).half())
+        st.flush()
+        c = st.counters.snapshot()
+        blocks = c["raw_l2"] // (2 * 2 * 16 * 64 * 2)  # raw bytes of one block of one layer, K and V
+        assert blocks >= 8 and c["enc_l2"] == blocks * got // 4
+    # the CLI: the flags, the JSON field, the roles line
+    argv = ["--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--max-seq-len", "1024", "--block-tokens", "16",
+            "--key-codec", "int4", "--value-codec", "int2"]
+    assert plan_command.run(parse(*argv, "--json")) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["roles"]["value"]["codec"] == "int2" and out["config"]["value_codec"] == "int2"
+    assert out["sparse"]["config"]["value_codec"] == "int2"
+    assert plan_command.run(parse(*argv)) == 0
+    text = capsys.readouterr().out
+    assert "as K int4 / V int2" in text and "roles      keys int4" in text and "value_codec='int2'" in text
+
+
+@pytest.mark.parametrize("field, value", [("key_codec", "int3"), ("value_codec", "fp16")])
+def test_bad_role_codec_names_the_field_and_the_choices(field, value, capsys):
+    with pytest.raises(ValueError, match=rf"{field} must be one of fp32, int8, int4, int2, .*got '{value}'"):
+        plan.make_plan(4, 2, 64, "float16", 1, 64, 64, "int4", **{field: value})
+    with pytest.raises(SystemExit) as ei:
+        parse("--layers", "2", "--kv-heads", "1", "--head-dim", "8", "--max-seq-len", "10",
+              f"--{field.replace('_', '-')}", value)
+    err = capsys.readouterr().err
+    assert ei.value.code == 2 and f"--{field.replace('_', '-')}: invalid choice: '{value}'" in err and "int8" in err
+
+
+@pytest.mark.parametrize("tokens", [40 * 16, 40 * 16 + 1, 17 * 16 + 5])
+def test_sparse_digest_bytes_are_what_a_store_allocates(tokens):
+    # every sequence at max length: the plan's digest rows (used and held, the table's room
+    # included) against a real store of the printed sparse config
+    import torch
+
+    from kvtier.config import KVTierConfig
+    from kvtier.store import KVStore
+
+    layers, kvh, hd, seqs = 2, 2, 64, 2
+    p = plan.make_plan(layers, kvh, hd, "bfloat16", seqs, tokens, tokens, "int4")
+    sp = p["sparse"]
+    fields = {k: v for k, v in sp["config"].items() if k != "preset"}
+    fields.update(host_bytes=64 << 20, disk_path=None)
+    cfg = KVTierConfig.preset("long-context", **fields)
+    with KVStore(cfg, layers, kvh, hd, dtype=torch.bfloat16) as st:
+        for _ in range(seqs):
+            s = st.add_sequence()
+            for layer in range(layers):
+                kv = torch.randn(kvh, tokens, hd).to(torch.bfloat16)
+                st.append(s, layer, kv, kv)
+        stats = st.stats()
+        assert sp["l1_digest_bytes"] == stats["digest_reserved_bytes"] > 0
+        assert sp["l1_digest_used_bytes"] == stats["digest_bytes"]
+        assert sp["l1_kv_bytes"] == st.l1.capacity_bytes
+    assert sp["l1_bytes"] == sp["l1_kv_bytes"] + sp["l1_digest_bytes"]
+    assert sp["digest_bytes_per_token"] == layers * kvh * (hd + 4) / cfg.digest_tokens  # int8 rows + f32 scales

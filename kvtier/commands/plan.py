@@ -14,6 +14,7 @@ from kvtier.plan import DTYPES, make_plan
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``kvtier plan`` options to ``parser``."""
     from kvtier.config import CODECS, GROUP_SIZES
+    from kvtier.configcheck import CHOICES
 
     m = parser.add_argument_group("model shape (a transformers config, or explicit numbers)")
     m.add_argument("--config", help="transformers config.json, or a directory holding one")
@@ -32,6 +33,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="longest sequence, in tokens (e.g. 128k)")
     c = parser.add_argument_group("storage")
     c.add_argument("--codec", default="int4", choices=CODECS, help="codec of L2/L3 (default int4)")
+    for role in ("key", "value"):
+        names = CHOICES[f"{role}_codec"]
+        c.add_argument(f"--{role}-codec", default=None, choices=names, metavar="{" + ",".join(names) + "}",
+                       help=f"codec of the {role}s where a tier stores --codec (default: --codec), "
+                            f"e.g. --key-codec int4 --value-codec int2")
     c.add_argument("--group-size", type=int, default=32, choices=GROUP_SIZES, help="quantization group size")
     c.add_argument("--block-tokens", type=int, default=64, help="tokens per block")
     c.add_argument("--ratio", type=float, default=None,
@@ -122,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
         mx = args.max_seq_len if args.max_seq_len is not None else avg
         plan = make_plan(shape["layers"], shape["kv_heads"], shape["head_dim"], shape["dtype"] or "float16",
                          args.concurrency, avg, mx, args.codec, args.group_size, args.block_tokens,
-                         6.0 if args.ratio is None else args.ratio, args.hbm_bytes, heads=shape["heads"])
+                         6.0 if args.ratio is None else args.ratio, args.hbm_bytes, heads=shape["heads"],
+                         key_codec=args.key_codec, value_codec=args.value_codec)
     except ValueError as e:
         print(f"kvtier plan: error: {e}", file=sys.stderr)
         return 2
@@ -130,6 +137,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(plan, indent=2))
         return 0
     m, w, b, s, t = plan["model"], plan["workload"], plan["bytes_per_token"], plan["bytes_per_sequence"], plan["tiers"]
+    key, value = plan["roles"]["key"], plan["roles"]["value"]
+    # what "codec" stands for below: one name, or the two roles' (K4V2: int4 keys, int2 values)
+    codec = plan["codec"] if key["codec"] == value["codec"] else f"K {key['codec']} / V {value['codec']}"
     print(f"model      {m['layers']} layers x {m['kv_heads']} kv heads x head_dim {m['head_dim']}, {m['dtype']}")
     if "gqa" in plan:
         g = plan["gqa"]
@@ -141,14 +151,17 @@ def run(args: argparse.Namespace) -> int:
                   "needs heads/kv_heads times less")
     print(f"workload   {w['concurrency']} sequences, avg {w['avg_seq_len']:,} / max {w['max_seq_len']:,} tokens")
     print(f"KV/token   {_fmt(b['full'])} full (2 x layers x kv_heads x head_dim x bytes), "
-          f"{_fmt(b['codec'])} as {plan['codec']} ({b['codec_ratio']:.2f}x smaller)")
+          f"{_fmt(b['codec'])} as {codec} ({b['codec_ratio']:.2f}x smaller)")
+    if key["codec"] != value["codec"]:
+        print(f"roles      keys {key['codec']} {_fmt(key['bytes_per_block'])}, values {value['codec']} "
+              f"{_fmt(value['bytes_per_block'])} per block of {plan['config']['block_tokens']} tokens (all layers)")
     table = plan["sizing_table"]
     print("KV at      " + ",  ".join(f"{int(n) // 1024}k: {_gib(v['sequence'])}" for n, v in table.items())
           + "  per sequence, full precision")
     print(f"  x {w['concurrency']:<6} " + ",  ".join(f"{int(n) // 1024}k: {_gib(v['all_sequences'])}"
                                                   for n, v in table.items()))
-    print(f"KV/seq     avg {_fmt(s['avg_full'])} full / {_fmt(s['avg_codec'])} {plan['codec']};  "
-          f"max {_fmt(s['max_full'])} full / {_fmt(s['max_codec'])} {plan['codec']}")
+    print(f"KV/seq     avg {_fmt(s['avg_full'])} full / {_fmt(s['avg_codec'])} {codec};  "
+          f"max {_fmt(s['max_full'])} full / {_fmt(s['max_codec'])} {codec}")
     print(f"all seqs   avg {_fmt(plan['all_sequences_full']['avg'])}, max {_fmt(plan['all_sequences_full']['max'])} "
           f"at full precision")
     flag = "" if t["ratio_in_range"] else "  (outside the 1:4-1:8 range)"
@@ -156,9 +169,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"L1 HBM     {_fmt(t['l1_hbm_bytes'])}  (device_tokens={plan['config']['device_tokens']:,} per sequence, "
           f"scratch slots included)")
     print(f"L2 DRAM    {_fmt(t['l2_dram_bytes'])}  HBM:DRAM = 1:{t['dram_to_hbm']:.1f}{flag}  (host_bytes; the "
-          f"working set past L1 is {_fmt(need['l2_dram_bytes'])} {plan['codec']}, at least one block record)")
+          f"working set past L1 is {_fmt(need['l2_dram_bytes'])} {codec}, at least one block record)")
     print(f"L3 SSD     {_fmt(t['l3_ssd_bytes'])}  (disk_bytes; every sequence at max length is "
-          f"{_fmt(need['l3_ssd_bytes'])} {plan['codec']}, lz4 not assumed; at least two segments)")
+          f"{_fmt(need['l3_ssd_bytes'])} {codec}, lz4 not assumed; at least two segments)")
     fields = ", ".join(f"{k}={v!r}" for k, v in plan["config"].items())
     print(f"config     KVTierConfig({fields})")
     sp = plan["sparse"]
@@ -167,9 +180,12 @@ def run(args: argparse.Namespace) -> int:
                                                            "each sequence, so dense attention reads back little")
     print(f"sparse     {why}. Sparse attention (the long-context preset) attends the sink, the recent "
           f"window and the blocks the query selects, {sp['share']:.0%} of the context per step:")
-    print(f"  L1       {_fmt(sp['l1_kv_bytes'] + sp['l1_digest_bytes'])} = KV {_fmt(sp['l1_kv_bytes'])} "
-          f"(device_tokens={sp['device_tokens']:,}) + key digests {_fmt(sp['l1_digest_bytes'])} "
-          f"({sp['digest_bytes_per_token']:,.0f} B/token at max length)")
+    print(f"  L1       {_fmt(sp['l1_bytes'])} = KV + key digests")
+    print(f"  KV       {_fmt(sp['l1_kv_bytes'])}  (device_tokens={sp['device_tokens']:,} per sequence, "
+          f"scratch slots included)")
+    print(f"  digests  {_fmt(sp['l1_digest_bytes'])}  ({sp['digest_share']:.0%} of L1; every sequence at max "
+          f"length: {_fmt(sp['l1_digest_used_bytes'])} of sealed blocks, {sp['digest_bytes_per_token']:,.0f} "
+          f"B/token as {sp['digest_dtype']} per {sp['digest_tokens']} tokens, the rest room the tables grew to)")
     sfields = ", ".join(f"{k}={v!r}" for k, v in sp["config"].items() if k != "preset")
     print(f"  config   KVTierConfig.preset({sp['config']['preset']!r}, {sfields})")
     return 0

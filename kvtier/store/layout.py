@@ -13,6 +13,7 @@ from kvtier.config import LOSSLESS_CODECS, KVTierConfig, lossless_codec
 
 from .precision import PrecisionPlan
 from .sizing import check_model
+from .table import digest_row_bytes, digest_rows_held
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -58,11 +59,29 @@ class Layout:
     def slot_shape(self) -> tuple[int, int, int, int]:
         return (2, self.kv_heads, self.block_tokens, self.head_dim)  # [2, kv_heads, bt, head_dim]
 
+    def digest_bytes(self, tokens: int) -> tuple[int, int]:
+        """Key digest bytes of one (sequence, layer) table holding ``tokens`` tokens: (the rows
+        of its sealed blocks, the rows its table holds with the room it grew to); (0, 0) without
+        digests. A full block is sealed when the next token opens a block, so ``tokens`` tokens
+        leave ``ceil(tokens / block_tokens) - 1`` blocks sealed."""
+        if tokens < 1:
+            return 0, 0
+        sealed = -(-tokens // self.block_tokens) - 1
+        return sealed * self.digest_row_bytes, digest_rows_held(sealed) * self.digest_row_bytes
+
+    @property
+    def digest_row_bytes(self) -> int:
+        """Bytes of one sealed block's key digest in one layer, all kv heads (0 without digests)."""
+        if self.digest_score is None:
+            return 0
+        return digest_row_bytes(self.kv_heads, self.head_dim, self.digest_score, self.digest_parts, self.digest_dtype)
+
     @classmethod
     def resolve(cls, cfg: KVTierConfig, num_layers: int, kv_heads: int, head_dim: int,
-                dtype: torch.dtype, device: torch.device | str | None) -> "Layout":
+                dtype: torch.dtype, device: torch.device | str | None, machine: bool = True) -> "Layout":
         """Check the model shape against ``cfg`` and derive every size; ValueError naming the
-        field on a shape or budget that cannot work."""
+        field on a shape or budget that cannot work. ``machine=False``: the sizes are not
+        checked against this machine's memory (the layout of a store planned for another)."""
         if not isinstance(cfg, KVTierConfig):
             raise ValueError(f"cfg must be a KVTierConfig, got {type(cfg).__name__}")
         for name, v in (("num_layers", num_layers), ("kv_heads", kv_heads), ("head_dim", head_dim)):
@@ -74,7 +93,7 @@ class Layout:
             raise ValueError(f"dtype must be one of torch.float16, torch.bfloat16, torch.float32; got {dtype}")
         # -- config sizes against this model's shape (sizing.py owns the checks and messages:
         # each names the user's field and the bound in bytes), before anything is allocated --
-        check_model(cfg, num_layers, kv_heads, head_dim, dtype, device)
+        check_model(cfg, num_layers, kv_heads, head_dim, dtype, device, machine=machine)
         # -- end of the config checks --
         bt = cfg.block_tokens
         slot_bytes = 2 * kv_heads * bt * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -24,19 +24,24 @@ def block_record_bytes(cfg: KVTierConfig, num_layers: int, kv_heads: int, head_d
     """
     # the longest key the store writes: content-addressed "m<32 hex>/<layer>/<32 hex>"
     key = f"m{'0' * 32}/{num_layers - 1}/{'0' * 32}"
-    x = torch.zeros(kv_heads, cfg.block_tokens, head_dim, dtype=dtype)  # [kv_heads, block_tokens, head_dim]
-    full = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}[dtype]
 
     def block(name: str) -> int:
-        if name in ("fp16", "bf16") and dtype != torch.float32:
-            name = full  # a 16-bit tier codec follows the KV dtype, as in the store
-        kc, vc = cfg.codec_pair(name)
-        k, v = kc.encode(x), vc.encode(x)
-        return len(pack_block(k, v))
+        return len(pack_block(*encoded_block(cfg, name, kv_heads, head_dim, dtype)))
 
     l2 = HostTier.record_bytes(key, block(cfg.host_codec))
     l3 = SEG_HEADER_BYTES + record_size(len(key), block(cfg.disk_codec))
     return l2, l3
+
+
+def encoded_block(cfg: KVTierConfig, name: str, kv_heads: int, head_dim: int, dtype: torch.dtype) -> tuple:
+    """(K, V) encodings of one block of one layer in tier codec ``name``, as the store encodes
+    it: a 16-bit codec follows the KV dtype, and each role is stored in its own codec
+    (``KVTierConfig.codec_pair``: ``key_codec``/``value_codec`` in place of ``codec``)."""
+    x = torch.zeros(kv_heads, cfg.block_tokens, head_dim, dtype=dtype)  # [kv_heads, block_tokens, head_dim]
+    if name in ("fp16", "bf16") and dtype != torch.float32:
+        name = {torch.float16: "fp16", torch.bfloat16: "bf16"}[dtype]  # as the store's layout renames it
+    kc, vc = cfg.codec_pair(name)
+    return kc.encode(x), vc.encode(x)
 
 
 def check_model(cfg: KVTierConfig, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,

@@ -146,6 +146,32 @@ class BlockEntry:
 
 #: Per-channel key summaries each ``select_score`` needs, side by side in a digest row.
 DIGEST_PARTS = {"centroid": ("mean",), "quest": ("max", "min")}
+#: Digest rows a new table holds; a seal past them grows the table (:func:`grown_rows`).
+DIGEST_START_ROWS = 16
+
+
+def grown_rows(cap: int, b: int) -> int:
+    """Rows a digest table of ``cap`` rows grows to for row ``b``: doubled at least, so a
+    sequence's seals copy the table O(log n) times."""
+    return max(b + 1, 2 * cap)
+
+
+def digest_rows_held(sealed: int) -> int:
+    """Rows a table holds (capacity included) once blocks ``0 .. sealed - 1`` are sealed in turn."""
+    cap = DIGEST_START_ROWS
+    while cap < sealed:
+        cap = grown_rows(cap, cap)  # the seal of block ``cap`` is the first past the table
+    return cap
+
+
+def digest_row_bytes(kv_heads: int, head_dim: int, select_score: str, digest_parts: int,
+                     digest_dtype: torch.dtype) -> int:
+    """Bytes of one sealed block's digest over its kv heads (:class:`BlockTable`'s row: the
+    summaries ``select_score`` needs of each of ``digest_parts`` sub-blocks, and with int8
+    ``digest_dtype`` one float32 scale per sub-block)."""
+    width = len(DIGEST_PARTS[select_score]) * digest_parts * head_dim
+    scales = digest_parts * 4 if digest_dtype == torch.int8 else 0
+    return kv_heads * (width * torch.empty((), dtype=digest_dtype).element_size() + scales)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,9 +236,10 @@ class BlockTable:
         self._digest_t: tuple | None = None   # (lo, hi, views) of the last digest_t() call
         if select_score is not None:
             width = len(DIGEST_PARTS[select_score]) * digest_parts * head_dim
-            self.digest = torch.empty(kv_heads, 16, width, dtype=digest_dtype, device=device)
+            rows = DIGEST_START_ROWS
+            self.digest = torch.empty(kv_heads, rows, width, dtype=digest_dtype, device=device)
             if digest_dtype == torch.int8:
-                self.digest_scale = torch.empty(kv_heads, 16, digest_parts, dtype=torch.float32, device=device)
+                self.digest_scale = torch.empty(kv_heads, rows, digest_parts, dtype=torch.float32, device=device)
 
     def take_slot(self, e: BlockEntry, slot: int) -> None:
         """``e`` now holds L1 slot ``slot`` (store lock held)."""
@@ -338,6 +365,7 @@ class BlockTable:
 
 def _grown(old: torch.Tensor, b: int) -> torch.Tensor:
     """``old`` [kv_heads, cap, ...] with room for row ``b`` (capacity doubled at least)."""
-    new = torch.empty((old.shape[0], max(b + 1, 2 * old.shape[1]), *old.shape[2:]), dtype=old.dtype, device=old.device)
+    new = torch.empty((old.shape[0], grown_rows(old.shape[1], b), *old.shape[2:]), dtype=old.dtype,
+                      device=old.device)
     new[:, : old.shape[1]] = old
     return new
