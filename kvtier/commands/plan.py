@@ -183,9 +183,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"  L1       {_fmt(sp['l1_bytes'])} = KV + key digests")
     print(f"  KV       {_fmt(sp['l1_kv_bytes'])}  (device_tokens={sp['device_tokens']:,} per sequence, "
           f"scratch slots included)")
-    print(f"  digests  {_fmt(sp['l1_digest_bytes'])}  ({sp['digest_share']:.0%} of L1; every sequence at max "
-          f"length: {_fmt(sp['l1_digest_used_bytes'])} of sealed blocks, {sp['digest_bytes_per_token']:,.0f} "
-          f"B/token as {sp['digest_dtype']} per {sp['digest_tokens']} tokens, the rest room the tables grew to)")
+    print(f"  digests  {_fmt(sp['l1_digest_bytes'])}  ({sp['digest_share']:.0%} of L1; at max length the sealed "
+          f"blocks' rows are {_fmt(sp['l1_digest_used_bytes'])}, {sp['digest_bytes_per_token']:,.0f} B/token: "
+          f"{sp['digest_dtype']}, one per {sp['digest_tokens']} tokens; the rest is room the tables grew to by doubling)")
     sfields = ", ".join(f"{k}={v!r}" for k, v in sp["config"].items() if k != "preset")
     print(f"  config   KVTierConfig.preset({sp['config']['preset']!r}, {sfields})")
     return 0
