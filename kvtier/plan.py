@@ -4,8 +4,9 @@ Size of full-precision KV:
 
     bytes = 2 (K and V) x layers x kv_heads x head_dim x bytes_per_element x tokens
 
-The codec's size per token is measured, not assumed: one block is encoded with the real codec
-(scales and zeros included) and its ``nbytes`` divided by the block's tokens.
+The codec's size per token is measured, not assumed: one block is encoded as a store of the
+printed config encodes it (the keys in ``key_codec``, the values in ``value_codec`` where set;
+scales and zeros included) and its ``nbytes`` divided by the block's tokens.
 
 Sizing (the usual serving practice: HBM:DRAM about 1:4 to 1:8, SSD as backstop):
 
@@ -236,9 +237,10 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
 
 def _config(layers, kv_heads, head_dim, dtype, block_tokens, device_tokens, concurrency, l2_tokens, l3, codec,
             group_size, disk_path, key_codec=None, value_codec=None) -> tuple[dict, tuple[int, int]]:
-    """KVTierConfig fields for the plan, and the (L2, L3) bytes of one block record. L2 holds ``l2_tokens`` as ring records (headers
-    included) and at least one block; L3 holds ``l3`` bytes in whole segments, at least two
-    (compaction needs a second one), each segment at least one record."""
+    """KVTierConfig fields for the plan, and the (L2, L3) bytes of one block record. L2 holds
+    ``l2_tokens`` as ring records (headers included) and at least one block; L3 holds ``l3``
+    bytes in whole segments, at least two (compaction needs a second one), each segment at
+    least one record."""
     from kvtier.config import KVTierConfig
     from kvtier.store.sizing import block_record_bytes
 

@@ -112,8 +112,8 @@ def test_role_codecs_k4v2_sized_as_the_store_encodes_and_frames_them(tmp_path, c
     assert got < per_block["int4"] and got <= per_block["int2"]
     key = {c: p["roles"]["key"]["bytes_per_block"] for c, p in by.items()}
     assert got - per_block["int2"] == key["int4"] - key["int2"]
-    assert k4v2["roles"] == {"key": {"codec": "int4", "bytes_per_block": by["int4"]["roles"]["key"]["bytes_per_block"]},
-                             "value": {"codec": "int2", "bytes_per_block": by["int2"]["roles"]["value"]["bytes_per_block"]}}
+    assert k4v2["roles"] == {"key": by["int4"]["roles"]["key"], "value": by["int2"]["roles"]["value"]}
+    assert (k4v2["roles"]["key"]["codec"], k4v2["roles"]["value"]["codec"]) == ("int4", "int2")
     assert got == sum(r["bytes_per_block"] for r in k4v2["roles"].values())
     cfg = KVTierConfig.from_dict(k4v2["config"])
     assert (cfg.key_codec, cfg.value_codec) == ("int4", "int2")
