@@ -453,7 +453,10 @@ class KVTierConfig:
         ``name``: ``key_codec``/``value_codec`` in place of ``codec``, else ``name`` itself."""
         assert role in ("key", "value"), f"role is 'key' or 'value', got {role!r}"
         own = self.key_codec if role == "key" else self.value_codec
-        return own if name == self.codec and own is not None else name
+        # the store renames a 16-bit lossless tier codec to the model's KV dtype's (fp16 <-> bf16),
+        # so either 16-bit name stands for ``codec`` when ``codec`` is one of them
+        same = name == self.codec or (name in LOSSLESS_CODECS and self.codec in LOSSLESS_CODECS)
+        return own if same and own is not None else name
 
     def codec_pair(self, name: str) -> tuple:
         """The (key, value) ``kvtier.compress`` codec objects of tier codec ``name``: each role's

@@ -64,7 +64,7 @@ def check_model(cfg: KVTierConfig, num_layers: int, kv_heads: int, head_dim: int
     bt = cfg.block_tokens
     slot_bytes = 2 * kv_heads * bt * head_dim * elem  # one block, K and V, full precision
     importance = cfg.precision == "importance"
-    int2 = "int2" in (cfg.host_codec, cfg.disk_codec) or (importance and (
+    int2 = "int2" in (cfg.role_codec(cfg.host_codec, "key"), cfg.role_codec(cfg.disk_codec, "key")) or (importance and (
         cfg.heavy_codec == "int2" or (cfg.cold_codec == "int2" and cfg.cold_key_outliers is None)))
     if int2 and cfg.key_axis == "channel" and cfg.int2_key_outliers > head_dim:
         raise ValueError(f"int2_key_outliers must be <= head_dim ({head_dim}) for this model's int2 "

@@ -115,3 +115,43 @@ def test_store_moves_k4v2_blocks_through_l2_and_l3(tmp_path):
         s.check_invariants()
     finally:
         s.close()
+
+
+@pytest.mark.parametrize("codec", ["fp16", "bf16"])
+def test_role_codec_applies_when_the_16_bit_codec_follows_the_kv_dtype(tmp_path, codec):
+    """``codec="fp16"`` on a bfloat16 model is stored as bf16 (the 16-bit codec follows the KV
+    dtype); ``key_codec`` still replaces it for the keys, whichever 16-bit name the user wrote."""
+    cfg = KVTierConfig(codec=codec, key_codec="int4")
+    assert cfg.role_codec("bf16", "key") == cfg.role_codec("fp16", "key") == "int4"
+    assert cfg.role_codec("bf16", "value") == "bf16"
+    assert cfg.role_codec("int8", "key") == "int8"  # another tier's own codec is not replaced
+    s = make_store(tmp_path, block_tokens=16, device_tokens=32, head_dim=64, dtype=torch.bfloat16,
+                   codec=codec, key_codec="int4")
+    try:
+        g = torch.Generator().manual_seed(3)
+        seq = s.add_sequence()
+        k = torch.randn(2, 96, 64, generator=g).to(torch.bfloat16)  # [kv_heads, tokens, head_dim]
+        v = torch.randn(2, 96, 64, generator=g).to(torch.bfloat16)
+        for i in range(0, 96, 16):
+            s.append(seq, 0, k[:, i:i + 16], v[:, i:i + 16])
+            s.end_step()
+        s.flush()
+        gk, gv = s.gather(seq, 0)
+        old = slice(0, 32)  # below L1
+        assert 0.03 < _rel(gk[:, old], k[:, old]) < 0.12  # int4 keys, not the 16-bit bytes
+        assert torch.equal(gv[:, old], v[:, old])  # values exact
+        s.check_invariants()
+    finally:
+        s.close()
+
+
+def test_int2_key_outlier_bound_follows_key_codec():
+    """The int2 keys' outlier-channel bound is checked where the keys are int2 (``key_codec``),
+    and not where only the values are."""
+    from kvtier.store.sizing import check_model
+
+    bad = KVTierConfig(codec="int4", key_codec="int2", int2_key_outliers=24, block_tokens=16)
+    with pytest.raises(ValueError, match="int2_key_outliers"):
+        check_model(bad, 2, 2, 16, torch.bfloat16, machine=False)
+    fine = KVTierConfig(codec="int2", key_codec="int4", int2_key_outliers=24, block_tokens=16)
+    check_model(fine, 2, 2, 16, torch.bfloat16, machine=False)
