@@ -1,14 +1,19 @@
 """Decode speed and memory of kvtier against transformers' caches, on the real model.
 
-Every configuration prefills the same context of real text (pydoc topics), then decodes greedily;
-the decode steps after a warm-up are timed (device synchronized). All caches run in one process,
-one after the other, so the ratios compare like with like:
+Every configuration prefills the same context of real text, then decodes greedily; the decode
+steps after a warm-up are timed (device synchronized). All caches run in one process, one after
+the other, so the ratios compare like with like. The model is ``--model`` (``kvtier.models``'
+names: smollm2-135m, the default, 8,192 positions; qwen2.5-coder-0.5b, 32,768 positions; or a
+local transformers directory or .gguf file). The text is one contiguous run of pydoc topics from
+token 1,000 (~113k tokens with SmolLM2's tokenizer, ~106k with Qwen's), never repeated: every
+context up to both models' positions fits, and a longer one is refused. The prefill computes
+only the last position's logits. The caches:
 
   dynamic         transformers DynamicCache (the reference: ratios are to it)
   quanto-int4     transformers QuantizedCache, optimum-quanto backend (KIVI-style, residual 128)
   hqq-int4        transformers QuantizedCache, HQQ backend
-  kvtier-*        TieredCache, int8 / int4, dense / sparse, L1 = 25% of the context
-                  (sparse budget = L1), the rest in the L2 DRAM ring (L3 not used here)
+  kvtier-*        TieredCache, int8 / int4, dense / sparse, L1 = --l1-fraction of the context
+                  (default 25%; sparse budget = L1), the rest in the L2 DRAM ring (L3 not used)
 
 Reported per (context, config): decode tokens/s and its ratio to DynamicCache, peak memory
 above the model (CUDA: max allocated; CPU: peak RSS sampled every 2 ms), and KV bytes per token
@@ -20,12 +25,18 @@ at fewer bytes per token than both.
     python bench/bench_decode.py --smoke         # seconds; run by `make bench-smoke`
     python bench/bench_decode.py --device cuda --dtype float16
     python bench/bench_decode.py --base a4e1479 --contexts 4096 --configs kvtier-int4-sparse --rounds 3
+    python bench/bench_decode.py --model qwen2.5-coder-0.5b --base a4e1479 --contexts 32768 \
+        --configs kvtier-int4-sparse --l1-fraction 0.03 --rounds 3 --steps 48 --threads 1
 
 --base REV: this tree and the kvtier of git revision REV (exported with ``git archive``) run
 alternately, each round one child process per tree (the order swapped every round), each
 measuring DynamicCache and --configs in the same process with this script's workload; every
 run's ratio to DynamicCache is printed, then the median and range per tree. A shared machine's
-load moves both trees' runs alike, and each ratio is taken within one process.
+load moves both trees' runs alike, and each ratio is taken within one process. The parent
+resolves --model with this tree's loader to its local transformers directory (a name is
+converted once into the model cache) and passes the directory to both children: an older
+tree's loader (a4e1479's ``kvtier.integrations.model``) knows no model names but loads any
+such directory, so both trees run the same weights with their own loader and cache.
 """
 from __future__ import annotations
 
@@ -119,11 +130,50 @@ def _kvtier_cache():
 
 
 def _kvtier_models():
+    """This tree's model loader, or an older tree's (--base) from before it moved."""
     try:
         from kvtier import models
     except ImportError:
         from kvtier.integrations import model as models
     return models
+
+
+def resolve_model(model: str | None) -> tuple[str | None, int | None]:
+    """``--model`` as ``(local transformers directory, its positions)`` with the running tree's
+    loader: a name (this tree's ``kvtier.models.MODELS``) is converted once into the model cache
+    and named by its directory, which every tree's ``load_model`` takes. An older tree's loader
+    (a --base child) knows no names; its parent always passes it a directory.
+    """
+    models = _kvtier_models()
+    if hasattr(models, "model_dir"):
+        path, embedded = models.resolve_model(model)
+        if path is not None and not os.path.exists(os.path.expanduser(path)):
+            raise ValueError(f"--model {path!r} is neither an embedded model ({', '.join(models.MODELS)}) "
+                             "nor an existing path")
+        directory = str(models.model_dir(model))
+    elif model is None or os.path.isdir(model):
+        directory = model
+    else:
+        raise ValueError(f"--model {model!r}: this tree's loader takes only a transformers directory")
+    if directory is None:
+        return None, None
+    with open(os.path.join(directory, "config.json")) as f:
+        return directory, json.load(f).get("max_position_embeddings")
+
+
+def child_argv(args, context: int, out: str, model_dir: str | None) -> list[str]:
+    """The command line of one --base child: this script, one context, the parent's settings,
+    the model as the directory :func:`resolve_model` found (so an older tree loads the same
+    weights), its rows written to ``out``."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--contexts", str(context), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--block-tokens", str(args.block_tokens),
+           "--l1-fraction", str(args.l1_fraction), "--device", args.device, "--dtype", args.dtype,
+           "--configs", *args.configs, "--json", out]
+    if model_dir is not None:
+        cmd += ["--model", model_dir]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    return cmd
 
 
 def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: float):
@@ -165,7 +215,8 @@ def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_
     ``"tokens"`` holds its own greedy choice at each position (the prefill's first): comparing
     free-running outputs would count every token after the first difference as a miss.
     """
-    TieredCache, detach = _kvtier_cache().TieredCache, _kvtier_cache().detach
+    adapter = _kvtier_cache()
+    TieredCache, detach = adapter.TieredCache, adapter.detach
 
     device = ids.device
     gc.collect()
@@ -173,7 +224,8 @@ def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_
         cache = make_cache(name, model, ids.shape[1], block_tokens, l1_fraction)
         try:
             t0 = time.perf_counter()
-            out = model(input_ids=ids, cache=cache, use_cache=True)
+            # only the last position's logits: all of them would be GBs at 32k (Qwen's vocabulary is 152k)
+            out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
             nxt = out.logits[:, -1:].argmax(-1)
             _sync(device)
             prefill_s = time.perf_counter() - t0
@@ -215,7 +267,7 @@ def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_
     }
 
 
-def run_alternating(args) -> int:
+def run_alternating(args, model_dir: str | None) -> int:
     """--base: this tree and revision ``args.base`` alternated in child processes (module doc)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", args.base], capture_output=True,
@@ -231,7 +283,8 @@ def run_alternating(args) -> int:
         archive = subprocess.run(["git", "-C", root, "archive", commit, "kvtier"], capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", src], input=archive.stdout, check=True)
         trees = {name_here: root, commit: src}
-        print(f"# alternating {name_here} (this tree) and {commit}: device={args.device} dtype={args.dtype} "
+        print(f"# alternating {name_here} (this tree) and {commit}: model={model_dir or 'default'} "
+              f"device={args.device} dtype={args.dtype} "
               f"threads={args.threads} steps={args.steps} warmup={args.warmup} block_tokens={args.block_tokens} "
               f"l1_fraction={args.l1_fraction} rounds={args.rounds}")
         print(f"{'context':>7} {'round':>5} {'tree':<9} {'config':<20} {'tok/s':>8} {'dyn tok/s':>9} {'x dyn':>6} {'agree':>6}")
@@ -241,12 +294,7 @@ def run_alternating(args) -> int:
                 order = list(trees) if rnd % 2 == 0 else list(trees)[::-1]
                 for tree in order:
                     out = os.path.join(tmp, f"{ctx}-{rnd}-{tree}.json")
-                    cmd = [sys.executable, os.path.abspath(__file__), "--contexts", str(ctx), "--steps",
-                           str(args.steps), "--warmup", str(args.warmup), "--block-tokens", str(args.block_tokens),
-                           "--l1-fraction", str(args.l1_fraction), "--device", args.device, "--dtype", args.dtype,
-                           "--configs", *args.configs, "--json", out]
-                    if args.threads:
-                        cmd += ["--threads", str(args.threads)]
+                    cmd = child_argv(args, ctx, out, model_dir)
                     env = dict(os.environ, PYTHONPATH=trees[tree])
                     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
                     if r.returncode != 0:
@@ -277,13 +325,17 @@ def run_alternating(args) -> int:
                     print(f"# ctx {ctx} {config} {tree}: {med:.2f}x [{min(xs):.2f}, {max(xs):.2f}] over {len(xs)} runs")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"commit": name_here, "base": commit, "runs": runs, "summary": summary}, f, indent=1)
+            json.dump({"commit": name_here, "base": commit, "model": model_dir, "runs": runs, "summary": summary}, f, indent=1)
     return 0
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked; ``dtype`` stays "auto" until :func:`main` resolves it."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny context and few steps (seconds)")
+    ap.add_argument("--model", default=None,
+                    help="embedded model name (smollm2-135m, the default: 8,192 positions; qwen2.5-coder-0.5b: "
+                         "32,768), or a local transformers directory or .gguf file (kvtier.models.load_model)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=4)
@@ -298,10 +350,6 @@ def main(argv=None) -> int:
     ap.add_argument("--base", metavar="REV", help="alternate this tree with git revision REV's kvtier (module doc)")
     ap.add_argument("--rounds", type=int, default=3, help="--base: runs per tree and context")
     args = ap.parse_args(argv)
-    if args.dtype == "auto":
-        from kvtier.hardware import compute_dtype
-
-        args.dtype = str(compute_dtype(args.device)).removeprefix("torch.")
     if args.smoke:
         args.contexts, args.steps, args.warmup, args.block_tokens = [128], 2, 1, 16
         # CI machines are small and shared: oversubscribed OpenMP threads are ~10x slower
@@ -309,21 +357,40 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.configs) - set(BASELINE_CONFIGS) - set(KVTIER_CONFIGS))
     if unknown:
         raise SystemExit(f"--configs: unknown {unknown}; allowed: {list(BASELINE_CONFIGS) + list(KVTIER_CONFIGS)}")
+    if not 0 < args.l1_fraction <= 1:
+        raise ValueError(f"--l1-fraction must be in (0, 1] (the share of the context in L1, the sparse budget); "
+                         f"got {args.l1_fraction}")
+    if args.base and args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1; got {args.rounds}")
     # the reference every ratio needs, run first: the others are fed its tokens
     args.configs = ["dynamic"] + [c for c in args.configs if c != "dynamic"]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dtype == "auto":
+        from kvtier.hardware import compute_dtype
+
+        args.dtype = str(compute_dtype(args.device)).removeprefix("torch.")
+    model_dir, positions = resolve_model(args.model)
+    too_long = [c for c in args.contexts if positions is not None and c > positions]
+    if too_long:
+        raise ValueError(f"--contexts {too_long} exceed the model's {positions:,} positions "
+                         f"(--model {args.model or 'smollm2-135m'})")
     if args.base:
-        if args.rounds < 1:
-            raise SystemExit(f"--rounds must be >= 1; got {args.rounds}")
-        return run_alternating(args)
+        return run_alternating(args, model_dir)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    load_model, text_ids = _kvtier_models().load_model, _kvtier_models().text_ids
+    models = _kvtier_models()
+    load_model, text_ids = models.load_model, models.text_ids
 
     device = torch.device(args.device)
-    model, tok = load_model(dtype=_DTYPES[args.dtype], device=device)
+    model, tok = load_model(model_dir, dtype=_DTYPES[args.dtype], device=device)
     rows = []
-    print(f"# device={device} dtype={args.dtype} threads={torch.get_num_threads()} steps={args.steps} "
+    print(f"# model={model_dir or 'default'} device={device} dtype={args.dtype} threads={torch.get_num_threads()} "
+          f"steps={args.steps} "
           f"warmup={args.warmup} block_tokens={args.block_tokens} l1_fraction={args.l1_fraction}")
     print(f"{'context':>7} {'config':<20} {'tok/s':>8} {'x dyn':>6} {'p50 ms':>7} {'p99 ms':>7} "
           f"{'peak MB':>8} {'B/token':>8} {'x dyn':>6} {'agree':>6}")
@@ -334,6 +401,7 @@ def main(argv=None) -> int:
             forced = by_name["dynamic"]["tokens"] if by_name else None
             r = run_one(name, model, ids, args.steps, args.warmup, args.block_tokens, args.l1_fraction, forced)
             by_name[name] = r
+            r["model"] = model_dir
             rows.append(r)
         ref = by_name["dynamic"]
         for name, r in by_name.items():
