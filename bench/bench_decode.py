@@ -26,7 +26,8 @@ at fewer bytes per token than both.
     python bench/bench_decode.py --device cuda --dtype float16
     python bench/bench_decode.py --base a4e1479 --contexts 4096 --configs kvtier-int4-sparse --rounds 3
     python bench/bench_decode.py --model qwen2.5-coder-0.5b --base a4e1479 --contexts 32768 \
-        --configs kvtier-int4-sparse --l1-fraction 0.03 --rounds 3 --steps 48 --threads 1
+        --configs kvtier-int4-sparse --l1-fraction 0.03 --rounds 3 --steps 48 --threads 1 \
+        --prefill-cache ~/.cache/kvtier/bench-prefill
 
 --base REV: this tree and the kvtier of git revision REV (exported with ``git archive``) run
 alternately, each round one child process per tree (the order swapped every round), each
@@ -37,6 +38,14 @@ resolves --model with this tree's loader to its local transformers directory (a 
 converted once into the model cache) and passes the directory to both children: an older
 tree's loader (a4e1479's ``kvtier.integrations.model``) knows no model names but loads any
 such directory, so both trees run the same weights with their own loader and cache.
+
+--prefill-cache DIR: DynamicCache's prefill of each context is kept in DIR by kvtier eval's
+``kvtier.eval.caches.prefill`` (safetensors, keyed by the model's directory and dtype and the
+token ids; this tree's module loaded by path, so an older tree's child uses it too) and read
+back by later runs: at 32k it halves each child's prefills. kvtier's caches always prefill
+(their prefill builds the store). The timed decode steps are the same either way; the
+reference's ``prefill_s`` is then the time it took when computed, its peak memory that of
+reading it back, and its row says ``prefill_kept``.
 """
 from __future__ import annotations
 
@@ -108,16 +117,39 @@ class PeakMemory:
             self.peak = max(self._max, _rss()) - self.base
 
 
-def _baselines():
-    """tests/baselines.py (transformers' caches, no kvtier import), loaded by path so a child
-    running an older tree's kvtier (--base) does not put this tree's package on sys.path."""
+def _by_path(relpath: str):
+    """A module of this tree loaded by its file path, so a child running an older tree's kvtier
+    (--base) does not put this tree's package on sys.path. Only modules whose top-level imports
+    are outside kvtier qualify."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "baselines.py")
-    spec = importlib.util.spec_from_file_location("kvtier_bench_baselines", path)
+    name = "kvtier_bench_" + relpath.replace("/", "_").removesuffix(".py")
+    if name in sys.modules:
+        return sys.modules[name]
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), relpath)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
     return module
+
+
+def _baselines():
+    """tests/baselines.py: transformers' caches, no kvtier import."""
+    return _by_path("tests/baselines.py")
+
+
+def _reference_prefill(model, ids: torch.Tensor, prefill_dir: str):
+    """DynamicCache's prefill of ``ids`` through ``kvtier.eval.caches.prefill``: kept in
+    ``prefill_dir`` as safetensors (keyed by the model's directory and dtype and the token ids)
+    and read back by later runs, the other tree's child included."""
+    from pathlib import Path
+
+    return _by_path("kvtier/eval/caches.py").prefill(model, ids, cache_dir=Path(prefill_dir))
 
 
 def _kvtier_cache():
@@ -138,27 +170,40 @@ def _kvtier_models():
     return models
 
 
-def resolve_model(model: str | None) -> tuple[str | None, int | None]:
-    """``--model`` as ``(local transformers directory, its positions)`` with the running tree's
-    loader: a name (this tree's ``kvtier.models.MODELS``) is converted once into the model cache
-    and named by its directory, which every tree's ``load_model`` takes. An older tree's loader
-    (a --base child) knows no names; its parent always passes it a directory.
+def resolve_model(model: str | None, contexts: list[int]) -> str | None:
+    """``--model`` as a local transformers directory, with the running tree's loader: a name
+    (this tree's ``kvtier.models.MODELS``) is converted once into the model cache and named by
+    its directory, which every tree's ``load_model`` takes. An older tree's loader (a --base
+    child) knows no names; its parent always passes it a directory (None: that tree's default).
+
+    Raises ValueError when ``model`` is neither a name nor a path, or a context exceeds its
+    positions (checked before an embedded model is converted).
     """
     models = _kvtier_models()
+    positions = None
     if hasattr(models, "model_dir"):
         path, embedded = models.resolve_model(model)
         if path is not None and not os.path.exists(os.path.expanduser(path)):
             raise ValueError(f"--model {path!r} is neither an embedded model ({', '.join(models.MODELS)}) "
                              "nor an existing path")
+        positions = embedded.max_positions if embedded is not None else None
+        _check_positions(contexts, positions, model)
         directory = str(models.model_dir(model))
     elif model is None or os.path.isdir(model):
         directory = model
     else:
         raise ValueError(f"--model {model!r}: this tree's loader takes only a transformers directory")
-    if directory is None:
-        return None, None
-    with open(os.path.join(directory, "config.json")) as f:
-        return directory, json.load(f).get("max_position_embeddings")
+    if directory is not None and positions is None:
+        with open(os.path.join(directory, "config.json")) as f:
+            _check_positions(contexts, json.load(f).get("max_position_embeddings"), model)
+    return directory
+
+
+def _check_positions(contexts: list[int], positions: int | None, model: str | None) -> None:
+    too_long = [c for c in contexts if positions is not None and c > positions]
+    if too_long:
+        raise ValueError(f"--contexts {too_long} exceed the model's {positions:,} positions "
+                         f"(--model {model or 'smollm2-135m'})")
 
 
 def child_argv(args, context: int, out: str, model_dir: str | None) -> list[str]:
@@ -171,6 +216,8 @@ def child_argv(args, context: int, out: str, model_dir: str | None) -> list[str]
            "--configs", *args.configs, "--json", out]
     if model_dir is not None:
         cmd += ["--model", model_dir]
+    if args.prefill_cache is not None:
+        cmd += ["--prefill-cache", args.prefill_cache]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     return cmd
@@ -187,7 +234,8 @@ def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: f
     codec, attention, policy = KVTIER_CONFIGS[name]
     hot = max(4 * block_tokens, int(context * l1_fraction) // block_tokens * block_tokens)
     cfg = model.config
-    kv_bytes_fp16 = 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # Qwen2's config has none
+    kv_bytes_fp16 = 2 * cfg.num_key_value_heads * head_dim * 2 * cfg.num_hidden_layers
     # L1's field is device_tokens; an older tree run with --base knows it as hot_tokens
     l1_field = "device_tokens" if "device_tokens" in KVTierConfig.__dataclass_fields__ else "hot_tokens"
     cfg = KVTierConfig(block_tokens=block_tokens, **{l1_field: hot}, max_sequences=1,
@@ -207,8 +255,12 @@ def kv_bytes(cache) -> int:
 
 @torch.inference_mode()
 def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_tokens: int,
-            l1_fraction: float, forced: list[int] | None = None) -> dict:
+            l1_fraction: float, forced: list[int] | None = None, prefill_dir: str | None = None) -> dict:
     """Prefill ``ids``, decode ``warmup`` + ``steps`` tokens greedily, time the last ``steps``.
+
+    ``prefill_dir`` (DynamicCache only): its prefill is kept there and reused
+    (:func:`_reference_prefill`); ``prefill_s`` is then the time it took when computed, and the
+    peak memory that of reading it. The timed decode steps are the same either way.
 
     ``forced``: the reference's tokens (its ``"tokens"``); each step then takes the reference's
     token as input instead of its own, so every cache predicts from the same text and
@@ -223,12 +275,23 @@ def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_
     with PeakMemory(device) as mem:
         cache = make_cache(name, model, ids.shape[1], block_tokens, l1_fraction)
         try:
+            kept = prefill_dir is not None and name == "dynamic"
             t0 = time.perf_counter()
-            # only the last position's logits: all of them would be GBs at 32k (Qwen's vocabulary is 152k)
-            out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-            nxt = out.logits[:, -1:].argmax(-1)
+            if kept:
+                pre = _reference_prefill(model, ids, prefill_dir)
+                for layer, (k, v) in enumerate(pre.kv):
+                    cache.update(k.to(device), v.to(device), layer)  # copies: the kept tensors go
+                nxt = pre.logits.argmax().view(1, 1).to(device)
+                prefill_s = pre.seconds
+                del pre
+            else:
+                # only the last position's logits: all of them would be GBs at 32k (Qwen's vocabulary is 152k)
+                out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+                nxt = out.logits[:, -1:].argmax(-1)
+                del out
             _sync(device)
-            prefill_s = time.perf_counter() - t0
+            if not kept:
+                prefill_s = time.perf_counter() - t0
             tokens = [int(nxt[0, 0])]
 
             def step(i: int) -> torch.Tensor:
@@ -262,7 +325,7 @@ def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_
     return {
         "config": name, "context": ids.shape[1], "steps": steps,
         "tokens_per_s": steps / total, "p50_ms": 1e3 * times[len(times) // 2], "p99_ms": 1e3 * times[-1] if len(times) < 100 else 1e3 * times[int(0.99 * len(times))],
-        "prefill_s": prefill_s, "peak_mem_bytes": mem.peak, "kv_bytes": nbytes,
+        "prefill_s": prefill_s, "prefill_kept": kept, "peak_mem_bytes": mem.peak, "kv_bytes": nbytes,
         "bytes_per_token": nbytes / seq_len, "tokens": tokens, **extra,
     }
 
@@ -347,6 +410,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: leave as is)")
     ap.add_argument("--configs", nargs="+", default=list(BASELINE_CONFIGS) + list(KVTIER_CONFIGS))
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--prefill-cache", metavar="DIR", default=None,
+                    help="keep DynamicCache's prefill of each context in DIR (safetensors, kvtier eval's format) "
+                         "and reuse it in later runs and --base children: a 32k prefill is CPU-minutes; "
+                         "kvtier's caches always prefill")
     ap.add_argument("--base", metavar="REV", help="alternate this tree with git revision REV's kvtier (module doc)")
     ap.add_argument("--rounds", type=int, default=3, help="--base: runs per tree and context")
     args = ap.parse_args(argv)
@@ -360,6 +427,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if not 0 < args.l1_fraction <= 1:
         raise ValueError(f"--l1-fraction must be in (0, 1] (the share of the context in L1, the sparse budget); "
                          f"got {args.l1_fraction}")
+    if args.prefill_cache is not None:
+        args.prefill_cache = os.path.abspath(args.prefill_cache)
     if args.base and args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1; got {args.rounds}")
     # the reference every ratio needs, run first: the others are fed its tokens
@@ -373,11 +442,7 @@ def main(argv=None) -> int:
         from kvtier.hardware import compute_dtype
 
         args.dtype = str(compute_dtype(args.device)).removeprefix("torch.")
-    model_dir, positions = resolve_model(args.model)
-    too_long = [c for c in args.contexts if positions is not None and c > positions]
-    if too_long:
-        raise ValueError(f"--contexts {too_long} exceed the model's {positions:,} positions "
-                         f"(--model {args.model or 'smollm2-135m'})")
+    model_dir = resolve_model(args.model, args.contexts)
     if args.base:
         return run_alternating(args, model_dir)
     if args.threads:
@@ -399,7 +464,8 @@ def main(argv=None) -> int:
         by_name = {}
         for name in args.configs:  # dynamic first: the others decode its tokens (teacher-forced)
             forced = by_name["dynamic"]["tokens"] if by_name else None
-            r = run_one(name, model, ids, args.steps, args.warmup, args.block_tokens, args.l1_fraction, forced)
+            r = run_one(name, model, ids, args.steps, args.warmup, args.block_tokens, args.l1_fraction, forced,
+                        args.prefill_cache)
             by_name[name] = r
             r["model"] = model_dir
             rows.append(r)
