@@ -42,8 +42,8 @@ such directory, so both trees run the same weights with their own loader and cac
 --prefill-cache DIR: DynamicCache's prefill of each context is kept in DIR by kvtier eval's
 ``kvtier.eval.caches.prefill`` (safetensors, keyed by the model's directory and dtype and the
 token ids; this tree's module loaded by path, so an older tree's child uses it too) and read
-back by later runs: at 32k it halves each child's prefills. kvtier's caches always prefill
-(their prefill builds the store). The timed decode steps are the same either way; the
+back by later runs: every run after the first prefills once (kvtier's cache) instead of twice,
+which at 32k is CPU-minutes a run. kvtier's caches always prefill (their prefill builds the store). The timed decode steps are the same either way; the
 reference's ``prefill_s`` is then the time it took when computed, its peak memory that of
 reading it back, and its row says ``prefill_kept``.
 """
