@@ -1,14 +1,19 @@
 """Decode speed and memory of kvtier against transformers' caches, on the real model.
 
-Every configuration prefills the same context of real text (pydoc topics), then decodes greedily;
-the decode steps after a warm-up are timed (device synchronized). All caches run in one process,
-one after the other, so the ratios compare like with like:
+Every configuration prefills the same context of real text, then decodes greedily; the decode
+steps after a warm-up are timed (device synchronized). All caches run in one process, one after
+the other, so the ratios compare like with like. The model is ``--model`` (``kvtier.models``'
+names: smollm2-135m, the default, 8,192 positions; qwen2.5-coder-0.5b, 32,768 positions; or a
+local transformers directory or .gguf file). The text is one contiguous run of pydoc topics from
+token 1,000 (~113k tokens with SmolLM2's tokenizer, ~106k with Qwen's), never repeated: every
+context up to both models' positions fits, and a longer one is refused. The prefill computes
+only the last position's logits. The caches:
 
   dynamic         transformers DynamicCache (the reference: ratios are to it)
   quanto-int4     transformers QuantizedCache, optimum-quanto backend (KIVI-style, residual 128)
   hqq-int4        transformers QuantizedCache, HQQ backend
-  kvtier-*        TieredCache, int8 / int4, dense / sparse, L1 = 25% of the context
-                  (sparse budget = L1), the rest in the L2 DRAM ring (L3 not used here)
+  kvtier-*        TieredCache, int8 / int4, dense / sparse, L1 = --l1-fraction of the context
+                  (default 25%; sparse budget = L1), the rest in the L2 DRAM ring (L3 not used)
 
 Reported per (context, config): decode tokens/s and its ratio to DynamicCache, peak memory
 above the model (CUDA: max allocated; CPU: peak RSS sampled every 2 ms), and KV bytes per token
@@ -20,12 +25,27 @@ at fewer bytes per token than both.
     python bench/bench_decode.py --smoke         # seconds; run by `make bench-smoke`
     python bench/bench_decode.py --device cuda --dtype float16
     python bench/bench_decode.py --base a4e1479 --contexts 4096 --configs kvtier-int4-sparse --rounds 3
+    python bench/bench_decode.py --model qwen2.5-coder-0.5b --base a4e1479 --contexts 32768 \
+        --configs kvtier-int4-sparse --l1-fraction 0.03 --rounds 3 --steps 48 --threads 1 \
+        --prefill-cache ~/.cache/kvtier/bench-prefill
 
 --base REV: this tree and the kvtier of git revision REV (exported with ``git archive``) run
 alternately, each round one child process per tree (the order swapped every round), each
 measuring DynamicCache and --configs in the same process with this script's workload; every
 run's ratio to DynamicCache is printed, then the median and range per tree. A shared machine's
-load moves both trees' runs alike, and each ratio is taken within one process.
+load moves both trees' runs alike, and each ratio is taken within one process. The parent
+resolves --model with this tree's loader to its local transformers directory (a name is
+converted once into the model cache) and passes the directory to both children: an older
+tree's loader (a4e1479's ``kvtier.integrations.model``) knows no model names but loads any
+such directory, so both trees run the same weights with their own loader and cache.
+
+--prefill-cache DIR: DynamicCache's prefill of each context is kept in DIR by kvtier eval's
+``kvtier.eval.caches.prefill`` (safetensors, keyed by the model's directory and dtype and the
+token ids; this tree's module loaded by path, so an older tree's child uses it too) and read
+back by later runs: every run after the first prefills once (kvtier's cache) instead of twice,
+which at 32k is CPU-minutes a run. kvtier's caches always prefill (their prefill builds the store). The timed decode steps are the same either way; the
+reference's ``prefill_s`` is then the time it took when computed, its peak memory that of
+reading it back, and its row says ``prefill_kept``.
 """
 from __future__ import annotations
 
@@ -97,16 +117,39 @@ class PeakMemory:
             self.peak = max(self._max, _rss()) - self.base
 
 
-def _baselines():
-    """tests/baselines.py (transformers' caches, no kvtier import), loaded by path so a child
-    running an older tree's kvtier (--base) does not put this tree's package on sys.path."""
+def _by_path(relpath: str):
+    """A module of this tree loaded by its file path, so a child running an older tree's kvtier
+    (--base) does not put this tree's package on sys.path. Only modules whose top-level imports
+    are outside kvtier qualify."""
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "baselines.py")
-    spec = importlib.util.spec_from_file_location("kvtier_bench_baselines", path)
+    name = "kvtier_bench_" + relpath.replace("/", "_").removesuffix(".py")
+    if name in sys.modules:
+        return sys.modules[name]
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), relpath)
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.modules[name] = module  # dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
     return module
+
+
+def _baselines():
+    """tests/baselines.py: transformers' caches, no kvtier import."""
+    return _by_path("tests/baselines.py")
+
+
+def _reference_prefill(model, ids: torch.Tensor, prefill_dir: str):
+    """DynamicCache's prefill of ``ids`` through ``kvtier.eval.caches.prefill``: kept in
+    ``prefill_dir`` as safetensors (keyed by the model's directory and dtype and the token ids)
+    and read back by later runs, the other tree's child included."""
+    from pathlib import Path
+
+    return _by_path("kvtier/eval/caches.py").prefill(model, ids, cache_dir=Path(prefill_dir))
 
 
 def _kvtier_cache():
@@ -119,11 +162,65 @@ def _kvtier_cache():
 
 
 def _kvtier_models():
+    """This tree's model loader, or an older tree's (--base) from before it moved."""
     try:
         from kvtier import models
     except ImportError:
         from kvtier.integrations import model as models
     return models
+
+
+def resolve_model(model: str | None, contexts: list[int]) -> str | None:
+    """``--model`` as a local transformers directory, with the running tree's loader: a name
+    (this tree's ``kvtier.models.MODELS``) is converted once into the model cache and named by
+    its directory, which every tree's ``load_model`` takes. An older tree's loader (a --base
+    child) knows no names; its parent always passes it a directory (None: that tree's default).
+
+    Raises ValueError when ``model`` is neither a name nor a path, or a context exceeds its
+    positions (checked before an embedded model is converted).
+    """
+    models = _kvtier_models()
+    positions = None
+    if hasattr(models, "model_dir"):
+        path, embedded = models.resolve_model(model)
+        if path is not None and not os.path.exists(os.path.expanduser(path)):
+            raise ValueError(f"--model {path!r} is neither an embedded model ({', '.join(models.MODELS)}) "
+                             "nor an existing path")
+        positions = embedded.max_positions if embedded is not None else None
+        _check_positions(contexts, positions, model)
+        directory = str(models.model_dir(model))
+    elif model is None or os.path.isdir(model):
+        directory = model
+    else:
+        raise ValueError(f"--model {model!r}: this tree's loader takes only a transformers directory")
+    if directory is not None and positions is None:
+        with open(os.path.join(directory, "config.json")) as f:
+            _check_positions(contexts, json.load(f).get("max_position_embeddings"), model)
+    return directory
+
+
+def _check_positions(contexts: list[int], positions: int | None, model: str | None) -> None:
+    too_long = [c for c in contexts if positions is not None and c > positions]
+    if too_long:
+        raise ValueError(f"--contexts {too_long} exceed the model's {positions:,} positions "
+                         f"(--model {model or 'smollm2-135m'})")
+
+
+def child_argv(args, context: int, out: str, model_dir: str | None) -> list[str]:
+    """The command line of one --base child: this script, one context, the parent's settings,
+    the model as the directory :func:`resolve_model` found (so an older tree loads the same
+    weights), its rows written to ``out``."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--contexts", str(context), "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--block-tokens", str(args.block_tokens),
+           "--l1-fraction", str(args.l1_fraction), "--device", args.device, "--dtype", args.dtype,
+           "--configs", *args.configs, "--json", out]
+    if model_dir is not None:
+        cmd += ["--model", model_dir]
+    if args.prefill_cache is not None:
+        cmd += ["--prefill-cache", args.prefill_cache]
+    if args.threads:
+        cmd += ["--threads", str(args.threads)]
+    return cmd
 
 
 def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: float):
@@ -137,7 +234,8 @@ def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: f
     codec, attention, policy = KVTIER_CONFIGS[name]
     hot = max(4 * block_tokens, int(context * l1_fraction) // block_tokens * block_tokens)
     cfg = model.config
-    kv_bytes_fp16 = 2 * cfg.num_key_value_heads * cfg.head_dim * 2 * cfg.num_hidden_layers
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads  # Qwen2's config has none
+    kv_bytes_fp16 = 2 * cfg.num_key_value_heads * head_dim * 2 * cfg.num_hidden_layers
     # L1's field is device_tokens; an older tree run with --base knows it as hot_tokens
     l1_field = "device_tokens" if "device_tokens" in KVTierConfig.__dataclass_fields__ else "hot_tokens"
     cfg = KVTierConfig(block_tokens=block_tokens, **{l1_field: hot}, max_sequences=1,
@@ -157,26 +255,43 @@ def kv_bytes(cache) -> int:
 
 @torch.inference_mode()
 def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_tokens: int,
-            l1_fraction: float, forced: list[int] | None = None) -> dict:
+            l1_fraction: float, forced: list[int] | None = None, prefill_dir: str | None = None) -> dict:
     """Prefill ``ids``, decode ``warmup`` + ``steps`` tokens greedily, time the last ``steps``.
+
+    ``prefill_dir`` (DynamicCache only): its prefill is kept there and reused
+    (:func:`_reference_prefill`); ``prefill_s`` is then the time it took when computed, and the
+    peak memory that of reading it. The timed decode steps are the same either way.
 
     ``forced``: the reference's tokens (its ``"tokens"``); each step then takes the reference's
     token as input instead of its own, so every cache predicts from the same text and
     ``"tokens"`` holds its own greedy choice at each position (the prefill's first): comparing
     free-running outputs would count every token after the first difference as a miss.
     """
-    TieredCache, detach = _kvtier_cache().TieredCache, _kvtier_cache().detach
+    adapter = _kvtier_cache()
+    TieredCache, detach = adapter.TieredCache, adapter.detach
 
     device = ids.device
     gc.collect()
     with PeakMemory(device) as mem:
         cache = make_cache(name, model, ids.shape[1], block_tokens, l1_fraction)
         try:
+            kept = prefill_dir is not None and name == "dynamic"
             t0 = time.perf_counter()
-            out = model(input_ids=ids, cache=cache, use_cache=True)
-            nxt = out.logits[:, -1:].argmax(-1)
+            if kept:
+                pre = _reference_prefill(model, ids, prefill_dir)
+                for layer, (k, v) in enumerate(pre.kv):
+                    cache.update(k.to(device), v.to(device), layer)  # copies: the kept tensors go
+                nxt = pre.logits.argmax().view(1, 1).to(device)
+                prefill_s = pre.seconds
+                del pre
+            else:
+                # only the last position's logits: all of them would be GBs at 32k (Qwen's vocabulary is 152k)
+                out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+                nxt = out.logits[:, -1:].argmax(-1)
+                del out
             _sync(device)
-            prefill_s = time.perf_counter() - t0
+            if not kept:
+                prefill_s = time.perf_counter() - t0
             tokens = [int(nxt[0, 0])]
 
             def step(i: int) -> torch.Tensor:
@@ -210,12 +325,12 @@ def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_
     return {
         "config": name, "context": ids.shape[1], "steps": steps,
         "tokens_per_s": steps / total, "p50_ms": 1e3 * times[len(times) // 2], "p99_ms": 1e3 * times[-1] if len(times) < 100 else 1e3 * times[int(0.99 * len(times))],
-        "prefill_s": prefill_s, "peak_mem_bytes": mem.peak, "kv_bytes": nbytes,
+        "prefill_s": prefill_s, "prefill_kept": kept, "peak_mem_bytes": mem.peak, "kv_bytes": nbytes,
         "bytes_per_token": nbytes / seq_len, "tokens": tokens, **extra,
     }
 
 
-def run_alternating(args) -> int:
+def run_alternating(args, model_dir: str | None) -> int:
     """--base: this tree and revision ``args.base`` alternated in child processes (module doc)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     commit = subprocess.run(["git", "-C", root, "rev-parse", "--short", args.base], capture_output=True,
@@ -231,7 +346,8 @@ def run_alternating(args) -> int:
         archive = subprocess.run(["git", "-C", root, "archive", commit, "kvtier"], capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", src], input=archive.stdout, check=True)
         trees = {name_here: root, commit: src}
-        print(f"# alternating {name_here} (this tree) and {commit}: device={args.device} dtype={args.dtype} "
+        print(f"# alternating {name_here} (this tree) and {commit}: model={model_dir or 'default'} "
+              f"device={args.device} dtype={args.dtype} "
               f"threads={args.threads} steps={args.steps} warmup={args.warmup} block_tokens={args.block_tokens} "
               f"l1_fraction={args.l1_fraction} rounds={args.rounds}")
         print(f"{'context':>7} {'round':>5} {'tree':<9} {'config':<20} {'tok/s':>8} {'dyn tok/s':>9} {'x dyn':>6} {'agree':>6}")
@@ -241,12 +357,7 @@ def run_alternating(args) -> int:
                 order = list(trees) if rnd % 2 == 0 else list(trees)[::-1]
                 for tree in order:
                     out = os.path.join(tmp, f"{ctx}-{rnd}-{tree}.json")
-                    cmd = [sys.executable, os.path.abspath(__file__), "--contexts", str(ctx), "--steps",
-                           str(args.steps), "--warmup", str(args.warmup), "--block-tokens", str(args.block_tokens),
-                           "--l1-fraction", str(args.l1_fraction), "--device", args.device, "--dtype", args.dtype,
-                           "--configs", *args.configs, "--json", out]
-                    if args.threads:
-                        cmd += ["--threads", str(args.threads)]
+                    cmd = child_argv(args, ctx, out, model_dir)
                     env = dict(os.environ, PYTHONPATH=trees[tree])
                     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
                     if r.returncode != 0:
@@ -277,13 +388,17 @@ def run_alternating(args) -> int:
                     print(f"# ctx {ctx} {config} {tree}: {med:.2f}x [{min(xs):.2f}, {max(xs):.2f}] over {len(xs)} runs")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"commit": name_here, "base": commit, "runs": runs, "summary": summary}, f, indent=1)
+            json.dump({"commit": name_here, "base": commit, "model": model_dir, "runs": runs, "summary": summary}, f, indent=1)
     return 0
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked; ``dtype`` stays "auto" until :func:`main` resolves it."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="tiny context and few steps (seconds)")
+    ap.add_argument("--model", default=None,
+                    help="embedded model name (smollm2-135m, the default: 8,192 positions; qwen2.5-coder-0.5b: "
+                         "32,768), or a local transformers directory or .gguf file (kvtier.models.load_model)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=4)
@@ -295,13 +410,13 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: leave as is)")
     ap.add_argument("--configs", nargs="+", default=list(BASELINE_CONFIGS) + list(KVTIER_CONFIGS))
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--prefill-cache", metavar="DIR", default=None,
+                    help="keep DynamicCache's prefill of each context in DIR (safetensors, kvtier eval's format) "
+                         "and reuse it in later runs and --base children: a 32k prefill is CPU-minutes; "
+                         "kvtier's caches always prefill")
     ap.add_argument("--base", metavar="REV", help="alternate this tree with git revision REV's kvtier (module doc)")
     ap.add_argument("--rounds", type=int, default=3, help="--base: runs per tree and context")
     args = ap.parse_args(argv)
-    if args.dtype == "auto":
-        from kvtier.hardware import compute_dtype
-
-        args.dtype = str(compute_dtype(args.device)).removeprefix("torch.")
     if args.smoke:
         args.contexts, args.steps, args.warmup, args.block_tokens = [128], 2, 1, 16
         # CI machines are small and shared: oversubscribed OpenMP threads are ~10x slower
@@ -309,21 +424,38 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.configs) - set(BASELINE_CONFIGS) - set(KVTIER_CONFIGS))
     if unknown:
         raise SystemExit(f"--configs: unknown {unknown}; allowed: {list(BASELINE_CONFIGS) + list(KVTIER_CONFIGS)}")
+    if not 0 < args.l1_fraction <= 1:
+        raise ValueError(f"--l1-fraction must be in (0, 1] (the share of the context in L1, the sparse budget); "
+                         f"got {args.l1_fraction}")
+    if args.prefill_cache is not None:
+        args.prefill_cache = os.path.abspath(args.prefill_cache)
+    if args.base and args.rounds < 1:
+        raise SystemExit(f"--rounds must be >= 1; got {args.rounds}")
     # the reference every ratio needs, run first: the others are fed its tokens
     args.configs = ["dynamic"] + [c for c in args.configs if c != "dynamic"]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.dtype == "auto":
+        from kvtier.hardware import compute_dtype
+
+        args.dtype = str(compute_dtype(args.device)).removeprefix("torch.")
+    model_dir = resolve_model(args.model, args.contexts)
     if args.base:
-        if args.rounds < 1:
-            raise SystemExit(f"--rounds must be >= 1; got {args.rounds}")
-        return run_alternating(args)
+        return run_alternating(args, model_dir)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    load_model, text_ids = _kvtier_models().load_model, _kvtier_models().text_ids
+    models = _kvtier_models()
+    load_model, text_ids = models.load_model, models.text_ids
 
     device = torch.device(args.device)
-    model, tok = load_model(dtype=_DTYPES[args.dtype], device=device)
+    model, tok = load_model(model_dir, dtype=_DTYPES[args.dtype], device=device)
     rows = []
-    print(f"# device={device} dtype={args.dtype} threads={torch.get_num_threads()} steps={args.steps} "
+    print(f"# model={model_dir or 'default'} device={device} dtype={args.dtype} threads={torch.get_num_threads()} "
+          f"steps={args.steps} "
           f"warmup={args.warmup} block_tokens={args.block_tokens} l1_fraction={args.l1_fraction}")
     print(f"{'context':>7} {'config':<20} {'tok/s':>8} {'x dyn':>6} {'p50 ms':>7} {'p99 ms':>7} "
           f"{'peak MB':>8} {'B/token':>8} {'x dyn':>6} {'agree':>6}")
@@ -332,8 +464,10 @@ def main(argv=None) -> int:
         by_name = {}
         for name in args.configs:  # dynamic first: the others decode its tokens (teacher-forced)
             forced = by_name["dynamic"]["tokens"] if by_name else None
-            r = run_one(name, model, ids, args.steps, args.warmup, args.block_tokens, args.l1_fraction, forced)
+            r = run_one(name, model, ids, args.steps, args.warmup, args.block_tokens, args.l1_fraction, forced,
+                        args.prefill_cache)
             by_name[name] = r
+            r["model"] = model_dir
             rows.append(r)
         ref = by_name["dynamic"]
         for name, r in by_name.items():

@@ -1,0 +1,97 @@
+"""bench/bench_decode.py's command line: --model, its checks, and what a --base child is given.
+
+No model is loaded here (`make bench-smoke` runs the bench itself): every check below fails
+before a load, or only builds an argv.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_decode_under_test", ROOT / "bench" / "bench_decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _model_dir(tmp_path: Path, positions: int) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"max_position_embeddings": positions}))
+    return d
+
+
+def test_defaults_keep_the_default_model(bench):
+    args = bench.parse_args([])
+    assert args.model is None and args.contexts == [1024, 4096] and args.l1_fraction == 0.25
+    assert args.configs[0] == "dynamic"
+    smoke = bench.parse_args(["--smoke"])
+    assert (smoke.model, smoke.contexts, smoke.steps, smoke.threads) == (None, [128], 2, 1)
+
+
+def test_child_argv_carries_the_model_directory_and_settings(bench, tmp_path):
+    d = _model_dir(tmp_path, 32768)
+    args = bench.parse_args(["--model", str(d), "--base", "a4e1479", "--contexts", "1024", "32768",
+                             "--configs", "kvtier-int4-sparse", "--l1-fraction", "0.03", "--steps", "48",
+                             "--threads", "1", "--dtype", "bfloat16", "--rounds", "2",
+                             "--prefill-cache", "prefills"])
+    cmd = bench.child_argv(args, 32768, str(tmp_path / "out.json"), str(d))
+    assert cmd[1] == str(ROOT / "bench" / "bench_decode.py")
+    assert "--base" not in cmd and "--rounds" not in cmd  # a child measures once, its own tree
+    child = bench.parse_args(cmd[2:])
+    assert child.model == str(d)
+    assert (child.contexts, child.steps, child.l1_fraction, child.threads, child.dtype) == ([32768], 48, 0.03, 1,
+                                                                                           "bfloat16")
+    assert child.configs == ["dynamic", "kvtier-int4-sparse"] and child.json == str(tmp_path / "out.json")
+    assert child.prefill_cache == args.prefill_cache and Path(child.prefill_cache).is_absolute()
+    # the default model: the child gets no --model and loads its tree's default
+    assert "--model" not in bench.child_argv(bench.parse_args([]), 1024, "o.json", None)
+
+
+def test_model_directory_positions_bound_the_contexts(bench, tmp_path):
+    d = _model_dir(tmp_path, 4096)
+    assert bench.resolve_model(str(d), [1024, 4096]) == str(d)
+    with pytest.raises(ValueError, match=r"--contexts \[8192\] exceed the model's 4,096 positions"):
+        bench.main(["--model", str(d), "--contexts", "1024", "8192", "--dtype", "float32"])
+
+
+def test_embedded_model_positions_checked_before_conversion(bench):
+    with pytest.raises(ValueError, match="32,768 positions"):
+        bench.resolve_model("qwen2.5-coder-0.5b", [40000])
+    with pytest.raises(ValueError, match="8,192 positions"):
+        bench.resolve_model(None, [16384])
+
+
+def test_bad_model_and_l1_fraction_refused(bench):
+    with pytest.raises(ValueError, match=r"--model 'qwen' is neither an embedded model \(smollm2-135m, qwen2.5"):
+        bench.main(["--model", "qwen", "--dtype", "float32"])
+    with pytest.raises(ValueError, match=r"--l1-fraction must be in \(0, 1\]"):
+        bench.parse_args(["--l1-fraction", "0"])
+
+
+def test_kept_reference_prefill_decodes_the_same_tokens(bench, tmp_path):
+    """The reference's prefill computed and kept, then read back: the same greedy tokens, and the
+    kvtier row decodes against them alike."""
+    prefills = tmp_path / "prefills"
+    runs = []
+    for i in range(2):
+        out = tmp_path / f"rows{i}.json"
+        assert bench.main(["--smoke", "--configs", "kvtier-int4-sparse", "--dtype", "float32",
+                           "--prefill-cache", str(prefills), "--json", str(out)]) == 0
+        runs.append({r["config"]: r for r in json.loads(out.read_text())})
+    kept = list(prefills.iterdir())
+    assert len(kept) == 1 and kept[0].suffix == ".safetensors" and kept[0].stat().st_mode & 0o077 == 0
+    first, second = runs
+    assert first["dynamic"]["prefill_kept"] and second["dynamic"]["prefill_kept"]
+    assert not second["kvtier-int4-sparse"]["prefill_kept"]
+    assert second["dynamic"]["prefill_s"] == first["dynamic"]["prefill_s"]  # the computed prefill's time
+    assert second["dynamic"]["tokens"] == first["dynamic"]["tokens"]
+    assert second["kvtier-int4-sparse"]["tokens"] == first["kvtier-int4-sparse"]["tokens"]
