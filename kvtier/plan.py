@@ -216,7 +216,7 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
     lay = Layout.resolve(cfg, layers, kv_heads, head_dim, _torch_dtype(dtype), "cpu", machine=False)
     l1_kv = pool_slots(lay.device_blocks, concurrency, layers) * lay.slot_bytes
     # every sequence at its longest: the digest rows of its sealed blocks, and the rows its
-    # tables hold (a table grows by doubling), in every layer
+    # tables hold (a table grows by a quarter at a time), in every layer
     used, held = (n * layers * concurrency for n in lay.digest_bytes(max_seq_len))
     return {
         "recommended": dense_l1 * 4 < max_seq_len,

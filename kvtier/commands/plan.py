@@ -186,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  digests  {_fmt(sp['l1_digest_bytes'])}  ({sp['digest_share']:.0%} of L1; at max length the sealed "
           f"blocks' rows are {_fmt(sp['l1_digest_used_bytes'])}, {sp['digest_bytes_per_token']:,.0f} B/token: "
           f"{sp['digest_dtype']}, one per {sp['digest_tokens']} tokens; the rest is room the tables grew to "
-          f"by doubling)")
+          f"by a quarter at a time)")
     sfields = ", ".join(f"{k}={v!r}" for k, v in sp["config"].items() if k != "preset")
     print(f"  config   KVTierConfig.preset({sp['config']['preset']!r}, {sfields})")
     return 0

@@ -150,10 +150,18 @@ DIGEST_PARTS = {"centroid": ("mean",), "quest": ("max", "min")}
 DIGEST_START_ROWS = 16
 
 
+#: growth of a full digest table: geometric, so a sequence's seals copy each row a bounded number
+#: of times on average (about 1 / (factor - 1) = 4), with at most a quarter of the rows held unused;
+#: at small sparse budgets the digest is most of L1's bytes, and doubling held up to twice them
+DIGEST_GROWTH = 1.25
+
+
 def grown_rows(cap: int, b: int) -> int:
-    """Rows a digest table of ``cap`` rows grows to for row ``b``: doubled at least, so a
-    sequence's seals copy the table O(log n) times."""
-    return max(b + 1, 2 * cap)
+    """Rows a digest table of ``cap`` rows grows to for row ``b``: by ``DIGEST_GROWTH`` at least
+    (whole multiples of ``DIGEST_START_ROWS``)."""
+    step = DIGEST_START_ROWS
+    grown = -(-int(cap * DIGEST_GROWTH) // step) * step
+    return max(b + 1, grown, cap + step)
 
 
 def digest_rows_held(sealed: int) -> int:
@@ -202,7 +210,7 @@ class BlockTable:
     ``digest_dtype`` int8 (``KVTierConfig.digest_dtype``): the same rows as int8 codes, each
     sub-block's (each quest row's) against its own absmax, with ``digest_scale`` float32
     ``[kv_heads, cap, parts]`` (:func:`quantize_rows`).
-    Rows ``[0, n_sealed)`` are valid; the table's row capacity doubles when a seal needs more.
+    Rows ``[0, n_sealed)`` are valid; the table's row capacity grows by a quarter (``DIGEST_GROWTH``) when a seal needs more.
     """
 
     def __init__(self, seq: int, layer: int, kv_heads: int, head_dim: int, device: torch.device,
@@ -364,7 +372,7 @@ class BlockTable:
 
 
 def _grown(old: torch.Tensor, b: int) -> torch.Tensor:
-    """``old`` [kv_heads, cap, ...] with room for row ``b`` (capacity doubled at least)."""
+    """``old`` [kv_heads, cap, ...] with room for row ``b`` (:func:`grown_rows`)."""
     new = torch.empty((old.shape[0], grown_rows(old.shape[1], b), *old.shape[2:]), dtype=old.dtype,
                       device=old.device)
     new[:, : old.shape[1]] = old
