@@ -271,11 +271,18 @@ class Residency:
         with self.lock:
             touched = list(self.touched.values())
             self.touched.clear()
+            step = self.step
             self.step += 1
             for t in touched:
                 live = t.resident - t.pending
                 if live >= lay.high:
-                    items += self._mark(t, self.policy.victims(t, live - lay.low, t.pinned), free_clean=False)
+                    # blocks no read of this step used go first (the policy's order within each
+                    # part): a sparse selection of the next step most likely wants the others
+                    order = self.policy.victims(t, live, t.pinned)
+                    ents = t.entries
+                    order = [b for b in order if ents[b].last_used < step] + \
+                            [b for b in order if ents[b].last_used >= step]
+                    items += self._mark(t, order[:live - lay.low], free_clean=False)
         return items
 
     def _mark(self, t: BlockTable, victims: list[int], free_clean: bool = True) -> list:
