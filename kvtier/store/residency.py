@@ -264,8 +264,8 @@ class Residency:
         write; ``install``, ``make_room`` and a new open block drop one the moment its slot is
         wanted), so freeing it now buys no room, and when the next read selects it again (a
         sparse selection that fills L1 changes by a few blocks a step) it saves a swap-in. After
-        the boundary, the ``high - low`` or more blocks at the bottom of the policy's order are
-        free, being written, or clean, as before; L1 holds no more slots than before."""
+        the boundary, ``live - low`` victims are free, being written, or clean, as before; L1
+        holds no more slots than its budget (the region), as before."""
         lay = self.layout
         items = []
         with self.lock:
