@@ -302,6 +302,7 @@ def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_
                 nxt = step(i)
                 tokens.append(int(nxt[0, 0]))
             _sync(device)
+            before = cache.stats() if isinstance(cache, TieredCache) else None
             times = []
             for i in range(warmup, warmup + steps):
                 t = time.perf_counter()
@@ -314,8 +315,13 @@ def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_
             extra = {}
             if isinstance(cache, TieredCache):
                 s = cache.stats()
+                # per layer and timed step: blocks swapped into L1 (a read's misses) and reads
+                # that found the region full and used a scratch slot
+                per = steps * model.config.num_hidden_layers
                 extra = {"attended_fraction": s["integration"]["attended_fraction"],
-                         "bytes_by_tier": s["bytes"], "misses_l1": s["misses"]["l1"]}
+                         "bytes_by_tier": s["bytes"], "misses_l1": s["misses"]["l1"],
+                         "swap_ins_per_layer_step": (s["misses"]["l1"] - before["misses"]["l1"]) / per,
+                         "scratch_per_layer_step": (s["scratch_uses"] - before["scratch_uses"]) / per}
         finally:
             if isinstance(cache, TieredCache):
                 cache.close()
@@ -350,7 +356,8 @@ def run_alternating(args, model_dir: str | None) -> int:
               f"device={args.device} dtype={args.dtype} "
               f"threads={args.threads} steps={args.steps} warmup={args.warmup} block_tokens={args.block_tokens} "
               f"l1_fraction={args.l1_fraction} rounds={args.rounds}")
-        print(f"{'context':>7} {'round':>5} {'tree':<9} {'config':<20} {'tok/s':>8} {'dyn tok/s':>9} {'x dyn':>6} {'agree':>6}")
+        print(f"{'context':>7} {'round':>5} {'tree':<9} {'config':<20} {'tok/s':>8} {'dyn tok/s':>9} {'x dyn':>6} "
+              f"{'agree':>6} {'swapin/ls':>9} {'scratch/ls':>10}")
         runs: list[dict] = []
         for ctx in args.contexts:
             for rnd in range(args.rounds):
@@ -370,11 +377,14 @@ def run_alternating(args, model_dir: str | None) -> int:
                         dyn = next(x for x in rows if x["config"] == "dynamic")
                         run = {"context": ctx, "round": rnd, "tree": tree, "config": row["config"],
                                "tokens_per_s": row["tokens_per_s"], "dynamic_tokens_per_s": dyn["tokens_per_s"],
-                               "speed_x_dynamic": row["speed_x_dynamic"], "token_agreement": row["token_agreement"]}
+                               "speed_x_dynamic": row["speed_x_dynamic"], "token_agreement": row["token_agreement"],
+                               "swap_ins_per_layer_step": row["swap_ins_per_layer_step"],
+                               "scratch_per_layer_step": row["scratch_per_layer_step"]}
                         runs.append(run)
                         print(f"{ctx:>7} {rnd:>5} {tree:<9} {row['config']:<20} {row['tokens_per_s']:>8.2f} "
                               f"{dyn['tokens_per_s']:>9.2f} {row['speed_x_dynamic']:>6.2f} "
-                              f"{row['token_agreement']:>6.2f}", flush=True)
+                              f"{row['token_agreement']:>6.2f} {row['swap_ins_per_layer_step']:>9.2f} "
+                              f"{row['scratch_per_layer_step']:>10.2f}", flush=True)
         print("# median [min, max] of the runs' ratios to DynamicCache")
         summary = []
         for ctx in args.contexts:
@@ -478,6 +488,9 @@ def main(argv=None) -> int:
             print(f"{ctx:>7} {name:<20} {r['tokens_per_s']:>8.2f} {r['speed_x_dynamic']:>6.2f} "
                   f"{r['p50_ms']:>7.1f} {r['p99_ms']:>7.1f} {r['peak_mem_bytes'] / 2**20:>8.1f} "
                   f"{r['bytes_per_token']:>8.0f} {r['bytes_x_dynamic']:>6.2f} {r['token_agreement']:>6.2f}")
+            if "swap_ins_per_layer_step" in r:
+                print(f"# {ctx} {name}: per layer and timed step, {r['swap_ins_per_layer_step']:.2f} swap-ins into L1, "
+                      f"{r['scratch_per_layer_step']:.2f} scratch uses")
         target = by_name.get("kvtier-int4-sparse")
         quanto = by_name.get("quanto-int4")
         if target is not None and quanto is not None:

@@ -272,7 +272,9 @@ class KVTierConfig:
     """Eviction starts when L1 blocks of a sequence-layer reach this fraction of its budget."""
 
     low_watermark: float = 0.75
-    """Eviction frees down to this fraction of the budget."""
+    """Eviction chooses victims down to this fraction of the budget, blocks no read of the step
+    used first: one that needs a write is written below L1 and freed; one with a valid copy below
+    stays resident until its slot is wanted (then freed without a write)."""
 
     evict_batch_blocks: int = 16
     """Blocks the swap-out worker encodes and writes to L2 per batch."""

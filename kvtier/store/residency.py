@@ -257,27 +257,45 @@ class Residency:
 
     def watermark_victims(self) -> list:
         """Step boundary: every table touched since the last one and over the high watermark
-        gives victims down to the low one. Returns the items for the swap-out worker."""
+        gives victims down to the low one. Returns the items for the swap-out worker.
+
+        Dirty victims are written below L1 and freed (asynchronously). Clean victims (a valid
+        copy below L1) stay resident: each is already as cheap to reclaim as a free slot (no
+        write; ``install``, ``make_room`` and a new open block drop one the moment its slot is
+        wanted), so freeing it now buys no room, and when the next read selects it again (a
+        sparse selection that fills L1 changes by a few blocks a step) it saves a swap-in. After
+        the boundary, ``live - low`` victims are free, being written, or clean, as before; L1
+        holds no more slots than its budget (the region), as before."""
         lay = self.layout
         items = []
         with self.lock:
             touched = list(self.touched.values())
             self.touched.clear()
+            step = self.step
             self.step += 1
             for t in touched:
                 live = t.resident - t.pending
                 if live >= lay.high:
-                    items += self._mark(t, self.policy.victims(t, live - lay.low, t.pinned))
+                    # blocks no read of this step used go first (the policy's order within each
+                    # part): a sparse selection of the next step most likely wants the others
+                    order = self.policy.victims(t, live, t.pinned)
+                    ents = t.entries
+                    order = [b for b in order if ents[b].last_used < step] + \
+                            [b for b in order if ents[b].last_used >= step]
+                    items += self._mark(t, order[:live - lay.low], free_clean=False)
         return items
 
-    def _mark(self, t: BlockTable, victims: list[int]) -> list:
+    def _mark(self, t: BlockTable, victims: list[int], free_clean: bool = True) -> list:
+        """Mark dirty ``victims`` pending (the items for the worker); clean ones are freed now,
+        or left resident when not ``free_clean``. Lock held."""
         items = []
         plan = self.layout.precision
         ranking = None
         for b in victims:
             e = t.entries[b]
             if e.clean:
-                self.free_clean(t, e)
+                if free_clean:
+                    self.free_clean(t, e)
                 continue
             if plan is not None:
                 if ranking is None:  # once per table and batch: the statistics of its sealed blocks
@@ -400,7 +418,7 @@ class Residency:
                     res_i.append(e.idx)
                     res_s.append(e.slot)
                     # being read: the worker keeps the slot after its copy (it is then clean,
-                    # and the next end_step frees it without a write)
+                    # and leaves without a write when its slot is wanted)
                     e.cancel = e.cancel or e.pending
             self.touched[id(t)] = t
         return res_i, res_s, miss

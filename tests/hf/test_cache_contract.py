@@ -244,7 +244,9 @@ def test_assisted_speculative_prompt_lookup_match_dynamic(model_fp16, tokenizer,
                 got = greedy_generate(model, ids, cache, 12, **gen)
                 s = cache.stats()
             assert torch.equal(got, refs[name]), (mode, name)
-            assert s["blocks"]["l3"] > 0, (mode, name)
+            # blocks were read back from L3 during the run (where they are at the end depends on
+            # whether their slots were wanted again: a clean block stays in L1 until then)
+            assert s["hits"]["l3"] > 0, (mode, name)
             assert s["integration"]["cropped_tokens"] > 0, (mode, name)  # rejected drafts were cut
 
 
