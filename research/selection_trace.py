@@ -9,6 +9,12 @@ against the exact prompt keys of the shared prefill, per kv head:
     oracle mass   attention mass of the prompt's sealed blocks outside sinks/window (per kv head)
     recall        share of that mass in the blocks the selection took (per kv head, then min/mean)
     value blocks  whether the blocks holding the asked value's tokens were taken
+    exact top     recall of the same number of blocks taken by exact attention mass (the heavier
+                  kv head's): what any ranking could reach within this budget
+    A/B/C d       recall of rankings computed here from exact key centroids of d tokens: A the
+                  product's rule (softmax over the candidates' centroids, best part, best query
+                  row and head), B the block's estimated mass (parts summed, softmax over every
+                  sealed part, best row and head), C B summed over kv heads
 
     python research/selection_trace.py --tasks extract_hex --samples 2 --hot 0.03 --prefill-cache ~/.cache/kvtier/prefill
 """
@@ -104,20 +110,49 @@ def main(argv=None) -> int:
             tot = (per_head * cand).sum(1)
             got = (per_head * (cand & taken)).sum(1)
             rec = (got / tot.clamp_min(1e-12)).tolist()
+            # what the same number of query-chosen blocks could capture: the top blocks by exact
+            # attention mass (the heavier kv head's, per block), the open block aside
+            n_taken = int((cand & taken).sum())
+            best = torch.zeros(nsealed, dtype=torch.bool)
+            if n_taken:
+                best[torch.topk((per_head.amax(0) * cand), n_taken).indices] = True
+            orec = ((per_head * (cand & best)).sum(1) / tot.clamp_min(1e-12)).tolist()
+            rules = {}
+            if n_taken:
+                for dt in (2, 1):
+                    cen = k[:, : nsealed * bt].reshape(kvh, -1, dt, hd).mean(2)  # [kvh, parts, hd]
+                    lg = (qq @ cen.transpose(1, 2)) * hd ** -0.5  # [kvh, G, parts]
+                    ppb = bt // dt
+                    cmask = cand.repeat_interleave(ppb)
+                    # A: softmax over candidate parts, best part, best row/head (the product's rule)
+                    la = lg.masked_fill(~cmask, float("-inf"))
+                    sa = torch.softmax(la, -1).view(kvh, -1, nsealed, ppb).amax(-1).amax(1).amax(0)
+                    # B: the block's estimated mass (parts summed, normalised over every sealed part)
+                    sb = torch.softmax(lg, -1).view(kvh, -1, nsealed, ppb).sum(-1).amax(1).amax(0)
+                    # C: B summed over the kv heads' best rows
+                    sc = torch.softmax(lg, -1).view(kvh, -1, nsealed, ppb).sum(-1).amax(1).sum(0)
+                    for name, sc_ in (("A", sa), ("B", sb), ("C", sc)):
+                        pick = torch.zeros(nsealed, dtype=torch.bool)
+                        pick[torch.topk(sc_.masked_fill(~cand, float("-inf")), n_taken).indices] = True
+                        rules[f"{name}{dt}"] = min(((per_head * (cand & pick)).sum(1) / tot.clamp_min(1e-12)).tolist())
             # oracle top per head
             top1 = [int(torch.argmax(per_head[h] * cand)) for h in range(kvh)]
-            steps.append({"step": step, "layer": layer, "recall": rec,
+            steps.append({"step": step, "layer": layer, "recall": rec, "oracle_recall": orec, "rules": rules,
                           "value_taken": [[b in sel for b in vb] for vb in value_blocks],
                           "oracle_top1": top1, "oracle_top1_taken": [b in sel for b in top1]})
         summary = {}
         for st in steps:
             d = summary.setdefault(st["step"], {"min_recall": [], "value_all": 0, "layers": 0, "top1_missed": 0})
             d["min_recall"].append(min(st["recall"]))
+            d.setdefault("oracle_min_recall", []).append(min(st["oracle_recall"]))
+            for kk, vv in st["rules"].items():
+                d.setdefault(kk, []).append(vv)
             d["value_all"] += all(all(x) for x in st["value_taken"])
             d["top1_missed"] += sum(not x for x in st["oracle_top1_taken"])
             d["layers"] += 1
         lines = [f"step {k}: value blocks all taken in {d['value_all']}/{d['layers']} layers, oracle-top1 missed "
                  f"{d['top1_missed']} (layer x head), min recall median {sorted(d['min_recall'])[len(d['min_recall'])//2]:.2f}"
+                 f" (exact top blocks: {sorted(d['oracle_min_recall'])[len(d['oracle_min_recall'])//2]:.2f})" + " " + " ".join(f"{kk} {sorted(d[kk])[len(d[kk])//2]:.2f}" for kk in ("A2", "B2", "C2", "A1", "B1", "C1") if kk in d)
                  for k, d in sorted(summary.items())]
         print(f"== {s.task} #{s.index}: outputs {s.outputs} value blocks {value_blocks}\n ref: {ref.prediction!r} "
               f"({ref.score})\n sparse: {sp.prediction!r} ({sp.score}, partial {sp.partial:.2f})\n  " + "\n  ".join(lines),
