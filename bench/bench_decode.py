@@ -13,7 +13,9 @@ only the last position's logits. The caches:
   quanto-int4     transformers QuantizedCache, optimum-quanto backend (KIVI-style, residual 128)
   hqq-int4        transformers QuantizedCache, HQQ backend
   kvtier-*        TieredCache, int8 / int4, dense / sparse, L1 = --l1-fraction of the context
-                  (default 25%; sparse budget = L1), the rest in the L2 DRAM ring (L3 not used)
+                  (default 25%; sparse budget = L1), the rest in the L2 DRAM ring (L3 not used);
+                  blocks of --block-tokens, by default KVTierConfig's for the attention mode
+                  (16 tokens sparse, 64 dense: what a user who sets none gets)
 
 Reported per (context, config): decode tokens/s and its ratio to DynamicCache, peak memory
 above the model (CUDA: max allocated; CPU: peak RSS sampled every 2 ms), and KV bytes per token
@@ -210,8 +212,10 @@ def child_argv(args, context: int, out: str, model_dir: str | None) -> list[str]
     """The command line of one --base child: this script, one context, the parent's settings,
     the model as the directory :func:`resolve_model` found (so an older tree loads the same
     weights), its rows written to ``out``."""
+    resolve_block_tokens(args)
     cmd = [sys.executable, os.path.abspath(__file__), "--contexts", str(context), "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--block-tokens", str(args.block_tokens),
+           "--warmup", str(args.warmup), "--block-tokens-dense", str(args.block_tokens_dense),
+           "--block-tokens-sparse", str(args.block_tokens_sparse),
            "--l1-fraction", str(args.l1_fraction), "--device", args.device, "--dtype", args.dtype,
            "--configs", *args.configs, "--json", out]
     if model_dir is not None:
@@ -221,6 +225,26 @@ def child_argv(args, context: int, out: str, model_dir: str | None) -> list[str]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     return cmd
+
+
+def resolve_block_tokens(args) -> None:
+    """Fill ``args.block_tokens_dense``/``_sparse``: ``--block-tokens`` for both, else this tree's
+    ``kvtier.config.default_block_tokens`` per attention mode. Runs in the parent (this tree); a
+    --base child gets both values on its command line and never imports an older tree's defaults."""
+    for mode in ("dense", "sparse"):
+        field = f"block_tokens_{mode}"
+        if getattr(args, field) is None:
+            if args.block_tokens is not None:
+                setattr(args, field, args.block_tokens)
+            else:
+                from kvtier.config import default_block_tokens
+
+                setattr(args, field, default_block_tokens(mode))
+
+
+def row_block_tokens(args, name: str) -> int:
+    """The block size of kvtier row ``name`` (the dense or sparse value :func:`resolve_block_tokens` set)."""
+    return args.block_tokens_sparse if KVTIER_CONFIGS[name][1] == "sparse" else args.block_tokens_dense
 
 
 def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: float):
@@ -329,7 +353,7 @@ def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_
     times.sort()
     total = sum(times)
     return {
-        "config": name, "context": ids.shape[1], "steps": steps,
+        "config": name, "context": ids.shape[1], "steps": steps, "block_tokens": block_tokens,
         "tokens_per_s": steps / total, "p50_ms": 1e3 * times[len(times) // 2], "p99_ms": 1e3 * times[-1] if len(times) < 100 else 1e3 * times[int(0.99 * len(times))],
         "prefill_s": prefill_s, "prefill_kept": kept, "peak_mem_bytes": mem.peak, "kv_bytes": nbytes,
         "bytes_per_token": nbytes / seq_len, "tokens": tokens, **extra,
@@ -354,7 +378,8 @@ def run_alternating(args, model_dir: str | None) -> int:
         trees = {name_here: root, commit: src}
         print(f"# alternating {name_here} (this tree) and {commit}: model={model_dir or 'default'} "
               f"device={args.device} dtype={args.dtype} "
-              f"threads={args.threads} steps={args.steps} warmup={args.warmup} block_tokens={args.block_tokens} "
+              f"threads={args.threads} steps={args.steps} warmup={args.warmup} "
+              f"block_tokens: dense {args.block_tokens_dense}, sparse {args.block_tokens_sparse} "
               f"l1_fraction={args.l1_fraction} rounds={args.rounds}")
         print(f"{'context':>7} {'round':>5} {'tree':<9} {'config':<20} {'tok/s':>8} {'dyn tok/s':>9} {'x dyn':>6} "
               f"{'agree':>6} {'swapin/ls':>9} {'scratch/ls':>10}")
@@ -412,7 +437,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=4)
-    ap.add_argument("--block-tokens", type=int, default=64)
+    ap.add_argument("--block-tokens", type=int, default=None,
+                    help="tokens per block for every kvtier row (default: KVTierConfig's default for the row's "
+                         "attention mode, 16 sparse and 64 dense, as a user who sets none gets)")
+    # what the parent resolved, passed to --base children explicitly so an older tree's rows use
+    # this tree's defaults (the same blocks on both sides)
+    ap.add_argument("--block-tokens-dense", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--block-tokens-sparse", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--l1-fraction", type=float, default=0.25)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=["auto", *sorted(_DTYPES)], default="auto",
@@ -441,6 +472,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.prefill_cache = os.path.abspath(args.prefill_cache)
     if args.base and args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1; got {args.rounds}")
+    if args.block_tokens is not None and args.block_tokens < 1:
+        raise SystemExit(f"--block-tokens must be >= 1; got {args.block_tokens}")
     # the reference every ratio needs, run first: the others are fed its tokens
     args.configs = ["dynamic"] + [c for c in args.configs if c != "dynamic"]
     return args
@@ -453,6 +486,7 @@ def main(argv=None) -> int:
 
         args.dtype = str(compute_dtype(args.device)).removeprefix("torch.")
     model_dir = resolve_model(args.model, args.contexts)
+    resolve_block_tokens(args)
     if args.base:
         return run_alternating(args, model_dir)
     if args.threads:
@@ -466,7 +500,8 @@ def main(argv=None) -> int:
     rows = []
     print(f"# model={model_dir or 'default'} device={device} dtype={args.dtype} threads={torch.get_num_threads()} "
           f"steps={args.steps} "
-          f"warmup={args.warmup} block_tokens={args.block_tokens} l1_fraction={args.l1_fraction}")
+          f"warmup={args.warmup} block_tokens: dense {args.block_tokens_dense}, sparse {args.block_tokens_sparse} "
+          f"l1_fraction={args.l1_fraction}")
     print(f"{'context':>7} {'config':<20} {'tok/s':>8} {'x dyn':>6} {'p50 ms':>7} {'p99 ms':>7} "
           f"{'peak MB':>8} {'B/token':>8} {'x dyn':>6} {'agree':>6}")
     for ctx in args.contexts:
@@ -474,7 +509,8 @@ def main(argv=None) -> int:
         by_name = {}
         for name in args.configs:  # dynamic first: the others decode its tokens (teacher-forced)
             forced = by_name["dynamic"]["tokens"] if by_name else None
-            r = run_one(name, model, ids, args.steps, args.warmup, args.block_tokens, args.l1_fraction, forced,
+            bt = row_block_tokens(args, name) if name in KVTIER_CONFIGS else None
+            r = run_one(name, model, ids, args.steps, args.warmup, bt, args.l1_fraction, forced,
                         args.prefill_cache)
             by_name[name] = r
             r["model"] = model_dir

@@ -52,6 +52,16 @@ def test_child_argv_carries_the_model_directory_and_settings(bench, tmp_path):
                                                                                            "bfloat16")
     assert child.configs == ["dynamic", "kvtier-int4-sparse"] and child.json == str(tmp_path / "out.json")
     assert child.prefill_cache == args.prefill_cache and Path(child.prefill_cache).is_absolute()
+    # blocks: KVTierConfig's default per attention mode, resolved here, so an older tree's child
+    # gets this tree's sizes
+    assert (child.block_tokens_sparse, child.block_tokens_dense) == (16, 64)
+    assert bench.row_block_tokens(child, "kvtier-int4-sparse") == 16
+    assert bench.row_block_tokens(child, "kvtier-int8-dense") == 64
+    given = bench.parse_args(["--block-tokens", "32", "--base", "a4e1479"])
+    child = bench.parse_args(bench.child_argv(given, 1024, "o.json", None)[2:])
+    assert (child.block_tokens_sparse, child.block_tokens_dense) == (32, 32)
+    with pytest.raises(SystemExit, match="--block-tokens must be >= 1"):
+        bench.parse_args(["--block-tokens", "0"])
     # the default model: the child gets no --model and loads its tree's default
     assert "--model" not in bench.child_argv(bench.parse_args([]), 1024, "o.json", None)
 
