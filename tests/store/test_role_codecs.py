@@ -92,20 +92,27 @@ def test_block_round_trip_per_role(transform):
         s.close()
 
 
+def _fill(s, tokens: int, layers: int, seed: int):
+    """A new sequence of ``tokens`` random bf16 K/V ([2 kv heads, tokens, 64]) appended to
+    ``layers`` layers in 16-token steps, then flushed; (sequence, keys, values)."""
+    g = torch.Generator().manual_seed(seed)
+    seq = s.add_sequence()
+    k = torch.randn(2, tokens, 64, generator=g).to(torch.bfloat16)
+    v = torch.randn(2, tokens, 64, generator=g).to(torch.bfloat16)
+    for i in range(0, tokens, 16):
+        for layer in range(layers):
+            s.append(seq, layer, k[:, i:i + 16], v[:, i:i + 16])
+        s.end_step()
+    s.flush()
+    return seq, k, v
+
+
 def test_store_moves_k4v2_blocks_through_l2_and_l3(tmp_path):
     """Blocks evicted from L1, spilled to L3 and gathered back: each role at its codec's error."""
     s = make_store(tmp_path, block_tokens=16, device_tokens=32, head_dim=64, dtype=torch.bfloat16,
                    host_bytes=16 << 10, **K4V2, key_transform="hadamard")
     try:
-        g = torch.Generator().manual_seed(2)
-        seq = s.add_sequence()
-        k = torch.randn(2, 160, 64, generator=g).to(torch.bfloat16)  # [kv_heads, tokens, head_dim]
-        v = torch.randn(2, 160, 64, generator=g).to(torch.bfloat16)
-        for i in range(0, 160, 16):
-            s.append(seq, 0, k[:, i:i + 16], v[:, i:i + 16])
-            s.append(seq, 1, k[:, i:i + 16], v[:, i:i + 16])
-            s.end_step()
-        s.flush()
+        seq, k, v = _fill(s, tokens=160, layers=2, seed=2)
         st = s.stats()
         assert st["blocks"]["l3"] > 0 and st["blocks"]["l2"] > 0
         gk, gv = s.gather(seq, 0)
@@ -128,14 +135,7 @@ def test_role_codec_applies_when_the_16_bit_codec_follows_the_kv_dtype(tmp_path,
     s = make_store(tmp_path, block_tokens=16, device_tokens=32, head_dim=64, dtype=torch.bfloat16,
                    codec=codec, key_codec="int4")
     try:
-        g = torch.Generator().manual_seed(3)
-        seq = s.add_sequence()
-        k = torch.randn(2, 96, 64, generator=g).to(torch.bfloat16)  # [kv_heads, tokens, head_dim]
-        v = torch.randn(2, 96, 64, generator=g).to(torch.bfloat16)
-        for i in range(0, 96, 16):
-            s.append(seq, 0, k[:, i:i + 16], v[:, i:i + 16])
-            s.end_step()
-        s.flush()
+        seq, k, v = _fill(s, tokens=96, layers=1, seed=3)
         gk, gv = s.gather(seq, 0)
         old = slice(0, 32)  # below L1
         assert 0.03 < _rel(gk[:, old], k[:, old]) < 0.12  # int4 keys, not the 16-bit bytes
