@@ -34,7 +34,8 @@ at fewer bytes per token than both.
 --base REV: this tree and the kvtier of git revision REV (exported with ``git archive``) run
 alternately, each round one child process per tree (the order swapped every round), each
 measuring DynamicCache and --configs in the same process with this script's workload; every
-run's ratio to DynamicCache is printed, then the median and range per tree. A shared machine's
+run's ratio to DynamicCache is printed, then the median and range per tree with the median
+tok/s of kvtier and of DynamicCache (a ratio also moves with its denominator). A shared machine's
 load moves both trees' runs alike, and each ratio is taken within one process. The parent
 resolves --model with this tree's loader to its local transformers directory (a name is
 converted once into the model cache) and passes the directory to both children: an older
@@ -415,12 +416,17 @@ def run_alternating(args, model_dir: str | None) -> int:
         for ctx in args.contexts:
             for config in [c for c in args.configs if c != "dynamic"]:
                 for tree in trees:
-                    xs = [r["speed_x_dynamic"] for r in runs
-                          if r["context"] == ctx and r["config"] == config and r["tree"] == tree]
+                    mine = [r for r in runs if r["context"] == ctx and r["config"] == config and r["tree"] == tree]
+                    xs = [r["speed_x_dynamic"] for r in mine]
                     med = statistics.median(xs)
+                    # both rates too: a ratio can move with its denominator, DynamicCache's own rate
+                    kv_rate = statistics.median(r["tokens_per_s"] for r in mine)
+                    dyn_rate = statistics.median(r["dynamic_tokens_per_s"] for r in mine)
                     summary.append({"context": ctx, "config": config, "tree": tree, "median": med,
-                                    "min": min(xs), "max": max(xs), "runs": len(xs)})
-                    print(f"# ctx {ctx} {config} {tree}: {med:.2f}x [{min(xs):.2f}, {max(xs):.2f}] over {len(xs)} runs")
+                                    "min": min(xs), "max": max(xs), "runs": len(xs),
+                                    "median_tokens_per_s": kv_rate, "median_dynamic_tokens_per_s": dyn_rate})
+                    print(f"# ctx {ctx} {config} {tree}: {med:.2f}x [{min(xs):.2f}, {max(xs):.2f}] over {len(xs)} runs; "
+                          f"median tok/s {kv_rate:.2f}, DynamicCache {dyn_rate:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"commit": name_here, "base": commit, "model": model_dir, "runs": runs, "summary": summary}, f, indent=1)
