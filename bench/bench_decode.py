@@ -46,8 +46,8 @@ such directory, so both trees run the same weights with their own loader and cac
 ``kvtier.eval.caches.prefill`` (safetensors, keyed by the model's directory and dtype and the
 token ids; this tree's module loaded by path, so an older tree's child uses it too) and read
 back by later runs: every run after the first prefills once (kvtier's cache) instead of twice,
-which at 32k is CPU-minutes a run. kvtier's caches always prefill (their prefill builds the store). The timed decode steps are the same either way; the
-reference's ``prefill_s`` is then the time it took when computed, its peak memory that of
+which at 32k is CPU-minutes a run. kvtier's caches always prefill (their prefill builds the
+store). The timed decode steps are the same either way; the reference's ``prefill_s`` is then the time it took when computed, its peak memory that of
 reading it back, and its row says ``prefill_kept``.
 """
 from __future__ import annotations
@@ -213,7 +213,6 @@ def child_argv(args, context: int, out: str, model_dir: str | None) -> list[str]
     """The command line of one --base child: this script, one context, the parent's settings,
     the model as the directory :func:`resolve_model` found (so an older tree loads the same
     weights), its rows written to ``out``."""
-    resolve_block_tokens(args)
     cmd = [sys.executable, os.path.abspath(__file__), "--contexts", str(context), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--block-tokens-dense", str(args.block_tokens_dense),
            "--block-tokens-sparse", str(args.block_tokens_sparse),
@@ -230,8 +229,8 @@ def child_argv(args, context: int, out: str, model_dir: str | None) -> list[str]
 
 def resolve_block_tokens(args) -> None:
     """Fill ``args.block_tokens_dense``/``_sparse``: ``--block-tokens`` for both, else this tree's
-    ``kvtier.config.default_block_tokens`` per attention mode. Runs in the parent (this tree); a
-    --base child gets both values on its command line and never imports an older tree's defaults."""
+    ``kvtier.config.default_block_tokens`` per attention mode. Called by :func:`parse_args`; a --base
+    child is given both values by its parent (this tree), so it never imports an older tree's defaults."""
     for mode in ("dense", "sparse"):
         field = f"block_tokens_{mode}"
         if getattr(args, field) is None:
@@ -480,6 +479,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise SystemExit(f"--rounds must be >= 1; got {args.rounds}")
     if args.block_tokens is not None and args.block_tokens < 1:
         raise SystemExit(f"--block-tokens must be >= 1; got {args.block_tokens}")
+    resolve_block_tokens(args)
     # the reference every ratio needs, run first: the others are fed its tokens
     args.configs = ["dynamic"] + [c for c in args.configs if c != "dynamic"]
     return args
@@ -492,7 +492,6 @@ def main(argv=None) -> int:
 
         args.dtype = str(compute_dtype(args.device)).removeprefix("torch.")
     model_dir = resolve_model(args.model, args.contexts)
-    resolve_block_tokens(args)
     if args.base:
         return run_alternating(args, model_dir)
     if args.threads:
