@@ -37,6 +37,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvt_merge_kept.restype = c_int
     lib.kvt_fwht.argtypes = [vp, c_int, i64, i64, i64, ctypes.c_float, vp]
     lib.kvt_fwht.restype = None
+    lib.kvt_decode_blocks.argtypes = [vp, vp, vp, i64, vp, i64, i64, vp, vp, i64, i64, vp, vp, c_int, i64, i64, i64,
+                                      vp, vp]
+    lib.kvt_decode_blocks.restype = i64
 
 
 _LIB = CLibrary("quant", _FLAGS, _declare, "using the slow torch reference")
@@ -177,3 +180,26 @@ def fwht(x: torch.Tensor, block: int, scale: float, out: torch.Tensor | None = N
     d = x.shape[-1]
     lib.kvt_fwht(x.data_ptr(), _DT[x.dtype], x.numel() // d, d, block, scale, out.data_ptr())
     return out
+
+
+def decode_blocks(buf: int, off: int, lens: int, n: int, k: tuple, v: tuple, crc: int,
+                  shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor, status: int) -> int:
+    """Block records decoded in one call (``kvt_decode_blocks``): record ``i`` at address
+    ``buf + off[i]`` of ``lens[i]`` bytes (``off``, ``lens``: addresses of int64 arrays of ``n``),
+    decoded into ``out[i]`` (a contiguous ``[n, 2, *shape]`` CPU tensor of ``dtype``) when both
+    halves are of the known layout: ``k``, ``v`` = (header bytes, record length, plan address) of
+    each half, a plan being int64 {bits, group, axis, q, scale, zero or -1, scale bytes} with
+    offsets into the payload. ``crc``: the address of a ``crc32(seed, data, len)`` that computes
+    ``kvtier._crc.crc32``. ``status``: address of ``n`` int8, set per record to 0 (decoded), 1
+    (another layout, not written) or 2 (a CRC failed). Returns the corrupt records' count;
+    nothing is decoded when it is not 0. The caller keeps every buffer alive during the call."""
+    lib = _load()
+    assert lib is not None, "cpu kernel unavailable; check available() first"
+    assert out.dtype == dtype and out.is_contiguous() and tuple(out.shape[-len(shape):]) == tuple(shape)
+    *_, t, d = shape
+    b = 1
+    for x in shape[:-2]:
+        b *= x
+    (kh, nk, kp), (vh, nv, vp) = k, v
+    return lib.kvt_decode_blocks(buf, off, lens, n, kh, len(kh), nk, kp, vh, len(vh), nv, vp, crc, _DT[dtype],
+                                 b, t, d, out.data_ptr(), status)

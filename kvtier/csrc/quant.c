@@ -869,3 +869,75 @@ void kvt_fwht(const void *x, int dt, int64_t rows, int64_t D, int64_t b, float s
         free(buf);
     }
 }
+
+/* ---- block records decoded in a batch (kvtier/store/blockrecord.py: BlockDecoder) ----------- */
+
+typedef uint32_t (*kvt_crc_fn)(uint32_t, const unsigned char *, uint64_t);
+
+/* One codec record of a block (kvtier/compress/record.py) against the header every record of a
+   known layout carries byte for byte: 0 when it is one of them and its CRC-32 holds, 1 when its
+   header differs (another layout, or damage the general parser reports), 2 when the header is
+   the known one and the CRC fails. */
+static int record_state(const uint8_t *r, int64_t n, const uint8_t *hdr, int64_t hl, kvt_crc_fn crc) {
+    if (n < hl + 4 || memcmp(r, hdr, (size_t)hl) != 0) return 1;
+    uint32_t stored;
+    memcpy(&stored, r + n - 4, 4);
+    return crc(0, r, (uint64_t)(n - 4)) == stored ? 0 : 2;
+}
+
+/* One half of a block from the payload at p: plan = {bits, group, axis, q, scale, zero or -1,
+   scale bytes} (offsets into the payload). Scales and zeros not aligned for dt are copied to
+   aligned scratch first (the kernel reads them as dt). */
+static void decode_half(const uint8_t *p, const int64_t *plan, int dt, int64_t B, int64_t T, int64_t D,
+                        void *out) {
+    int64_t item = dt == 0 ? 4 : 2, nb = plan[6];
+    const uint8_t *s = p + plan[4], *z = plan[5] < 0 ? NULL : p + plan[5];
+    void *tmp = NULL;
+    if (((uintptr_t)s % item) || (z && (uintptr_t)z % item)) {
+        tmp = malloc((size_t)(2 * nb + 64));
+        if (tmp) {
+            uint8_t *a = (uint8_t *)(((uintptr_t)tmp + 63) & ~(uintptr_t)63);
+            memcpy(a, s, (size_t)nb);
+            s = a;
+            if (z) { memcpy(a + nb, z, (size_t)nb); z = a + nb; }
+        }
+    }
+    kvt_dequant(p + plan[3], s, z, dt, B, T, D, (int)plan[0], plan[1], (int)plan[2], out);
+    free(tmp);
+}
+
+/* n block records ("KVB1", u32 n_k, u32 n_v, the K record, the V record), record i at
+   buf + off[i], len[i] bytes, decoded into out ([n, 2, B, T, D] of dt) where they are of the
+   known layout: K and V records of nk and nv bytes whose headers are khdr[0..khl) and
+   vhdr[0..vhl), planned by kplan and vplan (decode_half). Every record is checked before any is
+   decoded. status[i]: 0 decoded, 1 not this layout (nothing written: the caller decodes it the
+   general way), 2 corrupt (a CRC failed). Returns the number of corrupt records; when it is not
+   0 nothing was decoded. */
+int64_t kvt_decode_blocks(const uint8_t *buf, const int64_t *off, const int64_t *len, int64_t n,
+                          const uint8_t *khdr, int64_t khl, int64_t nk, const int64_t *kplan,
+                          const uint8_t *vhdr, int64_t vhl, int64_t nv, const int64_t *vplan,
+                          const void *crc, int dt, int64_t B, int64_t T, int64_t D, void *out,
+                          int8_t *status) {
+    kvt_crc_fn fn = (kvt_crc_fn)crc;
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *r = buf + off[i];
+        uint32_t k, v;
+        if (len[i] != 12 + nk + nv || memcmp(r, "KVB1", 4) != 0) { status[i] = 1; continue; }
+        memcpy(&k, r + 4, 4);
+        memcpy(&v, r + 8, 4);
+        if (k != nk || v != nv) { status[i] = 1; continue; }
+        int sk = record_state(r + 12, nk, khdr, khl, fn), sv = record_state(r + 12 + nk, nv, vhdr, vhl, fn);
+        status[i] = (int8_t)(sk == 2 || sv == 2 ? 2 : (sk || sv));
+        bad += status[i] == 2;
+    }
+    if (bad) return bad;
+    int64_t half = B * T * D * (dt == 0 ? 4 : 2);
+    for (int64_t i = 0; i < n; i++) {
+        if (status[i]) continue;
+        const uint8_t *r = buf + off[i];
+        decode_half(r + 12 + khl, kplan, dt, B, T, D, (uint8_t *)out + 2 * i * half);
+        decode_half(r + 12 + nk + vhl, vplan, dt, B, T, D, (uint8_t *)out + (2 * i + 1) * half);
+    }
+    return 0;
+}

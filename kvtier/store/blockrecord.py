@@ -11,11 +11,14 @@ No pickle: both halves are parsed by ``unpack_record``, which checks its own hea
 """
 from __future__ import annotations
 
+import math
 import struct
 
 import numpy as np
 import torch
 
+from kvtier._crc import c_address
+from kvtier.compress import cpu
 from kvtier.compress.base import Encoded
 
 _MAGIC = b"KVB1"
@@ -76,6 +79,9 @@ class BlockDecoder:
         self._shape = tuple(shape)
         self._dtype = dtype
         self._plans: dict = {}  # (role, layout) -> part offsets and kernel arguments, or None
+        # the K and V layouts (_layout_of) of the records the compiled call decodes by the batch
+        self._known: tuple | None = None
+        self._crc = c_address() if cpu.available() else None  # None: every record parsed here
 
     def _plan(self, role: int, layout: tuple):
         from kvtier.compress import reference as ref
@@ -105,7 +111,8 @@ class BlockDecoder:
         offs = [off for *_, off, _ in specs]
         kept = (n, offs[-2], offs[-1]) if n else None
         rot = codec if codec.transform != "none" else None  # rotates the decoded half back
-        return bits, codec.group_size, codec.axis, offs[0], offs[1], offs[2] if bits != 8 else None, kept, rot
+        sbytes = math.prod(sshape) * dtype.itemsize
+        return bits, codec.group_size, codec.axis, offs[0], offs[1], offs[2] if bits != 8 else None, kept, rot, sbytes
 
     def decode(self, buf) -> torch.Tensor | None:
         """``[2, *shape]`` (K, V) of one block record, or None when its layout is not this
@@ -115,32 +122,64 @@ class BlockDecoder:
     def decode_many(self, bufs: list) -> list[torch.Tensor | None]:
         """:meth:`decode` of each of ``bufs``, all decoded into one new ``[n, 2, *shape]``
         tensor (the results are views of it: one allocation and one split for the batch instead
-        of two per block, which on a swap-in of small records cost more than the kernel). Every
-        record's framing, headers and CRCs are checked before any is decoded; a corrupt record
-        raises, and the batch's tensor is dropped with it."""
-        from kvtier.compress import cpu
+        of two per block, which on a swap-in of small records cost more than the kernel). A
+        corrupt record raises, and the batch's tensor is dropped with it.
 
-        jobs = []  # per decodable record: (buffer address, K job, V job)
-        keep = []  # the memoryviews whose addresses are used, alive until the kernels ran
-        which: list[int | None] = []
-        item = self._dtype.itemsize
-        for buf in bufs:
-            got = self._check(buf, item)
-            if got is None:
-                which.append(None)
-                continue
-            which.append(len(jobs))
-            keep.append(got[0])
-            jobs.append(got[1:])
-        if not jobs:
-            return [None] * len(bufs)
-        n = len(jobs)
-        out = torch.empty((n, 2, *self._shape) if n > 1 else (2, *self._shape), dtype=self._dtype)
-        halves = out.view(2 * n, *self._shape).unbind(0)
+        Records of the layout this decoder met last (the same K and V headers byte for byte) are
+        checked and decoded by one compiled call for the batch (``cpu.decode_blocks``: framing,
+        header bytes, both CRCs, then the kernel); the others are parsed one by one here."""
+        n = len(bufs)
+        if n == 0:
+            return []
         shape, dtype = self._shape, self._dtype
-        for j, (base, kjob, vjob) in enumerate(jobs):
-            for half, (payload, (bits, group, axis, q, s, z, kept, rot)) in zip(
-                    (halves[2 * j], halves[2 * j + 1]), (kjob, vjob)):
+        out = torch.empty((n, 2, *shape) if n > 1 else (2, *shape), dtype=dtype)
+        done = self._decode_known(bufs, out) if self._known is not None else None
+        rest = range(n) if done is None else np.flatnonzero(done == 0).tolist()
+        which: list[bool] = [True] * n
+        if rest:
+            self._decode_each(bufs, rest, out.view(n, 2, *shape), which)
+        blocks = out.unbind(0) if n > 1 else (out,)  # a lone block owns its tensor
+        return [b if ok else None for b, ok in zip(blocks, which)]
+
+    def _decode_known(self, bufs: list, out: torch.Tensor):
+        """The records of the known layout decoded into ``out`` in one compiled call; per record
+        1 where that was done, 0 where it is another layout. Raises ``CorruptRecordError`` when a
+        record of the known layout fails a CRC."""
+        from kvtier.compress.record import CorruptRecordError
+
+        n = len(bufs)
+        lens = np.fromiter((b.nbytes if isinstance(b, memoryview) else len(b) for b in bufs), np.int64, n)
+        off = np.zeros(n, np.int64)
+        np.cumsum(lens[:-1], out=off[1:])
+        joined = np.frombuffer(b"".join(bufs), np.uint8)  # one buffer: one address for the batch
+        status = np.empty(n, np.int8)
+        k, v = self._known
+        bad = cpu.decode_blocks(joined.ctypes.data, off.ctypes.data, lens.ctypes.data, n, k[:3], v[:3], self._crc,
+                                self._shape, self._dtype, out, status.ctypes.data)
+        if bad:
+            raise CorruptRecordError(f"{bad} of {n} block records failed a CRC-32 check")
+        return (status == 0).astype(np.int8)
+
+    def _decode_each(self, bufs: list, todo: list[int], out: torch.Tensor, which: list[bool]) -> None:
+        """The records ``todo`` of ``bufs`` parsed here and decoded into ``out[i]`` ``[n, 2,
+        *shape]``; ``which[i]`` set False for those of a layout this decoder does not decode.
+        Every one is checked before any is decoded."""
+
+        jobs = []  # per decodable record: (position, buffer address, K job, V job)
+        keep = []  # the memoryviews whose addresses are used, alive until the kernels ran
+        item = self._dtype.itemsize
+        learned = None
+        for i in todo:
+            got = self._check(bufs[i], item)
+            if got is None:
+                which[i] = False
+                continue
+            keep.append(got[0])
+            jobs.append((i, *got[1:4]))
+            learned = got[4] or learned
+        shape, dtype = self._shape, self._dtype
+        for i, base, kjob, vjob in jobs:
+            for half, (payload, (bits, group, axis, q, s, z, kept, rot, _)) in zip(out[i].unbind(0), (kjob, vjob)):
                 p = base + payload
                 cpu.dequantize_ptrs(p + q, p + s, None if z is None else p + z, bits, group, axis, shape, dtype, half)
                 if kept is not None:
@@ -148,13 +187,16 @@ class BlockDecoder:
                 if rot is not None:
                     rot.untransform(half)  # in place: halves are contiguous
         del keep
-        blocks = out.unbind(0) if n > 1 else (out,)  # a lone block owns its tensor
-        return [None if j is None else blocks[j] for j in which]
+        if learned is not None and self._crc is not None and len(jobs) * 2 > len(bufs):
+            # most of this batch was of a layout the compiled call can take: the next batches'
+            # records are most likely of it too
+            self._known = learned
 
     def _check(self, buf, item: int):
-        """(memoryview, buffer address, K job, V job) of a record this decoder can decode in
-        place, a job being (payload offset, plan); None for another layout. Raises
-        ``CorruptRecordError`` as :meth:`decode`."""
+        """(memoryview, buffer address, K job, V job, layout) of a record this decoder can decode
+        in place, a job being (payload offset, plan) and layout what the compiled call needs to
+        know the record's layout (None where it takes no such record: kept channels, a rotation);
+        None for another layout. Raises ``CorruptRecordError`` as :meth:`decode`."""
         from kvtier.compress.record import check_record
 
         mv, nk, nv = _frame(buf)
@@ -169,15 +211,26 @@ class BlockDecoder:
                 return None
             jobs.append((start + header_len, plan))
         base = np.frombuffer(mv, dtype=np.uint8).ctypes.data  # the caller keeps mv alive
-        for payload, (_, _, _, _, s, z, _, _) in jobs:  # scales/zeros unaligned for their dtype (a v1
+        for payload, (_, _, _, _, s, z, _, _, _) in jobs:  # scales/zeros unaligned for their dtype (a v1
             if (base + payload + s) % item or (z is not None and (base + payload + z) % item):
                 return None                       # header): the general path copies them
-        return mv, base, jobs[0], jobs[1]
+        known = None
+        if all(plan[6] is None and plan[7] is None for _, plan in jobs):
+            known = tuple(self._layout_of(mv, start, payload, n, plan) for (payload, plan), start, n in
+                          zip(jobs, (_HEADER.size, _HEADER.size + nk), (nk, nv)))
+        return mv, base, jobs[0], jobs[1], known
+
+    @staticmethod
+    def _layout_of(mv: memoryview, start: int, payload: int, n: int, plan: tuple) -> tuple:
+        """One half's (header bytes, record length, plan address, plan array) for the compiled
+        call: every record of this layout starts with these header bytes."""
+        bits, group, axis, q, s, z, _, _, sbytes = plan
+        arr = np.array([bits, group, 0 if axis == "token" else 1, q, s, -1 if z is None else z, sbytes], np.int64)
+        return bytes(mv[start:payload]), n, arr.ctypes.data, arr
 
     def _merge_kept(self, p: int, kept: tuple, half: torch.Tensor) -> None:
         """Write a record's exactly kept channels (payload at address ``p``) over their
         dequantized values in ``half`` (byte copies: any alignment)."""
-        from kvtier.compress import cpu
         from kvtier.compress.record import CorruptRecordError
 
         n, io, vo = kept

@@ -126,3 +126,85 @@ def test_int8_zero_point_records_in_place_and_across_forms(dtype):
         assert BlockDecoder(*zp, (3, 64, 64), dtype).decode(old) is None
         eo = unpack_block(old)
         assert torch.equal(zp[0].decode(eo[0]), sym[0].decode(eo[0]))
+
+
+def _batch(names, dtype, shape, n, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        kc, vc = _pair(names[i % len(names)])
+        k, v = (torch.randn(shape, generator=g).to(dtype) for _ in range(2))
+        out.append(pack_block(kc.encode(k), vc.encode(v)))
+    return out
+
+
+def _general(rec, pairs):
+    ek, ev = unpack_block(rec)
+    kc, vc = pairs[ek.codec]
+    return torch.stack([kc.decode(ek), vc.decode(ev)])
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(3, 16, 64), (2, 16, 48), (1, 3, 32)])
+def test_the_compiled_batch_equals_the_general_decode(name, dtype, shape):
+    """Once a batch taught the decoder its layout, later batches go through one compiled call,
+    whose records sit at any alignment in the joined buffer (odd record lengths included)."""
+    if cpu._load() is None or BlockDecoder(*_pair(name), shape, dtype)._crc is None:
+        pytest.skip("no compiled CRC (ISA-L) here: every record is parsed in Python")
+    kc, vc = _pair(name)
+    dec = BlockDecoder(kc, vc, shape, dtype)
+    recs = _batch([name], dtype, shape, 5)
+    first = dec.decode_many(recs)
+    if dec._known is None:  # scales unaligned in the records themselves: the general path only
+        return
+    for rec, d in zip(recs, first):
+        assert torch.equal(d, _general(rec, {name: (kc, vc)}))
+    more = _batch([name], dtype, shape, 7, seed=4)
+    for rec, d in zip(more, dec.decode_many(more)):
+        assert torch.equal(d, _general(rec, {name: (kc, vc)}))
+
+
+def test_the_compiled_batch_rejects_every_corruption_and_declines_other_layouts():
+    kc, vc = _pair("int4")
+    pairs = {"int4": (kc, vc), "int8": _pair("int8")}
+    dec = BlockDecoder(kc, vc, (3, 16, 64), torch.float32, others={"int8": pairs["int8"]})
+    if dec._crc is None:
+        pytest.skip("no compiled CRC (ISA-L) here")
+    recs = _batch(["int4"], torch.float32, (3, 16, 64), 4)
+    dec.decode_many(recs)
+    assert dec._known is not None
+    mixed = recs[:2] + _batch(["int8"], torch.float32, (3, 16, 64), 1) + recs[2:]
+    for rec, d in zip(mixed, dec.decode_many(mixed)):
+        assert torch.equal(d, _general(rec, pairs))
+    for i in range(0, len(recs[1]), 23):  # headers, payloads and CRCs of either half
+        bad = bytearray(recs[1])
+        bad[i] ^= 0x10
+        with pytest.raises(CorruptRecordError):
+            dec.decode_many([recs[0], bytes(bad), recs[2]])
+    with pytest.raises(CorruptRecordError):
+        dec.decode_many([recs[0], recs[1][:-3]])
+
+
+def test_the_compiled_batch_follows_the_layout_most_records_have():
+    """A decoder that met one layout first and then mostly another (a tier codec's records)
+    decodes both right, whichever the compiled call takes."""
+    pairs = {"int4": _pair("int4"), "int8": _pair("int8")}
+    dec = BlockDecoder(*pairs["int4"], (3, 16, 64), torch.bfloat16, others={"int8": pairs["int8"]})
+    for names in (["int4"], ["int8"], ["int8", "int8", "int4"], ["int4"]):
+        recs = _batch(names, torch.bfloat16, (3, 16, 64), 6)
+        for rec, d in zip(recs, dec.decode_many(recs)):
+            assert torch.equal(d, _general(rec, pairs))
+
+
+def test_without_the_compiled_crc_every_record_is_parsed_here(monkeypatch):
+    import kvtier.store.blockrecord as br
+
+    monkeypatch.setattr(br, "c_address", lambda: None)
+    kc, vc = _pair("int4")
+    dec = BlockDecoder(kc, vc, (3, 16, 64), torch.float32)
+    recs = _batch(["int4"], torch.float32, (3, 16, 64), 4)
+    for _ in range(2):
+        for rec, d in zip(recs, dec.decode_many(recs)):
+            assert torch.equal(d, _general(rec, {"int4": (kc, vc)}))
+    assert dec._known is None

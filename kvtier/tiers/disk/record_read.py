@@ -28,9 +28,8 @@ Python path, with the same results.
 """
 from __future__ import annotations
 
-import ctypes
 from kvtier._clib import CExtension
-from kvtier._crc import IMPLEMENTATION, crc32
+from kvtier._crc import c_address, crc32
 from .segment import REC_HEADER_BYTES, REC_MAGIC
 
 _RELEASE_BYTES = 1 << 20  # see the module docstring
@@ -42,12 +41,10 @@ _FLAGS = ["-O2", "-fPIC", "-shared", "-std=gnu11", f"-DKVT_REC_MAGIC={REC_MAGIC:
 def _isal_crc_address() -> int:
     """The address of ISA-L's ``crc32_gzip_refl(seed, buf, len)``, the function
     ``kvtier._crc.crc32`` runs (OSError where that is not ISA-L's)."""
-    if IMPLEMENTATION != "isal":
+    addr = c_address()
+    if addr is None:
         raise OSError("ISA-L is not installed: reads keep zlib's CRC in Python")
-    from isal import isal_zlib
-
-    fn = ctypes.CDLL(isal_zlib.__file__).crc32_gzip_refl
-    return ctypes.cast(fn, ctypes.c_void_p).value
+    return addr
 
 
 def _declare(mod) -> None:
