@@ -301,6 +301,13 @@ class KVTierConfig:
     head needs is not lost to the others' favourites. Every head attends the union; nothing stored
     changes. See docs/results/long-answers.md."""
 
+    select_stickiness: float = 0.0
+    """Sparse mode: how much the ranking prefers blocks already in L1. A resident candidate's score counts
+    ``1 + select_stickiness`` times (``s + select_stickiness * |s|`` for ``quest``'s signed bounds), so a
+    block that is not resident displaces one that is only when it scores that many times higher. Near-ties
+    at the end of the top-k then stop trading places from step to step, and each trade costs a swap-in
+    (a read from L2 and a decode). ``0``: the ranking alone. Nothing stored changes."""
+
     digest_tokens: Optional[int] = None
     """``centroid`` only: tokens summarised by one key centroid; a block's score is its best sub-block's
     (one key that matches the query stands out of the mean of 2 keys, not of 16). A divisor of

@@ -224,6 +224,7 @@ NUMBERS: dict[str, tuple[Callable[[float], bool], str]] = {
     "high_watermark": (lambda v: 0 < v <= 1, "a float in (0, 1]"),
     "low_watermark": (lambda v: 0 < v <= 1, "a float in (0, 1]"),
     "byte_stage_min_saving": (lambda v: 0 <= v < 1, "a float in [0, 1)"),
+    "select_stickiness": (lambda v: 0 <= v <= 100, "a number in [0, 100]"),
 }
 #: text field -> most UTF-8 bytes (never a NUL: it would end the name in C and Redis clients)
 TEXTS = {"namespace": 256, "remote_key_prefix": 128}

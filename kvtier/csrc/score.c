@@ -158,6 +158,16 @@ static void fold_parts(float *sc, int64_t m, int64_t parts) {
     }
 }
 
+/* favor[0..n): block indices (those outside [0, m) ignored) whose finite scores rise by gain
+   times their magnitude, s + gain * |s| (s * (1 + gain) for the centroid's probabilities). */
+static void lift(float *sc, int64_t m, const int64_t *favor, int64_t n, float gain) {
+    if (gain <= 0.f) return;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t j = favor[i];
+        if (j >= 0 && j < m && isfinite(sc[j])) sc[j] += gain * fabsf(sc[j]);
+    }
+}
+
 /* The k best of sc[0..m) as ascending indices into idx[k]: every block scoring above the k-th
    best score, then the lowest-indexed ties at it. tmp: m floats of scratch. */
 static void top_k(const float *sc, int64_t m, int64_t k, float *tmp, int64_t *idx) {
@@ -194,7 +204,8 @@ static void rank(const float *sc, int64_t *idx, int64_t n) {
 int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *dig,
                   int64_t head_stride, int64_t width, int kind, const float *rscale,
                   int64_t rscale_stride, int64_t m, _Bool quest, float scale, int64_t parts,
-                  int64_t k, _Bool per_head, int64_t *idx) {
+                  int64_t k, _Bool per_head, const int64_t *favor, int64_t nfavor, float gain,
+                  int64_t *idx) {
     int64_t heads = per_head ? H : 1;
     /* scores [heads][m*parts], scratch [m], each head's ranked top k [heads][k] and next position
        [heads], taken flags [m] */
@@ -211,6 +222,7 @@ int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *
     float *tmp = sc + heads * m * parts;
     if (!per_head) {
         fold_parts(sc, m, parts);
+        lift(sc, m, favor, nfavor, gain);
         top_k(sc, m, k, tmp, idx);
         free(sc);
         return 0;
@@ -221,6 +233,7 @@ int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *
     for (int64_t h = 0; h < H; h++) {
         float *sh = sc + h * m * parts;
         fold_parts(sh, m, parts);
+        lift(sh, m, favor, nfavor, gain);
         top_k(sh, m, k, tmp, order + h * k);
         rank(sh, order + h * k, k);
     }

@@ -41,6 +41,7 @@ class Layout:
     digest_score: str | None  # what select() ranks by; None: no digests kept (dense attention)
     digest_parts: int
     select_per_head: bool    # each kv head's top blocks in turn (select_heads='per_head')
+    stickiness: float        # resident candidates' score gain (select_stickiness)
     digest_dtype: torch.dtype  # the KV dtype, or int8 (rows with float32 scales, table.py)
     scratch_slots: int       # L1 slots past the regions, for misses while a region is full
     max_sequences: int
@@ -125,6 +126,7 @@ class Layout:
             l2_staged=cfg.byte_stage_l2 and cfg.byte_stage != "none",
             digest_score=cfg.select_score if cfg.attention == "sparse" else None,
             digest_parts=bt // cfg.digest_tokens, select_per_head=cfg.select_heads == "per_head",
+            stickiness=float(cfg.select_stickiness),
             digest_dtype=torch.int8 if cfg.digest_dtype == "int8" else dtype,
             scratch_slots=scratch_slots(device_blocks, cfg.max_sequences), max_sequences=cfg.max_sequences,
             precision=PrecisionPlan.of(cfg),

@@ -40,7 +40,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvt_block_scores.argtypes = [vp, i64, i64, i64, vp, i64, i64, c_int, vp, i64, i64, ctypes.c_bool,
                                      ctypes.c_float, vp]
     lib.kvt_block_scores.restype = c_int
-    lib.kvt_block_top.argtypes = lib.kvt_block_scores.argtypes[:-1] + [i64, i64, ctypes.c_bool, vp]
+    lib.kvt_block_top.argtypes = lib.kvt_block_scores.argtypes[:-1] + [i64, i64, ctypes.c_bool, vp, i64,
+                                                                       ctypes.c_float, vp]
     lib.kvt_block_top.restype = c_int
 
 
@@ -111,7 +112,7 @@ def block_scores(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest:
 
 def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: bool, scale: float,
                k: int, parts: int = 1, digest_scale: torch.Tensor | None = None,
-               per_head: bool = False) -> list[int]:
+               per_head: bool = False, favor=None, gain: float = 0.0) -> list[int]:
     """The ``k`` best-scoring digest rows of [lo, hi), ascending, as offsets from ``lo``.
 
     The same scores as :func:`block_scores`; the selection is done in C too (no score tensor, no
@@ -123,6 +124,8 @@ def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: b
     ``per_head``: each kv head ranks the rows on its own scores (before they are folded over
     heads) and the k slots go to the heads in turn, each taking its next best row not yet taken
     (``select_heads="per_head"``; ``select.round_robin`` is the specification).
+    ``favor``: offsets from ``lo`` (an int64 numpy array; others out of range are ignored) whose
+    block scores rise by ``gain`` times their magnitude before the ranking (``select.lift``).
     """
     fn = _load().kvt_block_top
     qh, ql, hd = q.shape
@@ -136,6 +139,7 @@ def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: b
     out = (ctypes.c_int64 * k)()
     sub = width // parts  # one sub-block row: the rows of a block are consecutive
     if fn(q.data_ptr(), kvh, r, hd, base, cap * width, sub, kind, sbase, sstride, hi - lo, quest, scale, parts,
-          k, per_head, out):
+          k, per_head, None if favor is None else favor.ctypes.data, 0 if favor is None else len(favor),
+          gain, out):
         raise MemoryError("kvt_block_top: out of memory")
     return out[:]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from . import score_cpu
@@ -33,20 +34,29 @@ class Selector:
         k = nb - s_end - (ns - w_start)
         sel = list(range(s_end))
         if k > 0:
+            gain = lay.stickiness
+            favor = self.resident_offsets(t, s_end, w_start) if gain > 0 else None
             if self.compiled:
                 # scores and selection in one compiled call, already ascending
                 top = score_cpu.top_blocks(self.query_f32(query), t.digest, s_end, w_start,
                                         lay.digest_score == "quest", lay.head_dim ** -0.5, k,
-                                        lay.digest_parts, t.digest_scale, lay.select_per_head)
+                                        lay.digest_parts, t.digest_scale, lay.select_per_head, favor, gain)
                 sel += [b + s_end for b in top]
             elif lay.select_per_head:
-                sel += [b + s_end for b in round_robin(self.head_scores(t, query, s_end, w_start), k)]
+                scores = lift(self.head_scores(t, query, s_end, w_start), favor, gain)
+                sel += [b + s_end for b in round_robin(scores, k)]
             else:
-                scores = self.scores(t, query, s_end, w_start)
+                scores = lift(self.scores(t, query, s_end, w_start), favor, gain)
                 top = torch.topk(scores, k, sorted=False).indices.tolist()
                 sel += sorted(b + s_end for b in top)
         sel += range(w_start, ns)
         return sel
+
+    @staticmethod
+    def resident_offsets(t: BlockTable, lo: int, hi: int) -> np.ndarray:
+        """The blocks of ``t`` in [lo, hi) that hold an L1 slot, as int64 offsets from ``lo``."""
+        res = np.fromiter(t.slotted, dtype=np.int64, count=len(t.slotted)) - lo
+        return res[(res >= 0) & (res < hi - lo)]
 
     def query_f32(self, query: torch.Tensor) -> torch.Tensor:
         """Checked query [q_heads, q_len, head_dim] as contiguous float32 on the device."""
@@ -130,6 +140,19 @@ class Selector:
         nb = len(t.entries)
         pad = nb * lay.block_tokens - per_tok.shape[0]
         return torch.nn.functional.pad(per_tok, (0, pad)).view(nb, lay.block_tokens).sum(1)
+
+
+def lift(scores: torch.Tensor, favor: np.ndarray | None, gain: float) -> torch.Tensor:
+    """``scores`` [..., m] with the candidates ``favor`` (offsets, or None) raised by ``gain``
+    times their magnitude where finite (``select_stickiness``: ``s * (1 + gain)`` for the
+    centroid's probabilities). The specification of the compiled path's ``lift`` (score.c)."""
+    if favor is None or gain <= 0 or len(favor) == 0:
+        return scores
+    idx = torch.from_numpy(favor).to(scores.device)
+    s = scores.index_select(-1, idx)
+    scores = scores.clone()
+    scores.index_copy_(-1, idx, torch.where(torch.isfinite(s), s + gain * s.abs(), s))
+    return scores
 
 
 def round_robin(head_scores: torch.Tensor, k: int) -> list[int]:
