@@ -302,11 +302,11 @@ class KVTierConfig:
     changes. See docs/results/long-answers.md."""
 
     select_stickiness: float = 0.0
-    """Sparse mode: how much the ranking prefers blocks already in L1. A resident candidate's score counts
-    ``1 + select_stickiness`` times (``s + select_stickiness * |s|`` for ``quest``'s signed bounds), so a
-    block that is not resident displaces one that is only when it scores that many times higher. Near-ties
-    at the end of the top-k then stop trading places from step to step, and each trade costs a swap-in
-    (a read from L2 and a decode). ``0``: the ranking alone. Nothing stored changes."""
+    """Sparse mode: how much the ranking prefers blocks already in L1: a resident candidate's score counts
+    ``1 + select_stickiness`` times (``s + select_stickiness * |s|`` for quest's signed bounds), so near-ties
+    at the end of the top-k stop trading places each step, each trade a swap-in (an L2 read and a decode).
+    ``0`` (default): the ranking alone, the better recall measured
+    (docs/results/config-defaults.md#select_stickiness). Nothing stored changes."""
 
     digest_tokens: Optional[int] = None
     """``centroid`` only: tokens summarised by one key centroid; a block's score is its best sub-block's
