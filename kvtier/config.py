@@ -294,12 +294,12 @@ class KVTierConfig:
     Quest's bound sum_d max(q_d*min_d, q_d*max_d) over a max | min digest, summed over heads. Default
     ``centroid``: the better recall measured (docs/results/config-defaults.md#select_score)."""
 
-    select_heads: SelectHeads = "shared"
-    """Sparse mode: whose ranking picks the query-chosen blocks. ``shared``: one ranking per layer, the kv
-    heads' scores folded (see ``select_score``). ``per_head``: each kv head ranks on its own scores and
-    the slots go round-robin over the heads (each head's next best block not yet taken), so a block one
-    head needs is not lost to the others' favourites. Every head attends the union; nothing stored
-    changes. See docs/results/long-answers.md."""
+    select_heads: SelectHeads = "per_head"
+    """Sparse mode: whose ranking picks the query-chosen blocks. ``per_head`` (default): each kv head ranks on
+    its own scores and the slots go round-robin over the heads (each head's next best block not yet taken),
+    so a block one head needs is not lost to another's favourites; the better recall at small budgets
+    (docs/results/config-defaults.md#select_heads). ``shared``: one ranking per layer, the kv heads' scores
+    folded (see ``select_score``). Every head attends the union; nothing stored changes."""
 
     select_stickiness: float = 0.0
     """Sparse mode: how much the ranking prefers blocks already in L1: a resident candidate's score counts

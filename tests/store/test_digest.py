@@ -191,7 +191,7 @@ def test_int8_torch_scoring_reads_the_codes_in_place_and_selects_as_the_dequanti
     st = make_store(None, num_layers=1, block_tokens=bt, device_tokens=128 * bt, host_bytes=1 << 22,
                     budget_tokens=24 * bt, sink_tokens=bt, window_tokens=2 * bt, dtype=torch.float32,
                     attention="sparse", select_score=score, digest_tokens=bt // parts, digest_dtype="int8",
-                    prefetch=False)
+                    prefetch=False, select_heads="shared")  # the shared top-k of the scores below
     st.selector.compiled = False
     g = torch.Generator().manual_seed(5)
     s = st.add_sequence()

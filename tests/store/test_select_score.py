@@ -17,8 +17,10 @@ def _fill(store, seq, blocks, bt):
 @pytest.mark.parametrize("score", ["centroid", "quest"])
 def test_block_aligned_with_query_is_chosen(tmp_path, score):
     bt = 4
+    # shared: the one query-chosen slot goes to the best score over both kv heads (per_head would
+    # give it to kv head 0, whose zero query ranks every block alike)
     store = make_store(tmp_path, block_tokens=bt, device_tokens=8 * bt, budget_tokens=2 * bt, sink_tokens=0,
-                       window_tokens=0, attention="sparse", select_score=score)
+                       window_tokens=0, attention="sparse", select_score=score, select_heads="shared")
     seq = store.add_sequence()
     g = torch.Generator().manual_seed(0)
     blocks = [(torch.randn(2, bt, HD, generator=g) * 0.1).half() for _ in range(6)]
