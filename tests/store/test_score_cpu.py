@@ -30,7 +30,8 @@ def _same_top(a, b, k):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("quest", [False, True])
 @pytest.mark.parametrize("kvh,r,hd,cap,lo,hi", [(3, 3, 64, 300, 2, 252), (2, 8, 12, 40, 0, 40),
-                                                 (1, 1, 64, 9, 8, 9), (4, 5, 20, 64, 17, 50)])
+                                                 (1, 1, 64, 9, 8, 9), (4, 5, 20, 64, 17, 50),
+                                                 (2, 7, 32, 70, 1, 66)])
 def test_scores_match_torch_on_random_data(dtype, quest, kvh, r, hd, cap, lo, hi):
     g = torch.Generator().manual_seed(kvh * 1000 + hd + lo)
     width = 2 * hd if quest else hd
@@ -177,7 +178,8 @@ def _int8(x):
 
 
 @pytest.mark.parametrize("quest", [False, True])
-@pytest.mark.parametrize("kvh,r,hd,cap,lo,hi", [(3, 3, 64, 300, 2, 252), (2, 8, 12, 40, 0, 40), (1, 1, 64, 9, 8, 9)])
+@pytest.mark.parametrize("kvh,r,hd,cap,lo,hi", [(3, 3, 64, 300, 2, 252), (2, 8, 12, 40, 0, 40), (1, 1, 64, 9, 8, 9),
+                                                 (2, 7, 32, 70, 1, 66)])
 def test_int8_scores_match_torch_on_the_dequantized_digest(quest, kvh, r, hd, cap, lo, hi):
     """The C scorer on int8 codes and per-row scales computes the torch math on codes * scale."""
     g = torch.Generator().manual_seed(kvh * 1000 + hd + lo + 1)
