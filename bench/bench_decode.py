@@ -29,7 +29,7 @@ at fewer bytes per token than both.
     python bench/bench_decode.py --base a4e1479 --contexts 4096 --configs kvtier-int4-sparse --rounds 3
     python bench/bench_decode.py --model qwen2.5-coder-0.5b --base a4e1479 --contexts 32768 \
         --configs kvtier-int4-sparse --l1-fraction 0.03 --rounds 3 --steps 48 --threads 1 \
-        --prefill-cache ~/.cache/kvtier/bench-prefill
+        --prefill-cache ~/.cache/kvtier/bench-prefill --fill-from-prefill
 
 --base REV: this tree and the kvtier of git revision REV (exported with ``git archive``) run
 alternately, each round one child process per tree (the order swapped every round), each
@@ -46,9 +46,13 @@ such directory, so both trees run the same weights with their own loader and cac
 ``kvtier.eval.caches.prefill`` (safetensors, keyed by the model's directory and dtype and the
 token ids; this tree's module loaded by path, so an older tree's child uses it too) and read
 back by later runs: every run after the first prefills once (kvtier's cache) instead of twice,
-which at 32k is CPU-minutes a run. kvtier's caches always prefill (their prefill builds the
-store). The timed decode steps are the same either way; the reference's ``prefill_s`` is then the time it took when computed, its peak memory that of
-reading it back, and its row says ``prefill_kept``.
+which at 32k is CPU-minutes a run. kvtier's caches prefill through the model (their prefill
+builds the store) unless --fill-from-prefill is given: then they too are filled from the kept
+prefill, each layer's K and V handed to the cache's ``update`` as the model's prefill hands
+them (what ``kvtier eval --prefill-cache`` does for its rows), so a 32k run of several caches
+and both trees costs one prefill in all. The timed decode steps are the same either way; a kept
+row's ``prefill_s`` is then the time the reference's prefill took when computed, its peak memory
+that of reading it back, and its row says ``prefill_kept``.
 """
 from __future__ import annotations
 
@@ -222,6 +226,8 @@ def child_argv(args, context: int, out: str, model_dir: str | None) -> list[str]
         cmd += ["--model", model_dir]
     if args.prefill_cache is not None:
         cmd += ["--prefill-cache", args.prefill_cache]
+    if args.fill_from_prefill:
+        cmd += ["--fill-from-prefill"]
     if args.threads:
         cmd += ["--threads", str(args.threads)]
     return cmd
@@ -279,11 +285,13 @@ def kv_bytes(cache) -> int:
 
 @torch.inference_mode()
 def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_tokens: int,
-            l1_fraction: float, forced: list[int] | None = None, prefill_dir: str | None = None) -> dict:
+            l1_fraction: float, forced: list[int] | None = None, prefill_dir: str | None = None,
+            fill_all: bool = False) -> dict:
     """Prefill ``ids``, decode ``warmup`` + ``steps`` tokens greedily, time the last ``steps``.
 
-    ``prefill_dir`` (DynamicCache only): its prefill is kept there and reused
-    (:func:`_reference_prefill`); ``prefill_s`` is then the time it took when computed, and the
+    ``prefill_dir``: DynamicCache's prefill is kept there and reused (:func:`_reference_prefill`),
+    by the reference only, or with ``fill_all`` by every cache (its ``update`` per layer, as the
+    model's prefill calls it); ``prefill_s`` is then the time it took when computed, and the
     peak memory that of reading it. The timed decode steps are the same either way.
 
     ``forced``: the reference's tokens (its ``"tokens"``); each step then takes the reference's
@@ -299,7 +307,7 @@ def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_
     with PeakMemory(device) as mem:
         cache = make_cache(name, model, ids.shape[1], block_tokens, l1_fraction)
         try:
-            kept = prefill_dir is not None and name == "dynamic"
+            kept = prefill_dir is not None and (name == "dynamic" or fill_all)
             t0 = time.perf_counter()
             if kept:
                 pre = _reference_prefill(model, ids, prefill_dir)
@@ -459,7 +467,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prefill-cache", metavar="DIR", default=None,
                     help="keep DynamicCache's prefill of each context in DIR (safetensors, kvtier eval's format) "
                          "and reuse it in later runs and --base children: a 32k prefill is CPU-minutes; "
-                         "kvtier's caches always prefill")
+                         "kvtier's caches prefill through the model unless --fill-from-prefill")
+    ap.add_argument("--fill-from-prefill", action="store_true",
+                    help="with --prefill-cache: fill kvtier's caches too from the kept prefill (update per layer, "
+                         "as kvtier eval does) instead of prefilling each through the model")
     ap.add_argument("--base", metavar="REV", help="alternate this tree with git revision REV's kvtier (module doc)")
     ap.add_argument("--rounds", type=int, default=3, help="--base: runs per tree and context")
     args = ap.parse_args(argv)
@@ -475,6 +486,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          f"got {args.l1_fraction}")
     if args.prefill_cache is not None:
         args.prefill_cache = os.path.abspath(args.prefill_cache)
+    elif args.fill_from_prefill:
+        raise SystemExit("--fill-from-prefill needs --prefill-cache DIR (where the kept prefill is)")
     if args.base and args.rounds < 1:
         raise SystemExit(f"--rounds must be >= 1; got {args.rounds}")
     if args.block_tokens is not None and args.block_tokens < 1:
@@ -516,7 +529,7 @@ def main(argv=None) -> int:
             forced = by_name["dynamic"]["tokens"] if by_name else None
             bt = row_block_tokens(args, name) if name in KVTIER_CONFIGS else None
             r = run_one(name, model, ids, args.steps, args.warmup, bt, args.l1_fraction, forced,
-                        args.prefill_cache)
+                        args.prefill_cache, args.fill_from_prefill)
             by_name[name] = r
             r["model"] = model_dir
             rows.append(r)

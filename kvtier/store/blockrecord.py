@@ -133,8 +133,7 @@ class BlockDecoder:
             return []
         shape, dtype = self._shape, self._dtype
         out = torch.empty((n, 2, *shape) if n > 1 else (2, *shape), dtype=dtype)
-        done = self._decode_known(bufs, out) if self._known is not None else None
-        rest = range(n) if done is None else np.flatnonzero(done == 0).tolist()
+        rest = self._decode_known(bufs, out) if self._known is not None else range(n)
         which: list[bool] = [True] * n
         if rest:
             self._decode_each(bufs, rest, out.view(n, 2, *shape), which)
@@ -142,9 +141,9 @@ class BlockDecoder:
         return [b if ok else None for b, ok in zip(blocks, which)]
 
     def _decode_known(self, bufs: list, out: torch.Tensor):
-        """The records of the known layout decoded into ``out`` in one compiled call; per record
-        1 where that was done, 0 where it is another layout. Raises ``CorruptRecordError`` when a
-        record of the known layout fails a CRC."""
+        """The records of the known layout decoded into ``out`` in one compiled call; returns the
+        positions of the others (another layout), left for :meth:`_decode_each`. Raises
+        ``CorruptRecordError`` when a record of the known layout fails a CRC."""
         from kvtier.compress.record import CorruptRecordError
 
         n = len(bufs)
@@ -158,7 +157,7 @@ class BlockDecoder:
                                 self._shape, self._dtype, out, status.ctypes.data)
         if bad:
             raise CorruptRecordError(f"{bad} of {n} block records failed a CRC-32 check")
-        return (status == 0).astype(np.int8)
+        return np.flatnonzero(status).tolist()
 
     def _decode_each(self, bufs: list, todo: list[int], out: torch.Tensor, which: list[bool]) -> None:
         """The records ``todo`` of ``bufs`` parsed here and decoded into ``out[i]`` ``[n, 2,

@@ -38,18 +38,13 @@ _FLAGS = ["-O2", "-fPIC", "-shared", "-std=gnu11", f"-DKVT_REC_MAGIC={REC_MAGIC:
           f"-DKVT_REC_HDR={REC_HEADER_BYTES}", f"-DKVT_RELEASE_BYTES={_RELEASE_BYTES}"]
 
 
-def _isal_crc_address() -> int:
-    """The address of ISA-L's ``crc32_gzip_refl(seed, buf, len)``, the function
-    ``kvtier._crc.crc32`` runs (OSError where that is not ISA-L's)."""
+def _declare(mod) -> None:
+    """Install ISA-L's ``crc32_gzip_refl`` (the function ``kvtier._crc.crc32`` runs) and check
+    that the module computes what the Python path does."""
     addr = c_address()
     if addr is None:
         raise OSError("ISA-L is not installed: reads keep zlib's CRC in Python")
-    return addr
-
-
-def _declare(mod) -> None:
-    """Install the CRC and check that the module computes what the Python path does."""
-    mod.set_crc(_isal_crc_address())
+    mod.set_crc(addr)
     probe = bytes(range(256)) * 41
     if any(mod.crc(probe, seed) != crc32(probe, seed) for seed in (0, 7, 0xFFFFFFFF)):
         raise OSError("the compiled CRC does not match kvtier._crc")
