@@ -48,9 +48,9 @@ token ids; this tree's module loaded by path, so an older tree's child uses it t
 back by later runs: every run after the first prefills once (kvtier's cache) instead of twice,
 which at 32k is CPU-minutes a run. kvtier's caches prefill through the model (their prefill
 builds the store) unless --fill-from-prefill is given: then they too are filled from the kept
-prefill, each layer's K and V handed to the cache's ``update`` as the model's prefill hands
-them (what ``kvtier eval --prefill-cache`` does for its rows), so a 32k run of several caches
-and both trees costs one prefill in all. The timed decode steps are the same either way; a kept
+prefill, a DynamicCache holding it taken over with ``TieredCache.wrap`` (how ``kvtier eval
+--prefill-cache`` builds its rows), so a 32k run of several caches and both trees costs one
+prefill in all. The timed decode steps are the same either way; a kept
 row's ``prefill_s`` is then the time the reference's prefill took when computed, its peak memory
 that of reading it back, and its row says ``prefill_kept``.
 """
@@ -253,14 +253,23 @@ def row_block_tokens(args, name: str) -> int:
     return args.block_tokens_sparse if KVTIER_CONFIGS[name][1] == "sparse" else args.block_tokens_dense
 
 
-def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: float):
+def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: float, fill=None):
+    """Row ``name``'s cache, empty, or holding the prefill in ``fill`` (a filled DynamicCache): a
+    kvtier cache takes it over with ``TieredCache.wrap`` (how ``kvtier eval`` builds its rows from
+    a shared prefill; a sparse cache filled by bare ``update()`` calls outside a forward would see
+    no step of its attention), a baseline gets each layer through ``update()`` as its prefill
+    would."""
     from kvtier.config import KVTierConfig
 
     make_baseline = _baselines().make_baseline
     TieredCache = _kvtier_cache().TieredCache
 
     if name in BASELINE_CONFIGS:
-        return make_baseline(name, model)
+        cache = make_baseline(name, model)
+        if fill is not None:
+            for layer, ly in enumerate(fill.layers):
+                cache.update(ly.keys, ly.values, layer)
+        return cache
     codec, attention, policy = KVTIER_CONFIGS[name]
     hot = max(4 * block_tokens, int(context * l1_fraction) // block_tokens * block_tokens)
     cfg = model.config
@@ -272,7 +281,7 @@ def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: f
                        host_bytes=max(1 << 20, int(1.25 * (context + 256) * kv_bytes_fp16)),
                        disk_path=None, codec=codec, group_size=32, policy=policy, attention=attention,
                        budget_tokens=hot if attention == "sparse" else None)
-    return TieredCache(cfg, model)
+    return TieredCache(cfg, model) if fill is None else TieredCache.wrap(fill, cfg, model)
 
 
 def kv_bytes(cache) -> int:
@@ -290,8 +299,7 @@ def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_
     """Prefill ``ids``, decode ``warmup`` + ``steps`` tokens greedily, time the last ``steps``.
 
     ``prefill_dir``: DynamicCache's prefill is kept there and reused (:func:`_reference_prefill`),
-    by the reference only, or with ``fill_all`` by every cache (its ``update`` per layer, as the
-    model's prefill calls it); ``prefill_s`` is then the time it took when computed, and the
+    by the reference only, or with ``fill_all`` by every cache (:func:`make_cache`'s ``fill``); ``prefill_s`` is then the time it took when computed, and the
     peak memory that of reading it. The timed decode steps are the same either way.
 
     ``forced``: the reference's tokens (its ``"tokens"``); each step then takes the reference's
@@ -305,18 +313,23 @@ def run_one(name: str, model, ids: torch.Tensor, steps: int, warmup: int, block_
     device = ids.device
     gc.collect()
     with PeakMemory(device) as mem:
-        cache = make_cache(name, model, ids.shape[1], block_tokens, l1_fraction)
+        cache = None
         try:
             kept = prefill_dir is not None and (name == "dynamic" or fill_all)
             t0 = time.perf_counter()
             if kept:
                 pre = _reference_prefill(model, ids, prefill_dir)
+                filled = _baselines().make_baseline("dynamic", model)
                 for layer, (k, v) in enumerate(pre.kv):
-                    cache.update(k.to(device), v.to(device), layer)  # copies: the kept tensors go
+                    filled.update(k.to(device), v.to(device), layer)  # copies: the kept tensors go
                 nxt = pre.logits.argmax().view(1, 1).to(device)
                 prefill_s = pre.seconds
                 del pre
+                cache = filled if name == "dynamic" else make_cache(name, model, ids.shape[1], block_tokens,
+                                                                    l1_fraction, fill=filled)
+                del filled
             else:
+                cache = make_cache(name, model, ids.shape[1], block_tokens, l1_fraction)
                 # only the last position's logits: all of them would be GBs at 32k (Qwen's vocabulary is 152k)
                 out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
                 nxt = out.logits[:, -1:].argmax(-1)
@@ -469,7 +482,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "and reuse it in later runs and --base children: a 32k prefill is CPU-minutes; "
                          "kvtier's caches prefill through the model unless --fill-from-prefill")
     ap.add_argument("--fill-from-prefill", action="store_true",
-                    help="with --prefill-cache: fill kvtier's caches too from the kept prefill (update per layer, "
+                    help="with --prefill-cache: fill kvtier's caches too from the kept prefill (TieredCache.wrap, "
                          "as kvtier eval does) instead of prefilling each through the model")
     ap.add_argument("--base", metavar="REV", help="alternate this tree with git revision REV's kvtier (module doc)")
     ap.add_argument("--rounds", type=int, default=3, help="--base: runs per tree and context")

@@ -109,18 +109,21 @@ def test_kept_reference_prefill_decodes_the_same_tokens(bench, tmp_path):
 
 def test_fill_from_prefill_fills_kvtier_from_the_kept_prefill(bench, tmp_path):
     """--fill-from-prefill: the kvtier row is filled from the kept prefill (one prefill in all)
-    and decodes the tokens its own prefill gave; a --base child is told to do the same."""
+    and decodes the tokens its own prefill gave, at a context four times its L1 budget (the
+    sparse selection swaps blocks in every step); a --base child is told to do the same."""
     prefills = tmp_path / "prefills"
     rows = {}
     for fill in (False, True):
         out = tmp_path / f"rows-{fill}.json"
-        assert bench.main(["--smoke", "--configs", "kvtier-int4-sparse", "--dtype", "float32",
+        assert bench.main(["--contexts", "512", "--steps", "6", "--warmup", "2", "--threads", "1",
+                           "--block-tokens", "16", "--configs", "kvtier-int4-sparse", "--dtype", "float32",
                            "--prefill-cache", str(prefills), "--json", str(out)]
                           + (["--fill-from-prefill"] if fill else [])) == 0
         rows[fill] = {r["config"]: r for r in json.loads(out.read_text())}
     own, filled = rows[False]["kvtier-int4-sparse"], rows[True]["kvtier-int4-sparse"]
     assert not own["prefill_kept"] and filled["prefill_kept"]
     assert filled["tokens"] == own["tokens"] and filled["bytes_per_token"] == own["bytes_per_token"]
+    assert filled["swap_ins_per_layer_step"] > 0  # the selection ran over blocks outside L1
     args = bench.parse_args(["--base", "a4e1479", "--prefill-cache", str(prefills), "--fill-from-prefill"])
     assert bench.parse_args(bench.child_argv(args, 1024, str(tmp_path / "o.json"), None)[2:]).fill_from_prefill
     with pytest.raises(SystemExit, match="--fill-from-prefill needs --prefill-cache"):
