@@ -139,9 +139,9 @@ static inline v8 exp_neg8(v8 x) {
 
 static inline v8 vmax8(v8 a, v8 b) { v8i gt = a > b; return (v8)(((v8i)a & gt) | ((v8i)b & ~gt)); }
 
-/* out[j] = max(out[j], softmax(sr)[j]) over sr[0..m); sr is overwritten. NaN logits: a NaN
-   max makes every probability NaN, which never raises out[j] (as the scalar loop). */
-static void softmax_max(float *sr, int64_t m, float *out) {
+/* sr[j] = exp(sr[j] - max) over sr[0..m); returns 1 / their sum (the softmax is sr[j] times it).
+   NaN logits: a NaN max makes every probability NaN. */
+static float softmax_exps(float *sr, int64_t m) {
     float mx = -INFINITY, sum = 0.f;
     int64_t j = 0;
     v8 vm = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
@@ -155,9 +155,15 @@ static void softmax_max(float *sr, int64_t m, float *out) {
         vs += e;
     }
     for (; j < m; j++) { sr[j] = exp_neg(sr[j] - mx); sum += sr[j]; }
-    sum += ((vs[0] + vs[4]) + (vs[1] + vs[5])) + ((vs[2] + vs[6]) + (vs[3] + vs[7]));
-    float inv = 1.f / sum;
-    for (j = 0; j < m; j++) { float p = sr[j] * inv; out[j] = p > out[j] ? p : out[j]; }
+    sum += hsum(vs);
+    return 1.f / sum;
+}
+
+/* out[j] = max(out[j], softmax(sr)[j]) over sr[0..m); sr is overwritten. A NaN probability
+   never raises out[j] (as the scalar loop). */
+static void softmax_max(float *sr, int64_t m, float *out) {
+    float inv = softmax_exps(sr, m);
+    for (int64_t j = 0; j < m; j++) { float p = sr[j] * inv; out[j] = p > out[j] ? p : out[j]; }
 }
 
 /* q: [H][R][hd] float32 (contiguous). dig: digest rows of the m candidate blocks, row j of head h
@@ -349,5 +355,36 @@ int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *
         }
     for (int64_t j = 0, w = 0; j < m; j++) if (taken[j]) idx[w++] = j;
     free(sc);
+    return 0;
+}
+
+/* H2O's attention mass of each key: out[j] = sum over kv heads h and query rows r of
+   softmax_j(scale * q[h][r] . key[h][j]) for j < n (the torch specification is
+   kvtier/hf/sparse.py's attention_probs(wide=False) summed over heads and rows). q: [H][R][hd]
+   float32 contiguous; key j of head h: hd elements (kind: float32 or bf16) at element offset
+   h * head_stride + j * hd. out: [n] float32. Returns 0, or -1 when out of memory. */
+int kvt_key_mass(const float *q, int64_t H, int64_t R, int64_t hd, const void *keys, int64_t head_stride,
+                 int kind, int64_t n, float scale, float *out) {
+    float *s = (float *)malloc(sizeof(float) * (size_t)(R * n + 4 * hd));
+    if (!s) return -1;
+    float *buf = s + R * n;   /* four converted key rows */
+    int64_t tiled = hd % 8 == 0 ? n / 4 * 4 : 0;
+    v4 mul = {scale, scale, scale, scale};
+    for (int64_t j = 0; j < n; j++) out[j] = 0.f;
+    for (int64_t h = 0; h < H; h++) {
+        const float *qh = q + h * R * hd;
+        for (int64_t j = 0; j < n; j += j < tiled ? 4 : 1) {
+            int64_t nr = j < tiled ? 4 : 1;
+            const float *rows = rows_f32(keys, h * head_stride + j * hd, hd, nr, kind, buf);
+            if (nr == 4) dots4(qh, R, hd, rows, mul, s + j, n);
+            else for (int64_t r = 0; r < R; r++) s[r * n + j] = scale * dot(qh + r * hd, rows, hd);
+        }
+        for (int64_t r = 0; r < R; r++) {
+            float *sr = s + r * n;
+            float inv = softmax_exps(sr, n);
+            for (int64_t j = 0; j < n; j++) out[j] += sr[j] * inv;
+        }
+    }
+    free(s);
     return 0;
 }

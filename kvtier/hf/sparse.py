@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from kvtier.store import KVStore
+from kvtier.store import KVStore, score_cpu
 
 from .attention import base_attention
 
@@ -87,7 +87,7 @@ def budgeted_attention(store: KVStore, seqs: list[int], layer: int, query: torch
         # SDPA reads in place with the same result as a contiguous copy, at half the time
         out = base_attention(sdpa_module, query, k, v, mask, scaling=scaling)[0]  # [B, 1, q_heads, D]
         # the mass ranks blocks (H2O): float32 is precise enough, the output does not use it
-        mass = attention_probs(query, k, mask, scaling, wide=False).sum(dim=(1, 2)) if observe else None
+        mass = key_mass(query, k, mask, scaling) if observe else None
     observed = []
     if observe:
         bt = store.block_tokens
@@ -98,6 +98,17 @@ def budgeted_attention(store: KVStore, seqs: list[int], layer: int, query: torch
             # reading it back (a device sync on CUDA) happens once per step, not per layer
             observed.append((seq, layer, sels[row], mrow.view(nb, bt).sum(1)))
     return SparseResult(out, n, sum(len(s) - 1 for s in sels), observed)
+
+
+def key_mass(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Each key's attention mass summed over heads and queries, float32 [B, n]:
+    ``attention_probs(..., wide=False).sum(dim=(1, 2))``, by the compiled routine where it
+    applies (one batch row, no mask, CPU keys: a decode step's case; ``score_cpu.key_mass``)."""
+    if mask is None:
+        m = score_cpu.key_mass(query, keys, scaling)
+        if m is not None:
+            return m.unsqueeze(0)
+    return attention_probs(query, keys, mask, scaling, wide=False).sum(dim=(1, 2))
 
 
 def attend_blocks(

@@ -20,6 +20,9 @@ fallback and the CUDA path; tests/store/test_score_cpu.py compares the two):
 Scores agree with torch to float32 rounding (summation order differs), so the top-k ranking is
 the same except between blocks whose scores tie to within rounding.
 
+The same file computes H2O's attention mass per key for a sparse step (:func:`key_mass`), the
+other small per-layer pass over a step's query that torch ran as several ops.
+
 Build: ``kvtier/csrc/score.c``, as :mod:`kvtier.compress.cpu` (system C compiler,
 ``$KVTIER_CACHE_DIR``, a name hashing the source, flags and CPU; loaded with ctypes). Without a compiler :func:`available` is False and
 the store keeps the torch path.
@@ -43,6 +46,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvt_block_top.argtypes = lib.kvt_block_scores.argtypes[:-1] + [i64, i64, ctypes.c_bool, vp, i64,
                                                                        ctypes.c_float, vp]
     lib.kvt_block_top.restype = c_int
+    lib.kvt_key_mass.argtypes = [vp, i64, i64, i64, vp, i64, c_int, i64, ctypes.c_float, vp]
+    lib.kvt_key_mass.restype = c_int
 
 
 _LIB = CLibrary("score", _FLAGS, _declare, "select() uses torch ops")
@@ -143,3 +148,33 @@ def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: b
           gain, out):
         raise MemoryError("kvt_block_top: out of memory")
     return out[:]
+
+
+def key_mass(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """The attention mass of each key, summed over query heads and rows: what H2O accumulates
+    per block, ``attention_probs(query, keys, None, scale, wide=False).sum(dim=(1, 2))[0]``
+    (kvtier/hf/sparse.py) computed in one compiled pass (the torch ops cost ~100 us a layer at
+    a 1k-token budget, most of it a skinny matmul over strided keys). Same float32 math, another
+    summation order.
+
+    Args:
+        query: [1, q_heads, q_len, head_dim] (q_heads a multiple of kv_heads, a kv head's query
+            heads adjacent); keys: [1, kv_heads, n, head_dim] float32 or bfloat16 on the CPU,
+            rows contiguous within a head (an L1 run view is).
+    Returns:
+        [n] float32, or None when these inputs are not the routine's (the caller takes torch).
+    """
+    lib = _load()
+    b, qh, ql, hd = query.shape
+    if (lib is None or b != 1 or keys.dim() != 4 or keys.shape[0] != 1 or keys.shape[-1] != hd
+            or keys.dtype not in (torch.float32, torch.bfloat16) or keys.device.type != "cpu"
+            or query.device.type != "cpu" or keys.stride(-1) != 1 or keys.stride(-2) != hd
+            or qh % keys.shape[1]):
+        return None
+    kvh, n = keys.shape[1], keys.shape[2]
+    q = query.reshape(kvh, qh // kvh * ql, hd).to(torch.float32).contiguous()  # [kv_heads, G*q_len, D]
+    out = torch.empty(n, dtype=torch.float32)
+    if lib.kvt_key_mass(q.data_ptr(), kvh, q.shape[1], hd, keys.data_ptr(), keys.stride(1), _KIND[keys.dtype], n,
+                        scale, out.data_ptr()):
+        raise MemoryError("kvt_key_mass: out of memory")
+    return out

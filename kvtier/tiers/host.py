@@ -35,7 +35,7 @@ import struct
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -349,6 +349,18 @@ class HostTier(Tier):
                 return None
             voff, n = loc
             return self._mv[voff:voff + n].tobytes()
+
+    def get_many(self, keys: Iterable[str]) -> list[bytes | None]:
+        """:meth:`get` of each key under one hold of the lock (a swap-in reads a batch)."""
+        out: list[bytes | None] = []
+        with self._lock:
+            for key in keys:
+                if key in self._over:
+                    out.append(self._count_over(key))
+                    continue
+                loc = self._locate(key)
+                out.append(None if loc is None else self._mv[loc[0]:loc[0] + loc[1]].tobytes())
+        return out
 
     def _count_over(self, key: str) -> bytes:
         if self._closed:

@@ -228,3 +228,32 @@ def test_int8_digest_without_its_scales_is_refused():
         score_cpu.block_scores(torch.zeros(1, 1, 8), codes, 0, 4, False, 1.0)
     with pytest.raises(AssertionError, match="scales"):
         score_cpu.top_blocks(torch.zeros(1, 1, 8), codes, 0, 4, False, 1.0, 2, 1, torch.zeros(1, 4, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kvh,g,ql,hd,n", [(3, 3, 1, 64, 1021), (2, 7, 1, 64, 64), (1, 2, 3, 12, 9), (4, 1, 1, 32, 1)])
+def test_key_mass_is_the_torch_mass(dtype, kvh, g, ql, hd, n):
+    """H2O's per-key mass from the compiled pass equals attention_probs(wide=False) summed over
+    heads and rows, on keys read in place from a strided L1-like run view."""
+    from kvtier.hf.sparse import attention_probs, key_mass
+
+    gen = torch.Generator().manual_seed(n + hd)
+    pool = torch.randn(2, kvh, n + 40, hd, generator=gen).to(dtype)  # [plane, kv_heads, tokens, hd]
+    keys = pool[0].narrow(1, 7, n).unsqueeze(0)  # [1, kv_heads, n, hd]: head stride > n * hd
+    query = (3 * torch.randn(1, kvh * g, ql, hd, generator=gen)).to(dtype)
+    got = score_cpu.key_mass(query, keys, 0.125)
+    want = attention_probs(query, keys, None, 0.125, wide=False).sum(dim=(1, 2))[0]
+    assert got is not None and got.shape == (n,) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=1e-6)
+    assert torch.equal(key_mass(query, keys, None, 0.125)[0], got)  # sparse.py takes it without a mask
+    mask = torch.ones(1, 1, ql, n, dtype=torch.bool)
+    mask[..., 0] = False
+    masked = key_mass(query, keys, mask, 0.125)  # a mask: the torch path
+    torch.testing.assert_close(masked, attention_probs(query, keys, mask, 0.125, wide=False).sum(dim=(1, 2)))
+
+
+def test_key_mass_declines_what_it_cannot_read():
+    q = torch.randn(2, 4, 1, 16)
+    assert score_cpu.key_mass(q, torch.randn(2, 2, 8, 16), 1.0) is None  # two batch rows
+    assert score_cpu.key_mass(q[:1], torch.randn(1, 2, 8, 16).half(), 1.0) is None  # fp16 keys
+    assert score_cpu.key_mass(q[:1], torch.randn(1, 2, 16, 8).transpose(2, 3), 1.0) is None  # strided rows
