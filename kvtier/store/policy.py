@@ -34,7 +34,7 @@ class EvictionPolicy(ABC):
         """Smaller leaves first."""
 
     def victims(self, table: BlockTable, n: int, exclude=frozenset(), only_clean: bool = False,
-                force: bool = False) -> list[int]:
+                force: bool = False, ordered: bool = True) -> list[int]:
         """Up to ``n`` block indices to evict, in order.
 
         Args:
@@ -43,19 +43,29 @@ class EvictionPolicy(ABC):
             only_clean: offer only blocks with a valid copy below L1 (they leave without a write).
             force: L1 is truly full: protected blocks go too (least recently used first) when
                 nothing else is left. Watermark eviction never forces.
+            ordered: False when the caller frees every block returned at once: if no more than
+                ``n`` are offered they are returned unsorted (on a sparse step that fills L1
+                they are the blocks the selection left, all of which go).
         """
         if n <= 0:
             return []
         prot = self.protected(table)
+        if isinstance(prot, _ProtectedSet):  # inlined below: a method call per block costs more
+            sink, start, end = prot.sink, prot.start, prot.n
+            prot = ()
+        else:
+            sink = start = end = 0
         cand, fallback = [], []
         open_idx = len(table.entries) - 1  # the open block never leaves
         # resident blocks only (a table holds many more below L1); the sorts below make the
         # order independent of the scan order
         for e in table.slotted.values():
-            if e.idx == open_idx or e.pending or e.held or e.idx in exclude or (only_clean and not e.clean):
+            b = e.idx
+            if b == open_idx or e.pending or e.held or b in exclude or (only_clean and not e.clean):
                 continue
-            (fallback if e.idx in prot else cand).append(e)
-        cand.sort(key=self.sort_key)
+            (fallback if b < sink or start <= b < end or b in prot else cand).append(e)
+        if ordered or len(cand) > n:
+            cand.sort(key=self.sort_key)
         out = [e.idx for e in cand[:n]]
         if force and len(out) < n and fallback:
             # Only when L1 is truly full of protected blocks: recency decides among them.
