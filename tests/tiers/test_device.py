@@ -171,6 +171,16 @@ def test_placed_slots_are_only_handed_out_by_put_at():
         t.put_at("e", 2, torch.zeros(3))
 
 
+def test_delete_many_frees_placed_and_general_slots():
+    t = DeviceTier(SHAPE, num_slots=4, dtype=torch.float32, slot_axis=2, placed_slots=2)
+    x = torch.randn(SHAPE)
+    assert t.put_at("a", 0, x) and t.put_at("b", 1, x) and t.put("g", x)
+    assert t.delete_many(["a", "g", "missing"]) == [True, True, False]
+    assert "a" not in t and "g" not in t and torch.equal(t.get_tensor("b"), x)
+    assert t.put_at("c", 0, x)  # the placed slot is free again
+    assert t.put("h", x) and t.put("i", x)  # both general slots too
+
+
 def test_placed_slot_waits_for_its_fence():
     t = DeviceTier(SHAPE, num_slots=3, placed_slots=2)
     assert t.put_at("a", 0, torch.ones(SHAPE))
