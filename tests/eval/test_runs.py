@@ -44,8 +44,14 @@ def test_built_from_shared_prefill_equals_a_direct_prefill(model_bf16, tokenizer
             cache = direct.cache
             first = model_bf16(input_ids=ctx, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
         assert torch.equal(first, pre.logits)
-        a = _decode(model_bf16, wrapped.cache, cont, 300)
-        b = _decode(model_bf16, cache, cont, 300)
+        # settled before and after each step, as kvtier eval does: until a block's swap-out is
+        # done a read still finds its full-precision copy, so which blocks a step reads encoded
+        # would otherwise depend on the worker thread's timing (a loaded machine parts them)
+        wrapped.settle()
+        if direct is not None:
+            direct.settle()
+        a = _decode(model_bf16, wrapped.cache, cont, 300, after=wrapped.settle)
+        b = _decode(model_bf16, cache, cont, 300, after=direct.settle if direct is not None else lambda: None)
         assert torch.equal(a, b)
         if spec.kind == "kvtier":
             sa, sb = wrapped.cache.stats(), cache.stats()
