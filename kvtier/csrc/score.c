@@ -166,6 +166,26 @@ static void softmax_max(float *sr, int64_t m, float *out) {
     for (int64_t j = 0; j < m; j++) { float p = sr[j] * inv; out[j] = p > out[j] ? p : out[j]; }
 }
 
+/* s[r * stride + j] = scale * rs[j] * (q[r] . row j) for the n rows of hd elements at element
+   offset off + j * hd of src (kind as rows_f32; rs: per-row scales, or NULL for 1), four rows a
+   pass where hd allows. buf: room for four converted rows. */
+static void row_logits(const float *q, int64_t R, int64_t hd, const void *src, int64_t off, int kind,
+                       const float *rs, float scale, int64_t n, float *buf, float *s, int64_t stride) {
+    int64_t tiled = hd % 8 == 0 ? n / 4 * 4 : 0;
+    for (int64_t j = 0; j < n; j += j < tiled ? 4 : 1) {
+        int64_t nr = j < tiled ? 4 : 1;
+        const float *rows = rows_f32(src, off + j * hd, hd, nr, kind, buf);
+        if (nr == 4) {
+            v4 mul = {scale, scale, scale, scale};
+            if (rs) { v4 x; memcpy(&x, rs + j, sizeof x); mul *= x; }
+            dots4(q, R, hd, rows, mul, s + j, stride);
+        } else {
+            float sj = rs ? scale * rs[j] : scale;
+            for (int64_t r = 0; r < R; r++) s[r * stride + j] = sj * dot(q + r * hd, rows, hd);
+        }
+    }
+}
+
 /* q: [H][R][hd] float32 (contiguous). dig: digest rows of the m candidate blocks, row j of head h
    at element offset h*head_stride + j*width (kind: float32, bf16 or int8); width = hd (centroid:
    mean) or 2*hd (quest: max | min). int8: row j of head h stands for its codes times
@@ -209,18 +229,7 @@ static int block_scores(const float *q, int64_t H, int64_t R, int64_t hd, const 
             }
             continue;
         }
-        for (int64_t j = 0; j < m; j += j < tiled ? 4 : 1) {
-            int64_t n = j < tiled ? 4 : 1;
-            const float *rows = rows_f32(dig, h * head_stride + j * width, width, n, kind, buf);
-            if (n == 4) {
-                v4 mul = {scale, scale, scale, scale};
-                if (rs) { v4 x; memcpy(&x, rs + j, sizeof x); mul *= x; }
-                dots4(qh, R, hd, rows, mul, s + j, m);
-            } else {
-                float sj = rs ? scale * rs[j] : scale;
-                for (int64_t r = 0; r < R; r++) s[r * m + j] = sj * dot(qh + r * hd, rows, hd);
-            }
-        }
+        row_logits(qh, R, hd, dig, h * head_stride, kind, rs, scale, m, buf, s, m);  /* width == hd here */
         for (int64_t r = 0; r < R; r++) softmax_max(s + r * m, m, out);
     }
     free(s);
@@ -368,17 +377,9 @@ int kvt_key_mass(const float *q, int64_t H, int64_t R, int64_t hd, const void *k
     float *s = (float *)malloc(sizeof(float) * (size_t)(R * n + 4 * hd));
     if (!s) return -1;
     float *buf = s + R * n;   /* four converted key rows */
-    int64_t tiled = hd % 8 == 0 ? n / 4 * 4 : 0;
-    v4 mul = {scale, scale, scale, scale};
     for (int64_t j = 0; j < n; j++) out[j] = 0.f;
     for (int64_t h = 0; h < H; h++) {
-        const float *qh = q + h * R * hd;
-        for (int64_t j = 0; j < n; j += j < tiled ? 4 : 1) {
-            int64_t nr = j < tiled ? 4 : 1;
-            const float *rows = rows_f32(keys, h * head_stride + j * hd, hd, nr, kind, buf);
-            if (nr == 4) dots4(qh, R, hd, rows, mul, s + j, n);
-            else for (int64_t r = 0; r < R; r++) s[r * n + j] = scale * dot(qh + r * hd, rows, hd);
-        }
+        row_logits(q + h * R * hd, R, hd, keys, h * head_stride, kind, NULL, scale, n, buf, s, n);
         for (int64_t r = 0; r < R; r++) {
             float *sr = s + r * n;
             float inv = softmax_exps(sr, n);

@@ -233,11 +233,18 @@ class Residency:
 
     def free_clean(self, t: BlockTable, e: BlockEntry, counter: str = "evicted_clean") -> None:
         """Drop the L1 copy of a clean block, counted as ``counter`` (lock held)."""
-        assert e.clean and e.slot is not None and not e.pending, f"not a clean resident block: {e}"
-        self.l1.delete(e.key)
-        t.free_slot(e)
-        self._rehome("l1", e)
-        self.counters.add(**{counter: 1})
+        self._free_clean_many(t, [e], counter)
+
+    def _free_clean_many(self, t: BlockTable, ents: list[BlockEntry], counter: str = "evicted_clean") -> None:
+        """:meth:`free_clean` of each of ``ents``, their L1 copies dropped in one ``delete_many``
+        (lock held)."""
+        for e in ents:
+            assert e.clean and e.slot is not None and not e.pending, f"not a clean resident block: {e}"
+        self.l1.delete_many([e.key for e in ents])
+        for e in ents:
+            t.free_slot(e)
+            self._rehome("l1", e)
+        self.counters.add(**{counter: len(ents)})
 
     def free_clean_victims(self, t: BlockTable, n: int, exclude, force: bool = True) -> None:
         """Free up to ``n`` clean blocks of ``t`` outside ``exclude``."""
@@ -250,16 +257,8 @@ class Residency:
         pinned = t.pinned
         out = self.policy.victims(t, n, exclude | pinned if pinned else exclude, only_clean=True, force=force,
                                   ordered=False)
-        if not out:
-            return
-        ents = [t.entries[b] for b in out]
-        for e in ents:
-            assert e.clean and e.slot is not None and not e.pending, f"not a clean resident block: {e}"
-        self.l1.delete_many([e.key for e in ents])
-        for e in ents:
-            t.free_slot(e)
-            self._rehome("l1", e)
-        self.counters.add(evicted_clean=len(ents))
+        if out:
+            self._free_clean_many(t, [t.entries[b] for b in out])
 
     def mark_victims(self, t: BlockTable, n: int, exclude=frozenset(), force: bool = False) -> list:
         """Choose ``n`` victims of ``t``: clean ones are freed now, dirty ones marked pending and
