@@ -182,17 +182,19 @@ def fwht(x: torch.Tensor, block: int, scale: float, out: torch.Tensor | None = N
     return out
 
 
-def decode_blocks(buf: int, off: int, lens: int, n: int, k: tuple, v: tuple, crc: int,
-                  shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor, status: int) -> int:
-    """Block records decoded in one call (``kvt_decode_blocks``): record ``i`` at address
-    ``buf + off[i]`` of ``lens[i]`` bytes (``off``, ``lens``: addresses of int64 arrays of ``n``),
-    decoded into ``out[i]`` (a contiguous ``[n, 2, *shape]`` CPU tensor of ``dtype``) when both
-    halves are of the known layout: ``k``, ``v`` = (header bytes, record length, plan address) of
-    each half, a plan being int64 {bits, group, axis, q, scale, zero or -1, scale bytes} with
-    offsets into the payload. ``crc``: the address of a ``crc32(seed, data, len)`` that computes
-    ``kvtier._crc.crc32``. ``status``: address of ``n`` int8, set per record to 0 (decoded), 1
-    (another layout, not written) or 2 (a CRC failed). Returns the corrupt records' count;
-    nothing is decoded when it is not 0. The caller keeps every buffer alive during the call."""
+def decode_blocks(buf, off, lens, n: int, k: tuple, v: tuple, crc: int,
+                  shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor, status) -> int:
+    """Block records decoded in one call (``kvt_decode_blocks``). Record ``i`` is at ``buf +
+    off[i]``, ``lens[i]`` bytes long (``off``, ``lens``: int64 arrays of ``n``), and is decoded into
+    ``out[i]`` (a contiguous ``[n, 2, *shape]`` CPU tensor of ``dtype``) when both halves are of the
+    known layout: ``k``, ``v`` = (header bytes, record length, plan address) of each half, a plan
+    being int64 {bits, group, axis, q, scale, zero or -1, scale bytes} with offsets into the
+    payload. ``crc``: the address of a ``crc32(seed, data, len)`` that computes
+    ``kvtier._crc.crc32``. ``status``: ``n`` int8, set per record to 0 (decoded), 1 (another
+    layout, not written) or 2 (a CRC failed). ``buf``, ``off``, ``lens`` and ``status`` are each an
+    address (int) or what ctypes passes by address (bytes, a ctypes array, ``ctypes.byref``).
+    Returns the corrupt records' count; nothing is decoded when it is not 0. The caller keeps
+    every buffer alive during the call."""
     lib = _load()
     assert lib is not None, "cpu kernel unavailable; check available() first"
     assert out.dtype == dtype and out.is_contiguous() and tuple(out.shape[-len(shape):]) == tuple(shape)

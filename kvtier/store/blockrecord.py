@@ -11,6 +11,7 @@ No pickle: both halves are parsed by ``unpack_record``, which checks its own hea
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import struct
 
@@ -147,17 +148,23 @@ class BlockDecoder:
         from kvtier.compress.record import CorruptRecordError
 
         n = len(bufs)
-        lens = np.fromiter((b.nbytes if isinstance(b, memoryview) else len(b) for b in bufs), np.int64, n)
-        off = np.zeros(n, np.int64)
-        np.cumsum(lens[:-1], out=off[1:])
-        joined = np.frombuffer(b"".join(bufs), np.uint8)  # one buffer: one address for the batch
-        status = np.empty(n, np.int8)
+        # the offsets and lengths as one ctypes array, the records joined into one bytes object
+        # (ctypes passes both by address): a handful of Python operations for the batch, where
+        # numpy arrays and their .ctypes addresses cost more than the kernel on a small swap-in
+        meta = (ctypes.c_int64 * (2 * n))()
+        o = 0
+        for i, b in enumerate(bufs):
+            size = b.nbytes if isinstance(b, memoryview) else len(b)
+            meta[i] = o
+            meta[n + i] = size
+            o += size
+        status = (ctypes.c_int8 * n)()
         k, v = self._known
-        bad = cpu.decode_blocks(joined.ctypes.data, off.ctypes.data, lens.ctypes.data, n, k[:3], v[:3], self._crc,
-                                self._shape, self._dtype, out, status.ctypes.data)
+        bad = cpu.decode_blocks(b"".join(bufs), meta, ctypes.byref(meta, 8 * n), n, k[:3], v[:3], self._crc,
+                                self._shape, self._dtype, out, status)
         if bad:
             raise CorruptRecordError(f"{bad} of {n} block records failed a CRC-32 check")
-        return np.flatnonzero(status).tolist()
+        return [i for i, s in enumerate(bytes(status)) if s] if any(bytes(status)) else []
 
     def _decode_each(self, bufs: list, todo: list[int], out: torch.Tensor, which: list[bool]) -> None:
         """The records ``todo`` of ``bufs`` parsed here and decoded into ``out[i]`` ``[n, 2,

@@ -143,15 +143,29 @@ class CopyRecords(Mapping):
         with self.lock:
             return rec.l2, rec.l3, rec.l4, rec.key
 
+    def read_states(self, recs: list[BlockCopies]) -> list[tuple[bool, bool, bool, bool, str]]:
+        """Per record of a swap-in batch, under one hold of the lock: (upgrade due, l2, l3, l4,
+        key). An upgrade is due when the record was found heavy while L2 holds it below the base
+        codec and L3 holds its base-codec copy: the caller then drops the L2 copy (tier lock held)
+        and calls ``Residency.spilled``. A mark without an L3 copy to read is cleared."""
+        out = []
+        with self.lock:
+            for rec in recs:
+                due = rec.upgrade
+                if due and not (rec.l2 and rec.l3):
+                    rec.upgrade = due = False
+                out.append((due, rec.l2, rec.l3, rec.l4, rec.key))
+        return out
+
+    def generations(self, recs: list[BlockCopies]) -> list[int]:
+        """How many times each of ``recs`` was marked for upgrade: data decoded from its copies
+        below L1 at an older generation may be of the low copy an upgrade replaces."""
+        with self.lock:
+            return [rec.marks for rec in recs]
+
     def record_of(self, key: str) -> BlockCopies | None:
         with self.lock:
             return self._records.get(key)
-
-    def generation(self, rec: BlockCopies) -> int:
-        """How many times ``rec`` was marked for upgrade: data decoded from its copies below L1
-        at an older generation may be of the low copy an upgrade replaces."""
-        with self.lock:
-            return rec.marks
 
     def landed_l3(self, rec: BlockCopies, nbytes: int, written_through: bool) -> bool:
         """An L3 copy of ``rec`` landed (a spill, or a write-through). False, changing nothing,
@@ -164,18 +178,6 @@ class CopyRecords(Mapping):
             rec.l3_bytes = nbytes
             self.below["copies_l3"] += 1
             self.below["bytes_l3"] += nbytes
-            return True
-
-    def upgrade_due(self, rec: BlockCopies) -> bool:
-        """Whether ``rec`` was found heavy while L2 holds it below the base codec and L3 holds
-        its base-codec copy: the caller then drops the L2 copy (tier lock held) and calls
-        ``Residency.spilled``. A mark without an L3 copy to read is cleared."""
-        with self.lock:
-            if not rec.upgrade:
-                return False
-            if not (rec.l2 and rec.l3):
-                rec.upgrade = False
-                return False
             return True
 
     def upgrade_failed(self, rec: BlockCopies) -> None:

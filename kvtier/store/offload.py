@@ -86,15 +86,18 @@ class OffloadTiers:
         anywhere = (False, self.l3 is not None, self.l4 is not None)
         with self.lock:
             want = []  # (position, l2, l3, l4, key) of the records an upgrade did not serve
+            states = iter(self.copies.read_states([r for r in recs if not isinstance(r, str)]))
             for i, rec in enumerate(recs):
                 if isinstance(rec, str):
                     want.append((i, *anywhere, rec))
                     continue
-                if self.copies.upgrade_due(rec):
+                due, *where = next(states)
+                if due:
                     out[i] = self._upgrade(rec, device)
                     if out[i] is not None:
                         continue
-                want.append((i, *self.copies.flags(rec)))
+                    where = self.copies.flags(rec)  # a failed upgrade leaves the copies as they are now
+                want.append((i, *where))
             v2 = self._get_many(self.l2, [w[4] if w[1] else None for w in want])
             v3 = self._get_many(self.l3, [w[4] if w[2] and v is None else None for w, v in zip(want, v2)])
         l4 = []

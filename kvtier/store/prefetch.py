@@ -177,13 +177,15 @@ class Prefetcher:
     def _load(self, entries: list[BlockEntry]) -> list[Fetched]:
         """A batched load with the generations read before it: an upgrade mark set meanwhile
         makes a result look older than it may be (dropped, read again), never newer."""
-        gens = [self.offload.copies.generation(e.rec) for e in entries]
+        gens = self.offload.copies.generations([e.rec for e in entries])
         return [Fetched(d, g) for d, g in zip(self.offload.load_many(entries), gens)]
 
     def fetch_many(self, entries: list[BlockEntry]) -> list[Fetched]:
         """Non-resident blocks' data: each kept from a scratch read, or from the prefetch buffer
         if there and of its record's current generation; the others in one synchronous load."""
-        gens = [self.offload.copies.generation(e.rec) for e in entries]  # the state lock before ours (docs/architecture.md's lock order)
+        if self._pool is None and not self._kept:
+            return self._load(entries)  # nothing held for any block: no lookups (a CPU store's case)
+        gens = self.offload.copies.generations([e.rec for e in entries])  # the state lock before ours (docs/architecture.md's lock order)
         out: list[Fetched | None] = []
         futs: list[Future | None] = []
         used = stale = 0

@@ -86,17 +86,26 @@ class Reader:
         slots, miss = self.residency.pin_reads(t, blocks)
         self.counters.add(hits_l1=len(blocks) - len(miss), misses_l1=len(miss))
         scratch: list[str] = []
-        if miss:
-            ents = t.entries
-            sel = frozenset(blocks)
-            run = frozenset([ents[b] for b in blocks] + [ents[-1]]) if view else None
+        if not miss:
+            return slots, scratch
+        ents = t.entries
+        sel = frozenset(blocks)
+        run = frozenset([ents[b] for b in blocks] + [ents[-1]]) if view else None
+        try:
             for j, part, fetched in self._swap_in([e for _, e in miss]):
                 self.residency.make_room(t, part, sel)
-                for (i, e), got in zip(miss[j:j + len(part)], fetched):
-                    n_scratch = len(scratch)
-                    slots[i] = self.residency.install(t, e, got.data, got.generation, sel, scratch, run)
-                    if len(scratch) > n_scratch:  # leaves L1 after this read: wanted again next step
-                        self.prefetcher.keep(e, got)
+                n_scratch = len(scratch)
+                got_slots = self.residency.install_many(t, part, fetched, sel, scratch, run)
+                for (i, _), s in zip(miss[j:j + len(part)], got_slots):
+                    slots[i] = s
+                if len(scratch) > n_scratch:  # these leave L1 after this read: wanted again next step
+                    scratch_slots = {self.residency.l1.slot_of(k) for k in scratch[n_scratch:]}
+                    for e, got, s in zip(part, fetched, got_slots):
+                        if s in scratch_slots:
+                            self.prefetcher.keep(e, got)
+        except BaseException:
+            self.residency.free_scratch(scratch)  # a failed read leaves no slot behind
+            raise
         return slots, scratch
 
     def gather_blocks(self, t: BlockTable, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

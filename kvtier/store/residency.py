@@ -452,32 +452,64 @@ class Residency:
             if need > 0:
                 self._free_clean_victims(t, need, exclude, force=False)
 
-    def install(self, t: BlockTable, e: BlockEntry, data: torch.Tensor, generation: int, exclude,
-                scratch: list, run: frozenset | None = None) -> int:
-        """Give a swapped-in block (its copy read at record ``generation``) an L1 slot: its own
-        if the budget allows (dropping a clean block outside ``exclude`` if needed), else a
-        scratch slot listed in ``scratch``. ``run``: the entries of a gather_view (the open
-        block included): the block is placed straight into that run's span of the region when
-        possible."""
+    def _install_scratch(self, data: torch.Tensor, device_blocks: int, scratch: list) -> int:
+        """A scratch slot holding ``data``, its key listed in ``scratch`` (lock held)."""
+        assert len(scratch) < max(1, device_blocks - 1), "more scratch blocks than the L1 budget"
+        key = f"scratch/{next(self._scratch_ids)}"
+        if not self.l1.put(key, data):
+            raise RuntimeError("kvtier: L1 scratch slots exhausted although every read stays "
+                               "within its budget")
+        scratch.append(key)
+        self.counters.add(scratch_uses=1)
+        return self.l1.slot_of(key)
+
+    def install_many(self, t: BlockTable, ents: list[BlockEntry], fetched: list, exclude, scratch: list,
+                     run: frozenset | None = None) -> list[int]:
+        """Give each swapped-in block of ``ents`` an L1 slot (``fetched``: its data and the
+        generation of its record when its copy was read, as the prefetcher hands them over): its
+        own if the budget allows (dropping a clean block outside ``exclude`` if needed), else a
+        scratch slot listed in ``scratch``. ``run``: the entries of a gather_view (the open block
+        included): a block is placed straight into that run's span of the region when possible.
+        Returns the slots. One hold of the lock for the batch; the region slots are bound and
+        filled by one L1 call once every position is chosen, and should L1 refuse one, no block of
+        the batch is placed."""
         device_blocks = self.layout.device_blocks
+        out: list[int] = []
+        placed: list[tuple[BlockEntry, str, int]] = []  # (entry, home before, generation) placed here
+        slots: list[int] = []
+        datas: list[torch.Tensor] = []
         with self.lock:
-            if e.slot is not None:
-                return e.slot
-            if t.resident >= device_blocks:
-                self._free_clean_victims(t, 1, exclude, force=False)
-            if t.resident < device_blocks:
-                pos = self.regions.run_position(t, run) if run is not None else None
-                self._place(t, e, data, pos=pos)
+            try:
+                for e, got in zip(ents, fetched):
+                    if e.slot is not None:
+                        out.append(e.slot)
+                        continue
+                    if t.resident >= device_blocks:
+                        self._free_clean_victims(t, 1, exclude, force=False)
+                    if t.resident < device_blocks:
+                        pos = self.regions.run_position(t, run) if run is not None else None
+                        p = pos if pos is not None else t.free_position(0)
+                        assert p is not None, f"region of {t.seq}/{t.layer} full although resident {t.resident} < {t.cap}"
+                        before = e.home
+                        t.take_slot(e, t.base + p)
+                        placed.append((e, before, got.generation))
+                        slots.append(e.slot)
+                        datas.append(got.data)
+                        out.append(e.slot)
+                        continue
+                    out.append(self._install_scratch(got.data, device_blocks, scratch))
+                refused = self.l1.put_many_at([e.key for e, _, _ in placed], slots, datas) if placed else None
+                if refused is not None:
+                    raise RuntimeError(f"kvtier: L1 refused region slot {slots[refused]} of {t.seq}/{t.layer} "
+                                       f"although it is free")
+            except BaseException:
+                for e, _, _ in placed:  # nothing was bound in L1: only the table's bookkeeping to undo
+                    t.free_slot(e)
+                raise
+            for e, before, generation in placed:
+                self._rehome(before, e)
                 self._note_low(e, generation)
-                return e.slot
-            assert len(scratch) < max(1, device_blocks - 1), "more scratch blocks than the L1 budget"
-            key = f"scratch/{next(self._scratch_ids)}"
-            if not self.l1.put(key, data):
-                raise RuntimeError("kvtier: L1 scratch slots exhausted although every read stays "
-                                   "within its budget")
-            scratch.append(key)
-            self.counters.add(scratch_uses=1)
-            return self.l1.slot_of(key)
+        return out
 
     def free_scratch(self, keys: list[str]) -> None:
         with self.lock:

@@ -357,6 +357,39 @@ class DeviceTier(Tier):
             self._stats.bytes_in += self.slot_bytes
             return True
 
+    def put_many_at(self, keys: list[str], slots: list[int], values: list[torch.Tensor]) -> int | None:
+        """:meth:`put_at` of each (key, slot, value) under one hold of the lock, all or none:
+        returns None when every one was bound and copied, else the position of the first one
+        refused (its slot taken, or still being copied out of), changing nothing."""
+        if not len(keys) == len(slots) == len(values):
+            raise ValueError(f"keys, slots and values must be as many; got {len(keys)}, {len(slots)}, "
+                             f"{len(values)}")
+        shape = self.slot_shape
+        for key, slot, value in zip(keys, slots, values):
+            check_key(key)
+            self._check_placed(slot)
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
+                raise ValueError(f"values must be tensors of shape {shape}, got "
+                                 f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
+        if len(set(keys)) != len(keys) or len(set(slots)) != len(slots):
+            raise ValueError("keys and slots must each be distinct")
+        with self._lock:
+            self._check_open()
+            for i, (key, slot) in enumerate(zip(keys, slots)):
+                if key in self._slot:
+                    raise ValueError(f"key {key!r} is already in this DeviceTier; move() relocates it")
+                if not self._placed_free(slot):
+                    return i
+            pool = self.pool
+            for key, slot, value in zip(keys, slots, values):
+                pool[slot].copy_(value)
+                self._length[key] = _TENSOR
+                self._slot[key] = slot
+                self._placed[slot] = key
+            self._stats.puts += len(keys)
+            self._stats.bytes_in += len(keys) * self.slot_bytes
+            return None
+
     def move(self, key: str, slot: int, copy: bool = True) -> bool:
         """Copy the contents of ``key``'s slot into the free placed slot ``slot`` and rebind the
         key there; its old slot is released. False (changing nothing) if ``slot`` is not free.

@@ -127,3 +127,22 @@ def test_blocks_kept_past_a_read_own_their_data(tmp_path):
     kept = st.prefetcher._kept[cold[0].key].data
     assert kept._base is None and torch.equal(kept, batch[0])
     st.close()
+
+
+def test_a_swap_in_batch_l1_refuses_places_no_block(tmp_path):
+    st, s, k, cold = _cold_store(tmp_path)
+    t = st.residency.tables[s][0]
+    blocks = sorted(e.idx for e in cold[:2])
+    resident = sorted(e.idx for e in t.entries if e.slot is not None)
+    st.residency.l1.put_many_at = lambda keys, slots, values: 0  # L1 refuses the first slot
+    with pytest.raises(RuntimeError, match="refused region slot"):
+        st.gather_blocks(s, 0, blocks)
+    # neither block holds a slot, the table's counts agree, and the data below L1 is intact
+    assert all(t.entries[b].slot is None for b in blocks)
+    assert t.resident == len(t.slotted) == sum(x is not None for x in t.at)
+    assert set(resident) >= {e.idx for e in t.entries if e.slot is not None}
+    del st.residency.l1.put_many_at
+    K, V, pos = st.gather_blocks(s, 0, blocks)
+    assert torch.equal(K, k[:, pos]) and torch.equal(V, -k[:, pos])
+    check_invariants(st)
+    st.close()

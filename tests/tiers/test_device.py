@@ -181,6 +181,35 @@ def test_delete_many_frees_placed_and_general_slots():
     assert t.put("h", x) and t.put("i", x)  # both general slots too
 
 
+def test_put_many_at_binds_all_or_none():
+    t = DeviceTier(SHAPE, num_slots=6, dtype=torch.float32, slot_axis=2, placed_slots=4)
+    xs = [torch.randn(SHAPE) for _ in range(3)]
+    assert t.put_many_at(["a", "b"], [2, 0], xs[:2]) is None
+    assert (t.slot_of("a"), t.slot_of("b")) == (2, 0)
+    assert torch.equal(t.get_tensor("a"), xs[0]) and torch.equal(t.storage[:, :, 0], xs[1])
+    before = t.storage.clone()
+    # slot 0 is taken: the first refused is reported and nothing of the batch is bound or written
+    assert t.put_many_at(["c", "d"], [1, 0], [xs[2], xs[2]]) == 1
+    assert "c" not in t and "d" not in t and torch.equal(t.storage, before)
+    assert t.put_many_at(["c"], [1], [xs[2]]) is None  # a batch of one
+    fence = threading.Event()
+    t.mark_pending("c", fence)
+    t.delete("c")
+    assert t.put_many_at(["d", "e"], [3, 1], xs[:2]) == 1  # slot 1 still being copied out of
+    fence.set()
+    assert t.put_many_at(["d", "e"], [3, 1], xs[:2]) is None and len(t) == 4
+    with pytest.raises(ValueError, match="already"):
+        t.put_many_at(["a"], [3], xs[:1])
+    with pytest.raises(ValueError, match="slot"):
+        t.put_many_at(["f"], [4], xs[:1])  # not a placed slot
+    with pytest.raises(ValueError, match="distinct"):
+        t.put_many_at(["f", "f"], [3, 3], xs[:2])
+    with pytest.raises(ValueError, match="as many"):
+        t.put_many_at(["f"], [3, 1], xs[:1])
+    with pytest.raises(ValueError, match="shape"):
+        t.put_many_at(["f"], [3], [torch.zeros(3)])
+
+
 def test_placed_slot_waits_for_its_fence():
     t = DeviceTier(SHAPE, num_slots=3, placed_slots=2)
     assert t.put_at("a", 0, torch.ones(SHAPE))
