@@ -154,6 +154,12 @@ class DeviceTier(Tier):
         # gathered per access); numpy view on CPU for cheap byte copies
         self._bytes = self.pool.view(self.num_slots, -1).view(torch.uint8) if self.slot_axis == 0 else None
         self._np = self._bytes.numpy() if self._bytes is not None and self.device.type == "cpu" else None
+        # CPU: the storage's bytes as numpy [outer, num_slots, inner bytes] (outer: the slot dims
+        # before slot_axis), where one fancy assignment fills many slots (put_many_at)
+        self._np_slots = None
+        if self.device.type == "cpu":
+            outer = prod(self.slot_shape[:self.slot_axis])
+            self._np_slots = storage.view(-1).view(torch.uint8).numpy().reshape(outer, self.num_slots, -1)
 
     def grow(self, placed: int, free: int) -> int:
         """Add ``placed`` placed slots and then ``free`` slots for ``put`` at the end of the pool.
@@ -380,15 +386,45 @@ class DeviceTier(Tier):
                     raise ValueError(f"key {key!r} is already in this DeviceTier; move() relocates it")
                 if not self._placed_free(slot):
                     return i
-            pool = self.pool
-            for key, slot, value in zip(keys, slots, values):
-                pool[slot].copy_(value)
+            self._copy_in(slots, values)
+            for key, slot in zip(keys, slots):
                 self._length[key] = _TENSOR
                 self._slot[key] = slot
                 self._placed[slot] = key
             self._stats.puts += len(keys)
             self._stats.bytes_in += len(keys) * self.slot_bytes
             return None
+
+    def _copy_in(self, slots: list[int], values: list[torch.Tensor]) -> None:
+        """``values[i]`` (``slot_shape`` tensors) into ``slots[i]``: views of one batch tensor on a
+        CPU pool (a batched decode's blocks) in one numpy assignment, else a copy per slot."""
+        batch = self._batch_of(values) if self._np_slots is not None and len(values) > 1 else None
+        if batch is None:
+            pool = self.pool
+            for slot, value in zip(slots, values):
+                pool[slot].copy_(value)
+            return
+        src = batch.view(-1).view(torch.uint8).numpy().reshape(len(values), self._np_slots.shape[0], -1)
+        self._np_slots[:, slots, :] = src.transpose(1, 0, 2)
+
+    def _batch_of(self, values: list[torch.Tensor]) -> torch.Tensor | None:
+        """``values`` as rows of one contiguous ``[n, *slot_shape]`` tensor of the pool's dtype
+        and device when each is a row of the same such tensor (a copy of the rows it picks, unless
+        they are all of its rows in order), else None."""
+        base = values[0]._base
+        if base is None or base.dtype != self.dtype or base.device != self.device \
+                or tuple(base.shape[1:]) != self.slot_shape or not base.is_contiguous():
+            return None
+        start, size = base.data_ptr(), self.slot_bytes
+        rows = []
+        for v in values:
+            off = v.data_ptr() - start
+            if v._base is not base or off % size or not v.is_contiguous():
+                return None
+            rows.append(off // size)
+        if rows == list(range(base.shape[0])):
+            return base
+        return base[rows]
 
     def move(self, key: str, slot: int, copy: bool = True) -> bool:
         """Copy the contents of ``key``'s slot into the free placed slot ``slot`` and rebind the

@@ -210,6 +210,28 @@ def test_put_many_at_binds_all_or_none():
         t.put_many_at(["f"], [3], [torch.zeros(3)])
 
 
+@pytest.mark.parametrize("slot_axis", [0, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_put_many_at_copies_rows_of_a_batch_as_each_alone(slot_axis, dtype):
+    batch = torch.randn(5, *SHAPE).to(dtype)
+    picks = {
+        "all rows in order": list(batch.unbind(0)),
+        "some rows, out of order": [batch[3], batch[0], batch[4]],
+        "rows of two tensors": [batch[0], batch.clone()[1]],
+        "strided views": [batch[i].transpose(-1, -2).transpose(-1, -2)[..., :1].expand(SHAPE) for i in range(2)],
+        "another dtype": [batch[i].float() for i in range(2)],
+    }
+    for name, values in picks.items():
+        t = DeviceTier(SHAPE, num_slots=8, dtype=dtype, slot_axis=slot_axis, placed_slots=8)
+        slots = [7, 2, 5, 0, 3][:len(values)]
+        assert t.put_many_at([f"k{i}" for i in range(len(values))], slots, values) is None, name
+        for i, (slot, v) in enumerate(zip(slots, values)):
+            assert torch.equal(t.pool[slot], v.to(dtype)), name
+            assert torch.equal(t.get_tensor(f"k{i}"), v.to(dtype)), name
+        untouched = [x for x in range(8) if x not in slots]
+        assert not t.pool[untouched].any(), name
+
+
 def test_placed_slot_waits_for_its_fence():
     t = DeviceTier(SHAPE, num_slots=3, placed_slots=2)
     assert t.put_at("a", 0, torch.ones(SHAPE))
