@@ -15,6 +15,7 @@ If no compiler is available, :func:`available` is False and callers fall back to
 from __future__ import annotations
 
 import ctypes
+from math import prod
 
 import torch
 
@@ -182,26 +183,29 @@ def fwht(x: torch.Tensor, block: int, scale: float, out: torch.Tensor | None = N
     return out
 
 
-def decode_blocks(buf, off, lens, n: int, k: tuple, v: tuple, crc: int,
-                  shape: tuple[int, ...], dtype: torch.dtype, out: torch.Tensor, status) -> int:
-    """Block records decoded in one call (``kvt_decode_blocks``). Record ``i`` is at ``buf +
-    off[i]``, ``lens[i]`` bytes long (``off``, ``lens``: int64 arrays of ``n``), and is decoded into
-    ``out[i]`` (a contiguous ``[n, 2, *shape]`` CPU tensor of ``dtype``) when both halves are of the
-    known layout: ``k``, ``v`` = (header bytes, record length, plan address) of each half, a plan
-    being int64 {bits, group, axis, q, scale, zero or -1, scale bytes} with offsets into the
-    payload. ``crc``: the address of a ``crc32(seed, data, len)`` that computes
-    ``kvtier._crc.crc32``. ``status``: ``n`` int8, set per record to 0 (decoded), 1 (another
-    layout, not written) or 2 (a CRC failed). ``buf``, ``off``, ``lens`` and ``status`` are each an
-    address (int) or what ctypes passes by address (bytes, a ctypes array, ``ctypes.byref``).
-    Returns the corrupt records' count; nothing is decoded when it is not 0. The caller keeps
-    every buffer alive during the call."""
+def block_decoder(shape: tuple[int, ...], dtype: torch.dtype):
+    """The batched block-record decoder (``kvt_decode_blocks``) for blocks of ``shape`` (each
+    half: ``[*B, T, D]``) and ``dtype``, as a function ``(buf, off, lens, n, k, v, crc, out,
+    status) -> int`` with the shape's arguments bound once (a swap-in calls it every layer).
+
+    Record ``i`` is at ``buf + off[i]``, ``lens[i]`` bytes long (``off``, ``lens``: int64 arrays
+    of ``n``), and is decoded into block ``i`` of ``out`` (the address of a contiguous ``[n, 2,
+    *shape]`` CPU buffer of ``dtype``) when both halves are of the known layout: ``k``, ``v`` =
+    (header bytes, record length, plan address) of each half, a plan being int64 {bits, group,
+    axis, q, scale, zero or -1, scale bytes} with offsets into the payload. ``crc``: the address
+    of a ``crc32(seed, data, len)`` that computes ``kvtier._crc.crc32``. ``status``: ``n`` int8,
+    set per record to 0 (decoded), 1 (another layout, not written) or 2 (a CRC failed). ``buf``,
+    ``off``, ``lens`` and ``status`` are each an address (int) or what ctypes passes by address
+    (bytes, a ctypes array, ``ctypes.byref``). It returns the corrupt records' count; nothing is
+    decoded when it is not 0. The caller keeps every buffer alive during the call."""
     lib = _load()
     assert lib is not None, "cpu kernel unavailable; check available() first"
-    assert out.dtype == dtype and out.is_contiguous() and tuple(out.shape[-len(shape):]) == tuple(shape)
-    *_, t, d = shape
-    b = 1
-    for x in shape[:-2]:
-        b *= x
-    (kh, nk, kp), (vh, nv, vp) = k, v
-    return lib.kvt_decode_blocks(buf, off, lens, n, kh, len(kh), nk, kp, vh, len(vh), nv, vp, crc, _DT[dtype],
-                                 b, t, d, out.data_ptr(), status)
+    *lead, t, d = shape
+    b = prod(lead)
+    dt = _DT[dtype]
+    fn = lib.kvt_decode_blocks
+
+    def decode(buf, off, lens, n: int, k: tuple, v: tuple, crc: int, out: int, status) -> int:
+        (kh, nk, kp), (vh, nv, vp) = k, v
+        return fn(buf, off, lens, n, kh, len(kh), nk, kp, vh, len(vh), nv, vp, crc, dt, b, t, d, out, status)
+    return decode

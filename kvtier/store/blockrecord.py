@@ -83,6 +83,7 @@ class BlockDecoder:
         # the K and V layouts (_layout_of) of the records the compiled call decodes by the batch
         self._known: tuple | None = None
         self._crc = c_address() if cpu.available() else None  # None: every record parsed here
+        self._decode_blocks = cpu.block_decoder(self._shape, dtype) if self._crc is not None else None
 
     def _plan(self, role: int, layout: tuple):
         from kvtier.compress import reference as ref
@@ -127,7 +128,7 @@ class BlockDecoder:
         corrupt record raises, and the batch's tensor is dropped with it.
 
         Records of the layout this decoder met last (the same K and V headers byte for byte) are
-        checked and decoded by one compiled call for the batch (``cpu.decode_blocks``: framing,
+        checked and decoded by one compiled call for the batch (``cpu.block_decoder``: framing,
         header bytes, both CRCs, then the kernel); the others are parsed one by one here."""
         n = len(bufs)
         if n == 0:
@@ -135,11 +136,12 @@ class BlockDecoder:
         shape, dtype = self._shape, self._dtype
         out = torch.empty((n, 2, *shape) if n > 1 else (2, *shape), dtype=dtype)
         rest = self._decode_known(bufs, out) if self._known is not None else range(n)
-        which: list[bool] = [True] * n
+        blocks = list(out.unbind(0)) if n > 1 else [out]  # a lone block owns its tensor
         if rest:
+            which: list[bool] = [True] * n
             self._decode_each(bufs, rest, out.view(n, 2, *shape), which)
-        blocks = out.unbind(0) if n > 1 else (out,)  # a lone block owns its tensor
-        return [b if ok else None for b, ok in zip(blocks, which)]
+            return [b if ok else None for b, ok in zip(blocks, which)]
+        return blocks
 
     def _decode_known(self, bufs: list, out: torch.Tensor):
         """The records of the known layout decoded into ``out`` in one compiled call; returns the
@@ -160,8 +162,8 @@ class BlockDecoder:
             o += size
         status = (ctypes.c_int8 * n)()
         k, v = self._known
-        bad = cpu.decode_blocks(b"".join(bufs), meta, ctypes.byref(meta, 8 * n), n, k[:3], v[:3], self._crc,
-                                self._shape, self._dtype, out, status)
+        bad = self._decode_blocks(b"".join(bufs), meta, ctypes.byref(meta, 8 * n), n, k[:3], v[:3], self._crc,
+                                  out.data_ptr(), status)
         if bad:
             raise CorruptRecordError(f"{bad} of {n} block records failed a CRC-32 check")
         return [i for i, s in enumerate(bytes(status)) if s] if any(bytes(status)) else []

@@ -74,9 +74,9 @@ class Reader:
         if len(blocks) >= device_blocks:
             raise ValueError(f"blocks must number at most {device_blocks - 1} (the L1 budget less the "
                              f"open block); got {len(blocks)}")
-        for b in blocks:
-            if not 0 <= b < ns:
-                raise ValueError(f"blocks must be sealed block indices in [0, {ns}); got {b}")
+        if blocks and not (0 <= min(blocks) and max(blocks) < ns):
+            bad = next(b for b in blocks if not 0 <= b < ns)
+            raise ValueError(f"blocks must be sealed block indices in [0, {ns}); got {bad}")
 
     def _prepare(self, t: BlockTable, blocks: list[int], view: bool) -> tuple[list[int], list[str]]:
         """Every block of ``blocks`` resident (a region slot, or a scratch slot listed in the
