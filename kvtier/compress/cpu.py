@@ -39,7 +39,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvt_fwht.argtypes = [vp, c_int, i64, i64, i64, ctypes.c_float, vp]
     lib.kvt_fwht.restype = None
     lib.kvt_decode_blocks.argtypes = [vp, vp, vp, i64, vp, i64, i64, vp, vp, i64, i64, vp, vp, c_int, i64, i64, i64,
-                                      vp, vp]
+                                      vp, vp, i64, i64, i64, vp]
     lib.kvt_decode_blocks.restype = i64
 
 
@@ -186,26 +186,35 @@ def fwht(x: torch.Tensor, block: int, scale: float, out: torch.Tensor | None = N
 def block_decoder(shape: tuple[int, ...], dtype: torch.dtype):
     """The batched block-record decoder (``kvt_decode_blocks``) for blocks of ``shape`` (each
     half: ``[*B, T, D]``) and ``dtype``, as a function ``(buf, off, lens, n, k, v, crc, out,
-    status) -> int`` with the shape's arguments bound once (a swap-in calls it every layer).
+    status, dst=None, strides=None) -> int`` with the shape's arguments bound once (a swap-in
+    calls it every layer).
 
     Record ``i`` is at ``buf + off[i]``, ``lens[i]`` bytes long (``off``, ``lens``: int64 arrays
-    of ``n``), and is decoded into block ``i`` of ``out`` (the address of a contiguous ``[n, 2,
-    *shape]`` CPU buffer of ``dtype``) when both halves are of the known layout: ``k``, ``v`` =
-    (header bytes, record length, plan address) of each half, a plan being int64 {bits, group,
-    axis, q, scale, zero or -1, scale bytes} with offsets into the payload. ``crc``: the address
-    of a ``crc32(seed, data, len)`` that computes ``kvtier._crc.crc32``. ``status``: ``n`` int8,
-    set per record to 0 (decoded), 1 (another layout, not written) or 2 (a CRC failed). ``buf``,
-    ``off``, ``lens`` and ``status`` are each an address (int) or what ctypes passes by address
-    (bytes, a ctypes array, ``ctypes.byref``). It returns the corrupt records' count; nothing is
-    decoded when it is not 0. The caller keeps every buffer alive during the call."""
+    of ``n``), and is decoded when both halves are of the known layout: ``k``, ``v`` = (header
+    bytes, record length, plan address) of each half, a plan being int64 {bits, group, axis, q,
+    scale, zero or -1, scale bytes} with offsets into the payload. Where to: without ``dst``,
+    block ``i`` of ``out``, the address of a contiguous ``[n, 2, *shape]`` CPU buffer of
+    ``dtype``; with ``dst`` (int64 array of ``n``) and ``strides`` = (per block, per half, per
+    head, in elements), half ``h`` of record ``i``, head ``b``, goes to ``out + dst[i] * strides[0]
+    + h * strides[1] + b * strides[2]`` elements, each head's ``[T, D]`` contiguous there (a slot
+    pool: ``dst`` the slots). ``crc``: the address of a ``crc32(seed, data, len)`` that computes
+    ``kvtier._crc.crc32``. ``status``: ``n`` int8, set per record to 0 (decoded), 1 (another
+    layout, not written) or 2 (a CRC failed). ``buf``, ``off``, ``lens``, ``dst`` and ``status``
+    are each an address (int) or what ctypes passes by address (bytes, a ctypes array,
+    ``ctypes.byref``). It returns the corrupt records' count, or -1 when out of memory; nothing
+    is decoded when it is not 0. The caller keeps every buffer alive during the call."""
     lib = _load()
     assert lib is not None, "cpu kernel unavailable; check available() first"
     *lead, t, d = shape
     b = prod(lead)
     dt = _DT[dtype]
     fn = lib.kvt_decode_blocks
+    packed = (2 * b * t * d, b * t * d, t * d)
 
-    def decode(buf, off, lens, n: int, k: tuple, v: tuple, crc: int, out: int, status) -> int:
+    def decode(buf, off, lens, n: int, k: tuple, v: tuple, crc: int, out: int, status, dst=None,
+               strides=None) -> int:
         (kh, nk, kp), (vh, nv, vp) = k, v
-        return fn(buf, off, lens, n, kh, len(kh), nk, kp, vh, len(vh), nv, vp, crc, dt, b, t, d, out, status)
+        sb, sh, shd = packed if dst is None else strides
+        return fn(buf, off, lens, n, kh, len(kh), nk, kp, vh, len(vh), nv, vp, crc, dt, b, t, d, out, dst,
+                  sb, sh, shd, status)
     return decode

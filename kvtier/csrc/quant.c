@@ -886,8 +886,8 @@ static int record_state(const uint8_t *r, int64_t n, const uint8_t *hdr, int64_t
 }
 
 /* One half of a block from the payload at p: plan = {bits, group, axis, q, scale, zero or -1,
-   scale bytes} (offsets into the payload). Scales and zeros not aligned for dt are copied to
-   aligned scratch first (the kernel reads them as dt). */
+   scale bytes} (offsets into the payload), into out: B heads of [T, D], contiguous. Scales and
+   zeros not aligned for dt are copied to aligned scratch first (the kernel reads them as dt). */
 static void decode_half(const uint8_t *p, const int64_t *plan, int dt, int64_t B, int64_t T, int64_t D,
                         void *out) {
     int64_t item = dt == 0 ? 4 : 2, nb = plan[6];
@@ -907,17 +907,20 @@ static void decode_half(const uint8_t *p, const int64_t *plan, int dt, int64_t B
 }
 
 /* n block records ("KVB1", u32 n_k, u32 n_v, the K record, the V record), record i at
-   buf + off[i], len[i] bytes, decoded into out ([n, 2, B, T, D] of dt) where they are of the
-   known layout: K and V records of nk and nv bytes whose headers are khdr[0..khl) and
-   vhdr[0..vhl), planned by kplan and vplan (decode_half). Every record is checked before any is
-   decoded. status[i]: 0 decoded, 1 not this layout (nothing written: the caller decodes it the
-   general way), 2 corrupt (a CRC failed). Returns the number of corrupt records; when it is not
-   0 nothing was decoded. */
+   buf + off[i], len[i] bytes, decoded where they are of the known layout: K and V records of nk
+   and nv bytes whose headers are khdr[0..khl) and vhdr[0..vhl), planned by kplan and vplan
+   (decode_half). Record i's half h (0: K, 1: V), head b goes to out + (dst[i] * s_blk + h * s_half
+   + b * s_head) elements of dt: dst = NULL with s_blk = 2*B*T*D, s_half = B*T*D, s_head = T*D is
+   one contiguous [n, 2, B, T, D] (dst[i] = i); a slot pool [2, B, slots, T, D] takes dst = the
+   slots, s_blk = T*D, s_half = B*slots*T*D, s_head = slots*T*D. Every record is checked before
+   any is decoded. status[i]: 0 decoded, 1 not this layout (nothing written: the caller decodes it
+   the general way), 2 corrupt (a CRC failed). Returns the number of corrupt records; when it is
+   not 0 nothing was decoded; -1: out of memory, nothing decoded. */
 int64_t kvt_decode_blocks(const uint8_t *buf, const int64_t *off, const int64_t *len, int64_t n,
                           const uint8_t *khdr, int64_t khl, int64_t nk, const int64_t *kplan,
                           const uint8_t *vhdr, int64_t vhl, int64_t nv, const int64_t *vplan,
                           const void *crc, int dt, int64_t B, int64_t T, int64_t D, void *out,
-                          int8_t *status) {
+                          const int64_t *dst, int64_t s_blk, int64_t s_half, int64_t s_head, int8_t *status) {
     kvt_crc_fn fn = (kvt_crc_fn)crc;
     int64_t bad = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -932,12 +935,24 @@ int64_t kvt_decode_blocks(const uint8_t *buf, const int64_t *off, const int64_t 
         bad += status[i] == 2;
     }
     if (bad) return bad;
-    int64_t half = B * T * D * (dt == 0 ? 4 : 2);
+    int64_t item = dt == 0 ? 4 : 2, head = T * D * item;
+    /* heads not contiguous at the destination: each half decoded into this scratch (cache-hot)
+       and its heads copied out, rather than one kernel call per head */
+    int strided = s_head != T * D || s_half != B * T * D;
+    uint8_t *tmp = strided ? malloc((size_t)(2 * B * head)) : NULL;
+    if (strided && !tmp) return -1;
     for (int64_t i = 0; i < n; i++) {
         if (status[i]) continue;
         const uint8_t *r = buf + off[i];
-        decode_half(r + 12 + khl, kplan, dt, B, T, D, (uint8_t *)out + 2 * i * half);
-        decode_half(r + 12 + nk + vhl, vplan, dt, B, T, D, (uint8_t *)out + (2 * i + 1) * half);
+        uint8_t *blk = (uint8_t *)out + (dst ? dst[i] : i) * s_blk * item;
+        uint8_t *kd = strided ? tmp : blk, *vd = strided ? tmp + B * head : blk + s_half * item;
+        decode_half(r + 12 + khl, kplan, dt, B, T, D, kd);
+        decode_half(r + 12 + nk + vhl, vplan, dt, B, T, D, vd);
+        if (strided)
+            for (int64_t h = 0; h < 2; h++)
+                for (int64_t b = 0; b < B; b++)
+                    memcpy(blk + (h * s_half + b * s_head) * item, tmp + (h * B + b) * head, (size_t)head);
     }
+    free(tmp);
     return 0;
 }

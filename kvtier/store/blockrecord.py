@@ -147,6 +147,35 @@ class BlockDecoder:
         """The records of the known layout decoded into ``out`` in one compiled call; returns the
         positions of the others (another layout), left for :meth:`_decode_each`. Raises
         ``CorruptRecordError`` when a record of the known layout fails a CRC."""
+        status = self._decode_known_to(bufs, out.data_ptr())
+        return [i for i, s in enumerate(status) if s] if any(status) else []
+
+    def decode_into(self, bufs: list, pool: torch.Tensor, slot_axis: int, slots: list[int]) -> list[bool]:
+        """Records of the known layout decoded straight into slots of a pool (``pool``: the
+        contiguous CPU storage of this decoder's dtype, ``[2, *B, num_slots, T, D]`` with the slot
+        index at ``slot_axis`` = 1 + len(B)); record ``i`` into slot ``slots[i]``. Returns per
+        record whether it was decoded (False: another layout, or no layout known yet: nothing
+        written there). Raises ``CorruptRecordError`` when a record fails a CRC (then nothing of
+        the batch is written)."""
+        n = len(bufs)
+        shape = self._shape
+        if self._known is None or n == 0:
+            return [False] * n
+        assert (pool.dtype == self._dtype and pool.device.type == "cpu" and pool.is_contiguous()
+                and slot_axis == len(shape) - 1 and pool.dim() == len(shape) + 2), \
+            f"pool {pool.dtype} {tuple(pool.shape)} slot_axis {slot_axis} for blocks of {shape}"
+        *lead, t, d = shape
+        heads = 1
+        for x in lead:
+            heads *= x
+        num_slots = pool.shape[slot_axis]
+        strides = (t * d, heads * num_slots * t * d, num_slots * t * d)  # per slot, half, head
+        status = self._decode_known_to(bufs, pool.data_ptr(), (ctypes.c_int64 * n)(*slots), strides)
+        return [s == 0 for s in status]
+
+    def _decode_known_to(self, bufs: list, out: int, dst=None, strides=None) -> bytes:
+        """One compiled call over ``bufs`` (``cpu.block_decoder``: into the buffer at address
+        ``out``, rows ``dst`` at ``strides`` if given); the per-record status (0: decoded)."""
         from kvtier.compress.record import CorruptRecordError
 
         n = len(bufs)
@@ -163,10 +192,12 @@ class BlockDecoder:
         status = (ctypes.c_int8 * n)()
         k, v = self._known
         bad = self._decode_blocks(b"".join(bufs), meta, ctypes.byref(meta, 8 * n), n, k[:3], v[:3], self._crc,
-                                  out.data_ptr(), status)
+                                  out, status, dst, strides)
+        if bad < 0:
+            raise MemoryError("kvt_decode_blocks: out of memory")
         if bad:
             raise CorruptRecordError(f"{bad} of {n} block records failed a CRC-32 check")
-        return [i for i, s in enumerate(bytes(status)) if s] if any(bytes(status)) else []
+        return bytes(status)
 
     def _decode_each(self, bufs: list, todo: list[int], out: torch.Tensor, which: list[bool]) -> None:
         """The records ``todo`` of ``bufs`` parsed here and decoded into ``out[i]`` ``[n, 2,

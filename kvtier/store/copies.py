@@ -148,14 +148,15 @@ class CopyRecords(Mapping):
         key). An upgrade is due when the record was found heavy while L2 holds it below the base
         codec and L3 holds its base-codec copy: the caller then drops the L2 copy (tier lock held)
         and calls ``Residency.spilled``. A mark without an L3 copy to read is cleared."""
-        out = []
         with self.lock:
-            for rec in recs:
-                due = rec.upgrade
-                if due and not (rec.l2 and rec.l3):
-                    rec.upgrade = due = False
-                out.append((due, rec.l2, rec.l3, rec.l4, rec.key))
-        return out
+            return [(_upgrade_due(rec), rec.l2, rec.l3, rec.l4, rec.key) for rec in recs]
+
+    def l2_reads(self, recs: list[BlockCopies]) -> list[tuple[str | None, int]]:
+        """Per record, under one hold of the lock: (its tier key when L2 holds its copy and no
+        upgrade is due, else None; its generation, as :meth:`generations`). An upgrade mark
+        without an L3 copy is cleared, as :meth:`read_states` does."""
+        with self.lock:
+            return [(rec.key if rec.l2 and not _upgrade_due(rec) else None, rec.marks) for rec in recs]
 
     def generations(self, recs: list[BlockCopies]) -> list[int]:
         """How many times each of ``recs`` was marked for upgrade: data decoded from its copies
@@ -215,3 +216,11 @@ class CopyRecords(Mapping):
     def note_l4(self, keys) -> None:
         with self.lock:
             self.known_l4.update(keys)
+
+
+def _upgrade_due(rec: BlockCopies) -> bool:
+    """Whether ``rec``'s upgrade is due (a mark, and both an L2 and an L3 copy); a mark without
+    both is cleared (lock held)."""
+    if rec.upgrade and not (rec.l2 and rec.l3):
+        rec.upgrade = False
+    return rec.upgrade

@@ -72,6 +72,43 @@ class OffloadTiers:
         self.counters.sample("swap_in", (time.perf_counter() - t0) / len(entries), len(entries))
         return out
 
+    def load_l2_into(self, entries: list[BlockEntry], pool: torch.Tensor, slot_axis: int,
+                     slots: list[int]) -> list[int | None]:
+        """Swap-in straight into L1 (a CPU pool, the in-place decoder): each block of
+        ``entries`` whose L2 copy is of the decoder's known layout is decoded into ``slots[i]`` of
+        ``pool`` (its storage; ``BlockDecoder.decode_into``). Returns per block the generation of
+        its record when its copy was read (as ``Prefetcher.fetch_many`` hands it over), or None
+        where nothing was written: no L2 copy (or one due for an upgrade), another layout, or a
+        batch with a corrupt record (every block of it None: :meth:`load_many` reads them one
+        by one, the corrupt one a miss). The caller holds the pool still (no grow) and owns the
+        slots."""
+        out: list[int | None] = [None] * len(entries)
+        dec = self.io.fast_decoder
+        if dec is None or self.layout.l2_staged:
+            return out
+        t0 = time.perf_counter()
+        with self.lock:
+            reads = self.copies.l2_reads([e.rec for e in entries])
+            take = [i for i, (key, _) in enumerate(reads) if key is not None]
+            values = self.l2.get_many([reads[i][0] for i in take]) if take else []
+        got = [(i, v) for i, v in zip(take, values) if v is not None]
+        if not got:
+            return out
+        try:
+            done = dec.decode_into([v for _, v in got], pool, slot_axis, [slots[i] for i, _ in got])
+        except ValueError:  # a corrupt record: nothing written, every block left to load_many
+            return out
+        n = nbytes = 0
+        for (i, v), ok in zip(got, done):
+            if ok:
+                out[i] = reads[i][1]
+                n += 1
+                nbytes += len(v)
+        if n:
+            self.counters.add(hits_l2=n, swap_in_l2_bytes=nbytes, swap_in_blocks=n)
+            self.counters.sample("swap_in", (time.perf_counter() - t0) / n, n)
+        return out
+
     def read_copies(self, recs: list[BlockCopies | str], device: torch.device) -> list[torch.Tensor | None]:
         """Each record's nearest readable copy decoded on ``device``; None where none could be
         read (absent, or corrupt: the tiers' CRCs turn damage into a miss). L2 and L3 are each

@@ -180,11 +180,26 @@ class Prefetcher:
         gens = self.offload.copies.generations([e.rec for e in entries])
         return [Fetched(d, g) for d, g in zip(self.offload.load_many(entries), gens)]
 
+    def holds_nothing(self) -> bool:
+        """Whether no block is buffered or kept: a read may then load every block itself."""
+        return self._pool is None and not self._kept
+
+    def not_held(self, entries: list[BlockEntry]) -> list[BlockEntry] | None:
+        """The blocks of ``entries`` a read may load itself (none of them kept from a scratch
+        read), or None while prefetching is on (its buffer is where a read takes blocks from)."""
+        if self._pool is not None:
+            return None
+        if not self._kept:
+            return entries
+        with self._lock:
+            kept = self._kept
+            return [e for e in entries if e.key not in kept]
+
     def fetch_many(self, entries: list[BlockEntry]) -> list[Fetched]:
         """Non-resident blocks' data: each kept from a scratch read, or from the prefetch buffer
         if there and of its record's current generation; the others in one synchronous load."""
-        if self._pool is None and not self._kept:
-            return self._load(entries)  # nothing held for any block: no lookups (a CPU store's case)
+        if self.holds_nothing():
+            return self._load(entries)  # no lookups (a CPU store's case)
         gens = self.offload.copies.generations([e.rec for e in entries])  # the state lock before ours (docs/architecture.md's lock order)
         out: list[Fetched | None] = []
         futs: list[Future | None] = []

@@ -27,6 +27,8 @@ class Reader:
         self.prefetcher = prefetcher
         self.counters = counters
         self._arange_bt = np.arange(layout.block_tokens, dtype=np.int64)
+        # swap-ins decoded straight into the pool (CPU, the in-place decoder; _swap_in_direct)
+        self._direct = layout.device.type == "cpu" and prefetcher.offload.io.fast_decoder is not None
 
     @property
     def pool_kv(self) -> torch.Tensor:
@@ -91,6 +93,10 @@ class Reader:
         ents = t.entries
         sel = frozenset(blocks)
         run = frozenset([ents[b] for b in blocks] + [ents[-1]]) if view else None
+        if self._direct:
+            miss = self._swap_in_direct(t, miss, slots, sel, run)
+            if not miss:
+                return slots, scratch
         try:
             for j, part, fetched in self._swap_in([e for _, e in miss]):
                 self.residency.make_room(t, part, sel)
@@ -107,6 +113,38 @@ class Reader:
             self.residency.free_scratch(scratch)  # a failed read leaves no slot behind
             raise
         return slots, scratch
+
+    def _swap_in_direct(self, t: BlockTable, miss: list, slots: list[int], sel: frozenset,
+                        run: frozenset | None) -> list:
+        """The CPU swap-in without a decoded copy in between: region positions reserved for the
+        missed blocks the budget has room for, their L2 records decoded straight into those
+        slots, the slots bound. Fills ``slots``; returns the misses left to the general path
+        (no room, no L2 copy, another layout, a corrupt batch), or all of them while the
+        prefetcher is on (a read takes blocks from its buffer). Blocks kept from a scratch read
+        are left to the general path, which takes them from the prefetcher."""
+        todo = self.prefetcher.not_held([e for _, e in miss[:_SWAP_IN_BATCH]])
+        if not todo:
+            return miss
+        res = self.residency
+        with res.pool_lock:  # the pool does not move (grow) while its slots are written
+            res.make_room(t, todo, sel)
+            reserved = res.reserve(t, todo, sel, run)
+            if not reserved:
+                return miss
+            try:
+                gens = self.prefetcher.offload.load_l2_into(
+                    [e for e, _ in reserved], res.l1.storage, res.l1.slot_axis, [e.slot for e, _ in reserved])
+            except BaseException:
+                res.commit(t, reserved, [None] * len(reserved))
+                raise
+            res.commit(t, reserved, gens)
+        left = []
+        for i, e in miss:
+            if e.slot is not None:
+                slots[i] = e.slot
+            else:
+                left.append((i, e))
+        return left
 
     def gather_blocks(self, t: BlockTable, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         self.check_blocks(t, blocks)

@@ -511,6 +511,53 @@ class Residency:
                 self._note_low(e, generation)
         return out
 
+    def reserve(self, t: BlockTable, ents: list[BlockEntry], exclude, run: frozenset | None = None
+                ) -> list[tuple[BlockEntry, str]]:
+        """Region positions for the non-resident blocks of ``ents`` that fit the budget, chosen
+        as :meth:`install_many` chooses them (dropping a clean block outside ``exclude`` where
+        needed), for data written into their slots before :meth:`commit`: each holds its slot
+        in the table, not yet bound in L1. Returns (entry, home before) per reserved block, in
+        the order of ``ents``; the others (already resident, or no room: a scratch slot's case)
+        are left to :meth:`install_many`."""
+        device_blocks = self.layout.device_blocks
+        out: list[tuple[BlockEntry, str]] = []
+        with self.lock:
+            for e in ents:
+                if e.slot is not None:
+                    continue
+                if t.resident >= device_blocks:
+                    self._free_clean_victims(t, 1, exclude, force=False)
+                    if t.resident >= device_blocks:
+                        break
+                pos = self.regions.run_position(t, run) if run is not None else None
+                p = pos if pos is not None else t.free_position(0)
+                assert p is not None, f"region of {t.seq}/{t.layer} full although resident {t.resident} < {t.cap}"
+                before = e.home
+                t.take_slot(e, t.base + p)
+                out.append((e, before))
+        return out
+
+    def commit(self, t: BlockTable, reserved: list[tuple[BlockEntry, str]], generations: list[int | None]) -> None:
+        """Settle blocks :meth:`reserve` placed: those with a generation (of their record when
+        their copy was read) hold their data now and are bound in L1; the others (None: nothing
+        was written) give their positions back."""
+        with self.lock:
+            keep = [(e, before, g) for (e, before), g in zip(reserved, generations) if g is not None]
+            for (e, _), g in zip(reserved, generations):
+                if g is None:
+                    t.free_slot(e)
+            if not keep:
+                return
+            refused = self.l1.put_many_at([e.key for e, _, _ in keep], [e.slot for e, _, _ in keep], None)
+            if refused is not None:
+                for e, _, _ in keep:
+                    t.free_slot(e)
+                raise RuntimeError(f"kvtier: L1 refused region slot {keep[refused][0].slot} of {t.seq}/{t.layer} "
+                                   f"although it is free")
+            for e, before, g in keep:
+                self._rehome(before, e)
+                self._note_low(e, g)
+
     def free_scratch(self, keys: list[str]) -> None:
         with self.lock:
             for key in keys:

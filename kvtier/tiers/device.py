@@ -363,17 +363,19 @@ class DeviceTier(Tier):
             self._stats.bytes_in += self.slot_bytes
             return True
 
-    def put_many_at(self, keys: list[str], slots: list[int], values: list[torch.Tensor]) -> int | None:
+    def put_many_at(self, keys: list[str], slots: list[int], values: list[torch.Tensor] | None) -> int | None:
         """:meth:`put_at` of each (key, slot, value) under one hold of the lock, all or none:
         returns None when every one was bound and copied, else the position of the first one
-        refused (its slot taken, or still being copied out of), changing nothing."""
-        if not len(keys) == len(slots) == len(values):
+        refused (its slot taken, or still being copied out of), changing nothing. ``values``
+        None binds the keys and leaves the slots' contents as they are (``put_at``'s None)."""
+        if not len(keys) == len(slots) == (len(keys) if values is None else len(values)):
             raise ValueError(f"keys, slots and values must be as many; got {len(keys)}, {len(slots)}, "
                              f"{len(values)}")
         shape = self.slot_shape
-        for key, slot, value in zip(keys, slots, values):
+        for key, slot in zip(keys, slots):
             check_key(key)
             self._check_placed(slot)
+        for value in values or ():
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != shape:
                 raise ValueError(f"values must be tensors of shape {shape}, got "
                                  f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}")
@@ -386,7 +388,8 @@ class DeviceTier(Tier):
                     raise ValueError(f"key {key!r} is already in this DeviceTier; move() relocates it")
                 if not self._placed_free(slot):
                     return i
-            self._copy_in(slots, values)
+            if values is not None:
+                self._copy_in(slots, values)
             for key, slot in zip(keys, slots):
                 self._length[key] = _TENSOR
                 self._slot[key] = slot
