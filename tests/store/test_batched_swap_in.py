@@ -146,3 +146,76 @@ def test_a_swap_in_batch_l1_refuses_places_no_block(tmp_path):
     assert torch.equal(K, k[:, pos]) and torch.equal(V, -k[:, pos])
     check_invariants(st)
     st.close()
+
+
+def _warm_store(direct: bool, dtype=torch.float16, codec="int4"):
+    """A one-layer sparse store whose older blocks are in L2 only (no L3), with the reference
+    K of its tokens; ``direct``: swap-ins decode straight into the L1 slots."""
+    torch.manual_seed(1)
+    st = make_store(None, num_layers=1, kv_heads=2, head_dim=16, dtype=dtype, block_tokens=4, device_tokens=20,
+                    budget_tokens=20, sink_tokens=0, window_tokens=4, host_bytes=1 << 20, attention="sparse",
+                    codec=codec, policy="lru")
+    st.reader._direct = direct and st.reader._direct
+    s = st.add_sequence()
+    k = torch.randn(2, 160, 16).to(dtype)
+    for i in range(0, 160, 4):
+        st.append(s, 0, k[:, i:i + 4], -k[:, i:i + 4])
+        st.end_step()
+    st.flush()
+    return st, s, k
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_a_direct_swap_in_reads_as_the_general_path(dtype):
+    from kvtier.compress import cpu
+
+    if not cpu.available():
+        pytest.skip("no compiled kernels here")
+    runs = []
+    for direct in (True, False):
+        st, s, k = _warm_store(direct, dtype)
+        assert st.reader._direct == direct
+        direct_blocks = []
+        load = st.offload.load_l2_into
+        st.offload.load_l2_into = lambda *a: (lambda g: direct_blocks.append(sum(x is not None for x in g)) or g)(load(*a))
+        t = st.residency.tables[s][0]
+        outs = []
+        for sel in ([1, 5, 9, 13], [2, 5, 10, 30], [0, 3, 6, 12], [7, 8, 9, 31]):  # mostly L2 blocks
+            K, V, pos, order = st.gather_view(s, 0, sel)
+            outs.append((K.clone(), V.clone(), pos.clone(), list(order)))
+        stats = st.stats()
+        check_invariants(st)
+        runs.append((outs, stats["hits"], direct_blocks, sorted(e.idx for e in t.entries if e.slot is not None)))
+        st.close()
+    (a, hits_a, direct_a, res_a), (b, hits_b, direct_b, res_b) = runs
+    assert sum(direct_a) > 0 and not direct_b  # the direct path served the first store's swap-ins
+    assert hits_a == hits_b and res_a == res_b
+    for (ka, va, pa, oa), (kb, vb, pb, ob) in zip(a, b):
+        assert oa == ob and torch.equal(pa, pb) and torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_a_corrupt_l2_record_in_a_direct_swap_in_writes_nothing():
+    from kvtier.compress import cpu
+
+    if not cpu.available():
+        pytest.skip("no compiled kernels here")
+    st, s, k = _warm_store(True)
+    t = st.residency.tables[s][0]
+    ents = [e for e in t.entries[:-1] if e.slot is None and e.rec.l2][:3]
+    assert len(ents) == 3
+    st.gather_view(s, 0, [e.idx for e in ents[:1]])  # the decoder learns the layout
+    ents = [e for e in ents if e.slot is None]
+    l2 = st.offload.l2
+    off, n = l2._locate(ents[-1].rec.key)
+    l2._np[off + n - 1] ^= 0x40  # one byte of the last record's V payload
+    pool = st.residency.l1.storage
+    before = pool.clone()
+    slots = list(range(len(ents)))  # whatever slots: nothing may be written to them
+    got = st.offload.load_l2_into(ents, pool, st.residency.l1.slot_axis, slots)
+    assert got == [None] * len(ents) and torch.equal(pool, before)  # nothing of the batch written
+    # without the corrupt record the same call decodes the others into those slots
+    got = st.offload.load_l2_into(ents[:-1], pool, st.residency.l1.slot_axis, slots[:-1])
+    assert None not in got and not torch.equal(pool, before)
+    for e, slot in zip(ents[:-1], slots):
+        assert torch.equal(st.residency.l1.pool[slot], st.offload.load(e))
+    st.close()
