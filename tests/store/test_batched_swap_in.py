@@ -219,3 +219,50 @@ def test_a_corrupt_l2_record_in_a_direct_swap_in_writes_nothing():
     for e, slot in zip(ents[:-1], slots):
         assert torch.equal(st.residency.l1.pool[slot], st.offload.load(e))
     st.close()
+
+
+def _mixed_store(tmp_path, direct: bool):
+    """A one-layer sparse int4 store whose older blocks are partly in L2, partly only in L3."""
+    torch.manual_seed(2)
+    st = make_store(tmp_path, num_layers=1, kv_heads=2, head_dim=16, block_tokens=4, device_tokens=20,
+                    budget_tokens=20, sink_tokens=0, window_tokens=4, host_bytes=6144, attention="sparse",
+                    codec="int4", policy="lru")
+    st.reader._direct = direct and st.reader._direct
+    s = st.add_sequence()
+    k = torch.randn(2, 160, 16).half()
+    for i in range(0, 160, 4):
+        st.append(s, 0, k[:, i:i + 4], -k[:, i:i + 4])
+        st.end_step()
+    st.flush()
+    return st, s
+
+
+def test_a_read_mixing_direct_and_general_swap_ins_reads_as_the_general_path(tmp_path):
+    from kvtier.compress import cpu
+
+    if not cpu.available():
+        pytest.skip("no compiled kernels here")
+    runs = []
+    for direct in (True, False):
+        st, s = _mixed_store(tmp_path / str(direct), direct)
+        t = st.residency.tables[s][0]
+        sealed = t.entries[:-1]
+        in_l2 = [e.idx for e in sealed if e.slot is None and e.rec.l2]
+        only_l3 = [e.idx for e in sealed if e.slot is None and not e.rec.l2 and e.rec.l3]
+        assert len(in_l2) >= 4 and len(only_l3) >= 4
+        gave_back = []
+        commit = st.residency.commit
+        st.residency.commit = lambda tt, res, gens: (gave_back.append(sum(g is None for g in gens)),
+                                                    commit(tt, res, gens))[1]
+        outs = []
+        for sel in (in_l2[:2] + only_l3[:2], only_l3[2:4] + in_l2[2:4], in_l2[-2:] + only_l3[-2:]):
+            K, V, pos, order = st.gather_view(s, 0, sorted(sel))
+            outs.append((K.clone(), V.clone(), pos.clone(), list(order)))
+        check_invariants(st)
+        runs.append((outs, st.stats()["hits"], gave_back))
+        st.close()
+    (a, hits_a, back_a), (b, hits_b, back_b) = runs
+    assert sum(back_a) > 0 and not back_b  # L3-only blocks gave their reserved positions back
+    assert hits_a == hits_b
+    for (ka, va, pa, oa), (kb, vb, pb, ob) in zip(a, b):
+        assert oa == ob and torch.equal(pa, pb) and torch.equal(ka, kb) and torch.equal(va, vb)
