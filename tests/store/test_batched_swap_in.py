@@ -6,17 +6,25 @@ import torch
 from .conftest import check_invariants, corrupt_l3_record, make_store
 
 
+def _fill(st, tokens: int, head_dim: int, dtype=torch.float16):
+    """One sequence of ``tokens`` random tokens (V = -K) appended a block at a step to layer 0 of
+    ``st``, swap-outs settled; returns the sequence and its K [2, tokens, head_dim]."""
+    s = st.add_sequence()
+    k = torch.randn(2, tokens, head_dim).to(dtype)
+    bt = st.block_tokens
+    for i in range(0, tokens, bt):
+        st.append(s, 0, k[:, i:i + bt], -k[:, i:i + bt])
+        st.end_step()
+    st.flush()
+    return s, k
+
+
 def _cold_store(tmp_path, **cfg):
     """A one-layer store whose older blocks have only their L3 copy (L2 spilled them), with the
     reference K of its tokens."""
     st = make_store(tmp_path, num_layers=1, block_tokens=4, device_tokens=12, budget_tokens=12, sink_tokens=0,
                     window_tokens=4, host_bytes=4096, attention="sparse", policy="sink-window", **cfg)
-    s = st.add_sequence()
-    k = torch.randn(2, 120, 8).half()
-    for i in range(0, 120, 4):
-        st.append(s, 0, k[:, i:i + 4], -k[:, i:i + 4])
-        st.end_step()
-    st.flush()
+    s, k = _fill(st, 120, 8)
     cold = [e for e in st.residency.tables[s][0].entries[:-1] if e.slot is None and e.l3 and not e.l2]
     assert len(cold) >= 8
     return st, s, k, cold
@@ -156,12 +164,7 @@ def _warm_store(direct: bool, dtype=torch.float16, codec="int4"):
                     budget_tokens=20, sink_tokens=0, window_tokens=4, host_bytes=1 << 20, attention="sparse",
                     codec=codec, policy="lru")
     st.reader._direct = direct and st.reader._direct
-    s = st.add_sequence()
-    k = torch.randn(2, 160, 16).to(dtype)
-    for i in range(0, 160, 4):
-        st.append(s, 0, k[:, i:i + 4], -k[:, i:i + 4])
-        st.end_step()
-    st.flush()
+    s, k = _fill(st, 160, 16, dtype)
     return st, s, k
 
 
@@ -228,13 +231,7 @@ def _mixed_store(tmp_path, direct: bool):
                     budget_tokens=20, sink_tokens=0, window_tokens=4, host_bytes=6144, attention="sparse",
                     codec="int4", policy="lru")
     st.reader._direct = direct and st.reader._direct
-    s = st.add_sequence()
-    k = torch.randn(2, 160, 16).half()
-    for i in range(0, 160, 4):
-        st.append(s, 0, k[:, i:i + 4], -k[:, i:i + 4])
-        st.end_step()
-    st.flush()
-    return st, s
+    return st, _fill(st, 160, 16)[0]
 
 
 def test_a_read_mixing_direct_and_general_swap_ins_reads_as_the_general_path(tmp_path):
