@@ -476,65 +476,42 @@ class Residency:
         device_blocks = self.layout.device_blocks
         out: list[int] = []
         placed: list[tuple[BlockEntry, str, int]] = []  # (entry, home before, generation) placed here
-        slots: list[int] = []
         datas: list[torch.Tensor] = []
         with self.lock:
             try:
                 for e, got in zip(ents, fetched):
-                    if e.slot is not None:
-                        out.append(e.slot)
-                        continue
-                    if t.resident >= device_blocks:
-                        self._free_clean_victims(t, 1, exclude, force=False)
-                    if t.resident < device_blocks:
-                        pos = self.regions.run_position(t, run) if run is not None else None
-                        p = pos if pos is not None else t.free_position(0)
-                        assert p is not None, f"region of {t.seq}/{t.layer} full although resident {t.resident} < {t.cap}"
-                        before = e.home
-                        t.take_slot(e, t.base + p)
+                    if e.slot is None:
+                        before = self._take_position(t, e, exclude, run, device_blocks)
+                        if before is None:
+                            out.append(self._install_scratch(got.data, device_blocks, scratch))
+                            continue
                         placed.append((e, before, got.generation))
-                        slots.append(e.slot)
                         datas.append(got.data)
-                        out.append(e.slot)
-                        continue
-                    out.append(self._install_scratch(got.data, device_blocks, scratch))
-                refused = self.l1.put_many_at([e.key for e, _, _ in placed], slots, datas) if placed else None
-                if refused is not None:
-                    raise RuntimeError(f"kvtier: L1 refused region slot {slots[refused]} of {t.seq}/{t.layer} "
-                                       f"although it is free")
+                    out.append(e.slot)
+                if placed:
+                    self._bind_placed(t, placed, datas)
             except BaseException:
                 for e, _, _ in placed:  # nothing was bound in L1: only the table's bookkeeping to undo
                     t.free_slot(e)
                 raise
-            for e, before, generation in placed:
-                self._rehome(before, e)
-                self._note_low(e, generation)
         return out
 
     def reserve(self, t: BlockTable, ents: list[BlockEntry], exclude, run: frozenset | None = None
                 ) -> list[tuple[BlockEntry, str]]:
         """Region positions for the non-resident blocks of ``ents`` that fit the budget, chosen
-        as :meth:`install_many` chooses them (dropping a clean block outside ``exclude`` where
-        needed), for data written into their slots before :meth:`commit`: each holds its slot
-        in the table, not yet bound in L1. Returns (entry, home before) per reserved block, in
-        the order of ``ents``; the others (already resident, or no room: a scratch slot's case)
-        are left to :meth:`install_many`."""
+        as :meth:`install_many` chooses them, for data written into their slots before
+        :meth:`commit`: each holds its slot in the table, not yet bound in L1. Returns (entry,
+        home before) per reserved block, in the order of ``ents``; the others (already resident,
+        or no room: a scratch slot's case) are left to :meth:`install_many`."""
         device_blocks = self.layout.device_blocks
         out: list[tuple[BlockEntry, str]] = []
         with self.lock:
             for e in ents:
-                if e.slot is not None:
-                    continue
-                if t.resident >= device_blocks:
-                    self._free_clean_victims(t, 1, exclude, force=False)
-                    if t.resident >= device_blocks:
+                if e.slot is None:
+                    before = self._take_position(t, e, exclude, run, device_blocks)
+                    if before is None:
                         break
-                pos = self.regions.run_position(t, run) if run is not None else None
-                p = pos if pos is not None else t.free_position(0)
-                assert p is not None, f"region of {t.seq}/{t.layer} full although resident {t.resident} < {t.cap}"
-                before = e.home
-                t.take_slot(e, t.base + p)
-                out.append((e, before))
+                    out.append((e, before))
         return out
 
     def commit(self, t: BlockTable, reserved: list[tuple[BlockEntry, str]], generations: list[int | None]) -> None:
@@ -546,17 +523,42 @@ class Residency:
             for (e, _), g in zip(reserved, generations):
                 if g is None:
                     t.free_slot(e)
-            if not keep:
-                return
-            refused = self.l1.put_many_at([e.key for e, _, _ in keep], [e.slot for e, _, _ in keep], None)
-            if refused is not None:
-                for e, _, _ in keep:
-                    t.free_slot(e)
-                raise RuntimeError(f"kvtier: L1 refused region slot {keep[refused][0].slot} of {t.seq}/{t.layer} "
-                                   f"although it is free")
-            for e, before, g in keep:
-                self._rehome(before, e)
-                self._note_low(e, g)
+            if keep:
+                try:
+                    self._bind_placed(t, keep, None)
+                except BaseException:
+                    for e, _, _ in keep:
+                        t.free_slot(e)
+                    raise
+
+    def _take_position(self, t: BlockTable, e: BlockEntry, exclude, run: frozenset | None,
+                       device_blocks: int) -> str | None:
+        """A region position for non-resident ``e`` (dropping a clean block outside ``exclude``
+        when the budget is full; in ``run``'s span when possible), held in the table only, not
+        yet bound in L1; returns ``e``'s home before, or None when there is no room (lock held)."""
+        if t.resident >= device_blocks:
+            self._free_clean_victims(t, 1, exclude, force=False)
+            if t.resident >= device_blocks:
+                return None
+        pos = self.regions.run_position(t, run) if run is not None else None
+        p = pos if pos is not None else t.free_position(0)
+        assert p is not None, f"region of {t.seq}/{t.layer} full although resident {t.resident} < {t.cap}"
+        before = e.home
+        t.take_slot(e, t.base + p)
+        return before
+
+    def _bind_placed(self, t: BlockTable, placed: list[tuple[BlockEntry, str, int]],
+                     datas: list[torch.Tensor] | None) -> None:
+        """Bind the slots of ``placed`` (entry, home before, generation) in L1, filled with
+        ``datas`` (None: already written), and settle their homes. Raises, binding none, when L1
+        refuses one; the caller gives the positions back (lock held)."""
+        refused = self.l1.put_many_at([e.key for e, _, _ in placed], [e.slot for e, _, _ in placed], datas)
+        if refused is not None:
+            raise RuntimeError(f"kvtier: L1 refused region slot {placed[refused][0].slot} of {t.seq}/{t.layer} "
+                               f"although it is free")
+        for e, before, generation in placed:
+            self._rehome(before, e)
+            self._note_low(e, generation)
 
     def free_scratch(self, keys: list[str]) -> None:
         with self.lock:
