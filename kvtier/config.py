@@ -35,6 +35,7 @@ Attention = Literal["dense", "sparse"]
 SelectScore = Literal["centroid", "quest"]
 SelectHeads = Literal["shared", "per_head"]
 DigestDType = Literal["int8", "kv"]
+RestAttention = Literal["estimate", "drop"]
 AttentionMath = Literal["float32", "sdpa"]
 Axis = Literal["channel", "token"]
 Durability = Literal["never", "close", "batch"]
@@ -52,7 +53,8 @@ KeyTransform = Literal["none", "hadamard"]
 #: KV dtype and follows nothing.
 LOSSLESS_CODECS = ("fp16", "bf16")
 #: Fields computed from the others unless the user sets them.
-DERIVED_FIELDS = ("block_tokens", "host_codec", "disk_codec", "digest_tokens", "budget_tokens", "sink_tokens", "window_tokens",
+DERIVED_FIELDS = ("block_tokens", "host_codec", "disk_codec", "digest_tokens", "rest_attention",
+                  "value_digest_tokens", "budget_tokens", "sink_tokens", "window_tokens",
                   "disk_segment_bytes")
 #: Segment size when ``disk_bytes`` leaves room for two of them (else half of ``disk_bytes``).
 DEFAULT_SEGMENT_BYTES = 64 << 20
@@ -63,6 +65,8 @@ DEFAULT_BLOCK_TOKENS = {"dense": 64, "sparse": 16}
 
 #: ``digest_tokens`` of the centroid score when the user sets none (see ``KVTierConfig.digest_tokens``).
 DEFAULT_DIGEST_TOKENS = 2
+#: ``value_digest_tokens`` when the user sets none and it fits (see ``KVTierConfig.value_digest_tokens``).
+DEFAULT_VALUE_DIGEST_TOKENS = 4
 
 
 def default_block_tokens(attention: str) -> int:
@@ -322,6 +326,22 @@ class KVTierConfig:
     ``kv``: in the KV dtype, as the model wrote them. Default ``int8``: nearly the same blocks selected
     for about half the bytes (docs/results/config-defaults.md#digest_dtype)."""
 
+    rest_attention: Optional[RestAttention] = None
+    """Sparse mode: what a step makes of the candidate blocks it does not select. ``estimate`` (default
+    with ``centroid``): attends them too, approximately: each ``digest_tokens`` sub-block counts as that
+    many tokens with its key centroid for a key and the mean of its ``value_digest_tokens`` values for a
+    value, and this estimate is merged with the exact attention over the selected blocks by their
+    log-sum-exps, so the attention mass a small budget leaves out still reaches the output. The digest
+    then also keeps value means (``value_digest_tokens``). ``drop`` (default with ``quest``, which keeps
+    no centroids): the selected blocks alone, the rest ignored. A budget covering the context leaves
+    nothing to estimate. Why ``estimate``: docs/results/config-defaults.md#rest_attention."""
+
+    value_digest_tokens: Optional[int] = None
+    """``rest_attention="estimate"`` only: tokens whose values one mean of the digest stands for; a
+    multiple of ``digest_tokens`` that divides ``block_tokens``. Default (derived) 4 where that fits,
+    else ``digest_tokens``. Costs ``block_tokens / value_digest_tokens`` rows per block and kv head in
+    L1, stored as ``digest_dtype`` says (``head_dim + 4`` bytes each in int8)."""
+
     attention_math: AttentionMath = "sdpa"
     """How kvtier's own attention computes where it replaces the model's (sparse decode, and multi-token
     steps over cached tokens, e.g. a chat's next turn). ``sdpa`` (default): the model's own attention on
@@ -456,6 +476,24 @@ class KVTierConfig:
         if self.select_score != "centroid" and self.digest_tokens != self.block_tokens:
             raise ValueError(f"digest_tokens must equal block_tokens ({self.block_tokens}) unless "
                              f"select_score is 'centroid'; got {self.digest_tokens}")
+        if self.rest_attention is None:
+            derive(self, "rest_attention", "estimate" if self.select_score == "centroid" else "drop")
+        if self.rest_attention == "estimate" and self.select_score != "centroid":
+            raise ValueError(f"rest_attention='estimate' needs select_score='centroid' (the estimate attends "
+                             f"the key centroids; quest keeps none); got select_score={self.select_score!r}")
+        if self.rest_attention != "estimate":
+            if self.value_digest_tokens is not None:
+                raise ValueError(f"value_digest_tokens is only for rest_attention='estimate'; got "
+                                 f"{self.value_digest_tokens!r} with rest_attention={self.rest_attention!r}")
+            return
+        if self.value_digest_tokens is None:
+            v = DEFAULT_VALUE_DIGEST_TOKENS
+            fits = v % self.digest_tokens == 0 and self.block_tokens % v == 0
+            derive(self, "value_digest_tokens", v if fits else self.digest_tokens)
+        check_int("value_digest_tokens", self.value_digest_tokens, 1, self.block_tokens)
+        if self.value_digest_tokens % self.digest_tokens or self.block_tokens % self.value_digest_tokens:
+            raise ValueError(f"value_digest_tokens must be a multiple of digest_tokens ({self.digest_tokens}) "
+                             f"that divides block_tokens ({self.block_tokens}); got {self.value_digest_tokens}")
 
     def role_codec(self, name: str, role: str) -> str:
         """The codec ``role`` (``"key"`` or ``"value"``) is stored in where a tier stores codec
@@ -592,4 +630,4 @@ KVTierConfig.__doc__ = class_doc(KVTierConfig.__doc__, field_docs(Path(__file__)
 
 
 __all__ = ["KVTierConfig", "CODECS", "MAX_KEY_OUTLIERS", "LOSSLESS_CODECS", "PRECISION_CODECS", "GROUP_SIZES", "DERIVED_FIELDS",
-           "DEFAULT_BLOCK_TOKENS", "DEFAULT_DIGEST_TOKENS", "default_block_tokens", "lossless_codec"]
+           "DEFAULT_BLOCK_TOKENS", "DEFAULT_DIGEST_TOKENS", "DEFAULT_VALUE_DIGEST_TOKENS", "default_block_tokens", "lossless_codec"]

@@ -194,9 +194,10 @@ SPARSE_SHARE = Fraction(3, 100)
 def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, dense_l1, dense_block, dense_cfg,
                  bf) -> dict:
     """The long-context preset for this workload: L1 = 3% of the longest sequence (whole 16-token
-    blocks, at least four), its L1 bytes: the pool and the key digests of every sealed block
-    (per ``digest_tokens`` tokens, kv head and layer an int8 centroid and its float32 scale with
-    the defaults), both from the layout a store of that config resolves, and whether dense
+    blocks, at least four), its L1 bytes: the pool and the digests of every sealed block (per kv
+    head and layer, with the defaults: an int8 key centroid and its float32 scale per
+    ``digest_tokens`` tokens, the same for a value mean per ``value_digest_tokens`` tokens), both
+    from the layout a store of that config resolves, and whether dense
     attention would read most of each sequence back every step (L1 under a quarter of the
     longest sequence)."""
     from kvtier.config import KVTierConfig, lossless_codec
@@ -229,6 +230,7 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
         "digest_share": round(held / (l1_kv + held), 3),
         "digest_tokens": cfg.digest_tokens,
         "digest_dtype": cfg.digest_dtype,
+        "value_digest_tokens": cfg.value_digest_tokens if cfg.rest_attention == "estimate" else None,
         "digest_bytes_per_token": round(lay.digest_row_bytes * layers / bt, 3),
         "config": {"preset": "long-context", **{k: v for k, v in fields.items()
                                                  if k not in ("attention", "policy")}},

@@ -148,7 +148,7 @@ def test_plan_recommends_sparse_for_a_long_context_with_a_config_attach_accepts(
     assert sp["digest_bytes_per_token"] == 32 * 8 * (128 + 4) / 2
     assert main([*PLAN, "--max-seq-len", "128k", "--concurrency", "4"]) == 0
     text = capsys.readouterr().out
-    assert "sparse     recommended" in text and "key digests" in text and "KVTierConfig.preset('long-context'" in text
+    assert "sparse     recommended" in text and "= KV + digests" in text and "KVTierConfig.preset('long-context'" in text
 
 
 def test_plans_digest_bytes_are_what_a_store_holds():

@@ -180,4 +180,5 @@ def test_sparse_digest_bytes_are_what_a_store_allocates(tokens):
         assert sp["l1_digest_used_bytes"] == stats["digest_bytes"]
         assert sp["l1_kv_bytes"] == st.l1.capacity_bytes
     assert sp["l1_bytes"] == sp["l1_kv_bytes"] + sp["l1_digest_bytes"]
-    assert sp["digest_bytes_per_token"] == layers * kvh * (hd + 4) / cfg.digest_tokens  # int8 rows + f32 scales
+    # int8 rows + f32 scales: a key centroid per digest_tokens, a value mean per value_digest_tokens tokens
+    assert sp["digest_bytes_per_token"] == layers * kvh * (hd + 4) * (1 / cfg.digest_tokens + 1 / cfg.value_digest_tokens)

@@ -180,12 +180,14 @@ def run(args: argparse.Namespace) -> int:
                                                            "each sequence, so dense attention reads back little")
     print(f"sparse     {why}. Sparse attention (the long-context preset) attends the sink, the recent "
           f"window and the blocks the query selects, {sp['share']:.0%} of the context per step:")
-    print(f"  L1       {_fmt(sp['l1_bytes'])} = KV + key digests")
+    print(f"  L1       {_fmt(sp['l1_bytes'])} = KV + digests")
     print(f"  KV       {_fmt(sp['l1_kv_bytes'])}  (device_tokens={sp['device_tokens']:,} per sequence, "
           f"scratch slots included)")
     print(f"  digests  {_fmt(sp['l1_digest_bytes'])}  ({sp['digest_share']:.0%} of L1; at max length the sealed "
           f"blocks' rows are {_fmt(sp['l1_digest_used_bytes'])}, {sp['digest_bytes_per_token']:,.0f} B/token: "
-          f"{sp['digest_dtype']}, one per {sp['digest_tokens']} tokens; the rest is room the tables grew to "
+          f"{sp['digest_dtype']}, a key centroid per {sp['digest_tokens']} tokens"
+          + (f" and a value mean per {sp['value_digest_tokens']}" if sp["value_digest_tokens"] else "")
+          + "; the rest is room the tables grew to "
           f"by a quarter at a time)")
     sfields = ", ".join(f"{k}={v!r}" for k, v in sp["config"].items() if k != "preset")
     print(f"  config   KVTierConfig.preset({sp['config']['preset']!r}, {sfields})")

@@ -389,3 +389,75 @@ int kvt_key_mass(const float *q, int64_t H, int64_t R, int64_t hd, const void *k
     free(s);
     return 0;
 }
+
+/* The attention of the query rows over the key centroids of the blocks `keep` marks, each
+   centroid a key standing for as many tokens as it averages (its logit + logn), whose value is
+   the mean of its value sub-block (rest_attention="estimate"; Selector.rest_estimate, select.py,
+   is the specification). q: [H][R][hd] float32 contiguous. Block b < m (b from the table's row
+   0) has `parts` key centroid rows of hd elements at element offset h*k_head_stride +
+   (b*parts + p)*hd of kdig, and `vparts` value rows at h*v_head_stride + (b*vparts + g)*hd of
+   vdig; centroid p's value is row g = p / (parts / vparts). kind (both tables): float32, bf16
+   or int8 (then row i of head h stands for its codes times krs[h*krs_stride + i], resp. vrs).
+   keep: [m] bytes, nonzero = estimate this block. out: [H][R][hd], lse: [H][R] float32, the
+   softmax-weighted values and the natural log of the softmax denominator (logn included).
+   Returns the number of blocks estimated (0: out and lse unwritten), or -1 when out of memory. */
+int64_t kvt_rest_attend(const float *q, int64_t H, int64_t R, int64_t hd, int kind,
+                        const void *kdig, int64_t k_head_stride, const float *krs, int64_t krs_stride,
+                        const void *vdig, int64_t v_head_stride, const float *vrs, int64_t vrs_stride,
+                        int64_t m, int64_t parts, int64_t vparts, const unsigned char *keep,
+                        float scale, float logn, float *out, float *lse) {
+    int64_t nb = 0;
+    for (int64_t b = 0; b < m; b++) nb += keep[b] != 0;
+    if (nb == 0) return 0;
+    int64_t M = nb * parts, per = parts / vparts;
+    /* s: [R][M] logits, then their exps; buf: four converted rows; w: [R] weights of one value
+       row; inv: [R] 1 / each row's sum of exps */
+    float *s = (float *)malloc(sizeof(float) * (size_t)(R * M + 4 * hd + 2 * R));
+    if (!s) return -1;
+    float *buf = s + R * M, *w = buf + 4 * hd, *inv = w + R;
+    for (int64_t h = 0; h < H; h++) {
+        const float *qh = q + h * R * hd;
+        const float *kr = kind == DIG_INT8 ? krs + h * krs_stride : NULL;
+        /* logits of each run of kept blocks (its centroid rows are consecutive in the table) */
+        int64_t col = 0;
+        for (int64_t b = 0; b < m;) {
+            if (!keep[b]) { b++; continue; }
+            int64_t e = b;
+            while (e < m && keep[e]) e++;
+            int64_t n = (e - b) * parts;
+            row_logits(qh, R, hd, kdig, h * k_head_stride + b * parts * hd, kind, kr ? kr + b * parts : NULL,
+                       scale, n, buf, s + col, M);
+            col += n;
+            b = e;
+        }
+        float *oh = out + h * R * hd;
+        for (int64_t r = 0; r < R; r++) {
+            float *sr = s + r * M, mx = -INFINITY;
+            for (int64_t j = 0; j < M; j++) if (sr[j] > mx) mx = sr[j];
+            inv[r] = softmax_exps(sr, M);   /* sr: exp(s - max) */
+            lse[h * R + r] = mx + logn - logf(inv[r]);
+            for (int64_t d = 0; d < hd; d++) oh[r * hd + d] = 0.f;
+        }
+        /* out[r] = sum over value rows of (the exps of the centroids it stands for) * row, / sum */
+        col = 0;
+        for (int64_t b = 0; b < m; b++) {
+            if (!keep[b]) continue;
+            for (int64_t g = 0; g < vparts; g++, col += per) {
+                int64_t vi = b * vparts + g;
+                const float *v = rows_f32(vdig, h * v_head_stride + vi * hd, hd, 1, kind, buf);
+                float vs = kind == DIG_INT8 ? vrs[h * vrs_stride + vi] : 1.f;
+                for (int64_t r = 0; r < R; r++) {
+                    float x = 0.f;
+                    for (int64_t p = 0; p < per; p++) x += s[r * M + col + p];
+                    w[r] = x * vs * inv[r];
+                }
+                for (int64_t r = 0; r < R; r++) {
+                    float *o = oh + r * hd, wr = w[r];
+                    for (int64_t d = 0; d < hd; d++) o[d] += wr * v[d];
+                }
+            }
+        }
+    }
+    free(s);
+    return nb;
+}

@@ -7,6 +7,8 @@
                  softmax(q K^T) V                attention_math="sdpa" (default): the model's own
                                                  attention (SDPA or eager) on the gathered blocks;
                                                  "float32": one batched matmul, GQA packed, wider type
+                 + the rest, estimated           rest_attention="estimate": the blocks not selected,
+                                                 from their digests, merged by log-sum-exp
                  attention mass per block        for H2O (handed to the store at the step's end)
 ```
 """
@@ -88,6 +90,8 @@ def budgeted_attention(store: KVStore, seqs: list[int], layer: int, query: torch
         out = base_attention(sdpa_module, query, k, v, mask, scaling=scaling)[0]  # [B, 1, q_heads, D]
         # the mass ranks blocks (H2O): float32 is precise enough, the output does not use it
         mass = key_mass(query, k, mask, scaling) if observe else None
+    if store.estimates_rest:
+        out = with_rest(store, seqs, layer, query, k, mask, attention_mask, scaling, sels, out)
     observed = []
     if observe:
         bt = store.block_tokens
@@ -98,6 +102,45 @@ def budgeted_attention(store: KVStore, seqs: list[int], layer: int, query: torch
             # reading it back (a device sync on CUDA) happens once per step, not per layer
             observed.append((seq, layer, sels[row], mrow.view(nb, bt).sum(1)))
     return SparseResult(out, n, sum(len(s) - 1 for s in sels), observed)
+
+
+def with_rest(store: KVStore, seqs: list[int], layer: int, query: torch.Tensor, keys: torch.Tensor,
+              mask: torch.Tensor | None, attention_mask: torch.Tensor | None, scaling: float,
+              sels: list[list[int]], out: torch.Tensor) -> torch.Tensor:
+    """``out``, the exact attention over the gathered blocks, merged with the store's estimate of
+    the attention over the blocks the step left out (``rest_attention="estimate"``).
+
+    Two softmaxes over disjoint keys merge exactly by their log-sum-exps l1, l2: the full
+    softmax gives the first part the weight exp(l1) / (exp(l1) + exp(l2)) = sigmoid(l1 - l2).
+
+    Args:
+        keys: the gathered keys [B, kv_heads, n, head_dim]; mask: their mask [B, 1, 1, n] or None;
+        attention_mask: the step's own mask [B|1, 1, 1, T] (bool, or additive float) or None;
+        sels: each row's attended blocks; out: [B, 1, q_heads, head_dim].
+    """
+    rows = []
+    for row, seq in enumerate(seqs):
+        visible = None
+        if attention_mask is not None:
+            m = attention_mask[row if attention_mask.shape[0] > 1 else 0, 0, -1]
+            visible = (m if m.dtype == torch.bool else m == 0).cpu()
+        rows.append(store.estimate_rest(seq, layer, query[row], sels[row], scaling, visible))
+    if all(r is None for r in rows):
+        return out
+    b, qh, ql, d = query.shape
+    kvh = keys.shape[1]
+    q = query.reshape(b, kvh, qh // kvh * ql, d).float()
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)) * scaling  # [B, kv_heads, G*q_len, n]
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))  # mask [B, 1, 1, n]: q_len is 1
+    lse = torch.logsumexp(logits, dim=-1).view(b, qh, ql).transpose(1, 2)  # [B, q_len, q_heads]
+    merged = out.float()
+    for row, r in enumerate(rows):
+        if r is not None:
+            rest_out, rest_lse = r[0].transpose(0, 1), r[1].transpose(0, 1)  # [q_len, q_heads, (D)]
+            w = torch.sigmoid(lse[row] - rest_lse).unsqueeze(-1)  # exact part's share
+            merged[row] = torch.lerp(rest_out, merged[row], w)
+    return merged.to(out.dtype)
 
 
 def key_mass(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:

@@ -40,6 +40,7 @@ class Layout:
     l2_staged: bool          # L2 records go through the byte stage too
     digest_score: str | None  # what select() ranks by; None: no digests kept (dense attention)
     digest_parts: int
+    value_parts: int         # value means per block in the digest (rest_attention='estimate'), else 0
     select_per_head: bool    # each kv head's top blocks in turn (select_heads='per_head')
     stickiness: float        # resident candidates' score gain (select_stickiness)
     digest_dtype: torch.dtype  # the KV dtype, or int8 (rows with float32 scales, table.py)
@@ -61,7 +62,7 @@ class Layout:
         return (2, self.kv_heads, self.block_tokens, self.head_dim)  # [2, kv_heads, bt, head_dim]
 
     def digest_bytes(self, tokens: int) -> tuple[int, int]:
-        """Key digest bytes of one (sequence, layer) table holding ``tokens`` tokens: (the rows
+        """Digest bytes of one (sequence, layer) table holding ``tokens`` tokens: (the rows
         of its sealed blocks, the rows its table holds with the room it grew to); (0, 0) without
         digests. A full block is sealed when the next token opens a block, so ``tokens`` tokens
         leave ``ceil(tokens / block_tokens) - 1`` blocks sealed."""
@@ -72,10 +73,12 @@ class Layout:
 
     @property
     def digest_row_bytes(self) -> int:
-        """Bytes of one sealed block's key digest in one layer, all kv heads (0 without digests)."""
+        """Bytes of one sealed block's digest (key summaries, value means) in one layer, all kv
+        heads (0 without digests)."""
         if self.digest_score is None:
             return 0
-        return digest_row_bytes(self.kv_heads, self.head_dim, self.digest_score, self.digest_parts, self.digest_dtype)
+        return digest_row_bytes(self.kv_heads, self.head_dim, self.digest_score, self.digest_parts,
+                                self.digest_dtype, self.value_parts)
 
     @classmethod
     def resolve(cls, cfg: KVTierConfig, num_layers: int, kv_heads: int, head_dim: int,
@@ -125,7 +128,10 @@ class Layout:
             host_codec=follow(cfg.host_codec), disk_codec=follow(cfg.disk_codec),
             l2_staged=cfg.byte_stage_l2 and cfg.byte_stage != "none",
             digest_score=cfg.select_score if cfg.attention == "sparse" else None,
-            digest_parts=bt // cfg.digest_tokens, select_per_head=cfg.select_heads == "per_head",
+            digest_parts=bt // cfg.digest_tokens,
+            value_parts=bt // cfg.value_digest_tokens
+            if cfg.attention == "sparse" and cfg.rest_attention == "estimate" else 0,
+            select_per_head=cfg.select_heads == "per_head",
             stickiness=float(cfg.select_stickiness),
             digest_dtype=torch.int8 if cfg.digest_dtype == "int8" else dtype,
             scratch_slots=scratch_slots(device_blocks, cfg.max_sequences), max_sequences=cfg.max_sequences,

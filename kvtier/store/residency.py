@@ -75,7 +75,7 @@ class Residency:
             base = self._group_base[g]
             self.tables[seq] = [BlockTable(seq, layer, lay.kv_heads, lay.head_dim, lay.device, lay.digest_dtype,
                                            lay.digest_score, lay.digest_parts,
-                                           base=base + layer * c, cap=c)
+                                           base=base + layer * c, cap=c, value_parts=lay.value_parts)
                                 for layer in range(lay.num_layers)]
             return seq
 
@@ -210,7 +210,8 @@ class Residency:
 
     def seal(self, t: BlockTable, e: BlockEntry) -> None:
         with self.lock:
-            t.set_digest(e.idx, self.l1.pool[e.slot, 0])  # keys: [kv_heads, block_tokens, head_dim]
+            # keys, values: [kv_heads, block_tokens, head_dim]
+            t.set_digest(e.idx, self.l1.pool[e.slot, 0], self.l1.pool[e.slot, 1])
             e.last_used = self.step
 
     def _place(self, t: BlockTable, e: BlockEntry, data: torch.Tensor | None, lo: int = 0,

@@ -21,7 +21,8 @@ Scores agree with torch to float32 rounding (summation order differs), so the to
 the same except between blocks whose scores tie to within rounding.
 
 The same file computes H2O's attention mass per key for a sparse step (:func:`key_mass`), the
-other small per-layer pass over a step's query that torch ran as several ops.
+other small per-layer pass over a step's query that torch ran as several ops, and the estimated
+attention over the blocks a step did not select (:func:`rest_attend`), from the same digest.
 
 Build: ``kvtier/csrc/score.c``, as :mod:`kvtier.compress.cpu` (system C compiler,
 ``$KVTIER_CACHE_DIR``, a name hashing the source, flags and CPU; loaded with ctypes). Without a compiler :func:`available` is False and
@@ -48,6 +49,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvt_block_top.restype = c_int
     lib.kvt_key_mass.argtypes = [vp, i64, i64, i64, vp, i64, c_int, i64, ctypes.c_float, vp]
     lib.kvt_key_mass.restype = c_int
+    lib.kvt_rest_attend.argtypes = [vp, i64, i64, i64, c_int, vp, i64, vp, i64, vp, i64, vp, i64, i64, i64, i64,
+                                    vp, ctypes.c_float, ctypes.c_float, vp, vp]
+    lib.kvt_rest_attend.restype = i64
 
 
 _LIB = CLibrary("score", _FLAGS, _declare, "select() uses torch ops")
@@ -178,3 +182,41 @@ def key_mass(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Ten
                         scale, out.data_ptr()):
         raise MemoryError("kvt_key_mass: out of memory")
     return out
+
+
+def rest_attend(q: torch.Tensor, digest: torch.Tensor, digest_scale: torch.Tensor | None,
+                vdigest: torch.Tensor, vdigest_scale: torch.Tensor | None, keep, value_parts: int,
+                scale: float, logn: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``Selector.rest_estimate``'s attention over the key centroids of the blocks ``keep``
+    marks (their values the means of ``vdigest``), read from the digest tables in place.
+
+    Args:
+        q: [kv_heads, R, head_dim] float32 contiguous CPU query rows (R = G*q_len per kv head).
+        digest: [kv_heads, cap, parts * head_dim] centroid rows (float32, bfloat16 or int8, its
+            scales ``digest_scale`` [kv_heads, cap, parts] float32); vdigest:
+            [kv_heads, cap, value_parts * head_dim] of the same dtype (scales likewise).
+        keep: uint8 numpy array [m], m <= cap: nonzero for the blocks (from row 0) to estimate.
+        scale: the logits' scale; logn: the log of the tokens a centroid stands for.
+    Returns:
+        ``(out [kv_heads, R, head_dim], lse [kv_heads, R])`` float32, or None when ``keep`` marks
+        no block.
+    """
+    fn = _load().kvt_rest_attend
+    kvh, r, hd = q.shape
+    _, cap, width = digest.shape
+    parts = width // hd
+    m = len(keep)
+    assert (q.dtype == torch.float32 and q.is_contiguous() and digest.is_contiguous() and vdigest.is_contiguous()
+            and vdigest.dtype == digest.dtype and tuple(vdigest.shape) == (kvh, cap, value_parts * hd)
+            and width == parts * hd and value_parts >= 1 and parts % value_parts == 0 and m <= cap
+            and keep.dtype.itemsize == 1 and keep.flags.c_contiguous), \
+        f"q {tuple(q.shape)}, digest {tuple(digest.shape)}, vdigest {tuple(vdigest.shape)}, {m} blocks"
+    kind, kbase, ksbase, ksstride = _digest_args(digest, digest_scale, 0, parts)
+    _, vbase, vsbase, vsstride = _digest_args(vdigest, vdigest_scale, 0, value_parts)
+    out = torch.empty(kvh, r, hd, dtype=torch.float32)
+    lse = torch.empty(kvh, r, dtype=torch.float32)
+    n = fn(q.data_ptr(), kvh, r, hd, kind, kbase, cap * width, ksbase, ksstride, vbase, cap * value_parts * hd,
+           vsbase, vsstride, m, parts, value_parts, keep.ctypes.data, scale, logn, out.data_ptr(), lse.data_ptr())
+    if n < 0:
+        raise MemoryError("kvt_rest_attend: out of memory")
+    return (out, lse) if n else None

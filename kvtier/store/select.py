@@ -117,6 +117,51 @@ class Selector:
             s.mul_(dig_scale)
         return s
 
+    def rest_estimate(self, t: BlockTable, query: torch.Tensor, chosen, scaling: float,
+                      visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Attention of ``query`` over the sealed blocks of ``t`` outside ``chosen``, estimated
+        from the digest (``rest_attention="estimate"``): each key centroid is one key standing
+        for the ``digest_tokens`` tokens it averages (``log(digest_tokens)`` added to its logit,
+        so its weight is that of as many equal keys), whose value is the mean of the values of
+        its ``value_digest_tokens`` sub-block.
+
+        Args:
+            query: [q_heads, q_len, head_dim]; chosen: the block indices attended exactly (any
+                order; the open block may be among them); scaling: the logits' scale.
+            visible: bool [>= n_sealed * block_tokens] (CPU) or None: the tokens the step's mask
+                lets the query see; a block with a hidden token is left out.
+        Returns:
+            ``(out, lse)``, float32 ``[q_heads, q_len, head_dim]`` and ``[q_heads, q_len]``: the
+            softmax-weighted values of the estimate and the natural log of its softmax
+            denominator; None when no block is left to estimate.
+        """
+        lay = self.layout
+        ns = t.n_sealed
+        keep = np.ones(ns, dtype=np.bool_)
+        keep[[b for b in chosen if b < ns]] = False
+        if visible is not None:
+            keep &= visible[: ns * lay.block_tokens].view(ns, lay.block_tokens).all(dim=1).numpy()
+        qh, ql, hd = query.shape
+        kvh = lay.kv_heads
+        q = self.query_rows(query)  # [kv_heads, G*q_len, hd]
+        logn = math.log(lay.block_tokens // lay.digest_parts)
+        if self.compiled:
+            r = score_cpu.rest_attend(q, t.digest, t.digest_scale, t.vdigest, t.vdigest_scale,
+                                      keep.view(np.uint8), lay.value_parts, scaling, logn)
+            return None if r is None else (r[0].view(qh, ql, hd), r[1].view(qh, ql))
+        rest = torch.from_numpy(np.flatnonzero(keep))
+        if rest.numel() == 0:
+            return None
+        rest = rest.to(lay.device)
+        keys = t.key_centroids(rest).view(kvh, -1, hd)  # [kv_heads, m*parts, hd]
+        values = t.value_means(rest)  # [kv_heads, m, value_parts, hd]
+        values = values.repeat_interleave(lay.digest_parts // lay.value_parts, dim=2).view(kvh, -1, hd)
+        logits = torch.bmm(q, keys.transpose(1, 2)).mul_(scaling)  # [kv_heads, G*q_len, m*parts]
+        logits += logn
+        lse = torch.logsumexp(logits, dim=-1)  # [kv_heads, G*q_len]
+        out = torch.bmm(torch.softmax(logits, dim=-1), values)  # [kv_heads, G*q_len, hd]
+        return out.view(qh, ql, hd), lse.view(qh, ql)
+
     def observe(self, t: BlockTable, blocks, mass, snap_steps: int) -> None:
         """Accumulate ``mass`` per block of ``blocks`` (a trailing extra one: the open block)."""
         m = mass.tolist() if isinstance(mass, torch.Tensor) else list(mass)

@@ -432,6 +432,23 @@ class KVStore:
         self.prefetcher.selected(self.residency.tables_of(seq), layer, sel)
         return sel
 
+    @property
+    def estimates_rest(self) -> bool:
+        """Whether :meth:`estimate_rest` has a digest to estimate from (sparse mode with
+        ``rest_attention="estimate"``)."""
+        return self.layout.value_parts > 0 and self.layout.digest_score is not None
+
+    def estimate_rest(self, seq: int, layer: int, query: torch.Tensor, chosen, scaling: float,
+                      visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The attention of ``query`` over the sealed blocks not in ``chosen`` (the blocks a
+        step attends exactly), estimated from their digests: ``(out, lse)`` or None when none
+        is left (see :meth:`.select.Selector.rest_estimate`, which documents the arguments)."""
+        if not self.estimates_rest:
+            raise ValueError(f"estimate_rest() needs attention='sparse' and rest_attention='estimate'; this "
+                             f"store's config has attention={self.cfg.attention!r}, "
+                             f"rest_attention={self.cfg.rest_attention!r}")
+        return self.selector.rest_estimate(self._table(seq, layer), query, chosen, scaling, visible)
+
     def gather_blocks(self, seq: int, layer: int, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """K, V of ``blocks`` (sorted sealed indices) followed by the open block, copied out of L1.
 

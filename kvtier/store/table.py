@@ -173,13 +173,14 @@ def digest_rows_held(sealed: int) -> int:
 
 
 def digest_row_bytes(kv_heads: int, head_dim: int, select_score: str, digest_parts: int,
-                     digest_dtype: torch.dtype) -> int:
+                     digest_dtype: torch.dtype, value_parts: int = 0) -> int:
     """Bytes of one sealed block's digest over its kv heads (:class:`BlockTable`'s row: the
-    summaries ``select_score`` needs of each of ``digest_parts`` sub-blocks, and with int8
-    ``digest_dtype`` one float32 scale per sub-block)."""
-    width = len(DIGEST_PARTS[select_score]) * digest_parts * head_dim
-    scales = digest_parts * 4 if digest_dtype == torch.int8 else 0
-    return kv_heads * (width * torch.empty((), dtype=digest_dtype).element_size() + scales)
+    summaries ``select_score`` needs of each of ``digest_parts`` sub-blocks, the means of the
+    values of each of ``value_parts`` sub-blocks, and with int8 ``digest_dtype`` one float32
+    scale per sub-block of each)."""
+    parts = len(DIGEST_PARTS[select_score]) * digest_parts + value_parts
+    scales = (digest_parts + value_parts) * 4 if digest_dtype == torch.int8 else 0
+    return kv_heads * (parts * head_dim * torch.empty((), dtype=digest_dtype).element_size() + scales)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,12 +211,16 @@ class BlockTable:
     ``digest_dtype`` int8 (``KVTierConfig.digest_dtype``): the same rows as int8 codes, each
     sub-block's (each quest row's) against its own absmax, with ``digest_scale`` float32
     ``[kv_heads, cap, parts]`` (:func:`quantize_rows`).
+    ``value_parts`` > 0 (``rest_attention="estimate"``): ``vdigest`` holds the means of the
+    values of that many equal sub-blocks per sealed block and kv head ->
+    ``[kv_heads, cap, value_parts * head_dim]``, stored as the key digest is (int8 codes with
+    ``vdigest_scale`` ``[kv_heads, cap, value_parts]``, or the KV dtype); else None.
     Rows ``[0, n_sealed)`` are valid; the table's row capacity grows by a quarter (``DIGEST_GROWTH``) when a seal needs more.
     """
 
     def __init__(self, seq: int, layer: int, kv_heads: int, head_dim: int, device: torch.device,
                  digest_dtype: torch.dtype, select_score: str | None = None, digest_parts: int = 1,
-                 base: int = 0, cap: int = 0) -> None:
+                 base: int = 0, cap: int = 0, value_parts: int = 0) -> None:
         self.seq = seq
         self.layer = layer
         self.base = base                       # first L1 slot of this table's region
@@ -239,8 +244,11 @@ class BlockTable:
         self.open_np = None                    # the same slot as a numpy array (CPU store)
         self.select_score = select_score
         self.digest_parts = digest_parts
+        self.value_parts = value_parts
         self.digest: torch.Tensor | None = None
         self.digest_scale: torch.Tensor | None = None  # int8 digests: [kv_heads, cap, parts] float32
+        self.vdigest: torch.Tensor | None = None
+        self.vdigest_scale: torch.Tensor | None = None  # int8: [kv_heads, cap, value_parts] float32
         self._digest_t: tuple | None = None   # (lo, hi, views) of the last digest_t() call
         if select_score is not None:
             width = len(DIGEST_PARTS[select_score]) * digest_parts * head_dim
@@ -248,6 +256,10 @@ class BlockTable:
             self.digest = torch.empty(kv_heads, rows, width, dtype=digest_dtype, device=device)
             if digest_dtype == torch.int8:
                 self.digest_scale = torch.empty(kv_heads, rows, digest_parts, dtype=torch.float32, device=device)
+            if value_parts:
+                self.vdigest = torch.empty(kv_heads, rows, value_parts * head_dim, dtype=digest_dtype, device=device)
+                if digest_dtype == torch.int8:
+                    self.vdigest_scale = torch.empty(kv_heads, rows, value_parts, dtype=torch.float32, device=device)
 
     def take_slot(self, e: BlockEntry, slot: int) -> None:
         """``e`` now holds L1 slot ``slot`` (store lock held)."""
@@ -296,19 +308,19 @@ class BlockTable:
     def n_sealed(self) -> int:
         return max(0, len(self.entries) - 1)
 
+    def _digest_tensors(self) -> tuple:
+        """The tensors the digest rows live in (keys, their scales, value means, theirs)."""
+        return tuple(x for x in (self.digest, self.digest_scale, self.vdigest, self.vdigest_scale)
+                     if x is not None)
+
     def digest_row_bytes(self) -> int:
-        """Bytes of one sealed block's digest, int8 scales included (0 without digests)."""
-        d, sc = self.digest, self.digest_scale
-        if d is None:
-            return 0
-        return d.shape[0] * d.shape[2] * d.element_size() + (0 if sc is None else sc.shape[0] * sc.shape[2] * 4)
+        """Bytes of one sealed block's digest, value means and int8 scales included (0 without
+        digests)."""
+        return sum(x.shape[0] * x.shape[2] * x.element_size() for x in self._digest_tensors())
 
     def digest_reserved_bytes(self) -> int:
         """Bytes the digest table holds, capacity included."""
-        if self.digest is None:
-            return 0
-        sc = self.digest_scale
-        return self.digest.numel() * self.digest.element_size() + (0 if sc is None else sc.numel() * 4)
+        return sum(x.numel() * x.element_size() for x in self._digest_tensors())
 
     def digest_t(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Digests of sealed blocks [lo, hi) as ``[kv_heads, width, hi - lo]`` (ready as the right
@@ -333,21 +345,21 @@ class BlockTable:
         self._digest_t = (lo, hi, view, scale)
         return view, scale
 
-    def set_digest(self, b: int, keys: torch.Tensor) -> None:
-        """Record the digest of sealed block ``b``; keys: [kv_heads, block_tokens, head_dim]."""
+    def set_digest(self, b: int, keys: torch.Tensor, values: torch.Tensor | None = None) -> None:
+        """Record the digest of sealed block ``b``; keys, values: [kv_heads, block_tokens,
+        head_dim] (values are read only when the table keeps value means)."""
         if self.digest is None:
             return
         if self.digest.is_inference() and not torch.is_inference_mode_enabled():
             # grown during an inference_mode() prefill; a plain copy can be written outside it
-            self.digest = self.digest.clone()
-            if self.digest_scale is not None:
-                self.digest_scale = self.digest_scale.clone()
-            self._digest_t = None
+            self._set_digest_tensors([x.clone() for x in self._digest_tensors()])
         if b >= self.digest.shape[1]:
-            self.digest = _grown(self.digest, b)
-            if self.digest_scale is not None:
-                self.digest_scale = _grown(self.digest_scale, b)
-            self._digest_t = None  # views of the old table
+            self._set_digest_tensors([_grown(x, b) for x in self._digest_tensors()])
+        if self.vdigest is not None:
+            kvh, bt, hd = values.shape
+            p = self.value_parts  # [kv_heads, parts, bt / parts, hd] -> means [kv_heads, parts, hd]
+            self._put_row(self.vdigest, self.vdigest_scale, b,
+                          values.reshape(kvh, p, bt // p, hd).mean(dim=2, dtype=torch.float32))
         kvh, bt, hd = keys.shape
         if self.select_score == "centroid":
             p = self.digest_parts  # [kv_heads, parts, bt / parts, hd] -> means [kv_heads, parts, hd]
@@ -355,19 +367,55 @@ class BlockTable:
         else:
             lo, hi = torch.aminmax(keys, dim=1)  # [kv_heads, head_dim] each
             new = torch.cat((hi, lo), dim=1).unsqueeze(1)  # [kv_heads, 1, 2 * head_dim]
-        row = self.digest[:, b]  # [kv_heads, width]
-        if self.digest_scale is None:
+        self._put_row(self.digest, self.digest_scale, b, new)
+
+    @staticmethod
+    def _put_row(table: torch.Tensor, scales: torch.Tensor | None, b: int, new: torch.Tensor) -> None:
+        """Row ``b`` of ``table`` becomes ``new`` [kv_heads, parts, width], as int8 codes with
+        their ``scales`` when the table is int8."""
+        kvh = new.shape[0]
+        row = table[:, b]  # [kv_heads, parts * width]
+        if scales is None:
             row.copy_(new.reshape(kvh, -1))
         else:
             q, scale = quantize_rows(new)
             row.copy_(q.view(kvh, -1))
-            self.digest_scale[:, b].copy_(scale)
+            scales[:, b].copy_(scale)
+
+    def _set_digest_tensors(self, new: list[torch.Tensor]) -> None:
+        """Replace the digest tensors (in :meth:`_digest_tensors`' order) by ``new``."""
+        it = iter(new)
+        self.digest = next(it)
+        self.digest_scale = None if self.digest_scale is None else next(it)
+        self.vdigest = None if self.vdigest is None else next(it)
+        self.vdigest_scale = None if self.vdigest_scale is None else next(it)
+        self._digest_t = None  # views of the old tensors
+
+    def value_means(self, blocks: torch.Tensor) -> torch.Tensor:
+        """float32 ``[kv_heads, len(blocks), value_parts, head_dim]``: the value means of sealed
+        ``blocks`` (int64 indices), dequantized."""
+        kvh = self.vdigest.shape[0]
+        v = self.vdigest.index_select(1, blocks).float().view(kvh, blocks.numel(), self.value_parts, -1)
+        if self.vdigest_scale is not None:
+            v = v * self.vdigest_scale.index_select(1, blocks).unsqueeze(-1)
+        return v
+
+    def key_centroids(self, blocks: torch.Tensor) -> torch.Tensor:
+        """float32 ``[kv_heads, len(blocks), digest_parts, head_dim]``: the key centroids of
+        sealed ``blocks`` (int64 indices; centroid digests), dequantized."""
+        kvh = self.digest.shape[0]
+        k = self.digest.index_select(1, blocks).float().view(kvh, blocks.numel(), self.digest_parts, -1)
+        if self.digest_scale is not None:
+            k = k * self.digest_scale.index_select(1, blocks).unsqueeze(-1)
+        return k
 
     def copy_digest_from(self, src: "BlockTable") -> None:
         """This table's digests become a copy of ``src``'s (a fork)."""
         if src.digest is not None:
-            self.digest = src.digest.clone()
-            self.digest_scale = None if src.digest_scale is None else src.digest_scale.clone()
+            def copy(x):
+                return None if x is None else x.clone()
+            self.digest, self.digest_scale = copy(src.digest), copy(src.digest_scale)
+            self.vdigest, self.vdigest_scale = copy(src.vdigest), copy(src.vdigest_scale)
             self._digest_t = None
 
 

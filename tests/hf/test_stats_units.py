@@ -83,7 +83,7 @@ def test_conversation_and_store_figures_in_readme_units(model, tokenizer, tmp_pa
         b.close()
 
 
-def test_sparse_conversation_counts_its_key_digests_in_l1(model, tokenizer):
+def test_sparse_conversation_counts_its_digests_in_l1(model, tokenizer):
     c = model.config
     layers, kvh = c.num_hidden_layers, c.num_key_value_heads
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -91,8 +91,10 @@ def test_sparse_conversation_counts_its_key_digests_in_l1(model, tokenizer):
     with kvtier.attach(model, cfg) as cache:
         _prefill(model, cache, text_ids(tokenizer, 7 * BT + 1, offset=2400))  # 7 sealed blocks + 1 token
         conv = cache.stats()["conversation"]
-    # an int8 centroid (head_dim bytes) and a float32 scale per kv head, layer and digest_tokens tokens
-    digests = 7 * BT // cfg.digest_tokens * kvh * (hd + 4) * layers
+    # an int8 row (head_dim bytes) and a float32 scale per kv head and layer: a key centroid per
+    # digest_tokens tokens and a value mean per value_digest_tokens tokens
+    rows = 7 * BT // cfg.digest_tokens + 7 * BT // cfg.value_digest_tokens
+    digests = rows * kvh * (hd + 4) * layers
     assert conv["digest_bytes"] == digests
     assert conv["bytes"]["l1"] == conv["blocks"]["l1"] * BT * 2 * kvh * hd * 4 + digests
 

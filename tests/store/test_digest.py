@@ -1,5 +1,6 @@
-"""Key digests: kept only for sparse attention, only what ``select_score`` reads, in the KV dtype
-or as int8 rows with a float32 scale each, and counted in L1's bytes."""
+"""Digests: kept only for sparse attention, only what ``select_score`` reads (and the value means
+``rest_attention="estimate"`` reads), in the KV dtype or as int8 rows with a float32 scale each,
+and counted in L1's bytes."""
 import json
 
 import pytest
@@ -10,18 +11,21 @@ from tests.store.conftest import make_store
 KVH, HD, BT = 2, 8, 4
 
 
-@pytest.mark.parametrize("score,width", [("centroid", HD), ("quest", 2 * HD)])
+@pytest.mark.parametrize("score,rest,width,vwidth", [("centroid", "estimate", HD, HD), ("centroid", "drop", HD, 0),
+                                                    ("quest", "drop", 2 * HD, 0)])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_digest_bytes_are_counted_in_l1(score, width, dtype):
+def test_digest_bytes_are_counted_in_l1(score, rest, width, vwidth, dtype):
     st = make_store(None, num_layers=2, block_tokens=BT, device_tokens=64, budget_tokens=16, dtype=dtype,
-                    attention="sparse", select_score=score, digest_tokens=BT, digest_dtype="kv", prefetch=False)
+                    attention="sparse", select_score=score, digest_tokens=BT, digest_dtype="kv", prefetch=False,
+                    rest_attention=rest)
     s = st.add_sequence()
     st.append(s, 0, torch.randn(KVH, 37, HD).to(dtype), torch.randn(KVH, 37, HD).to(dtype))  # 9 sealed + 1
     st.append(s, 1, torch.randn(KVH, 8, HD).to(dtype), torch.randn(KVH, 8, HD).to(dtype))    # 1 sealed + 1
     t = st.residency.tables[s][0]
     assert t.digest.dtype == dtype and tuple(t.digest.shape[::2]) == (KVH, width)
     elem = torch.empty((), dtype=dtype).element_size()
-    want = (9 + 1) * KVH * width * elem
+    assert (t.vdigest is None) == (vwidth == 0)
+    want = (9 + 1) * KVH * (width + vwidth) * elem  # key summaries and value means of 9 + 1 sealed blocks
     stats = st.stats()
     assert stats["digest_bytes"] == want
     assert stats["digest_reserved_bytes"] >= want
@@ -35,10 +39,11 @@ def test_centroid_digest_is_the_key_mean():
     st = make_store(None, num_layers=1, block_tokens=BT, device_tokens=64, budget_tokens=16, dtype=torch.float32,
                     attention="sparse", select_score="centroid", digest_tokens=BT, digest_dtype="kv", prefetch=False)
     s = st.add_sequence()
-    k = torch.randn(KVH, 9, HD)
-    st.append(s, 0, k, k)
+    k, v = torch.randn(KVH, 9, HD), torch.randn(KVH, 9, HD)
+    st.append(s, 0, k, v)
     t = st.residency.tables[s][0]
     assert torch.allclose(t.digest[:, :2], k[:, :8].view(KVH, 2, BT, HD).mean(2))
+    assert torch.allclose(t.vdigest[:, :2], v[:, :8].view(KVH, 2, BT, HD).mean(2))  # value_digest_tokens = BT
     st.close()
 
 
@@ -76,7 +81,8 @@ def test_sub_block_centroids_are_the_sub_block_means_and_counted():
     t = st.residency.tables[s][0]
     subs = k[:, :8].view(KVH, 2, 2, BT // 2, HD).mean(3)  # [kv_heads, block, sub-block, hd]
     assert torch.allclose(t.digest[:, :2], subs.reshape(KVH, 2, 2 * HD))
-    assert st.stats()["digest_bytes"] == 2 * KVH * 2 * HD * 4
+    assert st.cfg.value_digest_tokens == BT  # one value mean a block (default 4 = BT)
+    assert st.stats()["digest_bytes"] == 2 * KVH * (2 + 1) * HD * 4  # per block: 2 centroids, 1 value mean
     st.close()
 
 
@@ -143,7 +149,8 @@ def test_int8_digest_is_the_quantized_summary_and_its_bytes_are_counted(score, p
                     prefetch=False)
     s = st.add_sequence()
     k = torch.randn(KVH, 4 * BT + 1, HD).to(dtype)
-    st.append(s, 0, k, k)
+    v = torch.randn(KVH, 4 * BT + 1, HD).to(dtype)
+    st.append(s, 0, k, v)
     t = st.residency.tables[s][0]
     assert t.digest.dtype == torch.int8 and t.digest_scale.shape[::2] == (KVH, parts)
     blocks = k[:, :4 * BT].float().view(KVH, 4, parts, BT // parts, HD)
@@ -157,6 +164,13 @@ def test_int8_digest_is_the_quantized_summary_and_its_bytes_are_counted(score, p
     assert ((got - want).abs() <= step * (0.5 + 1e-5)).all()
     width = (2 if score == "quest" else parts) * HD
     per_block = KVH * (width + 4 * parts)  # int8 codes + one float32 scale per centroid (quest row)
+    if score == "centroid":  # and a value mean of the block (value_digest_tokens = BT), int8 the same way
+        vwant = v[:, :4 * BT].float().view(KVH, 4, 1, BT, HD).mean(3)
+        vgot = dequantize_rows(t.vdigest[:, :4].view(*vwant.shape).contiguous(), t.vdigest_scale[:, :4])
+        assert ((vgot - vwant).abs() <= vwant.abs().amax(dim=-1, keepdim=True) / 127 * (0.5 + 1e-5)).all()
+        per_block += KVH * (HD + 4)
+    else:
+        assert t.vdigest is None
     stats = st.stats()
     assert stats["digest_bytes"] == 4 * per_block
     assert stats["digest_reserved_bytes"] >= 4 * per_block
@@ -224,7 +238,8 @@ def test_int8_digest_is_smaller_than_the_kv_dtype_one_at_twice_the_resolution():
     sizes = {}
     for dd, dt in (("kv", 4), ("int8", 2)):
         st = make_store(None, num_layers=1, head_dim=hd, block_tokens=16, device_tokens=256, budget_tokens=64, host_bytes=1 << 20,
-                        dtype=torch.bfloat16, attention="sparse", digest_tokens=dt, digest_dtype=dd, prefetch=False)
+                        dtype=torch.bfloat16, attention="sparse", digest_tokens=dt, digest_dtype=dd, prefetch=False,
+                        rest_attention="drop")  # key centroids only
         s = st.add_sequence()
         st.append(s, 0, torch.randn(KVH, 161, hd).bfloat16(), torch.randn(KVH, 161, hd).bfloat16())
         sizes[dd] = st.stats()["digest_bytes"]
@@ -243,6 +258,8 @@ def test_fork_copies_int8_digests():
     a, b = st.residency.tables[s][0], st.residency.tables[f][0]
     assert torch.equal(a.digest[:, :4], b.digest[:, :4]) and torch.equal(a.digest_scale[:, :4], b.digest_scale[:, :4])
     assert a.digest_scale.data_ptr() != b.digest_scale.data_ptr()
+    assert torch.equal(a.vdigest[:, :4], b.vdigest[:, :4]) and torch.equal(a.vdigest_scale[:, :4], b.vdigest_scale[:, :4])
+    assert a.vdigest.data_ptr() != b.vdigest.data_ptr() and a.vdigest_scale.data_ptr() != b.vdigest_scale.data_ptr()
     q = torch.randn(4, 1, HD)
     assert st.select(s, 0, q) == st.select(f, 0, q)
     st.close()

@@ -1,0 +1,183 @@
+"""rest_attention="estimate": the blocks a sparse step does not select are attended from their
+digests (key centroids, value means) and merged with the exact part by log-sum-exp."""
+import math
+
+import pytest
+import torch
+
+from kvtier.config import KVTierConfig
+from kvtier.hf.sparse import budgeted_attention
+from kvtier.store import score_cpu
+from tests.store.conftest import make_store
+
+KVH, HD, BT = 2, 8, 4
+
+
+def _store(dtype=torch.float32, **kw):
+    base = dict(num_layers=1, block_tokens=BT, device_tokens=64, budget_tokens=16, dtype=dtype,
+                attention="sparse", codec="fp32" if dtype == torch.float32 else "fp16", host_bytes=1 << 20,
+                prefetch=False, sink_tokens=BT, window_tokens=BT)
+    base.update(kw)
+    return make_store(None, **base)
+
+
+def _full_attention(q, k, v, scaling):
+    """softmax(q K^T) V over every token: q [q_heads, 1, hd], k, v [kv_heads, T, hd] -> [q_heads, hd]."""
+    g = q.shape[0] // k.shape[0]
+    kk, vv = k.float().repeat_interleave(g, 0), v.float().repeat_interleave(g, 0)
+    p = torch.softmax(q.float() @ kk.transpose(1, 2) * scaling, dim=-1)  # [q_heads, 1, T]
+    return (p @ vv)[:, 0]
+
+
+@pytest.mark.parametrize("qheads", [2, 6])
+def test_with_one_token_centroids_the_estimate_completes_exact_attention(qheads):
+    """digest_tokens = value_digest_tokens = 1 in the KV dtype: each centroid is one key and its
+    value, so selected blocks (exact) + the estimate (every other token) is full attention."""
+    torch.manual_seed(0)
+    st = _store(digest_tokens=1, value_digest_tokens=1, digest_dtype="kv")
+    s = st.add_sequence()
+    T = 15 * BT + 3
+    k, v = torch.randn(KVH, T, HD), torch.randn(KVH, T, HD)
+    st.append(s, 0, k, v)
+    q = torch.randn(1, qheads, 1, HD) * 2
+    scaling = HD ** -0.5
+    r = budgeted_attention(st, [s], 0, q, None, scaling, 16, observe=False)
+    assert r.selected_blocks < 15  # the budget left most blocks to the estimate
+    want = _full_attention(q[0], k, v, scaling)
+    assert torch.allclose(r.out[0, 0].float(), want, atol=1e-5, rtol=1e-4)
+    st.close()
+
+
+def test_drop_attends_only_the_selected_blocks_and_estimate_differs():
+    torch.manual_seed(1)
+    outs = {}
+    for rest in ("drop", "estimate"):
+        st = _store(rest_attention=rest)
+        s = st.add_sequence()
+        g = torch.Generator().manual_seed(3)
+        k, v = torch.randn(KVH, 63, HD, generator=g), torch.randn(KVH, 63, HD, generator=g)
+        st.append(s, 0, k, v)
+        q = torch.randn(1, 4, 1, HD, generator=g)
+        outs[rest] = budgeted_attention(st, [s], 0, q, None, HD ** -0.5, 16, observe=False).out
+        st.close()
+    assert not torch.allclose(outs["drop"], outs["estimate"])
+
+
+def test_a_budget_covering_the_context_leaves_nothing_to_estimate():
+    st = _store()
+    s = st.add_sequence()
+    st.append(s, 0, torch.randn(KVH, 10, HD), torch.randn(KVH, 10, HD))
+    sel = st.select(s, 0, torch.randn(4, 1, HD), 16)  # every sealed block
+    assert st.estimate_rest(s, 0, torch.randn(4, 1, HD), sel, 0.3) is None
+    st.close()
+
+
+def test_blocks_with_a_hidden_token_are_left_out():
+    """The step's mask hides a token (padding): its block is not estimated, the others are."""
+    torch.manual_seed(2)
+    st = _store(digest_tokens=1, value_digest_tokens=1, digest_dtype="kv", sink_tokens=0, window_tokens=0)
+    s = st.add_sequence()
+    T = 8 * BT + 1
+    k, v = torch.randn(KVH, T, HD), torch.randn(KVH, T, HD)
+    st.append(s, 0, k, v)
+    q = torch.randn(4, 1, HD)
+    visible = torch.ones(T, dtype=torch.bool)
+    visible[1] = False  # block 0
+    chosen = [5, 6, 7, 8]
+    out, lse = st.estimate_rest(s, 0, q, chosen, HD ** -0.5, visible)
+    rest = torch.arange(BT, 5 * BT)  # blocks 1..4: block 0 has the hidden token
+    g = 2
+    logits = (q @ k[:, rest].repeat_interleave(g, 0).transpose(1, 2)) * HD ** -0.5  # [4, 1, n]
+    assert torch.allclose(lse, torch.logsumexp(logits, -1), atol=1e-5)
+    want = torch.softmax(logits, -1) @ v[:, rest].repeat_interleave(g, 0)
+    assert torch.allclose(out, want, atol=1e-5)
+    st.close()
+
+
+@pytest.mark.skipif(not score_cpu.available(), reason="no C compiler: the torch path only")
+@pytest.mark.parametrize("dtype,digest_dtype", [(torch.float32, "int8"), (torch.float32, "kv"),
+                                                (torch.bfloat16, "kv"), (torch.bfloat16, "int8")])
+@pytest.mark.parametrize("bt,dt,vt", [(16, 2, 4), (16, 2, 2), (16, 4, 16), (4, 1, 4), (8, 8, 8)])
+def test_compiled_estimate_matches_the_torch_specification(dtype, digest_dtype, bt, dt, vt):
+    g = torch.Generator().manual_seed(bt * 100 + dt * 10 + vt)
+    hd, kvh = 64, 2
+    st = make_store(None, num_layers=1, kv_heads=kvh, head_dim=hd, block_tokens=bt, device_tokens=8 * bt,
+                    budget_tokens=4 * bt, dtype=dtype, attention="sparse", codec="fp16" if dtype != torch.float32
+                    else "fp32", host_bytes=4 << 20, prefetch=False, digest_tokens=dt, value_digest_tokens=vt,
+                    digest_dtype=digest_dtype)
+    s = st.add_sequence()
+    T = 37 * bt + 5
+    st.append(s, 0, (torch.randn(kvh, T, hd, generator=g) * 3).to(dtype), torch.randn(kvh, T, hd, generator=g).to(dtype))
+    sel = st.selector
+    t = st.residency.tables[s][0]
+    assert sel.compiled
+    for trial in range(4):
+        q = (torch.randn(7 * kvh, 1, hd, generator=g) * (1 + trial)).to(dtype)
+        chosen = sorted(torch.randperm(37, generator=g)[: 3 + 5 * trial].tolist()) + [37]
+        visible = None if trial < 2 else torch.rand(T, generator=g) > 0.02
+        got = sel.rest_estimate(t, q, chosen, 0.125, visible)
+        sel.compiled = False
+        want = sel.rest_estimate(t, q, chosen, 0.125, visible)
+        sel.compiled = True
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert torch.allclose(got[1], want[1], atol=1e-4, rtol=1e-5), (got[1] - want[1]).abs().max()
+            assert torch.allclose(got[0], want[0], atol=1e-4, rtol=1e-4), (got[0] - want[0]).abs().max()
+    st.close()
+
+
+def test_estimate_is_the_specification_math():
+    """Selector.rest_estimate (torch path) against the formula written out: each centroid a key
+    with logit + log(digest_tokens), the value of its value sub-block's mean."""
+    g = torch.Generator().manual_seed(5)
+    st = _store(block_tokens=8, device_tokens=64, budget_tokens=32, digest_tokens=2, value_digest_tokens=4,
+                digest_dtype="kv", sink_tokens=8, window_tokens=8)
+    st.selector.compiled = False
+    s = st.add_sequence()
+    T = 12 * 8 + 1
+    k, v = torch.randn(KVH, T, HD, generator=g), torch.randn(KVH, T, HD, generator=g)
+    st.append(s, 0, k, v)
+    q = torch.randn(4, 1, HD, generator=g)
+    chosen = [0, 3, 11, 12]
+    out, lse = st.estimate_rest(s, 0, q, chosen, 0.4)
+    rest = [b for b in range(12) if b not in chosen]
+    keys = torch.cat([k[:, b * 8:(b + 1) * 8].reshape(KVH, 4, 2, HD).mean(2) for b in rest], 1)  # [kvh, 32, hd]
+    vals = torch.cat([v[:, b * 8:(b + 1) * 8].reshape(KVH, 2, 4, HD).mean(2).repeat_interleave(2, 1)
+                      for b in rest], 1)
+    logits = q @ keys.repeat_interleave(2, 0).transpose(1, 2) * 0.4 + math.log(2)  # [4, 1, 32]
+    assert torch.allclose(lse, torch.logsumexp(logits, -1), atol=1e-5)
+    assert torch.allclose(out, torch.softmax(logits, -1) @ vals.repeat_interleave(2, 0), atol=1e-5)
+    st.close()
+
+
+def test_dense_and_drop_stores_refuse_estimate_rest_by_name():
+    st = _store(rest_attention="drop")
+    s = st.add_sequence()
+    st.append(s, 0, torch.randn(KVH, 9, HD), torch.randn(KVH, 9, HD))
+    with pytest.raises(ValueError, match="rest_attention='estimate'"):
+        st.estimate_rest(s, 0, torch.randn(4, 1, HD), [0], 0.3)
+    assert st.residency.tables[s][0].vdigest is None
+    st.close()
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(select_score="quest", rest_attention="estimate"), "needs select_score='centroid'"),
+    (dict(rest_attention="drop", value_digest_tokens=4), "only for rest_attention='estimate'"),
+    (dict(digest_tokens=2, value_digest_tokens=3), "multiple of digest_tokens"),
+    (dict(digest_tokens=4, value_digest_tokens=2), "multiple of digest_tokens"),
+    (dict(value_digest_tokens=32), "value_digest_tokens must be an int"),
+    (dict(rest_attention="approx"), "rest_attention must be"),
+])
+def test_bad_rest_settings_name_the_field(kw, match):
+    with pytest.raises(ValueError, match=match):
+        KVTierConfig(block_tokens=16, device_tokens=64, attention="sparse", **kw)
+
+
+def test_defaults_estimate_with_centroids_and_follow_the_score():
+    cfg = KVTierConfig(device_tokens=64, attention="sparse")
+    assert (cfg.rest_attention, cfg.digest_tokens, cfg.value_digest_tokens) == ("estimate", 2, 4)
+    import dataclasses
+    q = dataclasses.replace(cfg, select_score="quest")
+    assert q.rest_attention == "drop" and q.value_digest_tokens is None
+    assert KVTierConfig(device_tokens=66, attention="sparse", block_tokens=6).value_digest_tokens == 2  # 4 does not divide 6
+    assert KVTierConfig(device_tokens=64, attention="sparse", digest_tokens=8).value_digest_tokens == 8  # 4 is no multiple of 8
