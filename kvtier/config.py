@@ -320,27 +320,23 @@ class KVTierConfig:
     bytes each with int8 ``digest_dtype``. Why 2: docs/results/config-defaults.md#digest_tokens."""
 
     digest_dtype: DigestDType = "int8"
-    """How the key digests are stored in L1. ``int8``: each centroid (each quest max | min row) as int8
-    codes against its own absmax with a float32 scale: ``head_dim + 4`` bytes against ``2 * head_dim``
-    in a 16-bit KV dtype; the scorer reads the codes in place (error per channel at most absmax / 254).
-    ``kv``: in the KV dtype, as the model wrote them. Default ``int8``: nearly the same blocks selected
-    for about half the bytes (docs/results/config-defaults.md#digest_dtype)."""
+    """How the digests (key summaries; the value means of ``rest_attention="estimate"``) are stored in L1. ``int8``:
+    each row as int8 codes against its own absmax with a float32 scale: ``head_dim + 4`` bytes against
+    ``2 * head_dim`` in a 16-bit KV dtype; the scorer reads the codes in place (error per channel at most absmax /
+    254). ``kv``: in the KV dtype, as the model wrote them. Default ``int8``: nearly the same blocks selected for
+    about half the bytes (docs/results/config-defaults.md#digest_dtype)."""
 
     rest_attention: Optional[RestAttention] = None
-    """Sparse mode: what a step makes of the candidate blocks it does not select. ``estimate`` (default
-    with ``centroid``): attends them too, approximately: each ``digest_tokens`` sub-block counts as that
-    many tokens with its key centroid for a key and the mean of its ``value_digest_tokens`` values for a
-    value, and this estimate is merged with the exact attention over the selected blocks by their
-    log-sum-exps, so the attention mass a small budget leaves out still reaches the output. The digest
-    then also keeps value means (``value_digest_tokens``). ``drop`` (default with ``quest``, which keeps
-    no centroids): the selected blocks alone, the rest ignored. A budget covering the context leaves
-    nothing to estimate. Why ``estimate``: docs/results/config-defaults.md#rest_attention."""
+    """Sparse mode: what a step makes of the candidate blocks it does not select. ``estimate`` (default with
+    ``centroid``): attends them approximately, each key centroid a key standing for the ``digest_tokens`` tokens it
+    averages, valued by the mean of its ``value_digest_tokens`` values (kept in the digest), merged with the exact
+    attention over the selected blocks by log-sum-exp. ``drop`` (default with ``quest``, which keeps no centroids):
+    the selected blocks alone. Why ``estimate``: docs/results/config-defaults.md#rest_attention."""
 
     value_digest_tokens: Optional[int] = None
-    """``rest_attention="estimate"`` only: tokens whose values one mean of the digest stands for; a
-    multiple of ``digest_tokens`` that divides ``block_tokens``. Default (derived) 4 where that fits,
-    else ``digest_tokens``. Costs ``block_tokens / value_digest_tokens`` rows per block and kv head in
-    L1, stored as ``digest_dtype`` says (``head_dim + 4`` bytes each in int8)."""
+    """``rest_attention="estimate"`` only: tokens whose values one mean of the digest stands for; a multiple of
+    ``digest_tokens`` that divides ``block_tokens``. Default (derived) 4 where that fits, else ``digest_tokens``.
+    Costs ``block_tokens / value_digest_tokens`` rows per block and kv head in L1, stored as ``digest_dtype`` says."""
 
     attention_math: AttentionMath = "sdpa"
     """How kvtier's own attention computes where it replaces the model's (sparse decode, and multi-token

@@ -26,7 +26,7 @@ ADVANCED = {
     "precision", "heavy_codec", "cold_codec", "heavy_fraction", "cold_fraction", "cold_key_outliers",
     "recall_mass", "recall_reference", "key_axis", "value_axis", "int2_key_outliers", "int8_zero_point",
     "int8_value_axis", "snapkv_observe_steps", "high_watermark", "low_watermark", "evict_batch_blocks",
-    "select_score", "digest_tokens", "digest_dtype", "attention_math", "prefetch", "prefetch_blocks",
+    "select_score", "digest_tokens", "digest_dtype", "value_digest_tokens", "attention_math", "prefetch", "prefetch_blocks",
     "byte_stage_min_saving", "byte_stage_l2", "host_overflow_bytes", "group_size",
 }
 

@@ -159,11 +159,18 @@ static float softmax_exps(float *sr, int64_t m) {
     return 1.f / sum;
 }
 
-/* out[j] = max(out[j], softmax(sr)[j]) over sr[0..m); sr is overwritten. A NaN probability
-   never raises out[j] (as the scalar loop). */
-static void softmax_max(float *sr, int64_t m, float *out) {
+/* out[j] = max(out[j], softmax(sr)[j]) over sr[0..m); sr is left holding exp(sr[j] - max).
+   Returns 1 / the sum of those exps. A NaN probability never raises out[j] (as the scalar loop). */
+static float softmax_max(float *sr, int64_t m, float *out) {
     float inv = softmax_exps(sr, m);
     for (int64_t j = 0; j < m; j++) { float p = sr[j] * inv; out[j] = p > out[j] ? p : out[j]; }
+    return inv;
+}
+
+static float row_max(const float *sr, int64_t m) {
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < m; j++) if (sr[j] > mx) mx = sr[j];
+    return mx;
 }
 
 /* s[r * stride + j] = scale * rs[j] * (q[r] . row j) for the n rows of hd elements at element
@@ -193,10 +200,12 @@ static void row_logits(const float *q, int64_t R, int64_t hd, const void *src, i
    Returns 0, or -1 when out of memory. */
 /* per_head: out is [H][m], each head's own scores (centroid: its best row's softmax; quest: its
    bound), which the shared score folds (max, or sum for quest) into [m]. */
+/* exps (centroid only; NULL: not kept): [H][R][m] receives each head's and row's exp(logit -
+   max), rmax [H][R] that max (the rest estimate of kvt_block_top reads them). */
 static int block_scores(const float *q, int64_t H, int64_t R, int64_t hd, const void *dig,
                         int64_t head_stride, int64_t width, int kind, const float *rscale,
                         int64_t rscale_stride, int64_t m, _Bool quest, float scale, _Bool per_head,
-                        float *out_all) {
+                        float *out_all, float *exps, float *rmax) {
     /* s: [R][m] logits; buf: four converted digest rows; qq: quest's [R][max(q,0) | min(q,0)] of
        the current head; d4: the [R][4] dots of four rows */
     float *s = (float *)malloc(sizeof(float) * (size_t)(R * m + 4 * width + 2 * R * hd + 4 * R));
@@ -229,8 +238,12 @@ static int block_scores(const float *q, int64_t H, int64_t R, int64_t hd, const 
             }
             continue;
         }
-        row_logits(qh, R, hd, dig, h * head_stride, kind, rs, scale, m, buf, s, m);  /* width == hd here */
-        for (int64_t r = 0; r < R; r++) softmax_max(s + r * m, m, out);
+        float *sh = exps ? exps + h * R * m : s;
+        row_logits(qh, R, hd, dig, h * head_stride, kind, rs, scale, m, buf, sh, m);  /* width == hd here */
+        for (int64_t r = 0; r < R; r++) {
+            if (rmax) rmax[h * R + r] = row_max(sh + r * m, m);
+            softmax_max(sh + r * m, m, out);
+        }
     }
     free(s);
     return 0;
@@ -240,7 +253,7 @@ int kvt_block_scores(const float *q, int64_t H, int64_t R, int64_t hd, const voi
                      int64_t head_stride, int64_t width, int kind, const float *rscale,
                      int64_t rscale_stride, int64_t m, _Bool quest, float scale, float *out) {
     return block_scores(q, H, R, hd, dig, head_stride, width, kind, rscale, rscale_stride, m, quest, scale,
-                        0, out);
+                        0, out, NULL, NULL);
 }
 
 /* k-th largest of a[0..n) (0-based k < n); reorders a (Hoare quickselect, middle pivot). */
@@ -308,6 +321,56 @@ static void rank(const float *sc, int64_t *idx, int64_t n) {
     }
 }
 
+/* The estimate's value pass, shared by kvt_block_top and kvt_rest_attend. The rest are the
+   blocks j < m with skip[j] == 0. exps: per head and query row, exp(logit - rmax[h][r]) of
+   each scored centroid ([H][R][M]): block j's centroid p in column j*parts + p when `dense`
+   (every block was scored), else in the next `parts` columns after the rest blocks before j.
+   Writes out [H][R][hd] = the rest's softmax-weighted value rows (centroid p's value row
+   p / (parts / vparts) of its block) and lse [H][R] = rmax + log(the rest's sum of exps) + logn
+   (-inf, out 0, when that sum is 0). scratch: 4*hd + 2*R floats. */
+static void rest_values(const float *exps, const float *rmax, int64_t H, int64_t R, int64_t hd, int64_t m,
+                        int64_t parts, int64_t vparts, const unsigned char *skip, _Bool dense, int kind,
+                        const void *vdig, int64_t v_head_stride, const float *vrs, int64_t vrs_stride,
+                        float logn, float *scratch, float *out, float *lse) {
+    int64_t per = parts / vparts, M = 0;
+    for (int64_t j = 0; j < m; j++) M += dense || !skip[j] ? parts : 0;
+    float *buf = scratch, *w = buf + 4 * hd, *z = w + R;
+    for (int64_t h = 0; h < H; h++) {
+        const float *eh = exps + h * R * M;
+        float *oh = out + h * R * hd;
+        for (int64_t r = 0; r < R * hd; r++) oh[r] = 0.f;
+        for (int64_t r = 0; r < R; r++) z[r] = 0.f;
+        for (int64_t j = 0, col = 0; j < m; j++) {
+            if (skip[j]) { col += dense ? parts : 0; continue; }
+            for (int64_t g = 0; g < vparts; g++, col += per) {
+                int64_t vi = j * vparts + g;
+                const float *v = rows_f32(vdig, h * v_head_stride + vi * hd, hd, 1, kind, buf);
+                float vs = kind == DIG_INT8 ? vrs[h * vrs_stride + vi] : 1.f;
+                for (int64_t r = 0; r < R; r++) {
+                    float x = 0.f;
+                    for (int64_t p = 0; p < per; p++) x += eh[r * M + col + p];
+                    z[r] += x;
+                    w[r] = x * vs;
+                }
+                for (int64_t r = 0; r < R; r++) {
+                    float *o = oh + r * hd, wr = w[r];
+                    for (int64_t d = 0; d < hd; d++) o[d] += wr * v[d];
+                }
+            }
+        }
+        for (int64_t r = 0; r < R; r++) {
+            float *o = oh + r * hd;
+            if (z[r] > 0.f) {
+                float inv = 1.f / z[r];
+                for (int64_t d = 0; d < hd; d++) o[d] *= inv;
+                lse[h * R + r] = rmax[h * R + r] + logf(z[r]) + logn;
+            } else {
+                lse[h * R + r] = -INFINITY;
+            }
+        }
+    }
+}
+
 /* The k best of m blocks as ascending indices into idx[k]. Shared (per_head false): every block
    scoring above the k-th best score, then the lowest-indexed ties at it. NaN scores (a NaN query)
    rank last. Per head: each kv head ranks the blocks on its own scores (ties to the lower index)
@@ -316,36 +379,50 @@ static void rank(const float *sc, int64_t *idx, int64_t n) {
    block is `parts` consecutive digest rows of `width` floats (sub-block centroids): the rows are
    scored as m * parts candidates (one softmax over all of them) and a block scores as its best
    row; int8 scales are per row, so rscale holds m * parts of them per head. Other arguments as
-   kvt_block_scores (m = blocks). Returns 0, or -1 when out of memory. */
+   kvt_block_scores (m = blocks).
+   With vdig (centroid only; NULL: none), the attention over the blocks not taken is estimated
+   from the same logits, as kvt_rest_attend computes it: value rows of block j at element offset
+   h*v_head_stride + (j*vparts + g)*hd of vdig (the table's row lo, as dig), kind and int8 scales
+   vrs as dig's; est_out [H][R][hd] and est_lse [H][R] as kvt_rest_attend's out and lse (lse
+   -inf where every block was taken). Returns 0, or -1 when out of memory. */
 int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *dig,
                   int64_t head_stride, int64_t width, int kind, const float *rscale,
                   int64_t rscale_stride, int64_t m, _Bool quest, float scale, int64_t parts,
                   int64_t k, _Bool per_head, const int64_t *favor, int64_t nfavor, float gain,
-                  int64_t *idx) {
+                  int64_t *idx, const void *vdig, int64_t v_head_stride, const float *vrs,
+                  int64_t vrs_stride, int64_t vparts, float logn, float *est_out, float *est_lse) {
     int64_t heads = per_head ? H : 1;
+    _Bool est = vdig != NULL && !quest;
     /* scores [heads][m*parts], scratch [m], each head's ranked top k [heads][k] and next position
-       [heads], taken flags [m] */
-    int64_t nf = heads * m * parts + m;
+       [heads], taken flags [m]; estimating: exps [H][R][m*parts], their row maxima [H][R] and
+       scratch for rest_values (four rows, R weights, R sums) */
+    int64_t nf = heads * m * parts + m + (est ? H * R * m * parts + H * R + 4 * hd + 2 * R : 0);
     nf += nf & 1;   /* the int64 arrays after the floats start 8-byte aligned */
     size_t bytes = sizeof(float) * (size_t)nf + sizeof(int64_t) * (size_t)(heads * k + heads) + (size_t)m;
     float *sc = (float *)malloc(bytes);
     if (!sc) return -1;
+    float *tmp = sc + heads * m * parts;
+    float *exps = est ? tmp + m : NULL, *rmax = est ? exps + H * R * m * parts : NULL;
     if (block_scores(q, H, R, hd, dig, head_stride, width, kind, rscale, rscale_stride, m * parts,
-                     quest, scale, per_head, sc)) {
+                     quest, scale, per_head, sc, exps, rmax)) {
         free(sc);
         return -1;
     }
-    float *tmp = sc + heads * m * parts;
+    int64_t *order = (int64_t *)(sc + nf);
+    unsigned char *taken = (unsigned char *)(order + heads * k + heads);
+    memset(taken, 0, (size_t)m);
     if (!per_head) {
         fold_parts(sc, m, parts);
         lift(sc, m, favor, nfavor, gain);
         top_k(sc, m, k, tmp, idx);
+        if (est) {
+            for (int64_t i = 0; i < k; i++) taken[idx[i]] = 1;
+            rest_values(exps, rmax, H, R, hd, m, parts, vparts, taken, 1, kind, vdig, v_head_stride, vrs,
+                        vrs_stride, logn, rmax + H * R, est_out, est_lse);
+        }
         free(sc);
         return 0;
     }
-    int64_t *order = (int64_t *)(sc + nf);
-    unsigned char *taken = (unsigned char *)(order + H * k + H);
-    memset(taken, 0, (size_t)m);
     for (int64_t h = 0; h < H; h++) {
         float *sh = sc + h * m * parts;
         fold_parts(sh, m, parts);
@@ -363,6 +440,9 @@ int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *
             if (next[h] < k) { taken[o[next[h]++]] = 1; n++; }
         }
     for (int64_t j = 0, w = 0; j < m; j++) if (taken[j]) idx[w++] = j;
+    if (est)
+        rest_values(exps, rmax, H, R, hd, m, parts, vparts, taken, 1, kind, vdig, v_head_stride, vrs,
+                    vrs_stride, logn, rmax + H * R, est_out, est_lse);
     free(sc);
     return 0;
 }
@@ -409,55 +489,36 @@ int64_t kvt_rest_attend(const float *q, int64_t H, int64_t R, int64_t hd, int ki
     int64_t nb = 0;
     for (int64_t b = 0; b < m; b++) nb += keep[b] != 0;
     if (nb == 0) return 0;
-    int64_t M = nb * parts, per = parts / vparts;
-    /* s: [R][M] logits, then their exps; buf: four converted rows; w: [R] weights of one value
-       row; inv: [R] 1 / each row's sum of exps */
-    float *s = (float *)malloc(sizeof(float) * (size_t)(R * M + 4 * hd + 2 * R));
+    int64_t M = nb * parts;
+    /* exps [H][R][M] (logits first), row maxima [H][R], skip flags' room; scratch: four
+       converted rows, then rest_values' 4*hd + 2*R */
+    float *s = (float *)malloc(sizeof(float) * (size_t)(H * R * M + H * R + 4 * hd + 2 * R) + (size_t)m);
     if (!s) return -1;
-    float *buf = s + R * M, *w = buf + 4 * hd, *inv = w + R;
+    float *rmax = s + H * R * M, *buf = rmax + H * R;
+    unsigned char *skip = (unsigned char *)(buf + 4 * hd + 2 * R);
+    for (int64_t b = 0; b < m; b++) skip[b] = !keep[b];
     for (int64_t h = 0; h < H; h++) {
         const float *qh = q + h * R * hd;
         const float *kr = kind == DIG_INT8 ? krs + h * krs_stride : NULL;
+        float *sh = s + h * R * M;
         /* logits of each run of kept blocks (its centroid rows are consecutive in the table) */
-        int64_t col = 0;
-        for (int64_t b = 0; b < m;) {
+        for (int64_t b = 0, col = 0; b < m;) {
             if (!keep[b]) { b++; continue; }
             int64_t e = b;
             while (e < m && keep[e]) e++;
             int64_t n = (e - b) * parts;
             row_logits(qh, R, hd, kdig, h * k_head_stride + b * parts * hd, kind, kr ? kr + b * parts : NULL,
-                       scale, n, buf, s + col, M);
+                       scale, n, buf, sh + col, M);
             col += n;
             b = e;
         }
-        float *oh = out + h * R * hd;
         for (int64_t r = 0; r < R; r++) {
-            float *sr = s + r * M, mx = -INFINITY;
-            for (int64_t j = 0; j < M; j++) if (sr[j] > mx) mx = sr[j];
-            inv[r] = softmax_exps(sr, M);   /* sr: exp(s - max) */
-            lse[h * R + r] = mx + logn - logf(inv[r]);
-            for (int64_t d = 0; d < hd; d++) oh[r * hd + d] = 0.f;
-        }
-        /* out[r] = sum over value rows of (the exps of the centroids it stands for) * row, / sum */
-        col = 0;
-        for (int64_t b = 0; b < m; b++) {
-            if (!keep[b]) continue;
-            for (int64_t g = 0; g < vparts; g++, col += per) {
-                int64_t vi = b * vparts + g;
-                const float *v = rows_f32(vdig, h * v_head_stride + vi * hd, hd, 1, kind, buf);
-                float vs = kind == DIG_INT8 ? vrs[h * vrs_stride + vi] : 1.f;
-                for (int64_t r = 0; r < R; r++) {
-                    float x = 0.f;
-                    for (int64_t p = 0; p < per; p++) x += s[r * M + col + p];
-                    w[r] = x * vs * inv[r];
-                }
-                for (int64_t r = 0; r < R; r++) {
-                    float *o = oh + r * hd, wr = w[r];
-                    for (int64_t d = 0; d < hd; d++) o[d] += wr * v[d];
-                }
-            }
+            rmax[h * R + r] = row_max(sh + r * M, M);
+            softmax_exps(sh + r * M, M);   /* sr: exp(s - max) */
         }
     }
+    rest_values(s, rmax, H, R, hd, m, parts, vparts, skip, 0, kind, vdig, v_head_stride, vrs, vrs_stride,
+                logn, buf, out, lse);
     free(s);
     return nb;
 }

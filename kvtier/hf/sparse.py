@@ -42,9 +42,15 @@ def budgeted_attention(store: KVStore, seqs: list[int], layer: int, query: torch
             function: :func:`.attention.base_attention`), in the KV dtype
             (``attention_math="sdpa"``), instead of :func:`attend_blocks`' wider type.
     """
-    sels, ks, vs, ps = [], [], [], []
+    sels, ks, vs, ps, rests = [], [], [], [], []
+    estimate = store.estimates_rest
     for row, seq in enumerate(seqs):
-        sel = store.select(seq, layer, query[row], budget_tokens)  # query[row]: [q_heads, 1, head_dim]
+        if estimate:  # and the estimate of the blocks left out, (out, lse) or None
+            sel, rest = store.select_with_rest(seq, layer, query[row], budget_tokens, scaling,
+                                               _visible(attention_mask, row))
+            rests.append(rest)
+        else:
+            sel = store.select(seq, layer, query[row], budget_tokens)  # query[row]: [q_heads, 1, head_dim]
         # views of L1 ([kv_heads, n, head_dim], pos [n]), valid until this layer's next store
         # call: consumed below (stacked/padded or attended) before that; sel: their block order
         k, v, pos, sel = store.gather_view(seq, layer, sel)
@@ -90,8 +96,8 @@ def budgeted_attention(store: KVStore, seqs: list[int], layer: int, query: torch
         out = base_attention(sdpa_module, query, k, v, mask, scaling=scaling)[0]  # [B, 1, q_heads, D]
         # the mass ranks blocks (H2O): float32 is precise enough, the output does not use it
         mass = key_mass(query, k, mask, scaling) if observe else None
-    if store.estimates_rest:
-        out = with_rest(store, seqs, layer, query, k, mask, attention_mask, scaling, sels, out)
+    if any(r is not None for r in rests):
+        out = with_rest(query, k, mask, scaling, rests, out)
     observed = []
     if observe:
         bt = store.block_tokens
@@ -104,29 +110,29 @@ def budgeted_attention(store: KVStore, seqs: list[int], layer: int, query: torch
     return SparseResult(out, n, sum(len(s) - 1 for s in sels), observed)
 
 
-def with_rest(store: KVStore, seqs: list[int], layer: int, query: torch.Tensor, keys: torch.Tensor,
-              mask: torch.Tensor | None, attention_mask: torch.Tensor | None, scaling: float,
-              sels: list[list[int]], out: torch.Tensor) -> torch.Tensor:
-    """``out``, the exact attention over the gathered blocks, merged with the store's estimate of
+def _visible(attention_mask: torch.Tensor | None, row: int) -> torch.Tensor | None:
+    """The tokens the step's mask [B|1, 1, 1, T] (bool, or additive float) lets batch row
+    ``row`` see, bool [T] on the CPU; None when it hides none (or there is no mask)."""
+    if attention_mask is None:
+        return None
+    m = attention_mask[row if attention_mask.shape[0] > 1 else 0, 0, -1]
+    m = m if m.dtype == torch.bool else m == 0
+    return None if bool(m.all()) else m.cpu()
+
+
+def with_rest(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+              rests: list, out: torch.Tensor) -> torch.Tensor:
+    """``out``, the exact attention over the gathered blocks, merged with each row's estimate of
     the attention over the blocks the step left out (``rest_attention="estimate"``).
 
     Two softmaxes over disjoint keys merge exactly by their log-sum-exps l1, l2: the full
     softmax gives the first part the weight exp(l1) / (exp(l1) + exp(l2)) = sigmoid(l1 - l2).
 
     Args:
-        keys: the gathered keys [B, kv_heads, n, head_dim]; mask: their mask [B, 1, 1, n] or None;
-        attention_mask: the step's own mask [B|1, 1, 1, T] (bool, or additive float) or None;
-        sels: each row's attended blocks; out: [B, 1, q_heads, head_dim].
+        query: [B, q_heads, 1, head_dim]; keys: the gathered keys [B, kv_heads, n, head_dim];
+        mask: their mask [B, 1, 1, n] or None; rests: per row, ``(out [q_heads, 1, head_dim],
+        lse [q_heads, 1])`` of the estimate, or None; out: [B, 1, q_heads, head_dim].
     """
-    rows = []
-    for row, seq in enumerate(seqs):
-        visible = None
-        if attention_mask is not None:
-            m = attention_mask[row if attention_mask.shape[0] > 1 else 0, 0, -1]
-            visible = (m if m.dtype == torch.bool else m == 0).cpu()
-        rows.append(store.estimate_rest(seq, layer, query[row], sels[row], scaling, visible))
-    if all(r is None for r in rows):
-        return out
     b, qh, ql, d = query.shape
     kvh = keys.shape[1]
     q = query.reshape(b, kvh, qh // kvh * ql, d).float()
@@ -135,10 +141,10 @@ def with_rest(store: KVStore, seqs: list[int], layer: int, query: torch.Tensor, 
         logits = logits.masked_fill(~mask, float("-inf"))  # mask [B, 1, 1, n]: q_len is 1
     lse = torch.logsumexp(logits, dim=-1).view(b, qh, ql).transpose(1, 2)  # [B, q_len, q_heads]
     merged = out.float()
-    for row, r in enumerate(rows):
+    for row, r in enumerate(rests):
         if r is not None:
             rest_out, rest_lse = r[0].transpose(0, 1), r[1].transpose(0, 1)  # [q_len, q_heads, (D)]
-            w = torch.sigmoid(lse[row] - rest_lse).unsqueeze(-1)  # exact part's share
+            w = torch.sigmoid(lse[row] - rest_lse).unsqueeze(-1)  # the exact part's share
             merged[row] = torch.lerp(rest_out, merged[row], w)
     return merged.to(out.dtype)
 

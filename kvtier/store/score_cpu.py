@@ -45,7 +45,8 @@ def _declare(lib: ctypes.CDLL) -> None:
                                      ctypes.c_float, vp]
     lib.kvt_block_scores.restype = c_int
     lib.kvt_block_top.argtypes = lib.kvt_block_scores.argtypes[:-1] + [i64, i64, ctypes.c_bool, vp, i64,
-                                                                       ctypes.c_float, vp]
+                                                                       ctypes.c_float, vp, vp, i64, vp, i64,
+                                                                       i64, ctypes.c_float, vp, vp]
     lib.kvt_block_top.restype = c_int
     lib.kvt_key_mass.argtypes = [vp, i64, i64, i64, vp, i64, c_int, i64, ctypes.c_float, vp]
     lib.kvt_key_mass.restype = c_int
@@ -121,7 +122,7 @@ def block_scores(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest:
 
 def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: bool, scale: float,
                k: int, parts: int = 1, digest_scale: torch.Tensor | None = None,
-               per_head: bool = False, favor=None, gain: float = 0.0) -> list[int]:
+               per_head: bool = False, favor=None, gain: float = 0.0, values: tuple | None = None):
     """The ``k`` best-scoring digest rows of [lo, hi), ascending, as offsets from ``lo``.
 
     The same scores as :func:`block_scores`; the selection is done in C too (no score tensor, no
@@ -135,6 +136,10 @@ def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: b
     (``select_heads="per_head"``; ``select.round_robin`` is the specification).
     ``favor``: offsets from ``lo`` (an int64 numpy array; others out of range are ignored) whose
     block scores rise by ``gain`` times their magnitude before the ranking (``select.lift``).
+    ``values`` (centroid only): ``(vdigest, vdigest_scale, value_parts, logn)`` as
+    :func:`rest_attend` takes them; then the attention over the rows of [lo, hi) not taken is
+    estimated from the same logits (``scale`` must be the attention's) and the call returns
+    ``(top, (out, lse))`` (lse -inf where every row was taken), as :func:`rest_attend` would.
     """
     fn = _load().kvt_block_top
     qh, ql, hd = q.shape
@@ -147,11 +152,20 @@ def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: b
     kind, base, sbase, sstride = _digest_args(digest, digest_scale, lo, parts)
     out = (ctypes.c_int64 * k)()
     sub = width // parts  # one sub-block row: the rows of a block are consecutive
+    est = vargs = None
+    if values is not None:
+        vdigest, vscale, vparts, logn = values
+        assert (not quest and vdigest.dtype == digest.dtype and vdigest.is_contiguous()
+                and tuple(vdigest.shape) == (kvh, cap, vparts * hd) and parts % vparts == 0), \
+            f"vdigest {tuple(vdigest.shape)} for digest {tuple(digest.shape)}, {vparts} value parts"
+        _, vbase, vsbase, vsstride = _digest_args(vdigest, vscale, lo, vparts)
+        est = (torch.empty(kvh, r, hd, dtype=torch.float32), torch.empty(kvh, r, dtype=torch.float32))
+        vargs = (vbase, cap * vparts * hd, vsbase, vsstride, vparts, logn, est[0].data_ptr(), est[1].data_ptr())
     if fn(q.data_ptr(), kvh, r, hd, base, cap * width, sub, kind, sbase, sstride, hi - lo, quest, scale, parts,
           k, per_head, None if favor is None else favor.ctypes.data, 0 if favor is None else len(favor),
-          gain, out):
+          gain, out, *(vargs or (None, 0, None, 0, 0, 0.0, None, None))):
         raise MemoryError("kvt_block_top: out of memory")
-    return out[:]
+    return out[:] if est is None else (out[:], est)
 
 
 def key_mass(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor | None:

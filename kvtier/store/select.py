@@ -24,23 +24,51 @@ class Selector:
 
     def select(self, t: BlockTable, query: torch.Tensor, budget: int) -> list[int]:
         """Sorted sealed block indices to attend within ``budget`` tokens (open block included)."""
+        return self._select(t, query, budget, None)[0]
+
+    def select_with_rest(self, t: BlockTable, query: torch.Tensor, budget: int, scaling: float,
+                         visible: torch.Tensor | None = None) -> tuple[list[int], tuple | None]:
+        """:meth:`select`, and :meth:`rest_estimate` of the blocks it leaves out: ``(sel, (out,
+        lse) or None)``. On the CPU, where every token is visible and the attention's scale is
+        the scorer's, the estimate comes from the scorer's own logits (one compiled call)."""
+        fused = (self.compiled and visible is None
+                 and math.isclose(scaling, self.layout.head_dim ** -0.5, rel_tol=1e-6))
+        sel, est = self._select(t, query, budget, scaling if fused else None)
+        if est is None:
+            return sel, self.rest_estimate(t, query, sel, scaling, visible)
+        out, lse = est
+        if bool(torch.isinf(lse).all()):  # every candidate was taken
+            return sel, None
+        qh, ql, hd = query.shape
+        return sel, (out.view(qh, ql, hd), lse.view(qh, ql))
+
+    def _select(self, t: BlockTable, query: torch.Tensor, budget: int, rest_scaling: float | None):
+        """(:meth:`select`'s blocks, the compiled scorer's estimate of the candidates it did not
+        take or None): the estimate only with ``rest_scaling`` (the scorer's scale), on the
+        compiled path, when there are candidates to score."""
         lay = self.layout
         ns = t.n_sealed
         nb = budget // lay.block_tokens - 1
         if ns <= nb:
-            return list(range(ns))
+            return list(range(ns)), None
         s_end = min(lay.sink_blocks, nb)
         w_start = max(s_end, ns - min(lay.window_blocks, nb - s_end))
         k = nb - s_end - (ns - w_start)
         sel = list(range(s_end))
+        est = None
         if k > 0:
             gain = lay.stickiness
             favor = self.resident_offsets(t, s_end, w_start) if gain > 0 else None
             if self.compiled:
                 # scores and selection in one compiled call, already ascending
+                values = None if rest_scaling is None else (
+                    t.vdigest, t.vdigest_scale, lay.value_parts, math.log(lay.block_tokens // lay.digest_parts))
                 top = score_cpu.top_blocks(self.query_f32(query), t.digest, s_end, w_start,
                                         lay.digest_score == "quest", lay.head_dim ** -0.5, k,
-                                        lay.digest_parts, t.digest_scale, lay.select_per_head, favor, gain)
+                                        lay.digest_parts, t.digest_scale, lay.select_per_head, favor, gain,
+                                        values)
+                if values is not None:
+                    top, est = top
                 sel += [b + s_end for b in top]
             elif lay.select_per_head:
                 scores = lift(self.head_scores(t, query, s_end, w_start), favor, gain)
@@ -50,7 +78,7 @@ class Selector:
                 top = torch.topk(scores, k, sorted=False).indices.tolist()
                 sel += sorted(b + s_end for b in top)
         sel += range(w_start, ns)
-        return sel
+        return sel, est
 
     @staticmethod
     def resident_offsets(t: BlockTable, lo: int, hi: int) -> np.ndarray:

@@ -417,6 +417,13 @@ class KVStore:
         Returns:
             Sorted block indices.
         """
+        t, budget = self._select_args(seq, layer, budget_tokens)
+        sel = self.selector.select(t, query, budget)
+        self.prefetcher.selected(self.residency.tables_of(seq), layer, sel)
+        return sel
+
+    def _select_args(self, seq: int, layer: int, budget_tokens: int | None):
+        """(the checked table, the checked budget) of a select call."""
         self._check_open()
         if self.layout.digest_score is None:
             raise ValueError(f"select() needs attention='sparse' (key digests are kept only in sparse "
@@ -428,9 +435,7 @@ class KVStore:
             # whole blocks only: a selection is whole blocks, another count would be rounded down
             raise ValueError(f"budget_tokens must be a whole number of blocks (block_tokens={bt}) in "
                              f"[{bt}, {self.layout.device_blocks * bt}]; got {budget}")
-        sel = self.selector.select(t, query, budget)
-        self.prefetcher.selected(self.residency.tables_of(seq), layer, sel)
-        return sel
+        return t, budget
 
     @property
     def estimates_rest(self) -> bool:
@@ -438,16 +443,30 @@ class KVStore:
         ``rest_attention="estimate"``)."""
         return self.layout.value_parts > 0 and self.layout.digest_score is not None
 
+    def select_with_rest(self, seq: int, layer: int, query: torch.Tensor, budget_tokens: int, scaling: float,
+                         visible: torch.Tensor | None = None) -> tuple[list[int], tuple | None]:
+        """:meth:`select`, and :meth:`estimate_rest` of the blocks it leaves out (in one pass of
+        the scorer where it can): ``(blocks, (out, lse) or None)``; the decode path's call with
+        ``rest_attention="estimate"``."""
+        self._need_estimates()
+        t, budget = self._select_args(seq, layer, budget_tokens)
+        sel, est = self.selector.select_with_rest(t, query, budget, scaling, visible)
+        self.prefetcher.selected(self.residency.tables_of(seq), layer, sel)
+        return sel, est
+
     def estimate_rest(self, seq: int, layer: int, query: torch.Tensor, chosen, scaling: float,
                       visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The attention of ``query`` over the sealed blocks not in ``chosen`` (the blocks a
         step attends exactly), estimated from their digests: ``(out, lse)`` or None when none
         is left (see :meth:`.select.Selector.rest_estimate`, which documents the arguments)."""
-        if not self.estimates_rest:
-            raise ValueError(f"estimate_rest() needs attention='sparse' and rest_attention='estimate'; this "
-                             f"store's config has attention={self.cfg.attention!r}, "
-                             f"rest_attention={self.cfg.rest_attention!r}")
+        self._need_estimates()
         return self.selector.rest_estimate(self._table(seq, layer), query, chosen, scaling, visible)
+
+    def _need_estimates(self) -> None:
+        if not self.estimates_rest:
+            raise ValueError(f"estimating the unselected blocks needs attention='sparse' and "
+                             f"rest_attention='estimate'; this store's config has "
+                             f"attention={self.cfg.attention!r}, rest_attention={self.cfg.rest_attention!r}")
 
     def gather_blocks(self, seq: int, layer: int, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """K, V of ``blocks`` (sorted sealed indices) followed by the open block, copied out of L1.

@@ -181,3 +181,57 @@ def test_defaults_estimate_with_centroids_and_follow_the_score():
     assert q.rest_attention == "drop" and q.value_digest_tokens is None
     assert KVTierConfig(device_tokens=66, attention="sparse", block_tokens=6).value_digest_tokens == 2  # 4 does not divide 6
     assert KVTierConfig(device_tokens=64, attention="sparse", digest_tokens=8).value_digest_tokens == 8  # 4 is no multiple of 8
+
+
+@pytest.mark.skipif(not score_cpu.available(), reason="no C compiler: the torch path only")
+@pytest.mark.parametrize("per_head", [True, False])
+@pytest.mark.parametrize("digest_dtype,dtype", [("int8", torch.float32), ("kv", torch.bfloat16)])
+@pytest.mark.parametrize("bt,dt,vt", [(16, 2, 4), (8, 1, 8), (4, 4, 4)])
+def test_the_scorer_estimates_what_the_specification_does(per_head, digest_dtype, dtype, bt, dt, vt):
+    """select_with_rest on the compiled path (the estimate from the scorer's own logits) against
+    select + rest_estimate on the torch path: the same blocks, the same estimate."""
+    g = torch.Generator().manual_seed(bt + dt + vt + per_head)
+    hd, kvh = 64, 2
+    st = make_store(None, num_layers=1, kv_heads=kvh, head_dim=hd, block_tokens=bt, device_tokens=8 * bt,
+                    budget_tokens=6 * bt, dtype=dtype, attention="sparse", codec="fp32" if dtype == torch.float32
+                    else "fp16", host_bytes=4 << 20, prefetch=False, digest_tokens=dt, value_digest_tokens=vt,
+                    digest_dtype=digest_dtype, select_heads="per_head" if per_head else "shared",
+                    sink_tokens=bt, window_tokens=bt)
+    s = st.add_sequence()
+    T = 41 * bt + 3
+    st.append(s, 0, (torch.randn(kvh, T, hd, generator=g) * 2).to(dtype), torch.randn(kvh, T, hd, generator=g).to(dtype))
+    t = st.residency.tables[s][0]
+    scaling = hd ** -0.5
+    for trial in range(3):
+        q = (torch.randn(7 * kvh, 1, hd, generator=g) * (1 + trial)).to(dtype)
+        sel, est = st.select_with_rest(s, 0, q, 6 * bt, scaling)
+        st.selector.compiled = False
+        want_sel = st.selector.select(t, q, 6 * bt)
+        want = st.selector.rest_estimate(t, q, want_sel, scaling)
+        st.selector.compiled = True
+        assert sel == want_sel
+        assert torch.allclose(est[1], want[1], atol=1e-4, rtol=1e-5)
+        assert torch.allclose(est[0], want[0], atol=1e-4, rtol=1e-4)
+    st.close()
+
+
+def test_a_step_with_padding_estimates_only_the_visible_blocks():
+    """A left-padded row through budgeted_attention: the blocks holding padding are left out of
+    the estimate (the mask's hidden tokens never reach the output)."""
+    torch.manual_seed(4)
+    st = _store(digest_tokens=1, value_digest_tokens=1, digest_dtype="kv", sink_tokens=0, window_tokens=BT)
+    s = st.add_sequence()
+    T = 12 * BT + 1
+    k, v = torch.randn(KVH, T, HD), torch.randn(KVH, T, HD)
+    st.append(s, 0, k, v)
+    q = torch.randn(1, 4, 1, HD)
+    mask = torch.ones(1, 1, 1, T, dtype=torch.bool)
+    mask[..., : BT + 2] = False  # padding: block 0 and part of block 1
+    r = budgeted_attention(st, [s], 0, q, mask, HD ** -0.5, 16, observe=False)
+    # with one-token centroids the estimate is exact: the result is full attention over the
+    # visible tokens of every block without padding, plus the selected blocks' visible tokens
+    sel = st.select(s, 0, q[0], 16)
+    keep = [p for p in range(T) if mask[0, 0, 0, p] and (p // BT >= 2 or p // BT in sel or p >= 12 * BT)]
+    want = _full_attention(q[0], k[:, keep], v[:, keep], HD ** -0.5)
+    assert torch.allclose(r.out[0, 0].float(), want, atol=1e-5, rtol=1e-4)
+    st.close()
