@@ -321,43 +321,62 @@ static void rank(const float *sc, int64_t *idx, int64_t n) {
     }
 }
 
+enum { VTILE = 16 };   /* value rows converted and accumulated per pass of rest_values */
+
+/* o[r*hd + d] += sum_i w[i*R + r] * tile[i*hd + d] over the n <= VTILE rows of tile (float32),
+   each output chunk of 8 loaded and stored once per tile, not once per row. */
+static void tile_axpy(const float *tile, int64_t n, const float *w, int64_t R, int64_t hd, float *o) {
+    for (int64_t r = 0; r < R; r++) {
+        float *orow = o + r * hd;
+        int64_t d = 0;
+        for (; d + 8 <= hd; d += 8) {
+            v8 acc = ld8(orow + d);
+            for (int64_t i = 0; i < n; i++) acc += w[i * R + r] * ld8(tile + i * hd + d);
+            memcpy(orow + d, &acc, sizeof acc);
+        }
+        for (; d < hd; d++)
+            for (int64_t i = 0; i < n; i++) orow[d] += w[i * R + r] * tile[i * hd + d];
+    }
+}
+
 /* The estimate's value pass, shared by kvt_block_top and kvt_rest_attend. The rest are the
    blocks j < m with skip[j] == 0. exps: per head and query row, exp(logit - rmax[h][r]) of
    each scored centroid ([H][R][M]): block j's centroid p in column j*parts + p when `dense`
    (every block was scored), else in the next `parts` columns after the rest blocks before j.
    Writes out [H][R][hd] = the rest's softmax-weighted value rows (centroid p's value row
    p / (parts / vparts) of its block) and lse [H][R] = rmax + log(the rest's sum of exps) + logn
-   (-inf, out 0, when that sum is 0). scratch: 4*hd + 2*R floats. */
+   (-inf, out 0, when that sum is 0). scratch: VTILE*(hd + R) + R floats. */
 static void rest_values(const float *exps, const float *rmax, int64_t H, int64_t R, int64_t hd, int64_t m,
                         int64_t parts, int64_t vparts, const unsigned char *skip, _Bool dense, int kind,
                         const void *vdig, int64_t v_head_stride, const float *vrs, int64_t vrs_stride,
                         float logn, float *scratch, float *out, float *lse) {
     int64_t per = parts / vparts, M = 0;
     for (int64_t j = 0; j < m; j++) M += dense || !skip[j] ? parts : 0;
-    float *buf = scratch, *w = buf + 4 * hd, *z = w + R;
+    /* tile: VTILE value rows as float32; w: their weights [VTILE][R]; z: [R] sums of exps */
+    float *tile = scratch, *w = tile + VTILE * hd, *z = w + VTILE * R;
     for (int64_t h = 0; h < H; h++) {
         const float *eh = exps + h * R * M;
         float *oh = out + h * R * hd;
         for (int64_t r = 0; r < R * hd; r++) oh[r] = 0.f;
         for (int64_t r = 0; r < R; r++) z[r] = 0.f;
+        int64_t n = 0;
         for (int64_t j = 0, col = 0; j < m; j++) {
             if (skip[j]) { col += dense ? parts : 0; continue; }
             for (int64_t g = 0; g < vparts; g++, col += per) {
                 int64_t vi = j * vparts + g;
-                const float *v = rows_f32(vdig, h * v_head_stride + vi * hd, hd, 1, kind, buf);
                 float vs = kind == DIG_INT8 ? vrs[h * vrs_stride + vi] : 1.f;
                 for (int64_t r = 0; r < R; r++) {
                     float x = 0.f;
                     for (int64_t p = 0; p < per; p++) x += eh[r * M + col + p];
                     z[r] += x;
-                    w[r] = x * vs;
+                    w[n * R + r] = x * vs;
                 }
-                for (int64_t r = 0; r < R; r++) {
-                    float *o = oh + r * hd, wr = w[r];
-                    for (int64_t d = 0; d < hd; d++) o[d] += wr * v[d];
-                }
+                const float *v = rows_f32(vdig, h * v_head_stride + vi * hd, hd, 1, kind, tile + n * hd);
+                if (v != tile + n * hd) memcpy(tile + n * hd, v, sizeof(float) * (size_t)hd);
+                if (++n == VTILE) { tile_axpy(tile, n, w, R, hd, oh); n = 0; }
             }
         }
+        if (n) tile_axpy(tile, n, w, R, hd, oh);
         for (int64_t r = 0; r < R; r++) {
             float *o = oh + r * hd;
             if (z[r] > 0.f) {
@@ -395,8 +414,8 @@ int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *
     _Bool est = vdig != NULL && !quest;
     /* scores [heads][m*parts], scratch [m], each head's ranked top k [heads][k] and next position
        [heads], taken flags [m]; estimating: exps [H][R][m*parts], their row maxima [H][R] and
-       scratch for rest_values (four rows, R weights, R sums) */
-    int64_t nf = heads * m * parts + m + (est ? H * R * m * parts + H * R + 4 * hd + 2 * R : 0);
+       scratch for rest_values */
+    int64_t nf = heads * m * parts + m + (est ? H * R * m * parts + H * R + VTILE * (hd + R) + R : 0);
     nf += nf & 1;   /* the int64 arrays after the floats start 8-byte aligned */
     size_t bytes = sizeof(float) * (size_t)nf + sizeof(int64_t) * (size_t)(heads * k + heads) + (size_t)m;
     float *sc = (float *)malloc(bytes);
@@ -490,12 +509,13 @@ int64_t kvt_rest_attend(const float *q, int64_t H, int64_t R, int64_t hd, int ki
     for (int64_t b = 0; b < m; b++) nb += keep[b] != 0;
     if (nb == 0) return 0;
     int64_t M = nb * parts;
-    /* exps [H][R][M] (logits first), row maxima [H][R], skip flags' room; scratch: four
-       converted rows, then rest_values' 4*hd + 2*R */
-    float *s = (float *)malloc(sizeof(float) * (size_t)(H * R * M + H * R + 4 * hd + 2 * R) + (size_t)m);
+    /* exps [H][R][M] (logits first), row maxima [H][R], scratch (four converted rows for the
+       logits, then rest_values'), skip flags */
+    int64_t nscratch = VTILE * (hd + R) + R;
+    float *s = (float *)malloc(sizeof(float) * (size_t)(H * R * M + H * R + nscratch) + (size_t)m);
     if (!s) return -1;
     float *rmax = s + H * R * M, *buf = rmax + H * R;
-    unsigned char *skip = (unsigned char *)(buf + 4 * hd + 2 * R);
+    unsigned char *skip = (unsigned char *)(buf + nscratch);
     for (int64_t b = 0; b < m; b++) skip[b] = !keep[b];
     for (int64_t h = 0; h < H; h++) {
         const float *qh = q + h * R * hd;
@@ -521,4 +541,55 @@ int64_t kvt_rest_attend(const float *q, int64_t H, int64_t R, int64_t hd, int ki
                 logn, buf, out, lse);
     free(s);
     return nb;
+}
+
+static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, as torch's .to(bfloat16) */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);   /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* A sparse step's exact attention merged with the estimate of the rest (kvtier/hf/sparse.py's
+   with_rest is the specification): lse_e = log sum_j exp(scale * q[h][r] . key[h][j]) over the
+   n gathered keys (as kvt_key_mass reads them: kind float32 or bf16, key j of head h at element
+   offset h * head_stride + j * hd); w = sigmoid(lse_e - rest_lse[h][r]); out[h*R + r] (hd
+   elements, out_kind float32 or bf16, holding the exact part) becomes w * out + (1 - w) *
+   rest_out[h][r], computed in float32 and rounded once. q: [H][R][hd] float32 contiguous, R the
+   query heads of one kv head (q_len 1). Returns 0, or -1 when out of memory. */
+int kvt_merge_rest(const float *q, int64_t H, int64_t R, int64_t hd, const void *keys, int64_t head_stride,
+                   int kind, int64_t n, float scale, const float *rest_out, const float *rest_lse, void *out,
+                   int out_kind) {
+    float *s = (float *)malloc(sizeof(float) * (size_t)(R * n + 4 * hd));
+    if (!s) return -1;
+    float *buf = s + R * n;
+    for (int64_t h = 0; h < H; h++) {
+        row_logits(q + h * R * hd, R, hd, keys, h * head_stride, kind, NULL, scale, n, buf, s, n);
+        for (int64_t r = 0; r < R; r++) {
+            float *sr = s + r * n;
+            float mx = row_max(sr, n);
+            float lse = mx - logf(softmax_exps(sr, n));
+            float rl = rest_lse[h * R + r];
+            float w = 1.f / (1.f + expf(rl - lse));   /* sigmoid(lse - rl); rl = -inf gives 1 */
+            const float *ro = rest_out + (h * R + r) * hd;
+            int64_t base = (h * R + r) * hd;
+            /* torch.lerp's two forms: exact at either end (w = 1 leaves the exact part as it is) */
+            _Bool near = w < 0.5f;
+            float u = 1.f - w;
+            if (out_kind == DIG_F32) {
+                float *o = (float *)out + base;
+                for (int64_t d = 0; d < hd; d++)
+                    o[d] = near ? ro[d] + w * (o[d] - ro[d]) : o[d] - (o[d] - ro[d]) * u;
+            } else {
+                uint16_t *o = (uint16_t *)out + base;
+                for (int64_t d = 0; d < hd; d++) {
+                    float x = bf16_to_f32(o[d]);
+                    o[d] = f32_to_bf16(near ? ro[d] + w * (x - ro[d]) : x - (x - ro[d]) * u);
+                }
+            }
+        }
+    }
+    free(s);
+    return 0;
 }

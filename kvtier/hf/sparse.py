@@ -133,6 +133,11 @@ def with_rest(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None
         mask: their mask [B, 1, 1, n] or None; rests: per row, ``(out [q_heads, 1, head_dim],
         lse [q_heads, 1])`` of the estimate, or None; out: [B, 1, q_heads, head_dim].
     """
+    if mask is None and len(rests) == 1 and out.is_contiguous():
+        # a decode step's case on the CPU: one compiled pass (score_cpu.merge_rest), in place
+        rest_out, rest_lse = rests[0]
+        if score_cpu.merge_rest(query, keys, scaling, rest_out.contiguous(), rest_lse.contiguous(), out):
+            return out
     b, qh, ql, d = query.shape
     kvh = keys.shape[1]
     q = query.reshape(b, kvh, qh // kvh * ql, d).float()

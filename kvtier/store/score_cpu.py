@@ -53,6 +53,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvt_rest_attend.argtypes = [vp, i64, i64, i64, c_int, vp, i64, vp, i64, vp, i64, vp, i64, i64, i64, i64,
                                     vp, ctypes.c_float, ctypes.c_float, vp, vp]
     lib.kvt_rest_attend.restype = i64
+    lib.kvt_merge_rest.argtypes = [vp, i64, i64, i64, vp, i64, c_int, i64, ctypes.c_float, vp, vp, vp, c_int]
+    lib.kvt_merge_rest.restype = c_int
 
 
 _LIB = CLibrary("score", _FLAGS, _declare, "select() uses torch ops")
@@ -234,3 +236,34 @@ def rest_attend(q: torch.Tensor, digest: torch.Tensor, digest_scale: torch.Tenso
     if n < 0:
         raise MemoryError("kvt_rest_attend: out of memory")
     return (out, lse) if n else None
+
+
+def merge_rest(query: torch.Tensor, keys: torch.Tensor, scale: float, rest_out: torch.Tensor,
+               rest_lse: torch.Tensor, out: torch.Tensor) -> bool:
+    """``out`` (the exact attention over ``keys``) merged in place with the estimate of the rest,
+    as ``kvtier.hf.sparse.with_rest`` computes it, in one compiled pass: the exact part's
+    log-sum-exp from ``query`` and ``keys``, then ``lerp(rest_out, out, sigmoid(lse - rest_lse))``.
+
+    Args:
+        query: [1, q_heads, 1, head_dim]; keys: [1, kv_heads, n, head_dim] float32 or bfloat16,
+            rows contiguous within a head (as :func:`key_mass`); rest_out: float32
+            [q_heads, 1, head_dim], rest_lse: float32 [q_heads, 1] (contiguous);
+            out: [1, 1, q_heads, head_dim] float32 or bfloat16, contiguous.
+    Returns:
+        False (nothing done) when these inputs are not the routine's: the caller takes torch.
+    """
+    lib = _load()
+    b, qh, ql, hd = query.shape
+    if (lib is None or b != 1 or ql != 1 or keys.dim() != 4 or keys.shape[0] != 1 or keys.shape[-1] != hd
+            or keys.dtype not in (torch.float32, torch.bfloat16) or keys.device.type != "cpu"
+            or query.device.type != "cpu" or keys.stride(-1) != 1 or keys.stride(-2) != hd
+            or qh % keys.shape[1] or out.dtype not in (torch.float32, torch.bfloat16) or not out.is_contiguous()
+            or out.numel() != qh * hd or rest_out.dtype != torch.float32 or not rest_out.is_contiguous()
+            or rest_lse.dtype != torch.float32 or not rest_lse.is_contiguous()):
+        return False
+    kvh, n = keys.shape[1], keys.shape[2]
+    q = query.reshape(kvh, qh // kvh, hd).to(torch.float32).contiguous()  # [kv_heads, G, D]
+    if lib.kvt_merge_rest(q.data_ptr(), kvh, q.shape[1], hd, keys.data_ptr(), keys.stride(1), _KIND[keys.dtype], n,
+                          scale, rest_out.data_ptr(), rest_lse.data_ptr(), out.data_ptr(), _KIND[out.dtype]):
+        raise MemoryError("kvt_merge_rest: out of memory")
+    return True

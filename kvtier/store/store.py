@@ -2,8 +2,9 @@
 
 ```
  append ──► open block, written in place in its L1 slot
-              │ sealed (next block opens) -> key digest kept in L1 (sparse mode only: the
-              │ per-channel mean for select_score="centroid", max|min for "quest"; KV dtype)
+              │ sealed (next block opens) -> digest kept in L1 (sparse mode only: the keys'
+              │ per-channel mean for select_score="centroid", max|min for "quest", and the
+              │ values' means for rest_attention="estimate"; int8 or the KV dtype)
               ▼
  end_step ──► watermarks: victims chosen by the policy
               │ clean (valid copy below): slot freed at once

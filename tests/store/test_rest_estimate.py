@@ -235,3 +235,27 @@ def test_a_step_with_padding_estimates_only_the_visible_blocks():
     want = _full_attention(q[0], k[:, keep], v[:, keep], HD ** -0.5)
     assert torch.allclose(r.out[0, 0].float(), want, atol=1e-5, rtol=1e-4)
     st.close()
+
+
+@pytest.mark.skipif(not score_cpu.available(), reason="no C compiler: the torch path only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("strided", [False, True])
+def test_compiled_merge_matches_the_torch_merge(dtype, strided, monkeypatch):
+    """score_cpu.merge_rest (a decode step's merge, in place) against with_rest's torch math."""
+    from kvtier.hf import sparse
+    g = torch.Generator().manual_seed(7 + strided)
+    kvh, qh, n, hd = 2, 14, 37, 64
+    query = (torch.randn(1, qh, 1, hd, generator=g) * 2).to(dtype)
+    keys = torch.randn(1, kvh, n + 5 if strided else n, hd, generator=g).to(dtype)
+    if strided:
+        keys = keys[:, :, 2:2 + n]  # a run of the L1 region: rows contiguous, heads apart
+    out = torch.randn(1, 1, qh, hd, generator=g).to(dtype)
+    rest = (torch.randn(qh, 1, hd, generator=g), torch.randn(qh, 1, generator=g) * 3)
+    rest[1][3] = -math.inf  # a head with nothing left to estimate keeps the exact part
+    got = sparse.with_rest(query, keys, None, 0.125, [rest], out.clone())
+    monkeypatch.setattr(score_cpu, "merge_rest", lambda *a: False)
+    want = sparse.with_rest(query, keys, None, 0.125, [rest], out.clone())
+    assert got.dtype == want.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+    assert torch.equal(got[0, 0, 3], out[0, 0, 3])
