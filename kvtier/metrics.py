@@ -38,7 +38,7 @@ METRICS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "kvtier_hits": ("counter", ("tier",), "block reads served by each tier"),
     "kvtier_misses": ("counter", ("tier",), "block reads each tier could not serve"),
     "kvtier_tier_bytes": ("gauge", ("tier",), "bytes of this store's blocks held in each tier (L1: resident "
-                                              "slots and key digests)"),
+                                              "slots and sparse digests)"),
     "kvtier_tier_used_bytes": ("gauge", ("tier",), "bytes each tier has in use (its own accounting)"),
     "kvtier_tokens": ("gauge", (), "tokens of the live sequences, summed over layers"),
     "kvtier_sequences": ("gauge", (), "live sequences"),

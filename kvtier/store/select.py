@@ -36,11 +36,8 @@ class Selector:
         sel, est = self._select(t, query, budget, scaling if fused else None)
         if est is None:
             return sel, self.rest_estimate(t, query, sel, scaling, visible)
-        out, lse = est
-        if bool(torch.isinf(lse).all()):  # every candidate was taken
-            return sel, None
         qh, ql, hd = query.shape
-        return sel, (out.view(qh, ql, hd), lse.view(qh, ql))
+        return sel, (est[0].view(qh, ql, hd), est[1].view(qh, ql))
 
     def _select(self, t: BlockTable, query: torch.Tensor, budget: int, rest_scaling: float | None):
         """(:meth:`select`'s blocks, the compiled scorer's estimate of the candidates it did not
@@ -61,7 +58,9 @@ class Selector:
             favor = self.resident_offsets(t, s_end, w_start) if gain > 0 else None
             if self.compiled:
                 # scores and selection in one compiled call, already ascending
-                values = None if rest_scaling is None else (
+                # an estimate only where candidates are left out (k < w_start - s_end); else the
+                # caller's rest_estimate finds none
+                values = None if rest_scaling is None or k >= w_start - s_end else (
                     t.vdigest, t.vdigest_scale, lay.value_parts, math.log(lay.block_tokens // lay.digest_parts))
                 top = score_cpu.top_blocks(self.query_f32(query), t.digest, s_end, w_start,
                                         lay.digest_score == "quest", lay.head_dim ** -0.5, k,

@@ -200,7 +200,7 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 class BlockTable:
-    """Blocks of one layer of one sequence, plus their key digests (kept on the L1 device).
+    """Blocks of one layer of one sequence, plus their digests (kept on the L1 device).
 
     ``digest`` (sparse attention only, else None): per sealed block and kv head, the per-channel
     summaries of its keys that ``select_score`` ranks by, in the KV dtype (scores are computed in
