@@ -259,3 +259,19 @@ def test_compiled_merge_matches_the_torch_merge(dtype, strided, monkeypatch):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
     assert torch.equal(got[0, 0, 3], out[0, 0, 3])
+
+
+def test_a_batch_estimates_each_row_as_it_would_alone():
+    """Two rows of different lengths (padded in the batch, so the torch merge runs): each row's
+    output equals the same row attended alone (the compiled merge)."""
+    torch.manual_seed(8)
+    st = _store(max_sequences=2, device_tokens=64)
+    a, b = st.add_sequence(), st.add_sequence()
+    st.append(a, 0, torch.randn(KVH, 61, HD), torch.randn(KVH, 61, HD))
+    st.append(b, 0, torch.randn(KVH, 45, HD), torch.randn(KVH, 45, HD))
+    q = torch.randn(2, 4, 1, HD)
+    both = budgeted_attention(st, [a, b], 0, q, None, HD ** -0.5, 16, observe=False).out
+    for row, seq in enumerate((a, b)):
+        alone = budgeted_attention(st, [seq], 0, q[row:row + 1], None, HD ** -0.5, 16, observe=False).out
+        assert torch.allclose(both[row], alone[0], atol=1e-5, rtol=1e-5)
+    st.close()
