@@ -394,20 +394,12 @@ class BlockTable:
     def value_means(self, blocks: torch.Tensor) -> torch.Tensor:
         """float32 ``[kv_heads, len(blocks), value_parts, head_dim]``: the value means of sealed
         ``blocks`` (int64 indices), dequantized."""
-        kvh = self.vdigest.shape[0]
-        v = self.vdigest.index_select(1, blocks).float().view(kvh, blocks.numel(), self.value_parts, -1)
-        if self.vdigest_scale is not None:
-            v = v * self.vdigest_scale.index_select(1, blocks).unsqueeze(-1)
-        return v
+        return _rows_of(self.vdigest, self.vdigest_scale, blocks, self.value_parts)
 
     def key_centroids(self, blocks: torch.Tensor) -> torch.Tensor:
         """float32 ``[kv_heads, len(blocks), digest_parts, head_dim]``: the key centroids of
         sealed ``blocks`` (int64 indices; centroid digests), dequantized."""
-        kvh = self.digest.shape[0]
-        k = self.digest.index_select(1, blocks).float().view(kvh, blocks.numel(), self.digest_parts, -1)
-        if self.digest_scale is not None:
-            k = k * self.digest_scale.index_select(1, blocks).unsqueeze(-1)
-        return k
+        return _rows_of(self.digest, self.digest_scale, blocks, self.digest_parts)
 
     def copy_digest_from(self, src: "BlockTable") -> None:
         """This table's digests become a copy of ``src``'s (a fork)."""
@@ -417,6 +409,15 @@ class BlockTable:
             self.digest, self.digest_scale = copy(src.digest), copy(src.digest_scale)
             self.vdigest, self.vdigest_scale = copy(src.vdigest), copy(src.vdigest_scale)
             self._digest_t = None
+
+
+def _rows_of(table: torch.Tensor, scales: torch.Tensor | None, blocks: torch.Tensor, parts: int) -> torch.Tensor:
+    """Rows ``blocks`` of a digest ``table`` [kv_heads, cap, parts * head_dim] as float32
+    [kv_heads, len(blocks), parts, head_dim], times their int8 ``scales`` where given."""
+    rows = table.index_select(1, blocks).view(table.shape[0], blocks.numel(), parts, -1)
+    if scales is None:
+        return rows.float()
+    return dequantize_rows(rows, scales.index_select(1, blocks))
 
 
 def _grown(old: torch.Tensor, b: int) -> torch.Tensor:
