@@ -323,19 +323,35 @@ static void rank(const float *sc, int64_t *idx, int64_t n) {
 
 enum { VTILE = 16 };   /* value rows converted and accumulated per pass of rest_values */
 
-/* o[r*hd + d] += sum_i w[i*R + r] * tile[i*hd + d] over the n <= VTILE rows of tile (float32),
-   each output chunk of 8 loaded and stored once per tile, not once per row. */
-static void tile_axpy(const float *tile, int64_t n, const float *w, int64_t R, int64_t hd, float *o) {
-    for (int64_t r = 0; r < R; r++) {
-        float *orow = o + r * hd;
+/* Scratch floats rest_values needs: a tile of VTILE value rows, their weights padded to whole
+   groups of 8 query rows, and R sums. */
+static inline int64_t rest_scratch(int64_t hd, int64_t R) { return VTILE * (hd + ((R + 7) & ~7)) + R; }
+
+/* o[r*hd + d] += sum_i w[i*RP + r] * tile[i*hd + d] over the n <= VTILE rows of tile (float32) and
+   the R query rows (w padded with zeros to RP, a multiple of 8). A small matrix product, register
+   blocked: 8 query rows x 16 columns of accumulators, so each tile load feeds 8 FMAs rather than one. */
+static void tile_axpy(const float *tile, int64_t n, const float *w, int64_t R, int64_t RP, int64_t hd, float *o) {
+    for (int64_t r0 = 0; r0 < R; r0 += 8) {
+        int64_t nr = R - r0 < 8 ? R - r0 : 8;
         int64_t d = 0;
-        for (; d + 8 <= hd; d += 8) {
-            v8 acc = ld8(orow + d);
-            for (int64_t i = 0; i < n; i++) acc += w[i * R + r] * ld8(tile + i * hd + d);
-            memcpy(orow + d, &acc, sizeof acc);
+        for (; d + 16 <= hd; d += 16) {
+            v8 a0[8], a1[8];
+            for (int k = 0; k < 8; k++) { a0[k] = (v8){0}; a1[k] = (v8){0}; }
+            for (int64_t i = 0; i < n; i++) {
+                v8 t0 = ld8(tile + i * hd + d), t1 = ld8(tile + i * hd + d + 8);
+                const float *wi = w + i * RP + r0;
+                for (int k = 0; k < 8; k++) { a0[k] += wi[k] * t0; a1[k] += wi[k] * t1; }
+            }
+            for (int64_t k = 0; k < nr; k++) {
+                float *orow = o + (r0 + k) * hd + d;
+                v8 x0 = ld8(orow) + a0[k], x1 = ld8(orow + 8) + a1[k];
+                memcpy(orow, &x0, sizeof x0);
+                memcpy(orow + 8, &x1, sizeof x1);
+            }
         }
         for (; d < hd; d++)
-            for (int64_t i = 0; i < n; i++) orow[d] += w[i * R + r] * tile[i * hd + d];
+            for (int64_t k = 0; k < nr; k++)
+                for (int64_t i = 0; i < n; i++) o[(r0 + k) * hd + d] += w[i * RP + r0 + k] * tile[i * hd + d];
     }
 }
 
@@ -345,15 +361,17 @@ static void tile_axpy(const float *tile, int64_t n, const float *w, int64_t R, i
    (every block was scored), else in the next `parts` columns after the rest blocks before j.
    Writes out [H][R][hd] = the rest's softmax-weighted value rows (centroid p's value row
    p / (parts / vparts) of its block) and lse [H][R] = rmax + log(the rest's sum of exps) + logn
-   (-inf, out 0, when that sum is 0). scratch: VTILE*(hd + R) + R floats. */
+   (-inf, out 0, when that sum is 0). scratch: rest_scratch(hd, R) floats. */
 static void rest_values(const float *exps, const float *rmax, int64_t H, int64_t R, int64_t hd, int64_t m,
                         int64_t parts, int64_t vparts, const unsigned char *skip, _Bool dense, int kind,
                         const void *vdig, int64_t v_head_stride, const float *vrs, int64_t vrs_stride,
                         float logn, float *scratch, float *out, float *lse) {
     int64_t per = parts / vparts, M = 0;
     for (int64_t j = 0; j < m; j++) M += dense || !skip[j] ? parts : 0;
-    /* tile: VTILE value rows as float32; w: their weights [VTILE][R]; z: [R] sums of exps */
-    float *tile = scratch, *w = tile + VTILE * hd, *z = w + VTILE * R;
+    /* tile: VTILE value rows as float32; w: their weights [VTILE][RP] (zero past R); z: [R] sums */
+    int64_t RP = (R + 7) & ~7;
+    float *tile = scratch, *w = tile + VTILE * hd, *z = w + VTILE * RP;
+    for (int64_t i = 0; i < VTILE * RP; i++) w[i] = 0.f;
     for (int64_t h = 0; h < H; h++) {
         const float *eh = exps + h * R * M;
         float *oh = out + h * R * hd;
@@ -369,14 +387,14 @@ static void rest_values(const float *exps, const float *rmax, int64_t H, int64_t
                     float x = 0.f;
                     for (int64_t p = 0; p < per; p++) x += eh[r * M + col + p];
                     z[r] += x;
-                    w[n * R + r] = x * vs;
+                    w[n * RP + r] = x * vs;
                 }
                 const float *v = rows_f32(vdig, h * v_head_stride + vi * hd, hd, 1, kind, tile + n * hd);
                 if (v != tile + n * hd) memcpy(tile + n * hd, v, sizeof(float) * (size_t)hd);
-                if (++n == VTILE) { tile_axpy(tile, n, w, R, hd, oh); n = 0; }
+                if (++n == VTILE) { tile_axpy(tile, n, w, R, RP, hd, oh); n = 0; }
             }
         }
-        if (n) tile_axpy(tile, n, w, R, hd, oh);
+        if (n) tile_axpy(tile, n, w, R, RP, hd, oh);
         for (int64_t r = 0; r < R; r++) {
             float *o = oh + r * hd;
             if (z[r] > 0.f) {
@@ -415,7 +433,7 @@ int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *
     /* scores [heads][m*parts], scratch [m], each head's ranked top k [heads][k] and next position
        [heads], taken flags [m]; estimating: exps [H][R][m*parts], their row maxima [H][R] and
        scratch for rest_values */
-    int64_t nf = heads * m * parts + m + (est ? H * R * m * parts + H * R + VTILE * (hd + R) + R : 0);
+    int64_t nf = heads * m * parts + m + (est ? H * R * m * parts + H * R + rest_scratch(hd, R) : 0);
     nf += nf & 1;   /* the int64 arrays after the floats start 8-byte aligned */
     size_t bytes = sizeof(float) * (size_t)nf + sizeof(int64_t) * (size_t)(heads * k + heads) + (size_t)m;
     float *sc = (float *)malloc(bytes);
@@ -511,7 +529,7 @@ int64_t kvt_rest_attend(const float *q, int64_t H, int64_t R, int64_t hd, int ki
     int64_t M = nb * parts;
     /* exps [H][R][M] (logits first), row maxima [H][R], scratch (four converted rows for the
        logits, then rest_values'), skip flags */
-    int64_t nscratch = VTILE * (hd + R) + R;
+    int64_t nscratch = rest_scratch(hd, R);
     float *s = (float *)malloc(sizeof(float) * (size_t)(H * R * M + H * R + nscratch) + (size_t)m);
     if (!s) return -1;
     float *rmax = s + H * R * M, *buf = rmax + H * R;
@@ -558,6 +576,26 @@ static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, as tor
    elements, out_kind float32 or bf16, holding the exact part) becomes w * out + (1 - w) *
    rest_out[h][r], computed in float32 and rounded once. q: [H][R][hd] float32 contiguous, R the
    query heads of one kv head (q_len 1). Returns 0, or -1 when out of memory. */
+/* Row i (of H*R, each hd wide) of out, the exact part with log-sum-exp lse, merged in place with
+   the estimate's rest_out/rest_lse row: torch.lerp(rest_out, out, sigmoid(lse - rest_lse)). */
+static void merge_row(float lse, float rl, const float *ro, void *out, int out_kind, int64_t base, int64_t hd) {
+    float w = 1.f / (1.f + expf(rl - lse));   /* sigmoid(lse - rl); rl = -inf gives 1 */
+    /* torch.lerp's two forms: exact at either end (w = 1 leaves the exact part as it is) */
+    _Bool near = w < 0.5f;
+    float u = 1.f - w;
+    if (out_kind == DIG_F32) {
+        float *o = (float *)out + base;
+        for (int64_t d = 0; d < hd; d++)
+            o[d] = near ? ro[d] + w * (o[d] - ro[d]) : o[d] - (o[d] - ro[d]) * u;
+    } else {
+        uint16_t *o = (uint16_t *)out + base;
+        for (int64_t d = 0; d < hd; d++) {
+            float x = bf16_to_f32(o[d]);
+            o[d] = f32_to_bf16(near ? ro[d] + w * (x - ro[d]) : x - (x - ro[d]) * u);
+        }
+    }
+}
+
 int kvt_merge_rest(const float *q, int64_t H, int64_t R, int64_t hd, const void *keys, int64_t head_stride,
                    int kind, int64_t n, float scale, const float *rest_out, const float *rest_lse, void *out,
                    int out_kind) {
@@ -570,26 +608,18 @@ int kvt_merge_rest(const float *q, int64_t H, int64_t R, int64_t hd, const void 
             float *sr = s + r * n;
             float mx = row_max(sr, n);
             float lse = mx - logf(softmax_exps(sr, n));
-            float rl = rest_lse[h * R + r];
-            float w = 1.f / (1.f + expf(rl - lse));   /* sigmoid(lse - rl); rl = -inf gives 1 */
-            const float *ro = rest_out + (h * R + r) * hd;
-            int64_t base = (h * R + r) * hd;
-            /* torch.lerp's two forms: exact at either end (w = 1 leaves the exact part as it is) */
-            _Bool near = w < 0.5f;
-            float u = 1.f - w;
-            if (out_kind == DIG_F32) {
-                float *o = (float *)out + base;
-                for (int64_t d = 0; d < hd; d++)
-                    o[d] = near ? ro[d] + w * (o[d] - ro[d]) : o[d] - (o[d] - ro[d]) * u;
-            } else {
-                uint16_t *o = (uint16_t *)out + base;
-                for (int64_t d = 0; d < hd; d++) {
-                    float x = bf16_to_f32(o[d]);
-                    o[d] = f32_to_bf16(near ? ro[d] + w * (x - ro[d]) : x - (x - ro[d]) * u);
-                }
-            }
+            int64_t i = h * R + r;
+            merge_row(lse, rest_lse[i], rest_out + i * hd, out, out_kind, i * hd, hd);
         }
     }
     free(s);
     return 0;
+}
+
+/* kvt_merge_rest with the exact part's log-sum-exp given (lse [rows], from the kernel that
+   attended it): rows = query heads of one decode step. */
+void kvt_merge_lse(const float *lse, int64_t rows, int64_t hd, const float *rest_out, const float *rest_lse,
+                   void *out, int out_kind) {
+    for (int64_t i = 0; i < rows; i++)
+        merge_row(lse[i], rest_lse[i], rest_out + i * hd, out, out_kind, i * hd, hd);
 }

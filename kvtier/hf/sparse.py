@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from kvtier.store import KVStore, score_cpu
 
-from .attention import base_attention
+from .attention import base_attention, decode_attention_lse
 
 
 @dataclass
@@ -88,12 +88,25 @@ def budgeted_attention(store: KVStore, seqs: list[int], layer: int, query: torch
     if sdpa_module is None:
         out, mass = attend_blocks(query, k, v, mask, scaling)  # out [B, 1, q_heads, D], mass [B, n]
     else:
-        # the call the model's attention over DynamicCache makes: with every block selected (in
-        # order, so the gathered mask is the model's own; None stays None) the same kernel sees
-        # the same inputs
-        # k, v as gathered: views of the L1 region are strided (a narrowed run per head), which
-        # SDPA reads in place with the same result as a contiguous copy, at half the time
-        out = base_attention(sdpa_module, query, k, v, mask, scaling=scaling)[0]  # [B, 1, q_heads, D]
+        exact = None
+        if mask is None and len(seqs) == 1 and lens[0] < store.seq_len(seqs[0], layer):
+            # blocks were left out, so the step is not full attention's and needs no bit-identity
+            # with it: one kernel gives the exact part and the log-sum-exp the estimate merges with
+            exact = decode_attention_lse(sdpa_module, query, k, v, scaling)
+        if exact is None:
+            # the call the model's attention over DynamicCache makes: with every block selected
+            # (in order, so the gathered mask is the model's own; None stays None) the same
+            # kernel sees the same inputs
+            # k, v as gathered: views of the L1 region are strided (a narrowed run per head),
+            # which SDPA reads in place with the same result as a contiguous copy, at half the time
+            out = base_attention(sdpa_module, query, k, v, mask, scaling=scaling)[0]  # [B, 1, q_heads, D]
+        else:
+            out, lse = exact
+            if rests and rests[0] is not None:
+                rest_out, rest_lse = (t.contiguous() for t in rests[0])
+                if not score_cpu.merge_lse(lse, rest_out, rest_lse, out):
+                    out = merge_with_lse(lse.view(1, 1, -1), rests[0], out)
+                rests = [None]  # merged
         # the mass ranks blocks (H2O): float32 is precise enough, the output does not use it
         mass = key_mass(query, k, mask, scaling) if observe else None
     if any(r is not None for r in rests):
@@ -148,10 +161,23 @@ def with_rest(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None
     merged = out.float()
     for row, r in enumerate(rests):
         if r is not None:
-            rest_out, rest_lse = r[0].transpose(0, 1), r[1].transpose(0, 1)  # [q_len, q_heads, (D)]
-            w = torch.sigmoid(lse[row] - rest_lse).unsqueeze(-1)  # the exact part's share
-            merged[row] = torch.lerp(rest_out, merged[row], w)
+            merged[row] = _lerp_rest(lse[row], r, merged[row])
     return merged.to(out.dtype)
+
+
+def _lerp_rest(lse: torch.Tensor, rest: tuple, out: torch.Tensor) -> torch.Tensor:
+    """One row's merge: ``out`` float32 [q_len, q_heads, D] with its log-sum-exp ``lse``
+    [q_len, q_heads], and the estimate ``rest`` = (out [q_heads, q_len, D], lse [q_heads, q_len])."""
+    rest_out, rest_lse = rest[0].transpose(0, 1), rest[1].transpose(0, 1)  # [q_len, q_heads, (D)]
+    w = torch.sigmoid(lse - rest_lse).unsqueeze(-1)  # the exact part's share
+    return torch.lerp(rest_out, out, w)
+
+
+def merge_with_lse(lse: torch.Tensor, rest: tuple, out: torch.Tensor) -> torch.Tensor:
+    """``out`` [1, 1, q_heads, D] (the exact part, log-sum-exp ``lse`` [1, 1, q_heads]) merged with
+    the estimate ``rest``: :func:`with_rest` when the exact part's log-sum-exp is known (torch
+    form of ``score_cpu.merge_lse``)."""
+    return _lerp_rest(lse[0], rest, out[0].float()).unsqueeze(0).to(out.dtype)
 
 
 def key_mass(query: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor | None, scaling: float) -> torch.Tensor:

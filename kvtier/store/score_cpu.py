@@ -55,6 +55,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvt_rest_attend.restype = i64
     lib.kvt_merge_rest.argtypes = [vp, i64, i64, i64, vp, i64, c_int, i64, ctypes.c_float, vp, vp, vp, c_int]
     lib.kvt_merge_rest.restype = c_int
+    lib.kvt_merge_lse.argtypes = [vp, i64, i64, vp, vp, vp, c_int]
+    lib.kvt_merge_lse.restype = None
 
 
 _LIB = CLibrary("score", _FLAGS, _declare, "select() uses torch ops")
@@ -266,4 +268,27 @@ def merge_rest(query: torch.Tensor, keys: torch.Tensor, scale: float, rest_out: 
     if lib.kvt_merge_rest(q.data_ptr(), kvh, q.shape[1], hd, keys.data_ptr(), keys.stride(1), _KIND[keys.dtype], n,
                           scale, rest_out.data_ptr(), rest_lse.data_ptr(), out.data_ptr(), _KIND[out.dtype]):
         raise MemoryError("kvt_merge_rest: out of memory")
+    return True
+
+
+def merge_lse(lse: torch.Tensor, rest_out: torch.Tensor, rest_lse: torch.Tensor, out: torch.Tensor) -> bool:
+    """:func:`merge_rest` with the exact part's log-sum-exp already known (the kernel that
+    attended the gathered blocks returned it): ``out`` merged in place, one pass.
+
+    Args:
+        lse: float32 [q_heads] (any shape of that many, contiguous); rest_out: float32
+            [q_heads, 1, head_dim], rest_lse: float32 [q_heads, 1]; out: [1, 1, q_heads, head_dim]
+            float32 or bfloat16; all contiguous, on the CPU.
+    Returns:
+        False (nothing done) when these inputs are not the routine's: the caller takes torch.
+    """
+    lib = _load()
+    rows = lse.numel()
+    if (lib is None or out.dtype not in (torch.float32, torch.bfloat16) or out.device.type != "cpu"
+            or rows == 0 or out.numel() % rows or rest_out.numel() != out.numel() or rest_lse.numel() != rows
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (lse, rest_out, rest_lse))
+            or not all(t.is_contiguous() for t in (lse, rest_out, rest_lse, out))):
+        return False
+    lib.kvt_merge_lse(lse.data_ptr(), rows, out.numel() // rows, rest_out.data_ptr(), rest_lse.data_ptr(),
+                      out.data_ptr(), _KIND[out.dtype])
     return True

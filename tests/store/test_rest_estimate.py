@@ -275,3 +275,94 @@ def test_a_batch_estimates_each_row_as_it_would_alone():
         alone = budgeted_attention(st, [seq], 0, q[row:row + 1], None, HD ** -0.5, 16, observe=False).out
         assert torch.allclose(both[row], alone[0], atol=1e-5, rtol=1e-5)
     st.close()
+
+
+class _SdpaModule(torch.nn.Module):
+    """What transformers' SDPA attention reads off a model's attention module."""
+    is_causal = True
+
+    def __init__(self, groups):
+        super().__init__()
+        self.num_key_value_groups = groups
+
+
+@pytest.mark.parametrize("qheads", [2, 6])
+def test_the_models_kernel_path_also_completes_exact_attention(qheads):
+    """attention_math="sdpa": a step that leaves blocks out attends the gathered ones in one
+    kernel that also gives their log-sum-exp; with one-token centroids the merge is still exact."""
+    torch.manual_seed(0)
+    st = _store(digest_tokens=1, value_digest_tokens=1, digest_dtype="kv")
+    s = st.add_sequence()
+    T = 15 * BT + 3
+    k, v = torch.randn(KVH, T, HD), torch.randn(KVH, T, HD)
+    st.append(s, 0, k, v)
+    q = torch.randn(1, qheads, 1, HD) * 2
+    scaling = HD ** -0.5
+    r = budgeted_attention(st, [s], 0, q, None, scaling, 16, observe=False,
+                           sdpa_module=_SdpaModule(qheads // KVH))
+    assert r.selected_blocks < 15
+    assert torch.allclose(r.out[0, 0].float(), _full_attention(q[0], k, v, scaling), atol=1e-5, rtol=1e-4)
+    st.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_lse_is_sdpa_and_its_log_sum_exp(dtype):
+    from kvtier.hf.attention import base_attention, decode_attention_lse
+    g = torch.Generator().manual_seed(11)
+    kvh, qh, n, hd = 2, 14, 53, 64
+    q = torch.randn(1, qh, 1, hd, generator=g).to(dtype)
+    kv = torch.randn(2, 1, kvh, n + 7, hd, generator=g).to(dtype)
+    k, v = kv[0, :, :, 3:3 + n], kv[1, :, :, 3:3 + n]  # strided, as a view of L1
+    mod = _SdpaModule(qh // kvh)
+    out, lse = decode_attention_lse(mod, q, k, v, 0.125)
+    want = base_attention(mod, q, k, v, None, scaling=0.125)[0]
+    assert out.shape == want.shape == (1, 1, qh, hd) and out.dtype == dtype and lse.dtype == torch.float32
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(out.float(), want.float(), atol=tol, rtol=tol)
+    logits = torch.einsum("hgd,hnd->hgn", q.float().view(kvh, qh // kvh, hd), k[0].float()) * 0.125
+    assert torch.allclose(lse, torch.logsumexp(logits, -1).reshape(qh), atol=1e-4, rtol=1e-5)
+    # not SDPA's call: the caller takes the model's own attention
+    eager = _SdpaModule(qh // kvh)
+    eager.config = type("C", (), {"_attn_implementation": "kvtier_eager"})()
+    assert decode_attention_lse(eager, q, k, v, 0.125) is None
+    assert decode_attention_lse(mod, q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1),
+                                v.expand(2, -1, -1, -1), 0.125) is None
+    assert decode_attention_lse(mod, q.expand(-1, -1, 2, -1), k, v, 0.125) is None
+
+
+@pytest.mark.parametrize("rest", ["estimate", "drop"])
+def test_only_a_step_that_leaves_blocks_out_leaves_the_models_kernel(rest, monkeypatch):
+    """A budget covering the context must see SDPA's own call (token identity with
+    DynamicCache); one that leaves blocks out takes the kernel with the log-sum-exp."""
+    from kvtier.hf import sparse
+    calls = []
+    real = sparse.decode_attention_lse
+    monkeypatch.setattr(sparse, "decode_attention_lse", lambda *a: calls.append(1) or real(*a))
+    for budget, want in ((64, 0), (16, 1)):
+        st = _store(rest_attention=rest)
+        s = st.add_sequence()
+        st.append(s, 0, torch.randn(KVH, 45, HD), torch.randn(KVH, 45, HD))
+        calls.clear()
+        r = budgeted_attention(st, [s], 0, torch.randn(1, 4, 1, HD), None, HD ** -0.5, budget,
+                               observe=False, sdpa_module=_SdpaModule(2))
+        assert len(calls) == want, (budget, r.selected_blocks)
+        st.close()
+
+
+@pytest.mark.skipif(not score_cpu.available(), reason="no C compiler: the torch path only")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_merge_with_a_known_lse_matches_torch(dtype):
+    from kvtier.hf import sparse
+    g = torch.Generator().manual_seed(5)
+    qh, hd = 14, 64
+    out = torch.randn(1, 1, qh, hd, generator=g).to(dtype)
+    lse = torch.randn(qh, generator=g) * 3
+    rest = (torch.randn(qh, 1, hd, generator=g), torch.randn(qh, 1, generator=g) * 3)
+    rest[1][5] = -math.inf  # nothing left to estimate for this head
+    got = out.clone()
+    assert score_cpu.merge_lse(lse, rest[0], rest[1], got)
+    want = sparse.merge_with_lse(lse.view(1, 1, -1), rest, out)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
+    assert torch.equal(got[0, 0, 5], out[0, 0, 5])
+    assert not score_cpu.merge_lse(lse[:3], rest[0], rest[1], out.clone())  # shapes that do not fit
