@@ -341,9 +341,9 @@ class KVTierConfig:
     attention_math: AttentionMath = "sdpa"
     """How kvtier's own attention computes where it replaces the model's (sparse decode, and multi-token
     steps over cached tokens, e.g. a chat's next turn). ``sdpa`` (default): the model's own attention on
-    the gathered K/V, its mask and scale: with lossless codecs and a budget covering the context, tokens
-    equal ``DynamicCache``'s. ``float32``: accumulates wider and rounds once: closer to a float64
-    reference, but tokens can part from ``DynamicCache``'s (docs/configuration.md#details)."""
+    the gathered K/V, its mask and scale: with lossless codecs and a budget covering the context, tokens equal
+    ``DynamicCache``'s (a step whose selection leaves blocks out takes CPU flash attention). ``float32``:
+    wider sums, rounded once: nearer float64; tokens can part from DynamicCache's (configuration.md#details)."""
 
     prefetch: bool | Literal["auto"] = "auto"
     """Asynchronously decode blocks predicted to be needed (last selection, next layer), on a

@@ -5,7 +5,9 @@
                  store.gather_view(seq, l, sel)  swap-in from L2/L3 if needed; views of L1
  all rows:       stack (pad rows that attend fewer tokens, masked out)
                  softmax(q K^T) V                attention_math="sdpa" (default): the model's own
-                                                 attention (SDPA or eager) on the gathered blocks;
+                                                 attention (SDPA or eager) on the gathered blocks, or,
+                                                 when they are not all the blocks (one row, CPU, SDPA),
+                                                 flash attention with its log-sum-exp;
                                                  "float32": one batched matmul, GQA packed, wider type
                  + the rest, estimated           rest_attention="estimate": the blocks not selected,
                                                  from their digests, merged by log-sum-exp
