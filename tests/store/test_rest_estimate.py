@@ -29,10 +29,21 @@ def _full_attention(q, k, v, scaling):
     return (p @ vv)[:, 0]
 
 
+class _SdpaModule(torch.nn.Module):
+    """What transformers' SDPA attention reads off a model's attention module."""
+    is_causal = True
+
+    def __init__(self, groups):
+        super().__init__()
+        self.num_key_value_groups = groups
+
+
 @pytest.mark.parametrize("qheads", [2, 6])
-def test_with_one_token_centroids_the_estimate_completes_exact_attention(qheads):
+@pytest.mark.parametrize("kernel", ["float32", "sdpa"])
+def test_with_one_token_centroids_the_estimate_completes_exact_attention(qheads, kernel):
     """digest_tokens = value_digest_tokens = 1 in the KV dtype: each centroid is one key and its
-    value, so selected blocks (exact) + the estimate (every other token) is full attention."""
+    value, so selected blocks (exact) + the estimate (every other token) is full attention; with
+    the model's kernel ("sdpa") the exact part comes from flash attention with its log-sum-exp."""
     torch.manual_seed(0)
     st = _store(digest_tokens=1, value_digest_tokens=1, digest_dtype="kv")
     s = st.add_sequence()
@@ -41,7 +52,8 @@ def test_with_one_token_centroids_the_estimate_completes_exact_attention(qheads)
     st.append(s, 0, k, v)
     q = torch.randn(1, qheads, 1, HD) * 2
     scaling = HD ** -0.5
-    r = budgeted_attention(st, [s], 0, q, None, scaling, 16, observe=False)
+    module = _SdpaModule(qheads // KVH) if kernel == "sdpa" else None
+    r = budgeted_attention(st, [s], 0, q, None, scaling, 16, observe=False, sdpa_module=module)
     assert r.selected_blocks < 15  # the budget left most blocks to the estimate
     want = _full_attention(q[0], k, v, scaling)
     assert torch.allclose(r.out[0, 0].float(), want, atol=1e-5, rtol=1e-4)
@@ -274,34 +286,6 @@ def test_a_batch_estimates_each_row_as_it_would_alone():
     for row, seq in enumerate((a, b)):
         alone = budgeted_attention(st, [seq], 0, q[row:row + 1], None, HD ** -0.5, 16, observe=False).out
         assert torch.allclose(both[row], alone[0], atol=1e-5, rtol=1e-5)
-    st.close()
-
-
-class _SdpaModule(torch.nn.Module):
-    """What transformers' SDPA attention reads off a model's attention module."""
-    is_causal = True
-
-    def __init__(self, groups):
-        super().__init__()
-        self.num_key_value_groups = groups
-
-
-@pytest.mark.parametrize("qheads", [2, 6])
-def test_the_models_kernel_path_also_completes_exact_attention(qheads):
-    """attention_math="sdpa": a step that leaves blocks out attends the gathered ones in one
-    kernel that also gives their log-sum-exp; with one-token centroids the merge is still exact."""
-    torch.manual_seed(0)
-    st = _store(digest_tokens=1, value_digest_tokens=1, digest_dtype="kv")
-    s = st.add_sequence()
-    T = 15 * BT + 3
-    k, v = torch.randn(KVH, T, HD), torch.randn(KVH, T, HD)
-    st.append(s, 0, k, v)
-    q = torch.randn(1, qheads, 1, HD) * 2
-    scaling = HD ** -0.5
-    r = budgeted_attention(st, [s], 0, q, None, scaling, 16, observe=False,
-                           sdpa_module=_SdpaModule(qheads // KVH))
-    assert r.selected_blocks < 15
-    assert torch.allclose(r.out[0, 0].float(), _full_attention(q[0], k, v, scaling), atol=1e-5, rtol=1e-4)
     st.close()
 
 
