@@ -336,8 +336,13 @@ class Residency:
         """The worker is done with pending ``e``: ``nbytes`` is the size of the L2 copy it put
         (None: L2 refused it, or the block was gone). ``clean``: another entry of the same
         content was copied below meanwhile, nothing was written. The slot is freed unless a
-        reader marked the block meanwhile (``cancel``: it stays resident, now clean)."""
+        reader marked the block meanwhile (``cancel``: it stays resident, now clean). An item
+        already settled is left as it is, as :meth:`swap_failed` and :meth:`release_pending` do: a
+        second settlement would take the table's pending count below zero (``flush`` and the
+        eviction rounds read that count)."""
         with self.lock:
+            if not e.pending:
+                return
             if nbytes is not None or clean:
                 if clean:
                     self.counters.add(evicted_clean=1)

@@ -215,3 +215,29 @@ def test_a_write_through_that_raises_is_counted_and_never_raised_into_another_ca
     _exact(st, ref, a)  # what was stored is all there (L1 and L2)
     check_invariants(st)
     st.close()
+
+
+def test_an_item_settled_twice_leaves_the_pending_count_at_zero():
+    """Settling is idempotent on every path: a second ``swapped_out`` for an item already
+    settled (by an earlier ``swapped_out`` or ``swap_failed``) changes nothing, so the table's
+    pending count, which ``flush`` waits on, never goes below zero."""
+    st = make_store(None, num_layers=1, kv_heads=2, head_dim=8, block_tokens=4, device_tokens=16,
+                    host_bytes=1 << 20, codec="fp16")
+    s = st.add_sequence()
+    st.append(s, 0, torch.randn(2, 9, 8).half(), torch.randn(2, 9, 8).half())
+    res = st.residency
+    t = res.table(s, 0)
+    for settle in ("swapped_out", "swap_failed"):
+        e = next(x for x in t.entries[:t.n_sealed] if not x.pending and not x.clean and x.slot is not None)
+        with res.lock:
+            assert res._mark(t, [e.idx], free_clean=False) == [(t, e)]
+        assert t.pending == 1
+        if settle == "swapped_out":
+            res.swapped_out(t, e, None, clean=False)
+        else:
+            res.swap_failed(t, e, RuntimeError("test"))
+        res.swapped_out(t, e, None, clean=False)  # the same item again
+        assert t.pending == 0 and not e.pending
+    res.release_pending([(t, e)])
+    assert t.pending == 0
+    st.close()
