@@ -192,7 +192,8 @@ def block_decoder(shape: tuple[int, ...], dtype: torch.dtype):
     Record ``i`` is at ``buf + off[i]``, ``lens[i]`` bytes long (``off``, ``lens``: int64 arrays
     of ``n``), and is decoded when both halves are of the known layout: ``k``, ``v`` = (header
     bytes, record length, plan address) of each half, a plan being int64 {bits, group, axis, q,
-    scale, zero or -1, scale bytes} with offsets into the payload. Where to: without ``dst``,
+    scale, zero or -1, scale bytes, Hadamard block or 0 (a key_transform half: rotated back after
+    dequantizing)} with offsets into the payload. Where to: without ``dst``,
     block ``i`` of ``out``, the address of a contiguous ``[n, 2, *shape]`` CPU buffer of
     ``dtype``; with ``dst`` (int64 array of ``n``) and ``strides`` = (per block, per half, per
     head, in elements), half ``h`` of record ``i``, head ``b``, goes to ``out + dst[i] * strides[0]

@@ -886,8 +886,10 @@ static int record_state(const uint8_t *r, int64_t n, const uint8_t *hdr, int64_t
 }
 
 /* One half of a block from the payload at p: plan = {bits, group, axis, q, scale, zero or -1,
-   scale bytes} (offsets into the payload), into out: B heads of [T, D], contiguous. Scales and
-   zeros not aligned for dt are copied to aligned scratch first (the kernel reads them as dt). */
+   scale bytes, rotation block or 0} (offsets into the payload), into out: B heads of [T, D],
+   contiguous. Scales and zeros not aligned for dt are copied to aligned scratch first (the kernel
+   reads them as dt). A rotated half (the codec's key transform) is rotated back in place after
+   dequantizing, as the codec's untransform does (kvt_fwht, scale 1/sqrt(block) in float32). */
 static void decode_half(const uint8_t *p, const int64_t *plan, int dt, int64_t B, int64_t T, int64_t D,
                         void *out) {
     int64_t item = dt == 0 ? 4 : 2, nb = plan[6];
@@ -904,6 +906,7 @@ static void decode_half(const uint8_t *p, const int64_t *plan, int dt, int64_t B
     }
     kvt_dequant(p + plan[3], s, z, dt, B, T, D, (int)plan[0], plan[1], (int)plan[2], out);
     free(tmp);
+    if (plan[7] > 0) kvt_fwht(out, dt, B * T, D, plan[7], (float)(1.0 / sqrt((double)plan[7])), out);
 }
 
 /* n block records ("KVB1", u32 n_k, u32 n_v, the K record, the V record), record i at

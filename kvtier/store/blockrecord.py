@@ -234,7 +234,7 @@ class BlockDecoder:
     def _check(self, buf, item: int):
         """(memoryview, buffer address, K job, V job, layout) of a record this decoder can decode
         in place, a job being (payload offset, plan) and layout what the compiled call needs to
-        know the record's layout (None where it takes no such record: kept channels, a rotation);
+        know the record's layout (None where it takes no such record: kept channels);
         None for another layout. Raises ``CorruptRecordError`` as :meth:`decode`."""
         from kvtier.compress.record import check_record
 
@@ -254,17 +254,23 @@ class BlockDecoder:
             if (base + payload + s) % item or (z is not None and (base + payload + z) % item):
                 return None                       # header): the general path copies them
         known = None
-        if all(plan[6] is None and plan[7] is None for _, plan in jobs):
-            known = tuple(self._layout_of(mv, start, payload, n, plan) for (payload, plan), start, n in
+        # the compiled call rotates back the Hadamard transform, and merges no kept channels
+        if all(plan[6] is None and (plan[7] is None or plan[7].transform == "hadamard") for _, plan in jobs):
+            d = self._shape[-1]
+            known = tuple(self._layout_of(mv, start, payload, n, plan, d) for (payload, plan), start, n in
                           zip(jobs, (_HEADER.size, _HEADER.size + nk), (nk, nv)))
         return mv, base, jobs[0], jobs[1], known
 
     @staticmethod
-    def _layout_of(mv: memoryview, start: int, payload: int, n: int, plan: tuple) -> tuple:
+    def _layout_of(mv: memoryview, start: int, payload: int, n: int, plan: tuple, d: int) -> tuple:
         """One half's (header bytes, record length, plan address, plan array) for the compiled
-        call: every record of this layout starts with these header bytes."""
-        bits, group, axis, q, s, z, _, _, sbytes = plan
-        arr = np.array([bits, group, 0 if axis == "token" else 1, q, s, -1 if z is None else z, sbytes], np.int64)
+        call: every record of this layout starts with these header bytes. ``d``: head_dim (a
+        Hadamard-rotated half is rotated back in blocks of ``hadamard_block(d)`` channels)."""
+        from kvtier.compress.rotation import hadamard_block
+
+        bits, group, axis, q, s, z, _, rot, sbytes = plan
+        rb = 0 if rot is None else hadamard_block(d)
+        arr = np.array([bits, group, 0 if axis == "token" else 1, q, s, -1 if z is None else z, sbytes, rb], np.int64)
         return bytes(mv[start:payload]), n, arr.ctypes.data, arr
 
     def _merge_kept(self, p: int, kept: tuple, half: torch.Tensor) -> None:
