@@ -898,17 +898,22 @@ static void fwht_block(float *y, int64_t b) {
    blocks of `b` (a power of two dividing D), into `out` (may be `x`): the butterflies of
    kvtier/compress/rotation.py in the same order, then one multiply by `scale` (1/sqrt(b)), in
    float32, rounded once to dt. */
+static void fwht_rows(const void *x, int dt, int64_t r0, int64_t r1, int64_t D, int64_t b, float scale,
+                      void *out, float *buf) {   /* rows [r0, r1) of kvt_fwht, buf: D floats */
+    for (int64_t r = r0; r < r1; r++) {
+        load_row(dt, x, r * D, buf, D);
+        for (int64_t o = 0; o < D; o += b) fwht_block(buf + o, b);
+        for (int64_t i = 0; i < D; i++) buf[i] = buf[i] * scale;
+        store_row(dt, buf, out, r * D, D);
+    }
+}
+
 void kvt_fwht(const void *x, int dt, int64_t rows, int64_t D, int64_t b, float scale, void *out) {
     #pragma omp parallel if (rows * D > 32768)
     {
         float *buf = (float *)malloc((size_t)D * sizeof(float));
         #pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            load_row(dt, x, r * D, buf, D);
-            for (int64_t o = 0; o < D; o += b) fwht_block(buf + o, b);
-            for (int64_t i = 0; i < D; i++) buf[i] = buf[i] * scale;
-            store_row(dt, buf, out, r * D, D);
-        }
+        for (int64_t r = 0; r < rows; r++) fwht_rows(x, dt, r, r + 1, D, b, scale, out, buf);
         free(buf);
     }
 }
@@ -949,7 +954,10 @@ static void decode_half(const uint8_t *p, const int64_t *plan, int dt, int64_t B
     }
     kvt_dequant(p + plan[3], s, z, dt, B, T, D, (int)plan[0], plan[1], (int)plan[2], out);
     free(tmp);
-    if (plan[7] > 0) kvt_fwht(out, dt, B * T, D, plan[7], (float)(1.0 / sqrt((double)plan[7])), out);
+    if (plan[7] > 0) {   /* serially: a block's half is small, and a parallel region costs more than it */
+        float buf[D];   /* one row: head_dim floats */
+        fwht_rows(out, dt, 0, B * T, D, plan[7], (float)(1.0 / sqrt((double)plan[7])), out, buf);
+    }
 }
 
 /* n block records ("KVB1", u32 n_k, u32 n_v, the K record, the V record), record i at
