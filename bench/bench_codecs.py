@@ -118,6 +118,8 @@ INT8_ZERO_POINTS = {"int8": (), "int8 zp K": ("key",), "int8 zp K+V": ("key", "v
                     "int8 zp K+V, V ch": ("key", "value")}
 #: int8 rows whose values are grouped per channel (``KVTierConfig.int8_value_axis``; the store's default)
 INT8_VALUES_PER_CHANNEL = ("int8 zp K+V, V ch",)
+#: the encoders table's int4 row with Hadamard-rotated keys (``key_transform="hadamard"``)
+ROTATED = "int4 K hadamard"
 
 
 def bench_codec(name, k, v, kb, vb, group_size, repeats, n_tokens):
@@ -231,11 +233,14 @@ def bench_encoders(kb, vb, group_size, repeats):
                                                                ("int2", ("minmax", "mse"))) for enc in encoders]
         variants += [("int2", "mse", "minmax", n) for n in sorted({0, 2, 4, 8, kept})]
         variants[1:1] = [(zp, "minmax", "minmax", 0) for zp in INT8_ZERO_POINTS if zp != "int8"]
+        # keys rotated before quantizing (key_transform="hadamard"): their swap-in rotates back
+        variants.insert(variants.index(("int4", "mse", "mse", 0)) + 1, (ROTATED, "minmax", "minmax", 0))
         for label, enc, venc, n in variants:
             zp = INT8_ZERO_POINTS.get(label, ())
-            name = "int8" if label in INT8_ZERO_POINTS else label
+            name = "int8" if label in INT8_ZERO_POINTS else "int4" if label == ROTATED else label
             kc = get_codec(name, group_size=group_size, axis="channel", encoder=enc, outliers=n,
-                           **({"zero_point": True} if "key" in zp else {}))
+                           **({"zero_point": True} if "key" in zp else {}),
+                           **({"transform": "hadamard"} if label == ROTATED else {}))
             vc = get_codec(name, group_size=group_size, axis="channel" if label in INT8_VALUES_PER_CHANNEL else "token",
                            encoder=venc, **({"zero_point": True} if "value" in zp else {}))
 
