@@ -101,6 +101,9 @@ def _drifting_selects(stickiness: float, steps: int = 30):
         st.gather_view(seq, 0, sel)
         sels.append(sel)
         st.end_step()
+        # the step's swap-outs finish before the next selection: which blocks are resident (what
+        # stickiness favours) must not depend on how fast the worker thread ran
+        st.flush()
     misses = st.stats()["misses"]["l1"] - misses
     st.close()
     return sels, misses, differ
