@@ -159,9 +159,9 @@ class KVTierConfig:
     key_codec: Optional[str] = None
     """Codec of the keys wherever a tier stores ``codec`` (None: ``codec``), e.g. ``int4`` keys with
     ``value_codec="int2"`` values (K4V2: keys carry the attention pattern and lose more per bit), or ``int8``
-    keys with ``int4`` values where answers copy long exact strings out of the context
-    (docs/results/long-answers.md). One of ``CODECS`` except the 16-bit pass-through ones;
-    ``precision="importance"`` needs None."""
+    keys with ``int4`` values (K8V4), which copied more long exact answers than int4 on one set of
+    samples and none more on another (docs/results/long-answers.md). One of ``CODECS`` except the
+    16-bit pass-through ones; ``precision="importance"`` needs None."""
 
     value_codec: Optional[str] = None
     """Codec of the values wherever a tier stores ``codec`` (None: ``codec``); as ``key_codec``."""
