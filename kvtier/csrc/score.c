@@ -623,3 +623,83 @@ void kvt_merge_lse(const float *lse, int64_t rows, int64_t hd, const float *rest
     for (int64_t i = 0; i < rows; i++)
         merge_row(lse[i], rest_lse[i], rest_out + i * hd, out, out_kind, i * hd, hd);
 }
+
+/* tile_axpy for R <= 4 query rows with weights w [n][4] (zero past R): a decode step's
+   query heads per kv head are few, and eight accumulator rows would be mostly zeros. */
+static void tile_axpy4(const float *tile, int64_t n, const float *w, int64_t R, int64_t hd, float *o) {
+    int64_t d = 0;
+    for (; d + 16 <= hd; d += 16) {
+        v8 a0[4], a1[4];
+        for (int k = 0; k < 4; k++) { a0[k] = (v8){0}; a1[k] = (v8){0}; }
+        for (int64_t i = 0; i < n; i++) {
+            v8 t0 = ld8(tile + i * hd + d), t1 = ld8(tile + i * hd + d + 8);
+            const float *wi = w + i * 4;
+            for (int k = 0; k < 4; k++) { a0[k] += wi[k] * t0; a1[k] += wi[k] * t1; }
+        }
+        for (int64_t k = 0; k < R; k++) {
+            float *orow = o + k * hd + d;
+            v8 x0 = ld8(orow) + a0[k], x1 = ld8(orow + 8) + a1[k];
+            memcpy(orow, &x0, sizeof x0);
+            memcpy(orow + 8, &x1, sizeof x1);
+        }
+    }
+    for (; d < hd; d++)
+        for (int64_t k = 0; k < R; k++)
+            for (int64_t i = 0; i < n; i++) o[k * hd + d] += w[i * 4 + k] * tile[i * hd + d];
+}
+
+/* One decode step's attention over n gathered keys and values in one pass, what CPU flash
+   attention (out and log-sum-exp) and kvt_key_mass (H2O's mass) computed in two: for a step
+   over a few hundred to a few thousand keys the flash kernel's blocking and GEMM calls cost
+   more than the arithmetic. q: [H][R][hd] float32 contiguous (R = query heads of one kv head,
+   q_len 1). keys, vals: kind float32 or bf16, row j of head h at element offset
+   h * k_head_stride + j * hd (resp. v_head_stride). out: [H*R][hd] of out_kind (float32 or
+   bf16), lse: [H*R] float32 (natural log of each row's softmax denominator), mass: [n] float32
+   (each key's probability summed over heads and rows) or NULL. With rest_out/rest_lse (not
+   NULL) each row is merged with the estimate of the blocks not gathered, as kvt_merge_lse does,
+   lse staying the exact part's (merged in float32 and rounded once). Returns 0, or -1 when out of memory. */
+int kvt_decode_attend(const float *q, int64_t H, int64_t R, int64_t hd, const void *keys, int64_t k_head_stride,
+                      const void *vals, int64_t v_head_stride, int kind, int64_t n, float scale, void *out,
+                      int out_kind, float *lse, float *mass, const float *rest_out, const float *rest_lse) {
+    int64_t RP = R <= 4 ? 4 : (R + 7) & ~7;
+    /* logits then probabilities [R][n]; four converted key rows; a tile of VTILE value rows;
+       their weights [VTILE][RP]; one kv head's output rows [R][hd] */
+    float *s = (float *)malloc(sizeof(float) * (size_t)(R * n + 4 * hd + VTILE * hd + VTILE * RP + R * hd));
+    if (!s) return -1;
+    float *buf = s + R * n, *tile = buf + 4 * hd, *w = tile + VTILE * hd, *oh = w + VTILE * RP;
+    for (int64_t i = 0; i < VTILE * RP; i++) w[i] = 0.f;
+    if (mass) for (int64_t j = 0; j < n; j++) mass[j] = 0.f;
+    for (int64_t h = 0; h < H; h++) {
+        row_logits(q + h * R * hd, R, hd, keys, h * k_head_stride, kind, NULL, scale, n, buf, s, n);
+        for (int64_t r = 0; r < R; r++) {
+            float *sr = s + r * n;
+            float mx = row_max(sr, n);
+            float inv = softmax_exps(sr, n);
+            lse[h * R + r] = mx - logf(inv);
+            for (int64_t j = 0; j < n; j++) sr[j] *= inv;
+            if (mass) for (int64_t j = 0; j < n; j++) mass[j] += sr[j];
+        }
+        for (int64_t i = 0; i < R * hd; i++) oh[i] = 0.f;
+        for (int64_t j0 = 0; j0 < n; j0 += VTILE) {
+            int64_t nt = n - j0 < VTILE ? n - j0 : VTILE;
+            const float *t = rows_f32(vals, h * v_head_stride + j0 * hd, hd, nt, kind, tile);
+            for (int64_t i = 0; i < nt; i++)
+                for (int64_t r = 0; r < R; r++) w[i * RP + r] = s[r * n + j0 + i];
+            if (RP == 4) tile_axpy4(t, nt, w, R, hd, oh);
+            else tile_axpy(t, nt, w, R, RP, hd, oh);
+        }
+        for (int64_t r = 0; r < R; r++) {
+            int64_t i = h * R + r;
+            /* merged in float32, rounded once */
+            if (rest_out) merge_row(lse[i], rest_lse[i], rest_out + i * hd, oh, DIG_F32, r * hd, hd);
+            if (out_kind == DIG_F32) {
+                memcpy((float *)out + i * hd, oh + r * hd, sizeof(float) * (size_t)hd);
+            } else {
+                uint16_t *o = (uint16_t *)out + i * hd;
+                for (int64_t d = 0; d < hd; d++) o[d] = f32_to_bf16(oh[r * hd + d]);
+            }
+        }
+    }
+    free(s);
+    return 0;
+}

@@ -272,6 +272,32 @@ def decode_attention_lse(module: torch.nn.Module, query: torch.Tensor, key: torc
     return out.reshape(1, 1, qh, d).contiguous(), lse.reshape(qh).contiguous()
 
 
+def decode_attention_fused(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           scaling: float, mass: bool, rest: tuple[torch.Tensor, torch.Tensor] | None
+                           ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """:func:`decode_attention_lse` and what a sparse step does with its result, in one compiled
+    pass (``score_cpu.decode_attend``): the exact part over the gathered keys, merged with the
+    estimate ``rest`` of the blocks left out (None: none), and with ``mass`` each gathered key's
+    attention mass for H2O (what :func:`kvtier.hf.sparse.key_mass` computes). For the step's
+    sizes (one query, a few hundred to a few thousand keys) the flash kernel's blocking costs
+    more than the arithmetic, and the mass pass reads the keys a second time.
+
+    Returns ``(out [1, 1, q_heads, head_dim], mass float32 [1, n] or None)``, or None where
+    :func:`decode_attention_lse` would not apply or the routine cannot (no compiler, float16):
+    the caller takes that path.
+    """
+    b, qh, ql, d = query.shape
+    if b != 1 or ql != 1 or query.device.type != "cpu" or _eager_base(module):
+        return None
+    from kvtier.store import score_cpu
+
+    got = score_cpu.decode_attend(query, key, value, scaling, mass, rest)
+    if got is None:
+        return None
+    out, _, m = got
+    return out, None if m is None else m.unsqueeze(0)
+
+
 def split_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, past: int,
                            scaling: float) -> torch.Tensor:
     """Causal attention of ``q_len`` new tokens over ``past`` cached ones and themselves, as

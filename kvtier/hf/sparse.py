@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from kvtier.store import KVStore, score_cpu
 
-from .attention import base_attention, decode_attention_lse
+from .attention import base_attention, decode_attention_fused, decode_attention_lse
 
 
 @dataclass
@@ -90,12 +90,19 @@ def budgeted_attention(store: KVStore, seqs: list[int], layer: int, query: torch
     if sdpa_module is None:
         out, mass = attend_blocks(query, k, v, mask, scaling)  # out [B, 1, q_heads, D], mass [B, n]
     else:
-        exact = None
+        exact = fused = None
         if mask is None and len(seqs) == 1 and lens[0] < store.seq_len(seqs[0], layer):
             # blocks were left out, so the step is not full attention's and needs no bit-identity
-            # with it: one kernel gives the exact part and the log-sum-exp the estimate merges with
-            exact = decode_attention_lse(sdpa_module, query, k, v, scaling)
-        if exact is None:
+            # with it: one compiled pass gives the exact part merged with the estimate (and the
+            # mass), else one kernel the exact part and the log-sum-exp the estimate merges with
+            fused = decode_attention_fused(sdpa_module, query, k, v, scaling, observe,
+                                           rests[0] if rests else None)
+            if fused is None:
+                exact = decode_attention_lse(sdpa_module, query, k, v, scaling)
+        if fused is not None:
+            out, mass = fused
+            rests = [None]  # merged
+        elif exact is None:
             # the call the model's attention over DynamicCache makes: with every block selected
             # (in order, so the gathered mask is the model's own; None stays None) the same
             # kernel sees the same inputs
@@ -109,8 +116,9 @@ def budgeted_attention(store: KVStore, seqs: list[int], layer: int, query: torch
                 if not score_cpu.merge_lse(lse, rest_out, rest_lse, out):
                     out = merge_with_lse(lse.view(1, 1, -1), rests[0], out)
                 rests = [None]  # merged
-        # the mass ranks blocks (H2O): float32 is precise enough, the output does not use it
-        mass = key_mass(query, k, mask, scaling) if observe else None
+        if fused is None:
+            # the mass ranks blocks (H2O): float32 is precise enough, the output does not use it
+            mass = key_mass(query, k, mask, scaling) if observe else None
     if any(r is not None for r in rests):
         out = with_rest(query, k, mask, scaling, rests, out)
     observed = []

@@ -57,6 +57,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kvt_merge_rest.restype = c_int
     lib.kvt_merge_lse.argtypes = [vp, i64, i64, vp, vp, vp, c_int]
     lib.kvt_merge_lse.restype = None
+    lib.kvt_decode_attend.argtypes = [vp, i64, i64, i64, vp, i64, vp, i64, c_int, i64, ctypes.c_float, vp, c_int,
+                                      vp, vp, vp, vp]
+    lib.kvt_decode_attend.restype = c_int
 
 
 _LIB = CLibrary("score", _FLAGS, _declare, "select() uses torch ops")
@@ -200,6 +203,48 @@ def key_mass(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Ten
                         scale, out.data_ptr()):
         raise MemoryError("kvt_key_mass: out of memory")
     return out
+
+
+def decode_attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mass: bool,
+                  rest: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """One decode step's attention over gathered keys and values, its log-sum-exp and, with
+    ``mass``, each key's attention mass (:func:`key_mass`), in one compiled pass: what CPU flash
+    attention and :func:`key_mass` give in two (float32 math; another summation order, so equal
+    to rounding). ``rest``: the estimate of the blocks not gathered, (out [q_heads, head_dim],
+    lse [q_heads]) float32, merged into the output as :func:`merge_lse` merges it.
+
+    Args:
+        query: [1, q_heads, 1, head_dim]; keys, values: [1, kv_heads, n, head_dim] of the query's
+            dtype (float32 or bfloat16) on the CPU, rows contiguous within a head (an L1 run
+            view is), n >= 1.
+    Returns:
+        (out [1, 1, q_heads, head_dim] in the query's dtype, lse float32 [q_heads] of the exact
+        part, mass float32 [n] or None), or None when these inputs are not the routine's.
+    """
+    lib = _load()
+    b, qh, ql, hd = query.shape
+    if (lib is None or b != 1 or ql != 1 or query.device.type != "cpu" or query.dtype not in (torch.float32, torch.bfloat16)
+            or keys.dim() != 4 or keys.shape[0] != 1 or keys.shape[-1] != hd or values.shape != keys.shape
+            or keys.dtype != query.dtype or values.dtype != query.dtype or keys.device.type != "cpu"
+            or values.device.type != "cpu" or keys.stride(-1) != 1 or keys.stride(-2) != hd
+            or values.stride(-1) != 1 or values.stride(-2) != hd or qh % keys.shape[1] or keys.shape[2] == 0):
+        return None
+    kvh, n = keys.shape[1], keys.shape[2]
+    q = query.reshape(kvh, qh // kvh, hd).to(torch.float32).contiguous()  # [kv_heads, G, D]
+    out = torch.empty((1, 1, qh, hd), dtype=query.dtype)
+    lse = torch.empty(qh, dtype=torch.float32)
+    m = torch.empty(n, dtype=torch.float32) if mass else None
+    ro = rl = None
+    if rest is not None:
+        ro, rl = (t.float().contiguous() for t in rest)
+        assert ro.numel() == qh * hd and rl.numel() == qh, f"rest {tuple(ro.shape)}, {tuple(rl.shape)} for {qh} heads"
+    if lib.kvt_decode_attend(q.data_ptr(), kvh, qh // kvh, hd, keys.data_ptr(), keys.stride(1), values.data_ptr(),
+                             values.stride(1), _KIND[keys.dtype], n, scale, out.data_ptr(), _KIND[out.dtype],
+                             lse.data_ptr(), None if m is None else m.data_ptr(),
+                             None if ro is None else ro.data_ptr(), None if rl is None else rl.data_ptr()):
+        raise MemoryError("kvt_decode_attend: out of memory")
+    return out, lse, m
 
 
 def rest_attend(q: torch.Tensor, digest: torch.Tensor, digest_scale: torch.Tensor | None,

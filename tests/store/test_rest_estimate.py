@@ -317,11 +317,13 @@ def test_decode_attention_lse_is_sdpa_and_its_log_sum_exp(dtype):
 @pytest.mark.parametrize("rest", ["estimate", "drop"])
 def test_only_a_step_that_leaves_blocks_out_leaves_the_models_kernel(rest, monkeypatch):
     """A budget covering the context must see SDPA's own call (token identity with
-    DynamicCache); one that leaves blocks out takes the kernel with the log-sum-exp."""
+    DynamicCache); one that leaves blocks out takes the fused compiled pass (or, without a
+    compiler, the kernel with the log-sum-exp)."""
     from kvtier.hf import sparse
     calls = []
-    real = sparse.decode_attention_lse
-    monkeypatch.setattr(sparse, "decode_attention_lse", lambda *a: calls.append(1) or real(*a))
+    for name in ("decode_attention_lse", "decode_attention_fused"):
+        real = getattr(sparse, name)
+        monkeypatch.setattr(sparse, name, lambda *a, _real=real: calls.append(1) or _real(*a))
     for budget, want in ((64, 0), (16, 1)):
         st = _store(rest_attention=rest)
         s = st.add_sequence()
@@ -350,3 +352,26 @@ def test_compiled_merge_with_a_known_lse_matches_torch(dtype):
     assert torch.allclose(got.float(), want.float(), atol=tol, rtol=tol)
     assert torch.equal(got[0, 0, 5], out[0, 0, 5])
     assert not score_cpu.merge_lse(lse[:3], rest[0], rest[1], out.clone())  # shapes that do not fit
+
+
+@pytest.mark.skipif(not score_cpu.available(), reason="no C compiler: the torch path only")
+@pytest.mark.parametrize("rest", ["estimate", "drop"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_step_is_the_flash_kernel_step(rest, dtype, monkeypatch):
+    """A step that leaves blocks out gives, through the fused pass, the output and H2O mass of
+    the flash kernel + merge + key_mass path it replaces (to rounding)."""
+    from kvtier.hf import sparse
+    st = _store(rest_attention=rest, dtype=dtype)
+    s = st.add_sequence()
+    g = torch.Generator().manual_seed(3)
+    st.append(s, 0, torch.randn(KVH, 45, HD, generator=g).to(dtype), torch.randn(KVH, 45, HD, generator=g).to(dtype))
+    q = torch.randn(1, 4, 1, HD, generator=g).to(dtype)
+    fused = budgeted_attention(st, [s], 0, q, None, HD ** -0.5, 16, observe=True, sdpa_module=_SdpaModule(2))
+    monkeypatch.setattr(sparse, "decode_attention_fused", lambda *a: None)
+    flash = budgeted_attention(st, [s], 0, q, None, HD ** -0.5, 16, observe=True, sdpa_module=_SdpaModule(2))
+    st.close()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(fused.out.float(), flash.out.float(), **tol)
+    assert [o[2] for o in fused.observed] == [o[2] for o in flash.observed]
+    for a, b in zip(fused.observed, flash.observed):
+        torch.testing.assert_close(a[3], b[3], rtol=1e-5, atol=1e-6)

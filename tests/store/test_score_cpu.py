@@ -257,3 +257,51 @@ def test_key_mass_declines_what_it_cannot_read():
     assert score_cpu.key_mass(q, torch.randn(2, 2, 8, 16), 1.0) is None  # two batch rows
     assert score_cpu.key_mass(q[:1], torch.randn(1, 2, 8, 16).half(), 1.0) is None  # fp16 keys
     assert score_cpu.key_mass(q[:1], torch.randn(1, 2, 16, 8).transpose(2, 3), 1.0) is None  # strided rows
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kvh,g,hd,n", [(3, 3, 64, 1000), (2, 7, 64, 37), (1, 8, 128, 5), (4, 2, 24, 300)])
+@pytest.mark.parametrize("with_rest", [False, True])
+def test_decode_attend_is_attention_its_lse_mass_and_merge(dtype, kvh, g, hd, n, with_rest):
+    """The fused decode pass against float64 attention over keys and values read in place from
+    strided L1-like run views: the output (merged with an estimate when given, as merge_lse
+    merges it), the exact part's log-sum-exp and H2O's per-key mass; R = g query heads per kv
+    head covers both value passes (at most 4 rows, and the 8-row tiles)."""
+    gen = torch.Generator().manual_seed(n + hd + g)
+    pool = torch.randn(2, kvh, n + 40, hd, generator=gen).to(dtype)
+    keys, values = (pool[i].narrow(1, 7, n).unsqueeze(0) for i in range(2))  # head stride > n * hd
+    qh = kvh * g
+    query = (3 * torch.randn(1, qh, 1, hd, generator=gen)).to(dtype)
+    rest = None
+    if with_rest:
+        rest = (torch.randn(qh, 1, hd, generator=gen), torch.randn(qh, 1, generator=gen) + 2.0)
+    got = score_cpu.decode_attend(query, keys, values, 0.125, True, rest)
+    assert got is not None
+    out, lse, mass = got
+    assert out.shape == (1, 1, qh, hd) and out.dtype == dtype and lse.shape == (qh,) and mass.shape == (n,)
+    q = query.double().reshape(kvh, g, hd)
+    s = torch.einsum("hgd,hnd->hgn", q, keys[0].double()) * 0.125
+    p = torch.softmax(s, -1)
+    want = torch.einsum("hgn,hnd->hgd", p, values[0].double()).reshape(qh, hd)
+    want_lse = torch.logsumexp(s, -1).reshape(qh)
+    if with_rest:
+        w = torch.sigmoid(want_lse - rest[1].double().reshape(qh))[:, None]
+        want = w * want + (1 - w) * rest[0].double().reshape(qh, hd)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(out.reshape(qh, hd).double(), want, **tol)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mass.double(), p.sum((0, 1)), rtol=1e-5, atol=1e-6)
+    assert score_cpu.decode_attend(query, keys, values, 0.125, False, rest)[2] is None
+    if dtype == torch.bfloat16:  # rounded once, from the float32 result
+        f32 = score_cpu.decode_attend(query.float(), keys.float(), values.float(), 0.125, False, rest)[0]
+        assert torch.equal(out, f32.to(dtype))
+
+
+def test_decode_attend_declines_what_it_cannot_read():
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 8, 16)
+    assert score_cpu.decode_attend(q, k, k, 1.0, False) is not None
+    assert score_cpu.decode_attend(torch.randn(1, 4, 2, 16), k, k, 1.0, False) is None  # two queries
+    assert score_cpu.decode_attend(q.half(), k.half(), k.half(), 1.0, False) is None  # float16
+    assert score_cpu.decode_attend(q, k, k.bfloat16(), 1.0, False) is None  # mixed dtypes
+    assert score_cpu.decode_attend(q, k, torch.randn(1, 2, 16, 8).transpose(2, 3), 1.0, False) is None  # strided rows
+    assert score_cpu.decode_attend(q, k[:, :, :0], k[:, :, :0], 1.0, False) is None  # no keys
