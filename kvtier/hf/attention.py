@@ -273,8 +273,8 @@ def decode_attention_lse(module: torch.nn.Module, query: torch.Tensor, key: torc
 
 
 def decode_attention_fused(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           scaling: float, mass: bool, rest: tuple[torch.Tensor, torch.Tensor] | None
-                           ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+                           scaling: float, mass: bool, rest: tuple[torch.Tensor, torch.Tensor] | None,
+                           mass_len: int = 0) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """:func:`decode_attention_lse` and what a sparse step does with its result, in one compiled
     pass (``score_cpu.decode_attend``): the exact part over the gathered keys, merged with the
     estimate ``rest`` of the blocks left out (None: none), and with ``mass`` each gathered key's
@@ -282,7 +282,8 @@ def decode_attention_fused(module: torch.nn.Module, query: torch.Tensor, key: to
     sizes (one query, a few hundred to a few thousand keys) the flash kernel's blocking costs
     more than the arithmetic, and the mass pass reads the keys a second time.
 
-    Returns ``(out [1, 1, q_heads, head_dim], mass float32 [1, n] or None)``, or None where
+    Returns ``(out [1, 1, q_heads, head_dim], mass float32 [1, max(n, mass_len)] (zeros past n)
+    or None)``, or None where
     :func:`decode_attention_lse` would not apply or the routine cannot (no compiler, float16):
     the caller takes that path.
     """
@@ -291,7 +292,7 @@ def decode_attention_fused(module: torch.nn.Module, query: torch.Tensor, key: to
         return None
     from kvtier.store import score_cpu
 
-    got = score_cpu.decode_attend(query, key, value, scaling, mass, rest)
+    got = score_cpu.decode_attend(query, key, value, scaling, mass, rest, mass_len)
     if got is None:
         return None
     out, _, m = got

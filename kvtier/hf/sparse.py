@@ -96,7 +96,7 @@ def budgeted_attention(store: KVStore, seqs: list[int], layer: int, query: torch
             # with it: one compiled pass gives the exact part merged with the estimate (and the
             # mass), else one kernel the exact part and the log-sum-exp the estimate merges with
             fused = decode_attention_fused(sdpa_module, query, k, v, scaling, observe,
-                                           rests[0] if rests else None)
+                                           rests[0] if rests else None, len(sels[0]) * store.block_tokens)
             if fused is None:
                 exact = decode_attention_lse(sdpa_module, query, k, v, scaling)
         if fused is not None:
@@ -126,7 +126,9 @@ def budgeted_attention(store: KVStore, seqs: list[int], layer: int, query: torch
         bt = store.block_tokens
         for row, seq in enumerate(seqs):
             nb = len(sels[row])  # the gathered blocks in gather_view's order, the open one last
-            mrow = torch.nn.functional.pad(mass[row, : lens[row]], (0, nb * bt - lens[row]))
+            mrow = mass[row]
+            if mrow.numel() != nb * bt:  # the open block's empty tail (the fused pass's mass has it)
+                mrow = torch.nn.functional.pad(mrow[: lens[row]], (0, nb * bt - lens[row]))
             # per block, the open one last; handed to the store at the end of the step, so
             # reading it back (a device sync on CUDA) happens once per step, not per layer
             observed.append((seq, layer, sels[row], mrow.view(nb, bt).sum(1)))

@@ -206,13 +206,14 @@ def key_mass(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Ten
 
 
 def decode_attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, mass: bool,
-                  rest: tuple[torch.Tensor, torch.Tensor] | None = None
+                  rest: tuple[torch.Tensor, torch.Tensor] | None = None, mass_len: int = 0
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
     """One decode step's attention over gathered keys and values, its log-sum-exp and, with
     ``mass``, each key's attention mass (:func:`key_mass`), in one compiled pass: what CPU flash
     attention and :func:`key_mass` give in two (float32 math; another summation order, so equal
     to rounding). ``rest``: the estimate of the blocks not gathered, (out [q_heads, head_dim],
     lse [q_heads]) float32, merged into the output as :func:`merge_lse` merges it.
+    ``mass_len``: the mass tensor's length when longer than n (zeros past n: whole blocks).
 
     Args:
         query: [1, q_heads, 1, head_dim]; keys, values: [1, kv_heads, n, head_dim] of the query's
@@ -220,7 +221,8 @@ def decode_attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
             view is), n >= 1.
     Returns:
         (out [1, 1, q_heads, head_dim] in the query's dtype, lse float32 [q_heads] of the exact
-        part, mass float32 [n] or None), or None when these inputs are not the routine's.
+        part, mass float32 [max(n, mass_len)] or None), or None when these inputs are not the
+        routine's.
     """
     lib = _load()
     b, qh, ql, hd = query.shape
@@ -234,7 +236,8 @@ def decode_attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     q = query.reshape(kvh, qh // kvh, hd).to(torch.float32).contiguous()  # [kv_heads, G, D]
     out = torch.empty((1, 1, qh, hd), dtype=query.dtype)
     lse = torch.empty(qh, dtype=torch.float32)
-    m = torch.empty(n, dtype=torch.float32) if mass else None
+    m = (torch.zeros(mass_len, dtype=torch.float32) if mass_len > n else torch.empty(n, dtype=torch.float32)) \
+        if mass else None
     ro = rl = None
     if rest is not None:
         ro, rl = (t.float().contiguous() for t in rest)

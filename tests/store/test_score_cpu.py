@@ -292,6 +292,8 @@ def test_decode_attend_is_attention_its_lse_mass_and_merge(dtype, kvh, g, hd, n,
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mass.double(), p.sum((0, 1)), rtol=1e-5, atol=1e-6)
     assert score_cpu.decode_attend(query, keys, values, 0.125, False, rest)[2] is None
+    padded = score_cpu.decode_attend(query, keys, values, 0.125, True, rest, mass_len=n + 11)[2]
+    assert padded.shape == (n + 11,) and torch.equal(padded[:n], mass) and not padded[n:].any()
     if dtype == torch.bfloat16:  # rounded once, from the float32 result
         f32 = score_cpu.decode_attend(query.float(), keys.float(), values.float(), 0.125, False, rest)[0]
         assert torch.equal(out, f32.to(dtype))
