@@ -328,19 +328,23 @@ enum { VTILE = 16 };   /* value rows converted and accumulated per pass of rest_
 static inline int64_t rest_scratch(int64_t hd, int64_t R) { return VTILE * (hd + ((R + 7) & ~7)) + R; }
 
 /* o[r*hd + d] += sum_i w[i*RP + r] * tile[i*hd + d] over the n <= VTILE rows of tile (float32) and
-   the R query rows (w padded with zeros to RP, a multiple of 8). A small matrix product, register
-   blocked: 8 query rows x 16 columns of accumulators, so each tile load feeds 8 FMAs rather than one. */
-static void tile_axpy(const float *tile, int64_t n, const float *w, int64_t R, int64_t RP, int64_t hd, float *o) {
-    for (int64_t r0 = 0; r0 < R; r0 += 8) {
-        int64_t nr = R - r0 < 8 ? R - r0 : 8;
+   the R query rows (w padded with zeros to RP, a multiple of K). A small matrix product, register
+   blocked: K query rows x 16 columns of accumulators, so each tile load feeds K FMAs rather than
+   one. K is 8, or 4 where a decode step's query heads per kv head are that few (eight rows would
+   be mostly zeros); inlined into each caller so the accumulators are a compile-time count. */
+static inline __attribute__((always_inline)) void tile_axpy_k(const float *tile, int64_t n, const float *w,
+                                                              int64_t R, int64_t RP, int64_t hd, float *o,
+                                                              const int K) {
+    for (int64_t r0 = 0; r0 < R; r0 += K) {
+        int64_t nr = R - r0 < K ? R - r0 : K;
         int64_t d = 0;
         for (; d + 16 <= hd; d += 16) {
             v8 a0[8], a1[8];
-            for (int k = 0; k < 8; k++) { a0[k] = (v8){0}; a1[k] = (v8){0}; }
+            for (int k = 0; k < K; k++) { a0[k] = (v8){0}; a1[k] = (v8){0}; }
             for (int64_t i = 0; i < n; i++) {
                 v8 t0 = ld8(tile + i * hd + d), t1 = ld8(tile + i * hd + d + 8);
                 const float *wi = w + i * RP + r0;
-                for (int k = 0; k < 8; k++) { a0[k] += wi[k] * t0; a1[k] += wi[k] * t1; }
+                for (int k = 0; k < K; k++) { a0[k] += wi[k] * t0; a1[k] += wi[k] * t1; }
             }
             for (int64_t k = 0; k < nr; k++) {
                 float *orow = o + (r0 + k) * hd + d;
@@ -353,6 +357,14 @@ static void tile_axpy(const float *tile, int64_t n, const float *w, int64_t R, i
             for (int64_t k = 0; k < nr; k++)
                 for (int64_t i = 0; i < n; i++) o[(r0 + k) * hd + d] += w[i * RP + r0 + k] * tile[i * hd + d];
     }
+}
+
+static void tile_axpy(const float *tile, int64_t n, const float *w, int64_t R, int64_t RP, int64_t hd, float *o) {
+    tile_axpy_k(tile, n, w, R, RP, hd, o, 8);
+}
+
+static void tile_axpy4(const float *tile, int64_t n, const float *w, int64_t R, int64_t hd, float *o) {
+    tile_axpy_k(tile, n, w, R, 4, hd, o, 4);
 }
 
 /* The estimate's value pass, shared by kvt_block_top and kvt_rest_attend. The rest are the
@@ -622,30 +634,6 @@ void kvt_merge_lse(const float *lse, int64_t rows, int64_t hd, const float *rest
                    void *out, int out_kind) {
     for (int64_t i = 0; i < rows; i++)
         merge_row(lse[i], rest_lse[i], rest_out + i * hd, out, out_kind, i * hd, hd);
-}
-
-/* tile_axpy for R <= 4 query rows with weights w [n][4] (zero past R): a decode step's
-   query heads per kv head are few, and eight accumulator rows would be mostly zeros. */
-static void tile_axpy4(const float *tile, int64_t n, const float *w, int64_t R, int64_t hd, float *o) {
-    int64_t d = 0;
-    for (; d + 16 <= hd; d += 16) {
-        v8 a0[4], a1[4];
-        for (int k = 0; k < 4; k++) { a0[k] = (v8){0}; a1[k] = (v8){0}; }
-        for (int64_t i = 0; i < n; i++) {
-            v8 t0 = ld8(tile + i * hd + d), t1 = ld8(tile + i * hd + d + 8);
-            const float *wi = w + i * 4;
-            for (int k = 0; k < 4; k++) { a0[k] += wi[k] * t0; a1[k] += wi[k] * t1; }
-        }
-        for (int64_t k = 0; k < R; k++) {
-            float *orow = o + k * hd + d;
-            v8 x0 = ld8(orow) + a0[k], x1 = ld8(orow + 8) + a1[k];
-            memcpy(orow, &x0, sizeof x0);
-            memcpy(orow + 8, &x1, sizeof x1);
-        }
-    }
-    for (; d < hd; d++)
-        for (int64_t k = 0; k < R; k++)
-            for (int64_t i = 0; i < n; i++) o[k * hd + d] += w[i * 4 + k] * tile[i * hd + d];
 }
 
 /* One decode step's attention over n gathered keys and values in one pass, what CPU flash
