@@ -91,6 +91,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"ruler suite: samples per task and context (default {RULER_DEFAULT['samples']})")
     p.add_argument("--max-new-tokens", type=_positive("--max-new-tokens", 1, 4096), default=None,
                    help="ruler suite: cap on generated tokens (default: each task's RULER limit)")
+    p.add_argument("--fidelity", action="store_true",
+                   help="ruler suite: each configuration also replays the reference's answer on a fresh cache "
+                        "and reports its mean KL from the reference's next-token distribution and the share of "
+                        "steps whose top token is the reference's (every step counts, not only the final "
+                        "score; doubles the decode time of each configuration)")
     p.add_argument("--configs", default=None, help="TOML file of [[config]] tables (see kvtier/eval/sweep.py)")
     p.add_argument("--anchors", choices=("kvpress",), default=None,
                    help="ruler suite: add kvpress's presses (SnapKV, ExpectedAttention, KVzip, StreamingLLM at "
@@ -151,6 +156,9 @@ class _Plan:
             self.tasks = names
         else:
             self.tasks = []
+        if getattr(args, "fidelity", False) and self.suite != "ruler":
+            raise ValueError("--fidelity needs --suite ruler (the text suite teacher-forces every window and "
+                             "reports KL and top-1 agreement already)")
         out = Path(args.out)
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {args.out}: exists and is not a directory (eval writes eval.json, eval.png and "
@@ -327,7 +335,8 @@ def run(args: argparse.Namespace) -> int:
         settings.update({"continuation": plan.continuation, "windows": plan.windows, "probe": not args.no_probe,
                          "text": plan.text or "pydoc"})
     else:
-        settings.update({"tasks": plan.tasks, "samples": plan.samples, "max_new_tokens": args.max_new_tokens})
+        settings.update({"tasks": plan.tasks, "samples": plan.samples, "max_new_tokens": args.max_new_tokens,
+                         "fidelity": bool(args.fidelity)})
     settings["prefill_cache"] = plan.prefill_cache is not None
     doc = {
         "schema": report.SCHEMA, "kvtier_version": __version__,
@@ -365,7 +374,7 @@ def run(args: argparse.Namespace) -> int:
                     progress.update(bar, advance=len(external))
                 ran = iter(run_all(model, in_process, sample, Path(tmp), tokenizer=tok,
                                    max_new_tokens=args.max_new_tokens, on_result=tick,
-                                   prefill_cache=plan.prefill_cache))
+                                   prefill_cache=plan.prefill_cache, fidelity=args.fidelity))
                 results = [pressed[s.name][0] if s.kind == "kvpress" else next(ran) for s in specs]
                 for i, r in enumerate(results):
                     per_spec[i].append(r)

@@ -10,7 +10,8 @@ JSON schema (version 2)::
                   "accuracy": {text suite: "ppl", "ppl_ref", "ppl_rel_change", "kl_mean",
                                "top1_agreement", "probe_acc", "probe_acc_ref", "probe_rel";
                                ruler suite: "ruler", "ruler_ref", "ruler_rel", "ruler_tasks",
-                               "samples": [{"task", "index", "score", "prediction"}];
+                               "samples": [{"task", "index", "score", "prediction", "fidelity"?}],
+                               with --fidelity "fidelity_kl", "fidelity_top1", "fidelity_steps";
                                both: "ci": {metric: {"mean", "lo", "hi", "n"}} (95% bootstrap),
                                "diff": {metric: {"mean", "lo", "hi", "n", "within_ci"}}
                                (paired against the reference)},
@@ -98,6 +99,9 @@ def table_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
         head = ["context", "config", "RULER % [95% CI]", "Δ vs ref (paired)", "× ref [95% CI]", "chars %",
                 "B/tok L1", "B/tok total",
                 "tok/s", "TTFT s", "recalled L2/L3"]
+        fidelity = any(r["accuracy"].get("fidelity_kl") is not None for r in doc["results"])
+        if fidelity:
+            head[6:6] = ["KL to ref [95% CI]", "top-1 to ref %"]
     else:
         head = ["context", "config", "Δppl % [95% CI]", "KL", "top-1", "probe", "probe Δ (paired)",
                 "B/tok total", "B/tok L1", "tok/s", "TTFT s"]
@@ -112,6 +116,8 @@ def table_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
                          _fmt(f.get("l1_bytes_per_token"), ",.0f"), _fmt(f.get("total_bytes_per_token"), ",.0f"),
                          _fmt(c.get("decode_tok_s"), ".2f"), _fmt(c.get("ttft_s"), ".1f"),
                          f"{rec['l2']}/{rec['l3']}" if rec else "-"])
+            if fidelity:
+                rows[-1][6:6] = [_ci(a, "fidelity_kl", 1, ".4f"), _ci(a, "fidelity_top1", 100, ".1f")]
         else:
             rows.append([
                 str(r["context"]), name, _ci(a, "ppl_rel_change", 100, "+.2f"), _fmt(a.get("kl_mean"), ".4f"),

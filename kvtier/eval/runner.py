@@ -5,6 +5,8 @@
                text window:  teacher-force the continuation one token at a time -> log-probs
                RULER sample: greedy decode until EOS, RULER's score is reached, or the task's
                              token limit -> prediction, RULER's score
+                             (fidelity: a second, fresh cache replays the reference's answer
+                             tokens -> log-probs compared with the reference's, step by step)
 
 Decode steps pass explicit positions, so caches that dropped tokens (StreamingLLM, SnapKV) keep
 each new token at its true position. A RULER decode may stop as soon as RULER's score reaches
@@ -40,6 +42,7 @@ class Result:
     score: float | None = None        # RULER: its score in [0, 1]
     partial: float | None = None      # RULER: per reference, the longest prefix copied (extract.partial)
     tokens: list = field(default_factory=list)
+    fidelity: dict | None = None      # RULER with fidelity: {"kl", "top1", "steps"} along the reference's answer
 
     @property
     def ttft_s(self) -> float:
@@ -53,29 +56,54 @@ def snapkv_window(specs: list[CacheSpec]) -> int:
 
 @torch.inference_mode()
 def run_all(model, specs: list[CacheSpec], sample, workdir: Path, tokenizer=None, max_new_tokens=None,
-            on_result=None, prefill_cache: Path | None = None) -> list[Result]:
+            on_result=None, prefill_cache: Path | None = None, fidelity: bool = False) -> list[Result]:
     """Every spec on ``sample`` (a text :class:`Window` or a :class:`ruler.Sample`).
 
     ``prefill_cache``: a directory where the shared prefill is kept and reused (see :func:`prefill`).
+    ``fidelity`` (RULER samples): every spec after the first (the reference) also replays the
+    reference's answer tokens on a cache built afresh, and its ``fidelity`` holds the mean KL from
+    the reference's next-token distribution and the share of steps whose argmax is the reference's
+    token. A greedy score moves only where a step's top two tokens trade places; this measures every
+    step of every sample, so a few samples separate configurations a score cannot.
 
     Returns one entry per spec: its :class:`Result`, or the :class:`Unavailable` it raised
     (a configuration this machine cannot run).
     """
     ids = sample.context if isinstance(sample, Window) else sample.input_ids
     pre = prefill(model, ids, snapkv_window(specs), cache_dir=prefill_cache)
+    replay = fidelity and not isinstance(sample, Window)
     out = []
-    for spec in specs:
+    for i, spec in enumerate(specs):
         try:
-            r = _run_one(model, spec, sample, ids, pre, workdir, tokenizer, max_new_tokens)
+            r = _run_one(model, spec, sample, ids, pre, workdir, tokenizer, max_new_tokens,
+                         keep_logp=replay and i == 0)
+            ref = out[0] if out else None
+            if replay and i > 0 and isinstance(ref, Result):
+                along = _run_one(model, spec, sample, ids, pre, workdir, tokenizer, max_new_tokens,
+                                 along=ref.tokens)
+                r.fidelity = _fidelity(ref, along.logp)
         except Unavailable as e:
             r = e
         out.append(r)
         if on_result:
             on_result(r)
+    if replay and isinstance(out[0], Result):
+        out[0].logp = None  # [steps, vocab] floats a sample: not kept across a run's samples
     return out
 
 
-def _run_one(model, spec, sample, ids, pre: Prefill, workdir, tokenizer, max_new_tokens) -> Result:
+def _fidelity(ref: Result, logp: torch.Tensor) -> dict:
+    """One configuration's replay of the reference's answer against the reference's own steps."""
+    from kvtier.eval import metrics
+
+    return {"kl": metrics.kl_divergence(ref.logp, logp).mean().item(),
+            "top1": metrics.top1_accuracy(logp, torch.tensor(ref.tokens)), "steps": len(ref.tokens)}
+
+
+def _run_one(model, spec, sample, ids, pre: Prefill, workdir, tokenizer, max_new_tokens, keep_logp=False,
+             along: list | None = None) -> Result:
+    """``spec`` on ``sample``; a RULER sample is decoded greedily (``keep_logp``: with each step's
+    log-probs) or, given ``along``, fed those tokens (teacher-forced) for their log-probs."""
     context = ids.numel()
     run = Run(spec, model, pre, context, workdir)
     try:
@@ -88,8 +116,11 @@ def _run_one(model, spec, sample, ids, pre: Prefill, workdir, tokenizer, max_new
             logits = o.logits[0, -1].float()
         if isinstance(sample, Window):
             r = _teacher_forced(model, run, sample, context, logits)
+        elif along is not None:
+            r = _replay(model, run, sample, context, logits, along)
         else:
-            r = _greedy(model, run, sample, context, logits, tokenizer, max_new_tokens or sample.max_new_tokens)
+            r = _greedy(model, run, sample, context, logits, tokenizer, max_new_tokens or sample.max_new_tokens,
+                        keep_logp)
         r.prefill_s = prefill_s
         r.build_s = run.build_s
         r.footprint = run.footprint(context + max(1, len(r.step_s)))
@@ -117,6 +148,18 @@ def _teacher_forced(model, run, w: Window, context, first_logits) -> Result:
     return Result(run.spec, w, steps, 0.0, 0.0, {}, {}, logp=torch.log_softmax(torch.stack(logits), dim=-1))
 
 
+def _replay(model, run, s, context, first_logits, tokens: list) -> Result:
+    """Feeds ``tokens`` (another configuration's answer) one step at a time: the log-probs each
+    step gives the next of them, ``[len(tokens), vocab]``."""
+    logits, steps = [first_logits], []
+    for t, tok in enumerate(tokens[:-1]):
+        run.settle()
+        t0 = time.perf_counter()
+        logits.append(_step(model, run, tok, context + t))
+        steps.append(time.perf_counter() - t0)
+    return Result(run.spec, s, steps, 0.0, 0.0, {}, {}, logp=torch.log_softmax(torch.stack(logits), dim=-1))
+
+
 def stop_tokens(tokenizer) -> set[int]:
     """The tokens that end a RULER answer: EOS, and the chat end-of-turn token."""
     eos = tokenizer.eos_token_id
@@ -129,9 +172,11 @@ def stop_tokens(tokenizer) -> set[int]:
     return stop
 
 
-def _greedy(model, run, s: ruler.Sample, context, first_logits, tokenizer, limit: int) -> Result:
+def _greedy(model, run, s: ruler.Sample, context, first_logits, tokenizer, limit: int,
+            keep_logp: bool = False) -> Result:
     stop = stop_tokens(tokenizer)
     tokens, steps = [int(first_logits.argmax())], []
+    kept = [first_logits] if keep_logp else None
     while True:
         text = tokenizer.decode([t for t in tokens if t not in stop], skip_special_tokens=True)
         score = extract.exact(s.outputs, text) if s.metric == extract.METRIC else ruler.score(s, text)
@@ -142,5 +187,8 @@ def _greedy(model, run, s: ruler.Sample, context, first_logits, tokenizer, limit
         logits = _step(model, run, tokens[-1], context + len(tokens) - 1)
         steps.append(time.perf_counter() - t0)
         tokens.append(int(logits.argmax()))
+        if kept is not None:
+            kept.append(logits)
     return Result(run.spec, s, steps, 0.0, 0.0, {}, {}, prediction=text, score=score,
-                  partial=extract.partial(s.outputs, text), tokens=tokens)
+                  partial=extract.partial(s.outputs, text), tokens=tokens,
+                  logp=torch.log_softmax(torch.stack(kept), dim=-1) if kept is not None else None)

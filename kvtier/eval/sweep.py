@@ -238,6 +238,16 @@ def _ruler_accuracy(ref: list[Result], got: list[Result], seed: int) -> dict:
     }
     if extra:
         out["ci"]["partial"] = metrics.mean_ci(part, seed)
+    fid = [g.fidelity for _, g in pairs]
+    if all(f is not None for f in fid):
+        # each sample counts once, whatever its answer's length: the intervals are over samples
+        for key, name in (("kl", "fidelity_kl"), ("top1", "fidelity_top1")):
+            vals = [f[key] for f in fid]
+            out[name] = statistics.fmean(vals)
+            out["ci"][name] = metrics.mean_ci(vals, seed)
+        out["fidelity_steps"] = sum(f["steps"] for f in fid)
+        for s, f in zip(out["samples"], fid):
+            s["fidelity"] = f
     return out
 
 

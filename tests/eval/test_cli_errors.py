@@ -52,6 +52,10 @@ def test_contexts_only_tasks_model(capsys):
     assert "neither an embedded model" in _err(capsys, "--model", "no-such-model")
 
 
+def test_fidelity_needs_the_ruler_suite(capsys, tmp_path):
+    assert "--fidelity needs --suite ruler" in _err(capsys, "--suite", "text", "--fidelity", "--out", str(tmp_path / "o"))
+
+
 def test_ruler_task_names(capsys):
     pytest.importorskip("long_context_eval")
     assert "--tasks: unknown RULER task" in _err(capsys, "--suite", "ruler", "--tasks", "niah_single_9")
