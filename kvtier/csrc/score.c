@@ -139,15 +139,17 @@ static inline v8 exp_neg8(v8 x) {
 
 static inline v8 vmax8(v8 a, v8 b) { v8i gt = a > b; return (v8)(((v8i)a & gt) | ((v8i)b & ~gt)); }
 
-/* sr[j] = exp(sr[j] - max) over sr[0..m); returns 1 / their sum (the softmax is sr[j] times it).
+/* sr[j] = exp(sr[j] - max) over sr[0..m); returns 1 / their sum (the softmax is sr[j] times it)
+   and, where max_out is not NULL, stores the max there (the log-sum-exp is max - log(1 / sum)).
    NaN logits: a NaN max makes every probability NaN. */
-static float softmax_exps(float *sr, int64_t m) {
+static float softmax_exps(float *sr, int64_t m, float *max_out) {
     float mx = -INFINITY, sum = 0.f;
     int64_t j = 0;
     v8 vm = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY};
     for (; j + 8 <= m; j += 8) vm = vmax8(ld8(sr + j), vm);
     for (int i = 0; i < 8; i++) if (vm[i] > mx) mx = vm[i];
     for (; j < m; j++) if (sr[j] > mx) mx = sr[j];
+    if (max_out) *max_out = mx;
     v8 vs = {0};
     for (j = 0; j + 8 <= m; j += 8) {
         v8 e = exp_neg8(ld8(sr + j) - mx);
@@ -160,17 +162,12 @@ static float softmax_exps(float *sr, int64_t m) {
 }
 
 /* out[j] = max(out[j], softmax(sr)[j]) over sr[0..m); sr is left holding exp(sr[j] - max).
-   Returns 1 / the sum of those exps. A NaN probability never raises out[j] (as the scalar loop). */
-static float softmax_max(float *sr, int64_t m, float *out) {
-    float inv = softmax_exps(sr, m);
+   Returns 1 / the sum of those exps; max_out as softmax_exps. A NaN probability never raises
+   out[j] (as the scalar loop). */
+static float softmax_max(float *sr, int64_t m, float *out, float *max_out) {
+    float inv = softmax_exps(sr, m, max_out);
     for (int64_t j = 0; j < m; j++) { float p = sr[j] * inv; out[j] = p > out[j] ? p : out[j]; }
     return inv;
-}
-
-static float row_max(const float *sr, int64_t m) {
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < m; j++) if (sr[j] > mx) mx = sr[j];
-    return mx;
 }
 
 /* s[r * stride + j] = scale * rs[j] * (q[r] . row j) for the n rows of hd elements at element
@@ -241,8 +238,7 @@ static int block_scores(const float *q, int64_t H, int64_t R, int64_t hd, const 
         float *sh = exps ? exps + h * R * m : s;
         row_logits(qh, R, hd, dig, h * head_stride, kind, rs, scale, m, buf, sh, m);  /* width == hd here */
         for (int64_t r = 0; r < R; r++) {
-            if (rmax) rmax[h * R + r] = row_max(sh + r * m, m);
-            softmax_max(sh + r * m, m, out);
+            softmax_max(sh + r * m, m, out, rmax ? rmax + h * R + r : NULL);
         }
     }
     free(s);
@@ -511,7 +507,7 @@ int kvt_key_mass(const float *q, int64_t H, int64_t R, int64_t hd, const void *k
         row_logits(q + h * R * hd, R, hd, keys, h * head_stride, kind, NULL, scale, n, buf, s, n);
         for (int64_t r = 0; r < R; r++) {
             float *sr = s + r * n;
-            float inv = softmax_exps(sr, n);
+            float inv = softmax_exps(sr, n, NULL);
             for (int64_t j = 0; j < n; j++) out[j] += sr[j] * inv;
         }
     }
@@ -563,8 +559,7 @@ int64_t kvt_rest_attend(const float *q, int64_t H, int64_t R, int64_t hd, int ki
             b = e;
         }
         for (int64_t r = 0; r < R; r++) {
-            rmax[h * R + r] = row_max(sh + r * M, M);
-            softmax_exps(sh + r * M, M);   /* sr: exp(s - max) */
+            softmax_exps(sh + r * M, M, rmax + h * R + r);   /* sr: exp(s - max) */
         }
     }
     rest_values(s, rmax, H, R, hd, m, parts, vparts, skip, 0, kind, vdig, v_head_stride, vrs, vrs_stride,
@@ -618,8 +613,8 @@ int kvt_merge_rest(const float *q, int64_t H, int64_t R, int64_t hd, const void 
         row_logits(q + h * R * hd, R, hd, keys, h * head_stride, kind, NULL, scale, n, buf, s, n);
         for (int64_t r = 0; r < R; r++) {
             float *sr = s + r * n;
-            float mx = row_max(sr, n);
-            float lse = mx - logf(softmax_exps(sr, n));
+            float mx, inv = softmax_exps(sr, n, &mx);
+            float lse = mx - logf(inv);
             int64_t i = h * R + r;
             merge_row(lse, rest_lse[i], rest_out + i * hd, out, out_kind, i * hd, hd);
         }
@@ -661,8 +656,7 @@ int kvt_decode_attend(const float *q, int64_t H, int64_t R, int64_t hd, const vo
         row_logits(q + h * R * hd, R, hd, keys, h * k_head_stride, kind, NULL, scale, n, buf, s, n);
         for (int64_t r = 0; r < R; r++) {
             float *sr = s + r * n;
-            float mx = row_max(sr, n);
-            float inv = softmax_exps(sr, n);
+            float mx, inv = softmax_exps(sr, n, &mx);
             lse[h * R + r] = mx - logf(inv);
             for (int64_t j = 0; j < n; j++) sr[j] *= inv;
             if (mass) for (int64_t j = 0; j < n; j++) mass[j] += sr[j];
