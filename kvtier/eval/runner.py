@@ -115,9 +115,9 @@ def _run_one(model, spec, sample, ids, pre: Prefill, workdir, tokenizer, max_new
             prefill_s = time.perf_counter() - t0
             logits = o.logits[0, -1].float()
         if isinstance(sample, Window):
-            r = _teacher_forced(model, run, sample, context, logits)
+            r = _teacher_forced(model, run, sample, context, logits, sample.continuation.tolist())
         elif along is not None:
-            r = _replay(model, run, sample, context, logits, along)
+            r = _teacher_forced(model, run, sample, context, logits, along)
         else:
             r = _greedy(model, run, sample, context, logits, tokenizer, max_new_tokens or sample.max_new_tokens,
                         keep_logp)
@@ -137,27 +137,16 @@ def _step(model, run: Run, token: int, pos: int) -> torch.Tensor:
     return out.logits[0, -1].float()
 
 
-def _teacher_forced(model, run, w: Window, context, first_logits) -> Result:
-    cont = w.continuation.tolist()
-    logits, steps = [first_logits], []
-    for t, tok in enumerate(cont[:-1]):
-        run.settle()
-        t0 = time.perf_counter()
-        logits.append(_step(model, run, tok, context + t))
-        steps.append(time.perf_counter() - t0)
-    return Result(run.spec, w, steps, 0.0, 0.0, {}, {}, logp=torch.log_softmax(torch.stack(logits), dim=-1))
-
-
-def _replay(model, run, s, context, first_logits, tokens: list) -> Result:
-    """Feeds ``tokens`` (another configuration's answer) one step at a time: the log-probs each
-    step gives the next of them, ``[len(tokens), vocab]``."""
+def _teacher_forced(model, run, sample, context, first_logits, tokens: list) -> Result:
+    """Feeds ``tokens`` (a text window's continuation, or another configuration's answer) one
+    step at a time: the log-probs each step gives the next of them, ``[len(tokens), vocab]``."""
     logits, steps = [first_logits], []
     for t, tok in enumerate(tokens[:-1]):
         run.settle()
         t0 = time.perf_counter()
         logits.append(_step(model, run, tok, context + t))
         steps.append(time.perf_counter() - t0)
-    return Result(run.spec, s, steps, 0.0, 0.0, {}, {}, logp=torch.log_softmax(torch.stack(logits), dim=-1))
+    return Result(run.spec, sample, steps, 0.0, 0.0, {}, {}, logp=torch.log_softmax(torch.stack(logits), dim=-1))
 
 
 def stop_tokens(tokenizer) -> set[int]:
