@@ -315,11 +315,11 @@ class KVTierConfig:
     (docs/results/config-defaults.md#select_stickiness). Nothing stored changes."""
 
     digest_tokens: Optional[int] = None
-    """``centroid`` only: tokens summarised by one key centroid; a block's score is its best sub-block's
-    (one key that matches the query stands out of the mean of 2 keys, not of 16). A divisor of
-    ``block_tokens``; default (derived) 2, or gcd(``block_tokens``, 2); ``block_tokens`` with ``quest``.
-    Costs ``block_tokens / digest_tokens`` digest rows per block and kv head in L1, ``head_dim + 4``
-    bytes each with int8 ``digest_dtype``. Why 2: docs/results/config-defaults.md#digest_tokens."""
+    """``centroid`` only: tokens summarised by one key centroid; a block's score is its best sub-block's. A
+    divisor of ``block_tokens``; default (derived) 2, or gcd(``block_tokens``, 2); ``block_tokens`` with ``quest``.
+    Costs ``block_tokens / digest_tokens`` rows per block and kv head in L1 (``head_dim + 4`` bytes each, int8),
+    each read every step. 1 (the keys themselves in int8) keeps long exact answers whole where 2 drifts, at more
+    L1 bytes: docs/results/long-answers.md. Why 2: docs/results/config-defaults.md#digest_tokens."""
 
     digest_dtype: DigestDType = "int8"
     """How the digests (key summaries; the value means of ``rest_attention="estimate"``) are stored in L1. ``int8``:
