@@ -15,7 +15,9 @@ only the last position's logits. The caches:
   kvtier-*        TieredCache, int8 / int4, dense / sparse, L1 = --l1-fraction of the context
                   (default 25%; sparse budget = L1), the rest in the L2 DRAM ring (L3 not used);
                   blocks of --block-tokens, by default KVTierConfig's for the attention mode
-                  (16 tokens sparse, 64 dense: what a user who sets none gets)
+                  (16 tokens sparse, 64 dense: what a user who sets none gets);
+                  kvtier-int4-sparse-d1 (only when named): the same with a key digest row per
+                  token (digest_tokens=1)
 
 Reported per (context, config): decode tokens/s and its ratio to DynamicCache, peak memory
 above the model (CUDA: max allocated; CPU: peak RSS sampled every 2 ms), and KV bytes per token
@@ -75,7 +77,11 @@ KVTIER_CONFIGS = {
     "kvtier-int8-sparse": ("int8", "sparse", "h2o"),
     "kvtier-int4-dense": ("int4", "dense", "lru"),
     "kvtier-int4-sparse": ("int4", "sparse", "h2o"),
+    "kvtier-int4-sparse-d1": ("int4", "sparse", "h2o"),
 }
+# rows that differ from another in config fields beyond the three above; asked for by name, not
+# run by default
+KVTIER_FIELDS = {"kvtier-int4-sparse-d1": {"digest_tokens": 1}}  # a key digest row per token
 BASELINE_CONFIGS = ("dynamic", "quanto-int4", "hqq-int4")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -280,7 +286,7 @@ def make_cache(name: str, model, context: int, block_tokens: int, l1_fraction: f
     cfg = KVTierConfig(block_tokens=block_tokens, **{l1_field: hot}, max_sequences=1,
                        host_bytes=max(1 << 20, int(1.25 * (context + 256) * kv_bytes_fp16)),
                        disk_path=None, codec=codec, group_size=32, policy=policy, attention=attention,
-                       budget_tokens=hot if attention == "sparse" else None)
+                       budget_tokens=hot if attention == "sparse" else None, **KVTIER_FIELDS.get(name, {}))
     return TieredCache(cfg, model) if fill is None else TieredCache.wrap(fill, cfg, model)
 
 
@@ -475,7 +481,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=["auto", *sorted(_DTYPES)], default="auto",
                     help="model dtype; auto: kvtier.hardware.compute_dtype (bf16 only on a CPU with native bf16)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: leave as is)")
-    ap.add_argument("--configs", nargs="+", default=list(BASELINE_CONFIGS) + list(KVTIER_CONFIGS))
+    ap.add_argument("--configs", nargs="+",
+                    default=list(BASELINE_CONFIGS) + [n for n in KVTIER_CONFIGS if n not in KVTIER_FIELDS])
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--prefill-cache", metavar="DIR", default=None,
                     help="keep DynamicCache's prefill of each context in DIR (safetensors, kvtier eval's format) "

@@ -138,3 +138,17 @@ def test_fill_from_prefill_fills_kvtier_from_the_kept_prefill(bench, tmp_path):
     assert bench.parse_args(bench.child_argv(args, 1024, str(tmp_path / "o.json"), None)[2:]).fill_from_prefill
     with pytest.raises(SystemExit, match="--fill-from-prefill needs --prefill-cache"):
         bench.parse_args(["--fill-from-prefill"])
+
+
+
+def test_digest_row_runs_only_when_named_and_keeps_a_key_row_per_token(bench, monkeypatch):
+    from types import SimpleNamespace
+
+    assert "kvtier-int4-sparse-d1" not in bench.parse_args([]).configs
+    assert bench.parse_args(["--configs", "kvtier-int4-sparse-d1"]).configs == ["dynamic", "kvtier-int4-sparse-d1"]
+    # the config each row's cache is built with (the cache itself stands in: no model here)
+    monkeypatch.setattr(bench, "_kvtier_cache", lambda: SimpleNamespace(TieredCache=lambda cfg, model: cfg))
+    model = SimpleNamespace(config=SimpleNamespace(head_dim=64, num_key_value_heads=3, num_hidden_layers=30))
+    cfg = {n: bench.make_cache(n, model, 1024, 16, 0.25) for n in ("kvtier-int4-sparse", "kvtier-int4-sparse-d1")}
+    assert cfg["kvtier-int4-sparse"].digest_tokens == 2 and cfg["kvtier-int4-sparse-d1"].digest_tokens == 1
+    assert cfg["kvtier-int4-sparse"].device_tokens == cfg["kvtier-int4-sparse-d1"].device_tokens == 256
