@@ -10,7 +10,9 @@ JSON schema (version 2)::
                   "accuracy": {text suite: "ppl", "ppl_ref", "ppl_rel_change", "kl_mean",
                                "top1_agreement", "probe_acc", "probe_acc_ref", "probe_rel";
                                ruler suite: "ruler", "ruler_ref", "ruler_rel", "ruler_tasks",
-                               "samples": [{"task", "index", "score", "prediction", "fidelity"?}],
+                               "samples": [{"task", "index", "seed", "score", "partial", "prediction",
+                                            "fidelity"?}] (a sample is named by task, index and the
+                                            run's --seed: merged runs stay apart),
                                with --fidelity "fidelity_kl", "fidelity_top1", "fidelity_steps";
                                both: "ci": {metric: {"mean", "lo", "hi", "n"}} (95% bootstrap),
                                "diff": {metric: {"mean", "lo", "hi", "n", "within_ci"}}

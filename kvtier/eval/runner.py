@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from kvtier.eval import extract, ruler
+from kvtier.eval import extract, metrics, ruler
 from kvtier.eval.caches import CacheSpec, Prefill, Run, Unavailable, prefill
 from kvtier.eval.data import Window
 
@@ -75,13 +75,17 @@ def run_all(model, specs: list[CacheSpec], sample, workdir: Path, tokenizer=None
     out = []
     for i, spec in enumerate(specs):
         try:
-            r = _run_one(model, spec, sample, ids, pre, workdir, tokenizer, max_new_tokens,
-                         keep_logp=replay and i == 0)
+            r = _run_one(model, spec, sample, ids, pre, workdir, tokenizer, max_new_tokens, keep_logp=replay)
             ref = out[0] if out else None
             if replay and i > 0 and isinstance(ref, Result):
-                along = _run_one(model, spec, sample, ids, pre, workdir, tokenizer, max_new_tokens,
-                                 along=ref.tokens)
+                # A row whose greedy answer is the reference's, token for token, was fed exactly
+                # what a replay would feed (same fresh cache, positions and steps; the decode is
+                # deterministic): its own log-probs are the replay's.
+                along = r if r.tokens == ref.tokens else _run_one(
+                    model, spec, sample, ids, pre, workdir, tokenizer, max_new_tokens, along=ref.tokens)
                 r.fidelity = _fidelity(ref, along.logp)
+            if replay and i > 0:
+                r.logp = None  # kept for the replay only (a text window's log-probs are its result)
         except Unavailable as e:
             r = e
         out.append(r)
@@ -94,8 +98,6 @@ def run_all(model, specs: list[CacheSpec], sample, workdir: Path, tokenizer=None
 
 def _fidelity(ref: Result, logp: torch.Tensor) -> dict:
     """One configuration's replay of the reference's answer against the reference's own steps."""
-    from kvtier.eval import metrics
-
     return {"kl": metrics.kl_divergence(ref.logp, logp).mean().item(),
             "top1": metrics.top1_accuracy(logp, torch.tensor(ref.tokens)), "steps": len(ref.tokens)}
 

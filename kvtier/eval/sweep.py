@@ -232,8 +232,9 @@ def _ruler_accuracy(ref: list[Result], got: list[Result], seed: int) -> dict:
         "ruler_tasks": {t: statistics.fmean(v) for t, v in sorted(tasks.items())},
         "ci": {"ruler": metrics.mean_ci(sc, seed), "ruler_rel": metrics.ratio_ci(rs, sc, seed)},
         "diff": {"ruler": metrics.paired_diff(rs, sc, seed)},
-        "samples": [{"task": g.sample.task, "index": g.sample.index, "score": g.score, "partial": g.partial,
-                     "prediction": g.prediction} for _, g in pairs],
+        # the seed too: (task, index) names a sample only within one seed's run, and runs are merged
+        "samples": [{"task": g.sample.task, "index": g.sample.index, "seed": seed, "score": g.score,
+                     "partial": g.partial, "prediction": g.prediction} for _, g in pairs],
         **extra,
     }
     if extra:

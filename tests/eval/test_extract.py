@@ -97,7 +97,7 @@ def test_eval_runs_an_extraction_task_end_to_end(tmp_path):
     rows = {r["config"]: r["accuracy"] for r in doc["results"]}
     assert set(rows) == {"dynamic (ref)", "kvtier int4 sparse L1=12.5%"}
     for acc in rows.values():
-        assert [s["task"] for s in acc["samples"]] == ["extract_words"] * 2
+        assert [(s["task"], s["seed"]) for s in acc["samples"]] == [("extract_words", 0)] * 2
         assert all(0.0 <= s["partial"] <= 1.0 and s["score"] in (0.0, 1.0) for s in acc["samples"])
         assert acc["partial"] == sum(s["partial"] for s in acc["samples"]) / 2
     assert "× ref [95% CI]" in (out / "eval.md").read_text()

@@ -86,3 +86,32 @@ def test_eval_reports_fidelity_with_intervals(tmp_path):
     md = (out / "eval.md").read_text()
     assert "KL to ref [95% CI]" in md and "top-1 to ref %" in md
 
+
+
+@torch.inference_mode()
+def test_a_row_that_answers_as_the_reference_is_not_replayed(model_bf16, tokenizer, tmp_path, sample, monkeypatch):
+    """Its greedy decode fed the reference's tokens already: its own log-probs are the replay's,
+    so only rows whose answer differs are replayed, and the figures are those of a replay."""
+    from kvtier.eval import runner
+
+    fed = []
+    real = runner._teacher_forced
+    monkeypatch.setattr(runner, "_teacher_forced", lambda *a, **k: fed.append(1) or real(*a, **k))
+    specs = [CacheSpec("ref", "dynamic", {}), CacheSpec("same", "dynamic", {}),
+             CacheSpec("int8", "kvtier", {**KV, "codec": "int8", "device_tokens": 256}),
+             CacheSpec("int2", "kvtier", {**KV, "codec": "int2", "device_tokens": 32})]
+    rows = run_all(model_bf16, specs, sample, tmp_path, tokenizer=tokenizer, fidelity=True)
+    ref = rows[0]
+    differ = [r for r in rows[1:] if r.tokens != ref.tokens]
+    agree = [r for r in rows[1:] if r.tokens == ref.tokens]
+    assert differ and len(fed) == len(differ) and len(agree) >= 2 and all(r.logp is None for r in rows)
+    # an agreeing kvtier row's figures equal a replay computed anyway
+    row = next(r for r in agree if r.spec.kind == "kvtier")
+    pre = prefill(model_bf16, sample.input_ids)
+    ref_logp = runner._run_one(model_bf16, specs[0], sample, sample.input_ids, pre, tmp_path, tokenizer, None,
+                               keep_logp=True).logp
+    replay = runner._run_one(model_bf16, row.spec, sample, sample.input_ids, pre, tmp_path, tokenizer, None,
+                             along=ref.tokens).logp
+    assert torch.equal(ref_logp.argmax(-1), torch.tensor(ref.tokens))
+    assert row.fidelity == {"kl": metrics.kl_divergence(ref_logp, replay).mean().item(),
+                            "top1": metrics.top1_accuracy(replay, torch.tensor(ref.tokens)), "steps": len(ref.tokens)}
