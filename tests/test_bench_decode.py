@@ -152,3 +152,27 @@ def test_digest_row_runs_only_when_named_and_keeps_a_key_row_per_token(bench, mo
     cfg = {n: bench.make_cache(n, model, 1024, 16, 0.25) for n in ("kvtier-int4-sparse", "kvtier-int4-sparse-d1")}
     assert cfg["kvtier-int4-sparse"].digest_tokens == 2 and cfg["kvtier-int4-sparse-d1"].digest_tokens == 1
     assert cfg["kvtier-int4-sparse"].device_tokens == cfg["kvtier-int4-sparse-d1"].device_tokens == 256
+
+
+def test_repeat_rotates_the_order_and_reports_the_median_of_the_passes(bench, tmp_path, capsys):
+    """--repeat: every configuration once per pass, each pass's ratio taken within the pass, the
+    order rotated (a later pass may run the kvtier row before DynamicCache, fed the first pass's
+    reference tokens), and the median printed."""
+    out = tmp_path / "rows.json"
+    assert bench.main(["--smoke", "--configs", "kvtier-int4-sparse", "--dtype", "float32", "--repeat", "3",
+                       "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["repeat"], r["config"]) for r in rows] == [
+        (0, "dynamic"), (0, "kvtier-int4-sparse"), (1, "kvtier-int4-sparse"), (1, "dynamic"),
+        (2, "dynamic"), (2, "kvtier-int4-sparse")]
+    by = {(r["repeat"], r["config"]): r for r in rows}
+    for rep in range(3):
+        dyn, kv = by[rep, "dynamic"], by[rep, "kvtier-int4-sparse"]
+        assert kv["speed_x_dynamic"] == pytest.approx(kv["tokens_per_s"] / dyn["tokens_per_s"])
+        assert dyn["tokens"] == by[0, "dynamic"]["tokens"]   # the reference decodes alike every pass
+    med = sorted(by[rep, "kvtier-int4-sparse"]["speed_x_dynamic"] for rep in range(3))[1]
+    assert f"kvtier-int4-sparse: {med:.2f}x [" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--repeat must be >= 1"):
+        bench.parse_args(["--repeat", "0"])
+    with pytest.raises(SystemExit, match="--repeat is for one tree"):
+        bench.parse_args(["--base", "HEAD", "--repeat", "2"])
