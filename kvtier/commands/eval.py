@@ -114,6 +114,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "TTFT then reports the prefill's time when it was computed")
     p.add_argument("--seed", type=int, default=0, help="seed of the text windows, the samples and sampling (default 0)")
     p.add_argument("--out", default="results", help="output directory for eval.json, eval.png and eval.md")
+    p.add_argument("--merge", nargs="+", metavar="DIR", default=None,
+                   help="no run: pool the samples of finished (or stopped) ruler runs in these --out "
+                        "directories into one table in --out, accuracy and intervals recomputed over all "
+                        "samples (kvtier/eval/merge.py); takes no other option")
 
 
 class _Plan:
@@ -254,6 +258,8 @@ def _load_text(name: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.merge:
+        return _merge(args)
     plan = _Plan(args)  # every check before anything heavy is imported or loaded
 
     import torch
@@ -419,6 +425,32 @@ def _rows(specs, per_spec: list[list], ctx: int, seed: int) -> tuple[list[dict],
             continue
         rows.append(summarise(spec, ctx, ref, got, seed=seed))
     return rows, skipped
+
+
+def _merge(args: argparse.Namespace) -> int:
+    """--merge: the runs in ``args.merge`` as one, written to ``args.out`` (no model loaded)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_arguments(p)
+    defaults = vars(p.parse_args([]))
+    given = sorted(k for k, v in defaults.items() if k not in ("merge", "out") and getattr(args, k, v) != v)
+    if given:
+        raise ValueError(f"--merge takes no other option than --out (it runs nothing); got "
+                         f"{', '.join('--' + k.replace('_', '-') for k in given)}")
+    from rich.console import Console
+
+    from kvtier.eval import report
+    from kvtier.eval.merge import merge_dirs
+
+    out = Path(args.out)
+    if out.resolve() in {Path(d).resolve() for d in args.merge}:
+        raise ValueError(f"--out {args.out} is one of the --merge directories; the merged run goes elsewhere")
+    doc = merge_dirs([Path(d) for d in args.merge])
+    out.mkdir(parents=True, exist_ok=True)
+    console = Console(width=max(150, Console().width))
+    report.print_table(doc, console)
+    _write(doc, out)
+    console.print(f"merged {len(args.merge)} runs into {out / 'eval.json'}, {out / 'eval.png'}, {out / 'eval.md'}")
+    return 0
 
 
 def _write(doc: dict, out: Path, plot: bool = True) -> None:

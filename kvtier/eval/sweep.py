@@ -212,34 +212,48 @@ def _text_accuracy(ref: list[Result], got: list[Result], seed: int) -> dict:
 
 
 def _ruler_accuracy(ref: list[Result], got: list[Result], seed: int) -> dict:
-    pairs = [(r, g) for r, g in zip(ref, got) if r.score is not None]
-    if not pairs:
-        return {}
-    sc = [g.score for _, g in pairs]
-    rs = [r.score for r, _ in pairs]
+    pairs = [(_record(r, seed), _record(g, seed)) for r, g in zip(ref, got) if r.score is not None]
+    return ruler_accuracy(pairs, seed) if pairs else {}
+
+
+def _record(r: Result, seed: int) -> dict:
+    """A RULER result as eval.json records a sample: named by task, index and the run's seed
+    ((task, index) names a sample only within one seed's run, and runs are merged)."""
+    rec = {"task": r.sample.task, "index": r.sample.index, "seed": seed, "score": r.score, "partial": r.partial,
+           "prediction": r.prediction}
+    if r.fidelity is not None:
+        rec["fidelity"] = r.fidelity
+    return rec
+
+
+def ruler_accuracy(pairs: list[tuple[dict, dict]], seed: int) -> dict:
+    """A row's RULER accuracy from (reference, row) sample records on the same samples (``_record``'s
+    form, as eval.json keeps them): scores, the ratio to the reference and the paired difference with
+    95% bootstrap intervals (``seed``), per task, the partial copies, and with fidelity on every sample
+    its means and intervals. One computation for a run and for runs merged (``merge.py``)."""
+    sc = [g["score"] for _, g in pairs]
+    rs = [r["score"] for r, _ in pairs]
     tasks: dict = {}
-    for r, g in pairs:
-        tasks.setdefault(g.sample.task, []).append(g.score)
+    for _, g in pairs:
+        tasks.setdefault(g["task"], []).append(g["score"])
     mean_ref = statistics.fmean(rs)
-    part = [g.partial for _, g in pairs if g.partial is not None]
+    part = [g["partial"] for _, g in pairs if g.get("partial") is not None]
     extra = {}
-    if len(part) == len(pairs):
+    if len(part) == len(pairs) and all(r.get("partial") is not None for r, _ in pairs):
         extra = {"partial": statistics.fmean(part),
-                 "partial_ref": statistics.fmean(r.partial for r, _ in pairs)}
+                 "partial_ref": statistics.fmean(r["partial"] for r, _ in pairs)}
     out = {
         "ruler": statistics.fmean(sc), "ruler_ref": mean_ref,
         "ruler_rel": statistics.fmean(sc) / mean_ref if mean_ref > 0 else float("nan"),
         "ruler_tasks": {t: statistics.fmean(v) for t, v in sorted(tasks.items())},
         "ci": {"ruler": metrics.mean_ci(sc, seed), "ruler_rel": metrics.ratio_ci(rs, sc, seed)},
         "diff": {"ruler": metrics.paired_diff(rs, sc, seed)},
-        # the seed too: (task, index) names a sample only within one seed's run, and runs are merged
-        "samples": [{"task": g.sample.task, "index": g.sample.index, "seed": seed, "score": g.score,
-                     "partial": g.partial, "prediction": g.prediction} for _, g in pairs],
+        "samples": [dict(g) for _, g in pairs],
         **extra,
     }
     if extra:
         out["ci"]["partial"] = metrics.mean_ci(part, seed)
-    fid = [g.fidelity for _, g in pairs]
+    fid = [g.get("fidelity") for _, g in pairs]
     if all(f is not None for f in fid):
         # each sample counts once, whatever its answer's length: the intervals are over samples
         for key, name in (("kl", "fidelity_kl"), ("top1", "fidelity_top1")):
@@ -247,8 +261,6 @@ def _ruler_accuracy(ref: list[Result], got: list[Result], seed: int) -> dict:
             out[name] = statistics.fmean(vals)
             out["ci"][name] = metrics.mean_ci(vals, seed)
         out["fidelity_steps"] = sum(f["steps"] for f in fid)
-        for s, f in zip(out["samples"], fid):
-            s["fidelity"] = f
     return out
 
 
