@@ -16,8 +16,9 @@ only the last position's logits. The caches:
                   (default 25%; sparse budget = L1), the rest in the L2 DRAM ring (L3 not used);
                   blocks of --block-tokens, by default KVTierConfig's for the attention mode
                   (16 tokens sparse, 64 dense: what a user who sets none gets);
-                  kvtier-int4-sparse-d1 (only when named): the same with a key digest row per
-                  token (digest_tokens=1)
+                  kvtier-int4-sparse-d2 (only when named): the same with a key digest row per
+                  pair of tokens (digest_tokens=2, their mean: half the digest bytes of the
+                  default's row per token); kvtier-int4-sparse-d1 names the default's 1 explicitly
 
 Reported per (context, config): decode tokens/s and its ratio to DynamicCache, peak memory
 above the model (CUDA: max allocated; CPU: peak RSS sampled every 2 ms), and KV bytes per token
@@ -28,7 +29,7 @@ at fewer bytes per token than both.
     python bench/bench_decode.py                 # 1k and 4k context, 32 timed steps
     python bench/bench_decode.py --smoke         # seconds; run by `make bench-smoke`
     python bench/bench_decode.py --device cuda --dtype float16
-    python bench/bench_decode.py --contexts 4096 --configs kvtier-int4-sparse kvtier-int4-sparse-d1 \
+    python bench/bench_decode.py --contexts 4096 --configs kvtier-int4-sparse kvtier-int4-sparse-d2 \
         --steps 48 --threads 1 --dtype float32 --repeat 5
     python bench/bench_decode.py --base a4e1479 --contexts 4096 --configs kvtier-int4-sparse --rounds 3
     python bench/bench_decode.py --model qwen2.5-coder-0.5b --base a4e1479 --contexts 32768 \
@@ -86,10 +87,12 @@ KVTIER_CONFIGS = {
     "kvtier-int4-dense": ("int4", "dense", "lru"),
     "kvtier-int4-sparse": ("int4", "sparse", "h2o"),
     "kvtier-int4-sparse-d1": ("int4", "sparse", "h2o"),
+    "kvtier-int4-sparse-d2": ("int4", "sparse", "h2o"),
 }
 # rows that differ from another in config fields beyond the three above; asked for by name, not
 # run by default
-KVTIER_FIELDS = {"kvtier-int4-sparse-d1": {"digest_tokens": 1}}  # a key digest row per token
+KVTIER_FIELDS = {"kvtier-int4-sparse-d1": {"digest_tokens": 1},  # a key digest row per token
+                 "kvtier-int4-sparse-d2": {"digest_tokens": 2}}  # one per pair of tokens
 BASELINE_CONFIGS = ("dynamic", "quanto-int4", "hqq-int4")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -64,7 +64,7 @@ DEFAULT_BLOCK_TOKENS = {"dense": 64, "sparse": 16}
 
 
 #: ``digest_tokens`` of the centroid score when the user sets none (see ``KVTierConfig.digest_tokens``).
-DEFAULT_DIGEST_TOKENS = 2
+DEFAULT_DIGEST_TOKENS = 1
 #: ``value_digest_tokens`` when the user sets none and it fits (see ``KVTierConfig.value_digest_tokens``).
 DEFAULT_VALUE_DIGEST_TOKENS = 4
 
@@ -316,10 +316,10 @@ class KVTierConfig:
 
     digest_tokens: Optional[int] = None
     """``centroid`` only: tokens summarised by one key centroid; a block's score is its best sub-block's. A
-    divisor of ``block_tokens``; default (derived) 2, or gcd(``block_tokens``, 2); ``block_tokens`` with ``quest``.
-    Costs ``block_tokens / digest_tokens`` rows per block and kv head in L1 (``head_dim + 4`` bytes each, int8),
-    each read every step. 1 (the keys themselves in int8) keeps long exact answers whole where 2 drifts, at more
-    L1 bytes: docs/results/long-answers.md. Why 2: docs/results/config-defaults.md#digest_tokens."""
+    divisor of ``block_tokens``; default (derived) 1: the keys themselves (int8 with the default ``digest_dtype``);
+    ``block_tokens`` with ``quest``. Costs ``block_tokens / digest_tokens`` rows per block and kv head in L1
+    (``head_dim + 4`` bytes each, int8), each read every step; 2 (means of key pairs, half the bytes) lets long exact
+    answers drift (docs/results/long-answers.md). Why 1: docs/results/config-defaults.md#digest_tokens."""
 
     digest_dtype: DigestDType = "int8"
     """How the digests (key summaries; the value means of ``rest_attention="estimate"``) are stored in L1. ``int8``:
@@ -337,7 +337,7 @@ class KVTierConfig:
 
     value_digest_tokens: Optional[int] = None
     """``rest_attention="estimate"`` only: tokens whose values one mean of the digest stands for; a multiple of
-    ``digest_tokens`` that divides ``block_tokens``. Default (derived) 4 where that fits, else ``digest_tokens``.
+    ``digest_tokens`` that divides ``block_tokens``. Default (derived): the largest such up to 4, else ``digest_tokens``.
     Costs ``block_tokens / value_digest_tokens`` rows per block and kv head in L1, stored as ``digest_dtype`` says."""
 
     attention_math: AttentionMath = "sdpa"
@@ -485,9 +485,10 @@ class KVTierConfig:
                                  f"{self.value_digest_tokens!r} with rest_attention={self.rest_attention!r}")
             return
         if self.value_digest_tokens is None:
-            v = DEFAULT_VALUE_DIGEST_TOKENS
-            fits = v % self.digest_tokens == 0 and self.block_tokens % v == 0
-            derive(self, "value_digest_tokens", v if fits else self.digest_tokens)
+            # the largest valid size up to the measured one: fewer tokens a mean cost more L1 bytes
+            fits = [v for v in range(self.digest_tokens, DEFAULT_VALUE_DIGEST_TOKENS + 1, self.digest_tokens)
+                    if self.block_tokens % v == 0]
+            derive(self, "value_digest_tokens", fits[-1] if fits else self.digest_tokens)
         check_int("value_digest_tokens", self.value_digest_tokens, 1, self.block_tokens)
         if self.value_digest_tokens % self.digest_tokens or self.block_tokens % self.value_digest_tokens:
             raise ValueError(f"value_digest_tokens must be a multiple of digest_tokens ({self.digest_tokens}) "

@@ -141,17 +141,19 @@ def test_fill_from_prefill_fills_kvtier_from_the_kept_prefill(bench, tmp_path):
 
 
 
-def test_digest_row_runs_only_when_named_and_keeps_a_key_row_per_token(bench, monkeypatch):
+def test_digest_rows_run_only_when_named_and_set_their_digest_tokens(bench, monkeypatch):
     from types import SimpleNamespace
 
-    assert "kvtier-int4-sparse-d1" not in bench.parse_args([]).configs
-    assert bench.parse_args(["--configs", "kvtier-int4-sparse-d1"]).configs == ["dynamic", "kvtier-int4-sparse-d1"]
+    named = ("kvtier-int4-sparse-d1", "kvtier-int4-sparse-d2")
+    assert not set(named) & set(bench.parse_args([]).configs)
+    assert bench.parse_args(["--configs", *named]).configs == ["dynamic", *named]
     # the config each row's cache is built with (the cache itself stands in: no model here)
     monkeypatch.setattr(bench, "_kvtier_cache", lambda: SimpleNamespace(TieredCache=lambda cfg, model: cfg))
     model = SimpleNamespace(config=SimpleNamespace(head_dim=64, num_key_value_heads=3, num_hidden_layers=30))
-    cfg = {n: bench.make_cache(n, model, 1024, 16, 0.25) for n in ("kvtier-int4-sparse", "kvtier-int4-sparse-d1")}
-    assert cfg["kvtier-int4-sparse"].digest_tokens == 2 and cfg["kvtier-int4-sparse-d1"].digest_tokens == 1
-    assert cfg["kvtier-int4-sparse"].device_tokens == cfg["kvtier-int4-sparse-d1"].device_tokens == 256
+    cfg = {n: bench.make_cache(n, model, 1024, 16, 0.25) for n in ("kvtier-int4-sparse", *named)}
+    # the default row is KVTierConfig's default (a key row per token); -d2 the pair means
+    assert [cfg[n].digest_tokens for n in ("kvtier-int4-sparse", *named)] == [1, 1, 2]
+    assert {c.device_tokens for c in cfg.values()} == {256}
 
 
 def test_repeat_rotates_the_order_and_reports_the_median_of_the_passes(bench, tmp_path, capsys):

@@ -46,6 +46,7 @@ def test_replace_of_block_tokens_and_hot_tokens_derives_digest_and_budget():
     assert (cfg.block_tokens, cfg.digest_tokens, cfg.digest_dtype) == (16, DEFAULT_DIGEST_TOKENS, "int8")  # the sparse defaults
     r = dataclasses.replace(cfg, block_tokens=9, device_tokens=9 * 56)  # sizes are whole blocks
     assert r.digest_tokens == math.gcd(9, DEFAULT_DIGEST_TOKENS)  # a divisor of block_tokens
+    assert dataclasses.replace(r, select_score="quest").digest_tokens == 9  # quest's follows block_tokens
     assert dataclasses.replace(cfg, select_score="quest").digest_tokens == 16
     # the block size follows the attention mode unless set
     assert KVTierConfig().block_tokens == 64 and dataclasses.replace(KVTierConfig(), attention="sparse").block_tokens == 16

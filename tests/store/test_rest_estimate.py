@@ -187,11 +187,13 @@ def test_bad_rest_settings_name_the_field(kw, match):
 
 def test_defaults_estimate_with_centroids_and_follow_the_score():
     cfg = KVTierConfig(device_tokens=64, attention="sparse")
-    assert (cfg.rest_attention, cfg.digest_tokens, cfg.value_digest_tokens) == ("estimate", 2, 4)
+    assert (cfg.rest_attention, cfg.digest_tokens, cfg.value_digest_tokens) == ("estimate", 1, 4)
     import dataclasses
     q = dataclasses.replace(cfg, select_score="quest")
     assert q.rest_attention == "drop" and q.value_digest_tokens is None
-    assert KVTierConfig(device_tokens=66, attention="sparse", block_tokens=6).value_digest_tokens == 2  # 4 does not divide 6
+    # 4 does not divide 6: the largest multiple of digest_tokens up to 4 that does
+    assert KVTierConfig(device_tokens=66, attention="sparse", block_tokens=6).value_digest_tokens == 3
+    assert KVTierConfig(device_tokens=66, attention="sparse", block_tokens=6, digest_tokens=2).value_digest_tokens == 2
     assert KVTierConfig(device_tokens=64, attention="sparse", digest_tokens=8).value_digest_tokens == 8  # 4 is no multiple of 8
 
 
