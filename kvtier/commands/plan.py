@@ -185,7 +185,8 @@ def run(args: argparse.Namespace) -> int:
           f"scratch slots included)")
     print(f"  digests  {_fmt(sp['l1_digest_bytes'])}  ({sp['digest_share']:.0%} of L1; at max length the sealed "
           f"blocks' rows are {_fmt(sp['l1_digest_used_bytes'])}, {sp['digest_bytes_per_token']:,.0f} B/token: "
-          f"{sp['digest_dtype']}, a key centroid per {sp['digest_tokens']} tokens"
+          f"{sp['digest_dtype']}, "
+          + ("a key row per token" if sp["digest_tokens"] == 1 else f"a key centroid per {sp['digest_tokens']} tokens")
           + (f" and a value mean per {sp['value_digest_tokens']}" if sp["value_digest_tokens"] else "")
           + "; the rest is room the tables grew to "
           f"by a quarter at a time)")
