@@ -199,7 +199,9 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
     ``digest_tokens`` tokens, the same for a value mean per ``value_digest_tokens`` tokens), both
     from the layout a store of that config resolves, and whether dense
     attention would read most of each sequence back every step (L1 under a quarter of the
-    longest sequence)."""
+    longest sequence). With the default key row per token, ``same_bytes_pairs``: the largest
+    whole-block budget whose pool fits the same L1 bytes beside key means per pair of tokens
+    (``digest_tokens=2``), capped at the longest sequence."""
     from kvtier.config import KVTierConfig, lossless_codec
     from kvtier.presets import preset_fields
     from kvtier.store.layout import Layout, pool_slots
@@ -207,19 +209,24 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
     probe = KVTierConfig.preset("long-context")
     bt = probe.block_tokens
     l1_tokens = max(4 * bt, int(max_seq_len * SPARSE_SHARE) // bt * bt)
-    fields = preset_fields("long-context", {
-        "device_tokens": l1_tokens, "max_sequences": concurrency, "host_bytes": dense_cfg["host_bytes"],
-        "disk_path": dense_cfg["disk_path"], "disk_bytes": dense_cfg["disk_bytes"],
-        "disk_segment_bytes": dense_cfg["disk_segment_bytes"], "codec": dense_cfg["codec"],
-        "group_size": dense_cfg["group_size"],
-        **{k: dense_cfg[k] for k in ("key_codec", "value_codec") if k in dense_cfg}}, lossless_codec)
-    cfg = KVTierConfig(**fields)
-    lay = Layout.resolve(cfg, layers, kv_heads, head_dim, _torch_dtype(dtype), "cpu", machine=False)
-    l1_kv = pool_slots(lay.device_blocks, concurrency, layers) * lay.slot_bytes
-    # every sequence at its longest: the digest rows of its sealed blocks, and the rows its
-    # tables hold (a table grows by a quarter at a time), in every layer
-    used, held = (n * layers * concurrency for n in lay.digest_bytes(max_seq_len))
-    return {
+
+    def resolve(device_tokens: int, **extra):
+        fields = preset_fields("long-context", {
+            "device_tokens": device_tokens, "max_sequences": concurrency, "host_bytes": dense_cfg["host_bytes"],
+            "disk_path": dense_cfg["disk_path"], "disk_bytes": dense_cfg["disk_bytes"],
+            "disk_segment_bytes": dense_cfg["disk_segment_bytes"], "codec": dense_cfg["codec"],
+            "group_size": dense_cfg["group_size"], **extra,
+            **{k: dense_cfg[k] for k in ("key_codec", "value_codec") if k in dense_cfg}}, lossless_codec)
+        cfg = KVTierConfig(**fields)
+        lay = Layout.resolve(cfg, layers, kv_heads, head_dim, _torch_dtype(dtype), "cpu", machine=False)
+        l1_kv = pool_slots(lay.device_blocks, concurrency, layers) * lay.slot_bytes
+        # every sequence at its longest: the digest rows of its sealed blocks, and the rows its
+        # tables hold (a table grows by a quarter at a time), in every layer
+        used, held = (n * layers * concurrency for n in lay.digest_bytes(max_seq_len))
+        return fields, cfg, lay, l1_kv, used, held
+
+    fields, cfg, lay, l1_kv, used, held = resolve(l1_tokens)
+    plan = {
         "recommended": dense_l1 * 4 < max_seq_len,
         "share": float(SPARSE_SHARE),
         "device_tokens": l1_tokens,
@@ -235,6 +242,25 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
         "config": {"preset": "long-context", **{k: v for k, v in fields.items()
                                                  if k not in ("attention", "policy")}},
     }
+    if cfg.digest_tokens == 1 and bt % 2 == 0:
+        # The same L1 bytes with a key mean per pair of tokens: the rows it does not keep hold KV
+        # instead, a larger budget (the better buy per byte where decode time is not the bound:
+        # docs/results/long-answers.md). The largest whole-block budget whose pool fits the bytes.
+        held2 = resolve(l1_tokens, digest_tokens=2)[5]
+        lo, hi = l1_tokens, max(l1_tokens, max_seq_len // bt * bt)
+        while lo < hi:  # the pool grows with the budget; the digests do not
+            mid = (lo + hi + bt) // 2 // bt * bt
+            if resolve(mid, digest_tokens=2)[3] + held2 <= l1_kv + held:
+                lo = mid
+            else:
+                hi = mid - bt
+        f2, _, _, kv2, _, _ = resolve(lo, digest_tokens=2)
+        plan["same_bytes_pairs"] = {
+            "digest_tokens": 2, "device_tokens": lo, "share": round(lo / max_seq_len, 4),
+            "l1_bytes": kv2 + held2, "l1_kv_bytes": kv2, "l1_digest_bytes": held2,
+            "config": {"preset": "long-context", **{k: v for k, v in f2.items() if k not in ("attention", "policy")}},
+        }
+    return plan
 
 
 def _config(layers, kv_heads, head_dim, dtype, block_tokens, device_tokens, concurrency, l2_tokens, l3, codec,

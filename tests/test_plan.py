@@ -1,4 +1,5 @@
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -154,10 +155,12 @@ def test_bad_role_codec_names_the_field_and_the_choices(field, value, capsys):
     assert ei.value.code == 2 and f"--{field.replace('_', '-')}: invalid choice: '{value}'" in err and "int8" in err
 
 
+@pytest.mark.parametrize("alt", [False, True])
 @pytest.mark.parametrize("tokens", [40 * 16, 40 * 16 + 1, 17 * 16 + 5])
-def test_sparse_digest_bytes_are_what_a_store_allocates(tokens):
+def test_sparse_digest_bytes_are_what_a_store_allocates(tokens, alt):
     # every sequence at max length: the plan's digest rows (used and held, the table's room
-    # included) against a real store of the printed sparse config
+    # included) against a real store of the printed sparse config, and of its same-bytes
+    # alternative with pair means (alt)
     import torch
 
     from kvtier.config import KVTierConfig
@@ -166,6 +169,13 @@ def test_sparse_digest_bytes_are_what_a_store_allocates(tokens):
     layers, kvh, hd, seqs = 2, 2, 64, 2
     p = plan.make_plan(layers, kvh, hd, "bfloat16", seqs, tokens, tokens, "int4")
     sp = p["sparse"]
+    if alt:
+        full = sp
+        sp = dict(sp["same_bytes_pairs"], l1_digest_used_bytes=None)
+        assert sp["config"]["digest_tokens"] == 2 and sp["device_tokens"] % 16 == 0
+        # it fills the default's L1 bytes with KV where the default keeps per-token key rows:
+        # no larger than the default's, one more block would not fit
+        assert full["device_tokens"] <= sp["device_tokens"] and sp["l1_bytes"] <= full["l1_bytes"]
     fields = {k: v for k, v in sp["config"].items() if k != "preset"}
     fields.update(host_bytes=64 << 20, disk_path=None)
     cfg = KVTierConfig.preset("long-context", **fields)
@@ -177,8 +187,16 @@ def test_sparse_digest_bytes_are_what_a_store_allocates(tokens):
                 st.append(s, layer, kv, kv)
         stats = st.stats()
         assert sp["l1_digest_bytes"] == stats["digest_reserved_bytes"] > 0
-        assert sp["l1_digest_used_bytes"] == stats["digest_bytes"]
+        assert sp["l1_digest_used_bytes"] in (None, stats["digest_bytes"])
         assert sp["l1_kv_bytes"] == st.l1.capacity_bytes
     assert sp["l1_bytes"] == sp["l1_kv_bytes"] + sp["l1_digest_bytes"]
+    if alt:
+        # one more block (unless the budget already holds the whole sequence) and a real store's
+        # pool no longer fits beside the digests
+        if sp["device_tokens"] < tokens // 16 * 16:
+            more = dataclasses.replace(cfg, device_tokens=sp["device_tokens"] + 16)
+            with KVStore(more, layers, kvh, hd, dtype=torch.bfloat16) as st:
+                assert st.l1.capacity_bytes + sp["l1_digest_bytes"] > full["l1_bytes"]
+        return
     # int8 rows + f32 scales: a key centroid per digest_tokens, a value mean per value_digest_tokens tokens
     assert sp["digest_bytes_per_token"] == layers * kvh * (hd + 4) * (1 / cfg.digest_tokens + 1 / cfg.value_digest_tokens)
