@@ -199,7 +199,7 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
     ``digest_tokens`` tokens, the same for a value mean per ``value_digest_tokens`` tokens), both
     from the layout a store of that config resolves, and whether dense
     attention would read most of each sequence back every step (L1 under a quarter of the
-    longest sequence). With the default key row per token, ``same_bytes_pairs``: the largest
+    longest sequence). With the default key row per token, ``pairs_same_l1``: the largest
     whole-block budget whose pool fits the same L1 bytes beside key means per pair of tokens
     (``digest_tokens=2``), capped at the longest sequence."""
     from kvtier.config import KVTierConfig, lossless_codec
@@ -255,7 +255,7 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
             else:
                 hi = mid - bt
         f2, _, _, kv2, _, _ = resolve(lo, digest_tokens=2)
-        plan["same_bytes_pairs"] = {
+        plan["pairs_same_l1"] = {
             "digest_tokens": 2, "device_tokens": lo, "share": round(lo / max_seq_len, 4),
             "l1_bytes": kv2 + held2, "l1_kv_bytes": kv2, "l1_digest_bytes": held2,
             "config": {"preset": "long-context", **{k: v for k, v in f2.items() if k not in ("attention", "policy")}},

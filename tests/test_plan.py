@@ -171,7 +171,7 @@ def test_sparse_digest_bytes_are_what_a_store_allocates(tokens, alt):
     sp = p["sparse"]
     if alt:
         full = sp
-        sp = dict(sp["same_bytes_pairs"], l1_digest_used_bytes=None)
+        sp = dict(sp["pairs_same_l1"], l1_digest_used_bytes=None)
         assert sp["config"]["digest_tokens"] == 2 and sp["device_tokens"] % 16 == 0
         # it fills the default's L1 bytes with KV where the default keeps per-token key rows:
         # no larger than the default's, one more block would not fit

@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
           f"by a quarter at a time)")
     sfields = ", ".join(f"{k}={v!r}" for k, v in sp["config"].items() if k != "preset")
     print(f"  config   KVTierConfig.preset({sp['config']['preset']!r}, {sfields})")
-    alt = sp.get("same_bytes_pairs")
+    alt = sp.get("pairs_same_l1")
     if alt:
         print(f"  or       the same L1 bytes with digest_tokens=2 (a key mean per pair of tokens) and "
               f"device_tokens={alt['device_tokens']:,} ({alt['share']:.1%} of the longest sequence): the key rows "
