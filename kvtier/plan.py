@@ -245,18 +245,16 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
     if cfg.digest_tokens == 1 and bt % 2 == 0:
         # The same L1 bytes with a key mean per pair of tokens: the rows it does not keep hold KV
         # instead, a larger budget (the better buy per byte where decode time is not the bound:
-        # docs/results/long-answers.md). The largest whole-block budget whose pool fits the bytes.
+        # docs/results/long-answers.md). The digests do not depend on the budget and a slot's
+        # bytes on neither: grow the budget a block at a time while its pool fits beside them.
         held2 = resolve(l1_tokens, digest_tokens=2)[5]
-        lo, hi = l1_tokens, max(l1_tokens, max_seq_len // bt * bt)
-        while lo < hi:  # the pool grows with the budget; the digests do not
-            mid = (lo + hi + bt) // 2 // bt * bt
-            if resolve(mid, digest_tokens=2)[3] + held2 <= l1_kv + held:
-                lo = mid
-            else:
-                hi = mid - bt
-        f2, _, _, kv2, _, _ = resolve(lo, digest_tokens=2)
+        blocks = lay.device_blocks
+        while (blocks < max_seq_len // bt
+               and pool_slots(blocks + 1, concurrency, layers) * lay.slot_bytes + held2 <= l1_kv + held):
+            blocks += 1
+        f2, _, _, kv2, _, _ = resolve(blocks * bt, digest_tokens=2)
         plan["pairs_same_l1"] = {
-            "digest_tokens": 2, "device_tokens": lo, "share": round(lo / max_seq_len, 4),
+            "digest_tokens": 2, "device_tokens": blocks * bt, "share": round(blocks * bt / max_seq_len, 4),
             "l1_bytes": kv2 + held2, "l1_kv_bytes": kv2, "l1_digest_bytes": held2,
             "config": {"preset": "long-context", **{k: v for k, v in f2.items() if k not in ("attention", "policy")}},
         }
