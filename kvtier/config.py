@@ -34,7 +34,7 @@ Policy = Literal["lru", "sink-window", "h2o", "snapkv"]
 Attention = Literal["dense", "sparse"]
 SelectScore = Literal["centroid", "quest"]
 SelectHeads = Literal["shared", "per_head"]
-DigestDType = Literal["int8", "kv"]
+DigestDType = Literal["int8", "int4", "kv"]
 RestAttention = Literal["estimate", "drop"]
 AttentionMath = Literal["float32", "sdpa"]
 Axis = Literal["channel", "token"]
@@ -325,7 +325,10 @@ class KVTierConfig:
     """How the digests (key summaries; the value means of ``rest_attention="estimate"``) are stored in L1. ``int8``:
     each row as int8 codes against its own absmax with a float32 scale: ``head_dim + 4`` bytes against
     ``2 * head_dim`` in a 16-bit KV dtype; the scorer reads the codes in place (error per channel at most absmax /
-    254). ``kv``: in the KV dtype, as the model wrote them. Default ``int8``: nearly the same blocks selected for
+    254). ``int4`` (``centroid`` with ``digest_tokens < block_tokens``): each block's key rows as 4-bit codes per
+    channel against that channel's min and max over the block (float16 scale and zero per channel and block):
+    ``head_dim / 2 + 4 * head_dim / (block_tokens / digest_tokens)`` bytes a row, 48 against 68 at ``head_dim`` 64
+    and a row per token; value means stay int8. ``kv``: in the KV dtype, as the model wrote them. Default ``int8``: nearly the same blocks selected for
     about half the bytes (docs/results/config-defaults.md#digest_dtype)."""
 
     rest_attention: Optional[RestAttention] = None
@@ -474,6 +477,12 @@ class KVTierConfig:
         if self.select_score != "centroid" and self.digest_tokens != self.block_tokens:
             raise ValueError(f"digest_tokens must equal block_tokens ({self.block_tokens}) unless "
                              f"select_score is 'centroid'; got {self.digest_tokens}")
+        if self.digest_dtype == "int4" and (self.select_score != "centroid" or self.digest_tokens == self.block_tokens):
+            # its scale and zero are per channel over a block's centroids: one centroid a block
+            # would keep each channel exactly in float16 (more bytes than int8, nothing quantized)
+            raise ValueError(f"digest_dtype='int4' needs select_score='centroid' with digest_tokens < "
+                             f"block_tokens ({self.block_tokens}); got select_score={self.select_score!r}, "
+                             f"digest_tokens={self.digest_tokens}")
         if self.rest_attention is None:
             derive(self, "rest_attention", "estimate" if self.select_score == "centroid" else "drop")
         if self.rest_attention == "estimate" and self.select_score != "centroid":

@@ -39,7 +39,21 @@ static inline float exp_neg(float x) {
     return p * two_n;
 }
 
-enum { DIG_F32 = 0, DIG_BF16 = 1, DIG_INT8 = 2 };
+enum { DIG_F32 = 0, DIG_BF16 = 1, DIG_INT8 = 2, DIG_INT4 = 3 };
+
+/* IEEE half -> float (exact; the int4 digests' float16 scales and zeros) */
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, u;
+    if (e == 0x1f) u = sign | 0x7f800000u | (m << 13);
+    else if (e) u = sign | ((e + 112) << 23) | (m << 13);
+    else {
+        float f = (float)m * (1.f / 16777216.f);   /* zero or subnormal: m * 2^-24 */
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
 
 /* pairwise: a chain of 8 dependent adds would cost more than the 8 lanes of FMAs */
 static inline float hsum(v8 a) { return ((a[0] + a[4]) + (a[1] + a[5])) + ((a[2] + a[6]) + (a[3] + a[7])); }
@@ -190,19 +204,58 @@ static void row_logits(const float *q, int64_t R, int64_t hd, const void *src, i
     }
 }
 
+/* row_logits for int4 digests (table.quantize_channels): the n rows (n a multiple of parts,
+   whole blocks of `parts` rows) start at code offset `off` of the packed codes dig (two codes a
+   byte, the even channel in the low half); each block's float16 scale | zero per channel
+   (2*hd values) follow one another from sz. Within a block q . row = (q * scale) . codes +
+   q . zero, so the query is scaled once per block and the codes are dotted as they are.
+   Returns 0, or -1 when out of memory. */
+static int int4_logits(const float *q, int64_t R, int64_t hd, const void *dig, int64_t off,
+                       const uint16_t *sz, int64_t parts, float scale, int64_t n, float *s, int64_t stride) {
+    /* qs [R][hd] scaled query, qz [R] its dot with the zeros, rows [parts][hd] the block's codes
+       as floats, sc and zr [hd] the block's scale and zero */
+    float *qs = (float *)malloc(sizeof(float) * (size_t)(R * hd + R + parts * hd + 2 * hd));
+    if (!qs) return -1;
+    float *qz = qs + R * hd, *rows = qz + R, *sc = rows + parts * hd, *zr = sc + hd;
+    const uint8_t *codes = (const uint8_t *)dig + off / 2;
+    int64_t tiled = hd % 8 == 0 ? parts / 4 * 4 : 0;
+    v4 mul = {scale, scale, scale, scale};
+    for (int64_t b = 0; b < n / parts; b++) {
+        const uint16_t *bz = sz + b * 2 * hd;
+        for (int64_t d = 0; d < hd; d++) { sc[d] = f16_to_f32(bz[d]); zr[d] = f16_to_f32(bz[hd + d]); }
+        for (int64_t r = 0; r < R; r++) {
+            for (int64_t d = 0; d < hd; d++) qs[r * hd + d] = q[r * hd + d] * sc[d];
+            qz[r] = scale * dot(q + r * hd, zr, hd);
+        }
+        const uint8_t *c = codes + b * parts * hd / 2;
+        for (int64_t i = 0; i < parts * hd / 2; i++) { rows[2 * i] = (float)(c[i] & 15); rows[2 * i + 1] = (float)(c[i] >> 4); }
+        float *sb = s + b * parts;
+        for (int64_t j = 0; j < parts; j += j < tiled ? 4 : 1) {
+            if (j < tiled) dots4(qs, R, hd, rows + j * hd, mul, sb + j, stride);
+            else for (int64_t r = 0; r < R; r++) sb[r * stride + j] = scale * dot(qs + r * hd, rows + j * hd, hd);
+        }
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t j = 0; j < parts; j++) sb[r * stride + j] += qz[r];
+    }
+    free(qs);
+    return 0;
+}
+
 /* q: [H][R][hd] float32 (contiguous). dig: digest rows of the m candidate blocks, row j of head h
    at element offset h*head_stride + j*width (kind: float32, bf16 or int8); width = hd (centroid:
    mean) or 2*hd (quest: max | min). int8: row j of head h stands for its codes times
-   rscale[h*rscale_stride + j] (float32, >= 0); rscale is unread otherwise. out: [m] float32.
-   Returns 0, or -1 when out of memory. */
+   rscale[h*rscale_stride + j] (float32, >= 0); rscale is unread otherwise. int4 (centroid
+   only): offsets count codes, the m rows are whole blocks of `parts` rows, and rscale holds each
+   block's float16 scale | zero (int4_logits), block j / parts of head h at h*rscale_stride +
+   (j / parts)*2*hd. out: [m] float32. Returns 0, or -1 when out of memory. */
 /* per_head: out is [H][m], each head's own scores (centroid: its best row's softmax; quest: its
    bound), which the shared score folds (max, or sum for quest) into [m]. */
 /* exps (centroid only; NULL: not kept): [H][R][m] receives each head's and row's exp(logit -
    max), rmax [H][R] that max (the rest estimate of kvt_block_top reads them). */
 static int block_scores(const float *q, int64_t H, int64_t R, int64_t hd, const void *dig,
-                        int64_t head_stride, int64_t width, int kind, const float *rscale,
-                        int64_t rscale_stride, int64_t m, _Bool quest, float scale, _Bool per_head,
-                        float *out_all, float *exps, float *rmax) {
+                        int64_t head_stride, int64_t width, int kind, const void *rscale,
+                        int64_t rscale_stride, int64_t m, _Bool quest, float scale, int64_t parts,
+                        _Bool per_head, float *out_all, float *exps, float *rmax) {
     /* s: [R][m] logits; buf: four converted digest rows; qq: quest's [R][max(q,0) | min(q,0)] of
        the current head; d4: the [R][4] dots of four rows */
     float *s = (float *)malloc(sizeof(float) * (size_t)(R * m + 4 * width + 2 * R * hd + 4 * R));
@@ -213,7 +266,7 @@ static int block_scores(const float *q, int64_t H, int64_t R, int64_t hd, const 
     for (int64_t h = 0; h < H; h++) {
         float *out = per_head ? out_all + h * m : out_all;
         const float *qh = q + h * R * hd;
-        const float *rs = kind == DIG_INT8 ? rscale + h * rscale_stride : NULL;
+        const float *rs = kind == DIG_INT8 ? (const float *)rscale + h * rscale_stride : NULL;
         if (quest) {
             for (int64_t r = 0; r < R; r++)
                 for (int64_t d = 0; d < hd; d++) {
@@ -236,7 +289,15 @@ static int block_scores(const float *q, int64_t H, int64_t R, int64_t hd, const 
             continue;
         }
         float *sh = exps ? exps + h * R * m : s;
-        row_logits(qh, R, hd, dig, h * head_stride, kind, rs, scale, m, buf, sh, m);  /* width == hd here */
+        if (kind == DIG_INT4) {
+            if (int4_logits(qh, R, hd, dig, h * head_stride, (const uint16_t *)rscale + h * rscale_stride, parts,
+                            scale, m, sh, m)) {
+                free(s);
+                return -1;
+            }
+        } else {
+            row_logits(qh, R, hd, dig, h * head_stride, kind, rs, scale, m, buf, sh, m);  /* width == hd here */
+        }
         for (int64_t r = 0; r < R; r++) {
             softmax_max(sh + r * m, m, out, rmax ? rmax + h * R + r : NULL);
         }
@@ -246,10 +307,10 @@ static int block_scores(const float *q, int64_t H, int64_t R, int64_t hd, const 
 }
 
 int kvt_block_scores(const float *q, int64_t H, int64_t R, int64_t hd, const void *dig,
-                     int64_t head_stride, int64_t width, int kind, const float *rscale,
+                     int64_t head_stride, int64_t width, int kind, const void *rscale,
                      int64_t rscale_stride, int64_t m, _Bool quest, float scale, float *out) {
     return block_scores(q, H, R, hd, dig, head_stride, width, kind, rscale, rscale_stride, m, quest, scale,
-                        0, out, NULL, NULL);
+                        1, 0, out, NULL, NULL);
 }
 
 /* k-th largest of a[0..n) (0-based k < n); reorders a (Hoare quickselect, middle pivot). */
@@ -369,7 +430,8 @@ static void tile_axpy4(const float *tile, int64_t n, const float *w, int64_t R, 
    (every block was scored), else in the next `parts` columns after the rest blocks before j.
    Writes out [H][R][hd] = the rest's softmax-weighted value rows (centroid p's value row
    p / (parts / vparts) of its block) and lse [H][R] = rmax + log(the rest's sum of exps) + logn
-   (-inf, out 0, when that sum is 0). scratch: rest_scratch(hd, R) floats. */
+   (-inf, out 0, when that sum is 0). kind: the value rows' (float32, bf16 or int8 with scales
+   vrs). scratch: rest_scratch(hd, R) floats. */
 static void rest_values(const float *exps, const float *rmax, int64_t H, int64_t R, int64_t hd, int64_t m,
                         int64_t parts, int64_t vparts, const unsigned char *skip, _Bool dense, int kind,
                         const void *vdig, int64_t v_head_stride, const float *vrs, int64_t vrs_stride,
@@ -427,14 +489,15 @@ static void rest_values(const float *exps, const float *rmax, int64_t H, int64_t
    kvt_block_scores (m = blocks).
    With vdig (centroid only; NULL: none), the attention over the blocks not taken is estimated
    from the same logits, as kvt_rest_attend computes it: value rows of block j at element offset
-   h*v_head_stride + (j*vparts + g)*hd of vdig (the table's row lo, as dig), kind and int8 scales
-   vrs as dig's; est_out [H][R][hd] and est_lse [H][R] as kvt_rest_attend's out and lse (lse
-   -inf where every block was taken). Returns 0, or -1 when out of memory. */
+   h*v_head_stride + (j*vparts + g)*hd of vdig (the table's row lo, as dig), of kind vkind
+   (float32, bf16, or int8 with scales vrs); est_out [H][R][hd] and est_lse [H][R] as
+   kvt_rest_attend's out and lse (lse -inf where every block was taken). Returns 0, or -1 when
+   out of memory. */
 int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *dig,
-                  int64_t head_stride, int64_t width, int kind, const float *rscale,
+                  int64_t head_stride, int64_t width, int kind, const void *rscale,
                   int64_t rscale_stride, int64_t m, _Bool quest, float scale, int64_t parts,
                   int64_t k, _Bool per_head, const int64_t *favor, int64_t nfavor, float gain,
-                  int64_t *idx, const void *vdig, int64_t v_head_stride, const float *vrs,
+                  int64_t *idx, const void *vdig, int vkind, int64_t v_head_stride, const float *vrs,
                   int64_t vrs_stride, int64_t vparts, float logn, float *est_out, float *est_lse) {
     int64_t heads = per_head ? H : 1;
     _Bool est = vdig != NULL && !quest;
@@ -449,7 +512,7 @@ int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *
     float *tmp = sc + heads * m * parts;
     float *exps = est ? tmp + m : NULL, *rmax = est ? exps + H * R * m * parts : NULL;
     if (block_scores(q, H, R, hd, dig, head_stride, width, kind, rscale, rscale_stride, m * parts,
-                     quest, scale, per_head, sc, exps, rmax)) {
+                     quest, scale, parts, per_head, sc, exps, rmax)) {
         free(sc);
         return -1;
     }
@@ -462,7 +525,7 @@ int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *
         top_k(sc, m, k, tmp, idx);
         if (est) {
             for (int64_t i = 0; i < k; i++) taken[idx[i]] = 1;
-            rest_values(exps, rmax, H, R, hd, m, parts, vparts, taken, 1, kind, vdig, v_head_stride, vrs,
+            rest_values(exps, rmax, H, R, hd, m, parts, vparts, taken, 1, vkind, vdig, v_head_stride, vrs,
                         vrs_stride, logn, rmax + H * R, est_out, est_lse);
         }
         free(sc);
@@ -486,7 +549,7 @@ int kvt_block_top(const float *q, int64_t H, int64_t R, int64_t hd, const void *
         }
     for (int64_t j = 0, w = 0; j < m; j++) if (taken[j]) idx[w++] = j;
     if (est)
-        rest_values(exps, rmax, H, R, hd, m, parts, vparts, taken, 1, kind, vdig, v_head_stride, vrs,
+        rest_values(exps, rmax, H, R, hd, m, parts, vparts, taken, 1, vkind, vdig, v_head_stride, vrs,
                     vrs_stride, logn, rmax + H * R, est_out, est_lse);
     free(sc);
     return 0;
@@ -521,14 +584,16 @@ int kvt_key_mass(const float *q, int64_t H, int64_t R, int64_t hd, const void *k
    is the specification). q: [H][R][hd] float32 contiguous. Block b < m (b from the table's row
    0) has `parts` key centroid rows of hd elements at element offset h*k_head_stride +
    (b*parts + p)*hd of kdig, and `vparts` value rows at h*v_head_stride + (b*vparts + g)*hd of
-   vdig; centroid p's value is row g = p / (parts / vparts). kind (both tables): float32, bf16
-   or int8 (then row i of head h stands for its codes times krs[h*krs_stride + i], resp. vrs).
+   vdig; centroid p's value is row g = p / (parts / vparts). kind: the key table's, float32,
+   bf16 or int8 (then row i of head h stands for its codes times krs[h*krs_stride + i]), or int4
+   (offsets count codes; krs: float16 scale | zero per block, block b of head h at
+   h*krs_stride + b*2*hd; int4_logits); vkind: the value table's, float32, bf16 or int8 (scales vrs).
    keep: [m] bytes, nonzero = estimate this block. out: [H][R][hd], lse: [H][R] float32, the
    softmax-weighted values and the natural log of the softmax denominator (logn included).
    Returns the number of blocks estimated (0: out and lse unwritten), or -1 when out of memory. */
 int64_t kvt_rest_attend(const float *q, int64_t H, int64_t R, int64_t hd, int kind,
-                        const void *kdig, int64_t k_head_stride, const float *krs, int64_t krs_stride,
-                        const void *vdig, int64_t v_head_stride, const float *vrs, int64_t vrs_stride,
+                        const void *kdig, int64_t k_head_stride, const void *krs, int64_t krs_stride,
+                        const void *vdig, int vkind, int64_t v_head_stride, const float *vrs, int64_t vrs_stride,
                         int64_t m, int64_t parts, int64_t vparts, const unsigned char *keep,
                         float scale, float logn, float *out, float *lse) {
     int64_t nb = 0;
@@ -545,7 +610,7 @@ int64_t kvt_rest_attend(const float *q, int64_t H, int64_t R, int64_t hd, int ki
     for (int64_t b = 0; b < m; b++) skip[b] = !keep[b];
     for (int64_t h = 0; h < H; h++) {
         const float *qh = q + h * R * hd;
-        const float *kr = kind == DIG_INT8 ? krs + h * krs_stride : NULL;
+        const float *kr = kind == DIG_INT8 ? (const float *)krs + h * krs_stride : NULL;
         float *sh = s + h * R * M;
         /* logits of each run of kept blocks (its centroid rows are consecutive in the table) */
         for (int64_t b = 0, col = 0; b < m;) {
@@ -553,8 +618,16 @@ int64_t kvt_rest_attend(const float *q, int64_t H, int64_t R, int64_t hd, int ki
             int64_t e = b;
             while (e < m && keep[e]) e++;
             int64_t n = (e - b) * parts;
-            row_logits(qh, R, hd, kdig, h * k_head_stride + b * parts * hd, kind, kr ? kr + b * parts : NULL,
-                       scale, n, buf, sh + col, M);
+            if (kind == DIG_INT4) {
+                if (int4_logits(qh, R, hd, kdig, h * k_head_stride + b * parts * hd,
+                                (const uint16_t *)krs + h * krs_stride + b * 2 * hd, parts, scale, n, sh + col, M)) {
+                    free(s);
+                    return -1;
+                }
+            } else {
+                row_logits(qh, R, hd, kdig, h * k_head_stride + b * parts * hd, kind, kr ? kr + b * parts : NULL,
+                           scale, n, buf, sh + col, M);
+            }
             col += n;
             b = e;
         }
@@ -562,7 +635,7 @@ int64_t kvt_rest_attend(const float *q, int64_t H, int64_t R, int64_t hd, int ki
             softmax_exps(sh + r * M, M, rmax + h * R + r);   /* sr: exp(s - max) */
         }
     }
-    rest_values(s, rmax, H, R, hd, m, parts, vparts, skip, 0, kind, vdig, v_head_stride, vrs, vrs_stride,
+    rest_values(s, rmax, H, R, hd, m, parts, vparts, skip, 0, vkind, vdig, v_head_stride, vrs, vrs_stride,
                 logn, buf, out, lse);
     free(s);
     return nb;

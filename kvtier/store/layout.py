@@ -13,7 +13,7 @@ from kvtier.config import LOSSLESS_CODECS, KVTierConfig, lossless_codec
 
 from .precision import PrecisionPlan
 from .sizing import check_model
-from .table import digest_row_bytes, digest_rows_held
+from .table import INT4, digest_row_bytes, digest_rows_held
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -43,7 +43,7 @@ class Layout:
     value_parts: int         # value means per block in the digest (rest_attention='estimate'), else 0
     select_per_head: bool    # each kv head's top blocks in turn (select_heads='per_head')
     stickiness: float        # resident candidates' score gain (select_stickiness)
-    digest_dtype: torch.dtype  # the KV dtype, or int8 (rows with float32 scales, table.py)
+    digest_dtype: torch.dtype  # the KV dtype, int8 (rows with float32 scales) or INT4 (packed, table.py)
     scratch_slots: int       # L1 slots past the regions, for misses while a region is full
     max_sequences: int
     precision: PrecisionPlan | None = None  # precision="importance": codec per evicted block
@@ -100,6 +100,9 @@ class Layout:
         check_model(cfg, num_layers, kv_heads, head_dim, dtype, device, machine=machine)
         # -- end of the config checks --
         bt = cfg.block_tokens
+        if cfg.digest_dtype == "int4" and cfg.attention == "sparse" and head_dim % 2:
+            raise ValueError(f"digest_dtype='int4' packs two channels a byte: it needs an even head_dim; "
+                             f"this model's is {head_dim}")
         slot_bytes = 2 * kv_heads * bt * head_dim * torch.empty((), dtype=dtype).element_size()
         device_blocks = _device_blocks(cfg, slot_bytes, num_layers)
         budget = cfg.budget_tokens if cfg.budget_tokens is not None else device_blocks * bt
@@ -133,7 +136,7 @@ class Layout:
             if cfg.attention == "sparse" and cfg.rest_attention == "estimate" else 0,
             select_per_head=cfg.select_heads == "per_head",
             stickiness=float(cfg.select_stickiness),
-            digest_dtype=torch.int8 if cfg.digest_dtype == "int8" else dtype,
+            digest_dtype={"int8": torch.int8, "int4": INT4}.get(cfg.digest_dtype, dtype),
             scratch_slots=scratch_slots(device_blocks, cfg.max_sequences), max_sequences=cfg.max_sequences,
             precision=PrecisionPlan.of(cfg),
         )

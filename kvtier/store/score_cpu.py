@@ -15,6 +15,8 @@ fallback and the CUDA path; tests/store/test_score_cpu.py compares the two):
             score[j] = sum_h max_r s[h, r, j]
   int8      mean[h, j] (max | min) = codes[h, j] * rscale[h, j]: the dot runs on the codes and
             its result is multiplied by the row's scale
+  int4      (centroid) mean[h, j, d] = codes[h, j, d] * s[h, b, d] + z[h, b, d] over the rows j of
+            block b: q . mean = (q * s[h, b]) . codes + q . z[h, b], the query scaled once a block
   per head  score[h, j] is head h's term before the fold over h (max, or sum for quest); the
             top k go round-robin over the heads (``select.round_robin``)
 Scores agree with torch to float32 rounding (summation order differs), so the top-k ranking is
@@ -36,6 +38,8 @@ import torch
 
 from kvtier._clib import CLibrary
 
+from .table import INT4
+
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fPIC", "-shared", "-std=gnu11"]
 
 
@@ -45,13 +49,13 @@ def _declare(lib: ctypes.CDLL) -> None:
                                      ctypes.c_float, vp]
     lib.kvt_block_scores.restype = c_int
     lib.kvt_block_top.argtypes = lib.kvt_block_scores.argtypes[:-1] + [i64, i64, ctypes.c_bool, vp, i64,
-                                                                       ctypes.c_float, vp, vp, i64, vp, i64,
-                                                                       i64, ctypes.c_float, vp, vp]
+                                                                       ctypes.c_float, vp, vp, c_int, i64, vp,
+                                                                       i64, i64, ctypes.c_float, vp, vp]
     lib.kvt_block_top.restype = c_int
     lib.kvt_key_mass.argtypes = [vp, i64, i64, i64, vp, i64, c_int, i64, ctypes.c_float, vp]
     lib.kvt_key_mass.restype = c_int
-    lib.kvt_rest_attend.argtypes = [vp, i64, i64, i64, c_int, vp, i64, vp, i64, vp, i64, vp, i64, i64, i64, i64,
-                                    vp, ctypes.c_float, ctypes.c_float, vp, vp]
+    lib.kvt_rest_attend.argtypes = [vp, i64, i64, i64, c_int, vp, i64, vp, i64, vp, c_int, i64, vp, i64, i64, i64,
+                                    i64, vp, ctypes.c_float, ctypes.c_float, vp, vp]
     lib.kvt_rest_attend.restype = i64
     lib.kvt_merge_rest.argtypes = [vp, i64, i64, i64, vp, i64, c_int, i64, ctypes.c_float, vp, vp, vp, c_int]
     lib.kvt_merge_rest.restype = c_int
@@ -71,25 +75,34 @@ def available() -> bool:
     return _load() is not None
 
 
-#: digest dtypes the routine reads in place (int8 with its per-row float32 scales)
-DTYPES = (torch.float32, torch.bfloat16, torch.int8)
-_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}
+#: digest dtypes the routine reads in place (int8 with its per-row float32 scales; packed int4
+#: with its float16 scale | zero per channel and block, table.quantize_channels)
+DTYPES = (torch.float32, torch.bfloat16, torch.int8, INT4)
+_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, INT4: 3}
 
 
 def _digest_args(digest: torch.Tensor, digest_scale: torch.Tensor | None, lo: int, parts: int) -> tuple:
-    """(kind, address of row lo, address of its first scale, scales per head) for the C routines."""
+    """(kind, address of row lo, address of its first scale, scales per head, a table row's
+    width in the C routines' elements: codes for int4) for the C routines."""
     kind = _KIND.get(digest.dtype)
     assert kind is not None, f"digest dtype must be one of {DTYPES}; got {digest.dtype}"
     kvh, cap, width = digest.shape
     base = digest.data_ptr() + lo * width * digest.element_size()
+    if kind == 3:
+        hd = 2 * width // parts
+        assert (digest_scale is not None and digest_scale.dtype == torch.float16 and digest_scale.is_contiguous()
+                and tuple(digest_scale.shape) == (kvh, cap, 2 * hd)), \
+            f"int4 digest {tuple(digest.shape)} needs float16 scale | zero [{kvh}, {cap}, {2 * hd}]; got " \
+            f"{None if digest_scale is None else (digest_scale.dtype, tuple(digest_scale.shape))}"
+        return kind, base, digest_scale.data_ptr() + lo * 2 * hd * 2, cap * 2 * hd, 2 * width
     if kind != 2:
-        assert digest_scale is None, "only an int8 digest has scales"
-        return kind, base, None, 0
+        assert digest_scale is None, "only an int8 or int4 digest has scales"
+        return kind, base, None, 0, width
     assert (digest_scale is not None and digest_scale.dtype == torch.float32 and digest_scale.is_contiguous()
             and tuple(digest_scale.shape) == (kvh, cap, parts)), \
         f"int8 digest {tuple(digest.shape)} needs float32 scales [{kvh}, {cap}, {parts}]; got " \
         f"{None if digest_scale is None else (digest_scale.dtype, tuple(digest_scale.shape))}"
-    return kind, base, digest_scale.data_ptr() + lo * parts * 4, cap * parts
+    return kind, base, digest_scale.data_ptr() + lo * parts * 4, cap * parts, width
 
 
 def block_scores(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: bool, scale: float,
@@ -121,7 +134,8 @@ def block_scores(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest:
         f"q {q.dtype} {tuple(q.shape)}, digest {tuple(digest.shape)} rows [{lo}, {hi}), quest={quest}"
     m = hi - lo
     out = torch.empty(m, dtype=torch.float32)
-    kind, base, sbase, sstride = _digest_args(digest, digest_scale, lo, 1)
+    assert digest.dtype != INT4, "int4 digests hold several rows a block: use top_blocks"
+    kind, base, sbase, sstride, _ = _digest_args(digest, digest_scale, lo, 1)
     if fn(q.data_ptr(), kvh, r, hd, base, cap * width, width, kind, sbase, sstride, m, quest, scale, out.data_ptr()):
         raise MemoryError("kvt_block_scores: out of memory")
     return out
@@ -152,25 +166,26 @@ def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: b
     qh, ql, hd = q.shape
     kvh, cap, width = digest.shape
     r = qh // kvh * ql  # GQA: the rows of kv head h are q[h*G:(h+1)*G] (contiguous), G*q_len of them
+    kind, base, sbase, sstride, width = _digest_args(digest, digest_scale, lo, parts)
     assert (q.dtype == torch.float32 and q.is_contiguous() and digest.is_contiguous()
-            and qh % kvh == 0 and parts >= 1 and (parts == 1 or not quest)
+            and qh % kvh == 0 and parts >= 1 and (parts == 1 or not quest) and not (quest and kind == 3)
             and width == (hd << quest) * parts and 0 <= lo < hi <= cap and 1 <= k <= hi - lo), \
         f"q {q.dtype} {tuple(q.shape)}, digest {tuple(digest.shape)} rows [{lo}, {hi}), quest={quest}, k={k}, parts={parts}"
-    kind, base, sbase, sstride = _digest_args(digest, digest_scale, lo, parts)
     out = (ctypes.c_int64 * k)()
     sub = width // parts  # one sub-block row: the rows of a block are consecutive
     est = vargs = None
     if values is not None:
         vdigest, vscale, vparts, logn = values
-        assert (not quest and vdigest.dtype == digest.dtype and vdigest.is_contiguous()
+        assert (not quest and vdigest.dtype in DTYPES[:3] and vdigest.is_contiguous()
                 and tuple(vdigest.shape) == (kvh, cap, vparts * hd) and parts % vparts == 0), \
-            f"vdigest {tuple(vdigest.shape)} for digest {tuple(digest.shape)}, {vparts} value parts"
-        _, vbase, vsbase, vsstride = _digest_args(vdigest, vscale, lo, vparts)
+            f"vdigest {vdigest.dtype} {tuple(vdigest.shape)} for digest {tuple(digest.shape)}, {vparts} value parts"
+        vkind, vbase, vsbase, vsstride, _ = _digest_args(vdigest, vscale, lo, vparts)
         est = (torch.empty(kvh, r, hd, dtype=torch.float32), torch.empty(kvh, r, dtype=torch.float32))
-        vargs = (vbase, cap * vparts * hd, vsbase, vsstride, vparts, logn, est[0].data_ptr(), est[1].data_ptr())
+        vargs = (vbase, vkind, cap * vparts * hd, vsbase, vsstride, vparts, logn, est[0].data_ptr(),
+                 est[1].data_ptr())
     if fn(q.data_ptr(), kvh, r, hd, base, cap * width, sub, kind, sbase, sstride, hi - lo, quest, scale, parts,
           k, per_head, None if favor is None else favor.ctypes.data, 0 if favor is None else len(favor),
-          gain, out, *(vargs or (None, 0, None, 0, 0, 0.0, None, None))):
+          gain, out, *(vargs or (None, 0, 0, None, 0, 0, 0.0, None, None))):
         raise MemoryError("kvt_block_top: out of memory")
     return out[:] if est is None else (out[:], est)
 
@@ -259,8 +274,10 @@ def rest_attend(q: torch.Tensor, digest: torch.Tensor, digest_scale: torch.Tenso
     Args:
         q: [kv_heads, R, head_dim] float32 contiguous CPU query rows (R = G*q_len per kv head).
         digest: [kv_heads, cap, parts * head_dim] centroid rows (float32, bfloat16 or int8, its
-            scales ``digest_scale`` [kv_heads, cap, parts] float32); vdigest:
-            [kv_heads, cap, value_parts * head_dim] of the same dtype (scales likewise).
+            scales ``digest_scale`` [kv_heads, cap, parts] float32), or packed int4
+            [kv_heads, cap, parts * head_dim // 2] (``digest_scale`` float16 [kv_heads, cap,
+            2 * head_dim]); vdigest: [kv_heads, cap, value_parts * head_dim], float32,
+            bfloat16 or int8 (scales ``vdigest_scale`` [kv_heads, cap, value_parts] float32).
         keep: uint8 numpy array [m], m <= cap: nonzero for the blocks (from row 0) to estimate.
         scale: the logits' scale; logn: the log of the tokens a centroid stands for.
     Returns:
@@ -270,19 +287,20 @@ def rest_attend(q: torch.Tensor, digest: torch.Tensor, digest_scale: torch.Tenso
     fn = _load().kvt_rest_attend
     kvh, r, hd = q.shape
     _, cap, width = digest.shape
-    parts = width // hd
+    parts = width * (2 if digest.dtype == INT4 else 1) // hd
     m = len(keep)
+    kind, kbase, ksbase, ksstride, width = _digest_args(digest, digest_scale, 0, parts)
     assert (q.dtype == torch.float32 and q.is_contiguous() and digest.is_contiguous() and vdigest.is_contiguous()
-            and vdigest.dtype == digest.dtype and tuple(vdigest.shape) == (kvh, cap, value_parts * hd)
+            and vdigest.dtype in DTYPES[:3] and tuple(vdigest.shape) == (kvh, cap, value_parts * hd)
             and width == parts * hd and value_parts >= 1 and parts % value_parts == 0 and m <= cap
             and keep.dtype.itemsize == 1 and keep.flags.c_contiguous), \
         f"q {tuple(q.shape)}, digest {tuple(digest.shape)}, vdigest {tuple(vdigest.shape)}, {m} blocks"
-    kind, kbase, ksbase, ksstride = _digest_args(digest, digest_scale, 0, parts)
-    _, vbase, vsbase, vsstride = _digest_args(vdigest, vdigest_scale, 0, value_parts)
+    vkind, vbase, vsbase, vsstride, _ = _digest_args(vdigest, vdigest_scale, 0, value_parts)
     out = torch.empty(kvh, r, hd, dtype=torch.float32)
     lse = torch.empty(kvh, r, dtype=torch.float32)
-    n = fn(q.data_ptr(), kvh, r, hd, kind, kbase, cap * width, ksbase, ksstride, vbase, cap * value_parts * hd,
-           vsbase, vsstride, m, parts, value_parts, keep.ctypes.data, scale, logn, out.data_ptr(), lse.data_ptr())
+    n = fn(q.data_ptr(), kvh, r, hd, kind, kbase, cap * width, ksbase, ksstride, vbase, vkind,
+           cap * value_parts * hd, vsbase, vsstride, m, parts, value_parts, keep.ctypes.data, scale, logn,
+           out.data_ptr(), lse.data_ptr())
     if n < 0:
         raise MemoryError("kvt_rest_attend: out of memory")
     return (out, lse) if n else None

@@ -172,12 +172,21 @@ def digest_rows_held(sealed: int) -> int:
     return cap
 
 
+#: ``BlockTable``'s key digest dtype for ``digest_dtype="int4"``: two 4-bit codes a byte
+#: (:func:`quantize_channels`); its value means are int8 rows.
+INT4 = torch.uint8
+
+
 def digest_row_bytes(kv_heads: int, head_dim: int, select_score: str, digest_parts: int,
                      digest_dtype: torch.dtype, value_parts: int = 0) -> int:
     """Bytes of one sealed block's digest over its kv heads (:class:`BlockTable`'s row: the
     summaries ``select_score`` needs of each of ``digest_parts`` sub-blocks, the means of the
     values of each of ``value_parts`` sub-blocks, and with int8 ``digest_dtype`` one float32
-    scale per sub-block of each)."""
+    scale per sub-block of each; int4 (:data:`INT4`): half a byte per key channel and sub-block
+    plus a float16 scale and zero per channel, the value means as int8)."""
+    if digest_dtype == INT4:
+        keys = digest_parts * head_dim // 2 + 2 * head_dim * 2
+        return kv_heads * (keys + value_parts * (head_dim + 4))
     parts = len(DIGEST_PARTS[select_score]) * digest_parts + value_parts
     scales = (digest_parts + value_parts) * 4 if digest_dtype == torch.int8 else 0
     return kv_heads * (parts * head_dim * torch.empty((), dtype=digest_dtype).element_size() + scales)
@@ -199,6 +208,42 @@ def dequantize_rows(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return q.float() * scale.unsqueeze(-1)
 
 
+#: float16's largest finite value: scales and zeros beyond it are clamped (keys that large
+#: would overflow the model's own float16 attention first)
+_F16_MAX = 65504.0
+
+
+def quantize_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes of ``x`` [kv_heads, parts, head_dim] per channel over its
+    ``parts`` rows (one block's key rows): ``(packed uint8 [kv_heads, parts * head_dim // 2],
+    float16 [kv_heads, 2 * head_dim] = scale | zero)`` with ``x ~ code * scale + zero``, code in
+    0..15, channel ``2i`` in the low half of byte ``i`` of a row and ``2i + 1`` in its high half.
+
+    Per channel, not per row: a key row's absmax is several times its median channel (RoPE
+    and per-channel offsets), so a row-wise 4-bit grid loses the small channels; over one
+    block's rows each channel spans a narrow range (docs/results/long-answers.md). The codes
+    are rounded against the float16 scale and zero as stored, so the error per channel is at
+    most half a step (plus float16's rounding of the zero). A score is cheap from it: within a
+    block ``q . row = (q * scale) . codes + q . zero``."""
+    x = x.float()
+    lo, hi = torch.aminmax(x, dim=1)  # [kv_heads, head_dim]
+    scale = ((hi - lo) / 15.0).clamp_(max=_F16_MAX).half()
+    zero = lo.clamp(-_F16_MAX, _F16_MAX).half()
+    s, z = scale.float().unsqueeze(1), zero.float().unsqueeze(1)
+    codes = torch.round((x - z) / torch.where(s > 0, s, 1.0)).clamp_(0, 15).to(torch.uint8)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [kv_heads, parts, head_dim // 2]
+    return packed.reshape(x.shape[0], -1), torch.cat((scale, zero), dim=1)
+
+
+def dequantize_channels(packed: torch.Tensor, sz: torch.Tensor, parts: int) -> torch.Tensor:
+    """float32 ``[..., parts, head_dim]`` from :func:`quantize_channels`' packed codes
+    ``[..., parts * head_dim // 2]`` and float16 scale | zero ``[..., 2 * head_dim]``."""
+    hd = sz.shape[-1] // 2
+    codes = torch.stack((packed & 15, packed >> 4), dim=-1).view(*packed.shape[:-1], parts, hd)
+    s, z = sz.float().split(hd, dim=-1)
+    return codes.float() * s.unsqueeze(-2) + z.unsqueeze(-2)
+
+
 class BlockTable:
     """Blocks of one layer of one sequence, plus their digests (kept on the L1 device).
 
@@ -211,10 +256,15 @@ class BlockTable:
     ``digest_dtype`` int8 (``KVTierConfig.digest_dtype``): the same rows as int8 codes, each
     sub-block's (each quest row's) against its own absmax, with ``digest_scale`` float32
     ``[kv_heads, cap, parts]`` (:func:`quantize_rows`).
+    ``digest_dtype`` :data:`INT4` (centroid only): a block's sub-block centroids as 4-bit codes
+    per channel, packed two a byte -> ``[kv_heads, cap, parts * head_dim // 2]`` uint8, with
+    ``digest_scale`` float16 ``[kv_heads, cap, 2 * head_dim]`` (each channel's scale | zero over
+    the block: :func:`quantize_channels`).
     ``value_parts`` > 0 (``rest_attention="estimate"``): ``vdigest`` holds the means of the
     values of that many equal sub-blocks per sealed block and kv head ->
     ``[kv_heads, cap, value_parts * head_dim]``, stored as the key digest is (int8 codes with
-    ``vdigest_scale`` ``[kv_heads, cap, value_parts]``, or the KV dtype); else None.
+    ``vdigest_scale`` ``[kv_heads, cap, value_parts]`` for int8 and int4 key digests, or the KV
+    dtype); else None.
     Rows ``[0, n_sealed)`` are valid; the table's row capacity grows by a quarter (``DIGEST_GROWTH``) when a seal needs more.
     """
 
@@ -251,14 +301,20 @@ class BlockTable:
         self.vdigest_scale: torch.Tensor | None = None  # int8: [kv_heads, cap, value_parts] float32
         self._digest_t: tuple | None = None   # (lo, hi, views) of the last digest_t() call
         if select_score is not None:
-            width = len(DIGEST_PARTS[select_score]) * digest_parts * head_dim
             rows = DIGEST_START_ROWS
-            self.digest = torch.empty(kv_heads, rows, width, dtype=digest_dtype, device=device)
-            if digest_dtype == torch.int8:
-                self.digest_scale = torch.empty(kv_heads, rows, digest_parts, dtype=torch.float32, device=device)
-            if value_parts:
-                self.vdigest = torch.empty(kv_heads, rows, value_parts * head_dim, dtype=digest_dtype, device=device)
+            if digest_dtype == INT4:
+                assert select_score == "centroid" and head_dim % 2 == 0, (select_score, head_dim)
+                self.digest = torch.empty(kv_heads, rows, digest_parts * head_dim // 2, dtype=INT4, device=device)
+                self.digest_scale = torch.empty(kv_heads, rows, 2 * head_dim, dtype=torch.float16, device=device)
+            else:
+                width = len(DIGEST_PARTS[select_score]) * digest_parts * head_dim
+                self.digest = torch.empty(kv_heads, rows, width, dtype=digest_dtype, device=device)
                 if digest_dtype == torch.int8:
+                    self.digest_scale = torch.empty(kv_heads, rows, digest_parts, dtype=torch.float32, device=device)
+            if value_parts:
+                vdtype = torch.int8 if digest_dtype == INT4 else digest_dtype
+                self.vdigest = torch.empty(kv_heads, rows, value_parts * head_dim, dtype=vdtype, device=device)
+                if vdtype == torch.int8:
                     self.vdigest_scale = torch.empty(kv_heads, rows, value_parts, dtype=torch.float32, device=device)
 
     def take_slot(self, e: BlockEntry, slot: int) -> None:
@@ -330,7 +386,11 @@ class BlockTable:
         the scales are None otherwise. Both are views of the table, never copies: scoring
         multiplies each column's dot product by its scale, so no dequantized range is kept.
         Kept while (lo, hi) stay the same: between two block boundaries every decode step
-        scores the same candidate range."""
+        scores the same candidate range. int4 digests come dequantized (float32, scales None):
+        a copy of the range per call, not kept (it would be 8x the table's bytes)."""
+        if self.digest.dtype == INT4:
+            cen = dequantize_channels(self.digest[:, lo:hi], self.digest_scale[:, lo:hi], self.digest_parts)
+            return cen.view(cen.shape[0], -1, self.head_dim).transpose(1, 2), None
         c = self._digest_t
         if c is not None and c[0] == lo and c[1] == hi:
             return c[2], c[3]
@@ -372,15 +432,16 @@ class BlockTable:
     @staticmethod
     def _put_row(table: torch.Tensor, scales: torch.Tensor | None, b: int, new: torch.Tensor) -> None:
         """Row ``b`` of ``table`` becomes ``new`` [kv_heads, parts, width], as int8 codes with
-        their ``scales`` when the table is int8."""
+        their ``scales`` when the table is int8, as packed 4-bit codes per channel with their
+        scale | zero when it is :data:`INT4`."""
         kvh = new.shape[0]
         row = table[:, b]  # [kv_heads, parts * width]
         if scales is None:
             row.copy_(new.reshape(kvh, -1))
-        else:
-            q, scale = quantize_rows(new)
-            row.copy_(q.view(kvh, -1))
-            scales[:, b].copy_(scale)
+            return
+        q, scale = quantize_channels(new) if table.dtype == INT4 else quantize_rows(new)
+        row.copy_(q.view(kvh, -1))
+        scales[:, b].copy_(scale)
 
     def _set_digest_tensors(self, new: list[torch.Tensor]) -> None:
         """Replace the digest tensors (in :meth:`_digest_tensors`' order) by ``new``."""
@@ -399,6 +460,9 @@ class BlockTable:
     def key_centroids(self, blocks: torch.Tensor) -> torch.Tensor:
         """float32 ``[kv_heads, len(blocks), digest_parts, head_dim]``: the key centroids of
         sealed ``blocks`` (int64 indices; centroid digests), dequantized."""
+        if self.digest.dtype == INT4:
+            return dequantize_channels(self.digest.index_select(1, blocks),
+                                       self.digest_scale.index_select(1, blocks), self.digest_parts)
         return _rows_of(self.digest, self.digest_scale, blocks, self.digest_parts)
 
     def copy_digest_from(self, src: "BlockTable") -> None:

@@ -268,4 +268,101 @@ def test_fork_copies_int8_digests():
 def test_bad_digest_dtype_names_the_field():
     from kvtier.config import KVTierConfig
     with pytest.raises(ValueError, match="digest_dtype"):
-        KVTierConfig(attention="sparse", digest_dtype="int4")
+        KVTierConfig(attention="sparse", digest_dtype="int2")
+    # int4's scale and zero are per channel over a block's centroids: it needs several a block
+    with pytest.raises(ValueError, match="digest_dtype='int4' needs select_score='centroid'"):
+        KVTierConfig(attention="sparse", digest_dtype="int4", select_score="quest")
+    with pytest.raises(ValueError, match="digest_tokens < block_tokens"):
+        KVTierConfig(attention="sparse", digest_dtype="int4", block_tokens=16, digest_tokens=16)
+
+
+def test_int4_channels_quantize_within_half_a_step_and_pack_two_a_byte():
+    from kvtier.store.table import dequantize_channels, quantize_channels
+
+    g = torch.Generator().manual_seed(2)
+    # channels with offsets far larger than their spread (as RoPE'd keys have): per channel, not per row
+    x = torch.randn(3, 16, 64, generator=g) + torch.randn(3, 1, 64, generator=g) * 20
+    x[1, :, 5] = 7.25  # a constant channel: scale 0, every code 0, the value the zero
+    packed, sz = quantize_channels(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 16 * 32) and sz.dtype == torch.float16
+    assert sz.shape == (3, 128)
+    got = dequantize_channels(packed, sz, 16)
+    scale, zero = sz.float().split(64, dim=-1)
+    # half a step, plus float16's rounding of the zero (relative 2^-11)
+    bound = scale.unsqueeze(1) / 2 + zero.abs().unsqueeze(1) * 2 ** -11 + 1e-6
+    assert ((got - x).abs() <= bound).all()
+    assert got[1, :, 5].eq(7.25).all()
+    codes = torch.stack((packed & 15, packed >> 4), dim=-1).view(3, 16, 64)  # even channel low
+    assert torch.equal(codes[..., 0], packed.view(3, 16, 32)[..., 0] & 15)
+    assert codes.min() == 0 and codes.max() == 15  # each channel's min and max are on the grid's ends
+
+
+def test_int4_channels_clamp_to_float16_instead_of_overflowing():
+    from kvtier.store.table import dequantize_channels, quantize_channels
+
+    x = torch.zeros(1, 4, 8)
+    x[0, 0, 0], x[0, 1, 0] = -1e6, 1e6
+    packed, sz = quantize_channels(x)
+    assert torch.isfinite(sz.float()).all()
+    assert torch.isfinite(dequantize_channels(packed, sz, 4)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_int4_digest_is_the_quantized_summary_and_its_bytes_are_counted(dtype):
+    from kvtier.store.table import dequantize_channels, dequantize_rows
+
+    parts, bt = 4, 8
+    st = make_store(None, num_layers=1, block_tokens=bt, device_tokens=128, budget_tokens=32, dtype=dtype,
+                    attention="sparse", digest_tokens=bt // parts, digest_dtype="int4", prefetch=False)
+    s = st.add_sequence()
+    k = torch.randn(KVH, 4 * bt + 1, HD).to(dtype) + 5
+    v = torch.randn(KVH, 4 * bt + 1, HD).to(dtype)
+    st.append(s, 0, k, v)
+    t = st.residency.tables[s][0]
+    assert t.digest.dtype == torch.uint8 and t.digest.shape[::2] == (KVH, parts * HD // 2)
+    assert t.digest_scale.dtype == torch.float16 and t.digest_scale.shape[::2] == (KVH, 2 * HD)
+    want = k[:, :4 * bt].float().view(KVH, 4, parts, bt // parts, HD).mean(3)  # [kvh, block, part, hd]
+    got = dequantize_channels(t.digest[:, :4], t.digest_scale[:, :4], parts)
+    scale, zero = t.digest_scale[:, :4].float().split(HD, dim=-1)
+    assert ((got - want).abs() <= scale.unsqueeze(2) / 2 + zero.abs().unsqueeze(2) * 2 ** -11 + 1e-6).all()
+    torch.testing.assert_close(t.key_centroids(torch.arange(4)), got)
+    # the torch path scores the same dequantized centroids
+    view, none = t.digest_t(1, 3)
+    assert none is None and torch.equal(view, got[:, 1:3].reshape(KVH, -1, HD).transpose(1, 2))
+    # value means stay int8 rows
+    vp = t.value_parts
+    vwant = v[:, :4 * bt].float().view(KVH, 4, vp, bt // vp, HD).mean(3)
+    assert t.vdigest.dtype == torch.int8
+    vgot = dequantize_rows(t.vdigest[:, :4].view(*vwant.shape).contiguous(), t.vdigest_scale[:, :4])
+    assert ((vgot - vwant).abs() <= vwant.abs().amax(dim=-1, keepdim=True) / 127 * (0.5 + 1e-5)).all()
+    per_block = KVH * (parts * HD // 2 + 2 * HD * 2 + vp * (HD + 4))
+    assert st.layout.digest_row_bytes == t.digest_row_bytes() == per_block
+    stats = st.stats()
+    assert stats["digest_bytes"] == 4 * per_block
+    assert stats["bytes"]["l1"] == stats["copies"]["l1"] * st.slot_bytes + 4 * per_block
+    st.close()
+
+
+def test_int4_key_rows_cost_less_than_int8_ones():
+    """A key row per token at Qwen2.5-0.5B's head_dim: 48 bytes a row and kv head (32 of codes,
+    16 of the block's float16 scales and zeros spread over its 16 rows) against int8's 68."""
+    from kvtier.store.table import INT4, digest_row_bytes
+
+    int8 = digest_row_bytes(2, 64, "centroid", 16, torch.int8)
+    int4 = digest_row_bytes(2, 64, "centroid", 16, INT4)
+    assert (int8, int4) == (2 * 16 * 68, 2 * 16 * 48)
+
+
+def test_fork_copies_int4_digests():
+    st = make_store(None, num_layers=1, block_tokens=BT, device_tokens=64, budget_tokens=16, dtype=torch.float32,
+                    attention="sparse", digest_tokens=1, digest_dtype="int4", prefetch=False)
+    s = st.add_sequence()
+    k = torch.randn(KVH, 6 * BT + 1, HD)
+    st.append(s, 0, k, k)
+    f = st.fork_sequence(s)
+    a, b = st.residency.tables[s][0], st.residency.tables[f][0]
+    assert torch.equal(a.digest[:, :6], b.digest[:, :6]) and torch.equal(a.digest_scale[:, :6], b.digest_scale[:, :6])
+    assert a.digest.data_ptr() != b.digest.data_ptr()
+    q = torch.randn(4, 1, HD)
+    assert st.select(s, 0, q) == st.select(f, 0, q)
+    st.close()

@@ -108,9 +108,12 @@ def test_blocks_with_a_hidden_token_are_left_out():
 
 @pytest.mark.skipif(not score_cpu.available(), reason="no C compiler: the torch path only")
 @pytest.mark.parametrize("dtype,digest_dtype", [(torch.float32, "int8"), (torch.float32, "kv"),
-                                                (torch.bfloat16, "kv"), (torch.bfloat16, "int8")])
+                                                (torch.bfloat16, "kv"), (torch.bfloat16, "int8"),
+                                                (torch.float32, "int4"), (torch.bfloat16, "int4")])
 @pytest.mark.parametrize("bt,dt,vt", [(16, 2, 4), (16, 2, 2), (16, 4, 16), (4, 1, 4), (8, 8, 8)])
 def test_compiled_estimate_matches_the_torch_specification(dtype, digest_dtype, bt, dt, vt):
+    if digest_dtype == "int4" and dt == bt:
+        pytest.skip("int4 digests need centroid sub-blocks")
     g = torch.Generator().manual_seed(bt * 100 + dt * 10 + vt)
     hd, kvh = 64, 2
     st = make_store(None, num_layers=1, kv_heads=kvh, head_dim=hd, block_tokens=bt, device_tokens=8 * bt,
@@ -199,11 +202,14 @@ def test_defaults_estimate_with_centroids_and_follow_the_score():
 
 @pytest.mark.skipif(not score_cpu.available(), reason="no C compiler: the torch path only")
 @pytest.mark.parametrize("per_head", [True, False])
-@pytest.mark.parametrize("digest_dtype,dtype", [("int8", torch.float32), ("kv", torch.bfloat16)])
+@pytest.mark.parametrize("digest_dtype,dtype", [("int8", torch.float32), ("kv", torch.bfloat16),
+                                                ("int4", torch.bfloat16)])
 @pytest.mark.parametrize("bt,dt,vt", [(16, 2, 4), (8, 1, 8), (4, 4, 4)])
 def test_the_scorer_estimates_what_the_specification_does(per_head, digest_dtype, dtype, bt, dt, vt):
     """select_with_rest on the compiled path (the estimate from the scorer's own logits) against
     select + rest_estimate on the torch path: the same blocks, the same estimate."""
+    if digest_dtype == "int4" and dt == bt:
+        pytest.skip("int4 digests need centroid sub-blocks")
     g = torch.Generator().manual_seed(bt + dt + vt + per_head)
     hd, kvh = 64, 2
     st = make_store(None, num_layers=1, kv_heads=kvh, head_dim=hd, block_tokens=bt, device_tokens=8 * bt,

@@ -65,10 +65,12 @@ def test_one_heads_top_block_is_kept_per_head_and_lost_shared(compiled):
 
 
 @pytest.mark.skipif(not score_cpu.available(), reason="no C compiler: select() keeps the torch path")
-@pytest.mark.parametrize("digest_dtype", ["kv", "int8"])
+@pytest.mark.parametrize("digest_dtype", ["kv", "int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("score, digest_tokens", [("centroid", 2), ("centroid", 4), ("quest", 4)])
 def test_compiled_per_head_selection_is_the_torch_one(dtype, score, digest_tokens, digest_dtype):
+    if digest_dtype == "int4" and (score != "centroid" or digest_tokens == BT):
+        pytest.skip("int4 digests need centroid sub-blocks")
     stores = [make_store(None, num_layers=1, kv_heads=3, head_dim=16, dtype=dtype, block_tokens=BT,
                          device_tokens=256 * BT, host_bytes=1 << 22, budget_tokens=24 * BT, sink_tokens=BT,
                          window_tokens=2 * BT, attention="sparse", select_score=score,
