@@ -18,7 +18,9 @@ only the last position's logits. The caches:
                   (16 tokens sparse, 64 dense: what a user who sets none gets);
                   kvtier-int4-sparse-d2 (only when named): the same with a key digest row per
                   pair of tokens (digest_tokens=2, their mean: half the digest bytes of the
-                  default's row per token); kvtier-int4-sparse-d1 names the default's 1 explicitly
+                  default's row per token); kvtier-int4-sparse-d1 names the default's 1 explicitly;
+                  kvtier-int4-sparse-k4 (only when named): key rows as 4-bit codes per channel
+                  (digest_dtype="int4", 48 bytes a row and kv head at head_dim 64 against 68)
 
 Reported per (context, config): decode tokens/s and its ratio to DynamicCache, peak memory
 above the model (CUDA: max allocated; CPU: peak RSS sampled every 2 ms), and KV bytes per token
@@ -88,11 +90,13 @@ KVTIER_CONFIGS = {
     "kvtier-int4-sparse": ("int4", "sparse", "h2o"),
     "kvtier-int4-sparse-d1": ("int4", "sparse", "h2o"),
     "kvtier-int4-sparse-d2": ("int4", "sparse", "h2o"),
+    "kvtier-int4-sparse-k4": ("int4", "sparse", "h2o"),
 }
 # rows that differ from another in config fields beyond the three above; asked for by name, not
 # run by default
 KVTIER_FIELDS = {"kvtier-int4-sparse-d1": {"digest_tokens": 1},  # a key digest row per token
-                 "kvtier-int4-sparse-d2": {"digest_tokens": 2}}  # one per pair of tokens
+                 "kvtier-int4-sparse-d2": {"digest_tokens": 2},  # one per pair of tokens
+                 "kvtier-int4-sparse-k4": {"digest_dtype": "int4"}}  # a 4-bit key row per token
 BASELINE_CONFIGS = ("dynamic", "quanto-int4", "hqq-int4")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 

@@ -38,6 +38,7 @@ figure is 8x smaller.
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import Any, NamedTuple
 
 _DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "fp16": 2, "bf16": 2, "fp32": 4}
 #: the KV dtype names make_plan takes
@@ -191,6 +192,16 @@ def make_plan(layers: int, kv_heads: int, head_dim: int, dtype: str, concurrency
 SPARSE_SHARE = Fraction(3, 100)
 
 
+class _Resolved(NamedTuple):
+    """One sparse config of :func:`_sparse_plan` as a store resolves it for the workload."""
+    fields: dict          # the KVTierConfig fields (preset included)
+    cfg: Any              # the KVTierConfig
+    layout: Any           # its Layout for the model shape
+    l1_kv: int            # the L1 pool's bytes (every sequence's region, scratch slots included)
+    digest_used: int      # digest rows of every sequence's sealed blocks at its longest, all layers
+    digest_held: int      # the rows the tables then hold (grown room included)
+
+
 def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, dense_l1, dense_block, dense_cfg,
                  bf) -> dict:
     """The long-context preset for this workload: L1 = 3% of the longest sequence (whole 16-token
@@ -210,7 +221,7 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
     bt = probe.block_tokens
     l1_tokens = max(4 * bt, int(max_seq_len * SPARSE_SHARE) // bt * bt)
 
-    def resolve(device_tokens: int, **extra):
+    def resolve(device_tokens: int, **extra) -> _Resolved:
         fields = preset_fields("long-context", {
             "device_tokens": device_tokens, "max_sequences": concurrency, "host_bytes": dense_cfg["host_bytes"],
             "disk_path": dense_cfg["disk_path"], "disk_bytes": dense_cfg["disk_bytes"],
@@ -223,7 +234,7 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
         # every sequence at its longest: the digest rows of its sealed blocks, and the rows its
         # tables hold (a table grows by a quarter at a time), in every layer
         used, held = (n * layers * concurrency for n in lay.digest_bytes(max_seq_len))
-        return fields, cfg, lay, l1_kv, used, held
+        return _Resolved(fields, cfg, lay, l1_kv, used, held)
 
     fields, cfg, lay, l1_kv, used, held = resolve(l1_tokens)
     plan = {
@@ -247,16 +258,18 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
         # instead, a larger budget (the better buy per byte where decode time is not the bound:
         # docs/results/long-answers.md). The digests do not depend on the budget and a slot's
         # bytes on neither: grow the budget a block at a time while its pool fits beside them.
-        held2 = resolve(l1_tokens, digest_tokens=2)[5]
+        held2 = resolve(l1_tokens, digest_tokens=2).digest_held
         blocks = lay.device_blocks
         while (blocks < max_seq_len // bt
                and pool_slots(blocks + 1, concurrency, layers) * lay.slot_bytes + held2 <= l1_kv + held):
             blocks += 1
-        f2, _, _, kv2, _, _ = resolve(blocks * bt, digest_tokens=2)
+        pairs = resolve(blocks * bt, digest_tokens=2)
+        kv2 = pairs.l1_kv
         plan["pairs_same_l1"] = {
             "digest_tokens": 2, "device_tokens": blocks * bt, "share": round(blocks * bt / max_seq_len, 4),
             "l1_bytes": kv2 + held2, "l1_kv_bytes": kv2, "l1_digest_bytes": held2,
-            "config": {"preset": "long-context", **{k: v for k, v in f2.items() if k not in ("attention", "policy")}},
+            "config": {"preset": "long-context", **{k: v for k, v in pairs.fields.items()
+                                                     if k not in ("attention", "policy")}},
         }
     return plan
 
