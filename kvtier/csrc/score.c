@@ -5,6 +5,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <math.h>
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 typedef float v8 __attribute__((vector_size(32)));   /* 8 floats: AVX, or two SSE registers */
 typedef float v4 __attribute__((vector_size(16)));
@@ -204,9 +207,67 @@ static void row_logits(const float *q, int64_t R, int64_t hd, const void *src, i
     }
 }
 
+/* n float16 values as float32 (F16C eight at a time where the CPU has it) */
+static inline void halves_to_f32(const uint16_t *h, float *out, int64_t n) {
+    int64_t i = 0;
+#ifdef __F16C__
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) out[i] = f16_to_f32(h[i]);
+}
+
+/* One block's packed int4 codes (n bytes) as its 2n codes in float32: code i in the low half of
+   byte i, code n + i in the high half (restrict: the codes are bytes, which may alias anything
+   otherwise, and the loops would not vectorize) */
+static void unpack4(const uint8_t *restrict c, float *restrict out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = (float)(c[i] & 15);
+    for (int64_t i = 0; i < n; i++) out[n + i] = (float)(c[i] >> 4);
+}
+
+#ifdef __AVX2__
+#define KVT_CONVERT 1
+
+/* eight bytes' low and high nibbles as two vectors of 8 floats */
+static inline void nibbles8(const uint8_t *p, v8 *lo, v8 *hi) {
+    __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i m = _mm256_set1_epi32(15);
+    v8 l = (v8)_mm256_cvtepi32_ps(_mm256_and_si256(w, m)), h = (v8)_mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4));
+    *lo = l;
+    *hi = h;
+}
+
+/* Logits of four code rows of one int4 block, straight from the packed bytes (no float copy of
+   the codes): byte rows c0 and c1 (hd bytes each) hold code rows a and a + 1 in their low nibbles
+   and b and b + 1 in their high ones. out[r*stride + row] = mul * (qs[r] . codes of row) + qz[r]
+   for row in (a, a + 1, b, b + 1). Eight query-row x code-row sums at a time, as dots4. */
+static void codes_logits4(const float *qs, const float *qz, int64_t R, int64_t hd, const uint8_t *c0,
+                          const uint8_t *c1, float mul, float *out, int64_t a, int64_t b, int64_t stride) {
+    for (int64_t r = 0; r < R; r += 2) {
+        _Bool two = r + 1 < R;
+        const float *qa = qs + r * hd, *qb = two ? qa + hd : qa;
+        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+        for (int64_t d = 0; d < hd; d += 8) {
+            v8 x0, x1, x2, x3;
+            nibbles8(c0 + d, &x0, &x2);
+            nibbles8(c1 + d, &x1, &x3);
+            v8 u = ld8(qa + d), v = ld8(qb + d);
+            a0 += u * x0; a1 += u * x1; a2 += u * x2; a3 += u * x3;
+            b0 += v * x0; b1 += v * x1; b2 += v * x2; b3 += v * x3;
+        }
+        for (int64_t k = 0; k < (two ? 2 : 1); k++) {
+            v4 t = k ? sums4(b0, b1, b2, b3) : sums4(a0, a1, a2, a3);
+            float *o = out + (r + k) * stride, z = qz[r + k];
+            o[a] = mul * t[0] + z; o[a + 1] = mul * t[1] + z; o[b] = mul * t[2] + z; o[b + 1] = mul * t[3] + z;
+        }
+    }
+}
+#endif
+
 /* row_logits for int4 digests (table.quantize_channels): the n rows (n a multiple of parts,
    whole blocks of `parts` rows) start at code offset `off` of the packed codes dig (two codes a
-   byte, the even channel in the low half); each block's float16 scale | zero per channel
+   byte: a block's parts * hd codes, row-major, are split in halves, the first in the low halves
+   of the block's bytes, the second in the high halves, so each unpacks as one contiguous run);
+   each block's float16 scale | zero per channel
    (2*hd values) follow one another from sz. Within a block q . row = (q * scale) . codes +
    q . zero, so the query is scaled once per block and the codes are dotted as they are.
    Returns 0, or -1 when out of memory. */
@@ -222,14 +283,22 @@ static int int4_logits(const float *q, int64_t R, int64_t hd, const void *dig, i
     v4 mul = {scale, scale, scale, scale};
     for (int64_t b = 0; b < n / parts; b++) {
         const uint16_t *bz = sz + b * 2 * hd;
-        for (int64_t d = 0; d < hd; d++) { sc[d] = f16_to_f32(bz[d]); zr[d] = f16_to_f32(bz[hd + d]); }
+        halves_to_f32(bz, sc, 2 * hd);   /* scale | zero: sc and zr are adjacent */
         for (int64_t r = 0; r < R; r++) {
             for (int64_t d = 0; d < hd; d++) qs[r * hd + d] = q[r * hd + d] * sc[d];
             qz[r] = scale * dot(q + r * hd, zr, hd);
         }
         const uint8_t *c = codes + b * parts * hd / 2;
-        for (int64_t i = 0; i < parts * hd / 2; i++) { rows[2 * i] = (float)(c[i] & 15); rows[2 * i + 1] = (float)(c[i] >> 4); }
         float *sb = s + b * parts;
+#ifdef KVT_CONVERT
+        if (parts % 4 == 0 && hd % 8 == 0) {
+            /* code rows j < parts/2 are the low nibbles of byte row j, rows parts/2 + j the high */
+            for (int64_t j = 0; j < parts / 2; j += 2)
+                codes_logits4(qs, qz, R, hd, c + j * hd, c + (j + 1) * hd, scale, sb, j, parts / 2 + j, stride);
+            continue;
+        }
+#endif
+        unpack4(c, rows, parts * hd / 2);
         for (int64_t j = 0; j < parts; j += j < tiled ? 4 : 1) {
             if (j < tiled) dots4(qs, R, hd, rows + j * hd, mul, sb + j, stride);
             else for (int64_t r = 0; r < R; r++) sb[r * stride + j] = scale * dot(qs + r * hd, rows + j * hd, hd);

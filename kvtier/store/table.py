@@ -217,7 +217,9 @@ def quantize_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric 4-bit codes of ``x`` [kv_heads, parts, head_dim] per channel over its
     ``parts`` rows (one block's key rows): ``(packed uint8 [kv_heads, parts * head_dim // 2],
     float16 [kv_heads, 2 * head_dim] = scale | zero)`` with ``x ~ code * scale + zero``, code in
-    0..15, channel ``2i`` in the low half of byte ``i`` of a row and ``2i + 1`` in its high half.
+    0..15. The block's ``parts * head_dim`` codes (row-major) are split in halves: the first half
+    in the low nibbles of its bytes, the second in the high ones (each half unpacks as one
+    contiguous run, the scorer's fastest form).
 
     Per channel, not per row: a key row's absmax is several times its median channel (RoPE
     and per-channel offsets), so a row-wise 4-bit grid loses the small channels; over one
@@ -231,15 +233,16 @@ def quantize_channels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     zero = lo.clamp(-_F16_MAX, _F16_MAX).half()
     s, z = scale.float().unsqueeze(1), zero.float().unsqueeze(1)
     codes = torch.round((x - z) / torch.where(s > 0, s, 1.0)).clamp_(0, 15).to(torch.uint8)
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)  # [kv_heads, parts, head_dim // 2]
-    return packed.reshape(x.shape[0], -1), torch.cat((scale, zero), dim=1)
+    flat = codes.reshape(x.shape[0], -1)  # [kv_heads, parts * head_dim]
+    half = flat.shape[1] // 2
+    return flat[:, :half] | (flat[:, half:] << 4), torch.cat((scale, zero), dim=1)
 
 
 def dequantize_channels(packed: torch.Tensor, sz: torch.Tensor, parts: int) -> torch.Tensor:
     """float32 ``[..., parts, head_dim]`` from :func:`quantize_channels`' packed codes
     ``[..., parts * head_dim // 2]`` and float16 scale | zero ``[..., 2 * head_dim]``."""
     hd = sz.shape[-1] // 2
-    codes = torch.stack((packed & 15, packed >> 4), dim=-1).view(*packed.shape[:-1], parts, hd)
+    codes = torch.cat((packed & 15, packed >> 4), dim=-1).view(*packed.shape[:-1], parts, hd)
     s, z = sz.float().split(hd, dim=-1)
     return codes.float() * s.unsqueeze(-2) + z.unsqueeze(-2)
 

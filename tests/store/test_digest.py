@@ -292,8 +292,10 @@ def test_int4_channels_quantize_within_half_a_step_and_pack_two_a_byte():
     bound = scale.unsqueeze(1) / 2 + zero.abs().unsqueeze(1) * 2 ** -11 + 1e-6
     assert ((got - x).abs() <= bound).all()
     assert got[1, :, 5].eq(7.25).all()
-    codes = torch.stack((packed & 15, packed >> 4), dim=-1).view(3, 16, 64)  # even channel low
-    assert torch.equal(codes[..., 0], packed.view(3, 16, 32)[..., 0] & 15)
+    # the block's 16 * 64 codes (row-major): the first half in the low nibbles, the second in the high
+    codes = torch.cat((packed & 15, packed >> 4), dim=-1).view(3, 16, 64)
+    want = torch.round((x - zero.unsqueeze(1)) / torch.where(scale > 0, scale, 1.0).unsqueeze(1)).clamp(0, 15)
+    assert torch.equal(codes.float(), want)
     assert codes.min() == 0 and codes.max() == 15  # each channel's min and max are on the grid's ends
 
 
