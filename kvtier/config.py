@@ -53,7 +53,7 @@ KeyTransform = Literal["none", "hadamard"]
 #: KV dtype and follows nothing.
 LOSSLESS_CODECS = ("fp16", "bf16")
 #: Fields computed from the others unless the user sets them.
-DERIVED_FIELDS = ("block_tokens", "host_codec", "disk_codec", "digest_tokens", "rest_attention",
+DERIVED_FIELDS = ("block_tokens", "host_codec", "disk_codec", "digest_tokens", "digest_dtype", "rest_attention",
                   "value_digest_tokens", "budget_tokens", "sink_tokens", "window_tokens",
                   "disk_segment_bytes")
 #: Segment size when ``disk_bytes`` leaves room for two of them (else half of ``disk_bytes``).
@@ -316,20 +316,21 @@ class KVTierConfig:
 
     digest_tokens: Optional[int] = None
     """``centroid`` only: tokens summarised by one key centroid; a block's score is its best sub-block's. A
-    divisor of ``block_tokens``; default (derived) 1: the keys themselves (int8 with the default ``digest_dtype``);
-    ``block_tokens`` with ``quest``. Costs ``block_tokens / digest_tokens`` rows per block and kv head in L1
-    (``head_dim + 4`` bytes each, int8), each read every step; 2 (means of key pairs, half the bytes) lets long exact
+    divisor of ``block_tokens``; default (derived) 1: the keys themselves (4-bit per channel with the default
+    ``digest_dtype``); ``block_tokens`` with ``quest``. Costs ``block_tokens / digest_tokens`` rows per block and kv
+    head in L1 (see ``digest_dtype``), each read every step; 2 (means of key pairs, half the rows) lets long exact
     answers drift (docs/results/long-answers.md). Why 1: docs/results/config-defaults.md#digest_tokens."""
 
-    digest_dtype: DigestDType = "int8"
-    """How the digests (key summaries; the value means of ``rest_attention="estimate"``) are stored in L1. ``int8``:
-    each row as int8 codes against its own absmax with a float32 scale: ``head_dim + 4`` bytes against
-    ``2 * head_dim`` in a 16-bit KV dtype; the scorer reads the codes in place (error per channel at most absmax /
-    254). ``int4`` (``centroid`` with ``digest_tokens < block_tokens``): each block's key rows as 4-bit codes per
-    channel against that channel's min and max over the block (float16 scale and zero per channel and block):
-    ``head_dim / 2 + 4 * head_dim / (block_tokens / digest_tokens)`` bytes a row, 48 against 68 at ``head_dim`` 64
-    and a row per token; value means stay int8. ``kv``: in the KV dtype, as the model wrote them. Default ``int8``: nearly the same blocks selected for
-    about half the bytes (docs/results/config-defaults.md#digest_dtype)."""
+    digest_dtype: Optional[DigestDType] = None
+    """How the digests (key summaries; the value means of ``rest_attention="estimate"``) are stored in L1. ``int4``
+    (``centroid`` with ``digest_tokens < block_tokens``): a block's key rows as 4-bit codes per channel against that
+    channel's min and max over the block (a float16 scale and zero per channel and block), ``head_dim / 2 + 4 *
+    head_dim * digest_tokens / block_tokens`` bytes a row: 48 at ``head_dim`` 64 and a row per token; value means
+    stay int8. ``int8``: each row as int8 codes against its own absmax with a float32 scale, ``head_dim + 4`` bytes
+    (68 there) against ``2 * head_dim`` in a 16-bit KV dtype. The scorer reads either in place. ``kv``: in the KV
+    dtype, as the model wrote them. Default (derived) ``int4`` where it applies, else ``int8``: int4 per channel kept
+    every long answer int8 rows kept for 22% fewer L1 bytes; per row (an absmax per token) it broke them
+    (docs/results/config-defaults.md#digest_dtype)."""
 
     rest_attention: Optional[RestAttention] = None
     """Sparse mode: what a step makes of the candidate blocks it does not select. ``estimate`` (default with
@@ -477,6 +478,9 @@ class KVTierConfig:
         if self.select_score != "centroid" and self.digest_tokens != self.block_tokens:
             raise ValueError(f"digest_tokens must equal block_tokens ({self.block_tokens}) unless "
                              f"select_score is 'centroid'; got {self.digest_tokens}")
+        if self.digest_dtype is None:
+            derive(self, "digest_dtype", "int4" if self.select_score == "centroid"
+                   and self.digest_tokens < self.block_tokens else "int8")
         if self.digest_dtype == "int4" and (self.select_score != "centroid" or self.digest_tokens == self.block_tokens):
             # its scale and zero are per channel over a block's centroids: one centroid a block
             # would keep each channel exactly in float16 (more bytes than int8, nothing quantized)

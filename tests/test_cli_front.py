@@ -144,9 +144,9 @@ def test_plan_recommends_sparse_for_a_long_context_with_a_config_attach_accepts(
     cfg = KVTierConfig.preset(fields.pop("preset"), **fields)
     assert cfg.attention == "sparse" and cfg.device_tokens == sp["device_tokens"]
     check_model(cfg, 32, 8, 128, __import__("torch").bfloat16, machine=False)
-    # the digests' L1 cost is stated: an int8 key row per token and an int8 value mean per 4, each
-    # with its float32 scale
-    assert sp["digest_bytes_per_token"] == 32 * 8 * (128 + 4) * (1 + 1 / 4)
+    # the digests' L1 cost is stated: an int4 key row per token (half a byte a channel, a float16
+    # scale and zero per channel and 16-token block) and an int8 value mean per 4 with its float32 scale
+    assert sp["digest_bytes_per_token"] == 32 * 8 * (128 / 2 + 4 * 128 / 16 + (128 + 4) / 4)
     assert sp["value_digest_tokens"] == 4
     assert main([*PLAN, "--max-seq-len", "128k", "--concurrency", "4"]) == 0
     text = capsys.readouterr().out

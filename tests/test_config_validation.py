@@ -43,7 +43,7 @@ def test_a_value_the_user_set_is_kept_even_if_equal_to_the_derived_one():
 
 def test_replace_of_block_tokens_and_hot_tokens_derives_digest_and_budget():
     cfg = KVTierConfig(attention="sparse")
-    assert (cfg.block_tokens, cfg.digest_tokens, cfg.digest_dtype) == (16, DEFAULT_DIGEST_TOKENS, "int8")  # the sparse defaults
+    assert (cfg.block_tokens, cfg.digest_tokens, cfg.digest_dtype) == (16, DEFAULT_DIGEST_TOKENS, "int4")  # the sparse defaults
     r = dataclasses.replace(cfg, block_tokens=9, device_tokens=9 * 56)  # sizes are whole blocks
     assert r.digest_tokens == math.gcd(9, DEFAULT_DIGEST_TOKENS)  # a divisor of block_tokens
     assert dataclasses.replace(r, select_score="quest").digest_tokens == 9  # quest's follows block_tokens

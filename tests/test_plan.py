@@ -198,5 +198,8 @@ def test_sparse_digest_bytes_are_what_a_store_allocates(tokens, alt):
             with KVStore(more, layers, kvh, hd, dtype=torch.bfloat16) as st:
                 assert st.l1.capacity_bytes + sp["l1_digest_bytes"] > full["l1_bytes"]
         return
-    # int8 rows + f32 scales: a key centroid per digest_tokens, a value mean per value_digest_tokens tokens
-    assert sp["digest_bytes_per_token"] == layers * kvh * (hd + 4) * (1 / cfg.digest_tokens + 1 / cfg.value_digest_tokens)
+    # int4 key rows per channel (half a byte a channel, a float16 scale and zero per channel and
+    # block) per digest_tokens, an int8 value mean + f32 scale per value_digest_tokens tokens
+    assert cfg.digest_dtype == "int4"
+    assert sp["digest_bytes_per_token"] == layers * kvh * (
+        hd / 2 / cfg.digest_tokens + 4 * hd / cfg.block_tokens + (hd + 4) / cfg.value_digest_tokens)

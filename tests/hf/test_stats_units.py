@@ -91,10 +91,13 @@ def test_sparse_conversation_counts_its_digests_in_l1(model, tokenizer):
     with kvtier.attach(model, cfg) as cache:
         _prefill(model, cache, text_ids(tokenizer, 7 * BT + 1, offset=2400))  # 7 sealed blocks + 1 token
         conv = cache.stats()["conversation"]
-    # an int8 row (head_dim bytes) and a float32 scale per kv head and layer: a key centroid per
-    # digest_tokens tokens and a value mean per value_digest_tokens tokens
-    rows = 7 * BT // cfg.digest_tokens + 7 * BT // cfg.value_digest_tokens
-    digests = rows * kvh * (hd + 4) * layers
+    # per kv head and layer and sealed block: its key rows (one per digest_tokens tokens) as int4
+    # codes, half a byte a channel, with a float16 scale and zero per channel; a value mean per
+    # value_digest_tokens tokens as an int8 row (head_dim bytes) with a float32 scale
+    assert cfg.digest_dtype == "int4"
+    keys = 7 * (BT // cfg.digest_tokens * hd // 2 + 4 * hd)
+    values = 7 * BT // cfg.value_digest_tokens * (hd + 4)
+    digests = (keys + values) * kvh * layers
     assert conv["digest_bytes"] == digests
     assert conv["bytes"]["l1"] == conv["blocks"]["l1"] * BT * 2 * kvh * hd * 4 + digests
 
