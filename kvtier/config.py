@@ -322,15 +322,11 @@ class KVTierConfig:
     answers drift (docs/results/long-answers.md). Why 1: docs/results/config-defaults.md#digest_tokens."""
 
     digest_dtype: Optional[DigestDType] = None
-    """How the digests (key summaries; the value means of ``rest_attention="estimate"``) are stored in L1. ``int4``
-    (``centroid`` with ``digest_tokens < block_tokens``): a block's key rows as 4-bit codes per channel against that
-    channel's min and max over the block (a float16 scale and zero per channel and block), ``head_dim / 2 + 4 *
-    head_dim * digest_tokens / block_tokens`` bytes a row: 48 at ``head_dim`` 64 and a row per token; value means
-    stay int8. ``int8``: each row as int8 codes against its own absmax with a float32 scale, ``head_dim + 4`` bytes
-    (68 there) against ``2 * head_dim`` in a 16-bit KV dtype. The scorer reads either in place. ``kv``: in the KV
-    dtype, as the model wrote them. Default (derived) ``int4`` where it applies, else ``int8``: int4 per channel kept
-    every long answer int8 rows kept for 22% fewer L1 bytes; per row (an absmax per token) it broke them
-    (docs/results/config-defaults.md#digest_dtype)."""
+    """How the digests are stored in L1. ``int4`` (``centroid`` with ``digest_tokens < block_tokens``): a block's key
+    rows as 4-bit codes per channel against each channel's min and max over the block (float16 scale and zero), 48
+    bytes a row at ``head_dim`` 64; value means stay int8. ``int8``: a row's codes against its absmax, a float32 scale
+    (``head_dim + 4`` bytes). ``kv``: the KV dtype. Default (derived) ``int4`` where it applies, else ``int8``: the
+    same long answers as int8 for 22% fewer L1 bytes (docs/results/config-defaults.md#digest_dtype)."""
 
     rest_attention: Optional[RestAttention] = None
     """Sparse mode: what a step makes of the candidate blocks it does not select. ``estimate`` (default with

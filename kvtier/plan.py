@@ -206,8 +206,9 @@ def _sparse_plan(layers, kv_heads, head_dim, dtype, concurrency, max_seq_len, de
                  bf) -> dict:
     """The long-context preset for this workload: L1 = 3% of the longest sequence (whole 16-token
     blocks, at least four), its L1 bytes: the pool and the digests of every sealed block (per kv
-    head and layer, with the defaults: an int8 key centroid and its float32 scale per
-    ``digest_tokens`` tokens, the same for a value mean per ``value_digest_tokens`` tokens), both
+    head and layer, with the defaults: a key row per token as 4-bit codes with a float16 scale
+    and zero per channel and block, and an int8 value mean with its float32 scale per
+    ``value_digest_tokens`` tokens), both
     from the layout a store of that config resolves, and whether dense
     attention would read most of each sequence back every step (L1 under a quarter of the
     longest sequence). With the default key row per token, ``pairs_same_l1``: the largest

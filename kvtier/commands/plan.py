@@ -196,8 +196,8 @@ def run(args: argparse.Namespace) -> int:
     if alt:
         print(f"  or       the same L1 bytes with digest_tokens=2 (a key mean per pair of tokens) and "
               f"device_tokens={alt['device_tokens']:,} ({alt['share']:.1%} of the longest sequence): the key rows "
-              f"it does not keep hold KV instead: where measured, closer to full attention's next-token "
-              f"distributions and no better in answers, each step reading more blocks back "
+              f"it does not keep hold KV instead: where measured (int8 rows, 8k), closer to full attention's "
+              f"next-token distributions and no better in answers, each step reading more blocks back "
               f"(docs/results/long-answers.md)")
     return 0
 
