@@ -225,7 +225,7 @@ static void unpack4(const uint8_t *restrict c, float *restrict out, int64_t n) {
 }
 
 #ifdef __AVX2__
-#define KVT_CONVERT 1
+#define KVT_NIBBLES 1
 
 /* eight bytes' low and high nibbles as two vectors of 8 floats */
 static inline void nibbles8(const uint8_t *p, v8 *lo, v8 *hi) {
@@ -266,11 +266,11 @@ static void codes_logits4(const float *qs, const float *qz, int64_t R, int64_t h
 /* row_logits for int4 digests (table.quantize_channels): the n rows (n a multiple of parts,
    whole blocks of `parts` rows) start at code offset `off` of the packed codes dig (two codes a
    byte: a block's parts * hd codes, row-major, are split in halves, the first in the low halves
-   of the block's bytes, the second in the high halves, so each unpacks as one contiguous run);
-   each block's float16 scale | zero per channel
-   (2*hd values) follow one another from sz. Within a block q . row = (q * scale) . codes +
-   q . zero, so the query is scaled once per block and the codes are dotted as they are.
-   Returns 0, or -1 when out of memory. */
+   of the block's bytes, the second in the high halves); each block's float16 scale | zero per
+   channel (2*hd values) follow one another from sz. Within a block q . row = (q * scale) . codes
+   + q . zero, so the query is scaled once per block and the codes are dotted as they are: with
+   AVX2 straight from the bytes (codes_logits4, two code rows a load), else from a float copy of
+   the block's codes. Returns 0, or -1 when out of memory. */
 static int int4_logits(const float *q, int64_t R, int64_t hd, const void *dig, int64_t off,
                        const uint16_t *sz, int64_t parts, float scale, int64_t n, float *s, int64_t stride) {
     /* qs [R][hd] scaled query, qz [R] its dot with the zeros, rows [parts][hd] the block's codes
@@ -290,7 +290,7 @@ static int int4_logits(const float *q, int64_t R, int64_t hd, const void *dig, i
         }
         const uint8_t *c = codes + b * parts * hd / 2;
         float *sb = s + b * parts;
-#ifdef KVT_CONVERT
+#ifdef KVT_NIBBLES
         if (parts % 4 == 0 && hd % 8 == 0) {
             /* code rows j < parts/2 are the low nibbles of byte row j, rows parts/2 + j the high */
             for (int64_t j = 0; j < parts / 2; j += 2)
