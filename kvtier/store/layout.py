@@ -100,9 +100,6 @@ class Layout:
         check_model(cfg, num_layers, kv_heads, head_dim, dtype, device, machine=machine)
         # -- end of the config checks --
         bt = cfg.block_tokens
-        if cfg.digest_dtype == "int4" and cfg.attention == "sparse" and head_dim % 2:
-            raise ValueError(f"digest_dtype='int4' packs two channels a byte: it needs an even head_dim; "
-                             f"this model's is {head_dim}")
         slot_bytes = 2 * kv_heads * bt * head_dim * torch.empty((), dtype=dtype).element_size()
         device_blocks = _device_blocks(cfg, slot_bytes, num_layers)
         budget = cfg.budget_tokens if cfg.budget_tokens is not None else device_blocks * bt
@@ -136,7 +133,7 @@ class Layout:
             if cfg.attention == "sparse" and cfg.rest_attention == "estimate" else 0,
             select_per_head=cfg.select_heads == "per_head",
             stickiness=float(cfg.select_stickiness),
-            digest_dtype={"int8": torch.int8, "int4": INT4}.get(cfg.digest_dtype, dtype),
+            digest_dtype=_digest_dtype(cfg, head_dim, dtype),
             scratch_slots=scratch_slots(device_blocks, cfg.max_sequences), max_sequences=cfg.max_sequences,
             precision=PrecisionPlan.of(cfg),
         )
@@ -152,6 +149,15 @@ def pool_slots(device_blocks: int, max_sequences: int, num_layers: int) -> int:
     """Slots of the L1 pool: one region of ``device_blocks`` per sequence and layer, then the
     scratch slots (``KVStore`` allocates exactly these; ``kvtier plan`` prints their bytes)."""
     return max_sequences * num_layers * device_blocks + scratch_slots(device_blocks, max_sequences)
+
+
+def _digest_dtype(cfg: KVTierConfig, head_dim: int, dtype: torch.dtype) -> torch.dtype:
+    """The digest table's dtype for ``cfg.digest_dtype``. int4 packs two channels a byte: with an
+    odd ``head_dim`` the derived default falls back to int8 (a user's explicit int4 was refused by
+    ``check_model``)."""
+    if cfg.digest_dtype == "int4":
+        return INT4 if head_dim % 2 == 0 else torch.int8
+    return torch.int8 if cfg.digest_dtype == "int8" else dtype
 
 
 def _device_blocks(cfg: KVTierConfig, slot_bytes: int, num_layers: int) -> int:

@@ -176,7 +176,7 @@ def top_blocks(q: torch.Tensor, digest: torch.Tensor, lo: int, hi: int, quest: b
     est = vargs = None
     if values is not None:
         vdigest, vscale, vparts, logn = values
-        assert (not quest and vdigest.dtype in DTYPES[:3] and vdigest.is_contiguous()
+        assert (not quest and vdigest.dtype in _KIND and vdigest.dtype != INT4 and vdigest.is_contiguous()
                 and tuple(vdigest.shape) == (kvh, cap, vparts * hd) and parts % vparts == 0), \
             f"vdigest {vdigest.dtype} {tuple(vdigest.shape)} for digest {tuple(digest.shape)}, {vparts} value parts"
         vkind, vbase, vsbase, vsstride, _ = _digest_args(vdigest, vscale, lo, vparts)
@@ -291,7 +291,7 @@ def rest_attend(q: torch.Tensor, digest: torch.Tensor, digest_scale: torch.Tenso
     m = len(keep)
     kind, kbase, ksbase, ksstride, width = _digest_args(digest, digest_scale, 0, parts)
     assert (q.dtype == torch.float32 and q.is_contiguous() and digest.is_contiguous() and vdigest.is_contiguous()
-            and vdigest.dtype in DTYPES[:3] and tuple(vdigest.shape) == (kvh, cap, value_parts * hd)
+            and vdigest.dtype in _KIND and vdigest.dtype != INT4 and tuple(vdigest.shape) == (kvh, cap, value_parts * hd)
             and width == parts * hd and value_parts >= 1 and parts % value_parts == 0 and m <= cap
             and keep.dtype.itemsize == 1 and keep.flags.c_contiguous), \
         f"q {tuple(q.shape)}, digest {tuple(digest.shape)}, vdigest {tuple(vdigest.shape)}, {m} blocks"

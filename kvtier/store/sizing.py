@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from kvtier.config import KVTierConfig
-from kvtier.configcheck import device_memory, physical_memory
+from kvtier.configcheck import Derived, device_memory, physical_memory
 from kvtier.tiers.disk import SEG_HEADER_BYTES, record_size
 from kvtier.tiers.host import HostTier
 
@@ -72,6 +72,11 @@ def check_model(cfg: KVTierConfig, num_layers: int, kv_heads: int, head_dim: int
     if importance and cfg.key_axis == "channel" and (cfg.cold_key_outliers or 0) > head_dim:
         raise ValueError(f"cold_key_outliers must be <= head_dim ({head_dim}) for this model's "
                          f"{cfg.cold_codec} keys; got {cfg.cold_key_outliers}")
+    if cfg.attention == "sparse" and cfg.digest_dtype == "int4" and head_dim % 2 and not isinstance(
+            cfg.digest_dtype, Derived):
+        # two channels a byte; the derived default falls back to int8 instead (layout.py)
+        raise ValueError(f"digest_dtype='int4' needs an even head_dim (two channels a byte); this model's "
+                         f"is {head_dim}: use digest_dtype='int8'")
     if machine:
         _check_memory(cfg, slot_bytes, num_layers, device)
     l2, l3 = block_record_bytes(cfg, num_layers, kv_heads, head_dim, dtype)

@@ -353,3 +353,17 @@ def test_int4_key_rows_cost_less_than_int8_ones():
     int8 = digest_row_bytes(2, 64, "centroid", 16, torch.int8)
     int4 = digest_row_bytes(2, 64, "centroid", 16, INT4)
     assert (int8, int4) == (2 * 16 * 68, 2 * 16 * 48)
+
+
+def test_int4_with_an_odd_head_dim_is_refused_when_set_and_int8_when_derived():
+    st = make_store(None, num_layers=1, head_dim=7, block_tokens=BT, device_tokens=64, budget_tokens=16,
+                    dtype=torch.float32, attention="sparse", digest_tokens=1, prefetch=False)
+    assert st.layout.digest_dtype == torch.int8
+    s = st.add_sequence()
+    k = torch.randn(KVH, 6 * BT + 1, 7)
+    st.append(s, 0, k, k)
+    assert st.residency.tables[s][0].digest.dtype == torch.int8 and len(st.select(s, 0, torch.randn(4, 1, 7))) > 0
+    st.close()
+    with pytest.raises(ValueError, match="digest_dtype='int4' needs an even head_dim"):
+        make_store(None, num_layers=1, head_dim=7, block_tokens=BT, device_tokens=64, budget_tokens=16,
+                   dtype=torch.float32, attention="sparse", digest_tokens=1, digest_dtype="int4", prefetch=False)
