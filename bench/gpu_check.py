@@ -11,7 +11,11 @@ Checks (each prints PASS/FAIL; exit status 1 if any fails):
 3. KVStore on the device: fp16 codec, tiny L1/L2 so blocks reach L3 through the side stream and
    pinned buffers; every token reads back bit-exact; swap latencies from stats(). Sparse mode:
    gather_view (views of the per-table L1 regions) equals the appended tokens and gather_blocks.
-4. TieredCache generate() on SmolLM2 (fp16 codec, dense, L1 far below the context) equals
+4. Sparse block scoring at Llama-3-8B's shape (8 kv heads, head_dim 128, 32 query heads; a key
+   row per token in 4 bits, 128k tokens, 32k with --quick): the Triton digest scorer selects
+   what the torch math selects; time per ``select`` and the extra memory a call allocates, both
+   ways (on CPU only under ``TRITON_INTERPRET=1``, at a small context).
+5. TieredCache generate() on SmolLM2 (fp16 codec, dense, L1 far below the context) equals
    DynamicCache's greedy tokens; int4 sparse decode tokens/s as a ratio to DynamicCache.
 """
 from __future__ import annotations
@@ -152,6 +156,63 @@ def store(dev: torch.device, quick: bool) -> None:
               f"({views} of {2 * (100 if quick else 400)} reads were views; gather stats {g_stats})")
 
 
+def scorer(dev: torch.device, quick: bool) -> None:
+    import os
+
+    from kvtier.config import KVTierConfig
+    from kvtier.store import KVStore
+
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if dev.type != "cuda" and not interpret:
+        print("skip scorer: the Triton scorer runs on CUDA (or on CPU under TRITON_INTERPRET=1)")
+        return
+    from kvtier.store import score_triton
+
+    kvh, hd, qh = 8, 128, 32
+    ctx = 1024 if dev.type != "cuda" else (32768 if quick else 131072)
+    budget = max(ctx * 3 // 100, 256) // 16 * 16  # 3% of the context; room for candidates at 1k
+    cfg = KVTierConfig(block_tokens=16, device_tokens=ctx + 64, budget_tokens=budget,
+                       host_bytes=1 << 20, codec="fp16", policy="lru", attention="sparse", prefetch=False)
+    st = KVStore(cfg, num_layers=1, kv_heads=kvh, head_dim=hd, dtype=torch.float16, device=dev)
+    s = st.add_sequence()
+    g = torch.Generator(device=dev).manual_seed(2)
+    for lo in range(0, ctx, 4096):
+        n = min(4096, ctx - lo)
+        k = torch.randn(kvh, n, hd, generator=g, device=dev, dtype=torch.float16)
+        st.append(s, 0, k, torch.randn(kvh, n, hd, generator=g, device=dev, dtype=torch.float16))
+    sel = st.selector
+    sel.compiled = False  # on CPU: the torch math or the kernel, not score_cpu's C scorer
+    table = st.residency.tables[s][0]
+    q = torch.randn(qh, 1, hd, generator=g, device=dev, dtype=torch.float16)
+    kernel = score_triton
+
+    def run(with_kernel):
+        sel.kernel = kernel if with_kernel else None
+        return sel.select(table, q, cfg.budget_tokens)
+
+    same = run(True) == run(False)
+    reps = 3 if dev.type != "cuda" else 50
+    res = {}
+    for name, flag in (("triton", True), ("torch", False)):
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+            base = torch.cuda.memory_allocated(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            run(flag)
+            torch.cuda.synchronize(dev)
+            extra = torch.cuda.max_memory_allocated(dev) - base
+        else:
+            extra = float("nan")
+        res[name] = (timeit(lambda: run(flag), dev, reps), extra)
+    st.close()
+    check(f"scorer: Triton selection == torch selection at {ctx} tokens on {dev.type}", same,
+          f"(digest {table.digest.dtype}, {table.n_sealed} blocks)")
+    (tt, mt), (tr, mr) = res["triton"], res["torch"]
+    print(f"select at {ctx} tokens, {kvh} kv heads, head_dim {hd}: Triton {tt * 1e3:.3f} ms, torch "
+          f"{tr * 1e3:.3f} ms ({tr / tt:.2f}x); memory allocated by a call: Triton {mt / 2**20:.1f} MiB, "
+          f"torch {mr / 2**20:.1f} MiB")
+
+
 def model(dev: torch.device, quick: bool) -> None:
     from transformers import DynamicCache
 
@@ -211,7 +272,7 @@ def main() -> int:
         return 2
     if dev.type == "cuda":
         print(torch.cuda.get_device_name(dev), "torch", torch.__version__)
-    for step in (kernels, store) + (() if a.skip_model else (model,)):
+    for step in (kernels, store, scorer) + (() if a.skip_model else (model,)):
         try:
             step(dev, a.quick)
         except Exception as e:  # report every stage, then fail at the end

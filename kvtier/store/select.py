@@ -20,6 +20,8 @@ class Selector:
         # CPU: block scores in one compiled call, read from the digest table in place (score_cpu.py)
         self.compiled = (layout.digest_score is not None and layout.device.type == "cpu"
                          and layout.digest_dtype in score_cpu.DTYPES and score_cpu.available())
+        # CUDA: the digest logits from one Triton kernel reading the table in place (score_triton.py)
+        self.kernel = _triton_scorer() if layout.digest_score is not None and layout.device.type == "cuda" else None
         self._zeros = torch.zeros(1, 1, 1, device=layout.device)  # baddbmm's unread input (beta=0)
 
     def select(self, t: BlockTable, query: torch.Tensor, budget: int) -> list[int]:
@@ -125,6 +127,12 @@ class Selector:
         """[kv_heads, G*q_len, m*parts] centroid logits (scaled), or [kv_heads, G*q_len, m] quest bounds."""
         q = self.query_rows(query)  # [kv_heads, G*q_len, hd]
         hd = self.layout.head_dim
+        if self.kernel is not None:
+            if self.layout.digest_score == "centroid":
+                return self.kernel.digest_logits(q, t.digest, t.digest_scale, lo, hi, self.layout.digest_parts,
+                                                 hd ** -0.5)
+            qq = torch.cat((q.clamp(min=0), q.clamp(max=0)), dim=-1)  # Quest, as below
+            return self.kernel.digest_logits(qq, t.digest, t.digest_scale, lo, hi, 1, 1.0)
         # [kv_heads, hd, m*parts] (mean) or [kv_heads, 2*hd, m] (max | min); int8: codes, and the
         # scales [kv_heads, 1, m*parts] their dot products are multiplied by (as score_cpu.py does;
         # measured faster on the CPU than scaling the codes before the bmm)
@@ -176,17 +184,28 @@ class Selector:
             r = score_cpu.rest_attend(q, t.digest, t.digest_scale, t.vdigest, t.vdigest_scale,
                                       keep.view(np.uint8), lay.value_parts, scaling, logn)
             return None if r is None else (r[0].view(qh, ql, hd), r[1].view(qh, ql))
-        rest = torch.from_numpy(np.flatnonzero(keep))
-        if rest.numel() == 0:
+        if not keep.any():
             return None
-        rest = rest.to(lay.device)
-        keys = t.key_centroids(rest).view(kvh, -1, hd)  # [kv_heads, m*parts, hd]
-        values = t.value_means(rest)  # [kv_heads, m, value_parts, hd]
-        values = values.repeat_interleave(lay.digest_parts // lay.value_parts, dim=2).view(kvh, -1, hd)
-        logits = torch.bmm(q, keys.transpose(1, 2)).mul_(scaling)  # [kv_heads, G*q_len, m*parts]
+        p, vp = lay.digest_parts, lay.value_parts
+        if self.kernel is not None:
+            # every sealed block's logits from the table in place, the ones not estimated masked out:
+            # no dequantized copy of the (mostly unselected) range
+            logits = self.kernel.digest_logits(q, t.digest, t.digest_scale, 0, ns, p, scaling)
+            cols = torch.from_numpy(keep).to(lay.device).repeat_interleave(p)  # [ns*parts]
+            logits.masked_fill_(~cols, -math.inf)
+            values = t.value_means(torch.arange(ns, device=lay.device))  # [kv_heads, ns, value_parts, hd]
+        else:
+            rest = torch.from_numpy(np.flatnonzero(keep)).to(lay.device)
+            keys = t.key_centroids(rest).view(kvh, -1, hd)  # [kv_heads, m*parts, hd]
+            values = t.value_means(rest)  # [kv_heads, m, value_parts, hd]
+            logits = torch.bmm(q, keys.transpose(1, 2)).mul_(scaling)  # [kv_heads, G*q_len, m*parts]
         logits += logn
         lse = torch.logsumexp(logits, dim=-1)  # [kv_heads, G*q_len]
-        out = torch.bmm(torch.softmax(logits, dim=-1), values)  # [kv_heads, G*q_len, hd]
+        # a value mean stands for parts / value_parts key rows: their weights summed, not the
+        # values repeated per row
+        rows = logits.shape[1]
+        w = torch.softmax(logits, dim=-1).view(kvh, rows, -1, p // vp).sum(dim=-1)  # [kv_heads, G*q_len, m*value_parts]
+        out = torch.bmm(w, values.view(kvh, -1, hd))  # [kv_heads, G*q_len, hd]
         return out.view(qh, ql, hd), lse.view(qh, ql)
 
     def observe(self, t: BlockTable, blocks, mass, snap_steps: int) -> None:
@@ -212,6 +231,15 @@ class Selector:
         nb = len(t.entries)
         pad = nb * lay.block_tokens - per_tok.shape[0]
         return torch.nn.functional.pad(per_tok, (0, pad)).view(nb, lay.block_tokens).sum(1)
+
+
+def _triton_scorer():
+    """:mod:`score_triton` when triton imports (CUDA stores), else None (the torch math)."""
+    try:
+        from . import score_triton
+    except ImportError:
+        return None
+    return score_triton
 
 
 def lift(scores: torch.Tensor, favor: np.ndarray | None, gain: float) -> torch.Tensor:

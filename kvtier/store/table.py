@@ -390,7 +390,8 @@ class BlockTable:
         multiplies each column's dot product by its scale, so no dequantized range is kept.
         Kept while (lo, hi) stay the same: between two block boundaries every decode step
         scores the same candidate range. int4 digests come dequantized (float32, scales None):
-        a copy of the range per call, not kept (it would be 8x the table's bytes)."""
+        a copy of the range per call, not kept (it would be 8x the table's bytes); the CPU and
+        CUDA scorers read the codes in place instead (score_cpu.py, score_triton.py)."""
         if self.digest.dtype == INT4:
             cen = dequantize_channels(self.digest[:, lo:hi], self.digest_scale[:, lo:hi], self.digest_parts)
             return cen.view(cen.shape[0], -1, self.head_dim).transpose(1, 2), None
