@@ -275,9 +275,14 @@ static int int4_logits(const float *q, int64_t R, int64_t hd, const void *dig, i
                        const uint16_t *sz, int64_t parts, float scale, int64_t n, float *s, int64_t stride) {
     /* qs [R][hd] scaled query, qz [R] its dot with the zeros, rows [parts][hd] the block's codes
        as floats, sc and zr [hd] the block's scale and zero */
-    float *qs = (float *)malloc(sizeof(float) * (size_t)(R * hd + R + parts * hd + 2 * hd));
+#ifdef KVT_NIBBLES
+    int64_t nrows = parts % 4 == 0 && hd % 8 == 0 ? 0 : parts * hd;   /* the byte path needs no copy */
+#else
+    int64_t nrows = parts * hd;
+#endif
+    float *qs = (float *)malloc(sizeof(float) * (size_t)(R * hd + R + nrows + 2 * hd));
     if (!qs) return -1;
-    float *qz = qs + R * hd, *rows = qz + R, *sc = rows + parts * hd, *zr = sc + hd;
+    float *qz = qs + R * hd, *sc = qz + R, *zr = sc + hd, *rows = zr + hd;
     const uint8_t *codes = (const uint8_t *)dig + off / 2;
     int64_t tiled = hd % 8 == 0 ? parts / 4 * 4 : 0;
     v4 mul = {scale, scale, scale, scale};
@@ -291,7 +296,7 @@ static int int4_logits(const float *q, int64_t R, int64_t hd, const void *dig, i
         const uint8_t *c = codes + b * parts * hd / 2;
         float *sb = s + b * parts;
 #ifdef KVT_NIBBLES
-        if (parts % 4 == 0 && hd % 8 == 0) {
+        if (nrows == 0) {
             /* code rows j < parts/2 are the low nibbles of byte row j, rows parts/2 + j the high */
             for (int64_t j = 0; j < parts / 2; j += 2)
                 codes_logits4(qs, qz, R, hd, c + j * hd, c + (j + 1) * hd, scale, sb, j, parts / 2 + j, stride);
