@@ -91,12 +91,14 @@ KVTIER_CONFIGS = {
     "kvtier-int4-sparse-d1": ("int4", "sparse", "h2o"),
     "kvtier-int4-sparse-d2": ("int4", "sparse", "h2o"),
     "kvtier-int4-sparse-k4": ("int4", "sparse", "h2o"),
+    "kvtier-int4-sparse-k8": ("int4", "sparse", "h2o"),
 }
 # rows that differ from another in config fields beyond the three above; asked for by name, not
 # run by default
 KVTIER_FIELDS = {"kvtier-int4-sparse-d1": {"digest_tokens": 1},  # a key digest row per token
                  "kvtier-int4-sparse-d2": {"digest_tokens": 2},  # one per pair of tokens
-                 "kvtier-int4-sparse-k4": {"digest_dtype": "int4"}}  # a 4-bit key row per token
+                 "kvtier-int4-sparse-k4": {"digest_dtype": "int4"},  # a 4-bit key row per token
+                 "kvtier-int4-sparse-k8": {"digest_dtype": "int8"}}  # an int8 one (the default before)
 BASELINE_CONFIGS = ("dynamic", "quanto-int4", "hqq-int4")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
