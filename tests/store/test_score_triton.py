@@ -4,13 +4,11 @@ against the torch math it replaces, and compiled for a real GPU target without a
 TRITON_INTERPRET must be set before triton is first imported, so the interpreted cases run in a
 subprocess (``_triton_score_check.py``); each is reported here as its own test.
 """
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.triton_interpret import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -24,11 +22,7 @@ IDS = LOGITS + ["logits-empty-range"] + STORES
 
 @pytest.fixture(scope="module")
 def results():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    script = Path(__file__).with_name("_triton_score_check.py")
-    proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout)
+    return run_interpreted(Path(__file__).with_name("_triton_score_check.py"))
 
 
 def test_every_case_ran(results):
