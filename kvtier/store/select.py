@@ -31,30 +31,38 @@ class Selector:
     def select_with_rest(self, t: BlockTable, query: torch.Tensor, budget: int, scaling: float,
                          visible: torch.Tensor | None = None) -> tuple[list[int], tuple | None]:
         """:meth:`select`, and :meth:`rest_estimate` of the blocks it leaves out: ``(sel, (out,
-        lse) or None)``. On the CPU, where every token is visible and the attention's scale is
-        the scorer's, the estimate comes from the scorer's own logits (one compiled call)."""
-        fused = (self.compiled and visible is None
-                 and math.isclose(scaling, self.layout.head_dim ** -0.5, rel_tol=1e-6))
-        sel, est = self._select(t, query, budget, scaling if fused else None)
+        lse) or None)``. Where the attention's scale is the scorer's the digest is read once a
+        step: on the CPU, where every token is visible, the estimate comes from the compiled
+        scorer's own logits (one call); on CUDA and on the torch path (centroid digests) from the
+        logits the selection computed, the blocks it left out taken from them."""
+        lay = self.layout
+        same_scale = math.isclose(scaling, lay.head_dim ** -0.5, rel_tol=1e-6)
+        if self.compiled:
+            reuse = visible is None and same_scale
+        else:
+            reuse = same_scale and lay.digest_score == "centroid"
+        sel, est, span = self._select(t, query, budget, scaling if reuse else None)
         if est is None:
-            return sel, self.rest_estimate(t, query, sel, scaling, visible)
+            return sel, self.rest_estimate(t, query, sel, scaling, visible, span)
         qh, ql, hd = query.shape
         return sel, (est[0].view(qh, ql, hd), est[1].view(qh, ql))
 
     def _select(self, t: BlockTable, query: torch.Tensor, budget: int, rest_scaling: float | None):
         """(:meth:`select`'s blocks, the compiled scorer's estimate of the candidates it did not
-        take or None): the estimate only with ``rest_scaling`` (the scorer's scale), on the
-        compiled path, when there are candidates to score."""
+        take or None, ``(lo, logits)`` of the candidates or None). With ``rest_scaling`` (the
+        scorer's scale) and candidates to score: the compiled path returns the estimate, the
+        others their candidates' centroid logits (:meth:`_logits` of [lo, w_start)), for
+        :meth:`rest_estimate` to reuse."""
         lay = self.layout
         ns = t.n_sealed
         nb = budget // lay.block_tokens - 1
         if ns <= nb:
-            return list(range(ns)), None
+            return list(range(ns)), None, None
         s_end = min(lay.sink_blocks, nb)
         w_start = max(s_end, ns - min(lay.window_blocks, nb - s_end))
         k = nb - s_end - (ns - w_start)
         sel = list(range(s_end))
-        est = None
+        est = span = None
         if k > 0:
             gain = lay.stickiness
             favor = self.resident_offsets(t, s_end, w_start) if gain > 0 else None
@@ -71,15 +79,19 @@ class Selector:
                 if values is not None:
                     top, est = top
                 sel += [b + s_end for b in top]
-            elif lay.select_per_head:
-                scores = lift(self.head_scores(t, query, s_end, w_start), favor, gain)
-                sel += [b + s_end for b in round_robin(scores, k)]
             else:
-                scores = lift(self.scores(t, query, s_end, w_start), favor, gain)
-                top = torch.topk(scores, k, sorted=False).indices.tolist()
-                sel += sorted(b + s_end for b in top)
+                logits = self._logits(t, query, s_end, w_start)
+                if rest_scaling is not None:
+                    span = (s_end, logits)
+                if lay.select_per_head:
+                    scores = lift(self._fold(logits, True), favor, gain)
+                    sel += [b + s_end for b in round_robin(scores, k)]
+                else:
+                    scores = lift(self._fold(logits, False), favor, gain)
+                    top = torch.topk(scores, k, sorted=False).indices.tolist()
+                    sel += sorted(b + s_end for b in top)
         sel += range(w_start, ns)
-        return sel, est
+        return sel, est, span
 
     @staticmethod
     def resident_offsets(t: BlockTable, lo: int, hi: int) -> np.ndarray:
@@ -106,22 +118,25 @@ class Selector:
     def scores(self, t: BlockTable, query: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Score of each sealed block in [lo, hi) against ``query`` (higher = attend); see
         ``KVTierConfig.select_score``. The torch math: the specification of score_cpu.py's CPU path."""
-        s = self._logits(t, query, lo, hi)
-        if self.layout.digest_score == "centroid":
-            best = torch.softmax(s, dim=-1).amax(dim=(0, 1))  # [m*parts]: best query of the best head
-            p = self.layout.digest_parts
-            return best if p == 1 else best.view(-1, p).amax(dim=1)  # [m]: the block's best sub-block
-        return s.amax(dim=1).sum(dim=0)  # [m]
+        return self._fold(self._logits(t, query, lo, hi), False)
 
     def head_scores(self, t: BlockTable, query: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Per kv head: [kv_heads, m] scores of the sealed blocks in [lo, hi), each head's before
         :meth:`scores` folds them (centroid: its best query row's softmax; quest: its bound)."""
-        s = self._logits(t, query, lo, hi)
+        return self._fold(self._logits(t, query, lo, hi), True)
+
+    def _fold(self, s: torch.Tensor, per_head: bool) -> torch.Tensor:
+        """Block scores from :meth:`_logits`' ``s``: [kv_heads, m] per head, else [m] (centroid:
+        the best query row's softmax of the best head; quest: the bounds summed over heads).
+        ``s`` itself is left as it is (the estimate may reuse it)."""
+        p = self.layout.digest_parts
         if self.layout.digest_score == "centroid":
-            best = torch.softmax(s, dim=-1).amax(dim=1)  # [kv_heads, m*parts]
-            p = self.layout.digest_parts
-            return best if p == 1 else best.view(best.shape[0], -1, p).amax(dim=2)
-        return s.amax(dim=1)
+            best = torch.softmax(s, dim=-1).amax(dim=1)  # [kv_heads, m*parts]: each head's best query
+            if not per_head:
+                best = best.amax(dim=0)  # [m*parts]: the best head's
+            return best if p == 1 else best.view(*best.shape[:-1], -1, p).amax(dim=-1)  # the best sub-block
+        best = s.amax(dim=1)  # [kv_heads, m]
+        return best if per_head else best.sum(dim=0)
 
     def _logits(self, t: BlockTable, query: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """[kv_heads, G*q_len, m*parts] centroid logits (scaled), or [kv_heads, G*q_len, m] quest bounds."""
@@ -153,7 +168,8 @@ class Selector:
         return s
 
     def rest_estimate(self, t: BlockTable, query: torch.Tensor, chosen, scaling: float,
-                      visible: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+                      visible: torch.Tensor | None = None,
+                      span: tuple[int, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Attention of ``query`` over the sealed blocks of ``t`` outside ``chosen``, estimated
         from the digest (``rest_attention="estimate"``): each key centroid is one key standing
         for the ``digest_tokens`` tokens it averages (``log(digest_tokens)`` added to its logit,
@@ -165,6 +181,9 @@ class Selector:
                 order; the open block may be among them); scaling: the logits' scale.
             visible: bool [>= n_sealed * block_tokens] (CPU) or None: the tokens the step's mask
                 lets the query see; a block with a hidden token is left out.
+            span: ``(lo, logits)``: :meth:`_logits` of blocks [lo, lo + m) at ``scaling`` (the
+                selection's), reused instead of reading the digest again when every block to
+                estimate lies in it (not on the compiled path).
         Returns:
             ``(out, lse)``, float32 ``[q_heads, q_len, head_dim]`` and ``[q_heads, q_len]``: the
             softmax-weighted values of the estimate and the natural log of its softmax
@@ -187,7 +206,14 @@ class Selector:
         if not keep.any():
             return None
         p, vp = lay.digest_parts, lay.value_parts
-        if self.kernel is not None:
+        m = 0 if span is None else span[1].shape[-1] // p
+        if m and not keep[: span[0]].any() and not keep[span[0] + m:].any():
+            # the selection's logits: the columns of the blocks left out, their value means
+            lo, lg = span
+            rest = torch.from_numpy(np.flatnonzero(keep[lo: lo + m])).to(lay.device)
+            logits = lg.reshape(kvh, lg.shape[1], m, p).index_select(2, rest).reshape(kvh, lg.shape[1], -1)
+            values = t.value_means(rest + lo)  # [kv_heads, len(rest), value_parts, hd]
+        elif self.kernel is not None:
             # every sealed block's logits from the table in place, the ones not estimated masked out:
             # no dequantized copy of the (mostly unselected) range
             logits = self.kernel.digest_logits(q, t.digest, t.digest_scale, 0, ns, p, scaling)

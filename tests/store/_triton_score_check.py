@@ -1,7 +1,8 @@
 """Run by test_score_triton.py in a subprocess with TRITON_INTERPRET=1 (the interpreter must be
 chosen before triton is first imported). Prints one JSON object: case id -> "ok" or the first
 mismatch. The kernel (kvtier/store/score_triton.py) against the torch math it replaces on CUDA:
-the logits themselves, then a store's selection and estimate with the kernel and without it."""
+the logits themselves, then a store's selection and estimate with the kernel and without it
+(and the decode step's select_with_rest, which calls the kernel once)."""
 import itertools
 import json
 import os
@@ -63,6 +64,17 @@ STORES = [("int4", "centroid", 1), ("int4", "centroid", 4), ("int8", "centroid",
           ("int8", "quest", 16), ("kv", "quest", 16)]
 
 
+class _Counting:
+    """score_triton's interface, counting its calls."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def digest_logits(self, *a, **kw):
+        self.calls.append(a[3:5])
+        return ST.digest_logits(*a, **kw)
+
+
 def store_cases(out):
     bt, hd, kvh = 16, 64, 2
     for (dd, score, dt), per_head in itertools.product(STORES, (True, False)):
@@ -93,8 +105,20 @@ def store_cases(out):
                 break
             if score == "centroid":
                 est = sel.rest_estimate(t, q, want, hd ** -0.5)
+                # the decode step's call: the kernel scores the digest once, selection and estimate
+                calls = []
+                sel.kernel = _Counting(calls)
+                both, fused = sel.select_with_rest(t, q, 8 * bt, hd ** -0.5)
+                sel.kernel = ST
+                if both != want or len(calls) != 1:
+                    res = f"query {i}: select_with_rest chose {both}, {len(calls)} kernel calls"
+                    break
                 for j, what in ((1, "lse"), (0, "out")):
-                    r = _close(est[j], west[j], f"query {i} estimate {what}")
+                    r = "ok"
+                    for e, how in ((est, "estimate"), (fused, "select_with_rest's estimate")):
+                        r = _close(e[j], west[j], f"query {i} {how} {what}")
+                        if r != "ok":
+                            break
                     if r != "ok":
                         res = r
                         break

@@ -235,6 +235,56 @@ def test_the_scorer_estimates_what_the_specification_does(per_head, digest_dtype
     st.close()
 
 
+@pytest.mark.parametrize("per_head", [True, False])
+@pytest.mark.parametrize("digest_dtype", ["int8", "int4", "kv"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_torch_path_reads_the_digest_once_a_step(per_head, digest_dtype, padded, monkeypatch):
+    """select_with_rest without the compiled scorer (the math CUDA runs): the estimate takes the
+    blocks left out from the selection's logits, never scoring the digest again, and gives the
+    blocks and estimate that select + rest_estimate give on their own; with a padding mask too."""
+    g = torch.Generator().manual_seed(len(digest_dtype) + 2 * per_head + padded)
+    bt, dt, hd, kvh = 16, 2, 64, 2
+    st = make_store(None, num_layers=1, kv_heads=kvh, head_dim=hd, block_tokens=bt, device_tokens=8 * bt,
+                    budget_tokens=6 * bt, dtype=torch.float32, attention="sparse", codec="fp32",
+                    host_bytes=4 << 20, prefetch=False, digest_tokens=dt, value_digest_tokens=4,
+                    digest_dtype=digest_dtype, select_heads="per_head" if per_head else "shared",
+                    sink_tokens=bt, window_tokens=bt)
+    sel = st.selector
+    sel.compiled = False
+    s = st.add_sequence()
+    T = 41 * bt + 3
+    st.append(s, 0, torch.randn(kvh, T, hd, generator=g) * 2, torch.randn(kvh, T, hd, generator=g))
+    t = st.residency.tables[s][0]
+    visible = None
+    if padded:
+        visible = torch.ones(T, dtype=torch.bool)
+        visible[: 3 * bt + 5] = False  # blocks 0-3 hold padding: never estimated
+    scaling = hd ** -0.5
+    reads = []
+    for name in ("key_centroids", "digest_t"):
+        real = getattr(type(t), name)
+        monkeypatch.setattr(type(t), name, lambda self, *a, _real=real, _n=name: reads.append(_n) or _real(self, *a))
+    for trial in range(4):
+        q = torch.randn(7 * kvh, 1, hd, generator=g) * (1 + trial)
+        reads.clear()
+        got_sel, got = sel.select_with_rest(t, q, 6 * bt, scaling, visible)
+        assert reads == ["digest_t"]  # the selection's range, once; no key centroids
+        want_sel = sel.select(t, q, 6 * bt)
+        want = sel.rest_estimate(t, q, want_sel, scaling, visible)  # the digest read afresh
+        assert "key_centroids" in reads
+        assert got_sel == want_sel and len(got_sel) < 41
+        assert torch.allclose(got[1], want[1], atol=1e-5, rtol=1e-5)
+        assert torch.allclose(got[0], want[0], atol=1e-5, rtol=1e-5)
+    # another scale than the scorer's: the estimate scores the digest itself
+    q = torch.randn(7 * kvh, 1, hd, generator=g)
+    reads.clear()
+    got_sel, got = sel.select_with_rest(t, q, 6 * bt, 0.5 * scaling, visible)
+    assert "key_centroids" in reads
+    want = sel.rest_estimate(t, q, got_sel, 0.5 * scaling, visible)
+    assert torch.allclose(got[1], want[1], atol=1e-6) and torch.allclose(got[0], want[0], atol=1e-6)
+    st.close()
+
+
 def test_a_step_with_padding_estimates_only_the_visible_blocks():
     """A left-padded row through budgeted_attention: the blocks holding padding are left out of
     the estimate (the mask's hidden tokens never reach the output)."""
