@@ -52,8 +52,9 @@ def quick_configs() -> list[CacheSpec]:
         _kv("kvtier int4 dense L1=25%", codec="int4", attention="dense", device_fraction=0.25, policy="lru"),
         _kv("kvtier int4 sparse L1=25%", codec="int4", attention="sparse", device_fraction=0.25, policy="h2o"),
         _kv("kvtier int4 sparse L1=10%", codec="int4", attention="sparse", device_fraction=0.10, policy="h2o"),
-        # one bf16 key centroid per 16-token block instead of the default int8 row per token:
-        # about 0.12x the key digest bytes, and a matching key averaged away by 15 others
+        # one bf16 key centroid per 16-token block instead of the default key row per token (4 bits
+        # per channel): about 0.17x the key digest bytes at head_dim 64 (8 against 48 B/token a kv
+        # head), and a matching key averaged away by 15 others
         _kv("kvtier int4 sparse L1=10% d16", codec="int4", attention="sparse", device_fraction=0.10, policy="h2o",
             digest_tokens=16, digest_dtype="kv"),
         _kv("kvtier int4 t2c sparse L1=25%", codec="int4", order="tier-then-compress", attention="sparse",
@@ -76,7 +77,7 @@ def ruler_configs(l1_fractions=SPARSE_L1) -> list[CacheSpec]:
     """The long-context sweep: full attention, eviction-only anchors at kvtier's smallest
     sparse budget but one (3%), transformers' quantized caches, and kvtier int4 sparse at each
     L1 fraction with a small L2 (2% of the 16-bit KV), so most blocks live on L3 and come back
-    by query, with the default key digest (an int8 row per token) and, at 3%, one
+    by query, with the default key digest (a row per token, 4 bits per channel) and, at 3%, one
     centroid per 16-token block in the KV dtype (``d16``) to show what the finer digest buys;
     plus kvtier int4 dense.
 
