@@ -51,8 +51,6 @@ def _store(kvh: int, hd: int, ctx: int, digest_dtype: str):
 
 
 def measure(shape: str, ctx: int, digest_dtype: str, rounds: int, calls: int) -> dict:
-    from kvtier.store import score_cpu
-
     kvh, qh, hd = SHAPES[shape]
     st, t, budget = _store(kvh, hd, ctx, digest_dtype)
     sel = st.selector
@@ -67,7 +65,7 @@ def measure(shape: str, ctx: int, digest_dtype: str, rounds: int, calls: int) ->
         return blocks, sel.rest_estimate(t, q, blocks, scale)
 
     ways = [("torch", False, once), ("torch, digest twice", False, twice)]
-    if score_cpu.available() and sel.compiled:
+    if sel.compiled:  # the C scorer was built and loaded on this machine
         ways.insert(0, ("compiled", True, once))
     out, ref = {}, None
     for name, compiled, fn in ways:  # agreement, and a warm-up of each
