@@ -39,6 +39,39 @@ def test_the_readme_is_a_front_door():
         assert (ROOT / link).exists(), link
 
 
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    out, seen, fenced = set(), {}, False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        m = None if fenced else re.match(r"#{1,6}\s+(.*)", line)
+        if m:
+            s = _slug(m.group(1))
+            # a repeated heading gets -1, -2, ... as on GitHub
+            out.add(f"{s}-{seen[s]}" if s in seen else s)
+            seen[s] = seen.get(s, 0) + 1
+    return out
+
+
+def test_every_relative_link_of_the_docs_reaches_its_file_and_heading():
+    # the results pages link to one another's dated sections: a renamed heading breaks them silently
+    broken = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = page.parent / path if path else page
+            if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in _anchors(dest)):
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
+
+
 def test_every_vllm_example_is_run_by_the_vllm_suite():
     # the vLLM blocks cannot run here (no vllm in this venv): tests_vllm/test_docs_vllm.py runs them
     vllm_blocks = [p.name for p in DOCS for c in python_blocks(p) if _needs_vllm(c)]
