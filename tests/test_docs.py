@@ -4,6 +4,7 @@ reference is what tools/config_doc.py makes of the field docstrings today."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import re
 import subprocess
@@ -35,8 +36,6 @@ def test_the_readme_is_a_front_door():
     # at most two settings: a preset and a path
     assert re.search(r'KVTierConfig\.preset\("long-context", disk_path="kvtier-cache"\)', quick)
     assert "pip install" in text and "make demo" in text and "make test" in text
-    for link in re.findall(r"\]\((docs/[^)#]+)", text):
-        assert (ROOT / link).exists(), link
 
 
 def _slug(heading: str) -> str:
@@ -44,6 +43,7 @@ def _slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
+@functools.cache
 def _anchors(path: Path) -> set[str]:
     out, seen, fenced = set(), {}, False
     for line in path.read_text().splitlines():
